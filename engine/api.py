@@ -1,0 +1,153 @@
+"""The engine contract autotune relies on: load a pair once, bench configs on it many times."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig, EngineInputError
+from engine.decode import Workspace, generate
+from engine.drafters import Drafter
+from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
+from engine.stats import PHASES, BenchResult, Generation, PromptResult
+
+
+@dataclass
+class Pair:
+    """A loaded target + drafter, their tokenizer, and reusable decode buffers."""
+
+    target: nn.Module
+    drafter: Drafter | None
+    tokenizer: Any
+    target_name: str
+    draft_name: str
+    device: str
+    dtype: str
+    _workspace: Workspace | None = field(default=None, repr=False)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(getattr(self.tokenizer, "stop_ids", ()) or ())
+
+    def check_shape(self) -> None:
+        """A draft made for another target is refused before any generation."""
+        draft = getattr(self.drafter, "draft", None)
+        if draft is None:
+            return
+        tc, dc = self.target.cfg, draft.cfg
+        if dc.hidden_size != tc.hidden_size:
+            raise EngineInputError(
+                f"draft {self.draft_name!r} has hidden_size {dc.hidden_size}, but target {self.target_name!r} "
+                f"has hidden_size {tc.hidden_size}: the draft was made for another target"
+            )
+        if dc.vocab_size != tc.vocab_size:
+            raise EngineInputError(
+                f"draft {self.draft_name!r} has vocab_size {dc.vocab_size}, but target {self.target_name!r} "
+                f"has vocab_size {tc.vocab_size}: the draft was made for another target"
+            )
+        bad = [i for i in dc.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+        if bad:
+            raise EngineInputError(
+                f"draft {self.draft_name!r} reads target layers {bad}, but target {self.target_name!r} "
+                f"has {tc.num_hidden_layers} layers"
+            )
+
+    def workspace(self, max_len: int, feature_dim: int) -> Workspace:
+        """Static buffers, allocated once and grown only when a longer generation needs them."""
+        ws = self._workspace
+        feats_ok = not feature_dim or (ws is not None and ws.features is not None
+                                        and ws.features.shape[1] == feature_dim)
+        if ws is None or ws.max_len < max_len or not feats_ok:
+            size = max(max_len, 2 * ws.max_len if ws else 0)
+            dev = self.target.device
+            feats = torch.zeros(size, feature_dim, device=dev, dtype=self.target.dtype) if feature_dim else None
+            ws = Workspace(self.target.new_cache(size), torch.zeros(size, dtype=torch.long, device=dev), feats, size)
+            self._workspace = ws
+        ws.cache.reset()
+        return ws
+
+    def encode(self, prompt: Any) -> list[int]:
+        """A workload prompt (text, or messages + tools through the chat template) -> token ids."""
+        if self.tokenizer is None:
+            raise EngineInputError(
+                f"target {self.target_name!r} has no tokenizer: give prompts as token ids (--prompt-ids)"
+            )
+        messages = getattr(prompt, "messages", None)
+        if messages:
+            text = self.tokenizer.render_chat(messages, getattr(prompt, "tools", None))
+        else:
+            text = prompt if isinstance(prompt, str) else prompt.text
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise EngineInputError("prompt encodes to no tokens")
+        return ids
+
+
+def load(target: str, draft: str, device: str = "auto", dtype: str = "auto") -> Pair:
+    """Build or read the target and its drafter once; everything after that is cheap to repeat."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model, tokenizer = load_target(target, dev, dt)
+    drafter = load_drafter(draft, model, tokenizer, dev, dt)
+    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."))
+    pair.check_shape()
+    return pair
+
+
+def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def bench(
+    pair: Pair,
+    config: EngineConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    reference: Sequence[Sequence[int]] | None = None,
+    ignore_eos: bool = False,
+) -> BenchResult:
+    """One measured pass of ``config`` over ``prompts``; caches reset between generations.
+
+    ``reference`` (AR outputs for the same prompts) turns on the per-prompt exactness check.
+    """
+    if reference is not None and len(reference) != len(prompts):
+        raise EngineInputError(f"reference has {len(reference)} outputs for {len(prompts)} prompts")
+    cuda = pair.target.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    gens: list[Generation] = []
+    results: list[PromptResult] = []
+    for i, prompt in enumerate(prompts):
+        g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos)
+        gens.append(g)
+        div = _first_divergence(g.tokens, reference[i]) if reference is not None else None
+        results.append(PromptResult(
+            index=i, prompt_tokens=len(prompt), new_tokens=g.stats.new_tokens, decode_s=g.stats.decode_s,
+            total_s=g.stats.total_s, decode_tps=g.stats.decode_tps, acceptance_length=g.stats.acceptance_length,
+            steps=g.stats.steps, exact=None if reference is None else div is None, first_divergence=div,
+        ))
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return BenchResult(
+        config=config.to_dict(),
+        prompts=results,
+        outputs=[g.tokens for g in gens],
+        new_tokens=sum(g.stats.new_tokens for g in gens),
+        decode_s=sum(g.stats.decode_s for g in gens),
+        total_s=sum(g.stats.total_s for g in gens),
+        steps=sum(g.stats.steps for g in gens),
+        accept_lengths=[a for g in gens for a in g.stats.accept_lengths],
+        phase_ms={k: sum(g.stats.phase_ms[k] for g in gens) for k in PHASES},
+        bonus_tokens=sum(g.stats.bonus_tokens for g in gens),
+        correction_tokens=sum(g.stats.correction_tokens for g in gens),
+        side_branch_steps=sum(g.stats.side_branch_steps for g in gens),
+        peak_memory_bytes=int(peak),
+        device=pair.device,
+    )

@@ -1,0 +1,107 @@
+"""EngineConfig: every tunable of one decoding setup, validated once at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+VERIFY_MODES = ("ar", "chain", "ddtree")
+ROLLBACK_MODES = ("replay", "fast")
+DRAFT_PATHS = ("generic", "runtime")
+
+
+class EngineInputError(ValueError):
+    """A user-facing input (config value, model spec, prompt) is wrong; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One decoding setup.
+
+    verify: ``ar`` (plain decoding), ``chain`` (DFlash block verified as a chain) or ``ddtree``.
+    budget: non-root tree nodes verified per step (ddtree).
+    top_k: tokens kept per draft depth (ddtree).
+    proposal_temp: temperature applied to the draft's log-probs before top-k / tree scoring.
+    chain_seed: depths of the top-1 chain inserted before best-first fills the rest;
+        ``None`` means the whole chain (block_size - 1), 0 pure best-first.
+    target_feat_ctx: the draft attends to this many most recent committed positions; 0 = all.
+    rollback: how recurrent (Gated DeltaNet / conv) state is rebuilt after a step: ``replay``
+        re-runs the committed tokens, ``fast`` keeps per-node states; dense targets ignore it.
+    draft_path: ``generic`` (logits to the host, host top-k and tree) or ``runtime``
+        (device buffers, device top-k / tree / walk, one host read per step).
+    block_size: draft block length; ``None`` uses the draft checkpoint's own.
+    temperature: 0 = greedy; > 0 samples (every committed token is a target sample).
+    seed: sampling seed (position-keyed, so AR and speculative sampling agree token for token).
+    """
+
+    verify: str = "ddtree"
+    budget: int = 22
+    top_k: int = 8
+    proposal_temp: float = 1.0
+    chain_seed: int | None = None
+    target_feat_ctx: int = 0
+    rollback: str = "fast"
+    draft_path: str = "runtime"
+    block_size: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("verify", self.verify, VERIFY_MODES)
+        _choice("rollback", self.rollback, ROLLBACK_MODES)
+        _choice("draft_path", self.draft_path, DRAFT_PATHS)
+        _int_at_least("budget", self.budget, 1)
+        _int_at_least("top_k", self.top_k, 1)
+        _int_at_least("target_feat_ctx", self.target_feat_ctx, 0)
+        _int_at_least("seed", self.seed, 0)
+        if self.chain_seed is not None:
+            _int_at_least("chain_seed", self.chain_seed, 0)
+        if self.block_size is not None:
+            _int_at_least("block_size", self.block_size, 2)
+        _float_in("proposal_temp", self.proposal_temp, low=0.0, low_open=True)
+        _float_in("temperature", self.temperature, low=0.0, low_open=False)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> EngineConfig:
+        """Build from a mapping (YAML, JSON, CLI), refusing unknown keys with their names."""
+        if not isinstance(values, dict):
+            raise EngineInputError(f"{source}: expected a mapping of EngineConfig fields, got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise EngineInputError(
+                f"{source}: unknown EngineConfig field(s) {unknown}; known fields are {sorted(known)}"
+            )
+        try:
+            return cls(**values)
+        except EngineInputError as exc:
+            raise EngineInputError(f"{source}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise EngineInputError(f"EngineConfig.{name} must be one of {list(choices)}, but got {value!r}")
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EngineInputError(f"EngineConfig.{name} must be an integer, but got {value!r}")
+    if value < low:
+        raise EngineInputError(f"EngineConfig.{name} must be >= {low}, but got {value}")
+
+
+def _float_in(name: str, value: object, *, low: float, low_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EngineInputError(f"EngineConfig.{name} must be a number, but got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise EngineInputError(f"EngineConfig.{name} must be finite, but got {value}")
+    if (value <= low) if low_open else (value < low):
+        op = ">" if low_open else ">="
+        raise EngineInputError(f"EngineConfig.{name} must be {op} {low}, but got {value}")

@@ -1,0 +1,248 @@
+"""The two decode loops: plain AR, and speculative (draft -> tree -> verify -> walk -> commit).
+
+Chain verify is the degenerate tree (one path), so both speculative modes share one loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig, EngineInputError
+from engine.models.common import VerifyTree
+from engine.sampling import select_tokens
+from engine.stats import PHASES, Generation, GenerationStats
+from engine.tree import (
+    Tree,
+    ancestor_mask,
+    build_tree_device,
+    build_tree_host,
+    chain_tree,
+    walk_device,
+    walk_host,
+)
+
+
+class PhaseTimer:
+    """Per-phase wall time. On CUDA, events (no host sync inside a step); on CPU, perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.ms = dict.fromkeys(PHASES, 0.0)
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.ms[name] += 1000.0 * (time.perf_counter() - t0)
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def collect(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self.ms[name] += start.elapsed_time(end)
+            self._events.clear()
+        return dict(self.ms)
+
+
+@dataclass
+class Workspace:
+    """Buffers one generation needs, reused across generations while large enough."""
+
+    cache: object
+    seq: Tensor  # [max_len] every token: prompt, then committed output
+    features: Tensor | None  # [max_len, n_ids * H] target features of cached positions
+    max_len: int
+
+
+def _truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """Cut a step's tokens at max_new and at the first stop token (kept, as AR keeps it)."""
+    new = new[: max_new - emitted]
+    for i, t in enumerate(new):
+        if t in stop_ids:
+            return new[: i + 1], True
+    return new, emitted + len(new) >= max_new
+
+
+@torch.inference_mode()
+def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
+                stop_ids: Sequence[int] = ()) -> Generation:
+    """Plain decoding, one target forward per token; greedy or position-keyed sampling."""
+    target, stats = pair.target, GenerationStats()
+    ws = pair.workspace(len(prompt) + max_new_tokens + 1, feature_dim=0)
+    timer = PhaseTimer(ws.seq.device)
+    n = len(prompt)
+    t0 = timer.now()
+    logits, _ = target(torch.tensor(prompt, device=ws.seq.device), ws.cache, 0, last_only=True)
+    tok = select_tokens(logits, torch.tensor([n], device=logits.device), cfg.temperature, cfg.seed)
+    out = [int(tok)]
+    t_first = timer.now()
+    stats.prefill_s = t_first - t0
+    done = out[0] in stop_ids or max_new_tokens <= 1
+    while not done:
+        pos = ws.cache.length
+        with timer.phase("verify"):
+            logits, _ = target(tok.view(1), ws.cache, pos, last_only=True)
+            tok = select_tokens(logits, torch.tensor([pos + 1], device=logits.device), cfg.temperature, cfg.seed)
+        out.append(int(tok))
+        stats.steps += 1
+        done = out[-1] in stop_ids or len(out) >= max_new_tokens
+    t_last = timer.now()
+    stats.phase_ms = timer.collect()
+    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
+    return Generation(tokens=out, stats=stats)
+
+
+def _propose_tree(pair, cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer) -> Tree:
+    """topk + tree phases. generic: logits go to the host, host top-k, heap-built tree, back to
+    the device. runtime: everything stays on the device."""
+    device = draft_logits.device
+    host = cfg.draft_path == "generic"
+    with timer.phase("topk"):
+        logits = draft_logits.float().cpu() if host else draft_logits.float()
+        if cfg.verify == "chain":
+            top_ids = torch.argmax(logits, dim=-1)
+        else:
+            lp = torch.log_softmax(logits / cfg.proposal_temp, dim=-1)
+            top_lp, top_ids = torch.topk(lp, min(cfg.top_k, lp.shape[-1]), dim=-1)
+    with timer.phase("tree"):
+        if cfg.verify == "chain":
+            tree = chain_tree(root.cpu() if host else root, top_ids)
+        elif host:
+            tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
+        else:
+            tree = build_tree_device(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
+        if host:
+            tree = tree.to(device)
+    return tree
+
+
+@torch.inference_mode()
+def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
+                         stop_ids: Sequence[int] = ()) -> Generation:
+    target, drafter, stats = pair.target, pair.drafter, GenerationStats()
+    if drafter is None:
+        raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
+    block = cfg.block_size or drafter.block_size
+    depth = block - 1
+    n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
+    n = len(prompt)
+    feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
+    ws = pair.workspace(n + max_new_tokens + n_verify + block + 1, feature_dim=feat_dim)
+    cache, seq, feats = ws.cache, ws.seq, ws.features
+    device = seq.device
+    drafter.reset()
+    replay = cfg.rollback == "replay" and target.has_recurrent
+    timer = PhaseTimer(device)
+
+    t0 = timer.now()
+    seq[:n] = torch.tensor(prompt, device=device)
+    logits, f = target(seq[:n], cache, 0, feature_layers=drafter.feature_layers, last_only=True)
+    if feats is not None:
+        feats[:n] = f
+    seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=device), cfg.temperature, cfg.seed)
+    out = [int(seq[n])]
+    t_first = timer.now()
+    stats.prefill_s = t_first - t0
+    done = out[0] in stop_ids or max_new_tokens <= 1
+
+    while not done:
+        start = cache.length  # position of the root: the last committed token, not yet cached
+        with timer.phase("draft"):
+            draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
+        tree = _propose_tree(pair, cfg, draft_logits, seq[start], timer)
+
+        with timer.phase("verify"):
+            mask = ancestor_mask(tree.parents, depth)
+            snap = cache.snapshot() if replay else None
+            logits, f = target(tree.tokens, cache, start, tree=VerifyTree(tree.parents, tree.depths, mask),
+                               feature_layers=drafter.feature_layers)
+            posterior = select_tokens(logits, start + tree.depths + 1, cfg.temperature, cfg.seed)
+
+        with timer.phase("walk"):
+            if cfg.draft_path == "generic":
+                tokens_h, parents_h = tree.tokens.tolist(), tree.parents.tolist()
+                path_list = walk_host(tokens_h, parents_h, posterior.tolist())
+                al = len(path_list)
+                path = torch.tensor(path_list, device=device)
+                leaf = path_list[-1] not in parents_h
+                new = [tokens_h[i] for i in path_list[1:]] + [int(posterior[path_list[-1]])]
+                side = any(r > 0 for r in tree.ranks[path].tolist())
+            else:
+                path, al_t = walk_device(tree, mask, posterior)
+                last = path[al_t - 1]
+                has_child = (tree.parents == last).any()
+                side_t = (tree.ranks * mask[last]).gt(0).any()
+                # The step's single host read: AL, leaf flag, side flag and the committed tokens.
+                packed = torch.cat([al_t.view(1), has_child.view(1).long(), side_t.view(1).long(),
+                                    tree.tokens[path], posterior[last].view(1)]).tolist()
+                al, leaf, side = packed[0], not packed[1], bool(packed[2])
+                new = packed[4 : 3 + al] + [packed[-1]]
+
+        with timer.phase("commit"):
+            if replay:
+                cache.restore(snap)
+                _, f_path = target(tree.tokens[path[:al]], cache, start, feature_layers=drafter.feature_layers)
+            else:
+                cache.commit_path(start, path, al)
+                f_path = f[path[:al]] if f is not None else None
+            if feats is not None:
+                feats[start : start + al] = f_path
+            seq[start + 1 : start + 1 + al] = torch.tensor(new, device=device)
+
+        stats.steps += 1
+        stats.accept_lengths.append(al)
+        stats.side_branch_steps += side
+        if leaf:
+            stats.bonus_tokens += 1
+        else:
+            stats.correction_tokens += 1
+        new, done = _truncate(new, len(out), max_new_tokens, stop_ids)
+        out.extend(new)
+
+    t_last = timer.now()
+    stats.phase_ms = timer.collect()
+    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
+    return Generation(tokens=out, stats=stats)
+
+
+def _max_nodes(top_k: int, depth: int) -> int:
+    total, width = 0, 1
+    for _ in range(depth):
+        width *= top_k
+        total += width
+        if total > 1 << 20:
+            break
+    return total
+
+
+def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
+             ignore_eos: bool = False) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``prompt``, stopping after the tokenizer's stop
+    token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests)."""
+    if not prompt:
+        raise EngineInputError("prompt is empty: at least one token is needed")
+    if max_new_tokens < 1:
+        raise EngineInputError(f"max_new_tokens must be >= 1, but got {max_new_tokens}")
+    stop_ids = () if ignore_eos else pair.stop_ids
+    if cfg.verify == "ar":
+        return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids)
+    return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids)

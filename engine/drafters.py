@@ -1,0 +1,120 @@
+"""Drafters: who proposes the block. A DFlash draft model, or the oracle test draft.
+
+Both answer ``propose(seq, start, block_size, window, features)`` with logits [B-1, V] for the
+block slots after the root ``seq[start]``; what happens to the logits (host or device top-k,
+chain or tree) is the decode loop's business, so every drafter works with every path.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from engine.models.draft import DFlashDraft
+
+
+class Drafter(Protocol):
+    block_size: int
+    feature_layers: tuple[int, ...]
+
+    def reset(self) -> None: ...
+
+    def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor: ...
+
+
+class DFlashDrafter:
+    """Recomputes the draft over a window of committed target features every step (no draft cache)."""
+
+    def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
+        self.draft = draft
+        self.target = target
+        self.block_size = draft.cfg.block_size
+        self.feature_layers = tuple(draft.cfg.target_layer_ids)
+        self.mask_token_id = draft.cfg.mask_token_id
+        self._block_ids: Tensor | None = None
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
+        device = seq.device
+        if self._block_ids is None or self._block_ids.numel() != block_size:
+            self._block_ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=device)
+        self._block_ids[:1].copy_(seq[start : start + 1])  # no host read of the root token
+        lo = 0 if window <= 0 else max(0, start - window)
+        ctx_pos = torch.arange(lo, start, device=device)
+        block_pos = torch.arange(start, start + block_size, device=device)
+        h = self.draft(self.target.embed_tokens(self._block_ids), features[lo:start], ctx_pos, block_pos)
+        logits = self.target.lm_head(h[1:])
+        if self.draft.cfg.output_multiplier != 1.0:
+            logits = logits * self.draft.cfg.output_multiplier
+        return logits
+
+
+class OracleDrafter:
+    """Test draft: the target's true greedy continuation, each slot corrupted with probability p.
+
+    A corrupted slot ranks a wrong token first and keeps the true token at rank 1..3, so chains
+    break there while trees recover through side branches. Deterministic in (seed, position).
+    """
+
+    def __init__(self, target: nn.Module, p: float, seed: int = 0, block_size: int = 16) -> None:
+        self.target = target
+        self.p = p
+        self.seed = seed
+        self.block_size = block_size
+        self.feature_layers: tuple[int, ...] = ()
+        self._cache = None
+        self._cache_len = 0
+
+    def reset(self) -> None:
+        if self._cache is not None:
+            self._cache.reset()
+
+    def _ensure_cache(self, need: int) -> None:
+        if self._cache is None or self._cache_len < need:
+            self._cache_len = max(need, 2 * self._cache_len)
+            self._cache = self.target.new_cache(self._cache_len)
+
+    def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
+        depth = block_size - 1
+        self._ensure_cache(start + block_size + 2)
+        cache = self._cache
+        if cache.length > start + 1:  # a new generation with a shorter prefix: start over
+            cache.reset()
+        if cache.length < start + 1:
+            logits, _ = self.target(seq[cache.length : start + 1], cache, cache.length, last_only=True)
+        else:  # nothing new committed since the last proposal cannot happen: every step commits >= 1
+            raise RuntimeError("oracle draft called twice at the same position")
+        snap = cache.snapshot()
+        truth = []
+        tok = torch.argmax(logits[-1])
+        for j in range(depth):
+            truth.append(tok)
+            if j + 1 < depth:
+                logits, _ = self.target(tok.view(1), cache, cache.length, last_only=True)
+                tok = torch.argmax(logits[-1])
+        cache.restore(snap)
+        return self._corrupt(torch.stack(truth), start)
+
+    def _corrupt(self, truth: Tensor, start: int) -> Tensor:
+        vocab = self.target.lm_head.out_features
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + start)
+        n = truth.numel()
+        logits = torch.randn(n, vocab, generator=gen)  # background well below the top ranks
+        corrupt = torch.rand(n, generator=gen) < self.p
+        decoys = torch.randint(0, vocab, (n, 3), generator=gen)
+        true_rank = torch.randint(1, 4, (n,), generator=gen)
+        truth_cpu = truth.cpu()
+        for j in range(n):
+            t = int(truth_cpu[j])
+            if not corrupt[j]:
+                logits[j, t] = 20.0
+                continue
+            ranked = [int(d) for d in decoys[j] if int(d) != t][: int(true_rank[j])]
+            for r, d in enumerate(ranked):
+                logits[j, d] = 20.0 - r
+            logits[j, t] = 20.0 - len(ranked)
+        return logits.to(truth.device)

@@ -1,0 +1,182 @@
+"""Dense Llama / Qwen3-family target: RMSNorm, RoPE, GQA, SwiGLU, optional q/k norm, tied lm_head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from engine.models.common import (
+    RMSNorm,
+    SwiGLU,
+    VerifyTree,
+    apply_rope,
+    attention,
+    context_mask,
+    new_positions,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    qk_norm: bool = False  # Qwen3
+    attention_bias: bool = False  # Qwen2
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    arch: str = "llama"
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class KVCache:
+    """Static K/V for every attention layer, allocated once: [layers, max_len, kv_heads, head_dim]."""
+
+    def __init__(self, n_layers: int, max_len: int, kv_heads: int, head_dim: int, device, dtype) -> None:
+        self.k = torch.zeros(n_layers, max_len, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.max_len = max_len
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[0]
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.max_len}")
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        return self.k[layer, :end], self.v[layer, :end]
+
+    def commit_path(self, start: int, path: Tensor, al: int) -> None:
+        """KV compaction: the accepted nodes' slots move to start..start+al-1."""
+        src = path[:al] + start
+        dst = slice(start, start + al)
+        self.k[:, dst] = self.k[:, src]  # advanced indexing copies before the write
+        self.v[:, dst] = self.v[:, src]
+        self.length = start + al
+
+    def snapshot(self) -> object:
+        return self.length
+
+    def restore(self, snap: object) -> None:
+        self.length = int(snap)  # type: ignore[arg-type]
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        d = cfg.dim_per_head
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int,
+                mask: Tensor) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, start, k, v)
+        return self.o_proj(attention(q, keys, values, mask).reshape(t, -1))
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DenseAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, layer, start, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseModel(nn.Module):
+    """Parameter names follow HF (`model.` prefix stripped) so checkpoints load by name."""
+
+    has_recurrent = False
+
+    def __init__(self, cfg: DenseConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling),
+                             persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.dim_per_head, self.device, self.dtype)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        start: int,
+        tree: VerifyTree | None = None,
+        feature_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """tokens: [T] at positions start.. (or start + tree depths); K/V land in slots start..start+T-1.
+
+        Returns logits [T, V] (or [1, V] with last_only) and the outputs of ``feature_layers``
+        concatenated on the feature axis, [T, len * H] (None when no layers are asked).
+        Without a tree the tokens are committed (cache.length = start + T); with a tree the
+        caller commits the accepted path with ``cache.commit_path``.
+        """
+        t = tokens.shape[0]
+        x = self.embed_tokens(tokens)
+        positions = new_positions(start, tree, t, x.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        mask = context_mask(start, tree, t, x.device)
+        wanted = set(feature_layers)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start, mask)
+            if i in wanted:
+                feats.append(x)
+        if tree is None:
+            cache.length = start + t
+        if last_only:
+            x = x[-1:]
+        # Layer order: target_layer_ids are ascending, as the draft's fc expects.
+        features = torch.cat(feats, -1) if feats else None
+        return self.lm_head(self.norm(x)), features

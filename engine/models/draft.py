@@ -1,0 +1,116 @@
+"""DFlash block-diffusion draft: target features injected as keys/values into every layer.
+
+Parameter names match the public DFlash checkpoints (`fc`, `hidden_norm`, `layers.*`, `norm`);
+the draft has no embedding or lm_head of its own: it borrows the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from engine.models.common import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    block_size: int = 16
+    mask_token_id: int = 0
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    output_multiplier: float = 1.0
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def default_target_layer_ids(n_target_layers: int, n_ids: int = 5) -> tuple[int, ...]:
+    """Evenly spaced from 1 to n-3 (36 layers -> 1, 9, 17, 25, 33), as the public drafts pick them."""
+    lo, hi = 1, max(1, n_target_layers - 3)
+    n_ids = max(1, min(n_ids, hi - lo + 1))
+    if n_ids == 1:
+        return (lo,)
+    return tuple(sorted({round(lo + i * (hi - lo) / (n_ids - 1)) for i in range(n_ids)}))
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        d = cfg.dim_per_head
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, ctx: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
+                mask: Tensor | None) -> Tensor:
+        b, w = h.shape[0], ctx.shape[0]
+        q = self.q_norm(self.q_proj(h).view(b, self.n_heads, self.head_dim))
+        kv_in = torch.cat([ctx, h], dim=0)  # context keys first, then the block's own
+        k = self.k_norm(self.k_proj(kv_in).view(w + b, self.n_kv, self.head_dim))
+        v = self.v_proj(kv_in).view(w + b, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
+        return self.o_proj(attention(q, k, v, mask).reshape(b, -1))
+
+
+class DraftBlock(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_feat = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
+
+    def forward(
+        self,
+        block_embeds: Tensor,
+        ctx_features: Tensor,
+        ctx_positions: Tensor,
+        block_positions: Tensor,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """block_embeds [B, H]; ctx_features [W, n_ids * H]; positions absolute. Returns [B, H].
+
+        ``mask`` ([B, W + B] bool) is for training many blocks at once (block-diagonal); at
+        decode time the block sees all its context and itself bidirectionally.
+        """
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        dtype = block_embeds.dtype
+        cos_q, sin_q = rope_cos_sin(block_positions, self.inv_freq, dtype)
+        cos_k, sin_k = rope_cos_sin(torch.cat([ctx_positions, block_positions]), self.inv_freq, dtype)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        return self.norm(h)

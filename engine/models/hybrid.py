@@ -1,0 +1,469 @@
+"""Qwen3.5 hybrid target: Gated DeltaNet layers interleaved with gated full-attention layers.
+
+Same forward signature and cache protocol as ``DenseModel``. Gated DeltaNet state cannot be
+cropped after a verify, so a tree forward leaves the committed state alone and records every
+node's recurrent state and conv input; ``commit_path`` then rebuilds the state of the accepted
+path from those records (``fast`` rollback), and ``snapshot``/``restore`` support ``replay``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import EngineInputError
+from engine.models.common import (
+    RMSNorm,
+    SwiGLU,
+    VerifyTree,
+    apply_rope,
+    attention,
+    context_mask,
+    new_positions,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from engine.models.dense import KVCache
+
+FULL, LINEAR = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0
+    rms_norm_eps: float = 1e-6
+    full_attention_interval: int = 4
+    layer_types: tuple[str, ...] | None = None  # None: derived from full_attention_interval
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262144
+    arch: str = "qwen3_5"
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        types = self.layer_types
+        if types is None:
+            every = self.full_attention_interval
+            types = tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(n))
+        types = tuple(types)
+        if len(types) != n or any(t not in (FULL, LINEAR) for t in types):
+            raise EngineInputError(
+                f"layer_types must list {n} entries of {FULL!r}/{LINEAR!r}, but got {list(types)}"
+            )
+        object.__setattr__(self, "layer_types", types)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise EngineInputError(
+                "linear_num_value_heads must be a multiple of linear_num_key_heads, but got "
+                f"{self.linear_num_value_heads} and {self.linear_num_key_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EngineInputError(
+                "num_attention_heads must be a multiple of num_key_value_heads, but got "
+                f"{self.num_attention_heads} and {self.num_key_value_heads}"
+            )
+        if self.linear_conv_kernel_dim < 2:
+            raise EngineInputError(
+                f"linear_conv_kernel_dim must be >= 2, but got {self.linear_conv_kernel_dim}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def hybrid_config_from_hf(cfg: Mapping) -> HybridConfig:
+    """HybridConfig from an HF config.json dict: a text config, or a Qwen3.5 one nesting ``text_config``."""
+    nested = cfg.get("text_config")
+    text: Mapping = nested if isinstance(nested, Mapping) else cfg
+
+    def need(key: str):
+        if text.get(key) is None:
+            raise EngineInputError(f"Qwen3.5 config.json: missing required key {key!r}")
+        return text[key]
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # Text-only mrope has equal t/h/w positions, which is plain RoPE.
+    if rope_type not in ("default", "mrope"):
+        raise EngineInputError(f"Qwen3.5 config.json: rope_type must be 'default', but got {rope_type!r}")
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    if theta is None:
+        raise EngineInputError("Qwen3.5 config.json: missing required key 'rope_theta'")
+    # 0.25 is HF's own default for configs that predate rope_parameters.
+    rotary = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    layer_types = text.get("layer_types")
+    tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return HybridConfig(
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=need("num_attention_heads"),
+        num_key_value_heads=need("num_key_value_heads"),
+        head_dim=need("head_dim"),
+        intermediate_size=need("intermediate_size"),
+        linear_num_key_heads=need("linear_num_key_heads"),
+        linear_num_value_heads=need("linear_num_value_heads"),
+        linear_key_head_dim=need("linear_key_head_dim"),
+        linear_value_head_dim=need("linear_value_head_dim"),
+        linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(rotary),
+        rope_theta=float(theta),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        full_attention_interval=text.get("full_attention_interval", 4),
+        layer_types=tuple(layer_types) if layer_types is not None else None,
+        attention_bias=bool(text.get("attention_bias", False)),
+        tie_word_embeddings=bool(tie),
+        max_position_embeddings=text.get("max_position_embeddings", 262144),
+    )
+
+
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+_HF_DROPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # vision tower, multi-token-prediction head
+
+
+def hybrid_state_dict_from_hf(
+    sd: Mapping[str, Tensor], tie_word_embeddings: bool = False
+) -> dict[str, Tensor]:
+    """HF parameter names -> ours (prefix stripped); a tied checkpoint may omit ``lm_head.weight``."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in sd.items():
+        if name.startswith(_HF_DROPPED):
+            continue
+        for prefix in _HF_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        out[name] = tensor
+    if tie_word_embeddings and "lm_head.weight" not in out and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+class HybridCache(KVCache):
+    """K/V of the attention layers (``KVCache``) plus Gated DeltaNet state per linear layer.
+
+    rec: [gdn_layers, v_heads, dk, dv] float32 and conv: [gdn_layers, kernel-1, conv_dim], the state
+    after ``length`` tokens. tree_rec[:, 1 + i] / tree_conv[:, i] hold tree node i's state and conv
+    input from the last tree forward; tree_rec[:, 0] is the committed state the roots start from.
+    """
+
+    def __init__(self, cfg: HybridConfig, max_len: int, device: torch.device, dtype: torch.dtype,
+                 max_tree: int = 0) -> None:
+        n_attn = cfg.layer_types.count(FULL)
+        n_gdn = cfg.num_hidden_layers - n_attn
+        super().__init__(n_attn, max_len, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
+        self.kernel = cfg.linear_conv_kernel_dim
+        shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        self.rec = torch.zeros(n_gdn, *shape, device=device, dtype=torch.float32)
+        self.conv = torch.zeros(n_gdn, self.kernel - 1, cfg.conv_dim, device=device, dtype=dtype)
+        self.tree_rec = self.rec.new_zeros(n_gdn, 1, *shape)
+        self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
+        self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
+        self.reserve_tree(max_tree)
+
+    def reserve_tree(self, nodes: int) -> None:
+        """Grow the per-node buffers (a fixed budget allocates once; memory is per node, per layer)."""
+        if nodes <= self.tree_conv.shape[1]:
+            return
+        n_gdn, _, *shape = self.tree_rec.shape
+        self.tree_rec = self.rec.new_zeros(n_gdn, nodes + 1, *shape)
+        self.tree_conv = self.conv.new_zeros(n_gdn, nodes, self.conv.shape[-1])
+
+    def begin(self, start: int, tree_size: int | None) -> None:
+        """Called by the model before a forward: checks the recurrent state matches ``start``."""
+        if start == 0:
+            self.reset()  # a new sequence starts from zero recurrent state
+        elif start != self.length:
+            raise RuntimeError(f"recurrent state holds {self.length} tokens; cannot run a forward at {start}")
+        if tree_size is None:
+            self._tree = None
+        else:
+            self.reserve_tree(tree_size)
+            self._tree = (start, tree_size)
+
+    def reset(self) -> None:
+        super().reset()
+        self.rec.zero_()
+        self.conv.zero_()
+        self._tree = None
+
+    def commit_path(self, start: int, path: Tensor, al: int) -> None:
+        """Fast rollback: KV compaction, then the recurrent state of node path[al-1] and the conv
+        inputs along path[:al] (after the old committed ones) become the committed state."""
+        al = int(al)
+        if self._tree is None or self._tree[0] != start:
+            raise RuntimeError(f"commit_path at {start} needs a tree forward at {start} first")
+        if not 1 <= al <= self._tree[1]:
+            raise RuntimeError(f"accepted length {al} outside 1..{self._tree[1]} (the tree's size)")
+        nodes = path[:al].to(self.rec.device)
+        super().commit_path(start, nodes, al)
+        self.rec.copy_(self.tree_rec.index_select(1, nodes[-1:] + 1).squeeze(1))
+        hist = torch.cat([self.conv, self.tree_conv.index_select(1, nodes)], dim=1)
+        self.conv.copy_(hist[:, hist.shape[1] - (self.kernel - 1):])
+        self._tree = None
+
+    def snapshot(self) -> object:
+        return self.length, self.rec.clone(), self.conv.clone()
+
+    def restore(self, snap: object) -> None:
+        length, rec, conv = snap  # type: ignore[misc]
+        self.length = int(length)
+        self.rec.copy_(rec)
+        self.conv.copy_(conv)
+        self._tree = None
+
+
+def conv_window_index(parents: Tensor, kernel: int) -> Tensor:
+    """[T, kernel] rows of cat(conv_state [kernel-1], new inputs [T]) forming each token's causal
+    conv window: its ancestors' inputs (parents[i] = -1: the committed state) then its own."""
+    p = kernel - 1
+    dev = parents.device
+    committed = (torch.arange(p, device=dev) - 1).clamp(min=0)  # slot 0's predecessor is never read
+    back = torch.cat([committed, torch.where(parents >= 0, parents + p, p - 1)])
+    cols = [torch.arange(parents.numel(), device=dev) + p]
+    for _ in range(p):
+        cols.append(back[cols[-1]])
+    return torch.stack(cols[::-1], dim=1)
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_step(
+    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One token of the gated delta rule, all heads.
+
+    state [H, dk, dv] float32; q, k [H, dk]; v [H, dv]; g, beta [H]. Returns (new state, output [H, dv]).
+    """
+    state = state * g.exp()[:, None, None]
+    delta = (v - (state * k[:, :, None]).sum(1)) * beta[:, None]
+    state = state + k[:, :, None] * delta[:, None, :]
+    return state, (state * q[:, :, None]).sum(1)
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(x) * silu(gate). Unlike the model's other norms the weight is plain (HF inits it to 1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * h * F.silu(gate.float())).to(dtype)
+
+
+@dataclass
+class _Pass:
+    """What every layer of one forward needs."""
+
+    cache: HybridCache
+    start: int
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor  # [T, start + T]
+    conv_index: Tensor  # [T, kernel]
+    parents: list[int] | None  # None: a committing (chain) forward
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim, self.kernel = cfg.key_dim, cfg.value_dim, cfg.linear_conv_kernel_dim
+        c = cfg.conv_dim
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, c, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        # Only the weight [C, 1, K] is used; nn.Conv1d keeps HF's name and shape.
+        self.conv1d = nn.Conv1d(c, c, self.kernel, groups=c, bias=False, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
+        t, cache = x.shape[0], p.cache
+        mixed = self.in_proj_qkv(x)  # [T, C]
+        hist = torch.cat([cache.conv[layer], mixed])  # [K-1+T, C]
+        w = self.conv1d.weight[:, 0, :].t()  # [K, C]
+        # Accumulate in float32 and round once, as F.conv1d does in HF's path.
+        qkv = F.silu((hist[p.conv_index].float() * w.float()).sum(1).to(x.dtype))  # [T, C]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.hv // self.hk
+        q = (_l2norm(q.float().view(t, self.hk, self.dk)) / math.sqrt(self.dk)).repeat_interleave(rep, 1)
+        k = _l2norm(k.float().view(t, self.hk, self.dk)).repeat_interleave(rep, 1)
+        v = v.float().view(t, self.hv, self.dv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = self.in_proj_b(x).sigmoid().float()
+
+        out = v.new_empty(t, self.hv, self.dv)
+        if p.parents is None:
+            cache.conv[layer] = hist[t:]
+            state = cache.rec[layer]
+            for i in range(t):
+                state, out[i] = delta_step(state, q[i], k[i], v[i], g[i], beta[i])
+            cache.rec[layer] = state
+        else:
+            cache.tree_conv[layer, :t] = mixed
+            states = cache.tree_rec[layer]
+            states[0] = cache.rec[layer]
+            for i, parent in enumerate(p.parents):
+                states[i + 1], out[i] = delta_step(states[parent + 1], q[i], k[i], v[i], g[i], beta[i])
+
+        z = self.in_proj_z(x).view(t, self.hv, self.dv)
+        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(t, -1))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with q/k norm, partial RoPE and a sigmoid output gate (from q_proj)."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
+
+    def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
+        t = x.shape[0]
+        # q_proj rows are per head [query | gate], not [all queries | all gates].
+        q, gate = self.q_proj(x).view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, p.cos, p.sin), apply_rope(k, p.cos, p.sin)
+        keys, values = p.cache.write(layer, p.start, k, v)
+        o = attention(q, keys, values, p.mask).reshape(t, -1)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, cfg: HybridConfig, kind: str, slot: int) -> None:
+        super().__init__()
+        self.kind, self.slot = kind, slot  # slot: index among the layers of this kind (cache row)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
+        if kind == FULL:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, p: _Pass) -> Tensor:
+        mixer = self.self_attn if self.kind == FULL else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), p, self.slot)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    """Parameter names follow HF (``model.`` / ``model.language_model.`` stripped)."""
+
+    has_recurrent = True
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        kinds = cfg.layer_types
+        self.layers = nn.ModuleList(
+            HybridBlock(cfg, kind, kinds[:i].count(kind)) for i, kind in enumerate(kinds)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int, max_tree: int = 0) -> HybridCache:
+        """max_tree: tree nodes to allocate per-node state for now (0: on the first tree forward)."""
+        return HybridCache(self.cfg, max_len, self.device, self.dtype, max_tree)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: HybridCache,
+        start: int,
+        tree: VerifyTree | None = None,
+        feature_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """As ``DenseModel.forward``. The recurrent state must hold exactly ``start`` tokens
+        (``start == 0`` starts a new sequence). Without a tree the tokens are committed; with a tree
+        the committed state is left alone and ``cache.commit_path`` (or restore + replay) follows."""
+        t = tokens.shape[0]
+        cache.begin(start, None if tree is None else t)
+        x = self.embed_tokens(tokens)
+        positions = new_positions(start, tree, t, x.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        parents = torch.arange(t, device=x.device) - 1 if tree is None else tree.parents.to(x.device)
+        p = _Pass(
+            cache=cache,
+            start=start,
+            cos=cos,
+            sin=sin,
+            mask=context_mask(start, tree, t, x.device),
+            conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim),
+            parents=None if tree is None else parents.tolist(),
+        )
+        wanted = set(feature_layers)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, p)
+            if i in wanted:
+                feats.append(x)
+        if tree is None:
+            cache.length = start + t
+        if last_only:
+            x = x[-1:]
+        features = torch.cat(feats, -1) if feats else None
+        return self.lm_head(self.norm(x)), features

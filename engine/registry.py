@@ -1,0 +1,234 @@
+"""One registry of named models, and the resolution of every target / draft spec.
+
+Target specs: a registry name, an HF folder (config.json + safetensors), or a ``.gguf`` file.
+Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` or ``none``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.config import EngineInputError
+from engine.drafters import DFlashDrafter, Drafter, OracleDrafter
+from engine.models.common import RMSNorm
+from engine.models.dense import DenseConfig, DenseModel
+from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from engine.tokenizer import ByteTokenizer
+
+TINY_SEED = 1234
+
+
+@dataclass(frozen=True)
+class TargetPreset:
+    name: str
+    description: str
+    build: Callable[[], tuple[nn.Module, object]]  # -> (model on CPU float32, tokenizer)
+
+
+@dataclass(frozen=True)
+class DraftPreset:
+    name: str
+    description: str
+    target: str  # the target preset it was trained for
+    build: Callable[[nn.Module, object], DFlashDraft]  # (target, tokenizer) -> draft on CPU float32
+
+
+def init_random_(module: nn.Module, seed: int, logit_scale: float = 3.0) -> None:
+    """Seeded weights that keep activations at unit scale and logits well separated.
+
+    Well-separated logits matter: exactness tests compare argmaxes, and near-ties would make
+    float rounding (not the algorithm) decide them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    norms = {id(m.weight): m.zero_centred for m in module.modules() if isinstance(m, RMSNorm)}
+    embeds = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+            if id(p) in norms:
+                p.copy_((0.0 if norms[id(p)] else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
+            elif id(p) in embeds:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.zero_()
+            elif p.ndim >= 2:
+                fan_in = math.prod(p.shape[1:])
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        head = getattr(module, "lm_head", None)
+        if head is not None and id(head.weight) not in embeds:
+            head.weight.mul_(logit_scale)
+
+
+def _tiny_dense() -> tuple[nn.Module, object]:
+    tok = ByteTokenizer(272)
+    cfg = DenseConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=160, qk_norm=True, rope_theta=10000.0,
+        arch="qwen3",
+    )
+    model = DenseModel(cfg)
+    init_random_(model, TINY_SEED)
+    return model, tok
+
+
+def _tiny_hybrid() -> tuple[nn.Module, object]:
+    from engine.models.hybrid import HybridConfig, HybridModel
+
+    tok = ByteTokenizer(272)
+    cfg = HybridConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=160, full_attention_interval=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.5,
+    )
+    model = HybridModel(cfg)
+    init_random_(model, TINY_SEED + 1)
+    return model, tok
+
+
+TARGETS: dict[str, TargetPreset] = {
+    "tiny-dense": TargetPreset("tiny-dense", "seeded random Qwen3-style dense model, byte tokenizer", _tiny_dense),
+    "tiny-hybrid": TargetPreset(
+        "tiny-hybrid", "seeded random Qwen3.5-style hybrid (Gated DeltaNet + attention), byte tokenizer",
+        _tiny_hybrid,
+    ),
+}
+DRAFTS: dict[str, DraftPreset] = {}
+SPECIAL_DRAFTS = ("random", "oracle:P", "none")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise EngineInputError(f"device must be cpu, cuda or auto, but got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineInputError(f"device {device!r} was asked for, but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise EngineInputError(f"dtype must be one of {['auto', *table]}, but got {dtype!r}")
+    return table[dtype]
+
+
+def parse_oracle(spec: str) -> float:
+    raw = spec.split(":", 1)[1]
+    try:
+        p = float(raw)
+    except ValueError:
+        raise EngineInputError(f"draft {spec!r}: oracle:P needs a probability P in [0, 1], got {raw!r}") from None
+    if not 0.0 <= p <= 1.0:
+        raise EngineInputError(f"draft {spec!r}: oracle:P needs 0 <= P <= 1, but got P={p}")
+    return p
+
+
+def check_target_spec(spec: str) -> None:
+    if spec in TARGETS:
+        return
+    path = Path(spec)
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise EngineInputError(f"target {spec!r}: GGUF file not found")
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EngineInputError(f"target {spec!r}: folder has no config.json (expected an HF model folder)")
+        return
+    if "/" in spec or path.exists():
+        raise EngineInputError(f"target {spec!r}: no such folder or .gguf file")
+    raise EngineInputError(f"target {spec!r} is not a known preset ({sorted(TARGETS)}), folder or .gguf file")
+
+
+def check_draft_spec(spec: str) -> None:
+    if spec in DRAFTS or spec in ("random", "none"):
+        return
+    if spec.startswith("oracle:"):
+        parse_oracle(spec)
+        return
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EngineInputError(f"draft {spec!r}: folder has no config.json (expected a DFlash checkpoint)")
+        return
+    if "/" in spec or path.exists():
+        raise EngineInputError(f"draft {spec!r}: no such DFlash checkpoint folder")
+    raise EngineInputError(
+        f"draft {spec!r} is not a known preset ({sorted(DRAFTS)}), {list(SPECIAL_DRAFTS)} or a checkpoint folder"
+    )
+
+
+def check_model_spec(target: str, draft: str) -> None:
+    """Cheap validation of both specs (no weights are read)."""
+    check_target_spec(target)
+    check_draft_spec(draft)
+
+
+def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    check_target_spec(spec)
+    if spec in TARGETS:
+        model, tok = TARGETS[spec].build()
+    elif spec.endswith(".gguf"):
+        from engine.loading import load_target_gguf
+        from engine.tokenizer import tokenizer_from_gguf_metadata
+
+        model, meta = load_target_gguf(Path(spec), device, dtype)
+        tok = tokenizer_from_gguf_metadata(meta)
+    else:
+        from engine.loading import load_target_folder
+        from engine.tokenizer import tokenizer_from_folder
+
+        model = load_target_folder(Path(spec), device, dtype)
+        tok = tokenizer_from_folder(Path(spec))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED + 7,
+                     block_size: int = 16, num_layers: int = 1) -> DFlashDraft:
+    """A randomly initialised DFlash draft shaped for ``target`` (same hidden size and vocab)."""
+    tc = target.cfg
+    mask_id = getattr(tokenizer, "mask_id", None)
+    cfg = DFlashConfig(
+        hidden_size=tc.hidden_size, num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
+        vocab_size=tc.vocab_size, target_layer_ids=default_target_layer_ids(tc.num_hidden_layers),
+        num_target_layers=tc.num_hidden_layers, block_size=block_size,
+        mask_token_id=mask_id if mask_id is not None else tc.vocab_size - 1,
+        head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps,
+    )
+    draft = DFlashDraft(cfg)
+    init_random_(draft, seed)
+    return draft
+
+
+def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.device,
+                 dtype: torch.dtype) -> Drafter | None:
+    check_draft_spec(spec)
+    if spec == "none":
+        return None
+    if spec.startswith("oracle:"):
+        return OracleDrafter(target, parse_oracle(spec))
+    if spec == "random":
+        draft = random_draft_for(target, tokenizer)
+    elif spec in DRAFTS:
+        draft = DRAFTS[spec].build(target, tokenizer)
+    else:
+        from engine.loading import load_draft_folder
+
+        draft = load_draft_folder(Path(spec), target, device, dtype)
+    draft = draft.to(device=device, dtype=dtype).eval()
+    draft.requires_grad_(False)
+    return DFlashDrafter(draft, target)

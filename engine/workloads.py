@@ -1,0 +1,128 @@
+"""Workloads: prompt sets by name or JSONL path, selected deterministically, hashed for provenance."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineInputError
+
+NAMED_WORKLOADS = ("humaneval", "chat", "agent")
+SPLITS = ("train", "eval", "all")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A plain-text prompt, or a chat (messages, optional tools) rendered by the chat template."""
+
+    text: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.messages is not None:
+            d: dict[str, Any] = {"messages": list(self.messages)}
+            if self.tools:
+                d["tools"] = list(self.tools)
+            return d
+        return {"prompt": self.text}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: tuple[Prompt, ...]
+    hash: str
+
+
+def _prompt_from_record(rec: Any, where: str) -> Prompt:
+    if not isinstance(rec, dict):
+        raise EngineInputError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    unknown = sorted(set(rec) - {"prompt", "messages", "tools", "id"})
+    if unknown:
+        raise EngineInputError(f"{where}: unknown key(s) {unknown}; allowed: prompt | messages (+ tools), id")
+    if "prompt" in rec:
+        if "messages" in rec:
+            raise EngineInputError(f"{where}: give either 'prompt' or 'messages', not both")
+        if not isinstance(rec["prompt"], str) or not rec["prompt"]:
+            raise EngineInputError(f"{where}: 'prompt' must be a non-empty string, got {rec['prompt']!r}")
+        return Prompt(text=rec["prompt"])
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise EngineInputError(f"{where}: needs 'prompt' (string) or 'messages' (non-empty list)")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise EngineInputError(f"{where}: messages[{j}] needs a role of system|user|assistant|tool, got {m!r}")
+        if not isinstance(m.get("content", ""), (str, type(None))):
+            raise EngineInputError(f"{where}: messages[{j}].content must be a string")
+    tools = rec.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise EngineInputError(f"{where}: 'tools' must be a list of objects")
+    return Prompt(messages=tuple(msgs), tools=tuple(tools) if tools else None)
+
+
+def read_jsonl(path: Path) -> list[Prompt]:
+    if not path.is_file():
+        raise EngineInputError(f"workload file {str(path)!r} not found")
+    prompts = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EngineInputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            prompts.append(_prompt_from_record(rec, f"{path}:{lineno}"))
+    if not prompts:
+        raise EngineInputError(f"workload file {str(path)!r} holds no prompts")
+    return prompts
+
+
+def split_of(prompt: Prompt) -> str:
+    """A fixed train/eval split by content hash: 80% train, 20% eval, stable across versions."""
+    digest = hashlib.sha256(json.dumps(prompt.to_json(), sort_keys=True).encode()).digest()
+    return "eval" if digest[0] < 52 else "train"
+
+
+def workload_hash(prompts: tuple[Prompt, ...]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps(p.to_json(), sort_keys=True).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _named(spec: str) -> list[Prompt]:
+    raise EngineInputError(
+        f"workload {spec!r}: the named sets {list(NAMED_WORKLOADS)} need the data assets, which this "
+        f"version does not ship yet; use a JSONL file of prompts instead"
+    )
+
+
+def load_workload(spec: str, base_dir: Path, n_prompts: int, seed: int, split: str = "eval") -> Workload:
+    """Select ``n_prompts`` prompts deterministically (by ``seed``) from a named set or JSONL file.
+
+    Named sets are split into train/eval by content hash; a JSONL file is the user's own set and
+    is used whole (``split`` does not apply to it).
+    """
+    if split not in SPLITS:
+        raise EngineInputError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 1:
+        raise EngineInputError(f"n_prompts must be an integer >= 1, got {n_prompts!r}")
+    if spec in NAMED_WORKLOADS:
+        pool = [p for p in _named(spec) if split == "all" or split_of(p) == split]
+        name = spec
+    else:
+        path = Path(spec)
+        path = path if path.is_absolute() else Path(base_dir) / path
+        pool = read_jsonl(path)
+        name = path.stem
+    rng = random.Random(seed)
+    chosen = pool if len(pool) <= n_prompts else rng.sample(pool, n_prompts)
+    chosen_t = tuple(chosen)
+    return Workload(name=name, prompts=chosen_t, hash=workload_hash(chosen_t))

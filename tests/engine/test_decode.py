@@ -1,0 +1,158 @@
+"""Exactness: every speculative path yields exactly the AR tokens (float32, CPU)."""
+
+import hashlib
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import engine
+from engine import EngineConfig
+
+PROMPTS = ["Hello there, how are you today?", "def add(a, b):\n    return"]
+MAX_NEW = 40
+TARGETS = ["tiny-dense", "tiny-hybrid"]
+DRAFTS = ["oracle:0", "oracle:0.3", "oracle:0.7", "random"]
+# A spread of tree / draft parameters; each path combination below gets a different one.
+PARAM_SETS = [
+    dict(budget=22, top_k=8, chain_seed=None, proposal_temp=1.0, target_feat_ctx=0, block_size=None),
+    dict(budget=5, top_k=2, chain_seed=0, proposal_temp=0.5, target_feat_ctx=8, block_size=4),
+    dict(budget=40, top_k=4, chain_seed=3, proposal_temp=1.5, target_feat_ctx=32, block_size=8),
+    dict(budget=1, top_k=1, chain_seed=0, proposal_temp=0.7, target_feat_ctx=4, block_size=2),
+    dict(budget=12, top_k=3, chain_seed=None, proposal_temp=0.3, target_feat_ctx=16, block_size=6),
+    dict(budget=64, top_k=8, chain_seed=1, proposal_temp=1.0, target_feat_ctx=0, block_size=16),
+]
+PATHS = list(itertools.product(["chain", "ddtree"], ["replay", "fast"], ["generic", "runtime"]))
+
+_pairs: dict = {}
+_ar: dict = {}
+
+
+def pair_for(target: str, draft: str):
+    if (target, draft) not in _pairs:
+        _pairs[(target, draft)] = engine.load(target, draft, device="cpu", dtype="float32")
+    return _pairs[(target, draft)]
+
+
+def ar_tokens(target: str, prompt_ids: tuple[int, ...], temperature: float = 0.0, seed: int = 0) -> list[int]:
+    key = (target, prompt_ids, temperature, seed)
+    if key not in _ar:
+        pair = pair_for(target, "none")
+        cfg = EngineConfig(verify="ar", temperature=temperature, seed=seed)
+        _ar[key] = engine.generate(pair, list(prompt_ids), cfg, MAX_NEW, ignore_eos=True).tokens
+    return _ar[key]
+
+
+def _cases():
+    for t_i, target in enumerate(TARGETS):
+        for d_i, draft in enumerate(DRAFTS):
+            for p_i, (verify, rollback, path) in enumerate(PATHS):
+                params = PARAM_SETS[(t_i + 3 * d_i + p_i) % len(PARAM_SETS)]
+                yield pytest.param(target, draft, verify, rollback, path, params,
+                                   id=f"{target}-{draft}-{verify}-{rollback}-{path}-b{params['budget']}")
+
+
+@pytest.mark.parametrize("target,draft,verify,rollback,path,params", list(_cases()))
+def test_speculative_equals_ar(target, draft, verify, rollback, path, params):
+    pair = pair_for(target, draft)
+    cfg = EngineConfig(verify=verify, rollback=rollback, draft_path=path, **params)
+    for text in PROMPTS:
+        ids = tuple(pair.encode(text))
+        gen = engine.generate(pair, list(ids), cfg, MAX_NEW, ignore_eos=True)
+        assert gen.tokens == ar_tokens(target, ids)
+        assert sum(gen.stats.accept_lengths) >= len(gen.tokens) - 1  # every committed token counted
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("path", ["generic", "runtime"])
+def test_oracle_partial_acceptance_takes_side_branches(target, path):
+    pair = pair_for(target, "oracle:0.3")
+    ids = pair.encode(PROMPTS[0])
+    tree = engine.generate(pair, ids, EngineConfig(verify="ddtree", draft_path=path, budget=30, top_k=4),
+                           MAX_NEW, ignore_eos=True)
+    chain = engine.generate(pair, ids, EngineConfig(verify="chain", draft_path=path), MAX_NEW, ignore_eos=True)
+    assert tree.stats.acceptance_length > 1.5
+    assert tree.stats.side_branch_steps > 0
+    assert chain.stats.side_branch_steps == 0
+    assert min(tree.stats.accept_lengths) >= 1
+    # oracle:0 proposes the true continuation: whole blocks are accepted
+    perfect = engine.generate(pair_for(target, "oracle:0"), ids, EngineConfig(verify="chain", block_size=8),
+                              MAX_NEW, ignore_eos=True)
+    assert perfect.stats.accept_lengths[:-1] == [8] * (len(perfect.stats.accept_lengths) - 1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("verify,path", [("chain", "runtime"), ("ddtree", "generic"), ("ddtree", "runtime")])
+def test_sampling_commits_exactly_the_ar_samples(target, verify, path):
+    pair = pair_for(target, "oracle:0.3")
+    ids = tuple(pair.encode(PROMPTS[1]))
+    cfg = EngineConfig(verify=verify, draft_path=path, temperature=0.8, seed=5, budget=16, top_k=4, block_size=8)
+    gen = engine.generate(pair, list(ids), cfg, MAX_NEW, ignore_eos=True)
+    assert gen.tokens == ar_tokens(target, ids, temperature=0.8, seed=5)
+    assert gen.tokens != ar_tokens(target, ids)  # really sampled, not greedy
+
+
+def test_stop_token_ends_speculative_and_ar_alike():
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    stop = pair.stop_ids
+    found = False
+    for text in ["a", "b", "Hi", "xyz", "q", "0", "Hello", "The"]:
+        ids = pair.encode(text)
+        ar = engine.generate(pair, ids, EngineConfig(verify="ar"), 120)
+        spec = engine.generate(pair, ids, EngineConfig(verify="ddtree", budget=10, top_k=3), 120)
+        assert spec.tokens == ar.tokens
+        if ar.tokens[-1] in stop:
+            found = True
+            assert all(t not in stop for t in ar.tokens[:-1])
+    assert found, "no prompt reached a stop token; pick other prompts"
+
+
+def _state_hash_in_subprocess(name: str) -> str:
+    code = (
+        "import hashlib, engine;"
+        f"p = engine.load({name!r}, 'random', device='cpu', dtype='float32');"
+        "h = hashlib.sha256();"
+        "[h.update(v.numpy().tobytes()) for _, v in sorted(p.target.state_dict().items())];"
+        "[h.update(v.numpy().tobytes()) for _, v in sorted(p.drafter.draft.state_dict().items())];"
+        "print(h.hexdigest())"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_tiny_presets_are_identical_across_processes(name):
+    pair = pair_for(name, "random")
+    h = hashlib.sha256()
+    for _, v in sorted(pair.target.state_dict().items()):
+        h.update(v.numpy().tobytes())
+    for _, v in sorted(pair.drafter.draft.state_dict().items()):
+        h.update(v.numpy().tobytes())
+    assert _state_hash_in_subprocess(name) == h.hexdigest()
+
+
+def test_bench_reports_exactness_and_phases():
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    prompts = [pair.encode(t) for t in PROMPTS]
+    ref = engine.bench(pair, EngineConfig(verify="ar"), prompts, 24, ignore_eos=True)
+    res = engine.bench(pair, EngineConfig(verify="ddtree", budget=8, top_k=2), prompts, 24,
+                       reference=ref.outputs, ignore_eos=True)
+    assert res.exact_match == 1.0 and all(p.first_divergence is None for p in res.prompts)
+    assert res.new_tokens == 48 and res.steps == len(res.accept_lengths)
+    assert set(res.phase_ms_per_step) == {"draft", "topk", "tree", "verify", "walk", "commit"}
+    assert all(v > 0 for v in res.phase_ms_per_step.values())
+    assert res.decode_tps > 0 and res.acceptance_length > 1
+    assert res.bonus_tokens + res.correction_tokens == res.steps
+    # a wrong reference is detected, with the first divergence position
+    bad = [list(o) for o in ref.outputs]
+    bad[1][5] = (bad[1][5] + 1) % 256
+    res2 = engine.bench(pair, EngineConfig(verify="chain"), prompts, 24, reference=bad, ignore_eos=True)
+    assert res2.exact_match == 0.5 and res2.prompts[1].first_divergence == 5
+
+
+def test_peak_memory_and_devices_are_reported():
+    pair = pair_for("tiny-dense", "random")
+    res = engine.bench(pair, EngineConfig(verify="chain"), [pair.encode("hi")], 4, ignore_eos=True)
+    assert res.device == "cpu" and res.peak_memory_bytes > 0
+    assert torch.get_default_dtype() == torch.float32
