@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import EngineInputError
 from engine.drafters import DFlashDrafter, Drafter, OracleDrafter
-from engine.models.common import RMSNorm
+from engine.models.common import RMSNorm, cast_module_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.tokenizer import ByteTokenizer
@@ -191,7 +191,7 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn
 
         model = load_target_folder(Path(spec), device, dtype)
         tok = tokenizer_from_folder(Path(spec))
-    model = model.to(device=device, dtype=dtype).eval()
+    model = cast_module_(model, device, dtype).eval()
     model.requires_grad_(False)
     return model, tok
 
@@ -229,6 +229,6 @@ def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.
         from engine.loading import load_draft_folder
 
         draft = load_draft_folder(Path(spec), target, device, dtype)
-    draft = draft.to(device=device, dtype=dtype).eval()
+    draft = cast_module_(draft, device, dtype).eval()
     draft.requires_grad_(False)
     return DFlashDrafter(draft, target)

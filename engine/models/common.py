@@ -146,3 +146,14 @@ def seeded_init_(module: nn.Module, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * (std if std > 0 else 1.0 / math.sqrt(fan_in)))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def cast_module_(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Move and cast weights, keeping RoPE frequencies in float32 (bf16 would round them)."""
+    keep = {name: buf.float() for name, buf in module.named_buffers() if name.endswith("inv_freq")}
+    module.to(device=device, dtype=dtype)
+    for name, buf in keep.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        owner.register_buffer(attr, buf.to(device), persistent=False)
+    return module

@@ -180,3 +180,69 @@ class DenseModel(nn.Module):
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.
         features = torch.cat(feats, -1) if feats else None
         return self.lm_head(self.norm(x)), features
+
+
+@dataclass
+class BatchKV:
+    """K/V for a batch of left-padded sequences (draft training data generation)."""
+
+    k: Tensor  # [layers, B, S, kv_heads, head_dim]
+    v: Tensor
+    valid: Tensor  # [B, S] bool: slot holds a real token (not padding)
+
+
+def forward_padded(
+    model: DenseModel,
+    tokens: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    kv: BatchKV | None = None,
+    start: int = 0,
+    feature_layers: Sequence[int] = (),
+    logits: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """A batched forward of the dense target over [B, T] tokens (left padding allowed).
+
+    The decode engine runs one sequence at a time; this batched form exists to generate
+    self-distillation data and target features fast. ``valid`` marks real tokens of this chunk;
+    with ``kv`` the chunk is written to slots start..start+T-1 and attends to earlier slots.
+    Returns (logits [B, T, V] or None, features [B, T, n_ids * H] or None).
+    """
+    b, t = tokens.shape
+    cfg, d = model.cfg, model.cfg.dim_per_head
+    x = model.embed_tokens(tokens)
+    cos, sin = rope_cos_sin(positions.reshape(-1), model.inv_freq, x.dtype)
+    if kv is not None:
+        kv.valid[:, start : start + t] = valid
+        key_valid = kv.valid[:, : start + t]
+    else:
+        key_valid = valid
+    s = key_valid.shape[1]
+    q_slot = torch.arange(start, start + t, device=x.device)
+    causal = torch.arange(s, device=x.device)[None, :] <= q_slot[:, None]  # [T, S]
+    # Padding queries see themselves only, so no row of the mask is empty (no NaNs).
+    own = torch.arange(s, device=x.device)[None, :] == q_slot[:, None]
+    mask = (causal[None] & key_valid[:, None, :]) | own[None]  # [B, T, S]
+    wanted, feats = set(feature_layers), []
+    for i, layer in enumerate(model.layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x).reshape(b * t, -1)
+        q = att.q_proj(h).view(b * t, att.n_heads, d)
+        k = att.k_proj(h).view(b * t, att.n_kv, d)
+        v = att.v_proj(h).view(b, t, att.n_kv, d)
+        if att.q_norm is not None:
+            q, k = att.q_norm(q), att.k_norm(k)
+        q = apply_rope(q, cos, sin).view(b, t, att.n_heads, d)
+        k = apply_rope(k, cos, sin).view(b, t, att.n_kv, d)
+        if kv is not None:
+            kv.k[i, :, start : start + t], kv.v[i, :, start : start + t] = k, v
+            k, v = kv.k[i, :, : start + t], kv.v[i, :, : start + t]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True
+        )
+        x = x + att.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in wanted:
+            feats.append(x)
+    out = model.lm_head(model.norm(x)) if logits else None
+    return out, (torch.cat(feats, -1) if feats else None)

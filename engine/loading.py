@@ -1,0 +1,453 @@
+"""Checkpoint loading: HF target folders (dense, hybrid), DFlash draft folders, llama.cpp GGUF files.
+
+Every wrong input raises ``EngineInputError`` naming the file, the key, the rule and the value.
+Weights are copied by name into a model built directly in the wanted dtype on the wanted device,
+so a large model is never staged in float32 on the host first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from engine.config import EngineInputError
+from engine.models.common import rope_inv_freq
+from engine.models.dense import DenseConfig, DenseModel
+from engine.models.draft import DFlashConfig, DFlashDraft
+
+if TYPE_CHECKING:
+    from engine.models.hybrid import HybridModel
+
+# model_type -> the HF class that writes it; the values are accepted in `architectures` too.
+DENSE_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HYBRID_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+_ARCH_TO_TYPE = {cls: mt for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()}
+_MISSING = object()
+Device = str | torch.device
+TensorSource = dict[str, Callable[[], Tensor]]  # our parameter name -> reads the tensor when called
+
+
+# ---------------------------------------------------------------------------------------- targets
+def load_target_folder(path: Path, device: Device, dtype: torch.dtype) -> DenseModel | HybridModel:
+    """An HF model folder (config.json + model.safetensors or a sharded index) as an eval-mode target."""
+    folder = _folder(path, "target")
+    cfg_path = folder / "config.json"
+    cfg = _read_json(cfg_path)
+    model_type = _model_type(cfg, cfg_path)
+    files = _weight_files(folder)
+    if model_type in HYBRID_TYPES:
+        # Imported here so dense loading works whether or not the hybrid model is installed.
+        from engine.models import hybrid
+
+        try:
+            hcfg = hybrid.hybrid_config_from_hf(cfg)
+        except (KeyError, TypeError, ValueError) as exc:  # EngineInputError is a ValueError
+            raise EngineInputError(f"{cfg_path}: not a valid {model_type} config: {exc}") from None
+        model: nn.Module = _build(hybrid.HybridModel, hcfg, device, dtype)
+        with _open_safetensors(files) as source:
+            # hybrid_state_dict_from_hf takes the whole state dict (it may drop or alias tensors).
+            state = hybrid.hybrid_state_dict_from_hf({name: read() for name, read in source.items()})
+        _load_state(model, {name: (lambda t=t: t) for name, t in state.items()}, str(folder))
+    else:
+        model = _build(DenseModel, _dense_config_from_hf(cfg, model_type, cfg_path), device, dtype)
+        with _open_safetensors(files) as source:
+            # Our dense parameter names are HF's without the `model.` prefix.
+            renamed = {name.removeprefix("model."): read for name, read in source.items()}
+            _load_state(model, renamed, str(folder))
+    return _finish(model)
+
+
+def _model_type(cfg: dict, where: Path) -> str:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type") or next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+    if model_type not in DENSE_TYPES and model_type not in HYBRID_TYPES:
+        supported = [f"{mt} ({cls})" for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()]
+        raise EngineInputError(f"{where}: model_type {model_type!r} (architectures {archs}) is not "
+                               f"supported; supported model types: {', '.join(supported)}")
+    return model_type
+
+
+def _dense_config_from_hf(cfg: dict, model_type: str, where: Path) -> DenseConfig:
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise EngineInputError(f"{where}: required key {key!r} is missing")
+        return cfg[key]
+
+    # Features DenseModel does not implement: refuse them rather than produce wrong logits.
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise EngineInputError(f"{where}: hidden_act must be 'silu', but got {cfg['hidden_act']!r}")
+    if cfg.get("mlp_bias"):
+        raise EngineInputError(f"{where}: mlp_bias must be false (no MLP biases), but got true")
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        raise EngineInputError(f"{where}: attention_bias must be false for {model_type} (no o_proj bias), "
+                               "but got true")
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if sliding or cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+        raise EngineInputError(f"{where}: sliding-window attention is not supported, but got "
+                               f"use_sliding_window={cfg.get('use_sliding_window')}, sliding_window="
+                               f"{cfg.get('sliding_window')}, layer types {sorted(set(sliding))}")
+    theta, scaling = _rope(cfg, where, allow_llama3=True)
+    heads = int(need("num_attention_heads"))
+    return DenseConfig(
+        vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")),
+        num_hidden_layers=int(need("num_hidden_layers")), num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        intermediate_size=int(need("intermediate_size")), head_dim=cfg.get("head_dim"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        qk_norm=model_type == "qwen3",
+        attention_bias=model_type == "qwen2",  # Qwen2 has q/k/v biases whatever the config says
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), arch=model_type,
+    )
+
+
+def _rope(cfg: dict, where: Path, allow_llama3: bool) -> tuple[float, dict | None]:
+    """(theta, scaling); transformers 5 writes `rope_parameters`, older ones `rope_theta`, `rope_scaling`."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3" and allow_llama3:
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise EngineInputError(f"{where}: llama3 rope scaling needs {key!r}, but got {params}")
+        return theta, dict(params)
+    supported = ["default", "llama3"] if allow_llama3 else ["default"]
+    raise EngineInputError(f"{where}: rope type {kind!r} is not supported; supported: {supported}")
+
+
+# ----------------------------------------------------------------------------------------- drafts
+def load_draft_folder(path: Path, target: nn.Module, device: Device, dtype: torch.dtype) -> DFlashDraft:
+    """A public-layout DFlash checkpoint folder, checked against the target it will draft for."""
+    folder = _folder(path, "draft")
+    cfg_path = folder / "config.json"
+    hidden, vocab, n_layers = _target_dims(target)
+    dcfg = _draft_config_from_hf(_read_json(cfg_path), cfg_path, n_layers)
+    if dcfg.hidden_size != hidden:
+        raise EngineInputError(f"{cfg_path}: draft hidden_size {dcfg.hidden_size} does not match "
+                               f"target hidden_size {hidden}")
+    if dcfg.vocab_size != vocab:
+        raise EngineInputError(f"{cfg_path}: draft vocab_size {dcfg.vocab_size} does not match "
+                               f"target vocab_size {vocab}")
+    if max(dcfg.target_layer_ids) >= n_layers:
+        raise EngineInputError(f"{cfg_path}: draft target_layer_ids {list(dcfg.target_layer_ids)} must be "
+                               f"< the target's {n_layers} layers, but got {max(dcfg.target_layer_ids)}")
+    if dcfg.mask_token_id >= vocab:
+        raise EngineInputError(f"{cfg_path}: draft mask_token_id {dcfg.mask_token_id} must be < target "
+                               f"vocab_size {vocab}")
+    model = _build(DFlashDraft, dcfg, device, dtype)
+    with _open_safetensors(_weight_files(folder)) as source:
+        _load_state(model, {name.removeprefix("model."): read for name, read in source.items()}, str(folder))
+    return _finish(model)
+
+
+def save_draft_folder(draft: DFlashDraft, path: Path, extra: dict | None = None) -> None:
+    """Write config.json + model.safetensors in the public DFlash layout (readable by the public tools)."""
+    c = draft.cfg
+    dtype = str(next(draft.parameters()).dtype).removeprefix("torch.")
+    config: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",  # Qwen3 decoder layers
+        "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size, "head_dim": c.dim_per_head, "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        # Both spellings: transformers 5 reads rope_parameters, 4.x-based tools read rope_theta.
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "attention_bias": c.attention_bias, "attention_dropout": 0.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "num_target_layers": c.num_target_layers, "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids),
+                          "block_size": c.block_size, "output_multiplier": c.output_multiplier},
+        "dtype": dtype, "torch_dtype": dtype,  # transformers 5 and 4 spellings
+    }
+    clash = sorted(set(extra or {}) & set(config))
+    if clash:
+        raise EngineInputError(f"save_draft_folder: extra keys {clash} would overwrite DFlash config keys")
+    text = json.dumps(config | (extra or {}), indent=2, sort_keys=True)  # before touching the disk
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(text + "\n")
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in draft.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _draft_config_from_hf(cfg: dict, where: Path, target_layers: int) -> DFlashConfig:
+    archs = cfg.get("architectures") or []
+    if not any(a in DRAFT_ARCHITECTURES for a in archs):
+        raise EngineInputError(f"{where}: architectures {archs} is not a supported draft; "
+                               f"supported: {list(DRAFT_ARCHITECTURES)}")
+    dflash = cfg.get("dflash_config") or {}
+
+    def value(key: str, default: Any = _MISSING) -> Any:
+        # The public code reads dflash_config first, then the top level.
+        found = dflash.get(key, cfg.get(key, default))
+        if found is _MISSING:
+            raise EngineInputError(f"{where}: required key {key!r} is missing (looked in dflash_config and "
+                                   "the top level)")
+        return found
+
+    # Variants DFlashDraft does not implement (sliding/causal layers, logit softcapping, embed scale).
+    layer_types, causal = cfg.get("layer_types") or [], cfg.get("is_causal")
+    if any(t != "full_attention" for t in layer_types) or causal:
+        raise EngineInputError(f"{where}: only bidirectional full-attention draft layers are supported, "
+                               f"but got layer_types {layer_types}, is_causal {causal}")
+    if value("final_logit_softcapping", None):
+        raise EngineInputError(f"{where}: final_logit_softcapping is not supported, but got "
+                               f"{value('final_logit_softcapping')}")
+    if float(value("input_embedding_scale", 1.0)) != 1.0:
+        raise EngineInputError(f"{where}: input_embedding_scale must be 1.0, but got "
+                               f"{value('input_embedding_scale')}")
+    ids = tuple(int(i) for i in value("target_layer_ids"))
+    # The target concatenates feature layers in ascending order, which is the order fc was trained on.
+    if not ids or any(a >= b for a, b in zip(ids, ids[1:], strict=False)) or ids[0] < 0:
+        raise EngineInputError(f"{where}: target_layer_ids must be non-empty, >= 0 and strictly ascending, "
+                               f"but got {list(ids)}")
+    theta, _ = _rope(cfg, where, allow_llama3=False)
+    heads = int(value("num_attention_heads"))
+    return DFlashConfig(
+        hidden_size=int(value("hidden_size")), num_hidden_layers=int(value("num_hidden_layers")),
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        intermediate_size=int(value("intermediate_size")), vocab_size=int(value("vocab_size")),
+        target_layer_ids=ids, num_target_layers=int(cfg.get("num_target_layers", target_layers)),
+        block_size=int(value("block_size", 16)), mask_token_id=int(value("mask_token_id")),
+        head_dim=cfg.get("head_dim"), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        output_multiplier=float(value("output_multiplier", 1.0)),
+    )
+
+
+def _target_dims(target: nn.Module) -> tuple[int, int, int]:
+    """(hidden, vocab, layers) of a dense or hybrid target; the draft borrows its embedding and lm_head."""
+    vocab, hidden = target.embed_tokens.weight.shape
+    return int(hidden), int(vocab), len(target.layers)
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+_GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[DenseModel, dict]:
+    """A llama / qwen2 / qwen3 `.gguf` file, dequantised; returns the model and its metadata as plain data."""
+    import gguf  # only GGUF users pay for the import
+
+    path = Path(path)
+    if not path.is_file():
+        raise EngineInputError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise EngineInputError(f"{path}: not a readable GGUF file: {exc}") from None
+    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise EngineInputError(f"{path}: general.architecture {arch!r} is not supported; "
+                               f"supported: {list(GGUF_ARCHS)}")
+    cfg = _dense_config_from_gguf(meta, tensors, arch, path)
+    model = _build(DenseModel, cfg, device, dtype)
+    source: TensorSource = {}
+    for name, t in tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        parts, heads = name.split("."), None
+        if arch == "llama" and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
+            # llama.cpp permutes llama's q/k rows to its interleaved RoPE; K by the KV head count.
+            heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
+        source[_gguf_to_ours(name)] = partial(_gguf_tensor, t, heads, path)
+    _load_state(model, source, str(path))
+    if "rope_freqs.weight" in tensors:
+        # Llama 3 rope scaling travels as per-frequency divisors instead of config keys.
+        factors = _gguf_tensor(tensors["rope_freqs.weight"], None, path).flatten()
+        base = rope_inv_freq(cfg.dim_per_head, cfg.rope_theta)
+        if factors.shape != base.shape:
+            raise EngineInputError(f"{path}: rope_freqs has {factors.numel()} values, not {base.numel()}")
+        model.inv_freq = (base / factors).to(model.inv_freq.device)
+    return _finish(model), meta
+
+
+def _dense_config_from_gguf(meta: dict, tensors: dict, arch: str, where: Path) -> DenseConfig:
+    def key(name: str, default: Any = _MISSING) -> Any:
+        full = f"{arch}.{name}"
+        found = meta.get(full, default)
+        if found is _MISSING:
+            raise EngineInputError(f"{where}: metadata key {full!r} is missing")
+        if isinstance(found, list):  # per-layer values: fine only when all layers agree
+            if len(set(found)) != 1:
+                raise EngineInputError(f"{where}: {full} differs between layers ({found}); not supported")
+            found = found[0]
+        return found
+
+    if "token_embd.weight" not in tensors:
+        raise EngineInputError(f"{where}: tensor 'token_embd.weight' is missing")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise EngineInputError(f"{where}: {arch}.rope.dimension_count {rope_dim} must equal the head dim "
+                               f"{head_dim} (partial RoPE is not supported for dense targets)")
+    scaling = key("rope.scaling.type", "none")
+    if scaling != "none":
+        raise EngineInputError(f"{where}: {arch}.rope.scaling.type {scaling!r} is not supported (only none)")
+    return DenseConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [n_embd, n_vocab]
+        hidden_size=hidden, num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        intermediate_size=int(key("feed_forward_length")), head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        tie_word_embeddings="output.weight" not in tensors,  # no output tensor: tied to token_embd
+        max_position_embeddings=int(key("context_length", 4096)), arch=arch,
+    )
+
+
+def _gguf_to_ours(name: str) -> str:
+    """blk.3.attn_q.weight -> layers.3.self_attn.q_proj.weight; unknown names pass through, reported later."""
+    parts = name.split(".")
+    if parts[0] in _GGUF_TOP and len(parts) == 2:
+        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_BLOCK:
+        return f"layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    return name
+
+
+def _gguf_tensor(t: Any, heads: int | None, where: Path) -> Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        # The reader's numpy arrays already have PyTorch's row-major shape ([out, in]).
+        array = dequantize(t.data, t.tensor_type)
+    except NotImplementedError as exc:
+        raise EngineInputError(f"{where}: tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
+                               f"dequantised: {exc}") from None
+    w = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    if heads:
+        # Inverse of llama.cpp's permute(w, n) = w.reshape(n, 2, d/2, ...).swapaxes(1, 2).reshape(w.shape):
+        # rows go from interleaved pairs (x0, y0, x1, y1, ...) back to HF's halves (x0, x1, ..., y0, y1, ...).
+        d = w.shape[0] // heads
+        w = w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w
+
+
+# --------------------------------------------------------------------------------- shared helpers
+def _folder(path: Path, what: str) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise EngineInputError(f"{what} folder {folder} does not exist")
+    if not folder.is_dir():
+        raise EngineInputError(f"{what} path {folder} is not a folder (expected config.json + safetensors)")
+    if not (folder / "config.json").is_file():
+        raise EngineInputError(f"{what} folder {folder} has no config.json")
+    return folder
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineInputError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise EngineInputError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise EngineInputError(f"{index}: 'weight_map' must be a non-empty mapping of tensor -> file")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise EngineInputError(f"{index}: shard file(s) {missing} listed in weight_map do not exist")
+        return files
+    hint = " (.bin weights are not supported: convert to safetensors)" if any(folder.glob("*.bin")) else ""
+    raise EngineInputError(f"{folder}: no weights: expected model.safetensors or "
+                           f"model.safetensors.index.json{hint}")
+
+
+@contextmanager
+def _open_safetensors(files: list[Path]) -> Iterator[TensorSource]:
+    """Checkpoint name -> lazy reader, over every shard; old rotary inv_freq buffers are skipped."""
+    with ExitStack() as stack:
+        source: TensorSource = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            except (SafetensorError, OSError) as exc:
+                raise EngineInputError(f"{file}: not a readable safetensors file: {exc}") from None
+            for name in handle.keys():
+                if not name.endswith("rotary_emb.inv_freq"):
+                    source[name] = partial(handle.get_tensor, name)
+        yield source
+
+
+def _load_state(model: nn.Module, source: TensorSource, where: str) -> None:
+    """Strict by-name copy: every parameter / persistent buffer filled, nothing left over, shapes equal."""
+    own = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}  # tied weights (lm_head = embed_tokens) share one tensor
+    for name, t in own.items():
+        aliases.setdefault(id(t), []).append(name)
+    missing = [" or ".join(names) for names in aliases.values() if not any(n in source for n in names)]
+    unexpected = sorted(set(source) - set(own))
+    if missing or unexpected:
+        hint = ""
+        if any(m.startswith("lm_head") for m in missing):
+            hint = " (lm_head is missing: is tie_word_embeddings wrongly false?)"
+        raise EngineInputError(f"{where}: checkpoint tensors do not match the model: missing "
+                               f"{_few(missing)}, unexpected {_few(unexpected)}{hint}")
+    with torch.no_grad():
+        for names in aliases.values():
+            name = next(n for n in names if n in source)  # first alias wins, as HF ties to the embedding
+            tensor, dest = source[name](), own[name]
+            if tensor.shape != dest.shape:
+                raise EngineInputError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, but the "
+                                       f"model expects {list(dest.shape)}")
+            dest.copy_(tensor)
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}] ({len(names)})"
+
+
+def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -> nn.Module:
+    """Construct directly in dtype on device: no full-precision CPU copy of a large model."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _finish(model: nn.Module) -> Any:
+    model.eval()
+    model.requires_grad_(False)
+    return model

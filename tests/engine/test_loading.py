@@ -1,0 +1,388 @@
+"""Checkpoint loading: parity with transformers for HF folders and GGUF files, DFlash draft round trip,
+and clear errors for every malformed input."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineInputError
+from engine.loading import load_draft_folder, load_target_folder, load_target_gguf, save_draft_folder
+from engine.models.common import seeded_init_
+from engine.models.dense import DenseConfig, DenseModel
+from engine.models.draft import DFlashConfig, DFlashDraft
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+VOCAB, HIDDEN = 300, 64
+PROMPT = torch.tensor([5, 17, 42, 99, 3, 250, 7, 61, 128, 33, 201, 8, 77, 140, 19, 2])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matrices: thread hand-offs cost more than they save, worst on a shared CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------ tiny HF targets
+
+def _hf_model(kind: str, seed: int = 0, **overrides):
+    """A seeded tiny transformers model; norms and biases perturbed so a swapped name shows up."""
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no eos: generate runs 16 steps
+    common.update(overrides)
+    cls, cfg_cls = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+    }[kind]
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**common)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _greedy_ours(model, prompt: torch.Tensor, n: int) -> list[int]:
+    cache = model.new_cache(len(prompt) + n)
+    logits, _ = model.forward(prompt, cache, 0)
+    out = [int(logits[-1].argmax())]
+    for _ in range(n - 1):
+        logits, _ = model.forward(torch.tensor(out[-1:]), cache, cache.length)
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+def _assert_parity(hf, ours, n_new: int = 16, exact_greedy: bool = True, rel: float = 1e-4) -> float:
+    with torch.no_grad():
+        want = hf(PROMPT[None]).logits[0]
+        got, _ = ours.forward(PROMPT, ours.new_cache(len(PROMPT)), 0)
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < rel, f"relative logit error {err:.2e} >= {rel}"
+    if exact_greedy:
+        with torch.no_grad():
+            hf_tokens = hf.generate(PROMPT[None], max_new_tokens=n_new, do_sample=False)[0, len(PROMPT):]
+            assert _greedy_ours(ours, PROMPT, n_new) == hf_tokens.tolist()
+    return err
+
+
+CASES = {
+    "llama-gqa": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8}}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qknorm-headdim": ("qwen3", {"head_dim": 32}),  # head_dim != hidden / heads
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_folder_matches_transformers(case, tmp_path):
+    kind, overrides = CASES[case]
+    hf = _hf_model(kind, **overrides)
+    hf.save_pretrained(tmp_path)
+    names = load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in names) == (not overrides.get("tie_word_embeddings", False))
+    ours = load_target_folder(tmp_path, "cpu", torch.float32)
+    assert isinstance(ours, DenseModel) and not ours.training
+    assert not any(p.requires_grad for p in ours.parameters())
+    assert ours.cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    _assert_parity(hf, ours)
+
+
+def test_sharded_folder_and_bf16_cast(tmp_path):
+    hf = _hf_model("llama", seed=1)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    _assert_parity(hf, load_target_folder(tmp_path, "cpu", torch.float32))
+    low = load_target_folder(tmp_path, "cpu", torch.bfloat16)
+    assert low.embed_tokens.weight.dtype == torch.bfloat16
+    assert low.inv_freq.dtype == torch.float32  # RoPE frequencies stay exact
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(EngineInputError, match=rf"index.json: shard file\(s\) \['{shard.name}'\]"):
+        load_target_folder(tmp_path, "cpu", torch.float32)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("engine.models.hybrid") is None, reason="no hybrid model yet")
+def test_qwen3_5_folder_loads(tmp_path):
+    from engine.models.hybrid import HybridModel
+
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        initializer_range=0.1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    ours = load_target_folder(tmp_path, "cpu", torch.float32)
+    assert isinstance(ours, HybridModel) and ours.lm_head.weight is ours.embed_tokens.weight
+    _assert_parity(hf, ours)
+
+
+# ------------------------------------------------------------------------------------------ GGUF
+
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # As llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF halves -> interleaved RoPE pairs).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, hf, arch: str, qtype) -> None:
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    if c.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    if c.rope_parameters.get("rope_type") == "llama3":
+        # llama.cpp stores llama3 scaling as per-frequency divisors of the plain frequencies.
+        exponents = torch.arange(0, c.head_dim, 2).double() / c.head_dim
+        plain = 1.0 / (c.rope_parameters["rope_theta"] ** exponents)
+        sd["rope_freqs"] = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
+    for name, arr in sd.items():
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers":
+            role = ".".join(parts[2:-1])
+            gname = f"blk.{parts[1]}.{_HF_TO_GGUF[role]}.{parts[-1]}"
+            if arch == "llama" and role in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if role == "self_attn.q_proj" else c.num_key_value_heads
+                arr = _llamacpp_permute(arr, heads)
+        else:
+            gname = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}[".".join(parts)]
+        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GGUF_CASES = {
+    "llama-f32": ("llama", "F32", {}),
+    "llama-tied-f32": ("llama", "F32", {"tie_word_embeddings": True}),
+    "llama3-rope-freqs-f32": ("llama", "F32", CASES["llama3-rope"][1]),
+    "qwen3-f32": ("qwen3", "F32", {"head_dim": 32}),
+    "llama-q8_0": ("llama", "Q8_0", {}),
+    "llama-bf16": ("llama", "BF16", {}),
+    "llama-f16": ("llama", "F16", {}),
+    "llama-q4_0": ("llama", "Q4_0", {}),
+    "llama-q4_1": ("llama", "Q4_1", {}),
+}
+
+
+@pytest.mark.parametrize("case", GGUF_CASES)
+def test_gguf_matches_transformers(case, tmp_path):
+    arch, qname, overrides = GGUF_CASES[case]
+    hf = _hf_model(arch, seed=2, **overrides)
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf, arch, gguf.GGMLQuantizationType[qname])
+    ours, meta = load_target_gguf(path, "cpu", torch.float32)
+    assert isinstance(ours, DenseModel) and not ours.training
+    assert ours.cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    assert meta["general.architecture"] == arch and meta[f"{arch}.block_count"] == 3
+    assert meta["tokenizer.ggml.tokens"][:2] == ["t0", "t1"] and len(meta["tokenizer.ggml.tokens"]) == VOCAB
+    json.dumps(meta)  # plain Python values only
+    # Quantisation is per row and llama.cpp's permutation moves whole rows, so they commute: the
+    # reference is the transformers model with each matrix quantised and dequantised in place.
+    qtype = gguf.GGMLQuantizationType[qname]
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2 and qname != "F32":
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
+                p.copy_(torch.from_numpy(rounded))
+    _assert_parity(hf, ours)
+
+
+def test_gguf_bad_inputs(tmp_path):
+    with pytest.raises(EngineInputError, match="nope.gguf does not exist"):
+        load_target_gguf(tmp_path / "nope.gguf", "cpu", torch.float32)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(EngineInputError, match="junk.gguf: not a readable GGUF"):
+        load_target_gguf(junk, "cpu", torch.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EngineInputError, match=r"general.architecture 'gpt2' is not supported.*llama"):
+        load_target_gguf(tmp_path / "gpt2.gguf", "cpu", torch.float32)
+
+
+# ---------------------------------------------------------------------------------------- drafts
+
+def _tiny_target() -> DenseModel:
+    target = DenseModel(DenseConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128))
+    seeded_init_(target, 0)
+    return target
+
+
+def _draft(**overrides) -> DFlashDraft:
+    fields = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=VOCAB, target_layer_ids=(1, 2), num_target_layers=4,
+                  block_size=8, mask_token_id=VOCAB - 1, rope_theta=50000.0)
+    fields.update(overrides)
+    draft = DFlashDraft(DFlashConfig(**fields))
+    seeded_init_(draft, 1)
+    return draft
+
+
+def test_draft_round_trip(tmp_path):
+    target, draft = _tiny_target(), _draft()
+    save_draft_folder(draft, tmp_path, extra={"trained_on": "unit-test"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["trained_on"] == "unit-test"
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 2] and cfg["dflash_config"]["mask_token_id"] == 299
+    assert set(load_file(tmp_path / "model.safetensors")) == set(draft.state_dict())
+    loaded = load_draft_folder(tmp_path, target, "cpu", torch.float32)
+    assert loaded.cfg == dataclasses.replace(draft.cfg, head_dim=16) and not loaded.training
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(8, HIDDEN, generator=gen), torch.randn(5, 2 * HIDDEN, generator=gen),
+            torch.arange(5), torch.arange(5, 13))
+    with torch.no_grad():
+        assert torch.equal(loaded(*args), draft(*args))
+
+    # The public variants: block_size only at the top level, rope only in rope_parameters.
+    del cfg["dflash_config"]["block_size"], cfg["rope_theta"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    again = load_draft_folder(tmp_path, target, "cpu", torch.float32)
+    assert again.cfg.block_size == 8 and again.cfg.rope_theta == 50000.0
+
+
+@pytest.mark.parametrize("overrides, numbers", [
+    ({"hidden_size": 48}, ["hidden_size 48", "hidden_size 64"]),
+    ({"vocab_size": 301}, ["vocab_size 301", "vocab_size 300"]),
+    ({"target_layer_ids": (1, 7)}, ["[1, 7]", "4 layers", "got 7"]),
+    ({"mask_token_id": 300}, ["mask_token_id 300", "vocab_size 300"]),
+])
+def test_draft_target_mismatch(overrides, numbers, tmp_path):
+    save_draft_folder(_draft(**overrides), tmp_path)
+    with pytest.raises(EngineInputError) as info:
+        load_draft_folder(tmp_path, _tiny_target(), "cpu", torch.float32)
+    assert str(tmp_path) in str(info.value)
+    for text in numbers:
+        assert text in str(info.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    ({"dflash_config": {"target_layer_ids": [2, 1], "mask_token_id": 1}}, r"strictly ascending.*\[2, 1\]"),
+    ({"dflash_config": {"target_layer_ids": [1, 2]}}, "'mask_token_id' is missing"),
+])
+def test_draft_unsupported_config(edit, message, tmp_path):
+    save_draft_folder(_draft(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineInputError, match=message):
+        load_draft_folder(tmp_path, _tiny_target(), "cpu", torch.float32)
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    folder = tmp_path / "llama"
+    _hf_model("llama").save_pretrained(folder)
+    return folder
+
+
+def _edit_config(folder, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(EngineInputError, match=r"target folder .*nope does not exist"):
+        load_target_folder(tmp_path / "nope", "cpu", torch.float32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineInputError, match=r"empty has no config.json"):
+        load_target_folder(tmp_path / "empty", "cpu", torch.float32)
+    (tmp_path / "empty" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(EngineInputError, match=r"empty: no weights: expected model.safetensors"):
+        load_target_folder(tmp_path / "empty", "cpu", torch.float32)
+
+
+def test_unsupported_architecture(llama_folder):
+    _edit_config(llama_folder, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(EngineInputError, match=r"config.json: model_type 'gpt2'.*supported.*llama.*qwen3"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+
+
+def test_unsupported_rope_and_window(llama_folder):
+    _edit_config(llama_folder, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(EngineInputError, match="rope type 'yarn' is not supported"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+    _edit_config(llama_folder, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                 model_type="mistral", sliding_window=4096)
+    with pytest.raises(EngineInputError, match="sliding_window=4096"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+
+
+def test_missing_unexpected_and_misshapen_tensors(llama_folder):
+    path = llama_folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    tensors["model.layers.1.extra.weight"] = torch.zeros(2)
+    save_file(tensors, path)
+    with pytest.raises(EngineInputError) as info:
+        load_target_folder(llama_folder, "cpu", torch.float32)
+    assert "layers.1.mlp.up_proj.weight" in str(info.value) and "layers.1.extra.weight" in str(info.value)
+    assert str(llama_folder) in str(info.value)
+
+    _hf_model("llama").save_pretrained(llama_folder)
+    _edit_config(llama_folder, intermediate_size=96)
+    with pytest.raises(EngineInputError, match=r"'layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
+                                               r"but the model expects \[96, 64\]"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+
+
+def test_untied_config_without_lm_head(tmp_path):
+    _hf_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path)
+    _edit_config(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(EngineInputError, match=r"missing \['lm_head.weight'\].*tie_word_embeddings"):
+        load_target_folder(tmp_path, "cpu", torch.float32)
