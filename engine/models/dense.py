@@ -209,7 +209,7 @@ def forward_padded(
     Returns (logits [B, T, V] or None, features [B, T, n_ids * H] or None).
     """
     b, t = tokens.shape
-    cfg, d = model.cfg, model.cfg.dim_per_head
+    d = model.cfg.dim_per_head
     x = model.embed_tokens(tokens)
     cos, sin = rope_cos_sin(positions.reshape(-1), model.inv_freq, x.dtype)
     if kv is not None:
