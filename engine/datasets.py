@@ -1,0 +1,238 @@
+"""Prompt pools built from the data assets: HumanEval (code), ShareGPT (chat), BFCL (agent traffic).
+
+Every pool is a deterministic list (file order, duplicates dropped); engine.workloads splits it into
+train/eval by content hash and samples from it by seed.
+
+- ``humaneval``: the 164 problems. Each ``prompt`` field (a signature + docstring to complete) is
+  presented as one chat user turn, ``"Complete the following Python function:\\n```python\\n{prompt}```"``,
+  because the target is an instruct model driven through its chat template, as in chat-style code
+  benchmarks; the reply (code) is what the draft must predict.
+- ``chat``: the first user turn of each ShareGPT conversation (with its system turn, if any). Only
+  conversation starts (ids ``*_0``: ShareGPT V3 splits long conversations into parts whose later
+  parts begin mid-conversation); empty turns and turns over ``CHAT_MAX_CHARS`` are skipped.
+- ``agent``: BFCL v4 questions with their tool schemas in OpenAI format (BFCL type names such as
+  ``dict`` / ``float`` mapped to JSON-schema ones the way BFCL's own OpenAI handler does). Single-turn
+  categories (python/java/javascript, multiple, parallel, live, irrelevance) give their question;
+  ``multi_turn_base`` gives a multi-turn conversation: the tools of its involved API classes (minus
+  excluded functions) and, up to a turn chosen by a hash of its id, the earlier user turns each
+  followed by the assistant's ground-truth tool calls. BFCL ships no tool responses (they come from
+  executing its simulated backends, which we do not run), so none are included; messages that the
+  data does carry (system and assistant turns) are kept. ``web_search`` questions get the web-search
+  tools; the memory category is left out (it needs BFCL's memory back-ends and prerequisite chats).
+  Prompts whose messages + tools exceed ``AGENT_MAX_CHARS`` are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from engine.assets import default_cache_dir, ensure_asset
+from engine.config import EngineInputError
+from engine.workloads import Prompt
+
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+CHAT_MAX_CHARS = 2000
+AGENT_MAX_CHARS = 24_000  # ~6k SmolLM2 tokens: leaves room for generation in its 8k context
+
+BFCL_SINGLE_TURN = (
+    "simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
+    "irrelevance", "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
+    "live_irrelevance", "live_relevance",
+)
+BFCL_CLASS_DOCS = {
+    "GorillaFileSystem": "gorilla_file_system.json", "MathAPI": "math_api.json", "MessageAPI": "message_api.json",
+    "TwitterAPI": "posting_api.json", "TicketAPI": "ticket_api.json", "TradingBot": "trading_bot.json",
+    "TravelAPI": "travel_booking.json", "VehicleControlAPI": "vehicle_control.json",
+    "WebSearchAPI": "web_search.json",
+}
+# BFCL's GORILLA_TO_OPENAPI (bfcl_eval/constants/type_mappings.py)
+BFCL_TYPES = {
+    "float": "number", "double": "number", "bool": "boolean", "list": "array", "tuple": "array", "dict": "object",
+    "any": "string", "Any": "string", "byte": "integer", "short": "integer", "long": "integer", "char": "string",
+    "ArrayList": "array", "Array": "array", "HashMap": "object", "Hashtable": "object", "Queue": "array",
+    "Stack": "array", "String": "string", "Bigint": "integer",
+}
+_CODE_HINT = re.compile(
+    r"```|\bdef |\bclass |#include|console\.log|\bimport |\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|"
+    r"sql|html|css|react|regex|bash|script|function|code|coding|program|algorithm|api)\b", re.IGNORECASE,
+)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise EngineInputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    return out
+
+
+def _dedup_json(prompts: list[Prompt]) -> list[Prompt]:
+    seen, out = set(), []
+    for p in prompts:
+        key = json.dumps(p.to_json(), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+# --- HumanEval ----------------------------------------------------------------------------------
+
+
+def humaneval_prompts(folder: Path) -> list[Prompt]:
+    path = folder / "HumanEval.jsonl.gz"
+    out = []
+    for i, rec in enumerate(_read_jsonl(path)):
+        if not isinstance(rec.get("prompt"), str) or not rec["prompt"].strip():
+            raise EngineInputError(f"{path}: record {i} has no 'prompt' string")
+        out.append(Prompt(messages=({"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"])},)))
+    return _dedup_json(out)
+
+
+# --- ShareGPT -----------------------------------------------------------------------------------
+
+
+def chat_prompts(folder: Path, max_chars: int = CHAT_MAX_CHARS) -> list[Prompt]:
+    out = []
+    for rec in _read_jsonl(folder / "sharegpt.jsonl"):
+        if not str(rec.get("id", "")).endswith("_0"):
+            continue
+        msgs: list[dict[str, Any]] = []
+        for turn in rec.get("conversations", []):
+            who, text = turn.get("from"), turn.get("value")
+            if who == "system" and not msgs and isinstance(text, str) and text.strip():
+                msgs.append({"role": "system", "content": text})
+                continue
+            if who in ("human", "user") and isinstance(text, str) and text.strip() and len(text) <= max_chars:
+                msgs.append({"role": "user", "content": text})
+                out.append(Prompt(messages=tuple(msgs)))
+            break
+    return _dedup_json(out)
+
+
+def is_code_like(prompt: Prompt) -> bool:
+    """A chat prompt that asks for or about code (a heuristic used to pick code-like training prompts)."""
+    text = prompt.text if prompt.messages is None else "\n".join(m.get("content") or "" for m in prompt.messages)
+    return bool(_CODE_HINT.search(text or ""))
+
+
+# --- BFCL ---------------------------------------------------------------------------------------
+
+
+def _schema(node: Any) -> Any:
+    if isinstance(node, dict):
+        out = {k: _schema(v) for k, v in node.items()}
+        if isinstance(out.get("type"), str):
+            out["type"] = BFCL_TYPES.get(out["type"], out["type"])
+        return out
+    if isinstance(node, list):
+        return [_schema(v) for v in node]
+    return node
+
+
+def openai_tool(fn: dict[str, Any]) -> dict[str, Any]:
+    """A BFCL function doc as an OpenAI tool (its ``response`` description is not part of that format)."""
+    params = _schema(fn.get("parameters") or {"type": "dict", "properties": {}})
+    return {"type": "function",
+            "function": {"name": fn["name"], "description": fn.get("description", ""), "parameters": params}}
+
+
+def _call_from_source(src: str, tools: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``"mv(source='a', destination='b')"`` -> an OpenAI tool call; positional args get parameter names."""
+    try:
+        node = ast.parse(src.strip(), mode="eval").body
+        if not isinstance(node, ast.Call):
+            return None
+        name = ast.unparse(node.func)
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+        names = list(tools.get(name, {}).get("parameters", {}).get("properties", {}))
+        for i, a in enumerate(node.args):
+            args[names[i] if i < len(names) else f"arg{i}"] = ast.literal_eval(a)
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    return {"type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _bfcl_lines(path: Path) -> list[dict[str, Any]]:
+    return _read_jsonl(path) if path.is_file() else []
+
+
+def _messages(turn: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(turn, list):
+        raise EngineInputError(f"{where}: a question turn must be a list of messages")
+    return [{"role": m["role"], "content": m.get("content") or ""} for m in turn
+            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")]
+
+
+def _turn_index(entry_id: str, n: int) -> int:
+    return int.from_bytes(hashlib.sha256(entry_id.encode()).digest()[:4], "big") % n
+
+
+def agent_prompts(folder: Path, max_chars: int = AGENT_MAX_CHARS) -> list[Prompt]:
+    data = folder / "data"
+    out: list[Prompt] = []
+    for cat in BFCL_SINGLE_TURN:
+        path = data / f"BFCL_v4_{cat}.json"
+        for rec in _bfcl_lines(path):
+            msgs = _messages(rec["question"][0], f"{path} {rec.get('id')}")
+            tools = [openai_tool(f) for f in rec.get("function", [])]
+            if msgs and msgs[-1]["role"] == "user":
+                out.append(Prompt(messages=tuple(msgs), tools=tuple(tools) or None))
+    docs = {cls: _bfcl_lines(data / "multi_turn_func_doc" / f) for cls, f in BFCL_CLASS_DOCS.items()}
+    answers = {r["id"]: r["ground_truth"] for r in _bfcl_lines(data / "possible_answer/BFCL_v4_multi_turn_base.json")}
+    for rec in _bfcl_lines(data / "BFCL_v4_multi_turn_base.json"):
+        excluded = set(rec.get("excluded_function", []))
+        fns = [f for cls in rec.get("involved_classes", []) for f in docs.get(cls, []) if f["name"] not in excluded]
+        by_name = {f["name"]: f for f in fns}
+        turns, truth = rec["question"], answers.get(rec["id"])
+        k = _turn_index(rec["id"], len(turns)) if truth is not None else 0
+        msgs: list[dict[str, Any]] = []
+        for t in range(k):
+            msgs.extend(_messages(turns[t], rec["id"]))
+            calls = [c for c in (_call_from_source(s, by_name) for s in truth[t]) if c is not None]
+            msgs.append({"role": "assistant", "content": "", "tool_calls": calls} if calls
+                        else {"role": "assistant", "content": ""})
+        msgs.extend(_messages(turns[k], rec["id"]))
+        if fns and msgs and msgs[-1]["role"] == "user":
+            out.append(Prompt(messages=tuple(msgs), tools=tuple(openai_tool(f) for f in fns)))
+    web = [openai_tool(f) for f in docs.get("WebSearchAPI", [])]
+    for rec in _bfcl_lines(data / "BFCL_v4_web_search.json"):
+        msgs = _messages(rec["question"][0], rec.get("id", "web_search"))
+        if web and msgs:
+            out.append(Prompt(messages=tuple(msgs), tools=tuple(web)))
+    if not out:
+        raise EngineInputError(f"{data}: no BFCL questions found (expected BFCL_v4_*.json files)")
+    return [p for p in _dedup_json(out) if len(json.dumps(p.to_json(), ensure_ascii=False)) <= max_chars]
+
+
+# --- pools --------------------------------------------------------------------------------------
+
+POOLS = {"humaneval": ("humaneval", humaneval_prompts), "chat": ("sharegpt", chat_prompts),
+         "agent": ("bfcl", agent_prompts)}
+
+
+@functools.lru_cache(maxsize=16)
+def _pool(name: str, cache_dir: str) -> tuple[Prompt, ...]:
+    asset, build = POOLS[name]
+    folder = ensure_asset(asset, Path(cache_dir))
+    return tuple(build(folder))
+
+
+def named_pool(name: str, cache_dir: Path | None = None) -> tuple[Prompt, ...]:
+    """All prompts of a named set (fetching its asset on first use), in a fixed order."""
+    if name not in POOLS:
+        raise EngineInputError(f"unknown workload set {name!r}; known: {sorted(POOLS)}")
+    return _pool(name, str(cache_dir if cache_dir is not None else default_cache_dir()))

@@ -1,0 +1,111 @@
+"""`python -m engine train-draft`: self-distil a target and train a DFlash draft for it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineInputError
+from engine.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
+
+SMOKE = dict(n_prompts=8, gen_max_new_tokens=16, steps=5, layers=1, block_size=4, num_anchors=4, batch_size=2)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train-draft", help="train a DFlash draft on the target's own answers")
+    t.add_argument("--target", required=True, help="dense target: preset, HF folder or .gguf")
+    t.add_argument("--out", required=True, help="folder for the checkpoint (public DFlash layout)")
+    t.add_argument("--prompts", nargs="*", default=None,
+                   help="JSONL prompt files; default: train split of code (HumanEval + code-like chat), chat, agent")
+    t.add_argument("--n-prompts", type=int, default=3000)
+    t.add_argument("--gen-max-new-tokens", type=int, default=256)
+    t.add_argument("--gen-batch-size", type=int, default=128)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--intermediate-size", type=int, default=None)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--num-target-ids", type=int, default=5)
+    t.add_argument("--num-anchors", type=int, default=32)
+    t.add_argument("--gamma", type=float, default=7.0)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--steps", type=int, default=600)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--max-seq-len", type=int, default=640)
+    t.add_argument("--time-budget", type=float, default=0.0, help="seconds of training at most (0: no limit)")
+    t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--data", help="reuse self-distilled sequences from this JSONL instead of generating")
+    t.add_argument("--save-data", help="write the self-distilled sequences to this JSONL")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--smoke", action="store_true", help="a few steps on a few prompts (CPU check)")
+
+
+def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
+    from engine.workloads import load_workload
+
+    if args.prompts:
+        prompts = []
+        for f in args.prompts:
+            prompts.extend(load_workload(f, Path.cwd(), n_prompts=10**9, seed=args.seed, split="all").prompts)
+        prompts = prompts[:n]
+    else:
+        from engine.workloads import training_prompts
+
+        prompts = training_prompts(("code", "chat", "agent"), n, args.seed)
+    encoded = [pair.encode(p) for p in prompts]
+    # A prompt that leaves no room for an answer inside max_seq_len teaches nothing.
+    keep = [ids for ids in encoded if len(ids) <= args.max_seq_len - 32]
+    if len(keep) < len(encoded):
+        print(f"skipped {len(encoded) - len(keep)} prompts longer than {args.max_seq_len - 32} tokens", flush=True)
+    return keep
+
+
+def run(args: argparse.Namespace) -> int:
+    import engine
+    from engine.loading import save_draft_folder
+
+    values = {k: getattr(args, k) for k in ("n_prompts", "gen_max_new_tokens", "steps", "layers", "block_size",
+                                            "num_anchors", "batch_size")}
+    if args.smoke:
+        values.update(SMOKE)
+    cfg = TrainConfig(
+        layers=values["layers"], intermediate_size=args.intermediate_size, block_size=values["block_size"],
+        num_target_ids=args.num_target_ids, num_anchors=values["num_anchors"], gamma=args.gamma, lr=args.lr,
+        steps=values["steps"], batch_size=values["batch_size"], max_seq_len=args.max_seq_len,
+        gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
+        time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
+    )
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
+    pair = engine.load(args.target, "none", device=args.device, dtype="auto")
+    mask_id = args.mask_token_id if args.mask_token_id is not None else getattr(pair.tokenizer, "mask_id", None)
+    if mask_id is None or not 0 <= mask_id < pair.target.cfg.vocab_size:
+        raise EngineInputError(f"a mask token id inside the vocabulary is needed (--mask-token-id), got {mask_id}")
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    if args.data:
+        seqs, plens = load_sequences(Path(args.data))
+    else:
+        prompts = _prompts(args, pair, values["n_prompts"])
+        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids)
+        seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+        if args.save_data:
+            save_sequences(Path(args.save_data), seqs, plens)
+    gen_s = time.perf_counter() - t0
+    print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
+    draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True))
+    summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
+                   command="python -m engine " + " ".join(sys.argv[1:]))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
+    save_draft_folder(draft.to(dtype), out, extra={"training": summary})
+    (out / "training.json").write_text(json.dumps(summary, indent=2))
+    for key in ("steps", "train_seconds", "final_loss", "final_acc1", "final_chain_al_train", "sequences", "tokens"):
+        print(f"{key}: {summary[key]}")
+    print(f"checkpoint: {out}")
+    return 0
