@@ -1,0 +1,246 @@
+"""`autotune sweep|status|best|report|export|serve|dashboard` (ARCHITECTURE.md: a stable contract).
+
+Exit status: 0 done; 2 bad input (the message names the file or flag, the key, the rule and the
+value, and nothing was created); 130 after Ctrl-C (the running trial is failed cleanly first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import InputError
+
+EXIT_OK, EXIT_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+DEFAULT_STORAGE = "sqlite:///autotune.db"
+DEFAULT_TRACKING = "sqlite:///mlflow.db"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so `main()` owns the exit status and message."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(self.prog, None, message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="autotune", description="Find the fastest exact speculative-decoding setup for a local LLM.")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("sweep", help="run or resume a sweep")
+    s.add_argument("experiment", help="experiment YAML (experiments/*.yaml)")
+    s.add_argument("--n-trials", type=int, help="finished trials to reach (default: the experiment's study.n_trials)")
+    s.add_argument("--timeout", help="stop starting new trials after this long: 8h, 30m, 90s, 1h30m")
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=f"Optuna storage (default {DEFAULT_STORAGE})")
+    s.add_argument("--study-name", help="default: the experiment's name")
+    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING, help=f"MLflow URI or none (default {DEFAULT_TRACKING})")
+    s.add_argument("--executor", choices=("local", "ray"), help="default: the experiment's executor.kind")
+    s.add_argument("--workers", type=int, help="default: the experiment's executor.workers")
+    s.add_argument("--ray-address", help="Ray cluster address (Ray executor)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("status", help="list the studies in a storage")
+    s.add_argument("--storage", default=DEFAULT_STORAGE)
+
+    s = sub.add_parser("best", help="the winner of a study")
+    s.add_argument("study")
+    s.add_argument("--storage", default=DEFAULT_STORAGE)
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("report", help="markdown report with PNG plots")
+    s.add_argument("study")
+    s.add_argument("--storage", default=DEFAULT_STORAGE)
+    s.add_argument("--out", help="folder (default reports/STUDY)")
+
+    s = sub.add_parser("export", help="the winner as an engine config, llama-server command or JSON")
+    s.add_argument("study")
+    s.add_argument("--storage", default=DEFAULT_STORAGE)
+    s.add_argument("--format", default="engine", choices=("engine", "llama-server", "json"))
+    s.add_argument("--out", help="file (default: standard output)")
+
+    s = sub.add_parser("serve", help="serve an exported config (comes with the serving issue)")
+    s.add_argument("config")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+
+    s = sub.add_parser("dashboard", help="start the MLflow UI on 127.0.0.1")
+    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING)
+    s.add_argument("--port", type=int, default=5000)
+    return ap
+
+
+def parse_duration(raw: str) -> float:
+    """`8h`, `30m`, `90s`, `1h30m`, `1.5h` or plain seconds → seconds."""
+    text = raw.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        seconds = float(text)
+    elif re.fullmatch(r"(\d+(\.\d+)?[hms])+", text):
+        unit = {"h": 3600.0, "m": 60.0, "s": 1.0}
+        seconds = sum(float(n) * unit[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)([hms])", text))
+    else:
+        raise InputError("--timeout", None, "must be a duration like 8h, 30m, 90s or 1h30m", raw)
+    if seconds <= 0:
+        raise InputError("--timeout", None, "must be > 0", raw)
+    return seconds
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from autotune import experiment, study, tracking
+
+    # Every input is checked before anything is created or loaded.
+    if args.n_trials is not None and args.n_trials < 1:
+        raise InputError("--n-trials", None, "must be >= 1", args.n_trials)
+    timeout = parse_duration(args.timeout) if args.timeout is not None else None
+    storage = study.parse_storage(args.storage)
+    tracking_uri = tracking.check_tracking_uri(args.tracking_uri)
+    if args.study_name is not None and not _NAME_RE.match(args.study_name):
+        raise InputError("--study-name", None, "must match [A-Za-z0-9][A-Za-z0-9_.-]*", args.study_name)
+    exp = experiment.load(args.experiment)
+    kind = args.executor or exp.executor.kind
+    workers = args.workers if args.workers is not None else exp.executor.workers
+    if workers < 1:
+        raise InputError("--workers", None, "must be >= 1", workers)
+    experiment.check_executor("command line", ("--executor", "--workers"), kind, workers)
+    if args.ray_address is not None and kind != "ray":
+        raise InputError("--ray-address", None, "only applies with --executor ray", args.ray_address)
+    workloads = experiment.load_workloads(exp)
+
+    from autotune.sweep import SweepOptions, run_sweep
+    from engine.config import EngineInputError
+
+    opts = SweepOptions(n_trials=args.n_trials or exp.study.n_trials, storage=storage,
+                        study_name=args.study_name or exp.name, tracking_uri=tracking_uri, timeout_s=timeout,
+                        progress=not args.no_progress)
+    try:
+        return run_sweep(exp, opts, workloads).exit_code
+    except EngineInputError as exc:  # e.g. a draft made for another target, found when the pair loads
+        raise InputError(str(exp.path), "model", f"the engine refused to load the pair ({exc})") from None
+
+
+def _open(args: argparse.Namespace) -> Any:
+    import optuna
+
+    from autotune import study
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return study.open_storage(study.parse_storage(args.storage), create=False)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import optuna
+
+    from autotune import results
+
+    storage = _open(args)
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(storage))
+    print(f"storage: {args.storage}\nstudies: {len(names)}")
+    for name in names:
+        facts = results.summary(optuna.load_study(study_name=name, storage=storage))
+        print()
+        print(results.format_summary(facts))
+    return EXIT_OK
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    import yaml
+
+    from autotune import export, study
+
+    s = study.load_existing(_open(args), args.study)
+    doc = export.build(s)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    p = doc["provenance"]
+    for key in ("study", "trial", "role", "confirmed", "decode_tps", "decode_tps_spread", "speedup_vs_ar",
+                "ar_decode_tps", "positive_vs_ar", "acceptance_length", "break_even_al", "exact_match", "device",
+                "workload_hash"):
+        print(f"{key}: {'none' if p.get(key) is None else p.get(key)}")
+    print("config:")
+    print("  " + yaml.safe_dump(doc["engine"], sort_keys=False).replace("\n", "\n  ").rstrip())
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from autotune import study
+    from autotune.report import write_report
+
+    s = study.load_existing(_open(args), args.study)
+    out = Path(args.out) if args.out else Path("reports") / args.study
+    if out.exists() and not out.is_dir():
+        raise InputError("--out", None, "must be a folder", str(out))
+    files = write_report(s, out)
+    print(f"report: {files[0]}")
+    for f in files[1:]:
+        print(f"plot: {f}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from autotune import export, study
+
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise InputError("--out", None, "the folder of the output file must exist", args.out)
+    s = study.load_existing(_open(args), args.study)
+    text = export.render(export.build(s), args.format)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"exported: {args.out}\nformat: {args.format}")
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    raise InputError("serve", None, "serving an exported config comes with the serving issue; for now run "
+                     "`python -m engine generate --config CONFIG.yaml` or the command `autotune export "
+                     "--format llama-server` writes", args.config)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from autotune import tracking
+
+    uri = tracking.check_tracking_uri(args.tracking_uri)
+    if uri is None:
+        raise InputError("--tracking-uri", None, "the dashboard needs a tracking URI, not none", args.tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise InputError("--tracking-uri", None, "no MLflow database there (run `autotune sweep` first)", uri)
+    if not 1 <= args.port <= 65535:
+        raise InputError("--port", None, "must be between 1 and 65535", args.port)
+    print(f"dashboard: http://127.0.0.1:{args.port}  (Ctrl-C stops it)", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+COMMANDS = {"sweep": cmd_sweep, "status": cmd_status, "best": cmd_best, "report": cmd_report,
+            "export": cmd_export, "serve": cmd_serve, "dashboard": cmd_dashboard}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except InputError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        print("autotune: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,24 @@
+"""The one error type users see from autotune: bad input at the edge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MISSING = object()
+
+
+class InputError(ValueError):
+    """A user input (YAML file, CLI flag, storage URL) is wrong.
+
+    The message names where (file and key, or flag), the rule that was broken and the value that
+    broke it, so a person can fix it without reading code. The CLI turns it into exit status 2.
+    """
+
+    def __init__(self, where: str, key: str | None, rule: str, value: Any = _MISSING) -> None:
+        self.where = where
+        self.key = key
+        self.rule = rule
+        self.value = value
+        location = f"{where}: {key}" if key else where
+        got = "" if value is _MISSING else f", but got {value!r}"
+        super().__init__(f"{location}: {rule}{got}")

@@ -1,0 +1,63 @@
+"""The embedded default: one in-process worker that keeps its loaded model pair across trials."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from autotune.executors.base import Executor
+from autotune.worker import Job, PassCallback, Record, Worker
+
+
+class LocalExecutor(Executor):
+    """Runs each job synchronously inside :meth:`wait`, one at a time.
+
+    ``worker_factory`` builds the worker on :meth:`start` (so a bad model fails there, not at
+    construction); tests pass their own factory to install a worker hook.
+    """
+
+    def __init__(self, worker_factory: Callable[[], Worker]) -> None:
+        self._factory = worker_factory
+        self._worker: Worker | None = None
+        self._pending: list[tuple[Job, PassCallback | None]] = []
+
+    @classmethod
+    def for_model(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
+                  fixed: dict[str, Any]) -> LocalExecutor:
+        return cls(lambda: Worker.load(target, draft, device, dtype, workloads, fixed))
+
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            raise RuntimeError("LocalExecutor.start() must run before jobs are submitted")
+        return self._worker
+
+    def start(self) -> list[str]:
+        if self._worker is None:
+            self._worker = self._factory()
+        return [self._worker.id]
+
+    def free_slots(self) -> int:
+        return 0 if self._pending else 1
+
+    def submit(self, job: Job, on_first_pass: PassCallback | None = None) -> None:
+        if self._pending:
+            raise RuntimeError("the local executor runs one job at a time; call wait() first")
+        self._pending.append((job, on_first_pass))
+
+    def wait(self) -> list[Record]:
+        if not self._pending:
+            return []
+        job, callback = self._pending[0]
+        record = self.worker.measure(job, callback)
+        self._pending.clear()  # only once measured: an interrupt leaves the job visible as running
+        return [record]
+
+    def close(self) -> None:
+        self._pending.clear()
+        self._worker = None
+
+    def describe(self) -> dict[str, Any]:
+        if self._worker is None:
+            return {}
+        return {"device": self._worker.pair.device, "dtype": self._worker.pair.dtype, "workers": [self._worker.id]}

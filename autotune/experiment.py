@@ -1,0 +1,342 @@
+"""Experiment YAML → validated, frozen objects.
+
+Everything a sweep needs is checked here, before any database, MLflow run or model load exists:
+unknown keys, wrong types, bad choices, the search space, workload files and model names.
+Every refusal is an :class:`InputError` naming the file, the key, the rule and the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.errors import _MISSING, InputError
+from autotune.space import SearchSpace, load_space
+
+NAMED_WORKLOADS = ("humaneval", "chat", "agent")
+SAMPLERS = ("tpe", "gp", "random", "grid")
+PRUNERS = ("none", "wilcoxon")
+EXACTNESS = ("strict", "report")
+OBJECTIVES = ("decode_tps",)  # MEASUREMENT.md: end-to-end TPS is logged, never the objective
+EXECUTORS = ("local", "ray")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    target: str
+    draft: str
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    sets: tuple[str, ...]  # named sets, or JSONL paths resolved against the experiment's folder
+    n_prompts: int = 4
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    warmup: int = 1
+    repeats: int = 3
+    max_rel_mad: float = 0.10
+    exactness: str = "strict"
+    baseline_every: int = 10  # re-measure the AR baseline after this many other trials
+    confirm_top: int = 3  # configs re-measured in the confirmation phase
+    confirm_repeats: int = 5
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    n_trials: int = 20
+    sampler: str = "tpe"
+    pruner: str = "none"
+    seed: int | None = 0
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    kind: str = "local"
+    workers: int = 1
+    address: str | None = None
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    path: Path
+    model: ModelSpec
+    workload: WorkloadSpec
+    search_space: SearchSpace
+    objective: str = "decode_tps"
+    measure: MeasureSpec = field(default_factory=MeasureSpec)
+    study: StudySpec = field(default_factory=StudySpec)
+    executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    engine: tuple[tuple[str, Any], ...] = ()  # fixed EngineConfig fields under every trial
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def fixed_engine(self) -> dict[str, Any]:
+        return dict(self.engine)
+
+    def fingerprint(self) -> str:
+        """What makes two runs comparable: a resumed study must have been made from the same thing."""
+        data = {
+            "model": [self.model.target, self.model.draft, self.model.device, self.model.dtype],
+            "workload": [[_content_id(s) for s in self.workload.sets], self.workload.n_prompts,
+                         self.workload.max_new_tokens, self.workload.seed],
+            "space": self.search_space.fingerprint(),
+            "objective": self.objective,
+            "measure": [self.measure.warmup, self.measure.repeats, self.measure.max_rel_mad,
+                        self.measure.exactness],
+            "engine": sorted(self.engine),
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _content_id(spec: str) -> str:
+    """A JSONL set is identified by its content, so moving the experiment folder keeps the study."""
+    path = Path(spec)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else spec
+
+
+class _Section:
+    """Reads one mapping of the YAML, remembering its key path for error messages."""
+
+    def __init__(self, where: str, prefix: str, raw: Any, allowed: set[str]) -> None:
+        self.where, self.prefix = where, prefix
+        if not isinstance(raw, dict):
+            raise InputError(where, prefix or None, "must be a mapping", raw)
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise InputError(where, self.key(unknown[0]), f"unknown key; allowed keys are {sorted(allowed)}",
+                             unknown[0])
+        self.raw = raw
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def get(self, name: str, kind: type | tuple, default: Any = _MISSING) -> Any:
+        if name not in self.raw:
+            if default is _MISSING:
+                raise InputError(self.where, self.key(name), "is required")
+            return default
+        value = self.raw[name]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = " or ".join(k.__name__ if k is not type(None) else "null" for k in kinds)
+            raise InputError(self.where, self.key(name), f"must be of type {names}", value)
+        return value
+
+    def integer(self, name: str, default: Any = _MISSING, low: int = 0) -> int:
+        value = self.get(name, int, default)
+        if value < low:
+            raise InputError(self.where, self.key(name), f"must be >= {low}", value)
+        return value
+
+    def choice(self, name: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
+        value = self.get(name, str, default)
+        if value not in choices:
+            raise InputError(self.where, self.key(name), f"must be one of {list(choices)}", value)
+        return value
+
+
+def load(path: str | Path, *, check_models: bool = True) -> Experiment:
+    """Parse and validate an experiment file (and its search space, workloads and model names).
+
+    ``check_models=False`` skips only the model-existence check (used to validate templates
+    for models that are not on this machine).
+    """
+    path = Path(path).resolve()
+    where = str(path)
+    if not path.is_file():
+        raise InputError(where, None, "experiment file must exist", str(path))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InputError(where, None, f"must be valid YAML ({exc})") from None
+    top = _Section(where, "", raw, {"name", "model", "workload", "search_space", "objective", "measure",
+                                    "study", "executor", "engine"})
+    name = top.get("name", str)
+    if not _NAME_RE.match(name):
+        raise InputError(where, "name", "must match [A-Za-z0-9][A-Za-z0-9_.-]*", name)
+
+    model = _model(where, top.get("model", dict), path.parent)
+    workload = _workload(where, top.get("workload", dict), path.parent)
+    space_ref = top.get("search_space", str)
+    space_path = (path.parent / space_ref).resolve()
+    if not space_path.is_file():
+        raise InputError(where, "search_space", "must name an existing file (relative to the experiment)",
+                         space_ref)
+    space = load_space(space_path)
+    objective = top.choice("objective", OBJECTIVES, "decode_tps")
+    measure = _measure(where, top.get("measure", dict, {}))
+    study = _study(where, top.get("study", dict, {}))
+    executor = _executor(where, top.get("executor", dict, {}))
+    engine_fixed = _engine_fixed(where, top.get("engine", dict, {}), space)
+    if study.sampler == "grid":
+        space.grid()  # refuses continuous or oversized spaces now, not mid-sweep
+    if check_models:
+        _check_models(where, model)
+    return Experiment(name=name, path=path, model=model, workload=workload, search_space=space,
+                      objective=objective, measure=measure, study=study, executor=executor,
+                      engine=tuple(sorted(engine_fixed.items())))
+
+
+def _model(where: str, raw: dict, base: Path) -> ModelSpec:
+    s = _Section(where, "model", raw, {"target", "draft", "device", "dtype"})
+    target, draft = s.get("target", str), s.get("draft", str)
+    device = s.get("device", str, "auto")
+    if not _DEVICE_RE.match(device):
+        raise InputError(where, "model.device", "must be auto, cpu, mps, cuda or cuda:N", device)
+    return ModelSpec(target=_resolve_model_path(target, base), draft=_resolve_model_path(draft, base),
+                     device=device, dtype=s.choice("dtype", DTYPES, "auto"))
+
+
+def _resolve_model_path(spec: str, base: Path) -> str:
+    """Relative model folders and .gguf files are relative to the experiment, like every other path."""
+    looks_like_path = spec.startswith((".", "~")) or spec.endswith(".gguf") or ("/" in spec and ":" not in spec)
+    if not looks_like_path or Path(spec).expanduser().is_absolute():
+        return str(Path(spec).expanduser()) if spec.startswith("~") else spec
+    return str((base / spec).resolve())
+
+
+def _workload(where: str, raw: dict, base: Path) -> WorkloadSpec:
+    s = _Section(where, "workload", raw, {"sets", "n_prompts", "max_new_tokens", "seed"})
+    sets = s.get("sets", list)
+    if not sets:
+        raise InputError(where, "workload.sets", "must list at least one workload", sets)
+    resolved = []
+    for i, spec in enumerate(sets):
+        key = f"workload.sets[{i}]"
+        if not isinstance(spec, str) or not spec:
+            raise InputError(where, key, "must be a workload name or a JSONL path", spec)
+        if spec in NAMED_WORKLOADS:
+            resolved.append(spec)
+            continue
+        if not spec.endswith(".jsonl"):
+            raise InputError(where, key, f"must be one of {list(NAMED_WORKLOADS)} or a path to a .jsonl file",
+                             spec)
+        file = (base / spec).resolve()
+        if not file.is_file():
+            raise InputError(where, key, "JSONL file must exist (paths are relative to the experiment)", spec)
+        _check_jsonl(file)
+        resolved.append(str(file))
+    if len(set(resolved)) != len(resolved):
+        raise InputError(where, "workload.sets", "must not list a workload twice", sets)
+    return WorkloadSpec(sets=tuple(resolved), n_prompts=s.integer("n_prompts", 4, low=1),
+                        max_new_tokens=s.integer("max_new_tokens", 64, low=2), seed=s.integer("seed", 0))
+
+
+def _check_jsonl(file: Path) -> None:
+    """Catch a broken line with its number here; the engine's loader does the full parse."""
+    lines = [(n, line) for n, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise InputError(str(file), None, "JSONL workload must hold at least one prompt line")
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{file}:{n}", None, f"each line must be a JSON object ({exc.msg})", line[:80]) from None
+        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str)
+                                             or isinstance(obj.get("messages"), list)):
+            raise InputError(f"{file}:{n}", None, 'each line needs {"prompt": str} or {"messages": [...]}',
+                             line[:80])
+
+
+def _measure(where: str, raw: dict) -> MeasureSpec:
+    s = _Section(where, "measure", raw, {"warmup", "repeats", "max_rel_mad", "exactness", "baseline_every",
+                                         "confirm_top", "confirm_repeats"})
+    rel = s.get("max_rel_mad", (int, float), 0.10)
+    if not 0 < rel < 1:
+        raise InputError(where, "measure.max_rel_mad", "must be > 0 and < 1", rel)
+    return MeasureSpec(warmup=s.integer("warmup", 1), repeats=s.integer("repeats", 3, low=1),
+                       max_rel_mad=float(rel), exactness=s.choice("exactness", EXACTNESS, "strict"),
+                       baseline_every=s.integer("baseline_every", 10, low=1),
+                       confirm_top=s.integer("confirm_top", 3), confirm_repeats=s.integer("confirm_repeats", 5, low=1))
+
+
+def _study(where: str, raw: dict) -> StudySpec:
+    s = _Section(where, "study", raw, {"n_trials", "sampler", "pruner", "seed"})
+    seed = s.get("seed", (int, type(None)), 0)
+    if seed is not None and seed < 0:
+        raise InputError(where, "study.seed", "must be >= 0 or null", seed)
+    return StudySpec(n_trials=s.integer("n_trials", 20, low=1), sampler=s.choice("sampler", SAMPLERS, "tpe"),
+                     pruner=s.choice("pruner", PRUNERS, "none"), seed=seed)
+
+
+def _executor(where: str, raw: dict) -> ExecutorSpec:
+    s = _Section(where, "executor", raw, {"kind", "workers", "address"})
+    spec = ExecutorSpec(kind=s.choice("kind", EXECUTORS, "local"), workers=s.integer("workers", 1, low=1),
+                        address=s.get("address", (str, type(None)), None))
+    check_executor(where, ("executor.kind", "executor.workers"), spec.kind, spec.workers)
+    return spec
+
+
+def check_executor(where: str, keys: tuple[str, str], kind: str, workers: int) -> None:
+    """One rule for the YAML and the CLI: what this version can run."""
+    if kind == "ray":
+        raise InputError(where, keys[0], "the Ray executor is not available yet (it comes with the Ray issue); "
+                         "use `local`", kind)
+    if kind == "local" and workers != 1:
+        raise InputError(where, keys[1], "the local executor runs exactly one in-process worker", workers)
+
+
+def _engine_fixed(where: str, raw: dict, space: SearchSpace) -> dict[str, Any]:
+    from engine.config import EngineConfig, EngineInputError
+
+    clash = sorted(set(raw) & set(space.names))
+    if clash:
+        raise InputError(where, f"engine.{clash[0]}", "is both fixed here and tuned by the search space", clash[0])
+    if "verify" in raw:
+        raise InputError(where, "engine.verify", "is chosen per trial (baseline, reference, search space)",
+                         raw["verify"])
+    try:
+        EngineConfig.from_dict(dict(raw), source=f"{where}: engine")
+    except EngineInputError as exc:
+        raise InputError(where, "engine", f"the engine refuses these fixed fields ({exc})") from None
+    return dict(raw)
+
+
+def _check_models(where: str, model: ModelSpec) -> None:
+    import engine
+    from engine.config import EngineInputError
+
+    try:
+        engine.check_model_spec(model.target, model.draft)
+    except EngineInputError as exc:
+        raise InputError(where, "model", f"the engine refuses the model pair ({exc})",
+                         {"target": model.target, "draft": model.draft}) from None
+
+
+def load_workloads(exp: Experiment) -> list[Any]:
+    """Select the prompts of every workload set (deterministic by seed); refusals are input errors."""
+    from engine.config import EngineInputError
+    from engine.workloads import load_workload
+
+    out = []
+    for i, spec in enumerate(exp.workload.sets):
+        try:
+            out.append(load_workload(spec, exp.base_dir, exp.workload.n_prompts, exp.workload.seed))
+        except EngineInputError as exc:
+            raise InputError(str(exp.path), f"workload.sets[{i}]", f"the engine refuses this workload ({exc})",
+                             spec) from None
+    return out
+
+
+def workload_hash(workloads: list[Any]) -> str:
+    return hashlib.sha256("|".join(w.hash for w in workloads).encode()).hexdigest()[:16]

@@ -1,0 +1,299 @@
+"""A study → report.md and PNG plots (matplotlib, Agg backend: no display needed).
+
+Sections: the winner and whether it is a positive conclusion, exactness failures (loudly), top
+trials with spread, speedup vs AR, break-even AL and oracle gate per workload, the per-phase
+breakdown (and what the phases do not account for), which path won and by how much, failures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import optuna  # noqa: E402
+from optuna.trial import FrozenTrial, TrialState  # noqa: E402
+
+from autotune import results  # noqa: E402
+from autotune.study import role_of  # noqa: E402
+
+PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
+COVERAGE_TOLERANCE = 0.05  # phases must add up to the step time within a few percent
+
+
+def write_report(study: optuna.Study, out_dir: Path, top: int = 10) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ranked = results.ranked(study)
+    w = results.winner(study)
+    pngs = [p for p in (_plot_top(ranked[:top], out_dir), _plot_speedup(study, out_dir),
+                        _plot_phases(ranked[:5], out_dir), _plot_al(study, w, out_dir),
+                        _plot_paths(study, out_dir)) if p is not None]
+    md = out_dir / "report.md"
+    md.write_text(_markdown(study, ranked, w, top, pngs))
+    return [md, *pngs]
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _cfg_short(cfg: dict[str, Any]) -> str:
+    """The path and whatever differs from the engine's defaults (the full config is in the study)."""
+    from engine.config import EngineConfig
+
+    if cfg.get("verify") == "ar":
+        return "verify=ar"
+    defaults = EngineConfig().to_dict()
+    path = [f"{k}={cfg[k]}" for k in ("verify", "draft_path", "rollback") if k in cfg]
+    rest = [f"{k}={v}" for k, v in cfg.items() if k not in ("verify", "draft_path", "rollback")
+            and v != defaults.get(k)]
+    return " ".join(path + rest)
+
+
+def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner | None, top: int,
+              pngs: list[Path]) -> str:
+    a = study.user_attrs
+    counts = results.state_counts(study)
+    L = [f"# autotune report: {study.study_name}", ""]
+    L += [f"- experiment: `{a.get('experiment')}` ({a.get('experiment_path')})",
+          f"- model: target `{a.get('model', {}).get('target')}`, draft `{a.get('model', {}).get('draft')}`",
+          f"- device: {a.get('device')} ({a.get('dtype')}), git {a.get('git_sha')}",
+          f"- workloads: {a.get('workloads')} (hash {a.get('workload_hash')})",
+          f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "
+          f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible",
+          f"- exactness: {a.get('exactness')}", ""]
+    L += ["## Winner", ""]
+    if w is None:
+        L += ["No feasible completed trial yet.", ""]
+    else:
+        conf = ("confirmed by re-measurement" if w.confirmed
+                else "**not confirmed** (the confirmation phase did not run)")
+        L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
+              f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** decode-only "
+              f"(conservative {w.value:.2f}), speedup vs AR {_fmt(w.speedup_vs_ar)}x "
+              f"(AR {_fmt(w.ar_median_tps)} tok/s).", "", f"`{_cfg_short(w.config)}`", ""]
+        L += _conclusions(w)
+    L += _confirmation(study)
+    L += _exactness(study)
+    L += ["## Top trials", "", "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | AL | "
+          "break-even AL | exact | noisy | config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in ranked[:top]:
+        u = t.user_attrs
+        L.append(f"| {t.number} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
+                 f"{_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
+                 f"{_fmt(u.get('speedup_vs_ar'))} | {_fmt(u.get('acceptance_length'))} | "
+                 f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
+                 f"`{_cfg_short(u.get('config', {}))}` |")
+    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study), *_failures(study)]
+    L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
+    return "\n".join(L)
+
+
+def _conclusions(w: results.Winner) -> list[str]:
+    if not w.confirmed:
+        return ["No positive conclusion without the confirmation phase.", ""]
+    out = []
+    if w.role == "baseline":
+        out.append("**Plain AR decoding won**: no speculative config beat it on this machine and workload.")
+    elif w.positive_vs_ar:
+        out.append("**Positive conclusion vs AR**: the margin is more than twice the measured spread.")
+    else:
+        out.append("Not a positive conclusion vs AR: the margin is within twice the spread (treat as a tie).")
+    if w.positive_vs_reference is not None:
+        out.append("Beats the reference DDTree defaults by more than twice the spread." if w.positive_vs_reference
+                   else "Not distinguishable from the reference DDTree defaults (within twice the spread).")
+    return out + [""]
+
+
+def _confirmation(study: optuna.Study) -> list[str]:
+    conf = study.user_attrs.get("confirmation")
+    if not conf:
+        return []
+    L = ["## Confirmation", "", f"The top configs re-measured with {conf['repeats']} repeats after "
+         f"{conf['finished_trials']} trials; differences within the spread are ties, broken toward the simpler "
+         "config.", "", "| trial | decode tok/s (median ± spread) | speedup vs AR | break-even AL | tied | config |",
+         "|---|---|---|---|---|---|"]
+    for c in sorted(conf["candidates"], key=lambda c: -c["score"]["median"]):
+        sc = c["score"]
+        L.append(f"| {c['trial']} | {sc['median']:.2f} ± {sc['spread']:.2f} | {_fmt(c.get('speedup_vs_ar'))} | "
+                 f"{_fmt(c.get('break_even_al'))} | {_fmt(c['trial'] in conf['ties'])} | "
+                 f"`{_cfg_short(c['config'])}` |")
+    return L + [""]
+
+
+def _exactness(study: optuna.Study) -> list[str]:
+    bad = results.infeasible(study)
+    report_mode = [t for t in results.completed(study)
+                   if t.user_attrs.get("exact_match") is not None and t.user_attrs["exact_match"] < 1.0]
+    if not bad and not report_mode:
+        return ["## Exactness", "", "Every measured output equalled the AR output token for token.", ""]
+    L = ["## ⚠ EXACTNESS FAILURES", "", "These configs produced output that differs from the AR output. "
+         "They are infeasible under `exactness: strict` and never win.", "",
+         "| trial | exact fraction | first divergence | prompts | config |", "|---|---|---|---|---|"]
+    for t in {t.number: t for t in bad + report_mode}.values():
+        u = t.user_attrs
+        L.append(f"| {t.number} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('first_divergence'))} | "
+                 f"{', '.join(u.get('inexact_prompts', [])[:5])} | `{_cfg_short(u.get('config', {}))}` |")
+    return L + [""]
+
+
+def _baselines(study: optuna.Study) -> list[str]:
+    base = [t for t in results.completed(study) if role_of(t) == "baseline"]
+    L = ["## Speedup vs AR", "", "Speedups are median ratios against the nearest AR baseline on the same worker "
+         "and prompt set. AR baselines measured:", "", "| trial | worker | AR tok/s (median ± spread) | drift vs "
+         "previous |", "|---|---|---|---|"]
+    for t in base:
+        u = t.user_attrs
+        L.append(f"| {t.number} | {u.get('worker')} | {_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} "
+                 f"| {_fmt(u.get('ar_drift'), 3)} |")
+    return L + [""]
+
+
+def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
+    shown = [t for t in results.ranked(study) if role_of(t) != "baseline"][:1]
+    shown += [t for t in results.completed(study) if role_of(t) == "reference"][:1]
+    L = ["## Break-even AL and oracle gate per workload", "",
+         "Speculation beats plain decoding iff AL > break-even AL = step_ms / AR ms-per-token. The oracle "
+         "gate is the TPS of an ideal per-step switch between speculation and AR (an upper bound for any "
+         "gating policy).", "", "| trial | workload | tok/s | AR tok/s | speedup | AL | break-even AL | steps "
+         "beating break-even | oracle-gate tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in {t.number: t for t in shown}.values():
+        for name, s in t.user_attrs.get("per_set", {}).items():
+            g = s.get("oracle_gate") or {}
+            cells = [t.number, name, _fmt(s.get("decode_tps_median")), _fmt(s.get("ar_decode_tps")),
+                     _fmt(s.get("speedup_vs_ar")), _fmt(s.get("acceptance_length")), _fmt(g.get("break_even_al")),
+                     _fmt(g.get("fraction_beating")), _fmt(g.get("ideal_tps"))]
+            L.append("| " + " | ".join(map(str, cells)) + " |")
+    return L + [""]
+
+
+def _phases(trials: list[FrozenTrial]) -> list[str]:
+    L = ["## Per-phase breakdown (ms per step)", "", "| trial | " + " | ".join(PHASES) + " | sum | step | "
+         "coverage |", "|---" * (len(PHASES) + 4) + "|"]
+    notes = []
+    for t in trials:
+        u = t.user_attrs
+        ph = u.get("phase_ms_per_step", {})
+        total, step = sum(ph.values()), u.get("step_ms") or 0.0
+        cov = total / step if step else None
+        L.append(f"| {t.number} | " + " | ".join(_fmt(ph.get(p), 3) for p in PHASES)
+                 + f" | {_fmt(total, 3)} | {_fmt(step, 3)} | {_fmt(cov)} |")
+        if cov is not None and abs(cov - 1) > COVERAGE_TOLERANCE:
+            what = "not timed by any phase" if cov < 1 else "double counted"
+            notes.append(f"- trial {t.number}: the phases account for {cov:.0%} of the step time; "
+                         f"{abs(step - total):.3f} ms/step is {what} (host overhead between phases, bookkeeping).")
+    return L + [""] + notes + ([""] if notes else [])
+
+
+def _paths(study: optuna.Study) -> list[str]:
+    best = results.best_per_path(study)
+    L = ["## Which path won", ""]
+    if not best:
+        return L + ["No feasible trials.", ""]
+    lead_path, lead = best[0]
+    L.append(f"Best path: `{lead_path}` (trial {lead.number}, value {lead.value:.2f}).")
+    for path, t in best[1:]:
+        margin = (lead.value - t.value) / t.value if t.value else float("nan")
+        L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} ahead.")
+    return L + [""]
+
+
+def _failures(study: optuna.Study) -> list[str]:
+    failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    if not failed:
+        return []
+    L = ["## Failed trials", ""]
+    L += [f"- trial {t.number} ({role_of(t)}): {t.user_attrs.get('fail_reason', 'no reason recorded')}" for t in failed]
+    return L + [""]
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _plot_top(trials: list[FrozenTrial], out: Path) -> Path | None:
+    if not trials:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(trials) + 1.5))
+    labels = [f"#{t.number} {results.path_of(t.user_attrs.get('config', {}))}" for t in trials][::-1]
+    med = [t.user_attrs.get("decode_tps_median", 0.0) for t in trials][::-1]
+    err = [t.user_attrs.get("spread", 0.0) for t in trials][::-1]
+    ax.barh(labels, med, xerr=err, color=["tab:gray" if role_of(t) == "baseline" else "tab:blue"
+                                          for t in trials][::-1], capsize=3)
+    ax.set_xlabel("decode-only tok/s (median ± 1.4826·MAD)")
+    ax.set_title("Top feasible trials")
+    return _save(fig, out / "top_trials.png")
+
+
+def _plot_speedup(study: optuna.Study, out: Path) -> Path | None:
+    pts = [(t.number, t.user_attrs["speedup_vs_ar"], results.feasible(t)) for t in results.completed(study)
+           if t.user_attrs.get("speedup_vs_ar") is not None and role_of(t) != "baseline"]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], label="feasible")
+    ax.scatter([p[0] for p in pts if not p[2]], [p[1] for p in pts if not p[2]], marker="x", color="red",
+               label="inexact (infeasible)")
+    ax.axhline(1.0, color="gray", linestyle="--", label="AR")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("speedup vs AR (median ratio)")
+    ax.legend()
+    return _save(fig, out / "speedup_vs_ar.png")
+
+
+def _plot_phases(trials: list[FrozenTrial], out: Path) -> Path | None:
+    trials = [t for t in trials if t.user_attrs.get("phase_ms_per_step") and role_of(t) != "baseline"]
+    if not trials:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottom = [0.0] * len(trials)
+    names = [f"#{t.number}" for t in trials]
+    for p in PHASES:
+        vals = [t.user_attrs["phase_ms_per_step"].get(p, 0.0) for t in trials]
+        ax.bar(names, vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.scatter(names, [t.user_attrs.get("step_ms", 0.0) for t in trials], color="black", marker="_", s=400,
+               label="step time", zorder=3)
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize="small")
+    return _save(fig, out / "phases.png")
+
+
+def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path | None:
+    spec = [t for t in results.ranked(study) if role_of(t) != "baseline"]
+    if not spec or not spec[0].user_attrs.get("al_histogram"):
+        return None
+    t = spec[0]
+    hist = {int(k): v for k, v in t.user_attrs["al_histogram"].items()}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(hist), list(hist.values()))
+    be = t.user_attrs.get("break_even_al")
+    if be:
+        ax.axvline(be, color="red", linestyle="--", label=f"break-even AL {be:.2f}")
+        ax.legend()
+    ax.set_xlabel("tokens committed per step (AL)")
+    ax.set_ylabel("steps")
+    ax.set_title(f"AL histogram, best speculative trial #{t.number}")
+    return _save(fig, out / "al_histogram.png")
+
+
+def _plot_paths(study: optuna.Study, out: Path) -> Path | None:
+    best = results.best_per_path(study)
+    if not best:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(best) + 1.5))
+    ax.barh([p for p, _ in best][::-1], [t.value for _, t in best][::-1])
+    ax.set_xlabel("best conservative value (median − spread), tok/s")
+    ax.set_title("Best config per implementation path")
+    return _save(fig, out / "paths.png")

@@ -1,0 +1,151 @@
+"""Reading a finished (or running) study: trial views, the winner, the facts a summary prints.
+
+Every command that reads (`status`, `best`, `report`, `export`, the end-of-sweep summary) goes
+through here, so they agree on what "best" means: the confirmed winner when the confirmation
+phase ran, otherwise the highest conservative value among feasible trials, marked unconfirmed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.study import counts_toward_budget, role_of
+
+
+def feasible(t: FrozenTrial) -> bool:
+    return all(v <= 0 for v in t.constraints.values())
+
+
+def completed(study: optuna.Study) -> list[FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def ranked(study: optuna.Study) -> list[FrozenTrial]:
+    """Feasible completed trials, best conservative value first."""
+    return sorted((t for t in completed(study) if feasible(t)), key=lambda t: -(t.value or 0.0))
+
+
+def infeasible(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in completed(study) if not feasible(t)]
+
+
+def state_counts(study: optuna.Study) -> dict[str, int]:
+    trials = study.get_trials(deepcopy=False)
+    counts = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState}
+    counts["finished"] = sum(counts_toward_budget(t) for t in trials)
+    counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
+    counts["infeasible"] = len(infeasible(study))
+    return counts
+
+
+@dataclass(frozen=True)
+class Winner:
+    trial: int
+    role: str
+    config: dict[str, Any]
+    confirmed: bool
+    median_tps: float
+    spread: float
+    value: float
+    speedup_vs_ar: float | None
+    ar_median_tps: float | None
+    positive_vs_ar: bool | None
+    positive_vs_reference: bool | None
+    acceptance_length: float | None
+    break_even_al: float | None
+    exact_match: float | None
+    device: str
+    workload_hash: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def winner(study: optuna.Study) -> Winner | None:
+    conf = study.user_attrs.get("confirmation")
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    if conf and conf.get("winner") is not None and conf["winner"] in by_number:
+        t = by_number[conf["winner"]]
+        cand = next(c for c in conf["candidates"] if c["trial"] == conf["winner"])
+        return Winner(
+            trial=t.number, role=role_of(t), config=t.user_attrs.get("config", {}), confirmed=True,
+            median_tps=cand["score"]["median"], spread=cand["score"]["spread"], value=cand["score"]["value"],
+            speedup_vs_ar=cand.get("speedup_vs_ar"), ar_median_tps=conf.get("ar_median_tps"),
+            positive_vs_ar=conf.get("positive_vs_ar"), positive_vs_reference=conf.get("positive_vs_reference"),
+            acceptance_length=t.user_attrs.get("acceptance_length"), break_even_al=cand.get("break_even_al"),
+            exact_match=cand.get("exact_match"), device=t.user_attrs.get("device", ""),
+            workload_hash=t.user_attrs.get("workload_hash", ""),
+        )
+    top = ranked(study)
+    if not top:
+        return None
+    t = top[0]
+    a = t.user_attrs
+    return Winner(
+        trial=t.number, role=role_of(t), config=a.get("config", {}), confirmed=False,
+        median_tps=a.get("decode_tps_median", 0.0), spread=a.get("spread", 0.0), value=t.value or 0.0,
+        speedup_vs_ar=a.get("speedup_vs_ar"), ar_median_tps=a.get("ar_decode_tps"), positive_vs_ar=None,
+        positive_vs_reference=None, acceptance_length=a.get("acceptance_length"),
+        break_even_al=a.get("break_even_al"), exact_match=a.get("exact_match"), device=a.get("device", ""),
+        workload_hash=a.get("workload_hash", ""),
+    )
+
+
+def path_of(config: dict[str, Any]) -> str:
+    """The implementation path a config takes (what a tuner must not confuse with parameters)."""
+    verify = config.get("verify", "?")
+    if verify == "ar":
+        return "ar"
+    return f"{verify}/{config.get('draft_path', '?')}/{config.get('rollback', '?')}"
+
+
+def best_per_path(study: optuna.Study) -> list[tuple[str, FrozenTrial]]:
+    best: dict[str, FrozenTrial] = {}
+    for t in ranked(study):
+        best.setdefault(path_of(t.user_attrs.get("config", {})), t)
+    return sorted(best.items(), key=lambda kv: -(kv[1].value or 0.0))
+
+
+def summary(study: optuna.Study) -> dict[str, Any]:
+    """The greppable facts, in a stable order."""
+    counts = state_counts(study)
+    w = winner(study)
+    out: dict[str, Any] = {
+        "study": study.study_name,
+        "trials_finished": counts["finished"],
+        "trials_complete": counts["complete"],
+        "trials_pruned": counts["pruned"],
+        "trials_failed": counts["fail"],
+        "trials_interrupted": counts["interrupted"],
+        "trials_running": counts["running"],
+        "trials_infeasible": counts["infeasible"],
+    }
+    if w is None:
+        out["best_trial"] = None
+        return out
+    out.update({
+        "best_trial": w.trial,
+        "best_role": w.role,
+        "best_path": path_of(w.config),
+        "best_confirmed": w.confirmed,
+        "best_decode_tps": round(w.median_tps, 3),
+        "best_spread": round(w.spread, 3),
+        "best_value": round(w.value, 3),
+        "best_speedup_vs_ar": None if w.speedup_vs_ar is None else round(w.speedup_vs_ar, 3),
+        "ar_decode_tps": None if w.ar_median_tps is None else round(w.ar_median_tps, 3),
+        "best_acceptance_length": None if w.acceptance_length is None else round(w.acceptance_length, 3),
+        "best_break_even_al": None if w.break_even_al is None else round(w.break_even_al, 3),
+        "positive_vs_ar": w.positive_vs_ar,
+        "positive_vs_reference": w.positive_vs_reference,
+        "device": w.device,
+        "workload_hash": w.workload_hash,
+    })
+    return out
+
+
+def format_summary(facts: dict[str, Any]) -> str:
+    return "\n".join(f"{k}: {'none' if v is None else v}" for k, v in facts.items())

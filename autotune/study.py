@@ -1,0 +1,322 @@
+"""Storage, sampler, pruner, resume: everything about the Optuna study except measuring.
+
+Storage URLs:
+- any SQLAlchemy URL (``sqlite:///autotune.db`` is the embedded default, ``postgresql+psycopg://...``
+  for several drivers or hosts sharing one study);
+- ``journal:PATH`` for an Optuna journal file;
+- ``memory`` for an in-process study that is gone when the command ends (tests, dry runs).
+
+Resume: the same command finds the study by name. A RUNNING trial whose driver is gone (same
+host and its pid is dead, or no heartbeat for ``STALE_AFTER_S``) is marked FAIL with a
+``fail_reason`` and ``interrupted: true``; its params are retried once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler, GPSampler, GridSampler, RandomSampler, TPESampler
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.errors import InputError
+from autotune.experiment import Experiment
+
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 600.0  # another host's trial without a heartbeat for this long is dead
+ROLES = ("baseline", "reference", "search")
+# The public DDTree defaults (budget 22, top-k 8, proposal temperature 1.0, the whole top-1 chain
+# seeded, fast rollback), with the experiment's fixed fields over it.
+REFERENCE = {"verify": "ddtree", "budget": 22, "top_k": 8, "proposal_temp": 1.0, "chain_seed": None,
+             "rollback": "fast"}
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    url: str
+    kind: str  # rdb | journal | memory
+    path: Path | None = None  # the local file, for sqlite and journal storages
+
+    def exists(self) -> bool:
+        return self.kind != "memory" and (self.path is None or self.path.exists())
+
+
+def parse_storage(url: str, flag: str = "--storage") -> StorageSpec:
+    """Check a storage URL without creating anything."""
+    if url == "memory":
+        return StorageSpec(url, "memory")
+    if url.startswith("journal:"):
+        raw = url[len("journal:"):]
+        raw = raw[2:] if raw.startswith("///") else raw  # journal:///abs/path → /abs/path
+        if not raw:
+            raise InputError(flag, None, "journal storage needs a file: journal:PATH", url)
+        path = Path(raw).resolve()
+        _check_parent(flag, url, path)
+        return StorageSpec(url, "journal", path)
+    if "://" not in url:
+        raise InputError(flag, None, "must be a SQLAlchemy URL (sqlite:///FILE, postgresql+psycopg://...), "
+                         "journal:FILE or memory", url)
+    scheme = url.split("://", 1)[0]
+    if scheme == "sqlite":
+        raw = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
+        if not raw or raw == ":memory:":
+            raise InputError(flag, None, "sqlite storage needs a file (sqlite:///FILE); use `memory` for an "
+                             "in-process study", url)
+        path = Path(raw).resolve()
+        _check_parent(flag, url, path)
+        return StorageSpec(url, "rdb", path)
+    import sqlalchemy
+
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect()
+    except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ImportError) as exc:
+        raise InputError(flag, None, f"must be a storage URL this installation can open ({exc})", url) from None
+    return StorageSpec(url, "rdb")
+
+
+def _check_parent(flag: str, url: str, path: Path) -> None:
+    if not path.parent.is_dir():
+        raise InputError(flag, None, "the folder of the storage file must exist", url)
+
+
+def open_storage(spec: StorageSpec, *, create: bool) -> optuna.storages.BaseStorage:
+    """Open (``create=True``: create if needed) a storage. Reading commands pass ``create=False``
+    and get an :class:`InputError` instead of a new empty database."""
+    if not create and not spec.exists():
+        raise InputError("--storage", None, "no study storage there (run `autotune sweep` first)", spec.url)
+    if spec.kind == "memory":  # lives as long as the returned object: one command, or one API call
+        return optuna.storages.InMemoryStorage()
+    if spec.kind == "journal":
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        return JournalStorage(JournalFileBackend(str(spec.path)))
+    return optuna.storages.RDBStorage(spec.url)
+
+
+def load_existing(storage: optuna.storages.BaseStorage, name: str) -> optuna.Study:
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    if name not in names:
+        raise InputError("STUDY", None, f"no such study in this storage; studies there are {sorted(names)}", name)
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def make_sampler(exp: Experiment, n_trials: int) -> BaseSampler:
+    seed = exp.study.seed
+    # Few trials overnight on a big model: do not spend most of them on random start-up.
+    startup = max(2, min(10, n_trials // 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if exp.study.sampler == "tpe":
+            # multivariate + group: TPE models each conditional sub-space (the paths) on its own
+            return TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=startup)
+        if exp.study.sampler == "gp":
+            return GPSampler(seed=seed, n_startup_trials=startup, warn_independent_sampling=False)
+        if exp.study.sampler == "random":
+            return RandomSampler(seed=seed)
+        return _Grid(exp.search_space.grid(), seed=seed)
+
+
+class _Grid(GridSampler):
+    """GridSampler that leaves stopping to the driver (its own stop() only works inside optimize)."""
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Any) -> None:
+        return None
+
+    def exhausted(self, study: optuna.Study) -> bool:
+        return not self._get_unvisited_grid_ids(study)
+
+
+def grid_exhausted(study: optuna.Study) -> bool:
+    return isinstance(study.sampler, _Grid) and study.sampler.exhausted(study)
+
+
+def make_pruner(exp: Experiment) -> optuna.pruners.BasePruner:
+    if exp.study.pruner == "wilcoxon":
+        # steps are prompts: a config is dropped once its per-prompt TPS is significantly below the best's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(storage: optuna.storages.BaseStorage, name: str, exp: Experiment, n_trials: int,
+               meta: dict[str, Any]) -> optuna.Study:
+    """Create or resume; a resumed study must come from the same experiment."""
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                sampler=make_sampler(exp, n_trials), pruner=make_pruner(exp), load_if_exists=True)
+    if study.direction != optuna.study.StudyDirection.MAXIMIZE:
+        raise InputError("--study-name", None, "an existing study with this name minimizes; autotune maximizes "
+                         "decode TPS: pick another --study-name", name)
+    if "fingerprint" not in study.user_attrs:
+        study.set_user_attr("fingerprint", exp.fingerprint())
+        for key, value in {"experiment": exp.name, "experiment_path": str(exp.path), "objective": exp.objective,
+                           "model": {"target": exp.model.target, "draft": exp.model.draft,
+                                     "device": exp.model.device, "dtype": exp.model.dtype},
+                           "fixed_engine": exp.fixed_engine, "exactness": exp.measure.exactness,
+                           "created": _now(), **meta}.items():
+            study.set_user_attr(key, value)
+    check_fingerprint(study, exp)
+    return study
+
+
+def check_fingerprint(study: optuna.Study, exp: Experiment) -> None:
+    fp = study.user_attrs.get("fingerprint")
+    if fp is not None and fp != exp.fingerprint():
+        raise InputError(str(exp.path), None, f"study {study.study_name!r} in this storage was made from a different "
+                         "experiment (model, workload, search space or measure changed); resume it with the same "
+                         "file, or start a new study with --study-name", study.user_attrs.get("experiment_path"))
+
+
+def peek(spec: StorageSpec, name: str, exp: Experiment) -> optuna.Study | None:
+    """The existing study, if any, read before the models load (nothing is created here)."""
+    if not spec.exists():
+        return None
+    storage = open_storage(spec, create=False)
+    if name not in [s.study_name for s in optuna.get_all_study_summaries(storage)]:
+        return None
+    study = optuna.load_study(study_name=name, storage=storage)
+    check_fingerprint(study, exp)
+    return study
+
+
+def me() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def is_stale(trial: FrozenTrial, now: dt.datetime | None = None) -> bool:
+    """A RUNNING trial is stale when its driver is provably gone, or silent for too long."""
+    driver = trial.user_attrs.get("driver")
+    if driver:
+        host, _, pid = driver.rpartition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            return int(pid) != os.getpid() and not _pid_alive(int(pid))
+    now = now or dt.datetime.now(dt.UTC)
+    beat = trial.user_attrs.get("heartbeat")
+    last = dt.datetime.fromisoformat(beat) if beat else trial.datetime_start
+    if last is None:
+        return True
+    if last.tzinfo is None:  # Optuna stores naive local datetimes
+        last = last.astimezone(dt.UTC)
+    return (now - last).total_seconds() > STALE_AFTER_S
+
+
+def fail_trial(study: optuna.Study, trial_number: int, reason: str, interrupted: bool) -> None:
+    """Mark a RUNNING trial FAIL with its reason (attributes first: a finished trial is read-only)."""
+    trial = optuna.trial.Trial(study, _trial_id(study, trial_number))
+    trial.set_user_attr("fail_reason", reason)
+    if interrupted:
+        trial.set_user_attr("interrupted", True)
+    study.tell(trial, state=TrialState.FAIL)
+
+
+def _trial_id(study: optuna.Study, number: int) -> int:
+    return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+
+
+def recover_stale(study: optuna.Study) -> list[int]:
+    """Fail the RUNNING trials whose driver is gone; return their numbers."""
+    failed = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if is_stale(t):
+            fail_trial(study, t.number, f"interrupted: its driver {t.user_attrs.get('driver', '?')} stopped "
+                       "while the trial was running", interrupted=True)
+            failed.append(t.number)
+    return failed
+
+
+def pending_retries(study: optuna.Study) -> list[FrozenTrial]:
+    """Interrupted trials whose params were not retried yet (a retry is never retried again)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    return [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("interrupted")
+            and "retry_of" not in t.user_attrs and t.number not in retried]
+
+
+def enqueue(study: optuna.Study, role: str, params: dict[str, Any] | None = None, **attrs: Any) -> None:
+    study.enqueue_trial(params or {}, user_attrs={"role": role, **attrs})
+
+
+def counts_toward_budget(t: FrozenTrial) -> bool:
+    """Every finished measurement counts; an interrupted trial does not (its retry will)."""
+    return t.state in FINISHED and not t.user_attrs.get("interrupted")
+
+
+def n_finished(study: optuna.Study) -> int:
+    return sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
+
+
+def role_of(t: FrozenTrial) -> str:
+    return t.user_attrs.get("role", "search")
+
+
+def needs_baseline(study: optuna.Study, worker: str, every: int) -> bool:
+    """No baseline attempt on this worker yet, or ``every`` other trials since the last one."""
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state == TrialState.WAITING and role_of(t) == "baseline" for t in trials):
+        return False
+    mine = [t for t in trials if t.user_attrs.get("worker") == worker and t.state in FINISHED]
+    last = max((t.number for t in mine if role_of(t) == "baseline"), default=None)
+    if last is None:
+        return True
+    return sum(t.number > last and counts_toward_budget(t) for t in mine) >= every
+
+
+def has_role(study: optuna.Study, role: str) -> bool:
+    return any(role_of(t) == role for t in study.get_trials(deepcopy=False)
+               if not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted")))
+
+
+def nearest_baseline(study: optuna.Study, number: int, worker: str, workload_hash: str) -> FrozenTrial | None:
+    """The AR measurement closest in trial order on the same worker and prompt set."""
+    candidates = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                  if role_of(t) == "baseline" and t.user_attrs.get("worker") == worker
+                  and t.user_attrs.get("workload_hash") == workload_hash and t.number != number]
+    return min(candidates, key=lambda t: (abs(t.number - number), -t.number), default=None)
+
+
+class Heartbeat:
+    """Writes ``heartbeat`` on a RUNNING trial every ``HEARTBEAT_S`` so drivers on other hosts can
+    tell a long trial from a dead one. The driver process stays the only writer."""
+
+    def __init__(self, trial: optuna.trial.Trial) -> None:
+        self._trial = trial
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="autotune-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._trial.set_user_attr("heartbeat", _now())
+            except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+                return  # the trial finished meanwhile
+
+    def __enter__(self) -> Heartbeat:
+        self._trial.set_user_attr("heartbeat", _now())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,447 @@
+"""The driver: ask → measure on a warm worker → score → tell → log, then confirm the winner.
+
+The driver is the only writer to the Optuna storage and to MLflow. Trial order per worker:
+the AR baseline first (and again every ``baseline_every`` trials), retries of interrupted trials,
+the reference config once per study, then the sampler's suggestions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import optuna
+from optuna.samplers import GridSampler
+from optuna.trial import TrialState
+from tqdm import tqdm
+
+from autotune import measure, results
+from autotune import study as st
+from autotune.executors import Executor, LocalExecutor
+from autotune.experiment import Experiment, workload_hash
+from autotune.tracking import open_tracker
+from autotune.worker import Job, Record
+from engine.config import EngineConfig, EngineInputError
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    n_trials: int
+    storage: st.StorageSpec
+    study_name: str
+    tracking_uri: str | None  # None: MLflow off
+    timeout_s: float | None = None
+    progress: bool = True
+
+
+@dataclass
+class SweepOutcome:
+    study: optuna.Study
+    exit_code: int
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, executor: Executor | None = None,
+              out: TextIO = sys.stdout) -> SweepOutcome:
+    """Run (or resume) a sweep. The inputs were validated by the caller; the model pair is loaded
+    before the storage and MLflow are opened, so a model that fails to load leaves no files behind."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    done = _already_done(exp, opts)
+    if done is not None:  # nothing left to measure: do not load (possibly huge) models for nothing
+        facts = {**results.summary(done), "storage": opts.storage.url, "exit": "done (nothing left to run)"}
+        print(results.format_summary(facts), file=out, flush=True)
+        return SweepOutcome(study=done, exit_code=0, facts=facts)
+    executor = executor or LocalExecutor.for_model(exp.model.target, exp.model.draft, exp.model.device,
+                                                   exp.model.dtype, workloads, exp.fixed_engine)
+    with _CtrlC() as ctrl_c:
+        try:
+            with ctrl_c.measuring():
+                workers = executor.start()
+        except BaseException:
+            executor.close()
+            raise
+        return _sweep(exp, opts, workloads, executor, workers, ctrl_c, out)
+
+
+def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: Executor, workers: list[str],
+           ctrl_c: _CtrlC, out: TextIO) -> SweepOutcome:
+    started = time.monotonic()
+    wl_hash = workload_hash(workloads)
+    device = executor.describe()
+    storage = st.open_storage(opts.storage, create=True)
+    study = st.open_study(storage, opts.study_name, exp, opts.n_trials,
+                          meta={"git_sha": git_sha(), "workload_hash": wl_hash,
+                                "workloads": [w.name for w in workloads], "device": device.get("device"),
+                                "dtype": device.get("dtype")})
+    recovered = st.recover_stale(study)
+    tracker = open_tracker(opts.tracking_uri, study, exp.name)
+    driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c)
+    driver.workers = workers
+    status, code = "FINISHED", 0
+    try:
+        tracker.sync()  # trials finished (or just failed as stale) before a crash get their runs now
+        driver.loop(started)
+        driver.confirm()
+        ctrl_c.checkpoint()  # a Ctrl-C during the last bookkeeping still means "stopped by the user"
+    except KeyboardInterrupt:
+        driver.fail_running("interrupted by Ctrl-C; the trial was not finished")
+        status, code = "KILLED", 130
+    finally:
+        driver.close_progress()
+        executor.close()
+        tracker.finish(status)
+    facts = results.summary(study)
+    facts.update({"storage": opts.storage.url, "stale_trials_failed": len(recovered),
+                  "mlflow_parent_run": getattr(tracker, "parent", None) or "none",
+                  "elapsed_s": round(time.monotonic() - started, 1), "exit": "interrupted" if code else "done"})
+    print(results.format_summary(facts), file=out, flush=True)
+    return SweepOutcome(study=study, exit_code=code, facts=facts)
+
+
+def _already_done(exp: Experiment, opts: SweepOptions) -> optuna.Study | None:
+    study = st.peek(opts.storage, opts.study_name, exp)
+    if study is None or st.n_finished(study) < opts.n_trials:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials):
+        return None  # stale trials to fail, or queued work: let the full path handle them
+    conf = study.user_attrs.get("confirmation")
+    if exp.measure.confirm_top and not (conf and conf.get("finished_trials") == st.n_finished(study)):
+        return None
+    return study
+
+
+class _CtrlC:
+    """Ctrl-C arrives at a safe point.
+
+    While a worker measures, Ctrl-C interrupts at once (stopping torch mid-generation is harmless).
+    While the driver talks to the storage or MLflow, it is held until the next checkpoint: an
+    interrupt inside a SQLite transaction would leave the database locked for the clean-up that
+    fails the running trial.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.immediate = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.immediate:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def checkpoint(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Storage work in the middle of a measurement (the pruning report): hold Ctrl-C, then deliver it."""
+        was = self.immediate
+        self.immediate = False
+        try:
+            yield
+        finally:
+            self.immediate = was
+            if was:
+                self.checkpoint()
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        self.checkpoint()
+        self.immediate = True
+        try:
+            yield
+        finally:
+            self.immediate = False
+
+
+class _Driver:
+    def __init__(self, exp: Experiment, opts: SweepOptions, study: optuna.Study, executor: Executor,
+                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: _CtrlC) -> None:
+        self.exp, self.opts, self.study, self.executor = exp, opts, study, executor
+        self.ctrl_c = ctrl_c
+        self.tracker, self.wl_hash, self.out = tracker, wl_hash, out
+        self.workers: list[str] = []
+        self.running: optuna.trial.Trial | None = None
+        self.bar: tqdm | None = None
+
+    # ---------------------------------------------------------------- the loop
+    def loop(self, started: float) -> None:
+        total = self.opts.n_trials
+        self.bar = tqdm(total=total, initial=min(st.n_finished(self.study), total), desc=self.study.study_name,
+                        unit="trial", disable=not self.opts.progress, file=sys.stderr, dynamic_ncols=True)
+        self._update_bar()
+        while st.n_finished(self.study) < total:
+            self.ctrl_c.checkpoint()
+            if self.opts.timeout_s is not None and time.monotonic() - started > self.opts.timeout_s:
+                tqdm.write(f"timeout: {self.opts.timeout_s:.0f}s reached, no new trials", file=sys.stderr)
+                break
+            self._plan(self.workers[0])
+            if st.grid_exhausted(self.study) and not self._waiting():
+                tqdm.write("grid: every point was measured", file=sys.stderr)
+                break
+            self.run_trial(self._ask(self.workers[0]), self.workers[0])
+
+    def _ask(self, worker: str) -> optuna.trial.Trial:
+        """Ask for the next trial, its driver recorded before it is RUNNING.
+
+        ``ask()`` runs the sampler after the trial is already RUNNING in the storage; a driver killed
+        during that window would leave a RUNNING trial that names no driver. Queuing the trial first
+        (with no fixed params, so the sampler still chooses everything) closes that window. The grid
+        sampler assigns grid points only to trials it was not handed, so it asks directly.
+        """
+        if not self._waiting() and not isinstance(self.study.sampler, GridSampler):
+            st.enqueue(self.study, "search", driver=st.me(), worker=worker)
+        return self.study.ask()
+
+    def _waiting(self) -> bool:
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+    def _plan(self, worker: str) -> None:
+        """Queue what must run before the sampler's next suggestion (lazily, one at a time)."""
+        if self._waiting():
+            return
+        if st.needs_baseline(self.study, worker, self.exp.measure.baseline_every):
+            st.enqueue(self.study, "baseline", driver=st.me(), worker=worker)
+        elif retries := st.pending_retries(self.study):
+            t = retries[0]
+            st.enqueue(self.study, st.role_of(t), dict(t.params), retry_of=t.number, driver=st.me(), worker=worker)
+        elif not st.has_role(self.study, "reference"):
+            st.enqueue(self.study, "reference", driver=st.me(), worker=worker)
+
+    def config_for(self, trial: optuna.trial.Trial, role: str) -> dict[str, Any]:
+        fixed = self.exp.fixed_engine
+        if role == "baseline":
+            return {**fixed, "verify": "ar"}
+        if role == "reference":
+            return {**st.REFERENCE, **fixed}
+        return {**fixed, **self.exp.search_space.suggest(trial)}
+
+    def run_trial(self, trial: optuna.trial.Trial, worker: str) -> None:
+        self.running = trial
+        role = trial.user_attrs.get("role", "search")
+        config = self.config_for(trial, role)
+        try:  # record every field, defaults included: provenance, paths and dedup need the full config
+            config = EngineConfig.from_dict(config, source=f"trial {trial.number}").to_dict()
+        except EngineInputError:
+            pass  # the worker turns the engine's refusal into this trial's fail_reason
+        for key, value in {"role": role, "driver": st.me(), "worker": worker, "workload_hash": self.wl_hash,
+                           "config": config}.items():
+            trial.set_user_attr(key, value)
+        m = self.exp.measure
+        job = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
+                  warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
+        prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
+        with st.Heartbeat(trial):
+            self.executor.submit(job, prune)
+            with self.ctrl_c.measuring():
+                (record,) = self.executor.wait()
+        self.tell(trial, record, reported=prune is not None)
+        self.running = None
+        self.tracker.log_trial(self.study.get_trials(deepcopy=False)[trial.number])
+        self._update_bar(advance=1)
+
+    def _pruning_callback(self, trial: optuna.trial.Trial):
+        def on_first_pass(per_prompt_tps: list[float]) -> bool:
+            with self.ctrl_c.holding():
+                for step, tps in enumerate(per_prompt_tps):
+                    trial.report(tps, step)
+                return trial.should_prune()
+        return on_first_pass
+
+    # ---------------------------------------------------------------- scoring
+    def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool) -> None:
+        trial.set_user_attr("device", rec.device)
+        trial.set_user_attr("elapsed_s", round(rec.elapsed_s, 3))
+        if not rec.ok:
+            trial.set_user_attr("fail_reason", rec.fail_reason)
+            tqdm.write(f"trial {trial.number} FAIL: {rec.fail_reason}", file=sys.stderr)
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        if rec.pruned:
+            trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return
+        try:
+            score = measure.score(rec.decode_tps_runs, self.exp.measure.max_rel_mad)
+        except ValueError as exc:  # NaN or negative rate: fail fast, never guess a value
+            trial.set_user_attr("fail_reason", f"bad measurement: {exc}")
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        attrs = self.score_attrs(trial.number, rec, score)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if not reported:
+            for step, tps in enumerate(rec.per_prompt_tps):
+                trial.report(tps, step)
+        if self.exp.measure.exactness == "strict":
+            trial.set_constraint("exactness", measure.exactness_violation(rec.exact_match))
+        if rec.exact_match is not None and rec.exact_match < 1.0:
+            verdict = "INFEASIBLE" if self.exp.measure.exactness == "strict" else "recorded (exactness: report)"
+            tqdm.write(f"trial {trial.number} INEXACT: exact_match={rec.exact_match:.2f} first_divergence="
+                       f"{rec.first_divergence} prompts={rec.inexact_prompts[:4]} -> {verdict}", file=sys.stderr)
+        self.study.tell(trial, score.value)
+
+    def score_attrs(self, number: int, rec: Record, score: measure.Score) -> dict[str, Any]:
+        is_base = rec.role == "baseline"
+        # A baseline is its own AR reference; everything else is compared with the nearest one.
+        base = st.nearest_baseline(self.study, number, rec.worker, self.wl_hash)
+        ar_tps = score.median if is_base else (base.user_attrs.get("decode_tps_median") if base else None)
+        phase_sum = sum(rec.phase_ms_per_step.values())
+        attrs: dict[str, Any] = {
+            "decode_tps_runs": rec.decode_tps_runs, "e2e_tps_runs": rec.e2e_tps_runs,
+            "decode_tps_median": score.median, "spread": score.spread, "rel_mad": score.rel_mad,
+            "noisy": score.noisy, "remeasured": rec.remeasured,
+            "e2e_tps_median": measure.median_of(rec.e2e_tps_runs),
+            "acceptance_length": rec.acceptance_length, "al_histogram": rec.al_histogram, "steps": rec.steps,
+            "step_ms": rec.step_ms, "phase_ms_per_step": rec.phase_ms_per_step,
+            "phase_coverage": phase_sum / rec.step_ms if rec.step_ms > 0 else None,
+            "exact_match": rec.exact_match, "first_divergence": rec.first_divergence,
+            "inexact_prompts": rec.inexact_prompts[:20], "peak_memory_bytes": rec.peak_memory_bytes,
+            "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
+            "baseline_trial": number if is_base else (base.number if base else None),
+        }
+        if is_base:
+            prev_tps = base.user_attrs.get("decode_tps_median") if base else None
+            attrs["ar_drift"] = measure.speedup(score.median, prev_tps)  # machine drift between baselines
+            attrs["break_even_al"] = None  # AR has no speculative step to break even with
+        else:
+            attrs["break_even_al"] = measure.break_even_al(rec.step_ms, ar_tps)
+            gate = measure.oracle_gate(rec.accept_lengths, rec.step_ms, ar_tps)
+            attrs["oracle_gate_fraction"] = gate.fraction_beating if gate else None
+            attrs["oracle_gate_tps"] = gate.ideal_tps if gate else None
+        base_sets = base.user_attrs.get("per_set", {}) if base else {}
+        per_set = {}
+        for name, s in rec.per_set.items():
+            ar_set = s["decode_tps_median"] if is_base else base_sets.get(name, {}).get("decode_tps_median")
+            gate = None if is_base else measure.oracle_gate(s["accept_lengths"], s["step_ms"], ar_set)
+            per_set[name] = {k: v for k, v in s.items() if k != "accept_lengths"}
+            per_set[name].update(ar_decode_tps=ar_set, speedup_vs_ar=measure.speedup(s["decode_tps_median"], ar_set),
+                                 oracle_gate=gate.to_dict() if gate else None)
+        attrs["per_set"] = per_set
+        return attrs
+
+    # ---------------------------------------------------------------- confirmation
+    def confirm(self) -> None:
+        """Re-measure the top configs with more repeats; ties within the spread go to the simpler one."""
+        m = self.exp.measure
+        finished = st.n_finished(self.study)
+        done = self.study.user_attrs.get("confirmation")
+        if m.confirm_top == 0 or (done and done.get("finished_trials") == finished):
+            return
+        picks: list[tuple[int, dict[str, Any]]] = []
+        seen: set[str] = set()
+
+        def add(t: Any) -> None:
+            cfg = t.user_attrs.get("config", {})
+            key = repr(sorted(cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                picks.append((t.number, cfg))
+
+        ranked = results.ranked(self.study)
+        for t in [t for t in ranked if st.role_of(t) == "baseline"][:1]:
+            add(t)  # the AR config is always a candidate: speculation has to beat it here too
+        for t in [t for t in ranked if st.role_of(t) == "reference"][:1]:
+            add(t)
+        for t in [t for t in ranked if st.role_of(t) != "baseline"][: m.confirm_top]:
+            add(t)
+        if not picks:
+            return
+        if self.bar is not None:
+            self.bar.set_description(f"{self.study.study_name} confirming {len(picks)}")
+        cands, ar, ref = [], None, None
+        for number, cfg in picks:
+            job = Job(trial=number, role="confirm", config=cfg, max_new_tokens=self.exp.workload.max_new_tokens,
+                      warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
+            self.executor.submit(job)
+            with self.ctrl_c.measuring():
+                (rec,) = self.executor.wait()
+            if not rec.ok or (m.exactness == "strict" and rec.exact_match is not None and rec.exact_match < 1):
+                continue
+            c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.decode_tps_runs, m.max_rel_mad))
+            cands.append((c, rec))
+            role = st.role_of(self.study.get_trials(deepcopy=False)[number])
+            ar = c if role == "baseline" else ar
+            ref = c if role == "reference" else ref
+        win = measure.choose_winner([c for c, _ in cands])
+        if win is None:
+            return
+        ar_tps = ar.score.median if ar else None
+        conf = {
+            "finished_trials": finished, "repeats": m.confirm_repeats, "worker": self.workers[0],
+            "when": st._now(), "winner": win.trial, "ties": [c.trial for c in measure.ties([c for c, _ in cands])],
+            "ar_median_tps": ar_tps, "winner_median_tps": win.score.median, "winner_spread": win.score.spread,
+            "winner_speedup_vs_ar": measure.speedup(win.score.median, ar_tps),
+            "positive_vs_ar": None if ar is None or win is ar else measure.is_positive(win.score, ar.score),
+            "positive_vs_reference": None if ref is None or win is ref else measure.is_positive(win.score, ref.score),
+            "candidates": [{"trial": c.trial, "config": c.config, "score": c.score.to_dict(),
+                            "speedup_vs_ar": measure.speedup(c.score.median, ar_tps),
+                            "break_even_al": measure.break_even_al(r.step_ms, ar_tps) if c is not ar else None,
+                            "exact_match": r.exact_match} for c, r in cands],
+        }
+        self.study.set_user_attr("confirmation", conf)
+        self.tracker.log_confirmation(conf)
+
+    # ---------------------------------------------------------------- interruption & progress
+    def fail_running(self, reason: str) -> None:
+        """Fail this driver's RUNNING trials, including one popped a moment before the interrupt."""
+        numbers = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   if t.user_attrs.get("driver") == st.me()}
+        if self.running is not None:
+            numbers.add(self.running.number)
+        self.running = None
+        for number in sorted(numbers):
+            try:
+                st.fail_trial(self.study, number, reason, interrupted=True)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # Ctrl-C arrived just after the trial was told: it is complete, nothing to fail
+            self.tracker.log_trial(self.study.get_trials(deepcopy=False)[number])
+
+    def _update_bar(self, advance: int = 0) -> None:
+        if self.bar is None:
+            return
+        w = results.winner(self.study)
+        if w is not None:
+            sp = "n/a" if w.speedup_vs_ar is None else f"{w.speedup_vs_ar:.2f}x"
+            self.bar.set_postfix_str(f"best #{w.trial} {w.median_tps:.1f} tok/s ({sp} vs AR)")
+        if advance:
+            self.bar.update(advance)
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def git_sha() -> str:
+    """The commit of the code that measured (provenance); 'unknown' outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False,
+                             cwd=here)
+        if out.returncode != 0 or not out.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True,
+                               text=True, timeout=10, check=False, cwd=here).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty else "")

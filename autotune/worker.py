@@ -1,0 +1,225 @@
+"""A worker holds one loaded model pair and measures configs on it: a job in, a plain record out.
+
+The worker never touches the Optuna storage or MLflow (the driver owns both). It runs the
+measurement protocol of MEASUREMENT.md for one config:
+
+1. ``warmup`` passes that are not counted;
+2. ``repeats`` measured passes over every workload set (``engine.bench`` resets every cache
+   between generations);
+3. if the relative MAD is above ``max_rel_mad``, ``repeats`` more passes, scored together with
+   the first ones (the median and MAD are robust to the disturbed passes); still noisy → flagged;
+4. every output compared token by token with the AR output of the same prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autotune import measure
+
+# Called after the first measured pass with the per-prompt decode TPS; returns True to prune.
+PassCallback = Callable[[list[float]], bool]
+# Test-only: rewrites a config's outputs before the exactness check (see tests/autotune).
+OutputHook = Callable[[dict[str, Any], list[list[int]]], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Job:
+    trial: int
+    role: str  # baseline | reference | search | confirm
+    config: dict[str, Any]  # EngineConfig fields of this trial (fixed fields already merged in)
+    max_new_tokens: int
+    warmup: int
+    repeats: int
+    max_rel_mad: float
+    remeasure_if_noisy: bool = True
+
+
+@dataclass
+class Record:
+    """What one job measured. Plain data (JSON-friendly), so it can cross a process boundary."""
+
+    trial: int
+    role: str
+    worker: str
+    config: dict[str, Any]
+    ok: bool = True
+    fail_reason: str | None = None
+    pruned: bool = False
+    device: str = ""
+    dtype: str = ""
+    decode_tps_runs: list[float] = field(default_factory=list)
+    e2e_tps_runs: list[float] = field(default_factory=list)
+    remeasured: bool = False
+    acceptance_length: float = 0.0
+    al_histogram: dict[str, int] = field(default_factory=dict)
+    accept_lengths: list[int] = field(default_factory=list)
+    steps: int = 0
+    step_ms: float = 0.0
+    phase_ms_per_step: dict[str, float] = field(default_factory=dict)
+    exact_match: float | None = None
+    first_divergence: int | None = None
+    inexact_prompts: list[str] = field(default_factory=list)
+    per_prompt_tps: list[float] = field(default_factory=list)
+    per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
+    peak_memory_bytes: int = 0
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Worker:
+    """Owns a loaded ``engine.Pair`` and the encoded prompts; measures one config per call."""
+
+    def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any],
+                 *, output_hook: OutputHook | None = None) -> None:
+        self.pair = pair
+        self.id = f"{socket.gethostname()}:{os.getpid()}"
+        self.fixed = dict(fixed)
+        names = [w.name for w in workloads]
+        # two JSONL files may share a stem; the set name keys per-set results, so keep it unique
+        names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+        self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
+        self._reference: dict[int, list[list[list[int]]]] = {}  # max_new_tokens -> per set outputs
+        self._output_hook = output_hook
+
+    @classmethod
+    def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
+             fixed: dict[str, Any], **kw: Any) -> Worker:
+        import engine
+
+        return cls(engine.load(target, draft, device=device, dtype=dtype), workloads, fixed, **kw)
+
+    def ar_config(self) -> dict[str, Any]:
+        return {**self.fixed, "verify": "ar"}
+
+    def reference(self, max_new_tokens: int) -> list[list[list[int]]]:
+        """The AR outputs (the ground truth for exactness), computed once per length."""
+        if max_new_tokens not in self._reference:
+            import engine
+
+            cfg = engine.EngineConfig.from_dict(self.ar_config(), source="AR reference")
+            self._reference[max_new_tokens] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
+                                               for _, prompts in self.sets]
+        return self._reference[max_new_tokens]
+
+    def measure(self, job: Job, on_first_pass: PassCallback | None = None) -> Record:
+        """Run the protocol; any failure of the engine becomes a failed record, never a crash."""
+        rec = Record(trial=job.trial, role=job.role, worker=self.id, config=dict(job.config),
+                     device=self.pair.device, dtype=self.pair.dtype)
+        t0 = time.perf_counter()
+        try:
+            self._measure(job, rec, on_first_pass)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # one broken config must not end an overnight sweep
+            rec.ok = False
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            rec.fail_reason = f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:{where.lineno})"
+        rec.elapsed_s = time.perf_counter() - t0
+        return rec
+
+    def _measure(self, job: Job, rec: Record, on_first_pass: PassCallback | None) -> None:
+        import engine
+
+        cfg = engine.EngineConfig.from_dict(job.config, source=f"trial {job.trial}")
+        reference = self.reference(job.max_new_tokens)
+        for _ in range(job.warmup):
+            self._pass(cfg, job.max_new_tokens)
+        passes = []
+        for i in range(job.repeats):
+            passes.append(self._pass(cfg, job.max_new_tokens))
+            if i == 0 and on_first_pass is not None and on_first_pass(_per_prompt_tps(passes[0])):
+                rec.pruned = True
+                break
+        if not rec.pruned and job.remeasure_if_noisy:
+            first = measure.score([_pass_tps(p) for p in passes], job.max_rel_mad)
+            if first.noisy:
+                rec.remeasured = True
+                passes += [self._pass(cfg, job.max_new_tokens) for _ in range(job.repeats)]
+        self._fill(rec, cfg.to_dict(), passes, reference)
+
+    def _pass(self, cfg: Any, max_new_tokens: int) -> list[Any]:
+        import engine
+
+        return [engine.bench(self.pair, cfg, prompts, max_new_tokens) for _, prompts in self.sets]
+
+    def _fill(self, rec: Record, config: dict[str, Any], passes: list[list[Any]],
+              reference: list[list[list[int]]]) -> None:
+        rec.decode_tps_runs = [_pass_tps(p) for p in passes]
+        rec.e2e_tps_runs = [sum(r.new_tokens for r in p) / max(sum(r.total_s for r in p), 1e-12) for p in passes]
+        # Greedy decoding makes every pass commit the same steps, so the first pass's step record
+        # stands for all of them; times are medians over passes.
+        first = passes[0]
+        rec.accept_lengths = [a for r in first for a in r.accept_lengths]
+        rec.steps = sum(r.steps for r in first)
+        rec.acceptance_length = sum(rec.accept_lengths) / len(rec.accept_lengths) if rec.accept_lengths else 1.0
+        rec.al_histogram = {str(k): v for k, v in sorted(Counter(rec.accept_lengths).items())}
+        rec.step_ms = statistics.median(_pass_step_ms(p) for p in passes)
+        phases = first[0].phase_ms.keys()
+        rec.phase_ms_per_step = {
+            k: statistics.median(sum(r.phase_ms[k] for r in p) / max(sum(r.steps for r in p), 1) for p in passes)
+            for k in phases
+        }
+        rec.per_prompt_tps = [statistics.median(vals) for vals in zip(*(_per_prompt_tps(p) for p in passes),
+                                                                      strict=True)]
+        rec.peak_memory_bytes = max(r.peak_memory_bytes for p in passes for r in p)
+        exact, checked, divergences = 0, 0, []
+        for p in passes:
+            for (name, _), r, ref in zip(self.sets, p, reference, strict=True):
+                outputs = self._output_hook(config, r.outputs) if self._output_hook else r.outputs
+                for i, (out, want) in enumerate(zip(outputs, ref, strict=True)):
+                    checked += 1
+                    div = first_divergence(out, want)
+                    if div is None:
+                        exact += 1
+                    else:
+                        divergences.append(div)
+                        tag = f"{name}[{i}]@{div}"
+                        if tag not in rec.inexact_prompts:
+                            rec.inexact_prompts.append(tag)
+        rec.exact_match = exact / checked if checked else None
+        rec.first_divergence = min(divergences) if divergences else None
+        for j, (name, _) in enumerate(self.sets):
+            results = [p[j] for p in passes]
+            als = list(results[0].accept_lengths)
+            rec.per_set[name] = {
+                "decode_tps_median": statistics.median(r.decode_tps for r in results),
+                "acceptance_length": sum(als) / len(als) if als else 1.0,
+                "step_ms": statistics.median(r.step_ms for r in results),
+                "accept_lengths": als,
+                "n_prompts": len(results[0].prompts),
+            }
+
+
+def first_divergence(out: Sequence[int], want: Sequence[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(out, want, strict=False)):
+        if a != b:
+            return i
+    return None if len(out) == len(want) else min(len(out), len(want))
+
+
+def _pass_tps(results: Sequence[Any]) -> float:
+    """Decode-only TPS of one pass over every set: Σ(tokens − 1) / Σ decode seconds."""
+    tokens = sum(max(p.new_tokens - 1, 0) for r in results for p in r.prompts)
+    seconds = sum(r.decode_s for r in results)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _pass_step_ms(results: Sequence[Any]) -> float:
+    steps = sum(r.steps for r in results)
+    return 1000.0 * sum(r.decode_s for r in results) / steps if steps else 0.0
+
+
+def _per_prompt_tps(results: Sequence[Any]) -> list[float]:
+    return [p.decode_tps for r in results for p in r.prompts]

@@ -1,0 +1,130 @@
+"""Bad input: exit 2, a message naming the file or flag, key, rule and value, and nothing created."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from autotune_helpers import TINY_SPACE, run_autotune, tiny_experiment
+
+from autotune.cli import main
+
+# name -> (build argv inside the folder, fragments the message must contain)
+Case = Callable[[Path], list[str]]
+
+
+def _exp(**kw) -> Case:
+    return lambda d: ["sweep", str(tiny_experiment(d / "exp", **kw))]
+
+
+def _space(**params) -> Case:
+    return lambda d: ["sweep", str(tiny_experiment(d / "exp", space={**TINY_SPACE, **params}))]
+
+
+def _raw_yaml(text: str) -> Case:
+    def build(d: Path) -> list[str]:
+        p = tiny_experiment(d / "exp")
+        p.write_text(text)
+        return ["sweep", str(p)]
+    return build
+
+
+def _edit(mutate: Callable[[dict], None]) -> Case:
+    def build(d: Path) -> list[str]:
+        p = tiny_experiment(d / "exp")
+        data = yaml.safe_load(p.read_text())
+        mutate(data)
+        p.write_text(yaml.safe_dump(data))
+        return ["sweep", str(p)]
+    return build
+
+
+def _bad_jsonl(d: Path) -> list[str]:
+    p = tiny_experiment(d / "exp")
+    (d / "exp" / "prompts.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "unterminated\n')
+    return ["sweep", str(p)]
+
+
+def _with_exp(*extra: str) -> Case:
+    return lambda d: ["sweep", str(tiny_experiment(d / "exp")), *extra]
+
+
+CASES: dict[str, tuple[Case, list[str]]] = {
+    "missing experiment file": (lambda d: ["sweep", str(d / "nope.yaml")], ["nope.yaml", "must exist"]),
+    "not yaml": (_raw_yaml("name: [unclosed\n"), ["tiny.yaml", "valid YAML"]),
+    "unknown top-level key": (_edit(lambda e: e.update(budgett=3)), ["budgett", "unknown key"]),
+    "missing name": (_edit(lambda e: e.pop("name")), ["name", "is required"]),
+    "wrong type": (_edit(lambda e: e["workload"].update(n_prompts="four")),
+                   ["workload.n_prompts", "must be of type int", "'four'"]),
+    "repeats below 1": (_edit(lambda e: e["measure"].update(repeats=0)), ["measure.repeats", ">= 1", "0"]),
+    "unknown sampler": (_edit(lambda e: e["study"].update(sampler="cmaes")),
+                        ["study.sampler", "one of", "'cmaes'"]),
+    "unknown exactness": (_edit(lambda e: e["measure"].update(exactness="maybe")),
+                          ["measure.exactness", "strict", "'maybe'"]),
+    "unknown model name": (_exp(model={"target": "no-such-model", "draft": "oracle:0.3"}),
+                           ["tiny.yaml", "model", "no-such-model"]),
+    "bad oracle probability": (_exp(model={"target": "tiny-dense", "draft": "oracle:1.5"}),
+                               ["model", "oracle:1.5", "0 <= P <= 1"]),
+    "missing search space": (_exp(search_space="nowhere.yaml"), ["search_space", "nowhere.yaml"]),
+    "missing workload file": (_exp(workload={"sets": ["missing.jsonl"], "n_prompts": 2}),
+                              ["workload.sets[0]", "missing.jsonl", "must exist"]),
+    "unknown workload name": (_exp(workload={"sets": ["gsm9k"], "n_prompts": 2}),
+                              ["workload.sets[0]", "gsm9k"]),
+    "broken jsonl line": (_bad_jsonl, ["prompts.jsonl:2", "JSON object"]),
+    "inverted range": (_space(budget={"type": "int", "low": 8, "high": 2}), ["space.yaml", "budget", "low <= high",
+                                                                             "low=8, high=2"]),
+    "empty choices": (_space(verify={"type": "categorical", "choices": []}), ["verify.choices", "non-empty"]),
+    "unknown choice": (_space(verify={"type": "categorical", "choices": ["chain", "tree"]}),
+                       ["verify.choices", "engine refuses", "'tree'"]),
+    "unknown parameter": (_space(budgett={"type": "int", "low": 1, "high": 2}), ["budgett", "EngineConfig field"]),
+    "when on unknown param": (_space(top_k={"type": "int", "low": 1, "high": 3, "when": {"mode": "ddtree"}}),
+                              ["top_k.when.mode", "defined earlier"]),
+    "when value not a choice": (_space(top_k={"type": "int", "low": 1, "high": 3, "when": {"verify": "tree"}}),
+                                ["top_k.when.verify", "choices", "'tree'"]),
+    "log with low 0": (_space(budget={"type": "int", "low": 0, "high": 8, "log": True}), ["budget", "log"]),
+    "tuning the sampling seed": (_space(seed={"type": "int", "low": 0, "high": 3}), ["seed", "sampling settings"]),
+    "grid over a continuous space": (_exp(space={**TINY_SPACE, "proposal_temp": {"type": "float", "low": 0.5,
+                                                                                 "high": 1.0}},
+                                          study={"sampler": "grid"}), ["proposal_temp", "grid", "step"]),
+    "ray executor": (_with_exp("--executor", "ray"), ["--executor", "Ray executor is not available yet"]),
+    "several local workers": (_with_exp("--workers", "3"), ["--workers", "exactly one", "3"]),
+    "ray address without ray": (_with_exp("--ray-address", "ray://h:10001"), ["--ray-address", "--executor ray"]),
+    "zero trials": (_with_exp("--n-trials", "0"), ["--n-trials", ">= 1", "0"]),
+    "bad timeout": (_with_exp("--timeout", "8 hours"), ["--timeout", "duration", "'8 hours'"]),
+    "bad storage url": (_with_exp("--storage", "autotune.db"), ["--storage", "SQLAlchemy URL", "'autotune.db'"]),
+    "storage folder missing": (_with_exp("--storage", "sqlite:///no/such/dir/a.db"), ["--storage", "folder"]),
+    "bad tracking uri": (_with_exp("--tracking-uri", "mlflow.db"), ["--tracking-uri", "'mlflow.db'"]),
+    "status of nothing": (lambda d: ["status"], ["--storage", "no study storage", "autotune.db"]),
+    "best of nothing": (lambda d: ["best", "tiny", "--storage", "journal:none.log"], ["--storage", "no study"]),
+    "export unknown format": (lambda d: ["export", "tiny", "--format", "xml"], ["invalid choice", "'xml'"]),
+    "serve not yet": (lambda d: ["serve", "x.yaml"], ["serve", "serving issue"]),
+    "dashboard without db": (lambda d: ["dashboard"], ["--tracking-uri", "no MLflow database"]),
+    "unknown command": (lambda d: ["tune"], ["invalid choice", "'tune'"]),
+}
+
+
+def _created(folder: Path) -> list[str]:
+    names = {"autotune.db", "mlflow.db", "mlruns", "mlartifacts", "none.log", "reports"}
+    return sorted(p.name for p in folder.rglob("*") if p.name in names)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_names_the_problem_and_creates_nothing(name, in_tmp, capsys):
+    build, fragments = CASES[name]
+    argv = build(in_tmp)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("autotune: error: ")
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+    assert _created(in_tmp) == []
+
+
+def test_bad_input_through_the_real_entry_point(tmp_path):
+    proc = run_autotune(["sweep", str(tiny_experiment(tmp_path / "exp")), "--executor", "ray"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Ray executor is not available yet" in proc.stderr
+    assert _created(tmp_path) == []

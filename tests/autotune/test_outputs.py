@@ -1,0 +1,138 @@
+"""What a sweep leaves behind: MLflow runs, `status`, `best`, `report`, `export` (and its round trip)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from autotune_helpers import env, tiny_experiment
+
+from autotune import export
+from autotune.cli import main
+
+N = 5
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """One sweep with the default storages (autotune.db, mlflow.db) in a fresh folder, run twice:
+    the second command asks for one more trial, so it resumes into the same MLflow parent run."""
+    folder = tmp_path_factory.mktemp("swept")
+    exp = tiny_experiment(folder / "exp")
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        assert main(["sweep", str(exp), "--n-trials", str(N - 1), "--no-progress"]) == 0
+        assert main(["sweep", str(exp), "--n-trials", str(N), "--no-progress"]) == 0
+    finally:
+        os.chdir(here)
+    return folder
+
+
+def _cli(folder: Path, args: list[str], capsys) -> tuple[int, str]:
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        code = main(args)
+    finally:
+        os.chdir(here)
+    return code, capsys.readouterr().out
+
+
+def test_mlflow_parent_and_nested_runs(swept):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{swept / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny")
+    parents = client.search_runs([exp.experiment_id], "tags.`autotune.role` = 'sweep'")
+    assert len(parents) == 1  # the resumed command reused its parent run
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["autotune.study"] == "tiny"
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(int(r.data.tags["autotune.trial"]) for r in children) == list(range(N))
+    by_role = {r.data.tags["autotune.role"] for r in children}
+    assert by_role == {"baseline", "reference", "search"}
+    for run in children:
+        assert run.data.tags["autotune.state"] == "COMPLETE" and run.info.status == "FINISHED"
+        m = run.data.metrics
+        assert {"value", "decode_tps_median", "spread", "acceptance_length", "speedup_vs_ar", "exact_match",
+                "phase_ms.verify"} <= set(m)
+        assert run.data.params["verify"] in ("ar", "chain", "ddtree")
+        arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"phases.json", "per_workload.json"} <= arts
+        if run.data.tags["autotune.role"] != "baseline":
+            assert "break_even_al" in m and "al_histogram.json" in arts
+    history = client.get_metric_history(children[0].info.run_id, "decode_tps_run")
+    assert len(history) >= 2  # every measured pass, not just the median
+    plots = {a.path for a in client.list_artifacts(parent.info.run_id, "optuna")}
+    assert "optuna/optimization_history.png" in plots
+    assert "confirmation.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_status_and_best(swept, capsys):
+    code, out = _cli(swept, ["status"], capsys)
+    assert code == 0 and "study: tiny" in out and f"trials_finished: {N}" in out
+    code, out = _cli(swept, ["best", "tiny", "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and set(doc) == {"engine", "model", "provenance"}
+    p = doc["provenance"]
+    for key in ("study", "trial", "git_sha", "device", "workload_hash", "decode_tps", "decode_tps_spread",
+                "speedup_vs_ar", "confirmed"):
+        assert key in p
+    assert p["study"] == "tiny" and p["confirmed"] is True and p["device"] == "cpu"
+    code, out = _cli(swept, ["best", "tiny"], capsys)
+    assert code == 0 and f"trial: {p['trial']}" in out and "config:" in out
+
+
+def test_report_files_written(swept, capsys):
+    code, out = _cli(swept, ["report", "tiny", "--out", "rep"], capsys)
+    assert code == 0
+    md = (swept / "rep" / "report.md").read_text()
+    for section in ("## Winner", "## Top trials", "## Speedup vs AR", "Break-even AL and oracle gate",
+                    "## Per-phase breakdown", "## Which path won", "## Exactness"):
+        assert section in md
+    for png in ("top_trials.png", "speedup_vs_ar.png", "phases.png", "al_histogram.png", "paths.png"):
+        f = swept / "rep" / png
+        assert f.stat().st_size > 1000 and f"plot: rep/{png}" in out
+
+
+def _generate(args: list[str], cwd: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "engine", "generate", *args, "--json"], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_export_engine_round_trip(swept, capsys):
+    code, out = _cli(swept, ["export", "tiny", "--format", "engine", "--out", "best.yaml"], capsys)
+    assert code == 0 and "exported: best.yaml" in out
+    doc = yaml.safe_load((swept / "best.yaml").read_text())
+    assert doc["model"]["target"] == "tiny-dense" and doc["provenance"]["study"] == "tiny"
+    prompt = ["--prompt", "def square(x):", "--max-new-tokens", "12"]
+    got = _generate(["--config", "best.yaml", *prompt], swept)
+    assert got["config"] == doc["engine"]  # the engine read every exported field back unchanged
+    ar = _generate(["--config", "best.yaml", "--verify", "ar", *prompt], swept)
+    assert got["tokens"] == ar["tokens"]  # and the exported config is exact on a prompt it never saw
+
+
+def test_export_json_and_llama_server(swept, capsys):
+    code, out = _cli(swept, ["export", "tiny", "--format", "json"], capsys)
+    assert code == 0 and json.loads(out)["provenance"]["study"] == "tiny"
+    code, out = _cli(swept, ["export", "tiny", "--format", "llama-server"], capsys)
+    assert code == 0 and out.startswith("#!/bin/sh") and "# workload_hash:" in out and "--port" in out
+
+
+def test_llama_server_mapping_for_a_ddtree_config():
+    doc = {"engine": {"verify": "ddtree", "budget": 22, "top_k": 8, "proposal_temp": 0.8, "chain_seed": None,
+                      "target_feat_ctx": 128, "rollback": "fast", "draft_path": "runtime", "block_size": None,
+                      "temperature": 0.0, "seed": 0},
+           "model": {"target": "/m/target.gguf", "draft": "/m/draft"}, "provenance": {"study": "s", "trial": 3}}
+    cmd = export.render(doc, "llama-server").splitlines()[-1]
+    assert cmd.startswith("dflash_server /m/target.gguf --draft /m/draft --ddtree --ddtree-budget 22 "
+                          "--ddtree-topk 8 --ddtree-temp 0.8 --fast-rollback")
+    assert "target_feat_ctx=128" in export.render(doc, "llama-server")  # listed as not mapped, not guessed

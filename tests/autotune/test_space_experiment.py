@@ -1,0 +1,102 @@
+"""Search spaces and experiment files: conditional suggestions, grids, the shipped templates."""
+
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from autotune_helpers import REPO, TINY_SPACE, tiny_experiment
+
+from autotune import experiment, space
+from autotune.errors import InputError
+
+
+def _space(tmp_path: Path, spec: dict) -> space.SearchSpace:
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return space.load_space(p)
+
+
+def test_conditional_params_exist_only_on_their_path(tmp_path):
+    sp = _space(tmp_path, TINY_SPACE)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(30):
+        t = study.ask()
+        params = sp.suggest(t)
+        seen.add(params["verify"])
+        if params["verify"] == "chain":
+            assert "budget" not in params and "top_k" not in params
+        else:
+            assert 2 <= params["budget"] <= 8 and 1 <= params["top_k"] <= 3
+        study.tell(t, 1.0)
+    assert seen == {"chain", "ddtree"}
+
+
+def test_enqueued_params_come_back_unchanged(tmp_path):
+    sp = _space(tmp_path, TINY_SPACE)
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"verify": "ddtree", "draft_path": "generic", "budget": 5, "top_k": 2})
+    assert sp.suggest(study.ask()) == {"verify": "ddtree", "draft_path": "generic", "budget": 5, "top_k": 2}
+
+
+def test_grid_of_a_small_space(tmp_path):
+    sp = _space(tmp_path, {"verify": {"type": "categorical", "choices": ["chain", "ddtree"]},
+                           "proposal_temp": {"type": "float", "low": 0.5, "high": 1.0, "step": 0.25}})
+    assert sp.grid() == {"verify": ["chain", "ddtree"], "proposal_temp": [0.5, 0.75, 1.0]}
+    cont = _space(tmp_path, {"proposal_temp": {"type": "float", "low": 0.5, "high": 1.0}})
+    with pytest.raises(InputError, match="grid"):
+        cont.grid()
+
+
+@pytest.mark.parametrize("name", ["dflash_ddtree.yaml", "quick.yaml"])
+def test_shipped_search_spaces_load(name):
+    sp = space.load_space(REPO / "search_spaces" / name)
+    assert sp.names[0] == "verify"
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(10):  # every suggestion is an EngineConfig the engine accepts
+        from engine.config import EngineConfig
+
+        EngineConfig.from_dict(sp.suggest(study.ask()))
+
+
+def test_quickstart_experiment_validates():
+    exp = experiment.load(REPO / "experiments" / "quickstart.yaml")
+    assert exp.model.target == "tiny-dense" and exp.model.draft.startswith("oracle:")
+    assert len(experiment.load_workloads(exp)[0].prompts) == exp.workload.n_prompts
+
+
+def test_smollm2_template_validates():
+    import engine
+
+    try:
+        engine.check_model_spec("smollm2-135m-instruct", "smollm2-135m-dflash")
+    except engine.EngineInputError as exc:
+        pytest.skip(f"the SmolLM2 pair is not in the engine registry yet (issue #4): {exc}")
+    exp = experiment.load(REPO / "experiments" / "smollm2-h200.yaml")
+    assert exp.study.pruner == "wilcoxon"
+
+
+def test_qwen35_template_validates_except_model_existence():
+    exp = experiment.load(REPO / "experiments" / "qwen35-27b-agent.yaml", check_models=False)
+    assert exp.model.target == "/models/Qwen3.5-27B"
+    assert exp.fixed_engine == {"temperature": 0.0}
+    try:
+        workloads = experiment.load_workloads(exp)
+    except InputError as exc:
+        if "fetching" not in str(exc):
+            raise
+        pytest.skip(f"the `agent` data asset cannot be fetched here: {exc}")
+    assert [w.name for w in workloads] == ["agent", "agent_tools"] and all(w.prompts for w in workloads)
+    if not Path(exp.model.target).exists():
+        with pytest.raises(InputError, match="Qwen3.5-27B"):
+            experiment.load(REPO / "experiments" / "qwen35-27b-agent.yaml")
+
+
+def test_fingerprint_ignores_trial_budget_but_not_the_space(tmp_path):
+    a = experiment.load(tiny_experiment(tmp_path / "a"))
+    b = experiment.load(tiny_experiment(tmp_path / "b", study={"n_trials": 50}))
+    assert a.fingerprint() == b.fingerprint()
+    other = dict(TINY_SPACE, top_k={"type": "int", "low": 1, "high": 4, "when": {"verify": "ddtree"}})
+    c = experiment.load(tiny_experiment(tmp_path / "c", space=other))
+    assert c.fingerprint() != a.fingerprint()

@@ -1,0 +1,181 @@
+"""Whole sweeps on the tiny seeded target: storages, roles, exactness, failures, samplers, resume."""
+
+from __future__ import annotations
+
+import io
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from autotune_helpers import TINY_SPACE, tiny_experiment
+from optuna.trial import TrialState
+
+from autotune import experiment, results
+from autotune import study as st
+from autotune.errors import InputError
+from autotune.executors import LocalExecutor
+from autotune.sweep import SweepOptions, run_sweep
+from autotune.worker import Worker
+
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+def sweep(exp_path: Path, storage: str, n_trials: int | None = None, study_name: str | None = None,
+          tracking: str | None = None, output_hook=None):
+    exp = experiment.load(exp_path)
+    workloads = experiment.load_workloads(exp)
+    executor = None
+    if output_hook is not None:
+        executor = LocalExecutor(lambda: Worker.load(exp.model.target, exp.model.draft, exp.model.device,
+                                                     exp.model.dtype, workloads, exp.fixed_engine,
+                                                     output_hook=output_hook))
+    opts = SweepOptions(n_trials=n_trials or exp.study.n_trials, storage=st.parse_storage(storage),
+                        study_name=study_name or exp.name, tracking_uri=tracking, progress=False)
+    out = io.StringIO()
+    outcome = run_sweep(exp, opts, workloads, executor=executor, out=out)
+    return outcome, out.getvalue()
+
+
+def _postgres_or_skip() -> str:
+    import sqlalchemy
+
+    try:
+        with sqlalchemy.create_engine(PG_URL).connect():
+            pass
+    except Exception as exc:  # any reason PostgreSQL is unusable here means: skip, not fail
+        pytest.skip(f"PostgreSQL not reachable at 127.0.0.1:5432 ({type(exc).__name__})")
+    return PG_URL
+
+
+@pytest.fixture(params=["sqlite", "memory", "journal", "postgresql"])
+def storage(request, tmp_path):
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'autotune.db'}", name
+    elif request.param == "memory":
+        yield "memory", name
+    elif request.param == "journal":
+        yield f"journal:{tmp_path / 'journal.log'}", name
+    else:
+        url = _postgres_or_skip()
+        yield url, name
+        optuna.delete_study(study_name=name, storage=url)
+
+
+def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
+    url, name = storage
+    exp_path = tiny_experiment(tmp_path / "exp")
+    outcome, text = sweep(exp_path, url, study_name=name)
+    assert outcome.exit_code == 0
+    trials = outcome.study.get_trials()
+    assert len(trials) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert [st.role_of(t) for t in trials[:2]] == ["baseline", "reference"]
+    assert {st.role_of(t) for t in trials[2:]} == {"search"}
+    assert trials[0].user_attrs["config"]["verify"] == "ar"
+    assert st.REFERENCE.items() <= trials[1].user_attrs["config"].items()
+    for t in trials:
+        a = t.user_attrs
+        assert len(a["decode_tps_runs"]) >= 2 and t.value == pytest.approx(a["decode_tps_median"] - a["spread"])
+        assert a["exact_match"] == 1.0 and t.constraints == {"exactness": 0.0}
+        assert a["worker"] == st.me() and a["speedup_vs_ar"] > 0
+        assert set(a["phase_ms_per_step"]) == {"draft", "topk", "tree", "verify", "walk", "commit"}
+    assert trials[0].user_attrs["speedup_vs_ar"] == 1.0
+    for t in trials[1:]:
+        a = t.user_attrs
+        assert a["baseline_trial"] == 0
+        assert a["break_even_al"] == pytest.approx(a["step_ms"] * a["ar_decode_tps"] / 1000)
+        assert 0 <= a["oracle_gate_fraction"] <= 1
+        assert a["per_set"]["prompts"]["oracle_gate"]["ideal_tps"] > 0
+    conf = outcome.study.user_attrs["confirmation"]
+    assert conf["winner"] in [c["trial"] for c in conf["candidates"]]
+    assert 0 in [c["trial"] for c in conf["candidates"]]  # AR always competes in the confirmation
+    assert "trials_finished: 5" in text and f"best_trial: {conf['winner']}" in text
+    if url == "memory":
+        return
+    again, _ = sweep(exp_path, url, study_name=name)  # same command: resumes, nothing left to do
+    assert len(again.study.get_trials()) == 5
+    more, _ = sweep(exp_path, url, n_trials=7, study_name=name)
+    trials = more.study.get_trials()
+    assert st.n_finished(more.study) == 7 and len(trials) == 7
+    assert sum(st.role_of(t) == "reference" for t in trials) == 1
+
+
+def _corrupt_chain(config, outputs):
+    """Test-only worker hook: pretend the chain path changed the last token of every output."""
+    if config.get("verify") != "chain":
+        return outputs
+    return [out[:-1] + [(out[-1] + 1) % 256] for out in outputs]
+
+
+def _grid_experiment(folder: Path, exactness: str) -> Path:
+    space = {"verify": {"type": "categorical", "choices": ["chain", "ddtree"]}}
+    return tiny_experiment(folder, space=space, study={"n_trials": 4, "sampler": "grid", "seed": 0},
+                           measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5, "exactness": exactness,
+                                    "confirm_top": 2, "confirm_repeats": 2})
+
+
+def test_inexact_config_is_infeasible_and_never_wins(tmp_path):
+    outcome, text = sweep(_grid_experiment(tmp_path, "strict"), "memory", output_hook=_corrupt_chain)
+    s = outcome.study
+    chain = [t for t in s.get_trials() if t.params.get("verify") == "chain"]
+    assert len(chain) == 1
+    bad = chain[0]
+    assert bad.state == TrialState.COMPLETE
+    assert bad.user_attrs["exact_match"] == 0.0 and bad.user_attrs["first_divergence"] == 7
+    assert bad.constraints["exactness"] == 1.0 and not results.feasible(bad)
+    assert s.best_trial.number != bad.number
+    assert results.winner(s).trial != bad.number
+    assert bad.number not in [c["trial"] for c in s.user_attrs["confirmation"]["candidates"]]
+    assert "trials_infeasible: 1" in text
+
+
+def test_exactness_report_records_without_rejecting(tmp_path):
+    outcome, _ = sweep(_grid_experiment(tmp_path, "report"), "memory", output_hook=_corrupt_chain)
+    chain = [t for t in outcome.study.get_trials() if t.params.get("verify") == "chain"][0]
+    assert chain.user_attrs["exact_match"] == 0.0 and chain.constraints == {}
+
+
+def test_engine_failures_become_failed_trials_and_the_sweep_goes_on(tmp_path):
+    # a pair loaded without a draft: AR works, every speculative config fails inside the engine
+    exp_path = tiny_experiment(tmp_path, model={"target": "tiny-dense", "draft": "none", "device": "cpu"},
+                               study={"n_trials": 4, "sampler": "random", "seed": 0})
+    outcome, text = sweep(exp_path, "memory")
+    trials = outcome.study.get_trials()
+    assert outcome.exit_code == 0 and len(trials) == 4
+    assert trials[0].state == TrialState.COMPLETE
+    for t in trials[1:]:
+        assert t.state == TrialState.FAIL
+        assert "needs a draft" in t.user_attrs["fail_reason"]
+    assert "trials_failed: 3" in text and "best_role: baseline" in text
+
+
+@pytest.mark.parametrize("sampler,pruner", [("gp", "none"), ("random", "wilcoxon"), ("tpe", "wilcoxon")])
+def test_other_samplers_and_the_wilcoxon_pruner(tmp_path, sampler, pruner):
+    exp_path = tiny_experiment(tmp_path, study={"n_trials": 5, "sampler": sampler, "pruner": pruner, "seed": 1})
+    outcome, _ = sweep(exp_path, "memory")
+    trials = outcome.study.get_trials()
+    assert len(trials) == 5 and {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    for t in trials:  # per-prompt TPS are the pruner's steps
+        assert sorted(t.intermediate_values) == [0, 1]
+
+
+def test_baseline_is_remeasured_every_n_trials(tmp_path):
+    exp_path = tiny_experiment(tmp_path, measure={"warmup": 0, "repeats": 1, "max_rel_mad": 0.9,
+                                                  "baseline_every": 2, "confirm_top": 0},
+                               study={"n_trials": 6, "sampler": "random", "seed": 0})
+    outcome, _ = sweep(exp_path, "memory")
+    roles = [st.role_of(t) for t in outcome.study.get_trials()]
+    assert roles == ["baseline", "reference", "search", "baseline", "search", "search"]
+    last = outcome.study.get_trials()[5]
+    assert last.user_attrs["baseline_trial"] == 3  # the nearest AR measurement, not the first one
+    assert "confirmation" not in outcome.study.user_attrs  # confirm_top: 0 turns the phase off
+
+
+def test_resume_refuses_a_changed_experiment(tmp_path):
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    sweep(tiny_experiment(tmp_path / "a", study={"n_trials": 2, "sampler": "random"}), url, study_name="s")
+    changed = tiny_experiment(tmp_path / "b", space={**TINY_SPACE, "top_k": {"type": "int", "low": 1, "high": 5,
+                                                                            "when": {"verify": "ddtree"}}})
+    with pytest.raises(InputError, match="different experiment"):
+        sweep(changed, url, study_name="s")
