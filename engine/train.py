@@ -132,34 +132,60 @@ def sample_anchors(prompt_len: int, seq_len: int, n: int, gen: torch.Generator) 
 
 def block_batch(seqs: Sequence[Tensor], anchors: Sequence[Tensor], block: int, mask_token_id: int,
                 device: torch.device) -> dict[str, Tensor]:
-    """Flatten a batch into one draft forward: all contexts, then all blocks, block-diagonal mask."""
-    ctx_seq, ctx_pos, q_seq, q_pos, q_block, q_tok, labels = [], [], [], [], [], [], []
-    n_blocks = 0
+    """Flatten a batch into one draft forward: all contexts, then all blocks, block-diagonal mask.
+
+    seqs: token tensors (on ``device``); anchors: sorted anchor positions per sequence.
+    """
+    k = torch.arange(block, device=device)
+    ctx_seq, ctx_pos, q_seq, q_pos, q_tok, labels = [], [], [], [], [], []
     for i, (seq, anc) in enumerate(zip(seqs, anchors, strict=True)):
-        t = seq.numel()
-        ctx_seq.append(torch.full((t,), i))
-        ctx_pos.append(torch.arange(t))
-        for a in anc.tolist():
-            k = torch.arange(block)
-            q_seq.append(torch.full((block,), i))
-            q_pos.append(a + k)
-            q_block.append(torch.full((block,), n_blocks))
-            tok = torch.full((block,), mask_token_id)
-            tok[0] = seq[a]
-            q_tok.append(tok)
-            lab = torch.full((block,), -100)
-            idx = a + k[1:]
-            ok = idx < t
-            lab[1:][ok] = seq[idx[ok]]
-            labels.append(lab)
-            n_blocks += 1
-    cat = lambda xs: torch.cat(xs).to(device)
-    ctx_seq_t, ctx_pos_t, q_seq_t, q_pos_t, q_block_t = map(cat, (ctx_seq, ctx_pos, q_seq, q_pos, q_block))
+        t, anc = seq.numel(), anc.to(device)
+        ctx_seq.append(torch.full((t,), i, device=device))
+        ctx_pos.append(torch.arange(t, device=device))
+        pos = anc[:, None] + k[None, :]  # [n, B]
+        tok = torch.full_like(pos, mask_token_id)
+        tok[:, 0] = seq[anc]
+        lab = torch.where(pos < t, seq[pos.clamp(max=t - 1)], -100)
+        lab[:, 0] = -100  # slot 0 is the given root, nothing to predict
+        q_seq.append(torch.full((pos.numel(),), i, device=device))
+        q_pos.append(pos.flatten())
+        q_tok.append(tok.flatten())
+        labels.append(lab.flatten())
+    ctx_seq_t, ctx_pos_t, q_seq_t, q_pos_t = (torch.cat(x) for x in (ctx_seq, ctx_pos, q_seq, q_pos))
+    q_block = torch.arange(q_pos_t.numel(), device=device) // block
     anchor_pos = q_pos_t - (torch.arange(q_pos_t.numel(), device=device) % block)
     sees_ctx = (q_seq_t[:, None] == ctx_seq_t[None, :]) & (ctx_pos_t[None, :] < anchor_pos[:, None])
-    sees_block = q_block_t[:, None] == q_block_t[None, :]
-    return dict(ctx_pos=ctx_pos_t, q_pos=q_pos_t, tokens=cat(q_tok), labels=cat(labels),
-                mask=torch.cat([sees_ctx, sees_block], dim=1), n_blocks=torch.tensor(n_blocks))
+    sees_block = q_block[:, None] == q_block[None, :]
+    return dict(ctx_pos=ctx_pos_t, q_pos=q_pos_t, tokens=torch.cat(q_tok), labels=torch.cat(labels),
+                mask=torch.cat([sees_ctx, sees_block], dim=1))
+
+
+@torch.no_grad()
+def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Sequence[int],
+                    tokens_per_batch: int = 32768) -> list[Tensor]:
+    """Target features of every sequence, computed once (the target is frozen): length-bucketed
+    batches keep padding low. Returned on the target's device in its dtype."""
+    device, out = target.device, [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].numel())
+    i = 0
+    while i < len(order):
+        width = seqs[order[i]].numel()
+        j = i
+        while j < len(order) and (j - i + 1) * seqs[order[j]].numel() <= max(tokens_per_batch, width):
+            j += 1
+        idx = order[i:j]
+        width = seqs[idx[-1]].numel()
+        tokens = torch.zeros(len(idx), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(idx), width, dtype=torch.bool, device=device)
+        for r, q in enumerate(idx):
+            tokens[r, : seqs[q].numel()] = seqs[q]
+            valid[r, : seqs[q].numel()] = True
+        positions = torch.arange(width, device=device).expand(len(idx), -1)
+        _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
+        for r, q in enumerate(idx):
+            out[q] = f[r, : seqs[q].numel()].clone()
+        i = j
+    return out
 
 
 def draft_loss(draft: DFlashDraft, target: DenseModel, batch: dict[str, Tensor], feats: Tensor,
@@ -199,28 +225,30 @@ def train_draft(
     draft = new_draft_for(target, cfg, mask_token_id).to(device)
     ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (
-        1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
-    data = [(torch.tensor(list(s)[: cfg.max_seq_len]), p) for s, p in zip(sequences, prompt_lens, strict=True)]
+    data = [(torch.tensor(list(s)[: cfg.max_seq_len], device=device), p)
+            for s, p in zip(sequences, prompt_lens, strict=True)]
     data = [(s, p) for s, p in data if s.numel() - 1 > p]
     if not data:
         raise EngineInputError("no training sequence has a response token after its prompt")
     autocast = device.type == "cuda"
+    t0 = time.perf_counter()
+    feats_all = target_features(target, [s for s, _ in data], ids)
+    log(f"target features: {sum(f.numel() for f in feats_all) * feats_all[0].element_size() / 2**30:.1f} GiB "
+        f"in {time.perf_counter() - t0:.0f}s")
     t0, history, step = time.perf_counter(), [], 0
+    lr = cfg.lr
     for step in range(cfg.steps):
+        # Warm-up, then cosine decay over whichever runs out first: steps or the time budget.
+        progress = step / cfg.steps
+        if cfg.time_budget_s:
+            progress = max(progress, (time.perf_counter() - t0) / cfg.time_budget_s)
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        for group in opt.param_groups:
+            group["lr"] = lr
         pick = torch.randint(0, len(data), (cfg.batch_size,), generator=gen).tolist()
         seqs, plens = [data[i][0] for i in pick], [data[i][1] for i in pick]
         anchors = [sample_anchors(p, s.numel(), cfg.num_anchors, gen) for s, p in zip(seqs, plens, strict=True)]
-        width = max(s.numel() for s in seqs)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(seqs), width, dtype=torch.bool, device=device)
-        for r, s in enumerate(seqs):
-            tokens[r, : s.numel()] = s.to(device)
-            valid[r, : s.numel()] = True
-        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            _, f = forward_padded(target, tokens, torch.arange(width, device=device).expand(len(seqs), -1), valid,
-                                  feature_layers=ids, logits=False)
-        feats = torch.cat([f[r, : s.numel()] for r, s in enumerate(seqs)]).float()
+        feats = torch.cat([feats_all[i] for i in pick]).float()
         batch = block_batch(seqs, anchors, cfg.block_size, mask_token_id, device)
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             loss, stats = draft_loss(draft, target, batch, feats, cfg.gamma)
@@ -228,14 +256,13 @@ def train_draft(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        sched.step()
         if not math.isfinite(stats["loss"]):
             raise RuntimeError(f"loss is {stats['loss']} at step {step}: training diverged")
         history.append(stats)
         elapsed = time.perf_counter() - t0
         if step % 25 == 0 or step == cfg.steps - 1:
             log(f"step {step} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} chain_al {stats['chain_al']:.2f} "
-                f"lr {sched.get_last_lr()[0]:.2e} elapsed {elapsed:.0f}s")
+                f"lr {lr:.2e} elapsed {elapsed:.0f}s")
         if cfg.time_budget_s and elapsed > cfg.time_budget_s:
             log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
             break
