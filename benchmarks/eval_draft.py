@@ -71,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             e = entry[name]
             rows.append((wl.name, name, e["acceptance_length"], e["decode_tps_median"],
                          e["decode_tps_median"] / ar_tps if ar_tps else 0.0, e["exact_match"]))
-    print(f"{'set':<12}{'config':<14}{'AL':>7}{'tok/s':>10}{'vs AR':>8}{'exact':>8}")
+            print(f"progress: {wl.name} {name} AL {e['acceptance_length']:.2f}", flush=True)
+        if args.out:  # keep what is measured so far
+            Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"{'set':<16}{'config':<14}{'AL':>7}{'tok/s':>10}{'vs AR':>8}{'exact':>8}")
     for s, name, al, tps, sp, ex in rows:
-        print(f"{s:<12}{name:<14}{al:>7.2f}{tps:>10.1f}{sp:>8.2f}{'' if ex is None else f'{ex:.2f}':>8}")
+        print(f"{s:<16}{name:<14}{al:>7.2f}{tps:>10.1f}{sp:>8.2f}{'' if ex is None else f'{ex:.2f}':>8}")
     for s, entry in report["sets"].items():
         for name in configs:
             print(f"al_{s}_{name}: {entry[name]['acceptance_length']:.3f}")

@@ -116,7 +116,25 @@ TARGETS: dict[str, TargetPreset] = {
         _tiny_hybrid,
     ),
 }
-DRAFTS: dict[str, DraftPreset] = {}
+CHECKPOINTS = Path(__file__).parent / "checkpoints"
+
+
+def _shipped_draft(folder: str) -> Callable[[nn.Module, object], DFlashDraft]:
+    def build(target: nn.Module, tokenizer: object) -> DFlashDraft:
+        from engine.loading import load_draft_folder
+
+        return load_draft_folder(CHECKPOINTS / folder, target, "cpu", torch.float32)
+
+    return build
+
+
+DRAFTS: dict[str, DraftPreset] = {
+    "smollm2-135m-dflash": DraftPreset(
+        "smollm2-135m-dflash", "our DFlash draft for SmolLM2-135M-Instruct, trained by `engine train-draft` "
+        "(see engine/checkpoints/smollm2-135m-dflash/README.md)", "smollm2-135m-instruct",
+        _shipped_draft("smollm2-135m-dflash"),
+    ),
+}
 SPECIAL_DRAFTS = ("random", "oracle:P", "none")
 
 
