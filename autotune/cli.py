@@ -41,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--study-name", help="default: the experiment's name")
     s.add_argument("--tracking-uri", default=DEFAULT_TRACKING, help=f"MLflow URI or none (default {DEFAULT_TRACKING})")
     s.add_argument("--executor", choices=("local", "ray"), help="default: the experiment's executor.kind")
-    s.add_argument("--workers", type=int, help="default: the experiment's executor.workers")
-    s.add_argument("--ray-address", help="Ray cluster address (Ray executor)")
+    s.add_argument("--workers", type=int, help="Ray: CPU actors, or a cap on one actor per GPU (default: the "
+                   "experiment's executor.workers)")
+    s.add_argument("--ray-address", help="Ray cluster to join: auto or HOST:PORT (default: start a local one)")
+    s.add_argument("--trial-timeout", help="Ray: kill and restart a worker whose trial runs longer: 10m, 600s")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     s = sub.add_parser("status", help="list the studies in a storage")
@@ -64,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="engine", choices=("engine", "llama-server", "json"))
     s.add_argument("--out", help="file (default: standard output)")
 
-    s = sub.add_parser("serve", help="serve an exported config (comes with the serving issue)")
-    s.add_argument("config")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s = sub.add_parser("serve", help="serve an exported config behind an OpenAI-compatible API (docs/serving.md)")
+    s.add_argument("config", help="engine config YAML (`autotune export --format engine`)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    s.add_argument("--max-queue", type=int, default=32, help="waiting requests before 503 (default 32)")
 
     s = sub.add_parser("dashboard", help="start the MLflow UI on 127.0.0.1")
     s.add_argument("--tracking-uri", default=DEFAULT_TRACKING)
@@ -75,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_duration(raw: str) -> float:
+def parse_duration(raw: str, flag: str = "--timeout") -> float:
     """`8h`, `30m`, `90s`, `1h30m`, `1.5h` or plain seconds → seconds."""
     text = raw.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", text):
@@ -84,9 +88,9 @@ def parse_duration(raw: str) -> float:
         unit = {"h": 3600.0, "m": 60.0, "s": 1.0}
         seconds = sum(float(n) * unit[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)([hms])", text))
     else:
-        raise InputError("--timeout", None, "must be a duration like 8h, 30m, 90s or 1h30m", raw)
+        raise InputError(flag, None, "must be a duration like 8h, 30m, 90s or 1h30m", raw)
     if seconds <= 0:
-        raise InputError("--timeout", None, "must be > 0", raw)
+        raise InputError(flag, None, "must be > 0", raw)
     return seconds
 
 
@@ -104,21 +108,30 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     exp = experiment.load(args.experiment)
     kind = args.executor or exp.executor.kind
     workers = args.workers if args.workers is not None else exp.executor.workers
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise InputError("--workers", None, "must be >= 1", workers)
-    experiment.check_executor("command line", ("--executor", "--workers"), kind, workers)
     if args.ray_address is not None and kind != "ray":
         raise InputError("--ray-address", None, "only applies with --executor ray", args.ray_address)
+    if args.trial_timeout is not None and kind != "ray":
+        raise InputError("--trial-timeout", None, "only applies with --executor ray (the local worker runs in the "
+                         "driver's process and cannot be killed)", args.trial_timeout)
+    from_yaml = exp.executor.kind == "ray"  # the YAML's Ray settings apply only when it chose Ray itself
+    address = args.ray_address if args.ray_address is not None else (exp.executor.address if from_yaml else None)
+    trial_timeout = (parse_duration(args.trial_timeout, "--trial-timeout") if args.trial_timeout is not None
+                     else exp.executor.trial_timeout if from_yaml else None)
+    experiment.check_executor("command line", ("--executor", "--workers", "--ray-address", "--trial-timeout"), kind,
+                              workers, address, trial_timeout)
     workloads = experiment.load_workloads(exp)
 
-    from autotune.sweep import SweepOptions, run_sweep
+    from autotune.sweep import SweepOptions, make_executor, run_sweep
     from engine.config import EngineInputError
 
     opts = SweepOptions(n_trials=args.n_trials or exp.study.n_trials, storage=storage,
                         study_name=args.study_name or exp.name, tracking_uri=tracking_uri, timeout_s=timeout,
                         progress=not args.no_progress)
+    executor = make_executor(exp, workloads, kind, workers, address, trial_timeout)
     try:
-        return run_sweep(exp, opts, workloads).exit_code
+        return run_sweep(exp, opts, workloads, executor=executor).exit_code
     except EngineInputError as exc:  # e.g. a draft made for another target, found when the pair loads
         raise InputError(str(exp.path), "model", f"the engine refused to load the pair ({exc})") from None
 
@@ -198,9 +211,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    raise InputError("serve", None, "serving an exported config comes with the serving issue; for now run "
-                     "`python -m engine generate --config CONFIG.yaml` or the command `autotune export "
-                     "--format llama-server` writes", args.config)
+    if not 0 <= args.port <= 65535:
+        raise InputError("--port", None, "must be between 0 and 65535", args.port)
+    if args.max_queue < 0:
+        raise InputError("--max-queue", None, "must be >= 0", args.max_queue)
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key", None, "must not be empty", args.api_key)
+    if not Path(args.config).is_file():
+        raise InputError(args.config, None, "config file not found")
+    from engine.config import EngineInputError
+    from engine.server import serve
+
+    try:
+        return serve(args.config, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue)
+    except EngineInputError as exc:
+        raise InputError(args.config, None, str(exc)) from None
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -68,8 +68,9 @@ class StudySpec:
 @dataclass(frozen=True)
 class ExecutorSpec:
     kind: str = "local"
-    workers: int = 1
-    address: str | None = None
+    workers: int | None = None  # local: 1; ray: CPU actors, or a cap on the one-actor-per-GPU count
+    address: str | None = None  # ray: "auto" or HOST:PORT of a cluster; None starts a local one
+    trial_timeout: float | None = None  # ray: seconds before a trial's actor is killed and restarted
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,16 @@ class Experiment:
 
     @property
     def fixed_engine(self) -> dict[str, Any]:
-        return dict(self.engine)
+        fixed = dict(self.engine)
+        # A space that tunes the grammar placement serves its traffic under the prompts' tool-call
+        # grammars: the AR baseline and reference (built from these fields) must decode under them
+        # too, or every constrained trial is compared with unconstrained output. AR masks every step
+        # whatever the placement; a trial's own suggestion still overrides this value.
+        placements = next((p.choices for p in self.search_space.params if p.name == "grammar"), None) or ()
+        on = [c for c in placements if c != "off"]
+        if on and "grammar" not in fixed:
+            fixed["grammar"] = on[0]
+        return fixed
 
     def fingerprint(self) -> str:
         """What makes two runs comparable: a resumed study must have been made from the same thing."""
@@ -280,20 +290,38 @@ def _study(where: str, raw: dict) -> StudySpec:
 
 
 def _executor(where: str, raw: dict) -> ExecutorSpec:
-    s = _Section(where, "executor", raw, {"kind", "workers", "address"})
-    spec = ExecutorSpec(kind=s.choice("kind", EXECUTORS, "local"), workers=s.integer("workers", 1, low=1),
-                        address=s.get("address", (str, type(None)), None))
-    check_executor(where, ("executor.kind", "executor.workers"), spec.kind, spec.workers)
+    s = _Section(where, "executor", raw, {"kind", "workers", "address", "trial_timeout"})
+    workers = s.get("workers", (int, type(None)), None)
+    if workers is not None and workers < 1:
+        raise InputError(where, "executor.workers", "must be >= 1", workers)
+    timeout = s.get("trial_timeout", (int, float, type(None)), None)
+    if timeout is not None and not timeout > 0:
+        raise InputError(where, "executor.trial_timeout", "must be > 0 seconds", timeout)
+    spec = ExecutorSpec(kind=s.choice("kind", EXECUTORS, "local"), workers=workers,
+                        address=s.get("address", (str, type(None)), None),
+                        trial_timeout=None if timeout is None else float(timeout))
+    check_executor(where, ("executor.kind", "executor.workers", "executor.address", "executor.trial_timeout"),
+                   spec.kind, spec.workers, spec.address, spec.trial_timeout)
     return spec
 
 
-def check_executor(where: str, keys: tuple[str, str], kind: str, workers: int) -> None:
-    """One rule for the YAML and the CLI: what this version can run."""
-    if kind == "ray":
-        raise InputError(where, keys[0], "the Ray executor is not available yet (it comes with the Ray issue); "
-                         "use `local`", kind)
-    if kind == "local" and workers != 1:
-        raise InputError(where, keys[1], "the local executor runs exactly one in-process worker", workers)
+_ADDRESS_RE = re.compile(r"^(auto|(ray://)?[A-Za-z0-9_.-]+:\d{1,5})$")
+
+
+def check_executor(where: str, keys: tuple[str, str, str, str], kind: str, workers: int | None,
+                   address: str | None = None, trial_timeout: float | None = None) -> None:
+    """One rule for the YAML and the CLI: what each executor can run."""
+    if kind == "local":
+        if workers not in (None, 1):
+            raise InputError(where, keys[1], "the local executor runs exactly one in-process worker; use the Ray "
+                             "executor for several", workers)
+        if address is not None:
+            raise InputError(where, keys[2], "only applies with the Ray executor", address)
+        if trial_timeout is not None:
+            raise InputError(where, keys[3], "only applies with the Ray executor (the local worker runs in the "
+                             "driver's process and cannot be killed)", trial_timeout)
+    if address is not None and not _ADDRESS_RE.match(address):
+        raise InputError(where, keys[2], "must be `auto` or HOST:PORT of a Ray cluster", address)
 
 
 def _engine_fixed(where: str, raw: dict, space: SearchSpace) -> dict[str, Any]:

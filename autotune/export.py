@@ -70,35 +70,102 @@ def render(doc: dict[str, Any], fmt: str) -> str:
     raise InputError("--format", None, f"must be one of {list(FORMATS)}", fmt)
 
 
-# The DFlash/DDTree llama.cpp port (lucebox-hub's dflash_server) takes the target .gguf as its first
-# argument and these flags. The exact flag names are checked against the port in the serving issue;
-# fields without a flag there are listed in the header rather than guessed.
-_FLAGS = {"budget": "--ddtree-budget", "top_k": "--ddtree-topk", "proposal_temp": "--ddtree-temp",
-          "block_size": "--draft-block-size"}
+# The public llama.cpp DFlash/DDTree port is lucebox-hub (github.com/Luce-Org/lucebox-hub, read at
+# commit 8305b6c), built on its ggml fork Luce-Org/llama.cpp-dflash-ggml. It has two programs:
+#   dflash_server  the OpenAI-compatible HTTP server (server/src/server/server_main.cpp): target .gguf
+#                  first, then --draft PATH, --ddtree (tree verify; also turns fast rollback on),
+#                  --ddtree-budget N, --host, --port.
+#   test_dflash    the decode daemon its scripts drive (server/test/test_dflash.cpp): TARGET DRAFT
+#                  --daemon, --fast-rollback, --ddtree, --ddtree-budget=N, --ddtree-temp=X,
+#                  --ddtree-no-chain-seed, --draft-ctx-max=N (or DFLASH27B_DRAFT_CTX_MAX).
+# docs/serving.md holds the full mapping, with what has no equivalent and why.
+SERVER_BINARY, DAEMON_BINARY = "dflash_server", "test_dflash"
+PORT_MIN_DRAFT_CTX = 2048  # the port windows the draft at max(2048, --draft-ctx-max) positions
 
 
-def llama_server(doc: dict[str, Any], binary: str = "dflash_server") -> str:
+def _full_chain_seed(cfg: dict[str, Any]) -> bool:
+    seed, block = cfg.get("chain_seed"), cfg.get("block_size")
+    return seed is None or (block is not None and seed >= block - 1)
+
+
+def llama_server_mapping(cfg: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """EngineConfig fields -> (dflash_server flags, extra test_dflash daemon flags, unmapped notes)."""
+    server: list[str] = []
+    daemon: list[str] = []
+    unmapped: list[str] = []
+    verify = cfg["verify"]
+    if verify == "ddtree":
+        server += ["--ddtree", "--ddtree-budget", str(cfg["budget"])]
+        if cfg.get("rollback") == "replay":
+            unmapped.append("rollback=replay (the port's --ddtree always uses fast rollback)")
+        unmapped.append(f"top_k={cfg.get('top_k')} (no flag: the port fixes K at 8 when the budget exceeds the "
+                        f"draft depth, else 1)")
+        if cfg.get("proposal_temp") != 1.0:
+            daemon.append(f"--ddtree-temp={cfg['proposal_temp']}")
+        if cfg.get("chain_seed") == 0:
+            daemon.append("--ddtree-no-chain-seed")
+        elif not _full_chain_seed(cfg):
+            unmapped.append(f"chain_seed={cfg['chain_seed']} (the port seeds the whole top-1 chain or none)")
+    elif verify == "chain" and cfg.get("rollback") == "fast":
+        daemon.append("--fast-rollback")
+    if verify != "ar":
+        ctx = cfg.get("target_feat_ctx") or 0
+        if ctx >= PORT_MIN_DRAFT_CTX:
+            daemon.append(f"--draft-ctx-max={ctx}")
+        else:
+            unmapped.append(f"target_feat_ctx={ctx} (the port's draft sees max(2048, --draft-ctx-max) positions, "
+                            f"default 4096, capped by its feature ring)")
+    if cfg.get("block_size") is not None:
+        unmapped.append(f"block_size={cfg['block_size']} (the draft GGUF's own block size is used)")
+    unmapped.append(f"draft_path={cfg.get('draft_path')} (an engine implementation path)")
+    return server, daemon, unmapped
+
+
+def llama_server(doc: dict[str, Any], binary: str = SERVER_BINARY) -> str:
     cfg, model, prov = doc["engine"], doc["model"], doc["provenance"]
-    args = [binary, str(model.get("target", "TARGET.gguf"))]
-    unmapped = []
-    if cfg["verify"] != "ar":
-        args += ["--draft", str(model.get("draft", "DRAFT.gguf"))]
-    if cfg["verify"] == "ddtree":
-        args.append("--ddtree")
-        for field, flag in _FLAGS.items():
-            if cfg.get(field) is not None:
-                args += [flag, str(cfg[field])]
-        if cfg.get("rollback") == "fast":
-            args.append("--fast-rollback")
-        unmapped += [f"chain_seed={cfg.get('chain_seed')}"]
-    elif cfg["verify"] == "chain" and cfg.get("block_size") is not None:
-        args += ["--draft-block-size", str(cfg["block_size"])]
-    unmapped += [f"target_feat_ctx={cfg.get('target_feat_ctx')}", f"draft_path={cfg.get('draft_path')}"]
-    if cfg.get("temperature"):
-        unmapped.append(f"temperature={cfg['temperature']} (set per request)")
+    target, draft = str(model.get("target", "TARGET.gguf")), str(model.get("draft", "DRAFT.gguf"))
+    server, daemon, unmapped = llama_server_mapping(cfg)
+    args = [binary, target] + (["--draft", draft] if cfg["verify"] != "ar" else []) + server
+    request = [f"temperature={cfg.get('temperature')}", f"seed={cfg.get('seed')}"]
     lines = ["#!/bin/sh",
-             f"# autotune export for the llama.cpp DFlash/DDTree port: study {prov['study']}, trial {prov['trial']}",
-             *(f"# {k}: {v}" for k, v in prov.items()),
-             f"# not mapped to a server flag (checked in the serving issue): {', '.join(unmapped)}",
-             " ".join(shlex.quote(a) for a in args) + ' --host 127.0.0.1 --port "${PORT:-8000}"', ""]
+             f"# autotune export for the llama.cpp DFlash/DDTree port (lucebox-hub {binary}): "
+             f"study {prov.get('study')}, trial {prov.get('trial')}; mapping in docs/serving.md",
+             *(f"# {k}: {v}" for k, v in prov.items())]
+    if daemon:
+        budget = [f"--ddtree-budget={cfg['budget']}"] if cfg["verify"] == "ddtree" else []
+        ddtree = ["--ddtree"] if cfg["verify"] == "ddtree" else []
+        cmd = [DAEMON_BINARY, target, draft, "--daemon", *ddtree, *budget, *daemon]
+        lines.append(f"# only the {DAEMON_BINARY} daemon takes {' '.join(daemon)}; its command: "
+                     + " ".join(shlex.quote(a) for a in cmd))
+    lines += [f"# no equivalent in the port: {'; '.join(unmapped) if unmapped else 'none'}",
+              f"# per request (OpenAI body): {', '.join(request)}",
+              " ".join(shlex.quote(a) for a in args) + ' --host 127.0.0.1 --port "${PORT:-8000}"', ""]
     return "\n".join(lines)
+
+
+def parse_llama_server(text: str) -> dict[str, Any]:
+    """The EngineConfig fields a `--format llama-server` export sets, read back from its two commands."""
+    fields: dict[str, Any] = {}
+    server = next(ln for ln in reversed(text.splitlines()) if ln.strip() and not ln.startswith("#"))
+    marker = f"its command: {DAEMON_BINARY} "
+    daemon = next((ln.split("its command: ", 1)[1] for ln in text.splitlines() if marker in ln), "")
+    argv = shlex.split(server.replace('"${PORT:-8000}"', "8000"))
+    fields["verify"] = "ddtree" if "--ddtree" in argv else ("chain" if "--draft" in argv else "ar")
+    if "--ddtree-budget" in argv:
+        fields["budget"] = int(argv[argv.index("--ddtree-budget") + 1])
+    if fields["verify"] == "ddtree":
+        fields["rollback"] = "fast"
+    for arg in shlex.split(daemon):
+        key, _, value = arg.partition("=")
+        if key == "--ddtree-temp":
+            fields["proposal_temp"] = float(value)
+        elif key == "--ddtree-no-chain-seed":
+            fields["chain_seed"] = 0
+        elif key == "--draft-ctx-max":
+            fields["target_feat_ctx"] = int(value)
+        elif key == "--fast-rollback":
+            fields["rollback"] = "fast"
+    if fields["verify"] == "ddtree":  # the port's defaults where no flag was written
+        fields.setdefault("proposal_temp", 1.0)
+        fields.setdefault("chain_seed", None)
+    return fields

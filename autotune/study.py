@@ -14,6 +14,7 @@ host and its pid is dead, or no heartbeat for ``STALE_AFTER_S``) is marked FAIL 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import socket
 import threading
@@ -98,7 +99,39 @@ def open_storage(spec: StorageSpec, *, create: bool) -> optuna.storages.BaseStor
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         return JournalStorage(JournalFileBackend(str(spec.path)))
-    return optuna.storages.RDBStorage(spec.url)
+    if _is_postgres(spec):  # drivers starting together on an empty database would both create the schema
+        with BudgetLock(spec, "schema") as lock:
+            storage = optuna.storages.RDBStorage(spec.url)
+        lock.close()
+        return storage
+    storage = optuna.storages.RDBStorage(spec.url)
+    if spec.url.startswith("sqlite"):
+        _fast_sqlite_commits(storage)
+    return storage
+
+
+def _fast_sqlite_commits(storage: optuna.storages.RDBStorage) -> None:
+    """Write-ahead log with ``synchronous=NORMAL``: a commit no longer waits for an fsync.
+
+    The driver writes each trial attribute in a transaction of its own (≈40 per trial); with the
+    default rollback journal each costs ~10 ms of fsync, which is most of the driver's time per
+    trial on small models. In WAL mode a crash of the driver loses nothing; only a power cut can
+    lose the last commits (the database stays consistent).
+    """
+    import sqlalchemy
+
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    sqlalchemy.event.listen(storage.engine, "connect", on_connect)
+    storage.engine.dispose()  # connections opened while the storage was set up reconnect with the pragmas
+
+
+def _is_postgres(spec: StorageSpec) -> bool:
+    return spec.kind == "rdb" and spec.url.startswith("postgresql")
 
 
 def load_existing(storage: optuna.storages.BaseStorage, name: str) -> optuna.Study:
@@ -265,6 +298,61 @@ def counts_toward_budget(t: FrozenTrial) -> bool:
 
 def n_finished(study: optuna.Study) -> int:
     return sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
+
+
+def n_running(study: optuna.Study) -> int:
+    """RUNNING trials of every driver: they hold budget until they finish."""
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
+class BudgetLock:
+    """Makes "is budget left? → plan → ask" atomic among drivers that share one study.
+
+    PostgreSQL: a session-level advisory lock keyed by the study name, on a connection of its own;
+    the server frees it when a driver dies. Other storages serve one driver per study (SQLite and
+    journal files are not meant for several hosts), so the lock only orders this process's threads.
+    """
+
+    def __init__(self, spec: StorageSpec, study_name: str) -> None:
+        self._thread_lock = threading.Lock()
+        self._engine: Any = None
+        self._conn: Any = None
+        digest = hashlib.sha256(f"autotune:{study_name}".encode()).digest()
+        self._key = int.from_bytes(digest[:8], "big", signed=True)
+        if _is_postgres(spec):
+            import sqlalchemy
+
+            self._engine = sqlalchemy.create_engine(spec.url, poolclass=sqlalchemy.pool.NullPool)
+
+    def __enter__(self) -> BudgetLock:
+        self._thread_lock.acquire()
+        if self._engine is not None:
+            import sqlalchemy
+
+            try:
+                if self._conn is None:
+                    self._conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                self._conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": self._key})
+            except BaseException:
+                self._thread_lock.release()
+                raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._conn is not None:
+                import sqlalchemy
+
+                self._conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
+        finally:
+            self._thread_lock.release()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._engine is not None:
+            self._engine.dispose()
 
 
 def role_of(t: FrozenTrial) -> str:

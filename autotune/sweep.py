@@ -3,6 +3,11 @@
 The driver is the only writer to the Optuna storage and to MLflow. Trial order per worker:
 the AR baseline first (and again every ``baseline_every`` trials), retries of interrupted trials,
 the reference config once per study, then the sampler's suggestions.
+
+With several workers (the Ray executor) the driver keeps one job on every idle worker and tells
+each record as it comes back. With several drivers on one study (PostgreSQL), "is budget left?
+→ plan → ask" runs under a lock shared by the drivers (:class:`autotune.study.BudgetLock`), and the
+budget counts every driver's running trials, so together they finish exactly ``n_trials``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from autotune.experiment import Experiment, workload_hash
 from autotune.tracking import open_tracker
 from autotune.worker import Job, Record
 from engine.config import EngineConfig, EngineInputError
+
+POLL_S = 2.0  # how often a driver with nothing to start looks at the trials other drivers still run
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,8 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
         facts = {**results.summary(done), "storage": opts.storage.url, "exit": "done (nothing left to run)"}
         print(results.format_summary(facts), file=out, flush=True)
         return SweepOutcome(study=done, exit_code=0, facts=facts)
-    executor = executor or LocalExecutor.for_model(exp.model.target, exp.model.draft, exp.model.device,
-                                                   exp.model.dtype, workloads, exp.fixed_engine)
+    executor = executor or make_executor(exp, workloads, exp.executor.kind, exp.executor.workers,
+                                         exp.executor.address, exp.executor.trial_timeout)
     with _CtrlC() as ctrl_c:
         try:
             with ctrl_c.measuring():
@@ -69,6 +76,19 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
             executor.close()
             raise
         return _sweep(exp, opts, workloads, executor, workers, ctrl_c, out)
+
+
+def make_executor(exp: Experiment, workloads: list[Any], kind: str = "local", workers: int | None = None,
+                  address: str | None = None, trial_timeout: float | None = None) -> Executor:
+    """The executor a sweep runs on (nothing starts or loads until its ``start()``)."""
+    if kind == "ray":
+        from autotune.executors.ray_executor import RayExecutor, WorkerSpec
+
+        spec = WorkerSpec(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, tuple(workloads),
+                          dict(exp.fixed_engine))
+        return RayExecutor(spec, workers=workers, address=address, trial_timeout_s=trial_timeout)
+    return LocalExecutor.for_model(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads,
+                                   exp.fixed_engine)
 
 
 def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: Executor, workers: list[str],
@@ -83,7 +103,8 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
                                 "dtype": device.get("dtype")})
     recovered = st.recover_stale(study)
     tracker = open_tracker(opts.tracking_uri, study, exp.name)
-    driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c)
+    driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, st.BudgetLock(opts.storage,
+                                                                                             opts.study_name))
     driver.workers = workers
     status, code = "FINISHED", 0
     try:
@@ -96,10 +117,14 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
         status, code = "KILLED", 130
     finally:
         driver.close_progress()
+        driver.budget_lock.close()
+        device = executor.describe() or device
         executor.close()
         tracker.finish(status)
     facts = results.summary(study)
     facts.update({"storage": opts.storage.url, "stale_trials_failed": len(recovered),
+                  "executor": device.get("executor", "local"), "workers": len(device.get("workers", [])),
+                  "worker_restarts": device.get("restarts", 0),
                   "mlflow_parent_run": getattr(tracker, "parent", None) or "none",
                   "elapsed_s": round(time.monotonic() - started, 1), "exit": "interrupted" if code else "done"})
     print(results.format_summary(facts), file=out, flush=True)
@@ -174,32 +199,72 @@ class _CtrlC:
             self.immediate = False
 
 
+@dataclass
+class _InFlight:
+    trial: optuna.trial.Trial
+    worker: str
+    heartbeat: st.Heartbeat
+    started: float
+    reported: bool  # the pruning callback reported per-prompt values already
+
+
 class _Driver:
     def __init__(self, exp: Experiment, opts: SweepOptions, study: optuna.Study, executor: Executor,
-                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: _CtrlC) -> None:
+                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: _CtrlC, budget_lock: st.BudgetLock) -> None:
         self.exp, self.opts, self.study, self.executor = exp, opts, study, executor
         self.ctrl_c = ctrl_c
         self.tracker, self.wl_hash, self.out = tracker, wl_hash, out
+        self.budget_lock = budget_lock
         self.workers: list[str] = []
-        self.running: optuna.trial.Trial | None = None
+        self.inflight: dict[int, _InFlight] = {}  # trial number -> the job measuring it
+        self.popped: optuna.trial.Trial | None = None  # asked, not yet submitted (an interrupt may land here)
         self.bar: tqdm | None = None
 
     # ---------------------------------------------------------------- the loop
     def loop(self, started: float) -> None:
+        """Keep every idle worker busy until ``n_trials`` finished (all drivers together)."""
         total = self.opts.n_trials
         self.bar = tqdm(total=total, initial=min(st.n_finished(self.study), total), desc=self.study.study_name,
                         unit="trial", disable=not self.opts.progress, file=sys.stderr, dynamic_ncols=True)
         self._update_bar()
-        while st.n_finished(self.study) < total:
+        while True:
             self.ctrl_c.checkpoint()
-            if self.opts.timeout_s is not None and time.monotonic() - started > self.opts.timeout_s:
+            out_of_time = self.opts.timeout_s is not None and time.monotonic() - started > self.opts.timeout_s
+            grid_done = False
+            if not out_of_time:
+                grid_done = self._dispatch(total)
+            if self.inflight or not self.executor.idle_workers():
+                with self.ctrl_c.measuring():
+                    records = self.executor.wait()
+                for rec in records:
+                    self._finish(rec)
+                continue
+            if out_of_time:
                 tqdm.write(f"timeout: {self.opts.timeout_s:.0f}s reached, no new trials", file=sys.stderr)
-                break
-            self._plan(self.workers[0])
-            if st.grid_exhausted(self.study) and not self._waiting():
+                return
+            if grid_done:
                 tqdm.write("grid: every point was measured", file=sys.stderr)
-                break
-            self.run_trial(self._ask(self.workers[0]), self.workers[0])
+                return
+            if st.n_finished(self.study) < total and st.n_running(self.study):
+                # another driver's trials hold the rest of the budget; one may still fail and need a rerun
+                time.sleep(POLL_S)
+                continue
+            return
+
+    def _dispatch(self, total: int) -> bool:
+        """Start a trial on every idle worker while budget is left; True when the grid is exhausted."""
+        for worker in self.executor.idle_workers():
+            with self.budget_lock:
+                st.recover_stale(self.study)  # another driver on this host that died leaves no trial RUNNING
+                if st.n_finished(self.study) + st.n_running(self.study) >= total:
+                    return False
+                self._plan(worker)
+                if st.grid_exhausted(self.study) and not self._waiting():
+                    return True
+                self.popped = self._ask(worker)
+            self.start_trial(self.popped, worker)
+            self.popped = None
+        return False
 
     def _ask(self, worker: str) -> optuna.trial.Trial:
         """Ask for the next trial, its driver recorded before it is RUNNING.
@@ -236,8 +301,7 @@ class _Driver:
             return {**st.REFERENCE, **fixed}
         return {**fixed, **self.exp.search_space.suggest(trial)}
 
-    def run_trial(self, trial: optuna.trial.Trial, worker: str) -> None:
-        self.running = trial
+    def start_trial(self, trial: optuna.trial.Trial, worker: str) -> None:
         role = trial.user_attrs.get("role", "search")
         config = self.config_for(trial, role)
         try:  # record every field, defaults included: provenance, paths and dedup need the full config
@@ -251,14 +315,19 @@ class _Driver:
         job = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
                   warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
-        with st.Heartbeat(trial):
-            self.executor.submit(job, prune)
-            with self.ctrl_c.measuring():
-                (record,) = self.executor.wait()
-        self.tell(trial, record, reported=prune is not None)
-        self.running = None
-        self.tracker.log_trial(self.study.get_trials(deepcopy=False)[trial.number])
-        self._update_bar(advance=1)
+        heartbeat = st.Heartbeat(trial).__enter__()
+        self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None)
+        self.executor.submit(job, prune, worker=worker)
+
+    def _finish(self, rec: Record) -> None:
+        job = self.inflight.pop(rec.trial, None)
+        if job is None:
+            return  # not a trial of this loop (cannot happen with the executors here)
+        job.heartbeat.__exit__()
+        self.tell(job.trial, rec, reported=job.reported, wall_s=time.monotonic() - job.started)
+        frozen = self.study.get_trials(deepcopy=False)[job.trial.number]
+        self.tracker.log_trial(frozen)
+        self._update_bar(advance=int(st.counts_toward_budget(frozen)))
 
     def _pruning_callback(self, trial: optuna.trial.Trial):
         def on_first_pass(per_prompt_tps: list[float]) -> bool:
@@ -269,11 +338,22 @@ class _Driver:
         return on_first_pass
 
     # ---------------------------------------------------------------- scoring
-    def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool) -> None:
-        trial.set_user_attr("device", rec.device)
-        trial.set_user_attr("elapsed_s", round(rec.elapsed_s, 3))
+    def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool, wall_s: float | None = None) -> None:
+        # trial_wall_s: submit → record back at the driver; minus engine_s it is the executor's overhead
+        attrs: dict[str, Any] = {"device": rec.device, "elapsed_s": round(rec.elapsed_s, 3),
+                                 "trial_wall_s": round(rec.elapsed_s if wall_s is None else wall_s, 4),
+                                 "engine_s": round(rec.engine_s, 4),
+                                 "worker": rec.worker or trial.user_attrs.get("worker")}
+        if rec.utilisation:  # NVML GPU or process CPU utilisation of the worker during this job
+            attrs.update(utilisation=rec.utilisation, util_percent=rec.utilisation.get("percent"))
+        if rec.model_loads:
+            attrs["worker_model_loads"] = rec.model_loads
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
         if not rec.ok:
             trial.set_user_attr("fail_reason", rec.fail_reason)
+            if rec.interrupted:  # the worker died: not a verdict on the config, so its params run once more
+                trial.set_user_attr("interrupted", True)
             tqdm.write(f"trial {trial.number} FAIL: {rec.fail_reason}", file=sys.stderr)
             self.study.tell(trial, state=TrialState.FAIL)
             return
@@ -370,12 +450,12 @@ class _Driver:
         if self.bar is not None:
             self.bar.set_description(f"{self.study.study_name} confirming {len(picks)}")
         cands, ar, ref = [], None, None
+        worker: str | None = None  # every candidate on one worker: ratios measured side by side
         for number, cfg in picks:
             job = Job(trial=number, role="confirm", config=cfg, max_new_tokens=self.exp.workload.max_new_tokens,
                       warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
-            self.executor.submit(job)
-            with self.ctrl_c.measuring():
-                (rec,) = self.executor.wait()
+            rec = self._measure_now(job, worker)
+            worker = worker or (rec.worker if rec.ok else None)
             if not rec.ok or (m.exactness == "strict" and rec.exact_match is not None and rec.exact_match < 1):
                 continue
             c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.decode_tps_runs, m.max_rel_mad))
@@ -388,7 +468,7 @@ class _Driver:
             return
         ar_tps = ar.score.median if ar else None
         conf = {
-            "finished_trials": finished, "repeats": m.confirm_repeats, "worker": self.workers[0],
+            "finished_trials": finished, "repeats": m.confirm_repeats, "worker": worker,
             "when": st._now(), "winner": win.trial, "ties": [c.trial for c in measure.ties([c for c, _ in cands])],
             "ar_median_tps": ar_tps, "winner_median_tps": win.score.median, "winner_spread": win.score.spread,
             "winner_speedup_vs_ar": measure.speedup(win.score.median, ar_tps),
@@ -402,14 +482,31 @@ class _Driver:
         self.study.set_user_attr("confirmation", conf)
         self.tracker.log_confirmation(conf)
 
+    def _measure_now(self, job: Job, worker: str | None) -> Record:
+        """One job outside the trial loop (nothing else in flight), on ``worker`` if it is still there."""
+        while not (idle := self.executor.idle_workers()):
+            with self.ctrl_c.measuring():
+                self.executor.wait()  # a worker is restarting
+        self.executor.submit(job, worker=worker if worker in idle else idle[0])
+        while True:
+            with self.ctrl_c.measuring():
+                records = self.executor.wait()
+            for rec in records:
+                if rec.trial == job.trial and rec.role == job.role:
+                    return rec
+
     # ---------------------------------------------------------------- interruption & progress
     def fail_running(self, reason: str) -> None:
         """Fail this driver's RUNNING trials, including one popped a moment before the interrupt."""
         numbers = {t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                    if t.user_attrs.get("driver") == st.me()}
-        if self.running is not None:
-            numbers.add(self.running.number)
-        self.running = None
+        for job in self.inflight.values():
+            job.heartbeat.__exit__()
+            numbers.add(job.trial.number)
+        if self.popped is not None:
+            numbers.add(self.popped.number)
+        self.inflight.clear()
+        self.popped = None
         for number in sorted(numbers):
             try:
                 st.fail_trial(self.study, number, reason, interrupted=True)

@@ -23,7 +23,7 @@ from autotune.study import role_of
 _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", TrialState.FAIL: "FAILED"}
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
-            "oracle_gate_tps", "peak_memory_bytes")
+            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s")
 
 
 def check_tracking_uri(uri: str) -> str | None:

@@ -9,6 +9,21 @@ measurement protocol of MEASUREMENT.md for one config:
 3. if the relative MAD is above ``max_rel_mad``, ``repeats`` more passes, scored together with
    the first ones (the median and MAD are robust to the disturbed passes); still noisy → flagged;
 4. every output compared token by token with the AR output of the same prompt.
+
+Each record also carries the worker's utilisation during the job (NVML GPU utilisation on a GPU,
+process CPU time over wall time on a CPU) and whether the engine error it hit leaves the device
+unusable (then the Ray executor restarts the worker process).
+
+Test-only fault injection: ``Worker(..., faults={trial_number: kind})`` makes the job of that
+trial misbehave the way bad configs do, before anything is measured:
+
+- ``crash``: the worker process dies at once (``os._exit``), like a segfault or the kernel OOM killer;
+- ``hang``: the job never returns (only a per-trial timeout gets the worker back);
+- ``oom``: the engine raises ``torch.OutOfMemoryError``: the trial fails, the worker goes on;
+- ``device``: a CUDA-style error that leaves the device unusable: the trial fails with the reason
+  and the record says ``device_unusable`` so the executor restarts the worker.
+
+Nothing outside tests and benchmarks passes ``faults``.
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import threading
 import time
 import traceback
 from collections import Counter
@@ -29,6 +45,11 @@ from autotune import measure
 PassCallback = Callable[[list[float]], bool]
 # Test-only: rewrites a config's outputs before the exactness check (see tests/autotune).
 OutputHook = Callable[[dict[str, Any], list[list[int]]], list[list[int]]]
+FAULTS = ("crash", "hang", "oom", "device")
+# Messages of errors after which a CUDA context cannot be trusted (the process must go).
+_DEVICE_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                 "misaligned address", "an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED",
+                 "uncorrectable ECC error", "CUDA error: unknown error")
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,11 @@ class Record:
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
     peak_memory_bytes: int = 0
     elapsed_s: float = 0.0
+    engine_s: float = 0.0  # wall time inside engine.bench (overhead = trial wall − this)
+    utilisation: dict[str, Any] = field(default_factory=dict)  # {"kind": "gpu"|"cpu", "percent": ...}
+    device_unusable: bool = False  # the engine error poisoned the device: the worker process must restart
+    interrupted: bool = False  # the worker died mid-job: the trial is failed and its params retried once
+    model_loads: int = 0  # how many times this worker process loaded a model pair (Ray actors set it)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,8 +107,13 @@ class Worker:
     """Owns a loaded ``engine.Pair`` and the encoded prompts; measures one config per call."""
 
     def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any],
-                 *, output_hook: OutputHook | None = None) -> None:
+                 *, output_hook: OutputHook | None = None, faults: dict[int, str] | None = None) -> None:
+        bad = {k: v for k, v in (faults or {}).items() if v not in FAULTS}
+        if bad:
+            raise ValueError(f"fault kinds must be one of {FAULTS}, but got {bad}")
         self.pair = pair
+        self.faults = dict(faults or {})
+        self._engine_s = 0.0  # seconds inside engine.bench during the current job
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.fixed = dict(fixed)
         names = [w.name for w in workloads]
@@ -116,16 +147,25 @@ class Worker:
         """Run the protocol; any failure of the engine becomes a failed record, never a crash."""
         rec = Record(trial=job.trial, role=job.role, worker=self.id, config=dict(job.config),
                      device=self.pair.device, dtype=self.pair.dtype)
+        self._engine_s = 0.0
         t0 = time.perf_counter()
-        try:
-            self._measure(job, rec, on_first_pass)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # one broken config must not end an overnight sweep
-            rec.ok = False
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            rec.fail_reason = f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:{where.lineno})"
+        with _Utilisation(self.pair.device) as util:
+            try:
+                if job.role != "confirm" and job.trial in self.faults:
+                    _inject(self.faults[job.trial], job.trial)
+                self._measure(job, rec, on_first_pass)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # one broken config must not end an overnight sweep
+                rec.ok = False
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                rec.fail_reason = (f"{type(exc).__name__}: {exc} "
+                                   f"(at {os.path.basename(where.filename)}:{where.lineno})")
+                rec.device_unusable = device_unusable(exc)
+                _free_device_memory(self.pair.device)
         rec.elapsed_s = time.perf_counter() - t0
+        rec.engine_s = self._engine_s
+        rec.utilisation = util.result
         return rec
 
     def _measure(self, job: Job, rec: Record, on_first_pass: PassCallback | None) -> None:
@@ -151,7 +191,11 @@ class Worker:
     def _pass(self, cfg: Any, max_new_tokens: int) -> list[Any]:
         import engine
 
-        return [engine.bench(self.pair, cfg, prompts, max_new_tokens) for _, prompts in self.sets]
+        t0 = time.perf_counter()
+        try:
+            return [engine.bench(self.pair, cfg, prompts, max_new_tokens) for _, prompts in self.sets]
+        finally:
+            self._engine_s += time.perf_counter() - t0
 
     def _fill(self, rec: Record, config: dict[str, Any], passes: list[list[Any]],
               reference: list[list[list[int]]]) -> None:
@@ -199,6 +243,93 @@ class Worker:
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
             }
+
+
+def device_unusable(exc: BaseException) -> bool:
+    """Whether an engine error leaves the accelerator in a state no later trial can trust."""
+    text = f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__ == "AcceleratorError" or any(m.lower() in text.lower() for m in _DEVICE_FATAL)
+
+
+def _inject(kind: str, trial: int) -> None:
+    """The test-only fault hook (see the module docstring)."""
+    if kind == "crash":
+        os._exit(77)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    if kind == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out-of-memory fault on trial {trial}")
+    raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected fault on trial {trial})")
+
+
+def _free_device_memory(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:
+            pass  # a poisoned context refuses this too; the record already says why
+
+
+class _Utilisation:
+    """Utilisation of this worker's device while one job runs.
+
+    GPU: NVML utilisation of the worker's GPU (``torch.cuda.utilization``, which maps
+    ``CUDA_VISIBLE_DEVICES`` to the NVML index), sampled every 0.2 s, and the device memory in use.
+    CPU: this process's CPU time over wall time (100 = one core busy the whole time).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = str(device)
+        self.result: dict[str, Any] = {}
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Utilisation:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        if self.device.startswith("cuda") and _nvml_reading(self.device) is not None:
+            self._thread = threading.Thread(target=self._sample, name="autotune-nvml", daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while (value := _nvml_reading(self.device)) is not None:
+            self._samples.append(value)
+            if self._stop.wait(0.2):
+                return
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.perf_counter() - self._wall, 1e-9)
+        cpu_percent = round(100.0 * (time.process_time() - self._cpu) / wall, 1)
+        if self._thread is None:
+            self.result = {"kind": "cpu", "percent": cpu_percent}
+            return
+        self._stop.set()
+        self._thread.join()
+        try:
+            import torch
+
+            mem: int | None = int(torch.cuda.device_memory_used(self.device))
+        except Exception:  # NVML gone meanwhile: the utilisation samples still stand
+            mem = None
+        percent = round(sum(self._samples) / len(self._samples), 1) if self._samples else None
+        self.result = {"kind": "gpu", "percent": percent, "samples": len(self._samples), "memory_used_bytes": mem,
+                       "cpu_percent": cpu_percent}
+
+
+def _nvml_reading(device: str) -> int | None:
+    """GPU utilisation in percent, or None where NVML (the nvidia-ml-py package or the driver) is missing."""
+    try:
+        import torch
+
+        return int(torch.cuda.utilization(device))
+    except Exception:  # no pynvml, no driver, a poisoned context: report CPU facts only
+        return None
 
 
 def first_divergence(out: Sequence[int], want: Sequence[int]) -> int | None:

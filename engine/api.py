@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,8 +14,16 @@ from torch import nn
 from engine.config import EngineConfig, EngineInputError
 from engine.decode import Workspace, generate
 from engine.drafters import Drafter
+from engine.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
 from engine.stats import PHASES, BenchResult, Generation, PromptResult
+
+
+class PromptIds(list):
+    """A prompt's token ids that remember the prompt's tools (``Pair.encode`` of a chat with tools),
+    so ``bench`` can serve each prompt with its own tool-call grammar."""
+
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass
@@ -29,6 +38,8 @@ class Pair:
     device: str
     dtype: str
     _workspace: Workspace | None = field(default=None, repr=False)
+    _grammar_vocab: GrammarVocab | None = field(default=None, repr=False)
+    _grammars: dict[str, CompiledGrammar] = field(default_factory=dict, repr=False)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -71,6 +82,20 @@ class Pair:
         ws.cache.reset()
         return ws
 
+    def grammar_for(self, tools: Sequence[dict[str, Any]] | None) -> CompiledGrammar | None:
+        """The tool-call grammar of ``tools`` for this pair's vocabulary (compiled once per tool set);
+        ``None`` without tools: such a prompt is decoded unconstrained."""
+        if not tools:
+            return None
+        if self.tokenizer is None:
+            raise EngineInputError(f"target {self.target_name!r} has no tokenizer: a grammar needs its vocabulary")
+        key = json.dumps(list(tools), sort_keys=True)
+        if key not in self._grammars:
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab(self.tokenizer, self.stop_ids)
+            self._grammars[key] = compile_tool_grammar(self._grammar_vocab, tools)
+        return self._grammars[key]
+
     def encode(self, prompt: Any) -> list[int]:
         """A workload prompt (text, or messages + tools through the chat template) -> token ids."""
         if self.tokenizer is None:
@@ -85,6 +110,10 @@ class Pair:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise EngineInputError("prompt encodes to no tokens")
+        tools = getattr(prompt, "tools", None)
+        if messages and tools:
+            ids = PromptIds(ids)
+            ids.tools = tuple(tools)
         return ids
 
 
@@ -113,20 +142,30 @@ def bench(
     max_new_tokens: int,
     reference: Sequence[Sequence[int]] | None = None,
     ignore_eos: bool = False,
+    grammars: Sequence[CompiledGrammar | None] | None = None,
 ) -> BenchResult:
     """One measured pass of ``config`` over ``prompts``; caches reset between generations.
 
     ``reference`` (AR outputs for the same prompts) turns on the per-prompt exactness check.
+    ``grammars`` (one per prompt, ``None`` = unconstrained) apply when ``config.grammar != "off"``;
+    left out, each prompt that remembers its tools (``Pair.encode`` of a chat with tools) gets its
+    tool-call grammar (compiled before the pass, outside the measured time).
     """
     if reference is not None and len(reference) != len(prompts):
         raise EngineInputError(f"reference has {len(reference)} outputs for {len(prompts)} prompts")
+    if grammars is not None and len(grammars) != len(prompts):
+        raise EngineInputError(f"grammars has {len(grammars)} entries for {len(prompts)} prompts")
+    if config.grammar == "off":
+        grammars = [None] * len(prompts)
+    elif grammars is None:
+        grammars = [pair.grammar_for(getattr(p, "tools", None)) for p in prompts]
     cuda = pair.target.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     gens: list[Generation] = []
     results: list[PromptResult] = []
     for i, prompt in enumerate(prompts):
-        g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos)
+        g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos, grammar=grammars[i])
         gens.append(g)
         div = _first_divergence(g.tokens, reference[i]) if reference is not None else None
         results.append(PromptResult(
@@ -150,4 +189,6 @@ def bench(
         side_branch_steps=sum(g.stats.side_branch_steps for g in gens),
         peak_memory_bytes=int(peak),
         device=pair.device,
+        grammar_ms=sum(g.stats.grammar_ms for g in gens),
+        constrained=sum(g is not None for g in grammars),
     )

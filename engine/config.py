@@ -9,6 +9,7 @@ from typing import Any
 VERIFY_MODES = ("ar", "chain", "ddtree")
 ROLLBACK_MODES = ("replay", "fast")
 DRAFT_PATHS = ("generic", "runtime")
+GRAMMAR_MODES = ("off", "walk", "commit")
 
 
 class EngineInputError(ValueError):
@@ -33,6 +34,13 @@ class EngineConfig:
     block_size: draft block length; ``None`` uses the draft checkpoint's own.
     temperature: 0 = greedy; > 0 samples (every committed token is a target sample).
     seed: sampling seed (position-keyed, so AR and speculative sampling agree token for token).
+    grammar: where a prompt's grammar (its tool-call grammar, engine/grammar.py) constrains the output:
+        ``off`` decodes unconstrained (a grammar given to ``generate`` is ignored); ``walk`` masks the
+        target's logits at every tree node during the posterior walk; ``commit`` walks unconstrained
+        and advances the grammar on committed tokens only, cutting the step at the first token the
+        grammar refuses and committing the masked target token there. Both equal grammar-constrained
+        AR (``verify="ar"`` with grammar ``walk`` or ``commit``: the logits masked at every step).
+        A prompt without a grammar (no tools) is decoded unconstrained under any setting.
     """
 
     verify: str = "ddtree"
@@ -46,11 +54,13 @@ class EngineConfig:
     block_size: int | None = None
     temperature: float = 0.0
     seed: int = 0
+    grammar: str = "off"
 
     def __post_init__(self) -> None:
         _choice("verify", self.verify, VERIFY_MODES)
         _choice("rollback", self.rollback, ROLLBACK_MODES)
         _choice("draft_path", self.draft_path, DRAFT_PATHS)
+        _choice("grammar", self.grammar, GRAMMAR_MODES)
         _int_at_least("budget", self.budget, 1)
         _int_at_least("top_k", self.top_k, 1)
         _int_at_least("target_feat_ctx", self.target_feat_ctx, 0)

@@ -6,7 +6,7 @@ Chain verify is the degenerate tree (one path), so both speculative modes share 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig, EngineInputError
+from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
 from engine.models.common import VerifyTree
 from engine.sampling import select_tokens
 from engine.stats import PHASES, Generation, GenerationStats
@@ -63,6 +64,9 @@ class PhaseTimer:
         return dict(self.ms)
 
 
+OnTokens = Callable[[list[int]], None]  # receives one step's committed tokens
+
+
 @dataclass
 class Workspace:
     """Buffers one generation needs, reused across generations while large enough."""
@@ -71,6 +75,72 @@ class Workspace:
     seq: Tensor  # [max_len] every token: prompt, then committed output
     features: Tensor | None  # [max_len, n_ids * H] target features of cached positions
     max_len: int
+
+
+def _constrain(gs: GrammarState, bits: Tensor, logits: Tensor, stats: GenerationStats) -> Tensor:
+    """logits [1, V] masked by the grammar's next-token mask (grammar time counted)."""
+    t0 = time.perf_counter()
+    gs.fill(bits, 0)
+    stats.grammar_ms += 1000.0 * (time.perf_counter() - t0)
+    return mask_logits(logits.view(1, -1), bits[:1])
+
+
+def _advance(gs: GrammarState, token: int, stats: GenerationStats) -> None:
+    t0 = time.perf_counter()
+    ok = gs.advance(token)
+    stats.grammar_ms += 1000.0 * (time.perf_counter() - t0)
+    assert ok, f"token {token} was picked from grammar-masked logits, yet the grammar refuses it"
+
+
+def _tree_bitmask(gs: GrammarState, tokens: list[int], parents: list[int], bits: Tensor) -> None:
+    """Row i of ``bits`` := the grammar's mask after the committed prefix and node i's path.
+
+    Depth-first over the tree, advancing on the way down and rolling back on the way up, so each
+    node costs one advance, one mask and one rollback. A node the grammar refuses (and its subtree)
+    keeps an all-allowed row: the walk never reaches it, since its parent's posterior is masked.
+    """
+    children: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        children[parents[i]].append(i)
+    bits[: len(tokens)].fill_(-1)
+    gs.fill(bits, 0)
+    stack = [(c, False) for c in reversed(children[0])]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            gs.rollback(1)
+            continue
+        if not gs.advance(tokens[node]):
+            continue
+        if not gs.done:  # after the stop token nothing is committed (the step is cut there)
+            gs.fill(bits, node)
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children[node]))
+
+
+def _grammar_commit(gs: GrammarState, new: list[int], path: Tensor, logits: Tensor,
+                    positions: Tensor, cfg: EngineConfig, bits: Tensor) -> tuple[list[int], bool]:
+    """Advance the grammar over a step's committed tokens; returns (tokens kept, step cut short).
+
+    ``new[i]`` is the target's token at tree node ``path[i]``. Under ``commit`` the walk was
+    unconstrained: at the first token the grammar refuses, the step is cut and the target's token
+    at that node re-picked from its masked logits (the AR choice: where the unconstrained pick was
+    allowed, the masked pick is the same token). Under both placements the step ends at the token
+    that completes the grammar.
+    """
+    for i, t in enumerate(new):
+        if not gs.advance(t):
+            assert cfg.grammar == "commit", "the walk placement committed a token its grammar refuses"
+            node = int(path[i])  # one host read, on a refused token only
+            gs.fill(bits, 0)
+            row = mask_logits(logits[node : node + 1], bits[:1])
+            t = int(select_tokens(row, positions[node : node + 1], cfg.temperature, cfg.seed))
+            ok = gs.advance(t)
+            assert ok, f"token {t} was picked from grammar-masked logits, yet the grammar refuses it"
+            return new[:i] + [t], True
+        if gs.done:
+            return new[: i + 1], i + 1 < len(new)
+    return new, False
 
 
 def _truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -84,27 +154,43 @@ def _truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int
 
 @torch.inference_mode()
 def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
-                stop_ids: Sequence[int] = ()) -> Generation:
-    """Plain decoding, one target forward per token; greedy or position-keyed sampling."""
+                stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
+                gs: GrammarState | None = None) -> Generation:
+    """Plain decoding, one target forward per token; greedy or position-keyed sampling.
+
+    With a grammar state ``gs`` the logits are masked at every step (inside ``verify``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 1, feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
     n = len(prompt)
     t0 = timer.now()
+    bits = new_bitmask(1, gs.words) if gs is not None else None
     logits, _ = target(torch.tensor(prompt, device=ws.seq.device), ws.cache, 0, last_only=True)
+    if gs is not None:
+        logits = _constrain(gs, bits, logits, stats)
     tok = select_tokens(logits, torch.tensor([n], device=logits.device), cfg.temperature, cfg.seed)
     out = [int(tok)]
+    if gs is not None:
+        _advance(gs, out[0], stats)
     t_first = timer.now()
     stats.prefill_s = t_first - t0
-    done = out[0] in stop_ids or max_new_tokens <= 1
+    if on_tokens is not None:
+        on_tokens(out[:])
+    done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
     while not done:
         pos = ws.cache.length
         with timer.phase("verify"):
             logits, _ = target(tok.view(1), ws.cache, pos, last_only=True)
+            if gs is not None:
+                logits = _constrain(gs, bits, logits, stats)
             tok = select_tokens(logits, torch.tensor([pos + 1], device=logits.device), cfg.temperature, cfg.seed)
         out.append(int(tok))
+        if gs is not None:
+            _advance(gs, out[-1], stats)
+        if on_tokens is not None:
+            on_tokens(out[-1:])
         stats.steps += 1
-        done = out[-1] in stop_ids or len(out) >= max_new_tokens
+        done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
     t_last = timer.now()
     stats.phase_ms = timer.collect()
     stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
@@ -137,7 +223,11 @@ def _propose_tree(pair, cfg: EngineConfig, draft_logits: Tensor, root: Tensor, t
 
 @torch.inference_mode()
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
-                         stop_ids: Sequence[int] = ()) -> Generation:
+                         stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
+                         gs: GrammarState | None = None) -> Generation:
+    """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
+    logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
+    advanced on the committed tokens only (``commit``, grammar time inside ``commit``)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
@@ -152,17 +242,25 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     drafter.reset()
     replay = cfg.rollback == "replay" and target.has_recurrent
     timer = PhaseTimer(device)
+    walk_grammar = gs is not None and cfg.grammar == "walk"
+    bits = new_bitmask(n_verify, gs.words) if gs is not None else None
 
     t0 = timer.now()
     seq[:n] = torch.tensor(prompt, device=device)
     logits, f = target(seq[:n], cache, 0, feature_layers=drafter.feature_layers, last_only=True)
     if feats is not None:
         feats[:n] = f
+    if gs is not None:
+        logits = _constrain(gs, bits, logits, stats)
     seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=device), cfg.temperature, cfg.seed)
     out = [int(seq[n])]
+    if gs is not None:
+        _advance(gs, out[0], stats)
     t_first = timer.now()
     stats.prefill_s = t_first - t0
-    done = out[0] in stop_ids or max_new_tokens <= 1
+    if on_tokens is not None:
+        on_tokens(out[:])
+    done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
 
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached
@@ -175,9 +273,17 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
             snap = cache.snapshot() if replay else None
             logits, f = target(tree.tokens, cache, start, tree=VerifyTree(tree.parents, tree.depths, mask),
                                feature_layers=drafter.feature_layers)
-            posterior = select_tokens(logits, start + tree.depths + 1, cfg.temperature, cfg.seed)
+            positions = start + tree.depths + 1
+            if not walk_grammar:
+                posterior = select_tokens(logits, positions, cfg.temperature, cfg.seed)
 
         with timer.phase("walk"):
+            if walk_grammar:
+                tg = time.perf_counter()
+                _tree_bitmask(gs, tree.tokens.tolist(), tree.parents.tolist(), bits)
+                stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
+                posterior = select_tokens(mask_logits(logits, bits[: tree.size]), positions,
+                                          cfg.temperature, cfg.seed)
             if cfg.draft_path == "generic":
                 tokens_h, parents_h = tree.tokens.tolist(), tree.parents.tolist()
                 path_list = walk_host(tokens_h, parents_h, posterior.tolist())
@@ -198,6 +304,13 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 new = packed[4 : 3 + al] + [packed[-1]]
 
         with timer.phase("commit"):
+            if gs is not None:
+                tg = time.perf_counter()
+                new, cut = _grammar_commit(gs, new, path, logits, positions, cfg, bits)
+                if cut:
+                    al, leaf = len(new), False
+                    side = any(r > 0 for r in tree.ranks[path[:al]].tolist())
+                stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
             if replay:
                 cache.restore(snap)
                 _, f_path = target(tree.tokens[path[:al]], cache, start, feature_layers=drafter.feature_layers)
@@ -216,7 +329,10 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         else:
             stats.correction_tokens += 1
         new, done = _truncate(new, len(out), max_new_tokens, stop_ids)
+        done = done or (gs is not None and gs.done)
         out.extend(new)
+        if on_tokens is not None and new:
+            on_tokens(list(new))
 
     t_last = timer.now()
     stats.phase_ms = timer.collect()
@@ -235,14 +351,33 @@ def _max_nodes(top_k: int, depth: int) -> int:
 
 
 def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
-             ignore_eos: bool = False) -> Generation:
+             ignore_eos: bool = False, on_tokens: OnTokens | None = None,
+             grammar: CompiledGrammar | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt``, stopping after the tokenizer's stop
-    token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests)."""
+    token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests).
+
+    ``on_tokens``, if given, is called with each step's committed tokens (after the cut at
+    max_new_tokens and at a stop token), in order: their concatenation is ``Generation.tokens``.
+    It runs inside the decode loop, so it should be cheap (a server's streaming queue); an exception
+    it raises ends the generation and propagates to the caller (a server stopping at a stop string).
+
+    ``grammar`` (``Pair.grammar_for(tools)``) constrains the output where ``cfg.grammar`` places it;
+    ``None`` (a prompt without tools) or ``cfg.grammar == "off"`` decodes unconstrained. A
+    constrained generation also ends when the grammar is complete (its stop token accepted), even
+    with ``ignore_eos``: the grammar allows nothing after it.
+    """
     if not prompt:
         raise EngineInputError("prompt is empty: at least one token is needed")
     if max_new_tokens < 1:
         raise EngineInputError(f"max_new_tokens must be >= 1, but got {max_new_tokens}")
     stop_ids = () if ignore_eos else pair.stop_ids
+    gs = None
+    if grammar is not None and cfg.grammar != "off":
+        vocab = getattr(getattr(pair.target, "cfg", None), "vocab_size", grammar.vocab.size)
+        if grammar.vocab.size != vocab:
+            raise EngineInputError(f"the grammar was compiled for a vocabulary of {grammar.vocab.size} tokens, "
+                                   f"but target {pair.target_name!r} has {vocab}: compile it with this pair")
+        gs = grammar.state()
     if cfg.verify == "ar":
-        return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids)
-    return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids)
+        return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
+    return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)

@@ -21,6 +21,7 @@ class GenerationStats:
     bonus_tokens: int = 0  # steps whose whole drafted path was accepted (target token after it)
     correction_tokens: int = 0  # steps that ended on a mismatch
     side_branch_steps: int = 0  # steps whose accepted path used a draft token below rank 0
+    grammar_ms: float = 0.0  # host time in grammar calls (masks, advances, rollbacks), also inside phase_ms
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first emitted token -> last emitted token
     total_s: float = 0.0
@@ -96,6 +97,8 @@ class BenchResult:
     side_branch_steps: int
     peak_memory_bytes: int
     device: str
+    grammar_ms: float = 0.0  # grammar host time (inside phase_ms: walk / commit / AR verify)
+    constrained: int = 0  # prompts decoded under a grammar
 
     @property
     def decode_tps(self) -> float:
@@ -124,6 +127,10 @@ class BenchResult:
         return {k: (v / self.steps if self.steps else 0.0) for k, v in self.phase_ms.items()}
 
     @property
+    def grammar_ms_per_step(self) -> float:
+        return self.grammar_ms / self.steps if self.steps else 0.0
+
+    @property
     def exact_match(self) -> float | None:
         checked = [p.exact for p in self.prompts if p.exact is not None]
         return sum(checked) / len(checked) if checked else None
@@ -144,6 +151,8 @@ class BenchResult:
             "bonus_tokens": self.bonus_tokens,
             "correction_tokens": self.correction_tokens,
             "side_branch_steps": self.side_branch_steps,
+            "grammar_ms_per_step": self.grammar_ms_per_step,
+            "constrained": self.constrained,
             "exact_match": self.exact_match,
             "new_tokens": self.new_tokens,
             "peak_memory_bytes": self.peak_memory_bytes,

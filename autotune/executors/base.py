@@ -3,7 +3,7 @@
 The driver asks the study for a trial, turns it into a :class:`~autotune.worker.Job`, submits it,
 and tells the study what came back. An executor only moves jobs to warm workers and records back;
 it never touches the Optuna storage or MLflow. The local executor runs one in-process worker;
-a Ray executor (one warm actor per GPU) will implement the same four methods.
+the Ray executor (one warm actor per GPU, or N CPU actors) implements the same methods.
 """
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ class Executor(abc.ABC):
 
     - :meth:`start` loads the model pair on every worker (heavy, once) and returns worker ids;
     - :meth:`free_slots` says how many more jobs can be submitted before :meth:`wait` must be called;
-    - :meth:`submit` hands over a job; ``on_first_pass`` (pruning) may be ignored by executors that
-      cannot call back into the driver mid-job, which then simply never prune;
+    - :meth:`idle_workers` names the workers that can take a job now (the driver plans per worker:
+      each worker measures its own AR baseline);
+    - :meth:`submit` hands over a job, to ``worker`` when given (one of :meth:`idle_workers`), else to
+      any idle worker; ``on_first_pass`` (pruning) may be ignored by executors that cannot call back
+      into the driver mid-job, which then simply never prune;
     - :meth:`wait` blocks until at least one submitted job finished and returns its records, in any
-      order. A ``KeyboardInterrupt`` propagates to the driver, which fails the running trials;
+      order. It may return an empty list when a worker became idle without a record (a restarted
+      worker is ready again). A job whose worker died or timed out comes back as a failed record
+      (``interrupted`` set when the params deserve one retry). A ``KeyboardInterrupt`` propagates to
+      the driver, which fails the running trials;
     - :meth:`close` releases workers (idempotent).
     """
 
@@ -32,8 +38,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def free_slots(self) -> int: ...
 
+    def idle_workers(self) -> list[str]:
+        """Workers free for a job now; executors with several workers override this."""
+        return list(self.describe().get("workers", []))[:1] if self.free_slots() else []
+
     @abc.abstractmethod
-    def submit(self, job: Job, on_first_pass: PassCallback | None = None) -> None: ...
+    def submit(self, job: Job, on_first_pass: PassCallback | None = None, worker: str | None = None) -> None: ...
 
     @abc.abstractmethod
     def wait(self) -> list[Record]: ...

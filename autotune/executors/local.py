@@ -40,7 +40,10 @@ class LocalExecutor(Executor):
     def free_slots(self) -> int:
         return 0 if self._pending else 1
 
-    def submit(self, job: Job, on_first_pass: PassCallback | None = None) -> None:
+    def idle_workers(self) -> list[str]:
+        return [] if self._pending or self._worker is None else [self._worker.id]
+
+    def submit(self, job: Job, on_first_pass: PassCallback | None = None, worker: str | None = None) -> None:
         if self._pending:
             raise RuntimeError("the local executor runs one job at a time; call wait() first")
         self._pending.append((job, on_first_pass))

@@ -88,7 +88,11 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "grid over a continuous space": (_exp(space={**TINY_SPACE, "proposal_temp": {"type": "float", "low": 0.5,
                                                                                  "high": 1.0}},
                                           study={"sampler": "grid"}), ["proposal_temp", "grid", "step"]),
-    "ray executor": (_with_exp("--executor", "ray"), ["--executor", "Ray executor is not available yet"]),
+    "trial timeout without ray": (_with_exp("--trial-timeout", "10m"), ["--trial-timeout", "--executor ray"]),
+    "bad trial timeout": (_with_exp("--executor", "ray", "--trial-timeout", "soon"), ["--trial-timeout", "'soon'"]),
+    "bad ray address": (_with_exp("--executor", "ray", "--ray-address", "my cluster"),
+                        ["--ray-address", "HOST:PORT", "'my cluster'"]),
+    "zero ray workers": (_with_exp("--executor", "ray", "--workers", "0"), ["--workers", ">= 1"]),
     "several local workers": (_with_exp("--workers", "3"), ["--workers", "exactly one", "3"]),
     "ray address without ray": (_with_exp("--ray-address", "ray://h:10001"), ["--ray-address", "--executor ray"]),
     "zero trials": (_with_exp("--n-trials", "0"), ["--n-trials", ">= 1", "0"]),
@@ -99,7 +103,7 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "status of nothing": (lambda d: ["status"], ["--storage", "no study storage", "autotune.db"]),
     "best of nothing": (lambda d: ["best", "tiny", "--storage", "journal:none.log"], ["--storage", "no study"]),
     "export unknown format": (lambda d: ["export", "tiny", "--format", "xml"], ["invalid choice", "'xml'"]),
-    "serve not yet": (lambda d: ["serve", "x.yaml"], ["serve", "serving issue"]),
+    "serve missing config": (lambda d: ["serve", "x.yaml"], ["x.yaml", "config file not found"]),
     "dashboard without db": (lambda d: ["dashboard"], ["--tracking-uri", "no MLflow database"]),
     "unknown command": (lambda d: ["tune"], ["invalid choice", "'tune'"]),
 }
@@ -124,7 +128,7 @@ def test_bad_input_exits_2_names_the_problem_and_creates_nothing(name, in_tmp, c
 
 
 def test_bad_input_through_the_real_entry_point(tmp_path):
-    proc = run_autotune(["sweep", str(tiny_experiment(tmp_path / "exp")), "--executor", "ray"], cwd=tmp_path)
+    proc = run_autotune(["sweep", str(tiny_experiment(tmp_path / "exp")), "--trial-timeout", "5m"], cwd=tmp_path)
     assert proc.returncode == 2
-    assert "Ray executor is not available yet" in proc.stderr
+    assert "--trial-timeout" in proc.stderr and "only applies with --executor ray" in proc.stderr
     assert _created(tmp_path) == []

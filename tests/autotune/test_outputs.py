@@ -132,7 +132,9 @@ def test_llama_server_mapping_for_a_ddtree_config():
                       "target_feat_ctx": 128, "rollback": "fast", "draft_path": "runtime", "block_size": None,
                       "temperature": 0.0, "seed": 0},
            "model": {"target": "/m/target.gguf", "draft": "/m/draft"}, "provenance": {"study": "s", "trial": 3}}
-    cmd = export.render(doc, "llama-server").splitlines()[-1]
-    assert cmd.startswith("dflash_server /m/target.gguf --draft /m/draft --ddtree --ddtree-budget 22 "
-                          "--ddtree-topk 8 --ddtree-temp 0.8 --fast-rollback")
-    assert "target_feat_ctx=128" in export.render(doc, "llama-server")  # listed as not mapped, not guessed
+    text = export.render(doc, "llama-server")
+    cmd = text.splitlines()[-1]
+    # flag names as lucebox-hub's dflash_server parses them (docs/serving.md cites the source files)
+    assert cmd.startswith("dflash_server /m/target.gguf --draft /m/draft --ddtree --ddtree-budget 22 --host 127.0.0.1")
+    assert "test_dflash /m/target.gguf /m/draft --daemon --ddtree --ddtree-budget=22 --ddtree-temp=0.8" in text
+    assert "target_feat_ctx=128" in text and "top_k=8" in text  # listed as not mapped, not guessed

@@ -1,0 +1,487 @@
+"""An OpenAI-compatible HTTP server for one loaded pair (FastAPI + uvicorn).
+
+One generation runs at a time on a single engine thread; requests wait in a bounded queue and get
+503 with Retry-After when it is full. Bodies are validated at the edge: every 4xx carries an
+OpenAI-style ``{"error": {"message", "type", "param", "code"}}`` naming the field, rule and value.
+Streamed and plain answers come from the same code path (``TextStream``), so at temperature 0 they
+are identical. `autotune serve CONFIG.yaml` calls ``serve``; the engine never imports autotune.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from engine.config import EngineConfig, EngineInputError
+from engine.decode import generate
+from engine.openai_schema import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    Job,
+    RequestBody,
+    chat_ids,
+    completion_ids,
+    json_body,
+    make_job,
+    parse_body,
+)
+
+DEFAULT_MAX_QUEUE = 32  # waiting requests beyond the one running
+ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")  # metric labels
+
+
+# --- text out -------------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Committed token ids in, text deltas out.
+
+    A delta never ends inside a multi-byte character (the decoder's U+FFFD for an incomplete
+    sequence is held back until the next token completes or replaces it) nor inside what could be
+    the start of a stop string. Stop tokens are not part of the text; a stop string ends the text
+    where it begins. The deltas concatenate to ``text``.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop_ids: Sequence[int], stops: Sequence[str]) -> None:
+        self._decode, self._stop_ids, self._stops = decode, set(stop_ids), list(stops)
+        self._ids: list[int] = []
+        self.n_tokens = 0  # every committed token, a stop token included
+        self.text = ""  # what has been handed out
+        self.stopped_by: str | None = None  # "token" or "string"
+
+    def push(self, ids: Sequence[int]) -> str:
+        if self.stopped_by:
+            return ""
+        for t in ids:
+            self.n_tokens += 1
+            if t in self._stop_ids:
+                self.stopped_by = "token"
+                break
+            self._ids.append(t)
+        full = self._decode(self._ids)
+        cut = min((i for i in (full.find(s, len(self.text)) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped_by = "string"
+            return self._emit(full[:cut])
+        if self.stopped_by:
+            return self._emit(full)
+        end = len(full.rstrip("\ufffd"))
+        end -= self._partial_stop(full[:end])
+        return self._emit(full[:end])
+
+    def finish(self) -> str:
+        """The rest, once generation is over (a trailing U+FFFD is then really an invalid byte)."""
+        if self.stopped_by == "string":
+            return ""
+        return self._emit(self._decode(self._ids))
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest tail of ``text`` (not yet handed out) that begins a stop string."""
+        start = len(self.text)
+        for n in range(min(len(text) - start, max((len(s) for s in self._stops), default=1) - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+    def _emit(self, upto: str) -> str:
+        if len(upto) <= len(self.text) or not upto.startswith(self.text):
+            return ""
+        delta = upto[len(self.text):]
+        self.text = upto
+        return delta
+
+
+# --- the engine thread ----------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised inside the decode loop's token hook to end a generation early."""
+
+
+@dataclass
+class Outcome:
+    text: str
+    finish_reason: str  # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Metrics:
+    """Counters and gauges for /metrics, updated from the engine thread and the event loop."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.prompt_tokens = self.completion_tokens = 0
+        self.steps = self.step_tokens = 0  # speculative steps and the tokens they accepted (AL = ratio)
+        self.decode_s = 0.0
+        self.decode_tokens = 0
+        self.last_decode_tps = 0.0
+        self.last_al = 0.0
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def record(self, outcome: Outcome, stats: Any | None) -> None:
+        with self.lock:
+            self.prompt_tokens += outcome.prompt_tokens
+            self.completion_tokens += outcome.completion_tokens
+            if stats is not None:  # a generation cut short by a stop string or a disconnect has none
+                self.steps += len(stats.accept_lengths)
+                self.step_tokens += sum(stats.accept_lengths)
+                self.decode_s += stats.decode_s
+                self.decode_tokens += max(stats.new_tokens - 1, 0)
+                self.last_decode_tps = stats.decode_tps
+                self.last_al = stats.acceptance_length
+
+    def render(self, queue_depth: int, running: int, capacity: int) -> str:
+        with self.lock:
+            rows = [
+                ("requests_total", "counter", "HTTP requests by endpoint and status code.",
+                 [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())]),
+                ("prompt_tokens_total", "counter", "Prompt tokens of served generations.", [("", self.prompt_tokens)]),
+                ("completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)]),
+                ("speculative_steps_total", "counter", "Speculative decode steps (verify passes).", [("", self.steps)]),
+                ("accepted_tokens_total", "counter", "Tokens committed by speculative steps.",
+                 [("", self.step_tokens)]),
+                ("acceptance_length", "gauge", "Mean tokens committed per speculative step since start.",
+                 [("", self.step_tokens / self.steps if self.steps else 0.0)]),
+                ("acceptance_length_last", "gauge", "Acceptance length of the last finished generation.",
+                 [("", self.last_al)]),
+                ("decode_seconds_total", "counter", "Decode time (first to last token) of finished generations.",
+                 [("", self.decode_s)]),
+                ("decode_tokens_per_second", "gauge", "Decode tokens/s over all finished generations.",
+                 [("", self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0)]),
+                ("decode_tokens_per_second_last", "gauge", "Decode tokens/s of the last finished generation.",
+                 [("", self.last_decode_tps)]),
+                ("queue_depth", "gauge", "Requests waiting for the engine.", [("", queue_depth)]),
+                ("running", "gauge", "Generations running now (0 or 1).", [("", running)]),
+                ("queue_capacity", "gauge", "Waiting requests accepted before 503.", [("", capacity)]),
+            ]
+        out = []
+        for name, kind, help_text, samples in rows:
+            out += [f"# HELP autotune_{name} {help_text}", f"# TYPE autotune_{name} {kind}"]
+            out += [f"autotune_{name}{labels} {_num(v)}" for labels, v in samples]
+        return "\n".join(out) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(v) if isinstance(v, int) else repr(float(v))
+
+
+class Runner:
+    """The single engine thread and its bounded queue (admission counts waiting + running)."""
+
+    def __init__(self, pair: Any, max_queue: int) -> None:
+        self.pair = pair
+        self.max_queue = max_queue
+        self.metrics = Metrics()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._running = 0
+        self.closing = threading.Event()
+        self.served = 0
+
+    def depth(self) -> tuple[int, int]:
+        with self._lock:
+            return self._admitted - self._running, self._running
+
+    def admit(self) -> None:
+        with self._lock:
+            if self.closing.is_set() or self._admitted >= self.max_queue + 1:
+                raise ApiError(503, f"the server is busy: {self._admitted - self._running} requests are waiting "
+                               f"(queue capacity {self.max_queue}); retry later", code="queue_full",
+                               headers={"Retry-After": "1"})
+            self._admitted += 1
+
+    def release(self) -> None:
+        """For an admitted request that never reached the engine (it failed validation first)."""
+        with self._lock:
+            self._admitted -= 1
+
+    async def run(self, job: Job, sink: Callable[[str], None] | None = None,
+                  cancelled: threading.Event | None = None) -> Outcome:
+        try:
+            future = self._executor.submit(self._generate, job, sink, cancelled)
+        except RuntimeError:  # the executor was shut down: the server is stopping
+            self.release()
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+        return await asyncio.wrap_future(future)
+
+    def _generate(self, job: Job, sink: Callable[[str], None] | None, cancelled: threading.Event | None) -> Outcome:
+        with self._lock:
+            if self.closing.is_set():  # queued when the server began to stop
+                self._admitted -= 1
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            self._running = 1
+        pair = self.pair
+        stream = TextStream(pair.tokenizer.decode, pair.stop_ids, job.stops)
+
+        def on_tokens(ids: list[int]) -> None:
+            if self.closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                raise _Stop
+            delta = stream.push(ids)
+            if delta and sink is not None:
+                sink(delta)
+            if stream.stopped_by == "string":
+                raise _Stop
+
+        stats = None
+        try:
+            stats = generate(pair, job.ids, job.cfg, job.max_tokens, on_tokens=on_tokens).stats
+        except _Stop:
+            pass
+        finally:
+            with self._lock:
+                self._running = 0
+                self._admitted -= 1
+        tail = stream.finish()
+        if tail and sink is not None:
+            sink(tail)
+        reason = "stop" if stream.stopped_by else "length"
+        outcome = Outcome(stream.text, reason, len(job.ids), stream.n_tokens)
+        self.metrics.record(outcome, stats)
+        self.served += 1
+        return outcome
+
+    def close(self) -> None:
+        self.closing.set()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+def _usage(o: Outcome) -> dict[str, int]:
+    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "total_tokens": o.prompt_tokens + o.completion_tokens}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+    """The FastAPI app serving ``pair`` with ``cfg``; requests may override temperature and seed."""
+    if pair.tokenizer is None:
+        raise EngineInputError(f"target {pair.target_name!r} has no tokenizer: the server needs one to read text")
+    if max_queue < 0:
+        raise EngineInputError(f"max_queue must be >= 0, but got {max_queue}")
+    runner = Runner(pair, max_queue)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, runner.close)
+
+    app = FastAPI(title="autotune engine server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runner = runner
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next: Callable) -> Response:
+        if api_key is not None and not _authorized(request.headers.get("authorization"), api_key):
+            response: Response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
+        else:
+            response = await call_next(request)
+        path = request.url.path
+        runner.metrics.count_request(path if path in ENDPOINTS else "other", response.status_code)
+        return response
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "autotune"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        waiting, running = runner.depth()
+        return PlainTextResponse(runner.metrics.render(waiting, running, runner.max_queue),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = parse_body(await json_body(request), ChatBody)
+        return await _respond(body, chat_ids(pair, body), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await json_body(request), CompletionBody)
+        return await _respond(body, completion_ids(pair, body), chat=False)
+
+    async def _respond(body: RequestBody, ids: list[int], chat: bool) -> Response:
+        job = make_job(pair, cfg, body, ids)
+        runner.admit()  # after validation: a bad request never takes a place in the queue
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "created": int(time.time()), "model": model_name}
+        if not body.stream:
+            o = await runner.run(job)
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
+                          "finish_reason": o.finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                                 "choices": [choice], "usage": _usage(o)})
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(job, head, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _stream(job: Job, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        cancelled = threading.Event()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None) -> dict[str, Any]:
+            if chat:
+                d = {} if delta is None else {"content": delta}
+                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return {**head, "object": obj, "choices": [c]}
+
+        task = asyncio.ensure_future(runner.run(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
+                                                cancelled))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            if chat:
+                first = chunk("")
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(first)
+            while (delta := await queue.get()) is not None:
+                yield _sse(chunk(delta))
+            try:
+                o = await task
+            except ApiError as exc:  # the headers are gone: report it in the stream
+                yield _sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code}})
+                return
+            yield _sse(chunk(None, o.finish_reason))
+            if include_usage:
+                yield _sse({**head, "object": obj, "choices": [], "usage": _usage(o)})
+            yield "data: [DONE]\n\n"
+        finally:
+            cancelled.set()  # the client went away: the engine stops at its next step
+
+    return app
+
+
+def _authorized(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+# --- running it -----------------------------------------------------------------------------------
+
+
+def load_served(config_path: str) -> tuple[EngineConfig, dict[str, Any]]:
+    """The EngineConfig and model section of an exported config (or a flat one with a model key)."""
+    from engine.cli import read_config_file
+
+    fields, model = read_config_file(config_path)
+    cfg = EngineConfig.from_dict(fields, source=config_path)
+    if not model.get("target"):
+        raise EngineInputError(f"config file {config_path!r}: the server needs a 'model' section with a 'target' "
+                               f"(as `autotune export --format engine` writes)")
+    if not model.get("draft") and cfg.verify != "ar":
+        raise EngineInputError(f"config file {config_path!r}: model.draft is needed for verify={cfg.verify!r}")
+    return cfg, model
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this; without it a keep-alive client waits ~40 ms per response
+    # (Nagle holding the body back for the ACK of the headers, which the client delays).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # connections made before uvicorn starts accepting wait in the backlog
+    except OSError as exc:
+        sock.close()
+        raise EngineInputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = DEFAULT_MAX_QUEUE) -> int:
+    """Load the config's pair and serve it until Ctrl-C; returns the exit status 0.
+
+    ``port`` 0 picks a free port; the address actually bound is printed on the ``serving:`` line.
+    """
+    import uvicorn
+
+    from engine.api import load
+
+    cfg, model = load_served(config_path)
+    sock = _bind(host, port)  # before the model loads: a taken port fails in a second
+    try:
+        target, draft = str(model["target"]), str(model.get("draft") or "none")
+        pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")))
+        name = str(model.get("name") or Path(target).name)
+        app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue)
+    except BaseException:
+        sock.close()
+        raise
+    bound_host, bound_port = sock.getsockname()[:2]
+    bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    runner: Runner = app.state.runner
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            runner.closing.set()  # running generations end at their next step, queued ones get 503
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    print(f"serving: http://{bound_host}:{bound_port}/v1", flush=True)
+    print(f"model: {name}\nconfig: {config_path}\nverify: {cfg.verify}\ndevice: {pair.device}\n"
+          f"api_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}", flush=True)
+    if not api_key and not _loopback(host):
+        print(f"warning: listening on {host} without an API key: anyone who can reach this machine can use it",
+              file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully on Ctrl-C, then re-raises it
+        pass
+    finally:
+        sock.close()
+    m = runner.metrics
+    print(f"stopped: served {runner.served} generations\nprompt_tokens: {m.prompt_tokens}\n"
+          f"completion_tokens: {m.completion_tokens}\n"
+          f"acceptance_length: {m.step_tokens / m.steps if m.steps else 0.0:.4g}", flush=True)
+    return 0

@@ -1,0 +1,45 @@
+"""The worker's test-only fault hook and its error classification, without Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from autotune_helpers import tiny_experiment
+
+from autotune import experiment
+from autotune.worker import Job, Worker, device_unusable
+
+
+def _worker(tmp_path, faults):
+    exp = experiment.load(tiny_experiment(tmp_path))
+    return Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                       experiment.load_workloads(exp), exp.fixed_engine, faults=faults)
+
+
+def _job(trial: int, role: str = "search") -> Job:
+    return Job(trial=trial, role=role, config={"verify": "chain"}, max_new_tokens=8, warmup=0, repeats=1,
+               max_rel_mad=0.9, remeasure_if_noisy=False)
+
+
+def test_injected_oom_and_device_faults_fail_only_their_trial(tmp_path):
+    w = _worker(tmp_path, {1: "oom", 2: "device"})
+    oom, dev, fine = w.measure(_job(1)), w.measure(_job(2)), w.measure(_job(3))
+    assert not oom.ok and oom.fail_reason.startswith("OutOfMemoryError: injected") and not oom.device_unusable
+    assert not dev.ok and dev.device_unusable and "illegal memory access" in dev.fail_reason
+    assert fine.ok and fine.engine_s > 0 and fine.utilisation["kind"] == "cpu"
+    assert w.measure(_job(1, role="confirm")).ok  # faults hit trials, not the confirmation re-measurements
+
+
+def test_fault_kinds_are_checked():
+    with pytest.raises(ValueError, match="fault kinds must be one of"):
+        Worker(pair=None, workloads=[], fixed={}, faults={1: "explode"})
+
+
+@pytest.mark.parametrize("exc,fatal", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (ValueError("budget must be >= 1"), False),
+])
+def test_device_unusable_classification(exc, fatal):
+    assert device_unusable(exc) is fatal
