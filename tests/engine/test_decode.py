@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from engine_pairs import pair_for
 
 import engine
 from engine import EngineConfig
@@ -26,14 +27,8 @@ PARAM_SETS = [
 ]
 PATHS = list(itertools.product(["chain", "ddtree"], ["replay", "fast"], ["generic", "runtime"]))
 
-_pairs: dict = {}
 _ar: dict = {}
 
-
-def pair_for(target: str, draft: str):
-    if (target, draft) not in _pairs:
-        _pairs[(target, draft)] = engine.load(target, draft, device="cpu", dtype="float32")
-    return _pairs[(target, draft)]
 
 
 def ar_tokens(target: str, prompt_ids: tuple[int, ...], temperature: float = 0.0, seed: int = 0) -> list[int]:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from engine_pairs import pair_for
 
 import engine
 from engine import EngineConfig, EngineInputError
@@ -30,14 +31,8 @@ TOOLS = (
 CHAT = Prompt(messages=({"role": "user", "content": "Weather in Paris, and turn on the hall light."},), tools=TOOLS)
 TINY_NEW = 96
 
-_pairs: dict = {}
 _ar: dict = {}
 
-
-def pair_for(target: str, draft: str):
-    if (target, draft) not in _pairs:
-        _pairs[(target, draft)] = engine.load(target, draft, device="cpu", dtype="float32")
-    return _pairs[(target, draft)]
 
 
 def constrained_ar(pair, ids, grammar, temperature, max_new) -> list[int]:
