@@ -197,7 +197,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     return Generation(tokens=out, stats=stats)
 
 
-def _propose_tree(pair, cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer) -> Tree:
+def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer) -> Tree:
     """topk + tree phases. generic: logits go to the host, host top-k, heap-built tree, back to
     the device. runtime: everything stays on the device."""
     device = draft_logits.device
@@ -266,7 +266,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         start = cache.length  # position of the root: the last committed token, not yet cached
         with timer.phase("draft"):
             draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-        tree = _propose_tree(pair, cfg, draft_logits, seq[start], timer)
+        tree = _propose_tree(cfg, draft_logits, seq[start], timer)
 
         with timer.phase("verify"):
             mask = ancestor_mask(tree.parents, depth)

@@ -132,22 +132,6 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def seeded_init_(module: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights: same seed, same model, in any process."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("norm.weight") or ".norm" in name or name.endswith("_norm.weight"):
-                # Norm weights: near their identity value, with a little spread.
-                base = 0.0 if torch.all(p == 0) else 1.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.ndim >= 2:
-                fan_in = p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=gen) * (std if std > 0 else 1.0 / math.sqrt(fan_in)))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-
-
 def cast_module_(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Move and cast weights, keeping RoPE frequencies in float32 (bf16 would round them)."""
     keep = {name: buf.float() for name, buf in module.named_buffers() if name.endswith("inv_freq")}

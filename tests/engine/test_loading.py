@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineInputError
 from engine.loading import load_draft_folder, load_target_folder, load_target_gguf, save_draft_folder
-from engine.models.common import seeded_init_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
+from engine.registry import init_random_
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -254,7 +254,7 @@ def test_gguf_bad_inputs(tmp_path):
 def _tiny_target() -> DenseModel:
     target = DenseModel(DenseConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128))
-    seeded_init_(target, 0)
+    init_random_(target, 0)
     return target
 
 
@@ -264,7 +264,7 @@ def _draft(**overrides) -> DFlashDraft:
                   block_size=8, mask_token_id=VOCAB - 1, rope_theta=50000.0)
     fields.update(overrides)
     draft = DFlashDraft(DFlashConfig(**fields))
-    seeded_init_(draft, 1)
+    init_random_(draft, 1)
     return draft
 
 
