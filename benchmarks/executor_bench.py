@@ -60,7 +60,7 @@ from autotune.worker import Job, Worker
 from engine.workloads import load_workload
 a = json.loads(sys.argv[1])
 wl = [load_workload(a["prompts"], a["base"], a["n_prompts"], 0)]
-w = Worker.load(a["target"], a["draft"], "cpu", a["dtype"], wl, {})
+w = Worker.load(a["target"], a["draft"], a["device"], a["dtype"], wl, {})
 rec = w.measure(Job(**a["job"]))
 print(json.dumps({"ok": rec.ok, "engine_s": rec.engine_s, "reason": rec.fail_reason,
                   "startup_s": time.perf_counter() - t0 - rec.elapsed_s}))
@@ -105,7 +105,8 @@ def run_process_per_trial(batch: list[Job], args: argparse.Namespace) -> dict[st
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     recs, t0, startups = [], time.perf_counter(), []
     for job in batch:
-        payload = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "prompts": args.prompts,
+        payload = {"target": args.target, "draft": args.draft, "device": args.device, "dtype": args.dtype,
+                   "prompts": args.prompts,
                    "base": str(REPO), "n_prompts": args.n_prompts, "job": dataclasses.asdict(job)}
         t = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(payload)], env=env, capture_output=True,
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="tiny-dense")
     ap.add_argument("--draft", default="oracle:0.3")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the local and process variants (GPU)")
     ap.add_argument("--prompts", default="experiments/prompts/quickstart.jsonl")
     ap.add_argument("--n-prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # the local worker gets one thread, like each actor and each child process
     workloads = (load_workload(args.prompts, REPO, args.n_prompts, 0),)
-    spec = WorkerSpec(args.target, args.draft, "cpu", args.dtype, workloads, {})
+    spec = WorkerSpec(args.target, args.draft, args.device, args.dtype, workloads, {})
     default_temp_dir().mkdir(parents=True, exist_ok=True)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=str(default_temp_dir()),
              log_to_driver=False, logging_level="ERROR", object_store_memory=256 * 1024**2)
@@ -225,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants:  # interleaved, so drift of the machine hits every variant alike
             batch = jobs(args.process_trials or args.trials if variant == "process" else args.trials, args)
             if variant == "local":
-                res = run_executor(LocalExecutor.for_model(args.target, args.draft, "cpu", args.dtype, workloads, {}),
-                                   batch)
+                local = LocalExecutor.for_model(args.target, args.draft, args.device, args.dtype, workloads, {})
+                res = run_executor(local, batch)
             elif variant.startswith("sweep-"):
                 res = run_sweep_variant(variant, args, args.trials)
             elif variant.startswith("ray-"):
@@ -257,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if v == "process":
             print(f"{v}.child_startup_s: {spread(col(v, 'child_startup_s_median'))}")
     ratios = {}
-    if "ray-1" in results and "process" in results:
-        ratios["warm_vs_process"] = [a / b for a, b in zip(col("ray-1", "trials_per_hour"),
+    warm = "ray-1" if "ray-1" in results else "local"
+    if warm in results and "process" in results:
+        ratios["warm_vs_process"] = [a / b for a, b in zip(col(warm, "trials_per_hour"),
                                                           col("process", "trials_per_hour"), strict=True)]
     if "ray-1" in results and "ray-2" in results:
         ratios["ray2_vs_ray1"] = [a / b for a, b in zip(col("ray-2", "trials_per_hour"),

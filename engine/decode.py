@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine import runtime
 from engine.config import EngineConfig, EngineInputError
 from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
 from engine.models.common import VerifyTree
@@ -143,7 +144,7 @@ def _grammar_commit(gs: GrammarState, new: list[int], path: Tensor, logits: Tens
     return new, False
 
 
-def _truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]) -> tuple[list[int], bool]:
+def truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]) -> tuple[list[int], bool]:
     """Cut a step's tokens at max_new and at the first stop token (kept, as AR keeps it)."""
     new = new[: max_new - emitted]
     for i, t in enumerate(new):
@@ -152,24 +153,48 @@ def _truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int
     return new, emitted + len(new) >= max_new
 
 
+def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
+            constrain: Callable[[Tensor], Tensor] | None = None) -> int:
+    """The prompt's forward: its K/V (and draft features) cached, ``seq`` holding the prompt and
+    the first new token, which is returned. ``constrain`` masks the last logits (a grammar)."""
+    n, seq = len(prompt), ws.seq
+    seq[:n] = torch.tensor(prompt, device=seq.device)
+    logits, f = pair.target(seq[:n], ws.cache, 0, feature_layers=feature_layers, last_only=True)
+    if ws.features is not None and f is not None:
+        ws.features[:n] = f
+    if constrain is not None:
+        logits = constrain(logits)
+    seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=seq.device), cfg.temperature, cfg.seed)
+    return int(seq[n])
+
+
+def _use_static(pair, cfg: EngineConfig, gs: GrammarState | None, static: bool | None) -> bool:
+    """The CUDA-graph runtime where it applies; ``static=True`` also runs its step functions
+    eagerly off CUDA (tests), ``False`` forces the generic loop."""
+    if static is None:
+        return runtime.supports(pair, cfg, gs is not None)
+    return static and runtime.supports(pair, cfg, gs is not None, cuda_only=False)
+
+
 @torch.inference_mode()
 def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                 stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                gs: GrammarState | None = None) -> Generation:
+                gs: GrammarState | None = None, static: bool | None = None) -> Generation:
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
-    With a grammar state ``gs`` the logits are masked at every step (inside ``verify``)."""
+    With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
+    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``)."""
     target, stats = pair.target, GenerationStats()
-    ws = pair.workspace(len(prompt) + max_new_tokens + 1, feature_dim=0)
+    ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
-    n = len(prompt)
+    if _use_static(pair, cfg, gs, static):
+        dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
+        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer)
     t0 = timer.now()
     bits = new_bitmask(1, gs.words) if gs is not None else None
-    logits, _ = target(torch.tensor(prompt, device=ws.seq.device), ws.cache, 0, last_only=True)
-    if gs is not None:
-        logits = _constrain(gs, bits, logits, stats)
-    tok = select_tokens(logits, torch.tensor([n], device=logits.device), cfg.temperature, cfg.seed)
-    out = [int(tok)]
+    constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
+    out = [prefill(pair, ws, prompt, cfg, (), constrain)]
+    tok = ws.seq[len(prompt)]
     if gs is not None:
         _advance(gs, out[0], stats)
     t_first = timer.now()
@@ -224,10 +249,11 @@ def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: 
 @torch.inference_mode()
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                          stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                         gs: GrammarState | None = None) -> Generation:
+                         gs: GrammarState | None = None, static: bool | None = None) -> Generation:
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
-    advanced on the committed tokens only (``commit``, grammar time inside ``commit``)."""
+    advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
+    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
@@ -245,15 +271,12 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
 
+    if _use_static(pair, cfg, gs, static) and not replay:
+        dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
+        return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify)
     t0 = timer.now()
-    seq[:n] = torch.tensor(prompt, device=device)
-    logits, f = target(seq[:n], cache, 0, feature_layers=drafter.feature_layers, last_only=True)
-    if feats is not None:
-        feats[:n] = f
-    if gs is not None:
-        logits = _constrain(gs, bits, logits, stats)
-    seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=device), cfg.temperature, cfg.seed)
-    out = [int(seq[n])]
+    constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
+    out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain)]
     if gs is not None:
         _advance(gs, out[0], stats)
     t_first = timer.now()
@@ -328,7 +351,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
             stats.bonus_tokens += 1
         else:
             stats.correction_tokens += 1
-        new, done = _truncate(new, len(out), max_new_tokens, stop_ids)
+        new, done = truncate(new, len(out), max_new_tokens, stop_ids)
         done = done or (gs is not None and gs.done)
         out.extend(new)
         if on_tokens is not None and new:

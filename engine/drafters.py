@@ -47,6 +47,24 @@ class DFlashDrafter:
         ctx_pos = torch.arange(lo, start, device=device)
         block_pos = torch.arange(start, start + block_size, device=device)
         h = self.draft(self.target.embed_tokens(self._block_ids), features[lo:start], ctx_pos, block_pos)
+        return self._logits(h)
+
+    def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor) -> Tensor:
+        """``propose`` with the root's position ``start`` ([1] long) held on the device and a fixed
+        ``window`` of context slots before it (slots before position 0 masked out): the
+        shape-static form a CUDA graph replays at every step."""
+        device = seq.device
+        idx = start + torch.arange(-window, 0, device=device)
+        ctx_pos = idx.clamp(min=0)
+        masks = torch.full((block_size - 1,), self.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.cat([seq.index_select(0, start), masks])
+        block_pos = start + torch.arange(block_size, device=device)
+        seen = torch.cat([(idx >= 0)[None, :].expand(block_size, -1),
+                          torch.ones(block_size, block_size, dtype=torch.bool, device=device)], dim=1)
+        h = self.draft(self.target.embed_tokens(ids), features.index_select(0, ctx_pos), ctx_pos, block_pos, seen)
+        return self._logits(h)
+
+    def _logits(self, h: Tensor) -> Tensor:
         logits = self.target.lm_head(h[1:])
         if self.draft.cfg.output_multiplier != 1.0:
             logits = logits * self.draft.cfg.output_multiplier

@@ -28,7 +28,9 @@ TINY_SEED = 1234
 class TargetPreset:
     name: str
     description: str
-    build: Callable[[], tuple[nn.Module, object]]  # -> (model on CPU float32, tokenizer)
+    build: Callable[[], tuple[nn.Module, object]] | None  # -> (model on CPU float32, tokenizer)
+    # Presets too large for the CPU path: built straight on the device, in the dtype asked for.
+    build_on: Callable[[torch.device, torch.dtype], tuple[nn.Module, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,41 @@ def _smollm2_135m_instruct() -> tuple[nn.Module, object]:
     return model, tokenizer_from_gguf_metadata(meta)
 
 
+def _on_device(device: torch.device, dtype: torch.dtype, make: Callable[[], nn.Module]) -> nn.Module:
+    """Build a module with its weights allocated and initialised on ``device`` in ``dtype``
+    (PyTorch's default init: random, unit-scale activations; timing presets need nothing more)."""
+    if device.type != "cuda":
+        raise EngineInputError("the *-shape presets are GPU timing presets (billions of random weights "
+                               f"built on the device): use device cuda, not {device.type!r}")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.no_grad():
+            return make()
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _qwen3_8b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    cfg = DenseConfig(
+        vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, qk_norm=True, rope_theta=1_000_000.0, arch="qwen3",
+    )
+    return _on_device(device, dtype, lambda: DenseModel(cfg)), ByteTokenizer(cfg.vocab_size)
+
+
+def _qwen35_27b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    from engine.models.hybrid import HybridConfig, HybridModel
+
+    cfg = HybridConfig(
+        vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+        head_dim=256, intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+        full_attention_interval=4,
+    )
+    return _on_device(device, dtype, lambda: HybridModel(cfg)), ByteTokenizer(cfg.vocab_size)
+
+
 TARGETS: dict[str, TargetPreset] = {
     "smollm2-135m-instruct": TargetPreset(
         "smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), its own BPE tokenizer and "
@@ -115,8 +152,22 @@ TARGETS: dict[str, TargetPreset] = {
         "tiny-hybrid", "seeded random Qwen3.5-style hybrid (Gated DeltaNet + attention), byte tokenizer",
         _tiny_hybrid,
     ),
+    "qwen3-8b-shape": TargetPreset(
+        "qwen3-8b-shape", "random weights shaped like Qwen3-8B (dense, 36 layers), built on the GPU: timing only",
+        None, _qwen3_8b_shape,
+    ),
+    "qwen35-27b-shape": TargetPreset(
+        "qwen35-27b-shape", "random weights shaped like Qwen3.5-27B (hybrid: 48 Gated DeltaNet + 16 attention "
+        "layers), built on the GPU: timing only", None, _qwen35_27b_shape,
+    ),
 }
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
+
+
+def _shape_draft(target: nn.Module, tokenizer: object) -> DFlashDraft:
+    """A random DFlash draft shaped like the public ones (5 layers, the target's widths, block 16),
+    built on the target's device."""
+    return _on_device(target.device, target.dtype, lambda: DFlashDraft(_draft_config(target, tokenizer, 5, 16)))
 
 
 def _shipped_draft(folder: str) -> Callable[[nn.Module, object], DFlashDraft]:
@@ -133,6 +184,14 @@ DRAFTS: dict[str, DraftPreset] = {
         "smollm2-135m-dflash", "our DFlash draft for SmolLM2-135M-Instruct, trained by `engine train-draft` "
         "(see engine/checkpoints/smollm2-135m-dflash/README.md)", "smollm2-135m-instruct",
         _shipped_draft("smollm2-135m-dflash"),
+    ),
+    "qwen3-8b-shape-dflash": DraftPreset(
+        "qwen3-8b-shape-dflash", "random 5-layer DFlash draft shaped like z-lab's Qwen3-8B drafts (timing only)",
+        "qwen3-8b-shape", _shape_draft,
+    ),
+    "qwen35-27b-shape-dflash": DraftPreset(
+        "qwen35-27b-shape-dflash", "random 5-layer DFlash draft shaped for Qwen3.5-27B (timing only)",
+        "qwen35-27b-shape", _shape_draft,
     ),
 }
 SPECIAL_DRAFTS = ("random", "oracle:P", "none")
@@ -211,7 +270,9 @@ def check_model_spec(target: str, draft: str) -> None:
 
 def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
     check_target_spec(spec)
-    if spec in TARGETS:
+    if spec in TARGETS and TARGETS[spec].build_on is not None:
+        model, tok = TARGETS[spec].build_on(device, dtype)
+    elif spec in TARGETS:
         model, tok = TARGETS[spec].build()
     elif spec.endswith(".gguf"):
         from engine.loading import load_target_gguf
@@ -233,9 +294,15 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn
 def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED + 7,
                      block_size: int = 16, num_layers: int = 1) -> DFlashDraft:
     """A randomly initialised DFlash draft shaped for ``target`` (same hidden size and vocab)."""
+    draft = DFlashDraft(_draft_config(target, tokenizer, num_layers, block_size))
+    init_random_(draft, seed)
+    return draft
+
+
+def _draft_config(target: nn.Module, tokenizer: object, num_layers: int, block_size: int) -> DFlashConfig:
     tc = target.cfg
     mask_id = getattr(tokenizer, "mask_id", None)
-    cfg = DFlashConfig(
+    return DFlashConfig(
         hidden_size=tc.hidden_size, num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, intermediate_size=tc.intermediate_size,
         vocab_size=tc.vocab_size, target_layer_ids=default_target_layer_ids(tc.num_hidden_layers),
@@ -243,9 +310,6 @@ def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED
         mask_token_id=mask_id if mask_id is not None else tc.vocab_size - 1,
         head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps,
     )
-    draft = DFlashDraft(cfg)
-    init_random_(draft, seed)
-    return draft
 
 
 def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.device,

@@ -121,51 +121,84 @@ def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> D
     return draft
 
 
-def sample_anchors(prompt_len: int, seq_len: int, n: int, gen: torch.Generator) -> Tensor:
-    """Anchors among generated positions with at least one label after them."""
-    lo, hi = prompt_len, seq_len - 1  # anchor a: the root is a generated token, labels x[a+1..]
-    if hi <= lo:
-        return torch.empty(0, dtype=torch.long)
-    cand = torch.arange(lo, hi)
-    return cand[torch.randperm(cand.numel(), generator=gen)[:n]].sort().values
+@dataclass
+class TokenStore:
+    """Every training sequence back to back on the device, with its target features alongside."""
+
+    tokens: Tensor  # [N] long
+    feats: Tensor  # [N, n_ids * H] frozen target features of every position
+    starts: Tensor  # [S] offset of each sequence
+    lens: Tensor  # [S]
+    prompt_lens: Tensor  # [S]
+
+    def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
+        lens = self.lens[pick]
+        width = int(lens.max())  # the step's one host read before the forward
+        j = torch.arange(width, device=lens.device)
+        inside = j[None, :] < lens[:, None]
+        idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
+        return self.tokens[idx] * inside, self.feats[idx], lens, self.prompt_lens[pick]
 
 
-def block_batch(seqs: Sequence[Tensor], anchors: Sequence[Tensor], block: int, mask_token_id: int,
-                device: torch.device) -> dict[str, Tensor]:
-    """Flatten a batch into one draft forward: all contexts, then all blocks, block-diagonal mask.
+def sample_anchors(prompt_lens: Tensor, lens: Tensor, width: int, n: int,
+                   gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Up to ``n`` distinct anchors per sequence among its generated positions with a label after them.
 
-    seqs: token tensors (on ``device``); anchors: sorted anchor positions per sequence.
+    Returns anchors [b, n] (sorted, unused slots at the end, pointing at 0) and valid [b, n].
     """
-    k = torch.arange(block, device=device)
-    ctx_seq, ctx_pos, q_seq, q_pos, q_tok, labels = [], [], [], [], [], []
-    for i, (seq, anc) in enumerate(zip(seqs, anchors, strict=True)):
-        t, anc = seq.numel(), anc.to(device)
-        ctx_seq.append(torch.full((t,), i, device=device))
-        ctx_pos.append(torch.arange(t, device=device))
-        pos = anc[:, None] + k[None, :]  # [n, B]
-        tok = torch.full_like(pos, mask_token_id)
-        tok[:, 0] = seq[anc]
-        lab = torch.where(pos < t, seq[pos.clamp(max=t - 1)], -100)
-        lab[:, 0] = -100  # slot 0 is the given root, nothing to predict
-        q_seq.append(torch.full((pos.numel(),), i, device=device))
-        q_pos.append(pos.flatten())
-        q_tok.append(tok.flatten())
-        labels.append(lab.flatten())
-    ctx_seq_t, ctx_pos_t, q_seq_t, q_pos_t = (torch.cat(x) for x in (ctx_seq, ctx_pos, q_seq, q_pos))
-    q_block = torch.arange(q_pos_t.numel(), device=device) // block
-    anchor_pos = q_pos_t - (torch.arange(q_pos_t.numel(), device=device) % block)
-    sees_ctx = (q_seq_t[:, None] == ctx_seq_t[None, :]) & (ctx_pos_t[None, :] < anchor_pos[:, None])
-    sees_block = q_block[:, None] == q_block[None, :]
-    return dict(ctx_pos=ctx_pos_t, q_pos=q_pos_t, tokens=torch.cat(q_tok), labels=torch.cat(labels),
-                mask=torch.cat([sees_ctx, sees_block], dim=1))
+    j = torch.arange(width, device=lens.device)
+    eligible = (j[None, :] >= prompt_lens[:, None]) & (j[None, :] < lens[:, None] - 1)
+    scores = torch.rand(lens.shape[0], width, generator=gen, device=gen.device).to(lens.device)
+    scores = torch.where(eligible, scores, -1.0)
+    top, idx = scores.topk(min(n, width), dim=1)
+    valid = top >= 0
+    order = torch.where(valid, idx, width + idx).sort(dim=1).indices
+    anchors, valid = idx.gather(1, order), valid.gather(1, order)
+    if n > width:  # fewer positions than anchors: pad with unused slots
+        pad = n - width
+        anchors = torch.cat([anchors, anchors.new_zeros(anchors.shape[0], pad)], 1)
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], pad)], 1)
+    return torch.where(valid, anchors, 0), valid
+
+
+def block_batch(tokens: Tensor, lens: Tensor, anchors: Tensor, valid: Tensor, block: int,
+                mask_token_id: int) -> dict[str, Tensor]:
+    """One draft forward for a batch: per sequence its whole context, then its n blocks.
+
+    tokens [b, L] (right-padded), lens [b], anchors/valid [b, n]. Each block ``[x_a, MASK x (B-1)]``
+    sits at positions a..a+B-1, sees the context strictly before a and its own block (bidirectional),
+    nothing of the other blocks (block-diagonal). Unused anchor slots predict nothing.
+    Returns ctx_pos [b, L], q_pos / tokens / labels [b, n*B], mask [b, n*B, L + n*B].
+    """
+    b, width = tokens.shape
+    n = anchors.shape[1]
+    k = torch.arange(block, device=tokens.device)
+    pos = anchors[:, :, None] + k  # [b, n, B]
+    tok = torch.full_like(pos, mask_token_id)
+    tok[:, :, 0] = tokens.gather(1, anchors)
+    labels = tokens.gather(1, pos.clamp(max=width - 1).view(b, -1)).view(b, n, block)
+    labels = torch.where((pos < lens[:, None, None]) & valid[:, :, None], labels, -100)
+    labels[:, :, 0] = -100  # slot 0 is the given root, nothing to predict
+    ctx_pos = torch.arange(width, device=tokens.device).expand(b, width)
+    anchor_of_query = anchors.repeat_interleave(block, dim=1)  # [b, n*B]
+    sees_ctx = ctx_pos[:, None, :] < anchor_of_query[:, :, None]
+    q_block = torch.arange(n * block, device=tokens.device) // block
+    sees_block = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)
+    return dict(ctx_pos=ctx_pos, q_pos=pos.view(b, -1), tokens=tok.view(b, -1), labels=labels.view(b, -1),
+                mask=torch.cat([sees_ctx, sees_block], dim=2))
 
 
 @torch.no_grad()
 def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Sequence[int],
-                    tokens_per_batch: int = 32768) -> list[Tensor]:
-    """Target features of every sequence, computed once (the target is frozen): length-bucketed
-    batches keep padding low. Returned on the target's device in its dtype."""
-    device, out = target.device, [None] * len(seqs)
+                    tokens_per_batch: int = 32768) -> Tensor:
+    """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
+    (the target is frozen): length-bucketed batches keep padding low. On the target's device, its dtype."""
+    device = target.device
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.numel())
+    out = None
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].numel())
     i = 0
     while i < len(order):
@@ -182,31 +215,36 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
             valid[r, : seqs[q].numel()] = True
         positions = torch.arange(width, device=device).expand(len(idx), -1)
         _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
+        if out is None:
+            out = torch.empty(starts[-1], f.shape[-1], device=device, dtype=f.dtype)
         for r, q in enumerate(idx):
-            out[q] = f[r, : seqs[q].numel()].clone()
+            out[starts[q] : starts[q + 1]] = f[r, : seqs[q].numel()]
         i = j
     return out
 
 
 def draft_loss(draft: DFlashDraft, target: DenseModel, batch: dict[str, Tensor], feats: Tensor,
                gamma: float) -> tuple[Tensor, dict[str, float]]:
+    """Decayed cross-entropy of every block slot after the root, through the frozen target lm_head."""
     block = draft.cfg.block_size
     h = draft(target.embed_tokens(batch["tokens"]), feats, batch["ctx_pos"], batch["q_pos"], batch["mask"])
+    h, labels = h.reshape(-1, h.shape[-1]), batch["labels"].reshape(-1)
     slot = torch.arange(h.shape[0], device=h.device) % block
     keep = slot > 0
     logits = target.lm_head(h[keep]).float()
-    labels = batch["labels"][keep]
+    labels = labels[keep]
     weights = torch.exp(-(slot[keep] - 1).float() / gamma) * (labels >= 0)
     ce = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels).view(-1, block - 1)
         valid = (labels >= 0).view(-1, block - 1)
+        used = valid[:, 0]  # blocks of an unused anchor slot predict nothing
         # Chain acceptance the draft would get on these blocks: accepted prefix + 1.
-        accepted = (hit | ~valid).long().cumprod(1) * valid
-        stats = {"loss": float(loss), "acc1": float(hit[:, 0][valid[:, 0]].float().mean()),
-                 "chain_al": float(accepted.sum(1).float().mean() + 1)}
-    return loss, stats
+        accepted = ((hit | ~valid).long().cumprod(1) * valid)[used]
+        packed = torch.stack([loss.detach(), hit[:, 0][used].float().mean(), accepted.sum(1).float().mean() + 1])
+        loss_v, acc1, chain_al = packed.tolist()  # one host read for the three
+    return loss, {"loss": loss_v, "acc1": acc1, "chain_al": chain_al}
 
 
 def train_draft(
@@ -221,7 +259,6 @@ def train_draft(
     device = target.device
     if len(sequences) != len(prompt_lens) or not sequences:
         raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
-    gen = torch.Generator().manual_seed(cfg.seed)
     draft = new_draft_for(target, cfg, mask_token_id).to(device)
     ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -232,9 +269,16 @@ def train_draft(
         raise EngineInputError("no training sequence has a response token after its prompt")
     autocast = device.type == "cuda"
     t0 = time.perf_counter()
-    feats_all = target_features(target, [s for s, _ in data], ids)
-    log(f"target features: {sum(f.numel() for f in feats_all) * feats_all[0].element_size() / 2**30:.1f} GiB "
+    lens = torch.tensor([s.numel() for s, _ in data], device=device)
+    store = TokenStore(
+        tokens=torch.cat([s for s, _ in data]),
+        feats=target_features(target, [s for s, _ in data], ids),
+        starts=torch.cumsum(lens, 0) - lens, lens=lens,
+        prompt_lens=torch.tensor([p for _, p in data], device=device),
+    )
+    log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB "
         f"in {time.perf_counter() - t0:.0f}s")
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
     t0, history, step = time.perf_counter(), [], 0
     lr = cfg.lr
     for step in range(cfg.steps):
@@ -245,13 +289,12 @@ def train_draft(
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
-        pick = torch.randint(0, len(data), (cfg.batch_size,), generator=gen).tolist()
-        seqs, plens = [data[i][0] for i in pick], [data[i][1] for i in pick]
-        anchors = [sample_anchors(p, s.numel(), cfg.num_anchors, gen) for s, p in zip(seqs, plens, strict=True)]
-        feats = torch.cat([feats_all[i] for i in pick]).float()
-        batch = block_batch(seqs, anchors, cfg.block_size, mask_token_id, device)
+        pick = torch.randint(0, len(data), (cfg.batch_size,), generator=gen, device=device)
+        tokens, feats, seq_lens, plens = store.batch(pick)
+        anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
+        batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-            loss, stats = draft_loss(draft, target, batch, feats, cfg.gamma)
+            loss, stats = draft_loss(draft, target, batch, feats if autocast else feats.float(), cfg.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

@@ -75,34 +75,38 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) ->
 
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, rd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, rd]
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., T, rd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, rd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, head_dim]; rotates the first cos.shape[-1] dims (partial RoPE), HF half layout."""
+    """x: [..., T, heads, head_dim], cos/sin [..., T, rd]: rotates the first rd dims (partial RoPE),
+    HF half layout."""
     rd = cos.shape[-1]
     rot, rest = x[..., :rd], x[..., rd:]
     x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
-    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    out = rot * cos[..., None, :] + rotated * sin[..., None, :]
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
-    """q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; mask: [Tq, Tk] bool (True = attend) or None (full).
+    """q: [..., Tq, Hq, D]; k, v: [..., Tk, Hkv, D]; mask: [..., Tq, Tk] bool (True = attend) or
+    None (full). Leading dims are a batch (training many sequences at once).
 
-    Returns [Tq, Hq, D]. Grouped-query heads share their key/value head.
+    Returns [..., Tq, Hq, D]. Grouped-query heads share their key/value head.
     """
-    hq, hkv = q.shape[1], k.shape[1]
+    hq, hkv = q.shape[-2], k.shape[-2]
     if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
+        k = k.repeat_interleave(hq // hkv, dim=-2)
+        v = v.repeat_interleave(hq // hkv, dim=-2)
+    if mask is not None:
+        mask = mask.unsqueeze(-3)  # one mask for every head
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
     )
-    return out.transpose(0, 1)
+    return out.transpose(-3, -2)
 
 
 def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor:

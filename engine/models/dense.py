@@ -165,21 +165,47 @@ class DenseModel(nn.Module):
         t = tokens.shape[0]
         x = self.embed_tokens(tokens)
         positions = new_positions(start, tree, t, x.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         mask = context_mask(start, tree, t, x.device)
+        logits, features = self._run(x, positions, cache, start, mask, feature_layers, last_only)
+        if tree is None:
+            cache.length = start + t
+        return logits, features
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, key_len: int, mask: Tensor,
+                       cache: KVCache, feature_layers: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+        """The shape-static forward CUDA graphs replay: K/V land in the device-held ``slots`` [T]
+        and every query attends over the first ``key_len`` slots through ``mask`` [T, key_len].
+        No host value depends on where the sequence is, so one capture serves every step."""
+        x = self.embed_tokens(tokens)
+        return self._run(x, positions, _SlotWriter(cache, slots, key_len), 0, mask, feature_layers, False)
+
+    def _run(self, x: Tensor, positions: Tensor, cache, start: int, mask: Tensor, feature_layers: Sequence[int],
+             last_only: bool) -> tuple[Tensor, Tensor | None]:
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         wanted = set(feature_layers)
         feats = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, mask)
             if i in wanted:
                 feats.append(x)
-        if tree is None:
-            cache.length = start + t
         if last_only:
             x = x[-1:]
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.
         features = torch.cat(feats, -1) if feats else None
         return self.lm_head(self.norm(x)), features
+
+
+class _SlotWriter:
+    """A KVCache seen through device-held write slots and a fixed key span (``forward_static``)."""
+
+    def __init__(self, cache: KVCache, slots: Tensor, key_len: int) -> None:
+        self.cache, self.slots, self.key_len = cache, slots, key_len
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        c = self.cache
+        c.k[layer].index_copy_(0, self.slots, k)
+        c.v[layer].index_copy_(0, self.slots, v)
+        return c.k[layer, : self.key_len], c.v[layer, : self.key_len]
 
 
 @dataclass
@@ -237,12 +263,24 @@ def forward_padded(
         if kv is not None:
             kv.k[i, :, start : start + t], kv.v[i, :, start : start + t] = k, v
             k, v = kv.k[i, :, : start + t], kv.v[i, :, : start + t]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True
-        )
-        x = x + att.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        x = x + att.o_proj(_grouped_attention(q, k, v, mask))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in wanted:
             feats.append(x)
     out = model.lm_head(model.norm(x)) if logits else None
     return out, (torch.cat(feats, -1) if feats else None)
+
+
+def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] -> [B, T, H * D].
+
+    The query heads that share a K/V head are stacked along the query axis, so the memory-efficient
+    kernel (which takes any mask but not grouped heads) runs without copying K/V once per group.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    q = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    m = mask[:, None, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
+    o = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+    return o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)

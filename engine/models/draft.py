@@ -60,13 +60,13 @@ class DraftAttention(nn.Module):
 
     def forward(self, h: Tensor, ctx: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
                 mask: Tensor | None) -> Tensor:
-        b, w = h.shape[0], ctx.shape[0]
-        q = self.q_norm(self.q_proj(h).view(b, self.n_heads, self.head_dim))
-        kv_in = torch.cat([ctx, h], dim=0)  # context keys first, then the block's own
-        k = self.k_norm(self.k_proj(kv_in).view(w + b, self.n_kv, self.head_dim))
-        v = self.v_proj(kv_in).view(w + b, self.n_kv, self.head_dim)
+        lead = h.shape[:-1]  # [..., B]: a batch of sequences in training, one block at decode time
+        q = self.q_norm(self.q_proj(h).view(*lead, self.n_heads, self.head_dim))
+        kv_in = torch.cat([ctx, h], dim=-2)  # context keys first, then the block's own
+        k = self.k_norm(self.k_proj(kv_in).view(*kv_in.shape[:-1], self.n_kv, self.head_dim))
+        v = self.v_proj(kv_in).view(*kv_in.shape[:-1], self.n_kv, self.head_dim)
         q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
-        return self.o_proj(attention(q, k, v, mask).reshape(b, -1))
+        return self.o_proj(attention(q, k, v, mask).reshape(*lead, -1))
 
 
 class DraftBlock(nn.Module):
@@ -101,15 +101,16 @@ class DFlashDraft(nn.Module):
         block_positions: Tensor,
         mask: Tensor | None = None,
     ) -> Tensor:
-        """block_embeds [B, H]; ctx_features [W, n_ids * H]; positions absolute. Returns [B, H].
+        """block_embeds [..., B, H]; ctx_features [..., W, n_ids * H]; positions absolute ([..., B],
+        [..., W]). Returns [..., B, H]. Leading dims batch several sequences (training).
 
-        ``mask`` ([B, W + B] bool) is for training many blocks at once (block-diagonal); at
+        ``mask`` ([..., B, W + B] bool) is for training many blocks at once (block-diagonal); at
         decode time the block sees all its context and itself bidirectionally.
         """
         ctx = self.hidden_norm(self.fc(ctx_features))
         dtype = block_embeds.dtype
         cos_q, sin_q = rope_cos_sin(block_positions, self.inv_freq, dtype)
-        cos_k, sin_k = rope_cos_sin(torch.cat([ctx_positions, block_positions]), self.inv_freq, dtype)
+        cos_k, sin_k = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=-1), self.inv_freq, dtype)
         h = block_embeds
         for layer in self.layers:
             h = layer(h, ctx, cos_q, sin_q, cos_k, sin_k, mask)

@@ -40,28 +40,47 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
 
 
 def test_block_mask_sees_context_strictly_before_its_anchor_and_its_own_block():
-    seqs = [torch.arange(10), torch.arange(100, 106)]
-    anchors = [torch.tensor([4, 7]), torch.tensor([3])]
-    b = block_batch(seqs, anchors, block=4, mask_token_id=99, device=torch.device("cpu"))
-    mask, n_ctx = b["mask"], 16
-    assert mask.shape == (12, 16 + 12)
-    # block 0 (seq 0, anchor 4): context positions 0..3 of seq 0 only
-    assert mask[0, :n_ctx].nonzero().flatten().tolist() == [0, 1, 2, 3]
-    # block 2 (seq 1, anchor 3): context of seq 1 (offset 10) positions 0..2
-    assert mask[8, :n_ctx].nonzero().flatten().tolist() == [10, 11, 12]
-    # bidirectional inside the block, blind to other blocks
-    assert mask[5, n_ctx:].nonzero().flatten().tolist() == [4, 5, 6, 7]
-    assert b["tokens"][:4].tolist() == [4, 99, 99, 99]
-    assert b["labels"][:4].tolist() == [-100, 5, 6, 7]
-    assert b["labels"][4:8].tolist() == [-100, 8, 9, -100]  # past the end of the sequence
-    assert b["q_pos"][:4].tolist() == [4, 5, 6, 7]
+    tokens = torch.stack([torch.arange(10), torch.cat([torch.arange(100, 106), torch.zeros(4, dtype=torch.long)])])
+    lens = torch.tensor([10, 6])
+    anchors = torch.tensor([[4, 7], [3, 0]])
+    valid = torch.tensor([[True, True], [True, False]])
+    b = block_batch(tokens, lens, anchors, valid, block=4, mask_token_id=99)
+    mask, width = b["mask"], 10
+    assert mask.shape == (2, 8, 10 + 8)
+    # seq 0, block 0 (anchor 4): context positions 0..3 only
+    assert mask[0, 0, :width].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    # seq 1, block 0 (anchor 3): positions 0..2 of its own sequence (the other is another batch row)
+    assert mask[1, 2, :width].nonzero().flatten().tolist() == [0, 1, 2]
+    # bidirectional inside the block, blind to the other blocks
+    assert mask[0, 5, width:].nonzero().flatten().tolist() == [4, 5, 6, 7]
+    assert b["tokens"][0, :4].tolist() == [4, 99, 99, 99]
+    assert b["labels"][0, :4].tolist() == [-100, 5, 6, 7]
+    assert b["labels"][0, 4:8].tolist() == [-100, 8, 9, -100]  # past the end of the sequence
+    assert b["labels"][1, :4].tolist() == [-100, 104, 105, -100]  # past the end, not into the padding
+    assert b["labels"][1, 4:].tolist() == [-100] * 4  # an unused anchor slot predicts nothing
+    assert not mask[1, 4:, :width].any()  # ... and sees no context (it only attends to itself)
+    assert b["q_pos"][0, :4].tolist() == [4, 5, 6, 7]
 
 
-def test_anchors_lie_among_generated_positions():
+def test_anchors_are_distinct_generated_positions_and_short_sequences_pad():
     gen = torch.Generator().manual_seed(0)
-    a = sample_anchors(prompt_len=5, seq_len=20, n=8, gen=gen)
-    assert a.numel() == 8 and int(a.min()) >= 5 and int(a.max()) <= 18
-    assert sample_anchors(prompt_len=5, seq_len=6, n=4, gen=gen).numel() == 0
+    anchors, valid = sample_anchors(torch.tensor([5, 5]), torch.tensor([20, 6]), width=20, n=8, gen=gen)
+    a = anchors[0][valid[0]]
+    assert valid[0].all() and a.unique().numel() == 8 and int(a.min()) >= 5 and int(a.max()) <= 18
+    assert a.tolist() == sorted(a.tolist())
+    assert not valid[1].any()  # prompt 5 of 6 tokens: no position has a label after it
+    anchors, valid = sample_anchors(torch.tensor([2]), torch.tensor([6]), width=6, n=8, gen=gen)
+    assert valid.sum() == 3 and anchors[0][valid[0]].tolist() == [2, 3, 4]
+
+
+def test_batched_draft_forward_equals_one_sequence_at_a_time(pair):
+    draft = engine.load("tiny-dense", "random", device="cpu", dtype="float32").drafter.draft
+    feats = torch.randn(2, 9, len(draft.cfg.target_layer_ids) * draft.cfg.hidden_size)
+    blocks = torch.randn(2, 4, draft.cfg.hidden_size)
+    ctx_pos, q_pos = torch.arange(9).expand(2, 9), torch.arange(9, 13).expand(2, 4)
+    out = draft(blocks, feats, ctx_pos, q_pos)
+    for r in range(2):
+        torch.testing.assert_close(out[r], draft(blocks[r], feats[r], ctx_pos[r], q_pos[r]), rtol=1e-5, atol=1e-5)
 
 
 def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_path):

@@ -1,0 +1,282 @@
+"""GPU benchmarks: the SmolLM2 pair on every path, `transformers` generate on the same weights, and
+the large shape presets against the HBM roofline.
+
+    python benchmarks/gpu_bench.py pair  --target smollm2-135m-instruct --draft smollm2-135m-dflash \
+        --sets humaneval chat agent --n-prompts 6 --max-new-tokens 128 --md pair.md --out pair.json
+    python benchmarks/gpu_bench.py hf    --target smollm2-135m-instruct --sets humaneval --md hf.md
+    python benchmarks/gpu_bench.py large --md large.md --out large.json
+
+Sets may be named workloads or JSONL files (``benchmarks/export_workload.py`` writes them for a
+machine without the assets). Every section prints a markdown table (``--md`` also writes it) and
+``--out`` writes every number as JSON. Decode TPS is decode-only (first token excluded), the
+median over ``--repeats`` timed passes after one warm-up pass, with min..max as the spread.
+
+- ``pair``: AR, chain and DDTree on the ``generic`` and ``runtime`` paths (rollback modes are the
+  same code for a dense target). Per config: TPS, AL, ms per step and per phase, speedup over our
+  runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR
+  (first divergence), and a float32 pass checks that the runtime path stays exact.
+- ``hf``: the same weights through ``transformers`` ``LlamaForCausalLM.generate`` (greedy, its
+  default dynamic cache and its static cache), decode TPS = (N - 1) new tokens over the time of a
+  N-token generation minus a 1-token one.
+- ``large``: ``qwen3-8b-shape`` and ``qwen35-27b-shape`` with their random 5-layer drafts: AR ms
+  per token against the roofline (weight + KV bytes read per token over the device-to-device copy
+  bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
+  break-even AL each implies (step ms / AR ms per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import engine  # noqa: E402
+from engine import EngineConfig  # noqa: E402
+from engine.workloads import load_workload  # noqa: E402
+
+
+def _env() -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python " + " ".join(sys.argv)}
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
+
+
+def _prompts(pair, spec: str, n: int) -> list[list[int]]:
+    wl = load_workload(spec, Path.cwd(), n, 0, split="eval")
+    return [pair.encode(p) for p in wl.prompts]
+
+
+def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None):
+    engine.bench(pair, cfg, prompts[:1], min(max_new, 16), ignore_eos=True)  # warm-up (graph capture)
+    runs = [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=True) for _ in range(repeats)]
+    return runs
+
+
+def section_pair(args) -> tuple[str, dict]:
+    pair = engine.load(args.target, args.draft, device="cuda", dtype=args.dtype)
+    ddtree = dict(verify="ddtree", budget=args.budget, top_k=args.top_k)
+    configs = [("ar", dict(verify="ar")), ("chain", dict(verify="chain")), (f"ddtree-b{args.budget}", ddtree)]
+    lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
+             "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
+    report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
+    for spec in args.sets:
+        prompts = _prompts(pair, spec, args.n_prompts)
+        ref_runs = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
+        reference = ref_runs[0].outputs
+        ar_tps = statistics.median(r.decode_tps for r in ref_runs)
+        rows = {}
+        for name, params in configs:
+            for path in ("generic", "runtime"):
+                cfg = EngineConfig(**params, draft_path=path)
+                runs = ref_runs if (name == "ar" and path == "runtime") else _timed(
+                    pair, cfg, prompts, args.max_new_tokens, args.repeats, reference)
+                tps = [r.decode_tps for r in runs]
+                r0 = runs[-1]
+                steps = max(r0.steps, 1)
+                ph = {k: v / steps for k, v in r0.phase_ms.items()}
+                exact = sum(bool(p.exact) for p in r0.prompts) if name != "ar" or path != "runtime" else len(prompts)
+                divs = [p.first_divergence for p in r0.prompts if p.first_divergence is not None]
+                al = sum(r0.accept_lengths) / len(r0.accept_lengths) if r0.accept_lengths else 1.0
+                row = dict(tps=tps, al=al, ms_per_step=1000 * r0.decode_s / steps, phase_ms=ph,
+                           speedup=statistics.median(tps) / ar_tps, exact=exact, n=len(prompts), divergences=divs)
+                rows[f"{name}/{path}"] = row
+                front = ph["draft"] + ph["topk"] + ph["tree"]
+                back = ph["verify"] + ph["walk"] + ph["commit"]
+                lines.append(f"| {Path(spec).stem} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
+                             f"{row['ms_per_step']:.2f} | {front:.2f} | {back:.2f} | {row['speedup']:.2f}x | "
+                             f"{exact}/{len(prompts)}{' (first div ' + str(min(divs)) + ')' if divs else ''} |")
+                print(lines[-1], flush=True)
+        report["sets"][spec] = rows
+    if args.fp32_check:
+        del pair
+        gc.collect()
+        torch.cuda.empty_cache()
+        p32 = engine.load(args.target, args.draft, device="cuda", dtype="float32")
+        prompts = _prompts(p32, args.sets[0], 2)
+        ref = engine.bench(p32, EngineConfig(verify="ar"), prompts, 64, ignore_eos=True).outputs
+        checks = {}
+        for name, params in configs[1:]:
+            for path in ("generic", "runtime"):
+                res = engine.bench(p32, EngineConfig(**params, draft_path=path), prompts, 64, reference=ref,
+                                   ignore_eos=True)
+                checks[f"{name}/{path}"] = res.exact_match
+        report["float32_exact"] = checks
+        lines.append("")
+        lines.append("float32 on the GPU, equal to AR (2 prompts x 64 tokens): "
+                     + ", ".join(f"{k} {v}" for k, v in checks.items()))
+        print(lines[-1], flush=True)
+    return "\n".join(lines), report
+
+
+def section_hf(args) -> tuple[str, dict]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    pair = engine.load(args.target, "none", device="cuda", dtype=args.dtype)
+    c = pair.target.cfg
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.dim_per_head, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, max_position_embeddings=8192,
+    ))
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v
+             for k, v in pair.target.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or [u for u in unexpected if "inv_freq" not in u]:
+        raise RuntimeError(f"weights did not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+    hf = hf.to(device="cuda", dtype=pair.target.dtype).eval()
+    lines = ["| set | engine | decode TPS | equal to our AR |", "|---|---|---|---|"]
+    report: dict = {"env": _env(), "sets": {}}
+    for spec in args.sets:
+        prompts = _prompts(pair, spec, args.n_prompts)
+        ours = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
+        rows = {"ours": [r.decode_tps for r in ours]}
+        for impl in ("dynamic", "static"):
+            tps, equal = [], 0
+            for rep in range(args.repeats + 1):
+                total_new, total_s = 0, 0.0
+                for i, ids in enumerate(prompts):
+                    x = torch.tensor([ids], device="cuda")
+                    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+                    if impl == "static":
+                        kw["cache_implementation"] = "static"
+                    times = []
+                    for n_new in (1, args.max_new_tokens):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        with torch.inference_mode():
+                            out = hf.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
+                        torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                    total_new += args.max_new_tokens - 1
+                    total_s += times[1] - times[0]
+                    if rep == 0:
+                        equal += out[0, len(ids):].tolist() == ours[0].outputs[i]
+                if rep:  # the first pass warms up
+                    tps.append(total_new / total_s)
+            rows[impl] = tps
+            rows[f"{impl}_equal"] = equal
+        report["sets"][spec] = rows
+        lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {_spread(rows['ours'])} | - |")
+        for impl in ("dynamic", "static"):
+            lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {_spread(rows[impl])} | "
+                         f"{rows[impl + '_equal']}/{len(prompts)} |")
+            print(lines[-1], flush=True)
+        ratio = statistics.median(rows["ours"]) / statistics.median(rows["dynamic"])
+        lines.append(f"| {Path(spec).stem} | ours / transformers (dynamic) | {ratio:.2f}x | |")
+    return "\n".join(lines), report
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    a = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    del a, b
+    return 2 * 2 * 2**30 / statistics.median(times)
+
+
+def section_large(args) -> tuple[str, dict]:
+    bw = _copy_bandwidth()
+    lines = [f"Device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
+             "| preset | AR ms/token | roofline ms/token | % of roofline | budget | step ms | verify ms | "
+             "verify / AR step | break-even AL |", "|" + "---|" * 9]
+    report: dict = {"env": _env(), "copy_bandwidth": bw, "presets": {}}
+    prompt = list(range(10, 10 + args.context))
+    for target in args.presets:
+        pair = engine.load(target, f"{target}-dflash", device="cuda", dtype="bfloat16")
+        weights = sum(p.numel() * p.element_size() for n, p in pair.target.named_parameters()
+                      if "embed_tokens" not in n or pair.target.cfg.tie_word_embeddings)
+        weights += pair.target.cfg.hidden_size * pair.target.dtype.itemsize  # one embedding row
+        c = pair.target.cfg
+        types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+        attn_layers = sum(t == "full_attention" for t in types)
+        head_dim = getattr(c, "dim_per_head", None) or c.head_dim
+        kv_per_token = attn_layers * 2 * c.num_key_value_heads * head_dim * pair.target.dtype.itemsize
+        bytes_per_token = weights + kv_per_token * (args.context + args.new_tokens / 2)
+        roof_ms = 1000 * bytes_per_token / bw
+        ar = _timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
+        ar_ms = [1000 * r.decode_s / max(r.steps, 1) for r in ar]
+        rep = {"weights_bytes": weights, "bytes_per_token": bytes_per_token, "roofline_ms": roof_ms,
+               "ar_ms": ar_ms, "budgets": {}}
+        med_ar = statistics.median(ar_ms)
+        lines.append(f"| {target} | {_spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
+                     "| - | - | - | - | - |")
+        print(lines[-1], flush=True)
+        for budget in args.budgets:
+            cfg = EngineConfig(verify="ddtree", budget=budget, top_k=8)
+            runs = _timed(pair, cfg, [prompt], args.new_tokens, args.repeats)
+            step = [1000 * r.decode_s / max(r.steps, 1) for r in runs]
+            r0 = runs[-1]
+            verify = (r0.phase_ms["verify"] + r0.phase_ms["walk"] + r0.phase_ms["commit"]) / max(r0.steps, 1)
+            rep["budgets"][budget] = {"step_ms": step, "verify_ms": verify}
+            lines.append(f"| {target} | | | | {budget} | {_spread(step)} | {verify:.2f} | "
+                         f"{verify / med_ar:.2f}x | {statistics.median(step) / med_ar:.2f} |")
+            print(lines[-1], flush=True)
+        report["presets"][target] = rep
+        del pair
+        gc.collect()
+        torch.cuda.empty_cache()
+    return "\n".join(lines), report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("section", choices=["pair", "hf", "large"])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default="smollm2-135m-dflash")
+    ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=22)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")
+    ap.add_argument("--presets", nargs="+", default=["qwen3-8b-shape", "qwen35-27b-shape"])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
+    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed pass for the large presets")
+    ap.add_argument("--md")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench needs CUDA", file=sys.stderr)
+        return 2
+    md, report = {"pair": section_pair, "hf": section_hf, "large": section_large}[args.section](args)
+    env = report["env"]
+    header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"
+    print("\n" + header + md)
+    if args.md:
+        Path(args.md).write_text(header + md + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The dedicated runtime for dense targets: whole decode steps replayed as CUDA graphs.
+
+A generic decode loop launches hundreds of small kernels per step and reads values back to the
+host between them; for a small target that launch and sync time is most of the step. Here each
+step is a fixed sequence of kernels over buffers allocated once, so it is captured once and
+replayed:
+
+- ``propose`` (DFlash draft over a fixed window, top-k, device tree build) and ``verify`` (tree
+  forward writing K/V at device-held slots, posterior, walk, KV/feature/token compaction, the
+  position advanced on the device) are two graphs per key-span bucket;
+- an AR step (one token) is one graph per bucket;
+- the host reads one small packed tensor per step: accept length, flags and the new tokens.
+
+Shapes never depend on where the sequence is: the root's position lives in a [1] device tensor,
+attention spans a power-of-two bucket of key slots with a mask, and the draft sees a fixed
+window of context (``target_feat_ctx`` slots, or the whole bucket when it is 0) with the slots
+before position 0 masked out. The math is the generic path's; only the attention's padding and
+kernels differ, so float32 output stays equal to AR.
+
+``graphs=False`` runs the same step functions eagerly (the CPU tests check the logic that way).
+Grammar-constrained decoding, recurrent (hybrid) targets and the oracle draft take the generic
+loop in ``engine.decode``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig
+from engine.drafters import DFlashDrafter
+from engine.models.dense import DenseModel
+from engine.sampling import select_tokens
+from engine.stats import Generation, GenerationStats
+from engine.tree import Tree, ancestor_mask, build_tree_device, chain_tree, walk_device
+
+MIN_BUCKET = 128
+
+
+def supports(pair, cfg: EngineConfig, constrained: bool, cuda_only: bool = True) -> bool:
+    """Whether ``cfg`` on ``pair`` runs on this runtime (by default: only where graphs can be used)."""
+    target = pair.target
+    return (cfg.draft_path == "runtime" and not constrained and isinstance(target, DenseModel)
+            and (target.device.type == "cuda" or not cuda_only)
+            and (cfg.verify == "ar" or isinstance(pair.drafter, DFlashDrafter)))
+
+
+def bucket_for(need: int, limit: int) -> int:
+    """Smallest power of two >= need (at least MIN_BUCKET), capped at the buffers' size."""
+    b = MIN_BUCKET
+    while b < need:
+        b *= 2
+    return min(b, limit)
+
+
+def key_mask(start: Tensor, key_len: int, inner: Tensor) -> Tensor:
+    """[T, key_len] bool: every slot before ``start`` (committed), and among the T new slots
+    start..start+T-1 those ``inner`` [T, T] allows (causal for AR and chains, ancestors for trees)."""
+    t = inner.shape[0]
+    rel = torch.arange(key_len, device=inner.device) - start
+    new = (rel >= 0) & (rel < t)
+    return (rel < 0)[None, :] | (inner[:, rel.clamp(0, t - 1)] & new[None, :])
+
+
+class _Graphs:
+    """Captured step functions keyed by bucket; ``graphs=False`` calls them eagerly instead."""
+
+    def __init__(self, enabled: bool, state: list[Tensor]) -> None:
+        self.enabled = enabled
+        self.state = state  # tensors a warm-up run mutates: restored before capture
+        self._captured: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if enabled else None
+
+    def run(self, key: object, fn: Callable[..., object], *args: object) -> object:
+        """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
+        the same static buffers and constants at every call with that key)."""
+        if not self.enabled:
+            return fn(*args)
+        if key not in self._captured:
+            saved = [t.clone() for t in self.state]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture: lazy kernel and workspace init
+                fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            for t, s in zip(self.state, saved, strict=True):
+                t.copy_(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = fn(*args)
+            self._captured[key] = (graph, out)
+        graph, out = self._captured[key]
+        graph.replay()
+        return out
+
+
+class StaticDecoder:
+    """Buffers and graphs of one workspace; rebuilt when the pair's workspace is reallocated."""
+
+    def __init__(self, pair, ws, graphs: bool) -> None:
+        self.pair, self.ws = pair, ws
+        self.device = ws.seq.device
+        self.start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graphs = _Graphs(graphs, [self.start])
+        self.cfg: EngineConfig | None = None
+
+    # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
+    def _ar_step(self, key_len: int, cfg: EngineConfig) -> Tensor:
+        s, ws = self.start, self.ws
+        tok = ws.seq.index_select(0, s)
+        mask = key_mask(s, key_len, torch.ones(1, 1, dtype=torch.bool, device=self.device))
+        logits, _ = self.pair.target.forward_static(tok, s, s, key_len, mask, ws.cache)
+        nxt = select_tokens(logits, s + 1, cfg.temperature, cfg.seed)
+        ws.seq.index_copy_(0, s + 1, nxt)
+        s.add_(1)
+        return nxt
+
+    # -- one speculative step, in two graphs ------------------------------------------------------
+    def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
+        drafter, ws = self.pair.drafter, self.ws
+        window = cfg.target_feat_ctx if cfg.target_feat_ctx > 0 else key_len
+        logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features).float()
+        root = ws.seq.index_select(0, self.start)
+        if cfg.verify == "chain":
+            tree = chain_tree(root, torch.argmax(logits, dim=-1))
+        else:
+            lp = torch.log_softmax(logits / cfg.proposal_temp, dim=-1)
+            top_lp, top_ids = torch.topk(lp, min(cfg.top_k, lp.shape[-1]), dim=-1)
+            tree = build_tree_device(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
+        return tree, ancestor_mask(tree.parents, block - 1)
+
+    def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> Tensor:
+        s, ws, target = self.start, self.ws, self.pair.target
+        t = tree.tokens.numel()
+        j = torch.arange(t, device=self.device)
+        positions, slots = s + tree.depths, s + j
+        logits, f = target.forward_static(tree.tokens, positions, slots, key_len, key_mask(s, key_len, anc),
+                                          ws.cache, self.pair.drafter.feature_layers)
+        posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
+        path, al = walk_device(tree, anc, posterior)
+        last = path[al - 1]
+        has_child = (tree.parents == last).any()
+        side = (tree.ranks * anc[last]).gt(0).any()
+        # Commit on the device: the accepted nodes' K/V and features move to slots start..start+AL-1
+        # (slots past AL receive other nodes: they lie beyond the committed length), the committed
+        # tokens land after the root, and the root's position advances by AL.
+        src = s + path
+        ws.cache.k.index_copy_(1, slots, ws.cache.k.index_select(1, src))
+        ws.cache.v.index_copy_(1, slots, ws.cache.v.index_select(1, src))
+        ws.features.index_copy_(0, slots, f.index_select(0, path))
+        new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior[last])
+        ws.seq.index_copy_(0, s + 1 + j, new)
+        s.add_(al)
+        return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])
+
+    def _bucket(self, need: int) -> int:
+        return bucket_for(need, self.ws.max_len)
+
+    def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
+                    on_tokens, timer) -> Generation:
+        from engine.decode import prefill  # the decode module imports this one
+
+        stats = GenerationStats()
+        t0 = timer.now()
+        n = len(prompt)
+        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers=())]
+        t_first = timer.now()
+        stats.prefill_s = t_first - t0
+        if on_tokens is not None:
+            on_tokens(out[:])
+        self.start.fill_(n)
+        pos = n
+        done = out[0] in stop_ids or max_new_tokens <= 1
+        while not done:
+            key_len = self._bucket(pos + 1)
+            with timer.phase("verify"):
+                nxt = self.graphs.run(("ar", key_len, cfg.temperature, cfg.seed), self._ar_step, key_len, cfg)
+            out.append(int(nxt))
+            pos += 1
+            if on_tokens is not None:
+                on_tokens(out[-1:])
+            stats.steps += 1
+            done = out[-1] in stop_ids or len(out) >= max_new_tokens
+        self.ws.cache.length = pos
+        return _finish(out, stats, timer, t_first, t0)
+
+    def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
+                             stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int) -> Generation:
+        from engine.decode import prefill, truncate
+
+        stats = GenerationStats()
+        t0 = timer.now()
+        n = len(prompt)
+        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers=self.pair.drafter.feature_layers)]
+        t_first = timer.now()
+        stats.prefill_s = t_first - t0
+        if on_tokens is not None:
+            on_tokens(out[:])
+        self.start.fill_(n)
+        start = n
+        done = out[0] in stop_ids or max_new_tokens <= 1
+        key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
+               cfg.temperature, cfg.seed, block)
+        while not done:
+            key_len = self._bucket(start + n_verify)
+            with timer.phase("draft"):
+                tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
+            with timer.phase("verify"):
+                packed = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, tree, anc)
+            values = packed.tolist()  # the step's one host read
+            al, leaf, side = values[0], not values[1], bool(values[2])
+            new = values[3 : 3 + al]
+            start += al
+            stats.steps += 1
+            stats.accept_lengths.append(al)
+            stats.side_branch_steps += side
+            if leaf:
+                stats.bonus_tokens += 1
+            else:
+                stats.correction_tokens += 1
+            new, done = truncate(new, len(out), max_new_tokens, stop_ids)
+            out.extend(new)
+            if on_tokens is not None and new:
+                on_tokens(list(new))
+        self.ws.cache.length = start
+        return _finish(out, stats, timer, t_first, t0)
+
+
+def _finish(out: list[int], stats: GenerationStats, timer, t_first: float, t0: float) -> Generation:
+    t_last = timer.now()
+    stats.phase_ms = timer.collect()
+    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
+    return Generation(tokens=out, stats=stats)
+
+
+def decoder_for(pair, ws, graphs: bool) -> StaticDecoder:
+    """The pair's decoder for this workspace (graphs are tied to its buffers)."""
+    dec = getattr(pair, "_static_decoder", None)
+    if dec is None or dec.ws is not ws or dec.graphs.enabled != graphs:
+        dec = StaticDecoder(pair, ws, graphs)
+        pair._static_decoder = dec
+    return dec
