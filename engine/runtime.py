@@ -140,9 +140,9 @@ class StaticDecoder:
                                           ws.cache, self.pair.drafter.feature_layers)
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
         path, al = walk_device(tree, anc, posterior)
-        last = path[al - 1]
+        last = path.index_select(0, al.view(1) - 1)  # [1]: a 0-d index would be a host read
         has_child = (tree.parents == last).any()
-        side = (tree.ranks * anc[last]).gt(0).any()
+        side = (tree.ranks * anc.index_select(0, last)[0]).gt(0).any()
         # Commit on the device: the accepted nodes' K/V and features move to slots start..start+AL-1
         # (slots past AL receive other nodes: they lie beyond the committed length), the committed
         # tokens land after the root, and the root's position advances by AL.
@@ -150,7 +150,7 @@ class StaticDecoder:
         ws.cache.k.index_copy_(1, slots, ws.cache.k.index_select(1, src))
         ws.cache.v.index_copy_(1, slots, ws.cache.v.index_select(1, src))
         ws.features.index_copy_(0, slots, f.index_select(0, path))
-        new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior[last])
+        new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
         ws.seq.index_copy_(0, s + 1 + j, new)
         s.add_(al)
         return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])

@@ -21,10 +21,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import EngineInputError
 from engine.models.dense import BatchKV, DenseModel, forward_padded
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+
+
+_TRAIN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,9 @@ class TokenStore:
     def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
         lens = self.lens[pick]
-        width = int(lens.max())  # the step's one host read before the forward
+        # The step's one host read before the forward; widths in steps of 128 keep the number of
+        # distinct shapes (and kernel plans) small.
+        width = -(-int(lens.max()) // 128) * 128
         j = torch.arange(width, device=lens.device)
         inside = j[None, :] < lens[:, None]
         idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
@@ -293,7 +299,8 @@ def train_draft(
         tokens, feats, seq_lens, plens = store.batch(pick)
         anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
         batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        # Not cuDNN attention: it builds a plan per shape on the host, which made the step CPU-bound.
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
             loss, stats = draft_loss(draft, target, batch, feats if autocast else feats.float(), cfg.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -207,10 +207,10 @@ def walk_device(tree: Tree, mask: Tensor, target_tokens: Tensor) -> tuple[Tensor
     on the accepted path iff every edge from the root to it matches the target's token; sibling
     tokens are distinct, so those nodes form one path, and its deepest node ends it.
     """
-    edge_ok = tree.tokens == target_tokens[tree.parents.clamp(min=0)]
-    edge_ok[0] = True
+    edge_ok = (tree.tokens == target_tokens[tree.parents.clamp(min=0)]) | (tree.parents < 0)  # the root
     on_path = ~(mask & ~edge_ok[None, :]).any(dim=1)
-    last = torch.argmax(torch.where(on_path, tree.depths, -1))
-    on_last_path = mask[last]
+    # Index with [1]-shaped tensors: a 0-d tensor index is read back to the host (no CUDA graphs).
+    last = torch.argmax(torch.where(on_path, tree.depths, -1)).view(1)
+    on_last_path = mask.index_select(0, last)[0]
     order = torch.argsort(torch.where(on_last_path, tree.depths, tree.depths.numel() + 1))
-    return order, tree.depths[last] + 1
+    return order, tree.depths.index_select(0, last)[0] + 1
