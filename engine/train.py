@@ -27,7 +27,6 @@ from engine.config import EngineInputError
 from engine.models.dense import BatchKV, DenseModel, forward_padded
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 
-
 _TRAIN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--max-seq-len", type=int, default=640)
     t.add_argument("--time-budget", type=float, default=0.0, help="seconds of training at most (0: no limit)")
+    t.add_argument("--wall-budget", type=float, default=0.0,
+                   help="seconds for the whole command (data, features, training, saving): the training budget "
+                        "shrinks to fit (0: no limit)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--data", help="reuse self-distilled sequences from this JSONL instead of generating")
@@ -66,6 +70,7 @@ def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
     import engine
     from engine.loading import save_draft_folder
 
@@ -99,6 +104,14 @@ def run(args: argparse.Namespace) -> int:
             save_sequences(Path(args.save_data), seqs, plens)
     gen_s = time.perf_counter() - t0
     print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
+    if args.wall_budget:
+        # What is left after the data, less a margin for target features and saving.
+        left = args.wall_budget - (time.perf_counter() - t_start) - 45.0
+        if left <= 0:
+            raise EngineInputError(f"--wall-budget {args.wall_budget:.0f}s is spent before training starts")
+        budget = min(cfg.time_budget_s, left) if cfg.time_budget_s else left
+        cfg = dataclasses.replace(cfg, time_budget_s=budget)
+        print(f"training budget: {budget:.0f}s", flush=True)
     draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True))
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    command="python -m engine " + " ".join(sys.argv[1:]))
