@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--draft", default="smollm2-135m-dflash")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--workload", default="agent", help="agent, or a JSONL of agent prompts (with tools)")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -35,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
 
     pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
-    wl = load_workload("agent", Path("."), args.n_prompts, 0)
+    wl = load_workload(args.workload, Path("."), args.n_prompts, 0)
     prompts = [pair.encode(p) for p in wl.prompts]
     grammars = [pair.grammar_for(getattr(p, "tools", None)) for p in prompts]  # compiled outside timing
     tree = dict(budget=args.budget, top_k=args.top_k)
