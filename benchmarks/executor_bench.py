@@ -211,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write every number as JSON")
     args = ARGS = ap.parse_args(argv)
 
-    import ray
     import torch
 
     from engine.workloads import load_workload
@@ -219,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the local worker gets one thread, like each actor and each child process
     workloads = (load_workload(args.prompts, REPO, args.n_prompts, 0),)
     spec = WorkerSpec(args.target, args.draft, args.device, args.dtype, workloads, {})
-    default_temp_dir().mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=str(default_temp_dir()),
-             log_to_driver=False, logging_level="ERROR", object_store_memory=256 * 1024**2)
+    if any(v.startswith(("ray-", "sweep-ray")) for v in args.variants):  # a GPU host may lack Ray
+        import ray
+
+        default_temp_dir().mkdir(parents=True, exist_ok=True)
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=str(default_temp_dir()),
+                 log_to_driver=False, logging_level="ERROR", object_store_memory=256 * 1024**2)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
     for r in range(args.rounds):
         for variant in args.variants:  # interleaved, so drift of the machine hits every variant alike
@@ -239,14 +241,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r} {variant}: {res['trials_per_hour']:.0f} trials/h, overhead "
                   f"{res['overhead_s_median'] * 1000:.1f} ms/trial ({100 * res['overhead_fraction']:.2f}%)",
                   file=sys.stderr, flush=True)
-    ray.shutdown()
+    ray_version = "-"
+    if "ray" in sys.modules:
+        ray_version = sys.modules["ray"].__version__
+        sys.modules["ray"].shutdown()
 
     def col(v: str, k: str) -> list[float]:
         return [x[k] for x in results[v]]
 
     print(f"command: python benchmarks/executor_bench.py {' '.join(argv or sys.argv[1:])}")
     print(f"machine: {platform.node()} {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, ray {ray.__version__}")
+          f"torch {torch.__version__}, ray {ray_version}")
     print(f"date: {dt.datetime.now(dt.UTC).isoformat(timespec='minutes')}")
     for v in args.variants:
         print(f"{v}.trials_per_hour: {spread(col(v, 'trials_per_hour'))}")

@@ -62,8 +62,10 @@ def test_shipped_search_spaces_load(name):
 
 def test_quickstart_experiment_validates():
     exp = experiment.load(REPO / "experiments" / "quickstart.yaml")
-    assert exp.model.target == "tiny-dense" and exp.model.draft.startswith("oracle:")
-    assert len(experiment.load_workloads(exp)[0].prompts) == exp.workload.n_prompts
+    assert (exp.model.target, exp.model.draft) == ("smollm2-135m-instruct", "smollm2-135m-dflash")
+    workloads = experiment.load_workloads(exp)
+    assert [w.name for w in workloads] == ["humaneval", "chat"]
+    assert all(len(w.prompts) == exp.workload.n_prompts for w in workloads)
 
 
 def test_smollm2_template_validates():
