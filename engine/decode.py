@@ -113,10 +113,10 @@ def _tree_bitmask(gs: GrammarState, tokens: list[int], parents: list[int], bits:
             continue
         if not gs.advance(tokens[node]):
             continue
-        if not gs.done:  # after the stop token nothing is committed (the step is cut there)
-            gs.fill(bits, node)
         stack.append((node, True))
-        stack.extend((c, False) for c in reversed(children[node]))
+        if not gs.done:  # after the stop token nothing is committed (the step is cut there): no mask, no descent
+            gs.fill(bits, node)
+            stack.extend((c, False) for c in reversed(children[node]))
 
 
 def _grammar_commit(gs: GrammarState, new: list[int], path: Tensor, logits: Tensor,
@@ -168,6 +168,14 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
     return int(seq[n])
 
 
+def finish(out: list[int], stats: GenerationStats, timer: PhaseTimer, t_first: float, t0: float) -> Generation:
+    """Close a generation: phase times collected, decode time from the first to the last token."""
+    t_last = timer.now()
+    stats.phase_ms = timer.collect()
+    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
+    return Generation(tokens=out, stats=stats)
+
+
 def _use_static(pair, cfg: EngineConfig, gs: GrammarState | None, static: bool | None) -> bool:
     """The CUDA-graph runtime where it applies; ``static=True`` also runs its step functions
     eagerly off CUDA (tests), ``False`` forces the generic loop."""
@@ -216,10 +224,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
             on_tokens(out[-1:])
         stats.steps += 1
         done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
-    t_last = timer.now()
-    stats.phase_ms = timer.collect()
-    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
-    return Generation(tokens=out, stats=stats)
+    return finish(out, stats, timer, t_first, t0)
 
 
 def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer) -> Tree:
@@ -344,23 +349,14 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 feats[start : start + al] = f_path
             seq[start + 1 : start + 1 + al] = torch.tensor(new, device=device)
 
-        stats.steps += 1
-        stats.accept_lengths.append(al)
-        stats.side_branch_steps += side
-        if leaf:
-            stats.bonus_tokens += 1
-        else:
-            stats.correction_tokens += 1
+        stats.record_step(al, leaf, side)
         new, done = truncate(new, len(out), max_new_tokens, stop_ids)
         done = done or (gs is not None and gs.done)
         out.extend(new)
         if on_tokens is not None and new:
             on_tokens(list(new))
 
-    t_last = timer.now()
-    stats.phase_ms = timer.collect()
-    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
-    return Generation(tokens=out, stats=stats)
+    return finish(out, stats, timer, t_first, t0)
 
 
 def _max_nodes(top_k: int, depth: int) -> int:

@@ -155,23 +155,30 @@ class StaticDecoder:
         s.add_(al)
         return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])
 
+    def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
+               timer) -> tuple[GenerationStats, list[int], float, float]:
+        """The eager prefill, then the root's position handed to the device."""
+        from engine.decode import prefill
+
+        stats = GenerationStats()
+        t0 = timer.now()
+        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers)]
+        t_first = timer.now()
+        stats.prefill_s = t_first - t0
+        if on_tokens is not None:
+            on_tokens(out[:])
+        self.start.fill_(len(prompt))
+        return stats, out, t0, t_first
+
     def _bucket(self, need: int) -> int:
         return bucket_for(need, self.ws.max_len)
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                     on_tokens, timer) -> Generation:
-        from engine.decode import prefill  # the decode module imports this one
+        from engine.decode import finish  # the decode module imports this one
 
-        stats = GenerationStats()
-        t0 = timer.now()
-        n = len(prompt)
-        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers=())]
-        t_first = timer.now()
-        stats.prefill_s = t_first - t0
-        if on_tokens is not None:
-            on_tokens(out[:])
-        self.start.fill_(n)
-        pos = n
+        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer)
+        pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1
         while not done:
             key_len = self._bucket(pos + 1)
@@ -184,22 +191,14 @@ class StaticDecoder:
             stats.steps += 1
             done = out[-1] in stop_ids or len(out) >= max_new_tokens
         self.ws.cache.length = pos
-        return _finish(out, stats, timer, t_first, t0)
+        return finish(out, stats, timer, t_first, t0)
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int) -> Generation:
-        from engine.decode import prefill, truncate
+        from engine.decode import finish, truncate
 
-        stats = GenerationStats()
-        t0 = timer.now()
-        n = len(prompt)
-        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers=self.pair.drafter.feature_layers)]
-        t_first = timer.now()
-        stats.prefill_s = t_first - t0
-        if on_tokens is not None:
-            on_tokens(out[:])
-        self.start.fill_(n)
-        start = n
+        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer)
+        start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block)
@@ -213,26 +212,13 @@ class StaticDecoder:
             al, leaf, side = values[0], not values[1], bool(values[2])
             new = values[3 : 3 + al]
             start += al
-            stats.steps += 1
-            stats.accept_lengths.append(al)
-            stats.side_branch_steps += side
-            if leaf:
-                stats.bonus_tokens += 1
-            else:
-                stats.correction_tokens += 1
+            stats.record_step(al, leaf, side)
             new, done = truncate(new, len(out), max_new_tokens, stop_ids)
             out.extend(new)
             if on_tokens is not None and new:
                 on_tokens(list(new))
         self.ws.cache.length = start
-        return _finish(out, stats, timer, t_first, t0)
-
-
-def _finish(out: list[int], stats: GenerationStats, timer, t_first: float, t0: float) -> Generation:
-    t_last = timer.now()
-    stats.phase_ms = timer.collect()
-    stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
-    return Generation(tokens=out, stats=stats)
+        return finish(out, stats, timer, t_first, t0)
 
 
 def decoder_for(pair, ws, graphs: bool) -> StaticDecoder:

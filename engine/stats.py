@@ -26,6 +26,17 @@ class GenerationStats:
     decode_s: float = 0.0  # first emitted token -> last emitted token
     total_s: float = 0.0
 
+    def record_step(self, al: int, leaf: bool, side: bool) -> None:
+        """One speculative step: AL committed tokens; ``leaf``: the whole drafted path was accepted
+        (the last token is a bonus); ``side``: the accepted path used a draft token below rank 0."""
+        self.steps += 1
+        self.accept_lengths.append(al)
+        self.side_branch_steps += side
+        if leaf:
+            self.bonus_tokens += 1
+        else:
+            self.correction_tokens += 1
+
     @property
     def acceptance_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 1.0
