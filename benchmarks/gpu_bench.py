@@ -16,8 +16,8 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR
   (first divergence), and a float32 pass checks that the runtime path stays exact.
 - ``hf``: the same weights through ``transformers`` ``LlamaForCausalLM.generate`` (greedy, its
-  default dynamic cache and its static cache), decode TPS = (N - 1) new tokens over the time of a
-  N-token generation minus a 1-token one.
+  default dynamic cache; ``--hf-static`` adds its static cache, which may compile first), decode
+  TPS = (N - 1) new tokens over the time of a N-token generation minus a 1-token one.
 - ``large``: ``qwen3-8b-shape`` and ``qwen35-27b-shape`` with their random 5-layer drafts: AR ms
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
@@ -146,7 +146,8 @@ def section_hf(args) -> tuple[str, dict]:
         prompts = _prompts(pair, spec, args.n_prompts)
         ours = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
         rows = {"ours": [r.decode_tps for r in ours]}
-        for impl in ("dynamic", "static"):
+        impls = ("dynamic", "static") if args.hf_static else ("dynamic",)
+        for impl in impls:
             tps, equal = [], 0
             for rep in range(args.repeats + 1):
                 total_new, total_s = 0, 0.0
@@ -173,7 +174,8 @@ def section_hf(args) -> tuple[str, dict]:
             rows[f"{impl}_equal"] = equal
         report["sets"][spec] = rows
         lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {_spread(rows['ours'])} | - |")
-        for impl in ("dynamic", "static"):
+        print(lines[-1], flush=True)
+        for impl in impls:
             lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {_spread(rows[impl])} | "
                          f"{rows[impl + '_equal']}/{len(prompts)} |")
             print(lines[-1], flush=True)
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")
+    ap.add_argument("--hf-static", action="store_true",
+                    help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=["qwen3-8b-shape", "qwen35-27b-shape"])
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
     ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
