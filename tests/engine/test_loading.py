@@ -386,3 +386,13 @@ def test_untied_config_without_lm_head(tmp_path):
     _edit_config(tmp_path, tie_word_embeddings=False)
     with pytest.raises(EngineInputError, match=r"missing \['lm_head.weight'\].*tie_word_embeddings"):
         load_target_folder(tmp_path, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b-shape", "qwen35-27b-shape"])
+def test_shape_presets_are_gpu_only_with_a_clear_message(name):
+    import engine
+    from engine.registry import DRAFTS, TARGETS
+
+    assert TARGETS[name].build_on is not None and DRAFTS[f"{name}-dflash"].target == name
+    with pytest.raises(EngineInputError, match="GPU timing presets.*use device cuda"):
+        engine.load(name, f"{name}-dflash", device="cpu")
