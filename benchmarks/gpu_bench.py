@@ -46,9 +46,15 @@ from engine.workloads import load_workload  # noqa: E402
 
 
 def _env() -> dict:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
+           else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
     return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python " + " ".join(sys.argv)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _spread(xs: list[float]) -> str:
@@ -122,10 +128,10 @@ def section_pair(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def section_hf(args) -> tuple[str, dict]:
+def _hf_llama(pair):
+    """The pair's dense Llama-family target as a ``transformers`` LlamaForCausalLM, same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    pair = engine.load(args.target, "none", device="cuda", dtype=args.dtype)
     c = pair.target.cfg
     hf = LlamaForCausalLM(LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -139,7 +145,12 @@ def section_hf(args) -> tuple[str, dict]:
     missing = [m for m in missing if "rotary" not in m]
     if missing or [u for u in unexpected if "inv_freq" not in u]:
         raise RuntimeError(f"weights did not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
-    hf = hf.to(device="cuda", dtype=pair.target.dtype).eval()
+    return hf.to(device=pair.target.device, dtype=pair.target.dtype).eval()
+
+
+def section_hf(args) -> tuple[str, dict]:
+    pair = engine.load(args.target, "none", device=args.device, dtype=args.dtype)
+    hf = _hf_llama(pair)
     lines = ["| set | engine | decode TPS | equal to our AR |", "|---|---|---|---|"]
     report: dict = {"env": _env(), "sets": {}}
     for spec in args.sets:
@@ -152,17 +163,17 @@ def section_hf(args) -> tuple[str, dict]:
             for rep in range(args.repeats + 1):
                 total_new, total_s = 0, 0.0
                 for i, ids in enumerate(prompts):
-                    x = torch.tensor([ids], device="cuda")
+                    x = torch.tensor([ids], device=pair.target.device)
                     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
                     if impl == "static":
                         kw["cache_implementation"] = "static"
                     times = []
                     for n_new in (1, args.max_new_tokens):
-                        torch.cuda.synchronize()
+                        _sync()
                         t0 = time.perf_counter()
                         with torch.inference_mode():
                             out = hf.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-                        torch.cuda.synchronize()
+                        _sync()
                         times.append(time.perf_counter() - t0)
                     total_new += args.max_new_tokens - 1
                     total_s += times[1] - times[0]
@@ -181,6 +192,72 @@ def section_hf(args) -> tuple[str, dict]:
             print(lines[-1], flush=True)
         ratio = statistics.median(rows["ours"]) / statistics.median(rows["dynamic"])
         lines.append(f"| {Path(spec).stem} | ours / transformers (dynamic) | {ratio:.2f}x | |")
+    return "\n".join(lines), report
+
+
+def section_reference(args) -> tuple[str, dict]:
+    """Our chain against the public DFlash reference's ``dflash_generate`` (z-lab/dflash, fetched
+    source given by --reference-src, never part of this repository) on the same target weights
+    (through ``transformers``) and the same draft checkpoint folder."""
+    sys.path.insert(0, str(Path(args.reference_src).resolve()))
+    import dflash.model as ref  # the fetched reference
+    from transformers import DynamicCache
+
+    crop = DynamicCache.crop
+
+    def keep_first(cache, n: int) -> None:  # the reference's crop(n) keeps n tokens (older transformers)
+        length = cache.get_seq_length()
+        if 0 <= n < length:
+            crop(cache, n - length)
+
+    DynamicCache.crop = keep_first
+    if not torch.cuda.is_available():
+        ref.torch.cuda.synchronize = lambda: None  # its timer syncs CUDA; on the CPU there is nothing to sync
+    from engine.registry import CHECKPOINTS, DRAFTS
+
+    folder = CHECKPOINTS / args.draft if args.draft in DRAFTS else Path(args.draft)
+    pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
+    hf = _hf_llama(pair)
+    draft = ref.DFlashDraftModel.from_pretrained(str(folder), torch_dtype=pair.target.dtype).to(pair.target.device)
+    draft.eval()
+    lines = ["| set | engine | decode TPS | AL | prompts with the same AL sequence as ours |", "|---|---|---|---|---|"]
+    report: dict = {"env": _env(), "sets": {}}
+    for spec in args.sets:
+        prompts = _prompts(pair, spec, args.n_prompts)
+        rows = {}
+        for path in ("runtime", "generic"):
+            runs = _timed(pair, EngineConfig(verify="chain", draft_path=path), prompts, args.max_new_tokens,
+                          args.repeats)
+            rows[path] = {"tps": [r.decode_tps for r in runs], "al": runs[-1].acceptance_length}
+        ours = engine.bench(pair, EngineConfig(verify="chain"), prompts, args.max_new_tokens, ignore_eos=True)
+        tps, same, als = [], 0, []
+        for rep in range(args.repeats + 1):
+            tokens, seconds = 0, 0.0
+            for i, ids in enumerate(prompts):
+                out = ref.dflash_generate(draft, hf, torch.tensor([ids], device=pair.target.device),
+                                          args.max_new_tokens, None, 0.0, return_stats=True)
+                tokens += out.num_output_tokens
+                seconds += out.time_per_output_token * out.num_output_tokens
+                if rep == 0:
+                    als.extend(out.acceptance_lengths)
+                    theirs = out.acceptance_lengths
+                    start = sum(p.steps for p in ours.prompts[:i])
+                    own = ours.accept_lengths[start : start + ours.prompts[i].steps]
+                    k = min(len(own), len(theirs)) - 1  # the last step is cut at max_new_tokens differently
+                    same += own[:k] == theirs[:k]
+            if rep:  # the first pass warms up
+                tps.append(tokens / seconds)
+        rows["reference"] = {"tps": tps, "al": sum(als) / len(als), "same_al_sequence": same}
+        report["sets"][spec] = rows
+        name = Path(spec).stem
+        for key, label in (("runtime", "ours, chain, runtime"), ("generic", "ours, chain, generic"),
+                           ("reference", "DFlash reference dflash_generate")):
+            r = rows[key]
+            extra = f"{r['same_al_sequence']}/{len(prompts)}" if key == "reference" else "-"
+            lines.append(f"| {name} | {label} | {_spread(r['tps'])} | {r['al']:.2f} | {extra} |")
+            print(lines[-1], flush=True)
+        ratio = statistics.median(rows["runtime"]["tps"]) / statistics.median(tps)
+        lines.append(f"| {name} | ours (runtime) / reference | {ratio:.2f}x | | |")
     return "\n".join(lines), report
 
 
@@ -248,7 +325,7 @@ def section_large(args) -> tuple[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=["pair", "hf", "large"])
+    ap.add_argument("section", choices=["pair", "hf", "reference", "large"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
     ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
@@ -265,13 +342,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
     ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed pass for the large presets")
+    ap.add_argument("--reference-src", default=".ref",
+                    help="reference: folder holding the fetched z-lab/dflash package `dflash/`")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf and reference sections as a check")
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_bench needs CUDA", file=sys.stderr)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("gpu_bench needs CUDA (or --device cpu for the hf and reference sections)", file=sys.stderr)
         return 2
-    md, report = {"pair": section_pair, "hf": section_hf, "large": section_large}[args.section](args)
+    if args.device == "cpu" and args.section in ("pair", "large"):
+        print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
+        return 2
+    sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large}
+    md, report = sections[args.section](args)
     env = report["env"]
     header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"
     print("\n" + header + md)
