@@ -25,7 +25,9 @@ class Drafter(Protocol):
 
 
 class DFlashDrafter:
-    """Recomputes the draft over a window of committed target features every step (no draft cache)."""
+    """The DFlash draft. ``propose`` keeps each committed position's context keys/values (they
+    depend on the target features only) and runs the draft layers over the block alone;
+    ``propose_static`` recomputes a fixed window each step (the shape CUDA graphs need)."""
 
     def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
         self.draft = draft
@@ -34,19 +36,41 @@ class DFlashDrafter:
         self.feature_layers = tuple(draft.cfg.target_layer_ids)
         self.mask_token_id = draft.cfg.mask_token_id
         self._block_ids: Tensor | None = None
+        self._ctx_k: Tensor | None = None  # [layers, max_len, kv_heads, head_dim]
+        self._ctx_v: Tensor | None = None
+        self._cached = 0  # positions 0.._cached-1 have their context K/V in the buffers
 
     def reset(self) -> None:
-        pass
+        """A new generation: nothing cached is valid any more."""
+        self._cached = 0
+
+    def _context_kv(self, start: int, features: Tensor) -> None:
+        """Project the context K/V of the positions committed since the last call (< start)."""
+        cfg = self.draft.cfg
+        if self._ctx_k is None or self._ctx_k.shape[1] < features.shape[0] or self._ctx_k.device != features.device:
+            shape = (cfg.num_hidden_layers, features.shape[0], cfg.num_key_value_heads, cfg.dim_per_head)
+            self._ctx_k = torch.empty(shape, device=features.device, dtype=self.draft.fc.weight.dtype)
+            self._ctx_v = torch.empty_like(self._ctx_k)
+            self._cached = 0
+        if start < self._cached:  # the position went back without a reset: recompute
+            self._cached = 0
+        if start > self._cached:
+            positions = torch.arange(self._cached, start, device=features.device)
+            for i, (k, v) in enumerate(self.draft.context_kv(features[self._cached : start], positions)):
+                self._ctx_k[i, self._cached : start] = k
+                self._ctx_v[i, self._cached : start] = v
+            self._cached = start
 
     def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
         device = seq.device
-        if self._block_ids is None or self._block_ids.numel() != block_size:
+        if self._block_ids is None or self._block_ids.numel() != block_size or self._block_ids.device != device:
             self._block_ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=device)
         self._block_ids[:1].copy_(seq[start : start + 1])  # no host read of the root token
+        self._context_kv(start, features)
         lo = 0 if window <= 0 else max(0, start - window)
-        ctx_pos = torch.arange(lo, start, device=device)
+        ctx_kv = [(self._ctx_k[i, lo:start], self._ctx_v[i, lo:start]) for i in range(self._ctx_k.shape[0])]
         block_pos = torch.arange(start, start + block_size, device=device)
-        h = self.draft(self.target.embed_tokens(self._block_ids), features[lo:start], ctx_pos, block_pos)
+        h = self.draft.forward_cached(self.target.embed_tokens(self._block_ids), ctx_kv, block_pos)
         return self._logits(h)
 
     def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor) -> Tensor:

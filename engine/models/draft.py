@@ -58,15 +58,23 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, ctx: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, ctx: Tensor | None, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor | None,
+                sin_k: Tensor | None, mask: Tensor | None, ctx_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Keys and values: the context's first, then the block's own. ``ctx_kv`` gives the
+        context's already projected (``context_kv``) instead of ``ctx`` with its cos/sin."""
         lead = h.shape[:-1]  # [..., B]: a batch of sequences in training, one block at decode time
-        q = self.q_norm(self.q_proj(h).view(*lead, self.n_heads, self.head_dim))
-        kv_in = torch.cat([ctx, h], dim=-2)  # context keys first, then the block's own
-        k = self.k_norm(self.k_proj(kv_in).view(*kv_in.shape[:-1], self.n_kv, self.head_dim))
-        v = self.v_proj(kv_in).view(*kv_in.shape[:-1], self.n_kv, self.head_dim)
-        q, k = apply_rope(q, cos_q, sin_q), apply_rope(k, cos_k, sin_k)
+        q = apply_rope(self.q_norm(self.q_proj(h).view(*lead, self.n_heads, self.head_dim)), cos_q, sin_q)
+        if ctx_kv is None:
+            kv_in = torch.cat([ctx, h], dim=-2)
+            k, v = self._kv(kv_in, cos_k, sin_k)
+        else:
+            k_block, v_block = self._kv(h, cos_q, sin_q)
+            k, v = torch.cat([ctx_kv[0], k_block], dim=-3), torch.cat([ctx_kv[1], v_block], dim=-3)
         return self.o_proj(attention(q, k, v, mask).reshape(*lead, -1))
+
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = self.k_norm(self.k_proj(x).view(*x.shape[:-1], self.n_kv, self.head_dim))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(*x.shape[:-1], self.n_kv, self.head_dim)
 
 
 class DraftBlock(nn.Module):
@@ -77,8 +85,8 @@ class DraftBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask)
+    def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv=None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -114,4 +122,25 @@ class DFlashDraft(nn.Module):
         h = block_embeds
         for layer in self.layers:
             h = layer(h, ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        return self.norm(h)
+
+    def context_kv(self, ctx_features: Tensor, ctx_positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the context's keys (normed, rotated) and values, [W, kv_heads, head_dim] each.
+
+        They depend only on the target features and their positions (every layer attends to the
+        same projected features, not to the draft's evolving hidden state), so a drafter can
+        compute each committed position's once and keep them (``forward_cached``).
+        """
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        cos, sin = rope_cos_sin(ctx_positions, self.inv_freq, ctx.dtype)
+        return [layer.self_attn._kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward_cached(self, block_embeds: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
+                       block_positions: Tensor) -> Tensor:
+        """``forward`` with the context given as ``context_kv``'s keys and values (no mask: the
+        block sees all of them and itself)."""
+        cos_q, sin_q = rope_cos_sin(block_positions, self.inv_freq, block_embeds.dtype)
+        h = block_embeds
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
+            h = layer(h, None, cos_q, sin_q, None, None, None, kv)
         return self.norm(h)
