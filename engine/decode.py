@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -227,7 +227,18 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     return finish(out, stats, timer, t_first, t0)
 
 
-def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer) -> Tree:
+class _Untimed:
+    """A PhaseTimer stand-in that times nothing (inside a CUDA graph capture events cannot be timed)."""
+
+    @staticmethod
+    def phase(name: str):
+        return nullcontext()
+
+
+UNTIMED = _Untimed()
+
+
+def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed) -> Tree:
     """topk + tree phases. generic: logits go to the host, host top-k, heap-built tree, back to
     the device. runtime: everything stays on the device."""
     device = draft_logits.device
@@ -273,12 +284,11 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     drafter.reset()
     replay = cfg.rollback == "replay" and target.has_recurrent
     timer = PhaseTimer(device)
-    walk_grammar = gs is not None and cfg.grammar == "walk"
-    bits = new_bitmask(n_verify, gs.words) if gs is not None else None
-
     if _use_static(pair, cfg, gs, static) and not replay:
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify)
+    walk_grammar = gs is not None and cfg.grammar == "walk"
+    bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     t0 = timer.now()
     constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
     out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain)]
@@ -294,7 +304,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         start = cache.length  # position of the root: the last committed token, not yet cached
         with timer.phase("draft"):
             draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-        tree = _propose_tree(cfg, draft_logits, seq[start], timer)
+        tree = propose_tree(cfg, draft_logits, seq[start], timer)
 
         with timer.phase("verify"):
             mask = ancestor_mask(tree.parents, depth)

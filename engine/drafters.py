@@ -61,6 +61,7 @@ class DFlashDrafter:
                 self._ctx_v[i, self._cached : start] = v
             self._cached = start
 
+    @torch.inference_mode()  # its buffers are updated in place, and are inference tensors once made in a decode
     def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
         device = seq.device
         if self._block_ids is None or self._block_ids.numel() != block_size or self._block_ids.device != device:

@@ -34,7 +34,7 @@ from engine.drafters import DFlashDrafter
 from engine.models.dense import DenseModel
 from engine.sampling import select_tokens
 from engine.stats import Generation, GenerationStats
-from engine.tree import Tree, ancestor_mask, build_tree_device, chain_tree, walk_device
+from engine.tree import Tree, ancestor_mask, walk_device
 
 MIN_BUCKET = 128
 
@@ -104,7 +104,6 @@ class StaticDecoder:
         self.device = ws.seq.device
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graphs = _Graphs(graphs, [self.start])
-        self.cfg: EngineConfig | None = None
 
     # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
     def _ar_step(self, key_len: int, cfg: EngineConfig) -> Tensor:
@@ -119,16 +118,13 @@ class StaticDecoder:
 
     # -- one speculative step, in two graphs ------------------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
+        from engine.decode import UNTIMED, propose_tree
+
         drafter, ws = self.pair.drafter, self.ws
         window = cfg.target_feat_ctx if cfg.target_feat_ctx > 0 else key_len
-        logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features).float()
-        root = ws.seq.index_select(0, self.start)
-        if cfg.verify == "chain":
-            tree = chain_tree(root, torch.argmax(logits, dim=-1))
-        else:
-            lp = torch.log_softmax(logits / cfg.proposal_temp, dim=-1)
-            top_lp, top_ids = torch.topk(lp, min(cfg.top_k, lp.shape[-1]), dim=-1)
-            tree = build_tree_device(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
+        logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features)
+        # cfg.draft_path is "runtime" here (``supports``): top-k and tree stay on the device.
+        tree = propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED)
         return tree, ancestor_mask(tree.parents, block - 1)
 
     def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> Tensor:

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
         time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
     )
+    if args.wall_budget < 0:
+        raise EngineInputError(f"--wall-budget must be >= 0 seconds (0: no limit), got {args.wall_budget}")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
