@@ -300,9 +300,14 @@ def n_finished(study: optuna.Study) -> int:
     return sum(counts_toward_budget(t) for t in study.get_trials(deepcopy=False))
 
 
-def n_running(study: optuna.Study) -> int:
-    """RUNNING trials of every driver: they hold budget until they finish."""
-    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+def budget_state(study: optuna.Study) -> tuple[int, int]:
+    """(finished trials that count, RUNNING trials of every driver), read from one snapshot.
+
+    Two separate reads race with another driver's tell: a trial RUNNING in the first read and
+    COMPLETE by the second counts in neither, and a driver would start one trial too many.
+    """
+    trials = study.get_trials(deepcopy=False)
+    return sum(counts_toward_budget(t) for t in trials), sum(t.state == TrialState.RUNNING for t in trials)
 
 
 class BudgetLock:

@@ -245,7 +245,8 @@ class _Driver:
             if grid_done:
                 tqdm.write("grid: every point was measured", file=sys.stderr)
                 return
-            if st.n_finished(self.study) < total and st.n_running(self.study):
+            finished, running = st.budget_state(self.study)
+            if finished < total and running:
                 # another driver's trials hold the rest of the budget; one may still fail and need a rerun
                 time.sleep(POLL_S)
                 continue
@@ -256,7 +257,7 @@ class _Driver:
         for worker in self.executor.idle_workers():
             with self.budget_lock:
                 st.recover_stale(self.study)  # another driver on this host that died leaves no trial RUNNING
-                if st.n_finished(self.study) + st.n_running(self.study) >= total:
+                if sum(st.budget_state(self.study)) >= total:  # running trials hold budget until they finish
                     return False
                 self._plan(worker)
                 if st.grid_exhausted(self.study) and not self._waiting():
