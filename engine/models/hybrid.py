@@ -2,8 +2,10 @@
 
 Same forward signature and cache protocol as ``DenseModel``. Gated DeltaNet state cannot be
 cropped after a verify, so a tree forward leaves the committed state alone and records every
-node's recurrent state and conv input; ``commit_path`` then rebuilds the state of the accepted
-path from those records (``fast`` rollback), and ``snapshot``/``restore`` support ``replay``.
+node's recurrent state and conv input (one launch per layer: ``engine.models.delta_rule``);
+``commit_path`` then rebuilds the state of the accepted path from those records (``fast``
+rollback), and ``snapshot``/``restore`` support ``replay``. ``forward_static`` and
+``HybridCache.commit_recurrent`` are the shape-static forms the CUDA-graph runtime replays.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine.models.common import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from engine.models.delta_rule import tree_delta_rule
 from engine.models.dense import KVCache
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -173,8 +176,8 @@ class HybridCache(KVCache):
     """K/V of the attention layers (``KVCache``) plus Gated DeltaNet state per linear layer.
 
     rec: [gdn_layers, v_heads, dk, dv] float32 and conv: [gdn_layers, kernel-1, conv_dim], the state
-    after ``length`` tokens. tree_rec[:, 1 + i] / tree_conv[:, i] hold tree node i's state and conv
-    input from the last tree forward; tree_rec[:, 0] is the committed state the roots start from.
+    after ``length`` tokens. tree_rec[:, i] / tree_conv[:, i] hold tree node i's state and conv
+    input from the last tree forward.
     """
 
     def __init__(self, cfg: HybridConfig, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -186,17 +189,18 @@ class HybridCache(KVCache):
         shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         self.rec = torch.zeros(n_gdn, *shape, device=device, dtype=torch.float32)
         self.conv = torch.zeros(n_gdn, self.kernel - 1, cfg.conv_dim, device=device, dtype=dtype)
-        self.tree_rec = self.rec.new_zeros(n_gdn, 1, *shape)
+        self.tree_rec = self.rec.new_zeros(n_gdn, 0, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
         self.reserve_tree(max_tree)
 
     def reserve_tree(self, nodes: int) -> None:
-        """Grow the per-node buffers (a fixed budget allocates once; memory is per node, per layer)."""
+        """Grow the per-node buffers (a fixed budget allocates once; memory is per node, per layer).
+        Growing replaces the tensors: captured CUDA graphs that used the old ones are stale."""
         if nodes <= self.tree_conv.shape[1]:
             return
         n_gdn, _, *shape = self.tree_rec.shape
-        self.tree_rec = self.rec.new_zeros(n_gdn, nodes + 1, *shape)
+        self.tree_rec = self.rec.new_zeros(n_gdn, nodes, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, nodes, self.conv.shape[-1])
 
     def begin(self, start: int, tree_size: int | None) -> None:
@@ -225,12 +229,22 @@ class HybridCache(KVCache):
             raise RuntimeError(f"commit_path at {start} needs a tree forward at {start} first")
         if not 1 <= al <= self._tree[1]:
             raise RuntimeError(f"accepted length {al} outside 1..{self._tree[1]} (the tree's size)")
-        nodes = path[:al].to(self.rec.device)
-        super().commit_path(start, nodes, al)
-        self.rec.copy_(self.tree_rec.index_select(1, nodes[-1:] + 1).squeeze(1))
-        hist = torch.cat([self.conv, self.tree_conv.index_select(1, nodes)], dim=1)
-        self.conv.copy_(hist[:, hist.shape[1] - (self.kernel - 1):])
+        path = path.to(self.rec.device)
+        super().commit_path(start, path[:al], al)
+        self.commit_recurrent(path, torch.tensor([al], device=path.device))
         self._tree = None
+
+    def commit_recurrent(self, path: Tensor, al: Tensor) -> None:
+        """The recurrent half of a fast commit, on the device: ``path`` [>= al] the accepted nodes
+        root first (entries past ``al`` ignored), ``al`` [1] how many. The state becomes node
+        path[al-1]'s; the conv window becomes the last kernel-1 inputs along the path, reaching
+        back into the old window when the path is shorter than that."""
+        w = self.kernel - 1
+        j = al - w + torch.arange(w, device=path.device)  # path positions of the new window's slots
+        from_tree = self.tree_conv.index_select(1, path.index_select(0, j.clamp(min=0)))
+        from_old = self.conv.index_select(1, (j + w).clamp(0, w - 1))
+        self.conv.copy_(torch.where((j >= 0)[None, :, None], from_tree, from_old))
+        self.rec.copy_(self.tree_rec.index_select(1, path.index_select(0, al - 1)).squeeze(1))
 
     def snapshot(self) -> object:
         return self.length, self.rec.clone(), self.conv.clone()
@@ -260,19 +274,6 @@ def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def delta_step(
-    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
-) -> tuple[Tensor, Tensor]:
-    """One token of the gated delta rule, all heads.
-
-    state [H, dk, dv] float32; q, k [H, dk]; v [H, dv]; g, beta [H]. Returns (new state, output [H, dv]).
-    """
-    state = state * g.exp()[:, None, None]
-    delta = (v - (state * k[:, :, None]).sum(1)) * beta[:, None]
-    state = state + k[:, :, None] * delta[:, None, :]
-    return state, (state * q[:, :, None]).sum(1)
-
-
 class GatedRMSNorm(nn.Module):
     """norm(x) * silu(gate). Unlike the model's other norms the weight is plain (HF inits it to 1)."""
 
@@ -292,13 +293,15 @@ class GatedRMSNorm(nn.Module):
 class _Pass:
     """What every layer of one forward needs."""
 
-    cache: HybridCache
+    kv: KVCache | object  # where attention layers write K/V (the cache, or device-held slots)
+    state: HybridCache  # recurrent and conv state
     start: int
     cos: Tensor
     sin: Tensor
-    mask: Tensor  # [T, start + T]
+    mask: Tensor  # [T, keys]
     conv_index: Tensor  # [T, kernel]
-    parents: list[int] | None  # None: a committing (chain) forward
+    parents: Tensor  # [T] long on the device
+    tree: bool  # True: capture every node's state, leave the committed state; False: commit a chain
 
 
 class GatedDeltaNet(nn.Module):
@@ -320,34 +323,24 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
-        t, cache = x.shape[0], p.cache
+        t, cache = x.shape[0], p.state
         mixed = self.in_proj_qkv(x)  # [T, C]
         hist = torch.cat([cache.conv[layer], mixed])  # [K-1+T, C]
         w = self.conv1d.weight[:, 0, :].t()  # [K, C]
         # Accumulate in float32 and round once, as F.conv1d does in HF's path.
         qkv = F.silu((hist[p.conv_index].float() * w.float()).sum(1).to(x.dtype))  # [T, C]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.hv // self.hk
-        q = (_l2norm(q.float().view(t, self.hk, self.dk)) / math.sqrt(self.dk)).repeat_interleave(rep, 1)
-        k = _l2norm(k.float().view(t, self.hk, self.dk)).repeat_interleave(rep, 1)
+        q = _l2norm(q.float().view(t, self.hk, self.dk)) / math.sqrt(self.dk)
+        k = _l2norm(k.float().view(t, self.hk, self.dk))
         v = v.float().view(t, self.hv, self.dv)
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         beta = self.in_proj_b(x).sigmoid().float()
-
-        out = v.new_empty(t, self.hv, self.dv)
-        if p.parents is None:
-            cache.conv[layer] = hist[t:]
-            state = cache.rec[layer]
-            for i in range(t):
-                state, out[i] = delta_step(state, q[i], k[i], v[i], g[i], beta[i])
-            cache.rec[layer] = state
-        else:
+        if p.tree:
             cache.tree_conv[layer, :t] = mixed
-            states = cache.tree_rec[layer]
-            states[0] = cache.rec[layer]
-            for i, parent in enumerate(p.parents):
-                states[i + 1], out[i] = delta_step(states[parent + 1], q[i], k[i], v[i], g[i], beta[i])
-
+            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t])
+        else:
+            cache.conv[layer] = hist[t:]
+            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
         z = self.in_proj_z(x).view(t, self.hv, self.dv)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(t, -1))
 
@@ -374,7 +367,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))
         v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, p.cos, p.sin), apply_rope(k, p.cos, p.sin)
-        keys, values = p.cache.write(layer, p.start, k, v)
+        keys, values = p.kv.write(layer, p.start, k, v)
         o = attention(q, keys, values, p.mask).reshape(t, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
@@ -442,27 +435,43 @@ class HybridModel(nn.Module):
         the committed state is left alone and ``cache.commit_path`` (or restore + replay) follows."""
         t = tokens.shape[0]
         cache.begin(start, None if tree is None else t)
+        positions = new_positions(start, tree, t, tokens.device)
+        parents = torch.arange(t, device=tokens.device) - 1 if tree is None else tree.parents.to(tokens.device)
+        mask = context_mask(start, tree, t, tokens.device)
+        logits, features = self._run(tokens, positions, cache, cache, start, mask, parents, tree is not None,
+                                     feature_layers, last_only)
+        if tree is None:
+            cache.length = start + t
+        return logits, features
+
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, key_len: int, mask: Tensor,
+                       cache: HybridCache, feature_layers: Sequence[int] = (),
+                       parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The shape-static forward CUDA graphs replay (``DenseModel.forward_static``). Without
+        ``parents`` the tokens are a chain committed to the recurrent state (an AR step); with
+        ``parents`` [T] a tree whose every node's state is captured for ``commit_recurrent``.
+        Nothing is checked on the host: the caller keeps the state at the root's position."""
+        from engine.models.dense import _SlotWriter
+
+        tree = parents is not None
+        if parents is None:
+            parents = torch.arange(tokens.shape[0], device=tokens.device) - 1
+        return self._run(tokens, positions, _SlotWriter(cache, slots, key_len), cache, 0, mask, parents, tree,
+                         feature_layers, False)
+
+    def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor,
+             parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool
+             ) -> tuple[Tensor, Tensor | None]:
         x = self.embed_tokens(tokens)
-        positions = new_positions(start, tree, t, x.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        parents = torch.arange(t, device=x.device) - 1 if tree is None else tree.parents.to(x.device)
-        p = _Pass(
-            cache=cache,
-            start=start,
-            cos=cos,
-            sin=sin,
-            mask=context_mask(start, tree, t, x.device),
-            conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim),
-            parents=None if tree is None else parents.tolist(),
-        )
+        p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask,
+                  conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents=parents, tree=tree)
         wanted = set(feature_layers)
         feats = []
         for i, layer in enumerate(self.layers):
             x = layer(x, p)
             if i in wanted:
                 feats.append(x)
-        if tree is None:
-            cache.length = start + t
         if last_only:
             x = x[-1:]
         features = torch.cat(feats, -1) if feats else None

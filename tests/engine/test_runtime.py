@@ -24,14 +24,18 @@ def test_buckets_are_powers_of_two_capped_at_the_buffer():
     assert bucket_for(1, 4096) == 128 and bucket_for(129, 4096) == 256 and bucket_for(3000, 2500) == 2500
 
 
-def test_supports_only_dense_unconstrained_runtime_with_a_dflash_draft():
+def test_supports_unconstrained_runtime_with_a_dflash_draft():
     dense = pair_for("tiny-dense", "random")
     assert supports(dense, EngineConfig(verify="ddtree"), False, cuda_only=False)
     assert not supports(dense, EngineConfig(verify="ddtree"), False)  # CPU: no graphs
     assert not supports(dense, EngineConfig(verify="ddtree", draft_path="generic"), False, cuda_only=False)
     assert not supports(dense, EngineConfig(verify="ddtree"), True, cuda_only=False)  # grammar
     assert not supports(pair_for("tiny-dense", "oracle:0.3"), EngineConfig(verify="chain"), False, cuda_only=False)
-    assert not supports(pair_for("tiny-hybrid", "random"), EngineConfig(verify="chain"), False, cuda_only=False)
+    hybrid = pair_for("tiny-hybrid", "random")
+    assert supports(hybrid, EngineConfig(verify="chain"), False, cuda_only=False)
+    assert supports(hybrid, EngineConfig(verify="ar", rollback="replay"), False, cuda_only=False)
+    # replay re-runs a variable number of tokens: not a fixed-shape step
+    assert not supports(hybrid, EngineConfig(verify="ddtree", rollback="replay"), False, cuda_only=False)
 
 
 CONFIGS = [
@@ -42,9 +46,10 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 @pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
-def test_static_steps_equal_ar_and_the_generic_loop(params):
-    pair = pair_for("tiny-dense", "random")
+def test_static_steps_equal_ar_and_the_generic_loop(params, target):
+    pair = pair_for(target, "random")
     ids = pair.encode("The static runtime must not change a single token.")
     temp = dict(temperature=params.get("temperature", 0.0), seed=params.get("seed", 0))
     ar = generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 40).tokens
@@ -72,3 +77,37 @@ def test_static_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
     gen = generate_speculative(smollm2, ids, cfg, 32, static=True)
     assert gen.tokens == ar
     assert max(gen.stats.accept_lengths) > 1  # the compaction of several accepted nodes is exercised
+
+
+def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
+    """The device commit of recurrent state (accepted node's state, conv window along its path)
+    under real acceptance: the oracle's proposals through a DFlash-shaped step are not available
+    to the runtime, so a random draft is made to accept by proposing the target's own tokens."""
+    pair = pair_for("tiny-hybrid", "random")
+    ids = pair.encode("Recurrent state moves on the device.")
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48).tokens
+
+    drafter = pair.drafter
+    real = drafter.propose_static
+    truth = torch.tensor(ar, dtype=torch.long)
+
+    def peeking(seq, start, block_size, window, features):
+        """The draft's own forward runs (its shapes and buffers are the runtime's), then its logits
+        are replaced: the AR token first, except at every third position, where a decoy is first
+        and the AR token second (so accepted paths take side branches)."""
+        logits = real(seq, start, block_size, window, features)
+        pos = start - len(ids) + torch.arange(1, block_size)
+        true_tok = truth[pos.clamp(0, truth.numel() - 1)]
+        side = pos % 3 == 0
+        fake = torch.zeros_like(logits)
+        fake.scatter_(1, ((true_tok + 1) % logits.shape[1])[:, None], torch.where(side, 10.0, 0.0)[:, None])
+        return fake.scatter(1, true_tok[:, None], torch.where(side, 9.0, 10.0)[:, None])
+
+    drafter.propose_static = peeking
+    try:
+        gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=12, top_k=3, chain_seed=0), 48,
+                                   static=True)
+    finally:
+        drafter.propose_static = real
+    assert gen.tokens == ar
+    assert max(gen.stats.accept_lengths) >= 4 and gen.stats.side_branch_steps > 0
