@@ -22,6 +22,10 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
   break-even AL each implies (step ms / AR ms per token).
+- ``profile``: where a step's time goes, for ``--presets`` (or ``--target``/``--draft``): the
+  kernels of a few AR steps and DDTree steps under the PyTorch profiler (graph replays included),
+  grouped by name, with the sum of kernel time against the wall time of the steps (the gap is
+  launch and host time). ``--trace DIR`` also writes Chrome traces.
 """
 
 from __future__ import annotations
@@ -324,9 +328,67 @@ def section_large(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
+def _profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, trace: Path | None,
+                   name: str) -> tuple[list[str], dict]:
+    """Kernels of one generation after a warm-up one (graphs captured), grouped by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)  # warm-up: captures, allocations
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        gen = engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace / f"{name}.json"))
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        dev_us = ev.device_time  # microseconds on the device (0 for host events)
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and dev_us:
+            kernels.setdefault(ev.name, []).append(dev_us)
+    steps = max(gen.stats.steps, 1)
+    total_us = sum(sum(v) for v in kernels.values())
+    wall_ms = 1000 * gen.stats.decode_s / steps
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
+    lines = [f"**{name}**: {steps} steps, wall {wall_ms:.2f} ms/step, kernels {total_us / 1000 / steps:.2f} ms/step "
+             f"({sum(len(v) for v in kernels.values()) / steps:.0f} launches/step; includes the prefill)", "",
+             "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
+    for kname, times in top:
+        lines.append(f"| `{kname[:90]}` | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | "
+                     f"{100 * sum(times) / max(total_us, 1e-9):.1f}% |")
+    rep = {"steps": steps, "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_us / 1000 / steps,
+           "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
+           "top": {k: [len(v), sum(v)] for k, v in top}}
+    return lines, rep
+
+
+def section_profile(args) -> tuple[str, dict]:
+    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
+    lines: list[str] = []
+    report: dict = {"env": _env(), "runs": {}}
+    trace = Path(args.trace) if args.trace else None
+    for target, draft in targets:
+        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
+        if target.endswith("-shape"):
+            prompts = [list(range(10, 10 + args.context))]
+        else:
+            prompts = _prompts(pair, args.sets[0], 1)
+        for label, cfg in (("ar", EngineConfig(verify="ar")),
+                           (f"ddtree-b{args.budget}", EngineConfig(verify="ddtree", budget=args.budget,
+                                                                   top_k=args.top_k)),
+                           ("ar-generic", EngineConfig(verify="ar", draft_path="generic"))):
+            name = f"{target}-{label}"
+            part, rep = _profile_steps(pair, cfg, prompts[0], args.new_tokens, trace, name)
+            lines.extend(part + [""])
+            report["runs"][name] = rep
+            print("\n".join(part), flush=True)
+        del pair
+        gc.collect()
+        torch.cuda.empty_cache()
+    return "\n".join(lines), report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=["pair", "hf", "reference", "large"])
+    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
     ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
@@ -339,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
-    ap.add_argument("--presets", nargs="+", default=["qwen3-8b-shape", "qwen35-27b-shape"])
+    ap.add_argument("--presets", nargs="+", default=None,
+                    help="large/profile: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape)")
+    ap.add_argument("--trace", default=None, help="profile: write Chrome traces into this folder")
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
     ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed pass for the large presets")
@@ -349,13 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    args.presets_given = args.presets is not None
+    if args.presets is None:
+        args.presets = ["qwen3-8b-shape", "qwen35-27b-shape"]
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_bench needs CUDA (or --device cpu for the hf and reference sections)", file=sys.stderr)
         return 2
-    if args.device == "cpu" and args.section in ("pair", "large"):
+    if args.device == "cpu" and args.section in ("pair", "large", "profile"):
         print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
         return 2
-    sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large}
+    sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
+                "profile": section_profile}
     md, report = sections[args.section](args)
     env = report["env"]
     header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"
