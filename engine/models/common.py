@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import fused
+
 
 @dataclass(frozen=True)
 class VerifyTree:
@@ -50,13 +52,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        if self.zero_centred:
-            w = 1.0 + w
-        return (x * w).to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> Tensor:
@@ -83,12 +79,7 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [..., T, heads, head_dim], cos/sin [..., T, rd]: rotates the first rd dims (partial RoPE),
     HF half layout."""
-    rd = cos.shape[-1]
-    rot, rest = x[..., :rd], x[..., rd:]
-    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = rot * cos[..., None, :] + rotated * sin[..., None, :]
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+    return fused.rope(x, cos, sin)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
@@ -133,7 +124,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def cast_module_(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
+from engine.models import fused
 from engine.models.common import (
     RMSNorm,
     SwiGLU,
@@ -283,10 +284,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * h * F.silu(gate.float())).to(dtype)
+        return fused.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 @dataclass

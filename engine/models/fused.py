@@ -1,0 +1,178 @@
+"""Fused row-wise kernels: one launch where eager PyTorch takes several.
+
+A decode step of a dense or hybrid target is mostly tiny elementwise work between the weight
+reads: an RMSNorm in float32 alone is eight launches, RoPE by slicing and concatenation seven.
+Inside a CUDA graph each launch still costs a few microseconds, which for a 36-layer model is
+milliseconds per token. These kernels do each of those in one launch.
+
+Every function has a PyTorch form (the CPU path, and the reference the kernels are tested
+against) and a Triton form used for CUDA tensors outside autograd. Each Triton program owns one
+row and its reductions depend only on the row's width, so a row gives the same bits whichever
+batch of rows it is computed in: a tree verify and an AR step round alike (exactness).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
+    triton = None
+
+
+def use_kernels(*tensors: Tensor) -> bool:
+    """Triton for CUDA tensors when no gradient is needed (the kernels have no backward)."""
+    if triton is None or not tensors[0].is_cuda:
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+# ------------------------------------------------------------------------------- PyTorch forms
+
+
+def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, zero_centred: bool) -> Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float()
+    if zero_centred:
+        w = 1.0 + w
+    return (h * w).to(dtype)
+
+
+def gated_rms_norm_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * h * F.silu(gate.float())).to(dtype)
+
+
+def silu_mul_torch(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def rope_torch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    x1, x2 = rot[..., : rd // 2], rot[..., rd // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = rot * cos[..., None, :] + rotated * sin[..., None, :]
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+# ------------------------------------------------------------------------------- dispatch
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
+    """RMSNorm over the last axis in float32, scaled by ``weight`` (``1 + weight`` when zero-centred)."""
+    if not use_kernels(x, weight):
+        return rms_norm_torch(x, weight, eps, zero_centred)
+    rows, d = _rows(x)
+    out = torch.empty_like(rows)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
+                                       BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``norm(x) * silu(gate)`` (Gated DeltaNet's output norm; plain weight, rounding as the eager form)."""
+    if not use_kernels(x, gate, weight):
+        return gated_rms_norm_torch(x, gate, weight, eps)
+    rows, d = _rows(x)
+    g = gate.reshape(-1, d).contiguous()
+    out = torch.empty_like(rows)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, out, d, eps, ZERO_CENTRED=False, GATED=True,
+                                       BLOCK=triton.next_power_of_2(d))
+    return out.view(x.shape)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (SwiGLU's inner product), computed in float32 and rounded once."""
+    if not use_kernels(gate, up):
+        return silu_mul_torch(gate, up)
+    g, d = _rows(gate)
+    u = up.reshape(-1, d).contiguous()
+    out = torch.empty_like(g)
+    _silu_mul_kernel[(g.shape[0],)](g, u, out, d, BLOCK=triton.next_power_of_2(d))
+    return out.view(gate.shape)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE (HF half layout) on the first ``cos.shape[-1]`` dims of every head; x [T, heads, D],
+    cos/sin [T, rd]; the rest of each head passes through (partial RoPE)."""
+    if x.dim() != 3 or cos.dim() != 2 or not use_kernels(x, cos, sin):
+        return rope_torch(x, cos, sin)
+    t, heads, d = x.shape
+    xc, cc, sc = x.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(xc)
+    rd = cc.shape[-1]
+    _rope_kernel[(t * heads,)](xc, cc, sc, out, heads, d, rd, HALF=triton.next_power_of_2(max(rd // 2, 1)),
+                               BLOCK=triton.next_power_of_2(d))
+    return out
+
+
+def _rows(x: Tensor) -> tuple[Tensor, int]:
+    d = x.shape[-1]
+    return x.reshape(-1, d).contiguous(), d
+
+
+# ------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, D, eps, ZERO_CENTRED: tl.constexpr,
+                         GATED: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        if GATED:
+            # as the eager form: normalised x and its product with the weight rounded to the dtype
+            # (a product of two values of the dtype is exact in float32: rounding it is the dtype's product)
+            h = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
+            hw = (w.to(tl.float32) * h).to(out_ptr.dtype.element_ty).to(tl.float32)
+            g = tl.load(gate_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            y = hw * (g * tl.sigmoid(g))
+        else:
+            wf = w.to(tl.float32)
+            if ZERO_CENTRED:
+                wf = 1.0 + wf
+            y = (x * r) * wf
+        tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < D
+        g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # one (token, head)
+        tok = row // HEADS
+        base = row * D
+        half = RD // 2
+        i = tl.arange(0, HALF)
+        mi = i < half
+        x1 = tl.load(x_ptr + base + i, mask=mi, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + base + half + i, mask=mi, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
+        ty = out_ptr.dtype.element_ty
+        tl.store(out_ptr + base + i, (x1 * c1 - x2 * s1).to(ty), mask=mi)
+        tl.store(out_ptr + base + half + i, (x2 * c2 + x1 * s2).to(ty), mask=mi)
+        j = tl.arange(0, BLOCK)
+        mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
+        tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)

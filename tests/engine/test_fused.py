@@ -1,0 +1,88 @@
+"""Fused row-wise kernels (Triton, interpreted on the CPU) against their PyTorch forms; a row's
+result must not depend on the batch of rows it is computed in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import fused
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# bf16: a few ulps (Triton's interpreter converts float32 to bf16 by truncation, the GPU rounds)
+TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    """Off CUDA the dispatchers take the PyTorch forms: here the kernels run (interpreted) anyway."""
+    monkeypatch.setattr(fused, "use_kernels", lambda *t: not (torch.is_grad_enabled()
+                                                               and any(x.requires_grad for x in t)))
+
+
+def _r(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _rows_invariant(fn, x, *rest):
+    """fn over all rows at once equals fn row by row, bit for bit."""
+    whole = fn(x, *rest)
+    single = torch.cat([fn(x[i : i + 1], *(r[i : i + 1] if r.shape[:1] == x.shape[:1] else r for r in rest))
+                        for i in range(x.shape[0])])
+    assert torch.equal(whole, single)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("d", [64, 576, 100])
+def test_rms_norm(dtype, zero_centred, d):
+    x, w = _r(7, d, dtype=dtype), 0.1 * _r(d, dtype=dtype, seed=1)
+    got = fused.rms_norm(x, w, 1e-6, zero_centred)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert _rel(got, fused.rms_norm_torch(x, w, 1e-6, zero_centred)) < TOL[dtype]
+    _rows_invariant(lambda a: fused.rms_norm(a, w, 1e-6, zero_centred), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm(dtype):
+    x, g, w = _r(5, 3, 16, dtype=dtype), _r(5, 3, 16, dtype=dtype, seed=2), 1 + 0.1 * _r(16, dtype=dtype, seed=3)
+    got = fused.gated_rms_norm(x, g, w, 1e-6)
+    assert got.shape == x.shape and _rel(got, fused.gated_rms_norm_torch(x, g, w, 1e-6)) < TOL[dtype]
+    _rows_invariant(lambda a, b: fused.gated_rms_norm(a, b, w, 1e-6), x, g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g, u = _r(6, 200, dtype=dtype), _r(6, 200, dtype=dtype, seed=1)
+    got = fused.silu_mul(g, u)
+    assert _rel(got, fused.silu_mul_torch(g.float(), u.float())) < TOL[dtype]
+    _rows_invariant(fused.silu_mul, g, u)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rd", [(64, 64), (32, 8), (24, 12)])  # full, partial (Qwen3.5: a quarter), odd
+def test_rope(dtype, d, rd):
+    from engine.models.common import rope_cos_sin, rope_inv_freq
+
+    x = _r(5, 3, d, dtype=dtype)
+    cos, sin = rope_cos_sin(torch.arange(7, 12, device=DEVICE), rope_inv_freq(rd, 10000.0), dtype)
+    got = fused.rope(x, cos, sin)
+    assert got.shape == x.shape
+    assert _rel(got, fused.rope_torch(x.float(), cos.float(), sin.float())) < TOL[dtype]
+    assert torch.equal(got[..., rd:], x[..., rd:])  # the unrotated tail passes through untouched
+    _rows_invariant(fused.rope, x, cos, sin)
+
+
+def test_autograd_takes_the_pytorch_forms():
+    """The kernels have no backward: with a gradient needed, the eager forms run (draft training)."""
+    w = torch.ones(8, device=DEVICE, requires_grad=True)
+    x = _r(3, 8)
+    y = fused.rms_norm(x, w, 1e-6)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == (8,)
