@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models import fused
@@ -88,16 +87,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 
     Returns [..., Tq, Hq, D]. Grouped-query heads share their key/value head.
     """
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=-2)
-        v = v.repeat_interleave(hq // hkv, dim=-2)
-    if mask is not None:
-        mask = mask.unsqueeze(-3)  # one mask for every head
-    out = F.scaled_dot_product_attention(
-        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
-    )
-    return out.transpose(-3, -2)
+    return fused.attention(q, k, v, mask, scale)
 
 
 def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor:

@@ -115,6 +115,47 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
+SMALL_QUERIES = 64  # decode steps, tree verifies and draft blocks; a prefill takes SDPA
+
+
+def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=-2)
+        v = v.repeat_interleave(hq // hkv, dim=-2)
+    if mask is not None:
+        mask = mask.unsqueeze(-3)  # one mask for every head
+    out = F.scaled_dot_product_attention(
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
+    )
+    return out.transpose(-3, -2)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+    """q [.., T, Hq, D], k/v [.., S, Hkv, D] (grouped heads share a K/V head), mask [.., T, S] bool
+    (True = attend) or None -> [.., T, Hq, D].
+
+    A few query rows (T <= SMALL_QUERIES, no batch axis, a mask) take one fused launch that reads
+    each K/V head once for all its query heads, with no K/V copies; anything else takes SDPA."""
+    small = (q.dim() == 3 and k.dim() == 3 and mask is not None and mask.dim() == 2
+             and q.shape[0] <= SMALL_QUERIES and k.stride(-1) == 1 and v.stride(-1) == 1)
+    if not (small and use_kernels(q, k, v)):
+        return attention_torch(q, k, v, mask, scale)
+    t, hq, d = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    qc, m = q.contiguous(), mask.contiguous()
+    out = torch.empty_like(qc)
+    group = hq // hkv
+    block_m = max(16, min(64, triton.next_power_of_2(t * group)))
+    grid = (triton.cdiv(t * group, block_m), hkv)
+    _small_attention_kernel[grid](
+        qc, k, v, m, out, t, s, k.stride(0), k.stride(1), v.stride(0), v.stride(1), m.stride(0),
+        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
 def _rows(x: Tensor) -> tuple[Tensor, int]:
     d = x.shape[-1]
     return x.reshape(-1, d).contiguous(), d
@@ -176,3 +217,53 @@ if triton is not None:
         j = tl.arange(0, BLOCK)
         mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
         tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
+
+    @triton.jit
+    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, skt, skh, svt, svh, smt, scale,
+                                HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+        # Rows of one program: (query token, query head) pairs of one K/V head, token-major, so every
+        # K/V block is read once for all GROUP heads sharing it. A row's result does not depend on
+        # the other rows of its block (exactness across AR steps and tree verifies).
+        kv_head = tl.program_id(1)
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rm // GROUP
+        head = kv_head * GROUP + rm % GROUP
+        mrow = tok < T
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
+                    other=0.0)
+        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, S, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            mn = rn < S
+            kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=mn[:, None] & md[None, :],
+                         other=0.0)
+            # bf16/fp16 values are exact in tf32, so a tf32 product of the upcast operands is the
+            # half-precision product with float32 accumulation; float32 inputs stay in full precision.
+            if IEEE:
+                scores = tl.dot(q, tl.trans(kb), input_precision="ieee")
+            else:
+                scores = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="tf32")
+            allowed = tl.load(mask_ptr + tok[:, None] * smt + rn[None, :], mask=mrow[:, None] & mn[None, :],
+                              other=0) != 0
+            scores = tl.where(allowed, scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + rn[:, None] * svt + kv_head * svh + rd[None, :], mask=mn[:, None] & md[None, :],
+                         other=0.0)
+            if IEEE:
+                pv = tl.dot(p, vb, input_precision="ieee")
+            else:
+                pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past T see nothing (and are not stored)
+        tl.store(out_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mrow[:, None] & md[None, :])

@@ -86,3 +86,50 @@ def test_autograd_takes_the_pytorch_forms():
     y = fused.rms_norm(x, w, 1e-6)
     y.sum().backward()
     assert w.grad is not None and w.grad.shape == (8,)
+
+
+def _attn_inputs(t, s, hq, hkv, d, dtype, seed=0):
+    q, k, v = _r(t, hq, d, dtype=dtype, seed=seed), _r(s, hkv, d, dtype=dtype, seed=seed + 1), \
+        _r(s, hkv, d, dtype=dtype, seed=seed + 2)
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(t, s, generator=gen) < 0.6
+    mask[torch.arange(t), torch.randint(0, s, (t,), generator=gen)] = True  # every row sees something
+    return q, k, v, mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,s,hq,hkv,d", [(1, 130, 4, 2, 64), (5, 10, 9, 3, 64), (33, 300, 8, 8, 16),
+                                          (16, 70, 6, 2, 24)])
+def test_small_query_attention(dtype, t, s, hq, hkv, d):
+    q, k, v, mask = _attn_inputs(t, s, hq, hkv, d, dtype)
+    got = fused.attention(q, k, v, mask)
+    want = fused.attention_torch(q.float(), k.float(), v.float(), mask)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+
+
+def test_small_query_attention_rows_do_not_depend_on_their_batch_or_on_masked_padding():
+    """A row gives the same bits alone or among others, and with masked key slots appended (the
+    runtime's key-span buckets): tree verify rows and AR steps round alike."""
+    q, k, v, mask = _attn_inputs(7, 90, 8, 2, 32, torch.float32, seed=4)
+    whole = fused.attention(q, k, v, mask)
+    for i in range(7):
+        alone = fused.attention(q[i : i + 1], k, v, mask[i : i + 1])
+        if DEVICE == "cuda":
+            assert torch.equal(alone, whole[i : i + 1])
+        else:  # the interpreter's dot is NumPy's matmul, whose rounding depends on the matrix shape
+            assert _rel(alone, whole[i : i + 1]) < 1e-6
+    pad = 200 - 90
+    k2, v2 = torch.cat([k, _r(pad, 2, 32, seed=9)]), torch.cat([v, _r(pad, 2, 32, seed=10)])
+    mask2 = torch.cat([mask, torch.zeros(7, pad, dtype=torch.bool, device=DEVICE)], dim=1)
+    assert torch.equal(fused.attention(q, k2, v2, mask2), whole)
+
+
+def test_attention_with_strided_cache_views_and_large_queries():
+    """K/V as slices of a [layers, slots, heads, D] cache; more rows than SMALL_QUERIES take SDPA."""
+    cache = _r(2, 256, 2, 16, seed=3)
+    q, _, _, mask = _attn_inputs(3, 100, 4, 2, 16, torch.float32, seed=2)
+    got = fused.attention(q, cache[1, :100], cache[0, :100], mask)
+    assert _rel(got, fused.attention_torch(q, cache[1, :100], cache[0, :100], mask)) < 1e-5
+    big_q, k, v, big_mask = _attn_inputs(fused.SMALL_QUERIES + 1, 80, 4, 2, 16, torch.float32, seed=5)
+    assert torch.equal(fused.attention(big_q, k, v, big_mask), fused.attention_torch(big_q, k, v, big_mask))
