@@ -13,6 +13,8 @@ batch of rows it is computed in: a tree verify and an AR step round alike (exact
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -113,6 +115,49 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     _rope_kernel[(t * heads,)](xc, cc, sc, out, heads, d, rd, HALF=triton.next_power_of_2(max(rd // 2, 1)),
                                BLOCK=triton.next_power_of_2(d))
     return out
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gdn_inputs_torch(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: Tensor, a_log: Tensor,
+                     dt_bias: Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[Tensor, ...]:
+    t = conv_index.shape[0]
+    # Accumulate in float32 and round once, as F.conv1d does in HF's path.
+    qkv = F.silu((hist[conv_index].float() * conv_w.t().float()).sum(1).to(hist.dtype))  # [T, C]
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = _l2norm(q.float().view(t, hk, dk)) / math.sqrt(dk)
+    k = _l2norm(k.float().view(t, hk, dk))
+    v = v.float().view(t, hv, dv)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = b.sigmoid().float()
+    return q, k, v, g, beta
+
+
+def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: Tensor, a_log: Tensor,
+               dt_bias: Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[Tensor, ...]:
+    """What the gated delta rule needs from one Gated DeltaNet layer's projections.
+
+    hist [K-1+T, C]: the conv window's earlier inputs then this forward's ``in_proj_qkv`` output;
+    conv_index [T, K]: each token's window rows in ``hist`` (its ancestors for a tree); conv_w
+    [C, K] the depthwise conv weight; a, b [T, HV] the ``in_proj_a`` / ``in_proj_b`` outputs.
+    Returns q, k [T, HK, DK] (causal conv, SiLU, L2-normalised, q scaled by 1/sqrt(DK)), v [T, HV, DV],
+    g (log decay) and beta [T, HV], all float32. On CUDA: two launches instead of about thirty."""
+    if not use_kernels(hist, conv_w, a, b):
+        return gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
+    t, kernel = conv_index.shape
+    hist, idx, w = hist.contiguous(), conv_index.contiguous(), conv_w.contiguous()
+    q = torch.empty(t, hk, dk, device=hist.device, dtype=torch.float32)
+    k = torch.empty_like(q)
+    v = torch.empty(t, hv, dv, device=hist.device, dtype=torch.float32)
+    _gdn_conv_kernel[(t, 2 * hk + hv)](hist, idx, w, q, k, v, hist.shape[1], HK=hk, DK=dk, DV=dv, KERNEL=kernel,
+                                      BLOCK=triton.next_power_of_2(max(dk, dv)))
+    a, b = a.contiguous(), b.contiguous()
+    g = torch.empty(t, hv, device=hist.device, dtype=torch.float32)
+    beta = torch.empty_like(g)
+    _gdn_gates_kernel[(t,)](a, b, a_log, dt_bias, g, beta, hv, BLOCK=triton.next_power_of_2(hv))
+    return q, k, v, g, beta
 
 
 SMALL_QUERIES = 64  # decode steps, tree verifies and draft blocks; a prefill takes SDPA
@@ -267,3 +312,45 @@ if triton is not None:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past T see nothing (and are not stored)
         tl.store(out_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mrow[:, None] & md[None, :])
+
+    @triton.jit
+    def _gdn_conv_kernel(hist_ptr, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr, C, HK: tl.constexpr, DK: tl.constexpr,
+                         DV: tl.constexpr, KERNEL: tl.constexpr, BLOCK: tl.constexpr):
+        # One (token, head) segment of the conv channels: q heads, then k heads, then v heads.
+        tok = tl.program_id(0)
+        seg = tl.program_id(1)
+        is_v = seg >= 2 * HK
+        width = tl.where(is_v, DV, DK)
+        start = tl.where(is_v, 2 * HK * DK + (seg - 2 * HK) * DV, seg * DK)
+        cols = tl.arange(0, BLOCK)
+        m = cols < width
+        ch = start + cols
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in range(KERNEL):
+            row = tl.load(idx_ptr + tok * KERNEL + j)
+            x = tl.load(hist_ptr + row * C + ch, mask=m, other=0.0).to(tl.float32)
+            acc += x * tl.load(w_ptr + ch * KERNEL + j, mask=m, other=0.0).to(tl.float32)
+        ty = hist_ptr.dtype.element_ty
+        y = acc.to(ty).to(tl.float32)  # as the eager form: the conv rounded, then SiLU rounded
+        y = (y * tl.sigmoid(y)).to(ty).to(tl.float32)
+        if is_v:
+            tl.store(v_ptr + tok * (C - 2 * HK * DK) + (seg - 2 * HK) * DV + cols, y, mask=m)
+        else:
+            n = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) + 1e-6))
+            if seg < HK:
+                tl.store(q_ptr + (tok * HK + seg) * DK + cols, n / tl.sqrt(DK * 1.0), mask=m)
+            else:
+                tl.store(k_ptr + (tok * HK + seg - HK) * DK + cols, n, mask=m)
+
+    @triton.jit
+    def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, HV, BLOCK: tl.constexpr):
+        tok = tl.program_id(0)
+        h = tl.arange(0, BLOCK)
+        m = h < HV
+        x = tl.load(a_ptr + tok * HV + h, mask=m, other=0.0).to(tl.float32) \
+            + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+        decay = tl.exp(tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32))
+        tl.store(g_ptr + tok * HV + h, -decay * softplus, mask=m)
+        bb = tl.load(b_ptr + tok * HV + h, mask=m, other=0.0).to(tl.float32)
+        tl.store(beta_ptr + tok * HV + h, tl.sigmoid(bb).to(b_ptr.dtype.element_ty).to(tl.float32), mask=m)

@@ -10,12 +10,10 @@ rollback), and ``snapshot``/``restore`` support ``replay``. ``forward_static`` a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
@@ -271,10 +269,6 @@ def conv_window_index(parents: Tensor, kernel: int) -> Tensor:
     return torch.stack(cols[::-1], dim=1)
 
 
-def _l2norm(x: Tensor) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
 class GatedRMSNorm(nn.Module):
     """norm(x) * silu(gate). Unlike the model's other norms the weight is plain (HF inits it to 1)."""
 
@@ -324,15 +318,9 @@ class GatedDeltaNet(nn.Module):
         t, cache = x.shape[0], p.state
         mixed = self.in_proj_qkv(x)  # [T, C]
         hist = torch.cat([cache.conv[layer], mixed])  # [K-1+T, C]
-        w = self.conv1d.weight[:, 0, :].t()  # [K, C]
-        # Accumulate in float32 and round once, as F.conv1d does in HF's path.
-        qkv = F.silu((hist[p.conv_index].float() * w.float()).sum(1).to(x.dtype))  # [T, C]
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = _l2norm(q.float().view(t, self.hk, self.dk)) / math.sqrt(self.dk)
-        k = _l2norm(k.float().view(t, self.hk, self.dk))
-        v = v.float().view(t, self.hv, self.dv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        beta = self.in_proj_b(x).sigmoid().float()
+        q, k, v, g, beta = fused.gdn_inputs(hist, p.conv_index, self.conv1d.weight[:, 0, :], self.in_proj_a(x),
+                                            self.in_proj_b(x), self.A_log, self.dt_bias, self.hk, self.dk,
+                                            self.hv, self.dv)
         if p.tree:
             cache.tree_conv[layer, :t] = mixed
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t])

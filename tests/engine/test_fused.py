@@ -133,3 +133,26 @@ def test_attention_with_strided_cache_views_and_large_queries():
     assert _rel(got, fused.attention_torch(q, cache[1, :100], cache[0, :100], mask)) < 1e-5
     big_q, k, v, big_mask = _attn_inputs(fused.SMALL_QUERIES + 1, 80, 4, 2, 16, torch.float32, seed=5)
     assert torch.equal(fused.attention(big_q, k, v, big_mask), fused.attention_torch(big_q, k, v, big_mask))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,dk,hv,dv", [(2, 16, 4, 8), (1, 12, 3, 20)])  # GQA-like groups; odd widths
+def test_gdn_inputs(dtype, hk, dk, hv, dv):
+    from engine.models.hybrid import conv_window_index
+
+    kernel, t = 4, 9
+    c = 2 * hk * dk + hv * dv
+    hist = _r(kernel - 1 + t, c, dtype=dtype)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3, 3, 5, 7], device=DEVICE)  # a tree: windows follow ancestors
+    idx = conv_window_index(parents, kernel)
+    w, a, b = 0.5 * _r(c, kernel, dtype=dtype, seed=1), _r(t, hv, dtype=dtype, seed=2), _r(t, hv, dtype=dtype, seed=3)
+    a_log, dt = 0.3 * _r(hv, seed=4), _r(hv, seed=5)
+    a[0, 0] = 30.0  # softplus's linear branch
+    got = fused.gdn_inputs(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
+    want = fused.gdn_inputs_torch(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
+    for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == torch.float32, name
+        assert _rel(x, y) < {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype], name
+    # rows are independent of the batch: the first token alone gives the same bits
+    alone = fused.gdn_inputs(hist, idx[:1], w, a[:1], b[:1], a_log, dt, hk, dk, hv, dv)
+    assert all(torch.equal(x, y[:1]) for x, y in zip(alone, got, strict=True))
