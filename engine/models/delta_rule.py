@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.models import fused
+
 try:  # the CUDA kernel; CPU-only installs run the torch loop
     import triton
     import triton.language as tl
@@ -43,7 +45,8 @@ def tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pa
     forward; ``state`` is only read); without it the nodes must form a chain and ``state``
     ends as the last node's state. Returns o: [T, HV, DV] float32.
 
-    ``backend``: ``auto`` is Triton for CUDA tensors (when installed) and torch otherwise.
+    ``backend``: ``auto`` is Triton for CUDA tensors (when installed and not turned off with
+    ``fused.set_kernels(False)``) and torch otherwise.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, but got {backend!r}")
@@ -55,7 +58,7 @@ def tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pa
     if node_states is not None and node_states.shape != (t, hv, dk, dv):
         raise ValueError(f"node_states must be {(t, hv, dk, dv)}, but got {tuple(node_states.shape)}")
     if backend == "auto":
-        backend = "triton" if q.is_cuda and triton is not None else "torch"
+        backend = "triton" if q.is_cuda and fused.kernels_enabled() else "torch"
     if backend == "triton":
         if triton is None:
             raise RuntimeError("backend='triton' needs the triton package")

@@ -26,9 +26,24 @@ except ImportError:  # pragma: no cover - installs without Triton use the PyTorc
     triton = None
 
 
+_enabled = True
+
+
+def set_kernels(enabled: bool) -> bool:
+    """Turn the Triton kernels (these and the tree delta rule) on or off for this process; returns
+    the previous setting. Off, CUDA runs the PyTorch forms: benchmarks compare the two this way."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def kernels_enabled() -> bool:
+    return _enabled and triton is not None
+
+
 def use_kernels(*tensors: Tensor) -> bool:
     """Triton for CUDA tensors when no gradient is needed (the kernels have no backward)."""
-    if triton is None or not tensors[0].is_cuda:
+    if not kernels_enabled() or not tensors[0].is_cuda:
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 

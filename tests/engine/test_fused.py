@@ -156,3 +156,20 @@ def test_gdn_inputs(dtype, hk, dk, hv, dv):
     # rows are independent of the batch: the first token alone gives the same bits
     alone = fused.gdn_inputs(hist, idx[:1], w, a[:1], b[:1], a_log, dt, hk, dk, hv, dv)
     assert all(torch.equal(x, y[:1]) for x, y in zip(alone, got, strict=True))
+
+
+def test_kernels_can_be_turned_off_for_a_comparison():
+    from engine.models import delta_rule
+
+    assert fused.set_kernels(False) is True
+    try:
+        assert not fused.kernels_enabled()
+        # the tree delta rule's automatic backend follows the same switch
+        q = torch.nn.functional.normalize(_r(2, 1, 4), dim=-1)
+        out = delta_rule.tree_delta_rule(q, q, _r(2, 1, 4), -torch.ones(2, 1, device=DEVICE),
+                                         torch.ones(2, 1, device=DEVICE) / 2, torch.tensor([-1, 0], device=DEVICE),
+                                         torch.zeros(1, 4, 4, device=DEVICE))
+        assert out.shape == (2, 1, 4)
+    finally:
+        assert fused.set_kernels(True) is False
+    assert fused.kernels_enabled()
