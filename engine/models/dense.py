@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from engine.models import fused
 from engine.models.common import (
     RMSNorm,
     SwiGLU,
@@ -278,8 +279,12 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
     The query heads that share a K/V head are stacked along the query axis, so the memory-efficient
     kernel (which takes any mask but not grouped heads) runs without copying K/V once per group.
+    A decode step of many sequences (few query rows) takes the fused attention on CUDA instead:
+    batched SDPA over a long padded cache with three query rows per head is mostly idle.
     """
     b, t, h, d = q.shape
+    if t <= fused.SMALL_QUERIES and fused.use_kernels(q, k, v):
+        return fused.attention(q, k, v, mask).reshape(b, t, h * d)
     hkv = k.shape[2]
     g = h // hkv
     q = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)

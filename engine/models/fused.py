@@ -192,28 +192,35 @@ def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
-    """q [.., T, Hq, D], k/v [.., S, Hkv, D] (grouped heads share a K/V head), mask [.., T, S] bool
-    (True = attend) or None -> [.., T, Hq, D].
+    """q [B?, T, Hq, D], k/v [B?, S, Hkv, D] (grouped heads share a K/V head), mask [B?, T, S] bool
+    (True = attend) or None -> [B?, T, Hq, D]; B? an optional batch axis.
 
-    A few query rows (T <= SMALL_QUERIES, no batch axis, a mask) take one fused launch that reads
-    each K/V head once for all its query heads, with no K/V copies; anything else takes SDPA."""
-    small = (q.dim() == 3 and k.dim() == 3 and mask is not None and mask.dim() == 2
-             and q.shape[0] <= SMALL_QUERIES and k.stride(-1) == 1 and v.stride(-1) == 1)
+    A few query rows (T <= SMALL_QUERIES: decode steps, tree verifies, draft blocks, batched decode
+    of many sequences) with a mask take one fused launch that reads each K/V head once for all its
+    query heads, with no K/V copies; anything else takes SDPA."""
+    batched = q.dim() == 4
+    small = (mask is not None and q.dim() in (3, 4) and k.dim() == q.dim() and v.dim() == q.dim()
+             and mask.dim() in (2, q.dim() - 1) and q.shape[-3] <= SMALL_QUERIES
+             and k.stride(-1) == 1 and v.stride(-1) == 1)
     if not (small and use_kernels(q, k, v)):
         return attention_torch(q, k, v, mask, scale)
-    t, hq, d = q.shape
-    s, hkv = k.shape[0], k.shape[1]
-    qc, m = q.contiguous(), mask.contiguous()
+    qc = q.contiguous() if batched else q.contiguous()[None]
+    kb, vb = (k, v) if batched else (k[None], v[None])
+    m = mask.contiguous()
+    mb = m if m.dim() == 3 else m[None]
+    b, t, hq, d = qc.shape
+    s, hkv = kb.shape[1], kb.shape[2]
     out = torch.empty_like(qc)
     group = hq // hkv
     block_m = max(16, min(64, triton.next_power_of_2(t * group)))
-    grid = (triton.cdiv(t * group, block_m), hkv)
+    grid = (triton.cdiv(t * group, block_m), hkv, b)
     _small_attention_kernel[grid](
-        qc, k, v, m, out, t, s, k.stride(0), k.stride(1), v.stride(0), v.stride(1), m.stride(0),
-        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32,
+        qc, kb, vb, mb, out, t, s, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
+        mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1), scale if scale is not None else d**-0.5,
+        HQ=hq, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        IEEE=q.dtype == torch.float32,
     )
-    return out
+    return out if batched else out[0]
 
 
 def _rows(x: Tensor) -> tuple[Tensor, int]:
@@ -279,13 +286,20 @@ if triton is not None:
         tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
 
     @triton.jit
-    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, skt, skh, svt, svh, smt, scale,
-                                HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-        # Rows of one program: (query token, query head) pairs of one K/V head, token-major, so every
-        # K/V block is read once for all GROUP heads sharing it. A row's result does not depend on
-        # the other rows of its block (exactness across AR steps and tree verifies).
+    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, skb, skt, skh, svb, svt, svh, smb,
+                                smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                IEEE: tl.constexpr):
+        # Rows of one program: (query token, query head) pairs of one K/V head of one sequence,
+        # token-major, so every K/V block is read once for all GROUP heads sharing it. A row's result
+        # does not depend on the other rows of its block (exactness across AR steps and tree verifies).
         kv_head = tl.program_id(1)
+        seq = tl.program_id(2).to(tl.int64)
+        q_ptr += seq * T * HQ * D
+        out_ptr += seq * T * HQ * D
+        k_ptr += seq * skb
+        v_ptr += seq * svb
+        mask_ptr += seq * smb
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = rm // GROUP
         head = kv_head * GROUP + rm % GROUP

@@ -18,8 +18,8 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
     """Off CUDA the dispatchers take the PyTorch forms: here the kernels run (interpreted) anyway."""
-    monkeypatch.setattr(fused, "use_kernels", lambda *t: not (torch.is_grad_enabled()
-                                                               and any(x.requires_grad for x in t)))
+    monkeypatch.setattr(fused, "use_kernels", lambda *t: fused.kernels_enabled() and not (
+        torch.is_grad_enabled() and any(x.requires_grad for x in t)))
 
 
 def _r(*shape, dtype=torch.float32, seed=0):
@@ -173,3 +173,41 @@ def test_kernels_can_be_turned_off_for_a_comparison():
     finally:
         assert fused.set_kernels(True) is False
     assert fused.kernels_enabled()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batched_small_query_attention_over_a_padded_cache(dtype):
+    """Many sequences decoding at once (self-distillation): [B, T, H, D] queries over strided views
+    of a [B, slots, Hkv, D] cache, one mask per sequence (left padding) or one shared mask."""
+    b, t, s_len, hq, hkv, d = 3, 2, 50, 6, 2, 32
+    q = _r(b, t, hq, d, dtype=dtype)
+    cache_k, cache_v = _r(b, 64, hkv, d, dtype=dtype, seed=1), _r(b, 64, hkv, d, dtype=dtype, seed=2)
+    k, v = cache_k[:, :s_len], cache_v[:, :s_len]
+    mask = torch.rand(b, t, s_len, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[:, :, -1] = True
+    mask = mask.to(DEVICE)
+    got = fused.attention(q, k, v, mask)
+    want = fused.attention_torch(q.float(), k.float(), v.float(), mask)
+    assert got.shape == q.shape and _rel(got, want) < {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]
+    for i in range(b):  # each sequence alone: as its own unbatched call
+        assert _rel(got[i], fused.attention(q[i], k[i], v[i], mask[i])) < 1e-6
+    shared = fused.attention(q, k, v, mask[0])
+    assert _rel(shared, fused.attention_torch(q.float(), k.float(), v.float(), mask[0])) < 5e-3
+
+
+def test_batched_decode_uses_the_fused_attention_and_matches_sdpa():
+    """forward_padded (batched greedy generation for draft training): one decode step through the
+    fused path equals the memory-efficient SDPA path it replaces."""
+    from engine.models.dense import _grouped_attention
+
+    b, t, s_len, hq, hkv, d = 2, 1, 40, 6, 2, 16
+    q, k, v = _r(b, t, hq, d), _r(b, s_len, hkv, d, seed=1), _r(b, s_len, hkv, d, seed=2)
+    mask = torch.ones(b, t, s_len, dtype=torch.bool, device=DEVICE)
+    mask[0, :, :7] = False  # sequence 0 is left-padded
+    fused_out = _grouped_attention(q, k, v, mask)
+    fused.set_kernels(False)
+    try:
+        sdpa_out = _grouped_attention(q, k, v, mask)
+    finally:
+        fused.set_kernels(True)
+    assert fused_out.shape == sdpa_out.shape == (b, t, hq * d) and _rel(fused_out, sdpa_out) < 1e-5
