@@ -119,29 +119,34 @@ def _tree_bitmask(gs: GrammarState, tokens: list[int], parents: list[int], bits:
             stack.extend((c, False) for c in reversed(children[node]))
 
 
-def _grammar_commit(gs: GrammarState, new: list[int], path: Tensor, logits: Tensor,
-                    positions: Tensor, cfg: EngineConfig, bits: Tensor) -> tuple[list[int], bool]:
+def grammar_commit(gs: GrammarState, new: list[int], repick: Callable[[int], int],
+                   placement: str) -> tuple[list[int], bool]:
     """Advance the grammar over a step's committed tokens; returns (tokens kept, step cut short).
 
-    ``new[i]`` is the target's token at tree node ``path[i]``. Under ``commit`` the walk was
-    unconstrained: at the first token the grammar refuses, the step is cut and the target's token
-    at that node re-picked from its masked logits (the AR choice: where the unconstrained pick was
-    allowed, the masked pick is the same token). Under both placements the step ends at the token
-    that completes the grammar.
+    ``new[i]`` is the target's token at the step's i-th accepted node. Under ``commit`` the walk was
+    unconstrained: at the first token the grammar refuses, the step is cut and ``repick(i)`` gives
+    the target's token at that node from its grammar-masked logits (the AR choice: where the
+    unconstrained pick was allowed, the masked pick is the same token). Under both placements the
+    step ends at the token that completes the grammar.
     """
     for i, t in enumerate(new):
         if not gs.advance(t):
-            assert cfg.grammar == "commit", "the walk placement committed a token its grammar refuses"
-            node = int(path[i])  # one host read, on a refused token only
-            gs.fill(bits, 0)
-            row = mask_logits(logits[node : node + 1], bits[:1])
-            t = int(select_tokens(row, positions[node : node + 1], cfg.temperature, cfg.seed))
+            assert placement == "commit", "the walk placement committed a token its grammar refuses"
+            t = repick(i)
             ok = gs.advance(t)
             assert ok, f"token {t} was picked from grammar-masked logits, yet the grammar refuses it"
             return new[:i] + [t], True
         if gs.done:
             return new[: i + 1], i + 1 < len(new)
     return new, False
+
+
+def masked_pick(gs: GrammarState, bits: Tensor, logits: Tensor, node: int, position: int,
+                cfg: EngineConfig) -> int:
+    """The target's token at ``node`` (its logits row) under the grammar's current mask."""
+    gs.fill(bits, 0)
+    row = mask_logits(logits[node : node + 1], bits[:1])
+    return int(select_tokens(row, torch.tensor([position], device=logits.device), cfg.temperature, cfg.seed))
 
 
 def truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -197,7 +202,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     timer = PhaseTimer(ws.seq.device)
     if _use_static(pair, cfg, gs, static):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
-        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer)
+        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs)
     t0 = timer.now()
     bits = new_bitmask(1, gs.words) if gs is not None else None
     constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
@@ -286,7 +291,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     timer = PhaseTimer(device)
     if _use_static(pair, cfg, gs, static) and not replay:
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
-        return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify)
+        return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify,
+                                        gs)
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     t0 = timer.now()
@@ -344,7 +350,9 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         with timer.phase("commit"):
             if gs is not None:
                 tg = time.perf_counter()
-                new, cut = _grammar_commit(gs, new, path, logits, positions, cfg, bits)
+                # a refused token's node: one host read, on a refused token only
+                new, cut = grammar_commit(gs, new, lambda i, lg=logits, pa=path, st=start: masked_pick(
+                    gs, bits, lg, int(pa[i]), st + i + 1, cfg), cfg.grammar)
                 if cut:
                     al, leaf = len(new), False
                     side = any(r > 0 for r in tree.ranks[path[:al]].tolist())

@@ -22,12 +22,19 @@ node's recurrent state in one kernel launch per layer, and the commit copies the
 state and gathers the conv window along its path on the device (``fast`` rollback; ``replay``
 re-runs a variable number of tokens, so it takes the generic loop).
 
+Grammar-constrained decoding (a prompt with tools): AR masks the logits inside its captured step
+with a bitmask the host fills before each replay; speculative decoding with ``grammar: commit``
+replays the unconstrained step and advances the grammar on the committed tokens read back anyway,
+cutting the step at a refused token (the device position and, on a hybrid, the recurrent state
+are moved back to the cut). ``grammar: walk`` needs the grammar's masks inside the walk, between
+the verify forward and the commit, so it takes the generic loop, as does the oracle draft.
+
 ``graphs=False`` runs the same step functions eagerly (the CPU tests check the logic that way).
-Grammar-constrained decoding and the oracle draft take the generic loop in ``engine.decode``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,6 +42,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig
 from engine.drafters import DFlashDrafter
+from engine.grammar import GrammarState, mask_logits, new_bitmask
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
@@ -45,9 +53,11 @@ MIN_BUCKET = 128
 
 
 def supports(pair, cfg: EngineConfig, constrained: bool, cuda_only: bool = True) -> bool:
-    """Whether ``cfg`` on ``pair`` runs on this runtime (by default: only where graphs can be used)."""
+    """Whether ``cfg`` on ``pair`` runs on this runtime (by default: only where graphs can be used).
+    ``constrained``: the prompt has a grammar (AR and the ``commit`` placement run here)."""
     target = pair.target
-    return (cfg.draft_path == "runtime" and not constrained and isinstance(target, (DenseModel, HybridModel))
+    grammar_ok = not constrained or cfg.verify == "ar" or cfg.grammar == "commit"
+    return (cfg.draft_path == "runtime" and grammar_ok and isinstance(target, (DenseModel, HybridModel))
             and not (cfg.verify != "ar" and cfg.rollback == "replay" and target.has_recurrent)
             and (target.device.type == "cuda" or not cuda_only)
             and (cfg.verify == "ar" or isinstance(pair.drafter, DFlashDrafter)))
@@ -119,6 +129,16 @@ class StaticDecoder:
         state = [self.start, ws.cache.rec, ws.cache.conv] if self.recurrent else [self.start]
         self.graphs = _Graphs(graphs, state)
         self._tree_buffers = self._tree_buffer_ids()
+        self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
+
+    def _bitmask(self, gs: GrammarState) -> tuple[Tensor, Tensor]:
+        """The grammar bitmask buffers (the device one is read by captured AR steps: allocated once)."""
+        if self._bits is None or self._bits[0].shape[1] != gs.words:
+            host = new_bitmask(1, gs.words)
+            self._bits = (host.pin_memory() if self.device.type == "cuda" else host,
+                          host.to(self.device))
+            self.graphs.clear()
+        return self._bits
 
     def _tree_buffer_ids(self) -> tuple[int, ...]:
         return (self.ws.cache.tree_rec.data_ptr(), self.ws.cache.tree_conv.data_ptr()) if self.recurrent else ()
@@ -133,11 +153,13 @@ class StaticDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
-    def _ar_step(self, key_len: int, cfg: EngineConfig) -> Tensor:
+    def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool) -> Tensor:
         s, ws = self.start, self.ws
         tok = ws.seq.index_select(0, s)
         mask = key_mask(s, key_len, torch.ones(1, 1, dtype=torch.bool, device=self.device))
         logits, _ = self.pair.target.forward_static(tok, s, s, key_len, mask, ws.cache)
+        if constrained:  # the bitmask the host filled for this step
+            logits = mask_logits(logits, self._bits[1])
         nxt = select_tokens(logits, s + 1, cfg.temperature, cfg.seed)
         ws.seq.index_copy_(0, s + 1, nxt)
         s.add_(1)
@@ -154,7 +176,7 @@ class StaticDecoder:
         tree = propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED)
         return tree, ancestor_mask(tree.parents, block - 1)
 
-    def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> Tensor:
+    def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target
         t = tree.tokens.numel()
         j = torch.arange(t, device=self.device)
@@ -179,16 +201,37 @@ class StaticDecoder:
         new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
         ws.seq.index_copy_(0, s + 1 + j, new)
         s.add_(al)
-        return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])
+        # logits and path stay readable until the next replay: a grammar cut re-picks from them
+        return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new]), logits, path
+
+    def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
+        """A grammar cut after the device committed more: ``kept`` tokens from the root's position
+        ``start`` stand, the last one ``token``. The accepted nodes' K/V and features before the cut
+        are already in place; the position, the new root's token and (on a hybrid) the recurrent
+        state of the shorter path are set again."""
+        self.start.fill_(start + kept)
+        self.ws.seq[start + kept] = token
+        if self.recurrent:
+            self.ws.cache.recommit_recurrent(path, torch.tensor([kept], device=self.device))
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
-               timer) -> tuple[GenerationStats, list[int], float, float]:
-        """The eager prefill, then the root's position handed to the device."""
+               timer, gs: GrammarState | None) -> tuple[GenerationStats, list[int], float, float]:
+        """The eager prefill (its token grammar-masked), then the root's position handed to the device."""
         from engine.decode import prefill
 
         stats = GenerationStats()
         t0 = timer.now()
-        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers)]
+        constrain = None
+        if gs is not None:
+            bits = new_bitmask(1, gs.words)
+
+            def constrain(logits: Tensor) -> Tensor:
+                gs.fill(bits, 0)
+                return mask_logits(logits.view(1, -1), bits)
+        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain)]
+        if gs is not None:
+            ok = gs.advance(out[0])
+            assert ok, f"token {out[0]} was picked from grammar-masked logits, yet the grammar refuses it"
         t_first = timer.now()
         stats.prefill_s = t_first - t0
         if on_tokens is not None:
@@ -200,33 +243,47 @@ class StaticDecoder:
         return bucket_for(need, self.ws.max_len)
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
-                    on_tokens, timer) -> Generation:
+                    on_tokens, timer, gs: GrammarState | None = None) -> Generation:
         from engine.decode import finish  # the decode module imports this one
 
-        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer)
+        bits = self._bitmask(gs) if gs is not None else None
+        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs)
         pos = len(prompt)
-        done = out[0] in stop_ids or max_new_tokens <= 1
+        done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
+        key = ("ar", cfg.temperature, cfg.seed, gs is not None)
         while not done:
             key_len = self._bucket(pos + 1)
             with timer.phase("verify"):
-                nxt = self.graphs.run(("ar", key_len, cfg.temperature, cfg.seed), self._ar_step, key_len, cfg)
-            out.append(int(nxt))
+                if bits is not None:  # this step's mask, copied in before the replay reads it
+                    tg = time.perf_counter()
+                    gs.fill(bits[0], 0)
+                    stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
+                    bits[1].copy_(bits[0], non_blocking=True)
+                nxt = self.graphs.run((*key, key_len), self._ar_step, key_len, cfg, gs is not None)
+                out.append(int(nxt))
+            if gs is not None:
+                tg = time.perf_counter()
+                ok = gs.advance(out[-1])
+                stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
+                assert ok, f"token {out[-1]} was picked from grammar-masked logits, yet the grammar refuses it"
             pos += 1
             if on_tokens is not None:
                 on_tokens(out[-1:])
             stats.steps += 1
-            done = out[-1] in stop_ids or len(out) >= max_new_tokens
+            done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
         self.ws.cache.length = pos
         return finish(out, stats, timer, t_first, t0)
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
-                             stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int) -> Generation:
-        from engine.decode import finish, truncate
+                             stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
+                             gs: GrammarState | None = None) -> Generation:
+        from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
-        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer)
+        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs)
         start = len(prompt)
-        done = out[0] in stop_ids or max_new_tokens <= 1
+        done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
+        bits = new_bitmask(1, gs.words) if gs is not None else None
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block)
         while not done:
@@ -234,13 +291,28 @@ class StaticDecoder:
             with timer.phase("draft"):
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
-                packed = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, tree, anc)
-            values = packed.tolist()  # the step's one host read
+                packed, logits, path = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, tree,
+                                                       anc)
+                values = packed.tolist()  # the step's one host read
             al, leaf, side = values[0], not values[1], bool(values[2])
             new = values[3 : 3 + al]
+            if gs is not None:  # grammar: commit (``supports``): advance on the committed tokens
+                with timer.phase("commit"):
+                    tg = time.perf_counter()
+                    root = start
+                    new, cut = grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: masked_pick(
+                        gs, bits, lg, int(pa[i]), r + i + 1, cfg), cfg.grammar)
+                    if cut:
+                        al, leaf = len(new), False
+                        side = bool((tree.ranks.index_select(0, path[:al]) > 0).any())
+                        if not gs.done:  # the device committed more: move it back to the cut
+                            self._cut(start, al, new[-1], path)
+                    stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
+                done = gs.done
             start += al
             stats.record_step(al, leaf, side)
-            new, done = truncate(new, len(out), max_new_tokens, stop_ids)
+            new, stop = truncate(new, len(out), max_new_tokens, stop_ids)
+            done = done or stop
             out.extend(new)
             if on_tokens is not None and new:
                 on_tokens(list(new))

@@ -188,6 +188,7 @@ class HybridCache(KVCache):
         shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         self.rec = torch.zeros(n_gdn, *shape, device=device, dtype=torch.float32)
         self.conv = torch.zeros(n_gdn, self.kernel - 1, cfg.conv_dim, device=device, dtype=dtype)
+        self.conv_prev = torch.zeros_like(self.conv)  # the window before the last commit
         self.tree_rec = self.rec.new_zeros(n_gdn, 0, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
@@ -237,7 +238,17 @@ class HybridCache(KVCache):
         """The recurrent half of a fast commit, on the device: ``path`` [>= al] the accepted nodes
         root first (entries past ``al`` ignored), ``al`` [1] how many. The state becomes node
         path[al-1]'s; the conv window becomes the last kernel-1 inputs along the path, reaching
-        back into the old window when the path is shorter than that."""
+        back into the old window when the path is shorter than that (kept for ``recommit_recurrent``)."""
+        self.conv_prev.copy_(self.conv)
+        self._commit_recurrent(path, al)
+
+    def recommit_recurrent(self, path: Tensor, al: Tensor) -> None:
+        """Commit a shorter prefix of the same tree instead (a grammar cut after the commit): the
+        per-node records are still those of the last tree forward."""
+        self.conv.copy_(self.conv_prev)
+        self._commit_recurrent(path, al)
+
+    def _commit_recurrent(self, path: Tensor, al: Tensor) -> None:
         w = self.kernel - 1
         j = al - w + torch.arange(w, device=path.device)  # path positions of the new window's slots
         from_tree = self.tree_conv.index_select(1, path.index_select(0, j.clamp(min=0)))

@@ -77,3 +77,22 @@ def test_hybrid_graphs_recapture_when_the_tree_buffers_grow():
     for budget in (4, 16, 4):
         cfg = EngineConfig(verify="ddtree", budget=budget, top_k=4, block_size=8)
         assert engine.generate(pair, ids, cfg, 64, ignore_eos=True).tokens == ar, budget
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
+    """AR with the bitmask inside its captured step, and `commit` on the captured speculative steps."""
+    pytest.importorskip("xgrammar")
+    from engine.workloads import Prompt
+
+    tools = ({"type": "function", "function": {"name": "n", "description": "note", "parameters": {
+        "type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]}}},)
+    pair = engine.load(target, "random", device="cuda", dtype="float32")
+    ids = pair.encode(Prompt(messages=({"role": "user", "content": "Take a note."},), tools=tools))
+    g = pair.grammar_for(tools)
+    want = engine.generate(pair, ids, EngineConfig(verify="ar", grammar="commit", draft_path="generic"), 96,
+                           ignore_eos=True, grammar=g).tokens
+    for params in (dict(verify="ar"), dict(verify="chain"), dict(verify="ddtree", budget=8, top_k=3)):
+        got = engine.generate(pair, ids, EngineConfig(**params, grammar="commit"), 96, ignore_eos=True, grammar=g)
+        assert got.tokens == want, params
+    assert any(k[0] == "ar" and k[3] for k in pair._static_decoder.graphs._captured)  # the masked AR graph

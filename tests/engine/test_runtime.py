@@ -7,7 +7,7 @@ import torch
 import engine
 from engine import EngineConfig
 from engine.decode import generate_ar, generate_speculative
-from engine.runtime import bucket_for, key_mask, supports
+from engine.runtime import StaticDecoder, bucket_for, key_mask, supports
 from tests.engine.engine_pairs import pair_for
 
 
@@ -29,7 +29,10 @@ def test_supports_unconstrained_runtime_with_a_dflash_draft():
     assert supports(dense, EngineConfig(verify="ddtree"), False, cuda_only=False)
     assert not supports(dense, EngineConfig(verify="ddtree"), False)  # CPU: no graphs
     assert not supports(dense, EngineConfig(verify="ddtree", draft_path="generic"), False, cuda_only=False)
-    assert not supports(dense, EngineConfig(verify="ddtree"), True, cuda_only=False)  # grammar
+    # a grammar: AR masks inside its step, `commit` advances on committed tokens; `walk` is generic
+    assert supports(dense, EngineConfig(verify="ar", grammar="walk"), True, cuda_only=False)
+    assert supports(dense, EngineConfig(verify="ddtree", grammar="commit"), True, cuda_only=False)
+    assert not supports(dense, EngineConfig(verify="ddtree", grammar="walk"), True, cuda_only=False)
     assert not supports(pair_for("tiny-dense", "oracle:0.3"), EngineConfig(verify="chain"), False, cuda_only=False)
     hybrid = pair_for("tiny-hybrid", "random")
     assert supports(hybrid, EngineConfig(verify="chain"), False, cuda_only=False)
@@ -79,6 +82,25 @@ def test_static_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
     assert max(gen.stats.accept_lengths) > 1  # the compaction of several accepted nodes is exercised
 
 
+def _peeking(pair, prompt_len: int, truth: list[int], side_every: int = 3):
+    """A propose_static that runs the draft's real forward (the runtime's shapes and buffers), then
+    replaces its logits: the token of ``truth`` first, except at every ``side_every``-th position,
+    where a decoy is first and the true token second (so accepted paths take side branches)."""
+    real = pair.drafter.propose_static
+    truth_t = torch.tensor(truth, dtype=torch.long)
+
+    def propose(seq, start, block_size, window, features):
+        logits = real(seq, start, block_size, window, features)
+        pos = start - prompt_len + torch.arange(1, block_size)
+        true_tok = truth_t[pos.clamp(0, truth_t.numel() - 1)]
+        side = pos % side_every == 0
+        fake = torch.zeros_like(logits)
+        fake.scatter_(1, ((true_tok + 1) % logits.shape[1])[:, None], torch.where(side, 10.0, 0.0)[:, None])
+        return fake.scatter(1, true_tok[:, None], torch.where(side, 9.0, 10.0)[:, None])
+
+    return real, propose
+
+
 def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
     """The device commit of recurrent state (accepted node's state, conv window along its path)
     under real acceptance: the oracle's proposals through a DFlash-shaped step are not available
@@ -88,21 +110,7 @@ def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
     ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48).tokens
 
     drafter = pair.drafter
-    real = drafter.propose_static
-    truth = torch.tensor(ar, dtype=torch.long)
-
-    def peeking(seq, start, block_size, window, features):
-        """The draft's own forward runs (its shapes and buffers are the runtime's), then its logits
-        are replaced: the AR token first, except at every third position, where a decoy is first
-        and the AR token second (so accepted paths take side branches)."""
-        logits = real(seq, start, block_size, window, features)
-        pos = start - len(ids) + torch.arange(1, block_size)
-        true_tok = truth[pos.clamp(0, truth.numel() - 1)]
-        side = pos % 3 == 0
-        fake = torch.zeros_like(logits)
-        fake.scatter_(1, ((true_tok + 1) % logits.shape[1])[:, None], torch.where(side, 10.0, 0.0)[:, None])
-        return fake.scatter(1, true_tok[:, None], torch.where(side, 9.0, 10.0)[:, None])
-
+    real, peeking = _peeking(pair, len(ids), ar)
     drafter.propose_static = peeking
     try:
         gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=12, top_k=3, chain_seed=0), 48,
@@ -111,3 +119,75 @@ def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
         drafter.propose_static = real
     assert gen.tokens == ar
     assert max(gen.stats.accept_lengths) >= 4 and gen.stats.side_branch_steps > 0
+
+
+# --- grammar-constrained decoding on the runtime ---------------------------------------------------
+
+# A free-text argument: where the grammar leaves the choice to the model, a wrong context shows.
+TOOLS = ({"type": "function", "function": {"name": "n", "description": "note", "parameters": {
+    "type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]}}},)
+GRAMMAR_NEW = 96  # the call's fixed prefix is ~45 byte tokens; free text follows
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_grammar_on_the_static_steps_equals_constrained_ar(target):
+    """AR masks inside its step (the host fills the bitmask before each replay); ``commit``
+    replays the unconstrained step and advances the grammar on the committed tokens."""
+    pytest.importorskip("xgrammar")
+    from engine.workloads import Prompt
+
+    pair = pair_for(target, "random")
+    ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
+    g = pair.grammar_for(TOOLS)
+    want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(),
+                       static=False)
+    got = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(), static=True)
+    assert got.tokens == want.tokens and got.stats.grammar_ms > 0
+    text = pair.tokenizer.decode(want.tokens)
+    assert text.startswith("<tool_call>\n{")
+    for params in (dict(verify="chain"), dict(verify="ddtree", budget=8, top_k=3, chain_seed=0)):
+        cfg = EngineConfig(**params, grammar="commit")
+        gen = generate_speculative(pair, ids, cfg, GRAMMAR_NEW, gs=g.state(), static=True)
+        assert gen.tokens == want.tokens, params
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch):
+    """The draft proposes the *unconstrained* continuation, which the device accepts (it is the
+    target's own) and the grammar refuses: steps are cut after the device committed them, and the
+    position, the new root and (hybrid) the recurrent state are moved back. Output: constrained AR."""
+    pytest.importorskip("xgrammar")
+    from engine.workloads import Prompt
+
+    pair = pair_for(target, "random")
+    ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
+    g = pair.grammar_for(TOOLS)
+    want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state()).tokens
+    real, target = pair.drafter.propose_static, pair.target
+    committed_more = []
+
+    def unconstrained_oracle(seq, start, block_size, window, features):
+        logits = real(seq, start, block_size, window, features)  # the runtime's own draft forward
+        s = int(start)
+        cache = target.new_cache(s + block_size + 2)  # not the workspace's: greedy from here, unconstrained
+        last, _ = target(seq[: s + 1], cache, 0, last_only=True)
+        fake = torch.zeros_like(logits)
+        for j in range(block_size - 1):
+            tok = int(last[-1].argmax())
+            fake[j, tok] = 10.0
+            last, _ = target(torch.tensor([tok]), cache, cache.length, last_only=True)
+        return fake
+
+    def spy(self, start, kept, token, path, _cut=StaticDecoder._cut):
+        committed_more.append(int(self.start) - start > kept)
+        return _cut(self, start, kept, token, path)
+
+    monkeypatch.setattr(StaticDecoder, "_cut", spy)
+    pair.drafter.propose_static = unconstrained_oracle
+    try:
+        gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=8, top_k=2, grammar="commit"),
+                                   GRAMMAR_NEW, gs=g.state(), static=True)
+    finally:
+        pair.drafter.propose_static = real
+    assert gen.tokens == want
+    assert any(committed_more)  # the device had committed past the cut, and was moved back
