@@ -398,6 +398,7 @@ class _Driver:
             "phase_coverage": phase_sum / rec.step_ms if rec.step_ms > 0 else None,
             "exact_match": rec.exact_match, "first_divergence": rec.first_divergence,
             "inexact_prompts": rec.inexact_prompts[:20], "peak_memory_bytes": rec.peak_memory_bytes,
+            "decode_loops": rec.loops,  # what ran: a runtime config under `walk` decodes in the generic loop
             "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "baseline_trial": number if is_base else (base.number if base else None),
         }

@@ -92,6 +92,7 @@ class Record:
     per_prompt_tps: list[float] = field(default_factory=list)
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    loops: dict[str, int] = field(default_factory=dict)  # generations per decode loop that ran (engine stats)
     elapsed_s: float = 0.0
     engine_s: float = 0.0  # wall time inside engine.bench (overhead = trial wall − this)
     utilisation: dict[str, Any] = field(default_factory=dict)  # {"kind": "gpu"|"cpu", "percent": ...}
@@ -217,6 +218,7 @@ class Worker:
         rec.per_prompt_tps = [statistics.median(vals) for vals in zip(*(_per_prompt_tps(p) for p in passes),
                                                                       strict=True)]
         rec.peak_memory_bytes = max(r.peak_memory_bytes for p in passes for r in p)
+        rec.loops = dict(sum((Counter(r.loops) for r in first), Counter()))
         exact, checked, divergences = 0, 0, []
         for p in passes:
             for (name, _), r, ref in zip(self.sets, p, reference, strict=True):

@@ -47,6 +47,11 @@ def main() -> None:
         "ddtree-commit": EngineConfig(verify="ddtree", grammar="commit", **tree),
         "chain-walk": EngineConfig(verify="chain", grammar="walk"),
         "chain-commit": EngineConfig(verify="chain", grammar="commit"),
+        # The default draft path is `runtime`: AR and `commit` run its (graph-captured) steps, `walk`
+        # cannot (its masks sit between the verify forward and the commit) and runs the generic
+        # loop. These pin the generic loop, to compare the placements on the same loop too.
+        "ar-constrained-generic": EngineConfig(verify="ar", grammar="commit", draft_path="generic"),
+        "ddtree-commit-generic": EngineConfig(verify="ddtree", grammar="commit", draft_path="generic", **tree),
     }
     configs = {k: v for k, v in configs.items() if k in args.configs.split(",")}
     constrained_ar = EngineConfig(verify="ar", grammar="commit")
@@ -65,13 +70,13 @@ def main() -> None:
           f"(constrained {sum(g is not None for g in grammars)})  max_new_tokens: {args.max_new_tokens}  "
           f"repeats: {args.repeats}  budget/top_k: {args.budget}/{args.top_k}")
     print(f"{'config':15s} {'step_ms':>20s} {'walk_ms/step':>20s} {'commit_ms/step':>20s} "
-          f"{'grammar_ms/step':>20s} {'AL':>5s} {'decode_tps':>20s} exact")
+          f"{'grammar_ms/step':>20s} {'AL':>5s} {'decode_tps':>20s} exact  loop")
     for name, rs in runs.items():
         ph = [r.phase_ms_per_step for r in rs]
         print(f"{name:15s} {stat([r.step_ms for r in rs]):>20s} {stat([p['walk'] for p in ph]):>20s} "
               f"{stat([p['commit'] for p in ph]):>20s} {stat([r.grammar_ms_per_step for r in rs]):>20s} "
               f"{rs[0].acceptance_length:5.2f} {stat([r.decode_tps for r in rs]):>20s} "
-              f"{min(r.exact_match for r in rs):.2f}")
+              f"{min(r.exact_match for r in rs):.2f}   {','.join(sorted(rs[0].loops))}")
 
 
 if __name__ == "__main__":

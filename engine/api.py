@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,4 +192,5 @@ def bench(
         device=pair.device,
         grammar_ms=sum(g.stats.grammar_ms for g in gens),
         constrained=sum(g is not None for g in grammars),
+        loops=dict(Counter(g.stats.loop for g in gens)),
     )

@@ -219,7 +219,7 @@ class StaticDecoder:
         """The eager prefill (its token grammar-masked), then the root's position handed to the device."""
         from engine.decode import prefill
 
-        stats = GenerationStats()
+        stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
         constrain = None
         if gs is not None:

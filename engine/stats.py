@@ -22,6 +22,9 @@ class GenerationStats:
     correction_tokens: int = 0  # steps that ended on a mismatch
     side_branch_steps: int = 0  # steps whose accepted path used a draft token below rank 0
     grammar_ms: float = 0.0  # host time in grammar calls (masks, advances, rollbacks), also inside phase_ms
+    # Which loop decoded: "generic" (engine.decode), "static" (the runtime's steps, eager) or "graphs"
+    # (the runtime's steps as CUDA graphs). A config asks for a draft path; this is what ran.
+    loop: str = "generic"
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first emitted token -> last emitted token
     total_s: float = 0.0
@@ -110,6 +113,7 @@ class BenchResult:
     device: str
     grammar_ms: float = 0.0  # grammar host time (inside phase_ms: walk / commit / AR verify)
     constrained: int = 0  # prompts decoded under a grammar
+    loops: dict[str, int] = field(default_factory=dict)  # prompts per decode loop that ran (GenerationStats.loop)
 
     @property
     def decode_tps(self) -> float:
@@ -164,6 +168,7 @@ class BenchResult:
             "side_branch_steps": self.side_branch_steps,
             "grammar_ms_per_step": self.grammar_ms_per_step,
             "constrained": self.constrained,
+            "loops": self.loops,
             "exact_match": self.exact_match,
             "new_tokens": self.new_tokens,
             "peak_memory_bytes": self.peak_memory_bytes,

@@ -60,16 +60,26 @@ class TrainConfig:
 
 @torch.inference_mode()
 def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                       batch_size: int, stop_ids: Sequence[int]) -> list[list[int]]:
-    """Greedy answers of the target to every prompt, batched with left padding."""
+                       batch_size: int, stop_ids: Sequence[int], time_budget_s: float = 0.0,
+                       seed: int = 0) -> list[list[int] | None]:
+    """Greedy answers of the target to every prompt, batched with left padding.
+
+    Prompts of similar length share a batch; the batches run in a seeded random order, so that
+    with ``time_budget_s`` (no new batch starts after it) the answered prompts are a fair sample of
+    every length, and the prompts of the batches not run get ``None``."""
     if not isinstance(target, DenseModel):
         raise EngineInputError("draft training supports dense targets (Llama/Qwen3 family) only")
     device, cfg = target.device, target.cfg
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    out: list[list[int]] = [[] for _ in prompts]
+    batches = [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
+    out: list[list[int] | None] = [None for _ in prompts]
     stop = torch.tensor(list(stop_ids) or [-1], device=device)
-    for lo in range(0, len(order), batch_size):
-        idx = order[lo : lo + batch_size]
+    t0 = time.perf_counter()
+    for k in perm:
+        if time_budget_s and time.perf_counter() - t0 > time_budget_s:
+            break
+        idx = batches[k]
         b, p = len(idx), max(len(prompts[i]) for i in idx)
         tokens = torch.zeros(b, p, dtype=torch.long, device=device)
         valid = torch.zeros(b, p, dtype=torch.bool, device=device)

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--n-prompts", type=int, default=3000)
     t.add_argument("--gen-max-new-tokens", type=int, default=256)
     t.add_argument("--gen-batch-size", type=int, default=128)
+    t.add_argument("--gen-budget", type=float, default=0.0,
+                   help="seconds of self-distillation at most: no new batch starts after it, the prompts not "
+                        "answered are left out (0: no limit)")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--intermediate-size", type=int, default=None)
     t.add_argument("--block-size", type=int, default=16)
@@ -85,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
         gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
         time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
     )
-    if args.wall_budget < 0:
-        raise EngineInputError(f"--wall-budget must be >= 0 seconds (0: no limit), got {args.wall_budget}")
+    for flag in ("wall_budget", "gen_budget"):
+        if getattr(args, flag) < 0:
+            raise EngineInputError(f"--{flag.replace('_', '-')} must be >= 0 seconds (0: no limit), "
+                                   f"got {getattr(args, flag)}")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
@@ -100,8 +105,12 @@ def run(args: argparse.Namespace) -> int:
         seqs, plens = load_sequences(Path(args.data))
     else:
         prompts = _prompts(args, pair, values["n_prompts"])
-        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids)
-        seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
+                                     time_budget_s=args.gen_budget, seed=args.seed)
+        done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
+        if len(done) < len(prompts):
+            print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
+        seqs, plens = [p + a for p, a in done], [len(p) for p, _ in done]
         if args.save_data:
             save_sequences(Path(args.save_data), seqs, plens)
     gen_s = time.perf_counter() - t0

@@ -80,6 +80,7 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
         assert a["exact_match"] == 1.0 and t.constraints == {"exactness": 0.0}
         assert a["worker"] == st.me() and a["speedup_vs_ar"] > 0
         assert set(a["phase_ms_per_step"]) == {"draft", "topk", "tree", "verify", "walk", "commit"}
+        assert a["decode_loops"] == {"generic": 2}  # the CPU runs no graphs: what ran is recorded per trial
     assert trials[0].user_attrs["speedup_vs_ar"] == 1.0
     for t in trials[1:]:
         a = t.user_attrs

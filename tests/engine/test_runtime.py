@@ -62,6 +62,7 @@ def test_static_steps_equal_ar_and_the_generic_loop(params, target):
     static = generate_speculative(pair, ids, cfg, 40, static=True)
     assert static.tokens == generic.tokens == ar
     assert static.stats.accept_lengths == generic.stats.accept_lengths
+    assert (static.stats.loop, generic.stats.loop) == ("static", "generic")  # what ran is recorded
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,22 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
         assert a == engine.generate(pair, p, EngineConfig(verify="ar"), 24).tokens
 
 
+def test_self_distillation_time_budget_keeps_a_sample_of_every_length(pair, monkeypatch):
+    """No new batch starts after the budget: the prompts answered are exactly the target's answers,
+    the others None, and (batches in a seeded random order) not just the shortest ones."""
+    from engine import train
+
+    prompts = [pair.encode("x" * n) for n in (2, 3, 40, 41, 80, 81, 120, 121)]
+    clock = iter(range(0, 1000, 10))  # each look at the clock is 10 s later: two batches start within 25 s
+    monkeypatch.setattr(train.time, "perf_counter", lambda: float(next(clock)))
+    answers = generate_responses(pair.target, prompts, 8, batch_size=2, stop_ids=pair.stop_ids, time_budget_s=25,
+                                 seed=1)
+    done = [i for i, a in enumerate(answers) if a is not None]
+    assert len(done) == 4 and done != [0, 1, 2, 3]  # two batches of the four: not the two shortest
+    for i in done:
+        assert answers[i] == engine.generate(pair, prompts[i], EngineConfig(verify="ar"), 8).tokens
+
+
 def test_block_mask_sees_context_strictly_before_its_anchor_and_its_own_block():
     tokens = torch.stack([torch.arange(10), torch.cat([torch.arange(100, 106), torch.zeros(4, dtype=torch.long)])])
     lens = torch.tensor([10, 6])

