@@ -122,7 +122,9 @@ def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 if triton is not None:
 
-    @triton.jit
+    # Not specialised on T or store_nodes: Triton would compile T == 1 (an AR step) and
+    # store_nodes == 1 (a tree) as variants of their own, whose arithmetic need not round alike.
+    @triton.jit(do_not_specialize=["T", "store_nodes"])
     def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, state_ptr, nodes_ptr, out_ptr,
                            T, store_nodes, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -285,7 +285,8 @@ if triton is not None:
         mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
         tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
 
-    @triton.jit
+    # Not specialised on T or S: an AR step (T == 1) and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["T", "S"])
     def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, skb, skt, skh, svb, svt, svh, smb,
                                 smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
