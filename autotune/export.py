@@ -118,6 +118,8 @@ def llama_server_mapping(cfg: dict[str, Any]) -> tuple[list[str], list[str], lis
     if cfg.get("block_size") is not None:
         unmapped.append(f"block_size={cfg['block_size']} (the draft GGUF's own block size is used)")
     unmapped.append(f"draft_path={cfg.get('draft_path')} (an engine implementation path)")
+    if "kernels" in cfg:
+        unmapped.append(f"kernels={cfg['kernels']} (an engine implementation path)")
     return server, daemon, unmapped
 
 

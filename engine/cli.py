@@ -17,7 +17,7 @@ from engine.config import EngineConfig, EngineInputError
 _CONFIG_FLAGS = {
     "verify": str, "budget": int, "top_k": int, "proposal_temp": float, "chain_seed": int,
     "target_feat_ctx": int, "rollback": str, "draft_path": str, "block_size": int,
-    "temperature": float, "seed": int,
+    "temperature": float, "seed": int, "kernels": str,
 }
 
 

@@ -10,6 +10,7 @@ VERIFY_MODES = ("ar", "chain", "ddtree")
 ROLLBACK_MODES = ("replay", "fast")
 DRAFT_PATHS = ("generic", "runtime")
 GRAMMAR_MODES = ("off", "walk", "commit")
+KERNEL_MODES = ("fused", "eager")
 
 
 class EngineInputError(ValueError):
@@ -41,6 +42,9 @@ class EngineConfig:
         grammar refuses and committing the masked target token there. Both equal grammar-constrained
         AR (``verify="ar"`` with grammar ``walk`` or ``commit``: the logits masked at every step).
         A prompt without a grammar (no tools) is decoded unconstrained under any setting.
+    kernels: ``fused`` runs the Triton kernels on CUDA (the tree delta rule, RMSNorm, RoPE, SiLU-mul,
+        small-query attention, Gated DeltaNet inputs: one launch where eager PyTorch takes several);
+        ``eager`` the PyTorch forms. On a CPU both are eager. Either is exact against AR.
     """
 
     verify: str = "ddtree"
@@ -55,12 +59,14 @@ class EngineConfig:
     temperature: float = 0.0
     seed: int = 0
     grammar: str = "off"
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         _choice("verify", self.verify, VERIFY_MODES)
         _choice("rollback", self.rollback, ROLLBACK_MODES)
         _choice("draft_path", self.draft_path, DRAFT_PATHS)
         _choice("grammar", self.grammar, GRAMMAR_MODES)
+        _choice("kernels", self.kernels, KERNEL_MODES)
         _int_at_least("budget", self.budget, 1)
         _int_at_least("top_k", self.top_k, 1)
         _int_at_least("target_feat_ctx", self.target_feat_ctx, 0)

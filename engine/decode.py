@@ -16,6 +16,7 @@ from torch import Tensor
 from engine import runtime
 from engine.config import EngineConfig, EngineInputError
 from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
+from engine.models import fused
 from engine.models.common import VerifyTree
 from engine.sampling import select_tokens
 from engine.stats import PHASES, Generation, GenerationStats
@@ -415,6 +416,7 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
             raise EngineInputError(f"the grammar was compiled for a vocabulary of {grammar.vocab.size} tokens, "
                                    f"but target {pair.target_name!r} has {vocab}: compile it with this pair")
         gs = grammar.state()
-    if cfg.verify == "ar":
-        return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
-    return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
+    with fused.using_kernels(cfg.kernels == "fused"):
+        if cfg.verify == "ar":
+            return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
+        return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)

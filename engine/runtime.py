@@ -250,7 +250,7 @@ class StaticDecoder:
         stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs)
         pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
-        key = ("ar", cfg.temperature, cfg.seed, gs is not None)
+        key = ("ar", cfg.temperature, cfg.seed, gs is not None, cfg.kernels)
         while not done:
             key_len = self._bucket(pos + 1)
             with timer.phase("verify"):
@@ -285,7 +285,7 @@ class StaticDecoder:
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         bits = new_bitmask(1, gs.words) if gs is not None else None
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
-               cfg.temperature, cfg.seed, block)
+               cfg.temperature, cfg.seed, block, cfg.kernels)
         while not done:
             key_len = self._bucket(start + n_verify)
             with timer.phase("draft"):

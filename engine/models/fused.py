@@ -13,7 +13,9 @@ batch of rows it is computed in: a tree verify and an AR step round alike (exact
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,22 @@ def set_kernels(enabled: bool) -> bool:
 
 
 def kernels_enabled() -> bool:
-    return _enabled and triton is not None
+    return _enabled and _wanted and triton is not None
+
+
+_wanted = True  # this generation's choice (EngineConfig.kernels), under the process switch above
+
+
+@contextlib.contextmanager
+def using_kernels(wanted: bool) -> Iterator[None]:
+    """The kernels on (``wanted``) or off for one generation, restoring the previous choice after;
+    ``set_kernels(False)`` still turns them off for the whole process."""
+    global _wanted
+    previous, _wanted = _wanted, bool(wanted)
+    try:
+        yield
+    finally:
+        _wanted = previous
 
 
 def use_kernels(*tensors: Tensor) -> bool:

@@ -211,3 +211,25 @@ def test_batched_decode_uses_the_fused_attention_and_matches_sdpa():
     finally:
         fused.set_kernels(True)
     assert fused_out.shape == sdpa_out.shape == (b, t, hq * d) and _rel(fused_out, sdpa_out) < 1e-5
+
+
+def test_a_generation_chooses_its_kernels_and_the_choice_is_restored():
+    import engine
+    from engine import EngineConfig, EngineInputError
+
+    with fused.using_kernels(False):
+        assert not fused.kernels_enabled()
+        with fused.using_kernels(True):
+            assert fused.kernels_enabled()
+        assert not fused.kernels_enabled()
+    assert fused.kernels_enabled()
+    with pytest.raises(RuntimeError), fused.using_kernels(False):
+        raise RuntimeError("a generation that fails")
+    assert fused.kernels_enabled()
+    with pytest.raises(EngineInputError, match=r"kernels must be one of \['fused', 'eager'\], but got 'triton'"):
+        EngineConfig(kernels="triton")
+    pair = engine.load("tiny-dense", "random", device="cpu")
+    ids = pair.encode("kernels are an implementation path")
+    outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k), 16, ignore_eos=True).tokens
+            for k in ("fused", "eager")}
+    assert outs["fused"] == outs["eager"]  # on a CPU both are the PyTorch forms
