@@ -121,7 +121,8 @@ class Worker:
         # two JSONL files may share a stem; the set name keys per-set results, so keep it unique
         names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
-        self._reference: dict[int, list[list[list[int]]]] = {}  # max_new_tokens -> per set outputs
+        # (max_new_tokens, draft_path, kernels) -> per set outputs
+        self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
         self._output_hook = output_hook
 
     @classmethod
@@ -131,18 +132,23 @@ class Worker:
 
         return cls(engine.load(target, draft, device=device, dtype=dtype), workloads, fixed, **kw)
 
-    def ar_config(self) -> dict[str, Any]:
-        return {**self.fixed, "verify": "ar"}
+    def ar_config(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """AR under the fixed fields and the implementation paths of ``config`` (the loop and the
+        kernels): in bf16 two loops or two kernel sets round differently, so a speculative config
+        is exact when it equals AR decoded the same way."""
+        paths = {k: config[k] for k in ("draft_path", "kernels") if config and k in config}
+        return {**self.fixed, **paths, "verify": "ar"}
 
-    def reference(self, max_new_tokens: int) -> list[list[list[int]]]:
-        """The AR outputs (the ground truth for exactness), computed once per length."""
-        if max_new_tokens not in self._reference:
-            import engine
+    def reference(self, max_new_tokens: int, config: dict[str, Any] | None = None) -> list[list[list[int]]]:
+        """The AR outputs (the ground truth for exactness), computed once per length and paths."""
+        import engine
 
-            cfg = engine.EngineConfig.from_dict(self.ar_config(), source="AR reference")
-            self._reference[max_new_tokens] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
-                                               for _, prompts in self.sets]
-        return self._reference[max_new_tokens]
+        cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
+        key = (max_new_tokens, cfg.draft_path, cfg.kernels)
+        if key not in self._reference:
+            self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
+                                    for _, prompts in self.sets]
+        return self._reference[key]
 
     def measure(self, job: Job, on_first_pass: PassCallback | None = None) -> Record:
         """Run the protocol; any failure of the engine becomes a failed record, never a crash."""
@@ -173,7 +179,7 @@ class Worker:
         import engine
 
         cfg = engine.EngineConfig.from_dict(job.config, source=f"trial {job.trial}")
-        reference = self.reference(job.max_new_tokens)
+        reference = self.reference(job.max_new_tokens, cfg.to_dict())
         for _ in range(job.warmup):
             self._pass(cfg, job.max_new_tokens)
         passes = []

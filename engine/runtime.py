@@ -305,8 +305,7 @@ class StaticDecoder:
                     if cut:
                         al, leaf = len(new), False
                         side = bool((tree.ranks.index_select(0, path[:al]) > 0).any())
-                        if not gs.done:  # the device committed more: move it back to the cut
-                            self._cut(start, al, new[-1], path)
+                        self._cut(start, al, new[-1], path)  # the device committed more: back to the cut
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                 done = gs.done
             start += al

@@ -52,7 +52,8 @@ def tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pa
         raise ValueError(f"backend must be one of {BACKENDS}, but got {backend!r}")
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if hv % hk or state.shape != (hv, dk, dv) or k.shape != q.shape or g.shape != (t, hv) != beta.shape:
+    if (hv % hk or state.shape != (hv, dk, dv) or k.shape != q.shape or v.shape[0] != t
+            or g.shape != (t, hv) or beta.shape != (t, hv)):
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)}")
     if node_states is not None and node_states.shape != (t, hv, dk, dv):

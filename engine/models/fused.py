@@ -131,7 +131,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     g, d = _rows(gate)
     u = up.reshape(-1, d).contiguous()
     out = torch.empty_like(g)
-    _silu_mul_kernel[(g.shape[0],)](g, u, out, d, BLOCK=triton.next_power_of_2(d))
+    block = min(triton.next_power_of_2(d), 2048)  # elementwise: tiles of a wide row, no spills
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(d, block))](g, u, out, d, BLOCK=block)
     return out.view(gate.shape)
 
 
@@ -192,7 +193,12 @@ def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: T
     return q, k, v, g, beta
 
 
-SMALL_QUERIES = 64  # decode steps, tree verifies and draft blocks; a prefill takes SDPA
+# Decode steps, tree verifies (any budget the search spaces reach) and draft blocks take the
+# kernel; a longer prefill takes SDPA. Both the AR step and the verify must take the same one.
+SMALL_QUERIES = 256
+# Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
+# compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
+ATTN_BLOCK_M = 16
 
 
 def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
@@ -229,13 +235,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     s, hkv = kb.shape[1], kb.shape[2]
     out = torch.empty_like(qc)
     group = hq // hkv
-    block_m = max(16, min(64, triton.next_power_of_2(t * group)))
-    grid = (triton.cdiv(t * group, block_m), hkv, b)
+    block_d = max(16, triton.next_power_of_2(d))
+    grid = (triton.cdiv(t * group, ATTN_BLOCK_M), hkv, b)
+    # Two pipeline stages and smaller key blocks for wide heads keep shared memory within a Hopper
+    # SM's 227 KB (head_dim 256 with three stages does not fit).
     _small_attention_kernel[grid](
         qc, kb, vb, mb, out, t, s, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
         mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1), scale if scale is not None else d**-0.5,
-        HQ=hq, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        IEEE=q.dtype == torch.float32,
+        HQ=hq, GROUP=group, D=d, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if block_d >= 256 else 64, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32, num_warps=8 if block_d >= 256 else 4, num_stages=2,
     )
     return out if batched else out[0]
 
@@ -252,7 +260,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, D, eps, ZERO_CENTRED: tl.constexpr,
                          GATED: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * D overflows int32 on long prefills of wide models
         cols = tl.arange(0, BLOCK)
         m = cols < D
         x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
@@ -274,8 +282,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < D
         g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
@@ -283,7 +291,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # one (token, head)
+        row = tl.program_id(0).to(tl.int64)  # one (token, head)
         tok = row // HEADS
         base = row * D
         half = RD // 2
@@ -364,7 +372,7 @@ if triton is not None:
     def _gdn_conv_kernel(hist_ptr, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr, C, HK: tl.constexpr, DK: tl.constexpr,
                          DV: tl.constexpr, KERNEL: tl.constexpr, BLOCK: tl.constexpr):
         # One (token, head) segment of the conv channels: q heads, then k heads, then v heads.
-        tok = tl.program_id(0)
+        tok = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         is_v = seg >= 2 * HK
         width = tl.where(is_v, DV, DK)
@@ -391,7 +399,7 @@ if triton is not None:
 
     @triton.jit
     def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, HV, BLOCK: tl.constexpr):
-        tok = tl.program_id(0)
+        tok = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK)
         m = h < HV
         x = tl.load(a_ptr + tok * HV + h, mask=m, other=0.0).to(tl.float32) \

@@ -43,3 +43,16 @@ def test_fault_kinds_are_checked():
 ])
 def test_device_unusable_classification(exc, fatal):
     assert device_unusable(exc) is fatal
+
+
+def test_exactness_reference_is_ar_decoded_on_the_trials_implementation_paths(tmp_path):
+    """A config is exact when it equals AR decoded the same way (loop and kernels): in bf16 two
+    loops or two kernel sets round differently, which is not the speculative algorithm's doing."""
+    w = _worker(tmp_path, {})
+    assert w.ar_config({"verify": "ddtree", "draft_path": "generic", "kernels": "eager", "budget": 9}) == {
+        **w.fixed, "verify": "ar", "draft_path": "generic", "kernels": "eager"}
+    for paths in ({"draft_path": "generic", "kernels": "eager"}, {"draft_path": "runtime", "kernels": "fused"}):
+        rec = w.measure(Job(trial=7, role="search", config={"verify": "chain", **paths}, max_new_tokens=8,
+                            warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))
+        assert rec.ok and rec.exact_match == 1.0
+    assert sorted(k[1:] for k in w._reference) == [("generic", "eager"), ("runtime", "fused")]

@@ -120,5 +120,7 @@ def test_bad_shapes_and_backend_are_refused():
         tree_delta_rule(q, k, v, g, beta, parents, state, backend="cuda")
     with pytest.raises(ValueError, match="shapes do not match"):
         tree_delta_rule(q, k, v[:, :3], g, beta, parents, state)
+    with pytest.raises(ValueError, match="shapes do not match"):  # a bad beta alone is caught too
+        tree_delta_rule(q, k, v, g, beta[:, :3], parents, state)
     with pytest.raises(ValueError, match="node_states must be"):
         tree_delta_rule(q, k, v, g, beta, parents, state, torch.empty(3, 4, 8, 8, device=DEVICE))
