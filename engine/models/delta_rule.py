@@ -107,9 +107,7 @@ def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (it is updated in place)")
     out = torch.empty_like(v)
-    block_k = triton.next_power_of_2(dk)
-    # Value columns per program: a [block_k, block_v] fp32 state block stays in registers.
-    block_v = min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
+    block_k, block_v = kernel_blocks(dk, dv)
     store = node_states is not None
     if store and not node_states.is_contiguous():
         raise ValueError("node_states must be contiguous")
@@ -119,6 +117,13 @@ def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
     )
     return out
+
+
+def kernel_blocks(dk: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_V) of the kernel: a [BLOCK_K, BLOCK_V] float32 block of S per program stays in
+    registers (4096 values: 32 a thread)."""
+    block_k = triton.next_power_of_2(dk)
+    return block_k, min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
 
 
 if triton is not None:

@@ -108,7 +108,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) 
     rows, d = _rows(x)
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
-                                       BLOCK=triton.next_power_of_2(d))
+                                       **row_launch(d))
     return out.view(x.shape)
 
 
@@ -120,7 +120,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     g = gate.reshape(-1, d).contiguous()
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, out, d, eps, ZERO_CENTRED=False, GATED=True,
-                                       BLOCK=triton.next_power_of_2(d))
+                                       **row_launch(d))
     return out.view(x.shape)
 
 
@@ -235,17 +235,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     s, hkv = kb.shape[1], kb.shape[2]
     out = torch.empty_like(qc)
     group = hq // hkv
-    block_d = max(16, triton.next_power_of_2(d))
     grid = (triton.cdiv(t * group, ATTN_BLOCK_M), hkv, b)
-    # Two pipeline stages and smaller key blocks for wide heads keep shared memory within a Hopper
-    # SM's 227 KB (head_dim 256 with three stages does not fit).
     _small_attention_kernel[grid](
         qc, kb, vb, mb, out, t, s, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
         mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1), scale if scale is not None else d**-0.5,
-        HQ=hq, GROUP=group, D=d, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if block_d >= 256 else 64, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=8 if block_d >= 256 else 4, num_stages=2,
+        HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32, **attention_launch(d),
     )
     return out if batched else out[0]
+
+
+def row_launch(d: int) -> dict[str, int]:
+    """A whole row per program (its reduction needs it): more warps for wider rows keep the values
+    a thread holds in registers (a width sets one launch, so a row's bits never depend on T)."""
+    block = triton.next_power_of_2(d)
+    return dict(BLOCK=block, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+
+
+def attention_launch(d: int) -> dict[str, int]:
+    """Block sizes and launch options of the attention kernel for head_dim ``d``. Two pipeline
+    stages and smaller key blocks for wide heads keep shared memory within a Hopper SM's 227 KB
+    (head_dim 256 with three stages does not fit)."""
+    block_d = max(16, triton.next_power_of_2(d))
+    wide = block_d >= 256
+    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if wide else 64, BLOCK_D=block_d, num_warps=8 if wide else 4,
+                num_stages=2)
 
 
 def _rows(x: Tensor) -> tuple[Tensor, int]:

@@ -1,0 +1,106 @@
+"""Compile every Triton kernel for Hopper (sm_90) at the shapes of the presets, without a GPU, and
+report registers, shared memory and spills: what Triton's interpreter (the CPU tests) cannot tell.
+
+    python benchmarks/kernel_check.py          # a table; exit 1 if a kernel spills or does not fit
+
+Triton's own compiler with the ptxas and cuobjdump its wheel carries; run it with
+TRITON_INTERPRET unset (tests/engine/test_kernels_compile.py runs it in a process of its own).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models import delta_rule, fused  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+DELTA_SHAPES = [(16, 8), (128, 128)]  # (dk, dv): tiny-hybrid, Qwen3.5-27B
+HEAD_DIMS = [16, 64, 128, 256]  # tiny, SmolLM2 and the DFlash drafts, Qwen3-8B, Qwen3.5-27B
+WIDTHS = [576, 4096, 5120, 8192, 16384]  # hidden sizes (SmolLM2 ... a 400B model's)
+
+
+def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
+                       num_stages: int = 3):
+    backend = triton.compiler.make_backend(TARGET)
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
+    src = triton.compiler.ASTSource(fn=kernel, constexprs=constexprs, signature=signature)
+    opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=TARGET, options=opts.__dict__)
+
+
+def resources(compiled) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    res = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+    res["SHARED"] = compiled.metadata.shared
+    return res
+
+
+def cases():
+    """(name, kernel, argument types, constexprs, num_warps, num_stages) as the wrappers launch them."""
+    for dk, dv in DELTA_SHAPES:
+        block_k, block_v = delta_rule.kernel_blocks(dk, dv)
+        types = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
+                     parents_ptr="*i32", state_ptr="*fp32", nodes_ptr="*fp32", out_ptr="*fp32", T="i32",
+                     store_nodes="i32")
+        yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
+               dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), 4, 3)
+    for dtype in ("bf16", "fp32"):
+        p = "*" + dtype
+        for d in HEAD_DIMS:
+            launch = fused.attention_launch(d)
+            warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+            types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", out_ptr=p, T="i32", S="i32", skb="i32",
+                         skt="i32", skh="i32", svb="i32", svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
+            yield (f"attention {dtype} head_dim={d}", fused._small_attention_kernel, types,
+                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", **launch), warps, stages)
+        for d in WIDTHS + HEAD_DIMS:
+            types = dict(x_ptr=p, w_ptr=p, gate_ptr=p, out_ptr=p, D="i32", eps="fp32")
+            launch = fused.row_launch(d)
+            warps = launch.pop("num_warps")
+            for label, zc, gated in (("rms_norm", False, False), ("rms_norm zero-centred", True, False),
+                                     ("gated rms_norm", False, True)):
+                yield (f"{label} {dtype} d={d}", fused._rms_norm_kernel, types,
+                       dict(ZERO_CENTRED=zc, GATED=gated, **launch), warps, 3)
+        yield (f"silu_mul {dtype}", fused._silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32"),
+               dict(BLOCK=2048), 4, 3)
+        rope = dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, HEADS="i32", D="i32", RD="i32")
+        for d, rd in ((64, 64), (128, 128), (256, 64)):  # full RoPE, and Qwen3.5's partial quarter
+            yield f"rope {dtype} d={d} rd={rd}", fused._rope_kernel, rope, dict(HALF=rd // 2, BLOCK=d), 4, 3
+        conv = dict(hist_ptr=p, idx_ptr="*i64", w_ptr=p, q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", C="i32")
+        yield (f"gdn conv {dtype}", fused._gdn_conv_kernel, conv, dict(HK=16, DK=128, DV=128, KERNEL=4, BLOCK=128),
+               4, 3)
+        gates = dict(a_ptr=p, b_ptr=p, alog_ptr="*fp32", dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", HV="i32")
+        yield f"gdn gates {dtype}", fused._gdn_gates_kernel, gates, dict(BLOCK=64), 4, 3
+
+
+def main() -> int:
+    bad = 0
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}, shared memory limit {SHARED_LIMIT} B")
+    print(f"{'kernel':40s} {'warps':>5s} {'regs':>5s} {'shared':>7s} {'spill':>6s}  verdict")
+    for name, kernel, types, constexprs, warps, stages in cases():
+        res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages))
+        spill = res.get("STACK", 0) + res.get("LOCAL", 0)
+        ok = spill == 0 and res["SHARED"] <= SHARED_LIMIT
+        bad += not ok
+        print(f"{name:40s} {warps:5d} {res.get('REG', 0):5d} {res['SHARED']:7d} {spill:6d}  {'ok' if ok else 'BAD'}")
+    print(f"kernels: {sum(1 for _ in cases())}  bad: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
