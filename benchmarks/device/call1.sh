@@ -6,9 +6,10 @@
 source benchmarks/device/common.sh call1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 
+section kernel_check 60 python3 benchmarks/kernel_check.py
 section tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
   tests/engine/test_delta_rule.py tests/engine/test_fused.py
-section large 210 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
+section large 190 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
   --md "$OUT/large.md" --out "$OUT/large.json"
 section large_kernels_off 70 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
   --repeats 2 --new-tokens 24 --kernels off --md "$OUT/large_kernels_off.md"
