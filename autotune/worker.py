@@ -121,7 +121,7 @@ class Worker:
         # two JSONL files may share a stem; the set name keys per-set results, so keep it unique
         names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
-        # (max_new_tokens, draft_path, kernels) -> per set outputs
+        # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
         self._output_hook = output_hook
 
@@ -140,11 +140,14 @@ class Worker:
         return {**self.fixed, **paths, "verify": "ar"}
 
     def reference(self, max_new_tokens: int, config: dict[str, Any] | None = None) -> list[list[list[int]]]:
-        """The AR outputs (the ground truth for exactness), computed once per length and paths."""
+        """The AR outputs (the ground truth for exactness), computed once per length and per way
+        of decoding that actually differs on this machine (on a CPU every AR config runs the same
+        loop and kernels: one reference)."""
         import engine
 
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
-        key = (max_new_tokens, cfg.draft_path, cfg.kernels)
+        constrained = cfg.grammar != "off" and any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
+        key = (max_new_tokens, *self.pair.decode_paths(cfg, constrained))
         if key not in self._reference:
             self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
                                     for _, prompts in self.sets]

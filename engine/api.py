@@ -97,6 +97,18 @@ class Pair:
             self._grammars[key] = compile_tool_grammar(self._grammar_vocab, tools)
         return self._grammars[key]
 
+    def decode_paths(self, config: EngineConfig, constrained: bool = False) -> tuple[str, str]:
+        """(loop, kernels) that ``config`` decodes with on this pair: the loop ``generic``,
+        ``static`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
+        run here (the Triton kernels on CUDA only). Configs with equal paths round alike."""
+        from engine import runtime
+        from engine.models import fused
+
+        on_cuda = self.target.device.type == "cuda"
+        loop = "graphs" if runtime.supports(self, config, constrained) else "generic"
+        kernels = "fused" if config.kernels == "fused" and on_cuda and fused.kernels_enabled() else "eager"
+        return loop, kernels
+
     def encode(self, prompt: Any) -> list[int]:
         """A workload prompt (text, or messages + tools through the chat template) -> token ids."""
         if self.tokenizer is None:
