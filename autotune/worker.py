@@ -121,6 +121,7 @@ class Worker:
         # two JSONL files may share a stem; the set name keys per-set results, so keep it unique
         names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
+        self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
         self._output_hook = output_hook
@@ -146,8 +147,7 @@ class Worker:
         import engine
 
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
-        constrained = cfg.grammar != "off" and any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
-        key = (max_new_tokens, *self.pair.decode_paths(cfg, constrained))
+        key = (max_new_tokens, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools))
         if key not in self._reference:
             self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
                                     for _, prompts in self.sets]

@@ -79,7 +79,7 @@ class Workspace:
     max_len: int
 
 
-def _constrain(gs: GrammarState, bits: Tensor, logits: Tensor, stats: GenerationStats) -> Tensor:
+def constrain_logits(gs: GrammarState, bits: Tensor, logits: Tensor, stats: GenerationStats) -> Tensor:
     """logits [1, V] masked by the grammar's next-token mask (grammar time counted)."""
     t0 = time.perf_counter()
     gs.fill(bits, 0)
@@ -87,7 +87,7 @@ def _constrain(gs: GrammarState, bits: Tensor, logits: Tensor, stats: Generation
     return mask_logits(logits.view(1, -1), bits[:1])
 
 
-def _advance(gs: GrammarState, token: int, stats: GenerationStats) -> None:
+def advance_grammar(gs: GrammarState, token: int, stats: GenerationStats) -> None:
     t0 = time.perf_counter()
     ok = gs.advance(token)
     stats.grammar_ms += 1000.0 * (time.perf_counter() - t0)
@@ -206,11 +206,11 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
         return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs)
     t0 = timer.now()
     bits = new_bitmask(1, gs.words) if gs is not None else None
-    constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
+    constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
     out = [prefill(pair, ws, prompt, cfg, (), constrain)]
     tok = ws.seq[len(prompt)]
     if gs is not None:
-        _advance(gs, out[0], stats)
+        advance_grammar(gs, out[0], stats)
     t_first = timer.now()
     stats.prefill_s = t_first - t0
     if on_tokens is not None:
@@ -221,11 +221,11 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
         with timer.phase("verify"):
             logits, _ = target(tok.view(1), ws.cache, pos, last_only=True)
             if gs is not None:
-                logits = _constrain(gs, bits, logits, stats)
+                logits = constrain_logits(gs, bits, logits, stats)
             tok = select_tokens(logits, torch.tensor([pos + 1], device=logits.device), cfg.temperature, cfg.seed)
         out.append(int(tok))
         if gs is not None:
-            _advance(gs, out[-1], stats)
+            advance_grammar(gs, out[-1], stats)
         if on_tokens is not None:
             on_tokens(out[-1:])
         stats.steps += 1
@@ -297,10 +297,10 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     t0 = timer.now()
-    constrain = (lambda lg: _constrain(gs, bits, lg, stats)) if gs is not None else None
+    constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
     out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain)]
     if gs is not None:
-        _advance(gs, out[0], stats)
+        advance_grammar(gs, out[0], stats)
     t_first = timer.now()
     stats.prefill_s = t_first - t0
     if on_tokens is not None:

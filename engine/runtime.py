@@ -215,23 +215,18 @@ class StaticDecoder:
             self.ws.cache.recommit_recurrent(path, torch.tensor([kept], device=self.device))
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
-               timer, gs: GrammarState | None) -> tuple[GenerationStats, list[int], float, float]:
-        """The eager prefill (its token grammar-masked), then the root's position handed to the device."""
-        from engine.decode import prefill
+               timer, gs: GrammarState | None, bits: Tensor | None
+               ) -> tuple[GenerationStats, list[int], float, float]:
+        """The eager prefill (its token masked by the grammar through the host ``bits``), then the
+        root's position handed to the device."""
+        from engine.decode import advance_grammar, constrain_logits, prefill
 
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
-        constrain = None
-        if gs is not None:
-            bits = new_bitmask(1, gs.words)
-
-            def constrain(logits: Tensor) -> Tensor:
-                gs.fill(bits, 0)
-                return mask_logits(logits.view(1, -1), bits)
+        constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
         out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain)]
         if gs is not None:
-            ok = gs.advance(out[0])
-            assert ok, f"token {out[0]} was picked from grammar-masked logits, yet the grammar refuses it"
+            advance_grammar(gs, out[0], stats)
         t_first = timer.now()
         stats.prefill_s = t_first - t0
         if on_tokens is not None:
@@ -244,10 +239,11 @@ class StaticDecoder:
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                     on_tokens, timer, gs: GrammarState | None = None) -> Generation:
-        from engine.decode import finish  # the decode module imports this one
+        from engine.decode import advance_grammar, finish  # the decode module imports this one
 
         bits = self._bitmask(gs) if gs is not None else None
-        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs)
+        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs,
+                                              bits[0] if bits else None)
         pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = ("ar", cfg.temperature, cfg.seed, gs is not None, cfg.kernels)
@@ -262,10 +258,7 @@ class StaticDecoder:
                 nxt = self.graphs.run((*key, key_len), self._ar_step, key_len, cfg, gs is not None)
                 out.append(int(nxt))
             if gs is not None:
-                tg = time.perf_counter()
-                ok = gs.advance(out[-1])
-                stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
-                assert ok, f"token {out[-1]} was picked from grammar-masked logits, yet the grammar refuses it"
+                advance_grammar(gs, out[-1], stats)
             pos += 1
             if on_tokens is not None:
                 on_tokens(out[-1:])
@@ -280,10 +273,11 @@ class StaticDecoder:
         from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
-        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs)
+        bits = new_bitmask(1, gs.words) if gs is not None else None
+        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
+                                              bits)
         start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
-        bits = new_bitmask(1, gs.words) if gs is not None else None
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block, cfg.kernels)
         while not done:
