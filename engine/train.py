@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.nn.functional as F
@@ -269,12 +271,24 @@ def train_draft(
     cfg: TrainConfig,
     mask_token_id: int,
     log: Callable[[str], None] = print,
+    init: DFlashDraft | None = None,
 ) -> tuple[DFlashDraft, dict]:
-    """Train a new draft on (prompt + self-distilled response) token sequences."""
+    """Train a draft on (prompt + self-distilled response) token sequences: a new one, or ``init``
+    (a trained draft, warm start: its architecture is kept, training continues in float32 with a
+    fresh optimiser, warm-up and schedule)."""
     device = target.device
     if len(sequences) != len(prompt_lens) or not sequences:
         raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
-    draft = new_draft_for(target, cfg, mask_token_id).to(device)
+    if init is not None:
+        if init.cfg.block_size != cfg.block_size or init.cfg.mask_token_id != mask_token_id:
+            raise EngineInputError(
+                f"the warm-start draft has block_size {init.cfg.block_size} and mask_token_id "
+                f"{init.cfg.mask_token_id}; training asked for {cfg.block_size} and {mask_token_id}")
+        draft = init.to(device=device, dtype=torch.float32).train()
+        for p in draft.parameters():
+            p.requires_grad_(True)
+    else:
+        draft = new_draft_for(target, cfg, mask_token_id).to(device)
     ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     data = [(torch.tensor(list(s)[: cfg.max_seq_len], device=device), p)
@@ -339,16 +353,39 @@ def train_draft(
     return draft.eval(), summary
 
 
+def _open_text(path: Path, mode: str) -> IO[str]:
+    # ``.gz``: self-distilled data is kept between GPU sessions, gzip makes it a quarter the size.
+    return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
+
+
 def save_sequences(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
-    with path.open("w") as fh:
+    """One JSON object per line, ``{"tokens": [...], "prompt_len": n}``; gzip when the name ends in .gz."""
+    with _open_text(path, "w") as fh:
         for s, p in zip(sequences, prompt_lens, strict=True):
             fh.write(json.dumps({"tokens": list(s), "prompt_len": p}) + "\n")
 
 
 def load_sequences(path: Path) -> tuple[list[list[int]], list[int]]:
+    """What ``save_sequences`` wrote; a malformed line is an error naming the file and the line."""
+    if not path.is_file():
+        raise EngineInputError(f"--data {str(path)!r}: no such file")
     seqs, plens = [], []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        seqs.append(rec["tokens"])
-        plens.append(rec["prompt_len"])
+    with _open_text(path, "r") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                tokens, plen = rec["tokens"], rec["prompt_len"]
+                ok = (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+                      and isinstance(plen, int) and 0 < plen < len(tokens))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise EngineInputError(f"{path}:{n}: not a sequence record ({e})") from None
+            if not ok:
+                raise EngineInputError(f"{path}:{n}: 'tokens' must be a list of token ids longer than "
+                                       f"'prompt_len' (a positive integer)")
+            seqs.append(tokens)
+            plens.append(plen)
+    if not seqs:
+        raise EngineInputError(f"{path}: no sequences")
     return seqs, plens

@@ -14,6 +14,7 @@ import torch
 from engine.config import EngineInputError
 from engine.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
 
+ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
 SMOKE = dict(n_prompts=8, gen_max_new_tokens=16, steps=5, layers=1, block_size=4, num_anchors=4, batch_size=2)
 
 
@@ -29,10 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--gen-budget", type=float, default=0.0,
                    help="seconds of self-distillation at most: no new batch starts after it, the prompts not "
                         "answered are left out (0: no limit)")
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--intermediate-size", type=int, default=None)
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--num-target-ids", type=int, default=5)
+    t.add_argument("--init", metavar="DRAFT",
+                   help="warm start: continue training this draft checkpoint (its layers, sizes, block size, "
+                        "target layers and mask token are kept)")
+    t.add_argument("--layers", type=int, default=None, help=f"draft layers (default {ARCH_DEFAULTS['layers']})")
+    t.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    t.add_argument("--block-size", type=int, default=None,
+                   help=f"block size (default {ARCH_DEFAULTS['block_size']})")
+    t.add_argument("--num-target-ids", type=int, default=None,
+                   help=f"target layers the draft reads (default {ARCH_DEFAULTS['num_target_ids']})")
     t.add_argument("--num-anchors", type=int, default=32)
     t.add_argument("--gamma", type=float, default=7.0)
     t.add_argument("--lr", type=float, default=6e-4)
@@ -72,18 +78,55 @@ def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
     return keep
 
 
+def _warm_start(args: argparse.Namespace, pair) -> tuple:
+    """The --init draft (float32), checked against the target and the flags given, and its training summary."""
+    from engine.loading import load_draft_folder
+
+    draft = load_draft_folder(Path(args.init), pair.target, pair.target.device, torch.float32)
+    have = dict(layers=draft.cfg.num_hidden_layers, block_size=draft.cfg.block_size,
+                num_target_ids=len(draft.cfg.target_layer_ids), intermediate_size=draft.cfg.intermediate_size,
+                mask_token_id=draft.cfg.mask_token_id)
+    for key, value in have.items():
+        asked = getattr(args, key)
+        if asked is not None and asked != value:
+            raise EngineInputError(f"--{key.replace('_', '-')} {asked} disagrees with the --init draft "
+                                   f"{args.init!r}, which has {key} {value}; leave the flag out to keep its value")
+    summary = Path(args.init) / "training.json"
+    try:
+        previous = json.loads(summary.read_text()) if summary.is_file() else None
+    except json.JSONDecodeError as e:
+        raise EngineInputError(f"{summary}: not JSON ({e})") from None
+    if previous is not None:
+        previous.pop("init_training", None)  # one level of history; total_steps carries the rest
+    print(f"warm start from {args.init}: {have['layers']} layers, block {have['block_size']}, "
+          f"{(previous or {}).get('total_steps', (previous or {}).get('steps', '?'))} steps so far", flush=True)
+    return draft, previous
+
+
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     import engine
     from engine.loading import save_draft_folder
 
     values = {k: getattr(args, k) for k in ("n_prompts", "gen_max_new_tokens", "steps", "layers", "block_size",
-                                            "num_anchors", "batch_size")}
+                                            "num_target_ids", "num_anchors", "batch_size")}
     if args.smoke:
-        values.update(SMOKE)
+        values.update({k: v for k, v in SMOKE.items() if not (args.init and k in ARCH_DEFAULTS)})
+    for k, v in ARCH_DEFAULTS.items():
+        values[k] = v if values[k] is None else values[k]
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
+    pair = engine.load(args.target, "none", device=args.device, dtype="auto")
+    init, init_training = None, None
+    if args.init:
+        init, init_training = _warm_start(args, pair)
+        values.update(layers=init.cfg.num_hidden_layers, block_size=init.cfg.block_size,
+                      num_target_ids=len(init.cfg.target_layer_ids))
+        args.intermediate_size = init.cfg.intermediate_size
     cfg = TrainConfig(
         layers=values["layers"], intermediate_size=args.intermediate_size, block_size=values["block_size"],
-        num_target_ids=args.num_target_ids, num_anchors=values["num_anchors"], gamma=args.gamma, lr=args.lr,
+        num_target_ids=values["num_target_ids"], num_anchors=values["num_anchors"], gamma=args.gamma, lr=args.lr,
         steps=values["steps"], batch_size=values["batch_size"], max_seq_len=args.max_seq_len,
         gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
         time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
@@ -92,11 +135,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 0:
             raise EngineInputError(f"--{flag.replace('_', '-')} must be >= 0 seconds (0: no limit), "
                                    f"got {getattr(args, flag)}")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
-    pair = engine.load(args.target, "none", device=args.device, dtype="auto")
     mask_id = args.mask_token_id if args.mask_token_id is not None else getattr(pair.tokenizer, "mask_id", None)
+    if init is not None:
+        mask_id = init.cfg.mask_token_id
     if mask_id is None or not 0 <= mask_id < pair.target.cfg.vocab_size:
         raise EngineInputError(f"a mask token id inside the vocabulary is needed (--mask-token-id), got {mask_id}")
     torch.manual_seed(args.seed)
@@ -123,9 +164,15 @@ def run(args: argparse.Namespace) -> int:
         budget = min(cfg.time_budget_s, left) if cfg.time_budget_s else left
         cfg = dataclasses.replace(cfg, time_budget_s=budget)
         print(f"training budget: {budget:.0f}s", flush=True)
-    draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True))
+    draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True),
+                                 init=init)
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    command="python -m engine " + " ".join(sys.argv[1:]))
+    if init is not None:
+        # The checkpoint's whole history: what it was trained from, and how long in all.
+        summary.update(init=args.init, init_training=init_training,
+                       total_steps=summary["steps"] + int((init_training or {}).get("total_steps",
+                                                          (init_training or {}).get("steps", 0))))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
     (out / "training.json").write_text(json.dumps(summary, indent=2))

@@ -6,13 +6,20 @@
 source benchmarks/device/common.sh call1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 
-section kernel_check 60 python3 benchmarks/kernel_check.py
-section tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
-  tests/engine/test_delta_rule.py tests/engine/test_fused.py
-section large 190 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
+rm -f /root/stash/kernels_failed
+section kernel_check 45 python3 benchmarks/kernel_check.py
+section kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/test_delta_rule.py \
+  tests/engine/test_fused.py
+if [ "$LAST_RC" != 0 ]; then
+  touch /root/stash/kernels_failed
+  export ENGINE_KERNELS=eager
+  say "the Triton kernels failed on this GPU: ENGINE_KERNELS=eager from here on (and in calls 2 and 3)"
+fi
+section gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py
+section large 140 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
   --md "$OUT/large.md" --out "$OUT/large.json"
-section large_kernels_off 70 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
+section large_kernels_off 50 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
   --repeats 2 --new-tokens 24 --kernels off --md "$OUT/large_kernels_off.md"
-section profile 90 python3 benchmarks/gpu_bench.py profile --presets qwen3-8b-shape qwen35-27b-shape \
+section profile 60 python3 benchmarks/gpu_bench.py profile --presets qwen3-8b-shape qwen35-27b-shape \
   --new-tokens 6 --budget 32 --md "$OUT/profile.md"
 summary

@@ -12,8 +12,8 @@ if [ -f /root/stash/draft/model.safetensors ]; then
 fi
 python3 -m engine assets list 2>&1 | tee -a "$LOG"
 W=.device/workloads
-section grammar_tests 60 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py -k grammar
-section pair 150 python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent --n-prompts 4 \
+section grammar_tests 45 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py -k grammar
+section pair 130 python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent --n-prompts 4 \
   --max-new-tokens 96 --repeats 2 --md "$OUT/pair.md"
 section hf 45 python3 benchmarks/gpu_bench.py hf --sets humaneval --n-prompts 2 --max-new-tokens 64 --repeats 1 \
   --md "$OUT/hf.md"
@@ -25,7 +25,7 @@ section executors 60 python3 benchmarks/executor_bench.py --target smollm2-135m-
 section grammar 60 python3 benchmarks/grammar_bench.py --device cuda --dtype float32 --n-prompts 2 \
   --max-new-tokens 64 --repeats 2 \
   --configs ar-constrained,ddtree-walk,ddtree-commit,ar-constrained-generic,ddtree-commit-generic
-section sweep 110 python3 -m autotune sweep experiments/smollm2-agent-h200.yaml --n-trials 12 --timeout 90s \
+section sweep 100 python3 -m autotune sweep experiments/smollm2-agent-h200.yaml --n-trials 12 --timeout 90s \
   --storage sqlite:////root/stash/agent.db --tracking-uri none --no-progress
 section report 20 python3 -m autotune report smollm2-agent-h200 --storage sqlite:////root/stash/agent.db \
   --out /root/stash/report

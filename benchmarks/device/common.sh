@@ -22,6 +22,7 @@ section() {
   rc=$?
   set +o pipefail
   SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - t0 ))s")
+  LAST_RC=$rc
   return 0
 }
 
@@ -37,5 +38,10 @@ summary() {
   for line in "${SUMMARY[@]}"; do say "$line"; done
 }
 
+# Call 1 tests the Triton kernels on this GPU first; if they failed, the later calls run without them.
+if [ -f /root/stash/kernels_failed ]; then
+  export ENGINE_KERNELS=eager
+  say "ENGINE_KERNELS=eager: the Triton kernels failed their GPU tests in call 1"
+fi
 say "host: $(hostname)  python: $(python3 -V 2>&1)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +29,16 @@ except ImportError:  # pragma: no cover - installs without Triton use the PyTorc
     triton = None
 
 
-_enabled = True
+def _from_environment() -> bool:
+    # ENGINE_KERNELS=eager turns the kernels off for a whole process from outside (a GPU whose
+    # Triton cannot build them, or a benchmark run without them): the default of set_kernels.
+    value = os.environ.get("ENGINE_KERNELS", "fused").strip().lower()
+    if value not in ("fused", "eager"):
+        raise ValueError(f"environment variable ENGINE_KERNELS must be 'fused' or 'eager', got {value!r}")
+    return value == "fused"
+
+
+_enabled = _from_environment()
 
 
 def set_kernels(enabled: bool) -> bool:

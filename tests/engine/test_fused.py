@@ -3,6 +3,10 @@ result must not depend on the batch of rows it is computed in."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -239,3 +243,16 @@ def test_a_generation_chooses_its_kernels_and_the_choice_is_restored():
     outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k), 16, ignore_eos=True).tokens
             for k in ("fused", "eager")}
     assert outs["fused"] == outs["eager"]  # on a CPU both are the PyTorch forms
+
+
+def _kernels_default_with(value: str) -> subprocess.CompletedProcess:
+    code = "from engine.models import fused; print(fused._enabled)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "ENGINE_KERNELS": value})
+
+
+def test_engine_kernels_environment_variable_sets_the_process_default():
+    assert _kernels_default_with("eager").stdout.strip() == "False"
+    assert _kernels_default_with("fused").stdout.strip() == "True"
+    bad = _kernels_default_with("off")
+    assert bad.returncode != 0 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in bad.stderr

@@ -1,13 +1,25 @@
 """Draft training: batched target forward, self-distillation, block masks, a CPU smoke run."""
 
+import json
+
 import pytest
 import torch
 
 import engine
 from engine import EngineConfig
+from engine.cli import main
+from engine.config import EngineInputError
 from engine.loading import load_draft_folder, save_draft_folder
 from engine.models.dense import forward_padded
-from engine.train import TrainConfig, block_batch, generate_responses, sample_anchors, train_draft
+from engine.train import (
+    TrainConfig,
+    block_batch,
+    generate_responses,
+    load_sequences,
+    sample_anchors,
+    save_sequences,
+    train_draft,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +133,44 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
     for verify in ("chain", "ddtree"):
         out = engine.generate(trained, ids, EngineConfig(verify=verify, budget=10, top_k=3), 32, ignore_eos=True)
         assert out.tokens == ar.tokens
+
+
+def test_sequences_round_trip_through_gzip_and_bad_records_name_the_line(tmp_path):
+    seqs, plens = [[1, 2, 3, 4], [5, 6, 7]], [2, 1]
+    save_sequences(tmp_path / "sd.jsonl.gz", seqs, plens)
+    assert load_sequences(tmp_path / "sd.jsonl.gz") == (seqs, plens)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2, 3], "prompt_len": 1}\n{"tokens": [1, 2], "prompt_len": 2}\n')
+    with pytest.raises(EngineInputError, match=r"bad.jsonl:2: 'tokens' must be"):
+        load_sequences(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(EngineInputError, match=r"bad.jsonl:1: not a sequence record"):
+        load_sequences(bad)
+
+
+def _step0_loss(log: str) -> float:
+    return float(next(line for line in log.splitlines() if line.startswith("step 0 loss")).split()[3])
+
+
+def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path, capsys):
+    data = tmp_path / "sd.jsonl.gz"
+    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--n-prompts", "8",
+              "--gen-max-new-tokens", "24", "--batch-size", "4", "--num-anchors", "8", "--lr", "3e-3"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--layers", "1", "--block-size", "8", "--steps", "30",
+                          "--save-data", str(data)]) == 0
+    fresh_start = _step0_loss(capsys.readouterr().out)
+    assert main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--data", str(data),
+                          "--steps", "10"]) == 0
+    log = capsys.readouterr().out
+    assert "warm start from" in log and "30 steps so far" in log
+    second = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert second["config"]["layers"] == 1 and second["config"]["block_size"] == 8
+    assert second["init_training"]["steps"] == 30 and second["total_steps"] == 40
+    # It starts where the first run ended, not from a random draft's loss.
+    assert _step0_loss(log) < 0.8 * fresh_start
+    # A flag that contradicts the checkpoint is a usage error that names both values.
+    assert main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "a"), "--data", str(data),
+                          "--block-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size 16 disagrees with the --init draft" in err and "block_size 8" in err
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
