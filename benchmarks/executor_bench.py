@@ -102,7 +102,9 @@ def run_executor(ex: Executor, batch: list[Job]) -> dict[str, Any]:
 
 
 def run_process_per_trial(batch: list[Job], args: argparse.Namespace) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the parent had on its path (packages installed aside).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     recs, t0, startups = [], time.perf_counter(), []
     for job in batch:
         payload = {"target": args.target, "draft": args.draft, "device": args.device, "dtype": args.dtype,
@@ -110,8 +112,11 @@ def run_process_per_trial(batch: list[Job], args: argparse.Namespace) -> dict[st
                    "base": str(REPO), "n_prompts": args.n_prompts, "job": dataclasses.asdict(job)}
         t = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(payload)], env=env, capture_output=True,
-                             text=True, check=True)
+                             text=True)
         waited = time.perf_counter() - t
+        if out.returncode != 0:
+            raise RuntimeError(f"process-per-trial child for trial {job.trial} exited {out.returncode}:\n"
+                               f"{out.stderr[-3000:]}")
         doc = json.loads(out.stdout.strip().splitlines()[-1])
         assert doc["ok"], doc["reason"]
         startups.append(doc["startup_s"])

@@ -93,9 +93,11 @@ class _Graphs:
         """Forget every capture (the buffers they read were replaced)."""
         self._captured.clear()
 
-    def run(self, key: object, fn: Callable[..., object], *args: object) -> object:
+    def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
         """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
-        the same static buffers and constants at every call with that key)."""
+        the same static buffers and constants at every call with that key). Every key starts
+        ``(kind, key span, ...)``, kind one of "ar", "propose", "verify"; the AR key goes on with
+        whether a grammar mask is applied."""
         if not self.enabled:
             return fn(*args)
         if key not in self._captured:
@@ -246,7 +248,7 @@ class StaticDecoder:
                                               bits[0] if bits else None)
         pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
-        key = ("ar", cfg.temperature, cfg.seed, gs is not None, cfg.kernels)
+        key = (gs is not None, cfg.temperature, cfg.seed, cfg.kernels)  # after (kind, key span): see CudaGraphs
         while not done:
             key_len = self._bucket(pos + 1)
             with timer.phase("verify"):
@@ -255,7 +257,7 @@ class StaticDecoder:
                     gs.fill(bits[0], 0)
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                     bits[1].copy_(bits[0], non_blocking=True)
-                nxt = self.graphs.run((*key, key_len), self._ar_step, key_len, cfg, gs is not None)
+                nxt = self.graphs.run(("ar", key_len, *key), self._ar_step, key_len, cfg, gs is not None)
                 out.append(int(nxt))
             if gs is not None:
                 advance_grammar(gs, out[-1], stats)

@@ -21,7 +21,10 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
-    """Off CUDA the dispatchers take the PyTorch forms: here the kernels run (interpreted) anyway."""
+    """Off CUDA the dispatchers take the PyTorch forms: here the kernels run (interpreted) anyway.
+    On a GPU the real dispatch stays: a CPU tensor there must take the PyTorch form."""
+    if DEVICE == "cuda":
+        return
     monkeypatch.setattr(fused, "use_kernels", lambda *t: fused.kernels_enabled() and not (
         torch.is_grad_enabled() and any(x.requires_grad for x in t)))
 

@@ -95,4 +95,4 @@ def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
     for params in (dict(verify="ar"), dict(verify="chain"), dict(verify="ddtree", budget=8, top_k=3)):
         got = engine.generate(pair, ids, EngineConfig(**params, grammar="commit"), 96, ignore_eos=True, grammar=g)
         assert got.tokens == want, params
-    assert any(k[0] == "ar" and k[3] for k in pair._static_decoder.graphs._captured)  # the masked AR graph
+    assert any(k[0] == "ar" and k[2] for k in pair._static_decoder.graphs._captured)  # the masked AR graph

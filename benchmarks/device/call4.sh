@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Follow-up call 4 (benchmarks/DEVICE.md), carrying .device/smol1, on a fresh machine: stashes half 1
+# of the SmolLM2 asset wheel again and runs the GPU tests alone (Triton kernels compiled for this
+# GPU, CUDA graphs, float32 exactness). Calls 5 and 6 follow back to back.
+source benchmarks/device/common.sh call4
+cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
+rm -f /root/stash/kernels_failed
+section kernel_check 45 python3 benchmarks/kernel_check.py
+section kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_delta_rule.py \
+  tests/engine/test_fused.py
+[ "$LAST_RC" != 0 ] && touch /root/stash/kernels_failed && export ENGINE_KERNELS=eager
+section gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py
+summary
