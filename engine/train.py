@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -354,12 +355,16 @@ def train_draft(
 
 
 def _open_text(path: Path, mode: str) -> IO[str]:
-    # ``.gz``: self-distilled data is kept between GPU sessions, gzip makes it a quarter the size.
+    # Self-distilled data is kept in the repository between GPU sessions: ``.xz`` makes it 1/12 of
+    # the JSON (``.gz`` 1/6), and every byte of it travels to the GPU machine in each call.
+    if path.suffix == ".xz":
+        return lzma.open(path, mode + "t", preset=9 if mode == "w" else None)
     return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
 
 
 def save_sequences(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
-    """One JSON object per line, ``{"tokens": [...], "prompt_len": n}``; gzip when the name ends in .gz."""
+    """One JSON object per line, ``{"tokens": [...], "prompt_len": n}``; compressed when the name ends
+    in .xz or .gz."""
     with _open_text(path, "w") as fh:
         for s, p in zip(sequences, prompt_lens, strict=True):
             fh.write(json.dumps({"tokens": list(s), "prompt_len": p}) + "\n")

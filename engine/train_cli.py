@@ -51,8 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "shrinks to fit (0: no limit)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    t.add_argument("--data", help="reuse self-distilled sequences from this JSONL instead of generating")
-    t.add_argument("--save-data", help="write the self-distilled sequences to this JSONL")
+    t.add_argument("--data", nargs="+", metavar="FILE",
+                   help="reuse self-distilled sequences from these JSONL(.gz) files instead of generating")
+    t.add_argument("--gen-more", action="store_true",
+                   help="with --data: also self-distil the prompts that no reused sequence starts with "
+                        "(within --gen-budget), and train on both")
+    t.add_argument("--save-data", help="write the training sequences (reused and new) to this JSONL(.gz)")
     t.add_argument("--device", default="auto")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--smoke", action="store_true", help="a few steps on a few prompts (CPU check)")
@@ -114,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         values.update({k: v for k, v in SMOKE.items() if not (args.init and k in ARCH_DEFAULTS)})
     for k, v in ARCH_DEFAULTS.items():
         values[k] = v if values[k] is None else values[k]
+    if args.gen_more and not args.data:
+        raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
@@ -142,18 +148,25 @@ def run(args: argparse.Namespace) -> int:
         raise EngineInputError(f"a mask token id inside the vocabulary is needed (--mask-token-id), got {mask_id}")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    if args.data:
-        seqs, plens = load_sequences(Path(args.data))
-    else:
+    seqs, plens = [], []
+    for f in args.data or ():
+        more, more_plens = load_sequences(Path(f))
+        seqs, plens = seqs + more, plens + more_plens
+    reused = len(seqs)
+    if not args.data or args.gen_more:
         prompts = _prompts(args, pair, values["n_prompts"])
+        if args.data:  # answered already: a reused sequence starts with the prompt
+            known = {tuple(sq[:n]) for sq, n in zip(seqs, plens, strict=True)}
+            prompts = [ids for ids in prompts if tuple(ids) not in known]
+            print(f"--gen-more: {len(seqs)} sequences reused, {len(prompts)} prompts not answered yet", flush=True)
         answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
                                      time_budget_s=args.gen_budget, seed=args.seed)
         done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
         if len(done) < len(prompts):
             print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
-        seqs, plens = [p + a for p, a in done], [len(p) for p, _ in done]
-        if args.save_data:
-            save_sequences(Path(args.save_data), seqs, plens)
+        seqs, plens = seqs + [p + a for p, a in done], plens + [len(p) for p, _ in done]
+    if args.save_data:
+        save_sequences(Path(args.save_data), seqs, plens)
     gen_s = time.perf_counter() - t0
     print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
     if args.wall_budget:
@@ -167,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True),
                                  init=init)
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
+                   data=args.data, reused_sequences=reused,
                    command="python -m engine " + " ".join(sys.argv[1:]))
     if init is not None:
         # The checkpoint's whole history: what it was trained from, and how long in all.

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Device call 3 of 3, carrying .device/wheels .device/ref .device/workloads .device/assets, made
+# Device call 3 of 3, carrying .device/wheels .device/ref .device/workloads .device/assets .device/gguf, made
 # right after call 2 (SmolLM2 is installed in this machine's asset cache; the new draft, if call 2
 # trained one, is in /root/stash/draft and replaces the shipped one in this copy of the tree).
 # The pair on every path, transformers and the DFlash reference on the same weights, executors,
 # grammar placements and an agent sweep.
 source benchmarks/device/common.sh call3
-install_wheels .device/wheels/*.whl .device/assets/gguf-*.whl
+install_wheels .device/wheels/*.whl
+install_assets humaneval bfcl
 if [ -f /root/stash/draft/model.safetensors ]; then
   cp /root/stash/draft/config.json /root/stash/draft/model.safetensors engine/checkpoints/smollm2-135m-dflash/
   say "using the draft trained in call 2"
@@ -25,9 +26,10 @@ section executors 60 python3 benchmarks/executor_bench.py --target smollm2-135m-
 section grammar 60 python3 benchmarks/grammar_bench.py --device cuda --dtype float32 --n-prompts 2 \
   --max-new-tokens 64 --repeats 2 \
   --configs ar-constrained,ddtree-walk,ddtree-commit,ar-constrained-generic,ddtree-commit-generic
-section sweep 100 python3 -m autotune sweep experiments/smollm2-agent-h200.yaml --n-trials 12 --timeout 90s \
+# The short study: the full one (smollm2-agent-h200.yaml) needs over 80 s per `walk` trial.
+section sweep 100 python3 -m autotune sweep experiments/smollm2-agent-h200-short.yaml --n-trials 8 --timeout 60s \
   --storage sqlite:////root/stash/agent.db --tracking-uri none --no-progress
-section report 20 python3 -m autotune report smollm2-agent-h200 --storage sqlite:////root/stash/agent.db \
+section report 20 python3 -m autotune report smollm2-agent-h200-short --storage sqlite:////root/stash/agent.db \
   --out /root/stash/report
 cp /root/stash/report/*.md "$OUT/" 2>/dev/null
 summary

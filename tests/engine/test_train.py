@@ -1,6 +1,7 @@
 """Draft training: batched target forward, self-distillation, block masks, a CPU smoke run."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,10 +136,11 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
         assert out.tokens == ar.tokens
 
 
-def test_sequences_round_trip_through_gzip_and_bad_records_name_the_line(tmp_path):
+def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path):
     seqs, plens = [[1, 2, 3, 4], [5, 6, 7]], [2, 1]
-    save_sequences(tmp_path / "sd.jsonl.gz", seqs, plens)
-    assert load_sequences(tmp_path / "sd.jsonl.gz") == (seqs, plens)
+    for name in ("sd.jsonl", "sd.jsonl.gz", "sd.jsonl.xz"):
+        save_sequences(tmp_path / name, seqs, plens)
+        assert load_sequences(tmp_path / name) == (seqs, plens)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": [1, 2, 3], "prompt_len": 1}\n{"tokens": [1, 2], "prompt_len": 2}\n')
     with pytest.raises(EngineInputError, match=r"bad.jsonl:2: 'tokens' must be"):
@@ -148,13 +150,16 @@ def test_sequences_round_trip_through_gzip_and_bad_records_name_the_line(tmp_pat
         load_sequences(bad)
 
 
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "experiments" / "prompts" / "quickstart.jsonl")
+
+
 def _step0_loss(log: str) -> float:
     return float(next(line for line in log.splitlines() if line.startswith("step 0 loss")).split()[3])
 
 
 def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path, capsys):
     data = tmp_path / "sd.jsonl.gz"
-    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--n-prompts", "8",
+    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--prompts", QUICKSTART, "--n-prompts", "6",
               "--gen-max-new-tokens", "24", "--batch-size", "4", "--num-anchors", "8", "--lr", "3e-3"]
     assert main(common + ["--out", str(tmp_path / "a"), "--layers", "1", "--block-size", "8", "--steps", "30",
                           "--save-data", str(data)]) == 0
@@ -174,3 +179,24 @@ def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path
     err = capsys.readouterr().err
     assert "--block-size 16 disagrees with the --init draft" in err and "block_size 8" in err
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsys):
+    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--prompts", QUICKSTART,
+              "--gen-max-new-tokens", "12", "--batch-size", "2", "--num-anchors", "4", "--steps", "2",
+              "--layers", "1", "--block-size", "4"]
+    first, both = tmp_path / "first.jsonl.xz", tmp_path / "both.jsonl.xz"
+    assert main(common + ["--n-prompts", "3", "--out", str(tmp_path / "a"), "--save-data", str(first)]) == 0
+    seqs, plens = load_sequences(first)
+    assert len(seqs) == 3
+    assert main(common + ["--n-prompts", "6", "--out", str(tmp_path / "b"), "--data", str(first), "--gen-more",
+                          "--save-data", str(both)]) == 0
+    assert "--gen-more: 3 sequences reused, 3 prompts not answered yet" in capsys.readouterr().out
+    all_seqs, all_plens = load_sequences(both)
+    assert all_seqs[:3] == seqs and len(all_seqs) == 6
+    assert len({tuple(s[:n]) for s, n in zip(all_seqs, all_plens, strict=True)}) == 6  # no prompt twice
+    summary = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert summary["reused_sequences"] == 3 and summary["sequences"] == 6
+    # --gen-more alone has nothing to add to: a usage error before any model loads.
+    assert main(common + ["--out", str(tmp_path / "c"), "--gen-more"]) == 2
+    assert "--gen-more adds to the sequences of --data" in capsys.readouterr().err
