@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -94,10 +95,23 @@ def parse_duration(raw: str, flag: str = "--timeout") -> float:
     return seconds
 
 
+def _check_engine_environment() -> None:
+    """The engine's environment variables, before a trial or a server starts."""
+    from engine.config import EngineInputError
+    from engine.models import fused
+
+    try:
+        fused.check_environment()
+    except EngineInputError:
+        raise InputError("environment", "ENGINE_KERNELS", "must be 'fused' or 'eager'",
+                         os.environ.get("ENGINE_KERNELS")) from None
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from autotune import experiment, study, tracking
 
     # Every input is checked before anything is created or loaded.
+    _check_engine_environment()
     if args.n_trials is not None and args.n_trials < 1:
         raise InputError("--n-trials", None, "must be >= 1", args.n_trials)
     timeout = parse_duration(args.timeout) if args.timeout is not None else None
@@ -219,6 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError("--api-key", None, "must not be empty", args.api_key)
     if not Path(args.config).is_file():
         raise InputError(args.config, None, "config file not found")
+    _check_engine_environment()
     from engine.config import EngineInputError
     from engine.server import serve
 

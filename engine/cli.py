@@ -12,6 +12,7 @@ import yaml
 
 from engine import train_cli
 from engine.config import EngineConfig, EngineInputError
+from engine.models import fused
 
 # Flags that map one-to-one onto EngineConfig fields.
 _CONFIG_FLAGS = {
@@ -154,6 +155,7 @@ def cmd_assets(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        fused.check_environment()
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "assets":

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.config import EngineInputError
+
 try:
     import triton
     import triton.language as tl
@@ -29,16 +31,23 @@ except ImportError:  # pragma: no cover - installs without Triton use the PyTorc
     triton = None
 
 
-def _from_environment() -> bool:
+def _from_environment() -> tuple[bool, str | None]:
     # ENGINE_KERNELS=eager turns the kernels off for a whole process from outside (a GPU whose
     # Triton cannot build them, or a benchmark run without them): the default of set_kernels.
     value = os.environ.get("ENGINE_KERNELS", "fused").strip().lower()
     if value not in ("fused", "eager"):
-        raise ValueError(f"environment variable ENGINE_KERNELS must be 'fused' or 'eager', got {value!r}")
-    return value == "fused"
+        return False, f"environment variable ENGINE_KERNELS must be 'fused' or 'eager', got {value!r}"
+    return value == "fused", None
 
 
-_enabled = _from_environment()
+_enabled, _environment_error = _from_environment()
+
+
+def check_environment() -> None:
+    """A bad ENGINE_KERNELS is an input error, raised here (the CLIs call this first: exit 2) and
+    at the first use of the kernels, never at import."""
+    if _environment_error is not None:
+        raise EngineInputError(_environment_error)
 
 
 def set_kernels(enabled: bool) -> bool:
@@ -50,6 +59,7 @@ def set_kernels(enabled: bool) -> bool:
 
 
 def kernels_enabled() -> bool:
+    check_environment()
     return _enabled and _wanted and triton is not None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,19 +244,27 @@ def test_a_generation_chooses_its_kernels_and_the_choice_is_restored():
         EngineConfig(kernels="triton")
     pair = engine.load("tiny-dense", "random", device="cpu")
     ids = pair.encode("kernels are an implementation path")
-    outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k), 16, ignore_eos=True).tokens
+    # A small tree and few tokens: off CUDA the kernels run in Triton's interpreter (see kernels_on).
+    cfg = dict(verify="ddtree", budget=4, top_k=2)
+    outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k, **cfg), 6, ignore_eos=True).tokens
             for k in ("fused", "eager")}
-    assert outs["fused"] == outs["eager"]  # on a CPU both are the PyTorch forms
+    assert outs["fused"] == outs["eager"]
 
 
-def _kernels_default_with(value: str) -> subprocess.CompletedProcess:
-    code = "from engine.models import fused; print(fused._enabled)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+def _with_kernels_env(value: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           env={**os.environ, "ENGINE_KERNELS": value})
 
 
 def test_engine_kernels_environment_variable_sets_the_process_default():
-    assert _kernels_default_with("eager").stdout.strip() == "False"
-    assert _kernels_default_with("fused").stdout.strip() == "True"
-    bad = _kernels_default_with("off")
+    code = "from engine.models import fused; print(fused.kernels_enabled())"
+    assert _with_kernels_env("eager", "-c", code).stdout.strip() == "False"
+    assert _with_kernels_env("fused", "-c", code).stdout.strip() == "True"
+    # A bad value: importing still works; the first use and both CLIs refuse it (exit 2), naming it.
+    bad = _with_kernels_env("off", "-c", code)
     assert bad.returncode != 0 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in bad.stderr
+    cli = _with_kernels_env("off", "-m", "engine", "generate", "--target", "tiny-dense", "--prompt", "x")
+    assert cli.returncode == 2 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in cli.stderr
+    quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+    sweep = _with_kernels_env("off", "-m", "autotune", "sweep", str(quickstart))
+    assert sweep.returncode == 2 and "environment: ENGINE_KERNELS: must be 'fused' or 'eager'" in sweep.stderr
