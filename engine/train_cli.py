@@ -52,11 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--data", nargs="+", metavar="FILE",
-                   help="reuse self-distilled sequences from these JSONL(.gz) files instead of generating")
+                   help="reuse self-distilled sequences from these JSONL files (.jsonl, .jsonl.gz, .jsonl.xz)")
     t.add_argument("--gen-more", action="store_true",
                    help="with --data: also self-distil the prompts that no reused sequence starts with "
                         "(within --gen-budget), and train on both")
-    t.add_argument("--save-data", help="write the training sequences (reused and new) to this JSONL(.gz)")
+    t.add_argument("--save-data",
+                   help="write the training sequences (reused and new) to this JSONL file (.gz/.xz: compressed)")
     t.add_argument("--device", default="auto")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--smoke", action="store_true", help="a few steps on a few prompts (CPU check)")
@@ -87,9 +88,7 @@ def _warm_start(args: argparse.Namespace, pair) -> tuple:
     from engine.loading import load_draft_folder
 
     draft = load_draft_folder(Path(args.init), pair.target, pair.target.device, torch.float32)
-    have = dict(layers=draft.cfg.num_hidden_layers, block_size=draft.cfg.block_size,
-                num_target_ids=len(draft.cfg.target_layer_ids), intermediate_size=draft.cfg.intermediate_size,
-                mask_token_id=draft.cfg.mask_token_id)
+    have = _architecture(draft)
     for key, value in have.items():
         asked = getattr(args, key)
         if asked is not None and asked != value:
@@ -103,8 +102,21 @@ def _warm_start(args: argparse.Namespace, pair) -> tuple:
     if previous is not None:
         previous.pop("init_training", None)  # one level of history; total_steps carries the rest
     print(f"warm start from {args.init}: {have['layers']} layers, block {have['block_size']}, "
-          f"{(previous or {}).get('total_steps', (previous or {}).get('steps', '?'))} steps so far", flush=True)
+          f"{_steps_so_far(previous)} steps so far", flush=True)
     return draft, previous
+
+
+def _architecture(draft) -> dict[str, int]:
+    """A draft's architecture under the names of the flags that set it."""
+    c = draft.cfg
+    return dict(layers=c.num_hidden_layers, block_size=c.block_size, num_target_ids=len(c.target_layer_ids),
+                intermediate_size=c.intermediate_size, mask_token_id=c.mask_token_id)
+
+
+def _steps_so_far(training: dict | None) -> int:
+    """Training steps behind a checkpoint, from its training.json (0 without one)."""
+    training = training or {}
+    return int(training.get("total_steps", training.get("steps", 0)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
     init, init_training = None, None
     if args.init:
         init, init_training = _warm_start(args, pair)
-        values.update(layers=init.cfg.num_hidden_layers, block_size=init.cfg.block_size,
-                      num_target_ids=len(init.cfg.target_layer_ids))
-        args.intermediate_size = init.cfg.intermediate_size
+        arch = _architecture(init)
+        values.update({k: arch[k] for k in ARCH_DEFAULTS})
+        args.intermediate_size = arch["intermediate_size"]
     cfg = TrainConfig(
         layers=values["layers"], intermediate_size=args.intermediate_size, block_size=values["block_size"],
         num_target_ids=values["num_target_ids"], num_anchors=values["num_anchors"], gamma=args.gamma, lr=args.lr,
@@ -151,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     seqs, plens = [], []
     for f in args.data or ():
         more, more_plens = load_sequences(Path(f))
-        seqs, plens = seqs + more, plens + more_plens
+        seqs.extend(more)
+        plens.extend(more_plens)
     reused = len(seqs)
     if not args.data or args.gen_more:
         prompts = _prompts(args, pair, values["n_prompts"])
@@ -164,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
         if len(done) < len(prompts):
             print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
-        seqs, plens = seqs + [p + a for p, a in done], plens + [len(p) for p, _ in done]
+        seqs.extend(p + a for p, a in done)
+        plens.extend(len(p) for p, _ in done)
     if args.save_data:
         save_sequences(Path(args.save_data), seqs, plens)
     gen_s = time.perf_counter() - t0
@@ -185,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if init is not None:
         # The checkpoint's whole history: what it was trained from, and how long in all.
         summary.update(init=args.init, init_training=init_training,
-                       total_steps=summary["steps"] + int((init_training or {}).get("total_steps",
-                                                          (init_training or {}).get("steps", 0))))
+                       total_steps=summary["steps"] + _steps_so_far(init_training))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
     (out / "training.json").write_text(json.dumps(summary, indent=2))

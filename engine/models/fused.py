@@ -59,7 +59,8 @@ def set_kernels(enabled: bool) -> bool:
 
 
 def kernels_enabled() -> bool:
-    check_environment()
+    if _environment_error is not None:  # every op asks: a global read, not a call (check_environment)
+        raise EngineInputError(_environment_error)
     return _enabled and _wanted and triton is not None
 
 
