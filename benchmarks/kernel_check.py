@@ -62,30 +62,37 @@ def cases():
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
         for d in HEAD_DIMS:
-            launch = fused.attention_launch(d)
+            launch = fused.attention_launch(d, dtype == "fp32")
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-            types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", out_ptr=p, T="i32", S="i32", skb="i32",
-                         skt="i32", skh="i32", svb="i32", svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
+            types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32", T="i32",
+                         S="i32", n_split="i32", split="i32", skb="i32", skt="i32", skh="i32", svb="i32", svt="i32",
+                         svh="i32", smb="i32", smt="i32", scale="fp32")
             yield (f"attention {dtype} head_dim={d}", fused._small_attention_kernel, types,
                    dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", **launch), warps, stages)
+            merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, ROWS="i32", n_split="i32")
+            yield (f"attention merge {dtype} head_dim={d}", fused._attention_merge_kernel, merge,
+                   dict(D=d, BLOCK_D=launch["BLOCK_D"]), 4, 3)
         for d in WIDTHS + HEAD_DIMS:
-            types = dict(x_ptr=p, w_ptr=p, gate_ptr=p, out_ptr=p, D="i32", eps="fp32")
+            types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32")
             launch = fused.row_launch(d)
             warps = launch.pop("num_warps")
-            for label, zc, gated in (("rms_norm", False, False), ("rms_norm zero-centred", True, False),
-                                     ("gated rms_norm", False, True)):
-                yield (f"{label} {dtype} d={d}", fused._rms_norm_kernel, types,
-                       dict(ZERO_CENTRED=zc, GATED=gated, **launch), warps, 3)
-        yield (f"silu_mul {dtype}", fused._silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32"),
-               dict(BLOCK=2048), 4, 3)
+            for label, zc, gated, residual in (("rms_norm", False, False, False),
+                                               ("rms_norm zero-centred", True, False, False),
+                                               ("add + rms_norm zero-centred", True, False, True),
+                                               ("gated rms_norm", False, True, False)):
+                yield (f"{label} {dtype} d={d}", fused._rms_norm_kernel,
+                       dict(types, x_ptr="*fp32") if gated else types,  # the delta rule's float32 output
+                       dict(ZERO_CENTRED=zc, GATED=gated, RESIDUAL=residual, **launch), warps, 3)
+        yield (f"silu_mul {dtype}", fused._silu_mul_kernel,
+               dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32", g_stride="i32", u_stride="i32"), dict(BLOCK=2048), 4, 3)
         rope = dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, HEADS="i32", D="i32", RD="i32")
         for d, rd in ((64, 64), (128, 128), (256, 64)):  # full RoPE, and Qwen3.5's partial quarter
             yield f"rope {dtype} d={d} rd={rd}", fused._rope_kernel, rope, dict(HALF=rd // 2, BLOCK=d), 4, 3
-        conv = dict(hist_ptr=p, idx_ptr="*i64", w_ptr=p, q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", C="i32")
-        yield (f"gdn conv {dtype}", fused._gdn_conv_kernel, conv, dict(HK=16, DK=128, DV=128, KERNEL=4, BLOCK=128),
-               4, 3)
-        gates = dict(a_ptr=p, b_ptr=p, alog_ptr="*fp32", dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", HV="i32")
-        yield f"gdn gates {dtype}", fused._gdn_gates_kernel, gates, dict(BLOCK=64), 4, 3
+        gdn = dict(hist_ptr=p, idx_ptr="*i64", w_ptr=p, q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", a_ptr=p, b_ptr=p,
+                   a_stride="i32", b_stride="i32", alog_ptr="*fp32", dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
+                   C="i32")
+        yield (f"gdn inputs {dtype}", fused._gdn_inputs_kernel, gdn,
+               dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64), 4, 3)
 
 
 def main() -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models import fused
@@ -52,6 +54,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return fused.rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def add_and_norm(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual add and the norm that reads it, in one launch on CUDA:
+        ``(x + delta, norm(x + delta))``, the sum rounded to the dtype as PyTorch's add rounds it."""
+        return fused.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centred)
+
+
+def final_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None, last_only: bool) -> Tensor:
+    """The model's final norm of the last layer's output ``x + delta`` (of its last row only with ``last_only``)."""
+    if last_only:
+        x, delta = x[-1:], None if delta is None else delta[-1:]
+    return norm(x) if delta is None else norm.add_and_norm(x, delta)[1]
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> Tensor:
@@ -106,7 +120,53 @@ def new_positions(start: int, tree: VerifyTree | None, t: int, device: torch.dev
     return tree.depths + start
 
 
+class FusedLinear(nn.Module):
+    """Projections that read the same input as one GEMM: their weight rows stacked, so a decode step
+    reads them in one launch instead of one each (a tiny projection alone is all launch latency).
+    ``forward`` returns each projection's output, as views of the one product."""
+
+    def __init__(self, parts: Sequence[nn.Linear]) -> None:
+        super().__init__()
+        self.sizes = [p.out_features for p in parts]
+        w = parts[0].weight
+        self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=w.requires_grad)
+        if any(p.bias is not None for p in parts):
+            bias = [p.bias.detach() if p.bias is not None else w.new_zeros(p.out_features) for p in parts]
+            self.bias = nn.Parameter(torch.cat(bias), requires_grad=w.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def fuse_projections_(model: nn.Module) -> nn.Module:
+    """Stack every module's projection groups (its class's ``FUSED``: fused name -> the names of
+    the ``nn.Linear`` parts it replaces) into one ``FusedLinear`` each, freeing the parts. For
+    inference targets after loading (checkpoints keep the parts' names; a draft keeps its layout).
+    Idempotent."""
+    for module in list(model.modules()):
+        for name, parts in getattr(module, "FUSED", {}).items():
+            if name in module._modules:
+                continue
+            setattr(module, name, FusedLinear([module.get_submodule(p) for p in parts]))
+            for p in parts:
+                delattr(module, p)
+    return model
+
+
+def project(module: nn.Module, name: str, x: Tensor) -> tuple[Tensor, ...]:
+    """The outputs of ``module``'s projection group ``name`` for ``x``: one GEMM once fused
+    (``fuse_projections_``), one per part before."""
+    fused_linear = module._modules.get(name)
+    if fused_linear is not None:
+        return fused_linear(x)
+    return tuple(module.get_submodule(p)(x) for p in module.FUSED[name])
+
+
 class SwiGLU(nn.Module):
+    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -114,7 +174,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(fused.silu_mul(*project(self, "gate_up_proj", x)))
 
 
 def cast_module_(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

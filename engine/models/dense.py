@@ -16,7 +16,9 @@ from engine.models.common import (
     apply_rope,
     attention,
     context_mask,
+    final_norm,
     new_positions,
+    project,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -81,6 +83,8 @@ class KVCache:
 
 
 class DenseAttention(nn.Module):
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__()
         d = cfg.dim_per_head
@@ -95,9 +99,10 @@ class DenseAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int,
                 mask: Tensor) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k, v = project(self, "qkv_proj", x)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -113,9 +118,14 @@ class DenseBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, layer, start, mask) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, cache, layer: int, start: int,
+                mask: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's input is ``x + delta`` (``delta``: the previous layer's MLP output, None for
+        the first layer). Returns the residual after attention and this layer's MLP output: each
+        residual add is fused with the norm that reads it (``RMSNorm.add_and_norm``)."""
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, cache, layer, start, mask))
+        return x, self.mlp(h)
 
 
 class DenseModel(nn.Module):
@@ -186,16 +196,14 @@ class DenseModel(nn.Module):
              last_only: bool) -> tuple[Tensor, Tensor | None]:
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         wanted = set(feature_layers)
-        feats = []
+        feats, delta = [], None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, start, mask)
+            x, delta = layer(x, delta, cos, sin, cache, i, start, mask)
             if i in wanted:
-                feats.append(x)
-        if last_only:
-            x = x[-1:]
+                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.
         features = torch.cat(feats, -1) if feats else None
-        return self.lm_head(self.norm(x)), features
+        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features
 
 
 class _SlotWriter:
@@ -229,13 +237,16 @@ def forward_padded(
     start: int = 0,
     feature_layers: Sequence[int] = (),
     logits: bool = True,
+    last_only: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """A batched forward of the dense target over [B, T] tokens (left padding allowed).
 
     The decode engine runs one sequence at a time; this batched form exists to generate
     self-distillation data and target features fast. ``valid`` marks real tokens of this chunk;
     with ``kv`` the chunk is written to slots start..start+T-1 and attends to earlier slots.
-    Returns (logits [B, T, V] or None, features [B, T, n_ids * H] or None).
+    Returns (logits [B, T, V] or None, features [B, T, n_ids * H] or None); with ``last_only`` the
+    logits of the last position only, [B, 1, V] (a prefill of 512 long prompts would need ~90 GiB
+    for all of SmolLM2's).
     """
     b, t = tokens.shape
     d = model.cfg.dim_per_head
@@ -256,9 +267,8 @@ def forward_padded(
     for i, layer in enumerate(model.layers):
         att = layer.self_attn
         h = layer.input_layernorm(x).reshape(b * t, -1)
-        q = att.q_proj(h).view(b * t, att.n_heads, d)
-        k = att.k_proj(h).view(b * t, att.n_kv, d)
-        v = att.v_proj(h).view(b, t, att.n_kv, d)
+        q, k, v = project(att, "qkv_proj", h)
+        q, k, v = q.view(b * t, att.n_heads, d), k.view(b * t, att.n_kv, d), v.view(b, t, att.n_kv, d)
         if att.q_norm is not None:
             q, k = att.q_norm(q), att.k_norm(k)
         q = apply_rope(q, cos, sin).view(b, t, att.n_heads, d)
@@ -270,7 +280,7 @@ def forward_padded(
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in wanted:
             feats.append(x)
-    out = model.lm_head(model.norm(x)) if logits else None
+    out = model.lm_head(model.norm(x[:, -1:] if last_only else x)) if logits else None
     return out, (torch.cat(feats, -1) if feats else None)
 
 

@@ -99,9 +99,15 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, zero_centred: bool) ->
     return (h * w).to(dtype)
 
 
+def add_rms_norm_torch(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_centred: bool
+                       ) -> tuple[Tensor, Tensor]:
+    total = x + delta
+    return total, rms_norm_torch(total, weight, eps, zero_centred)
+
+
 def gated_rms_norm_torch(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    h = x.float()
+    dtype = gate.dtype
+    h = x.to(dtype).float()
     h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (weight * h * F.silu(gate.float())).to(dtype)
 
@@ -128,32 +134,55 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) 
         return rms_norm_torch(x, weight, eps, zero_centred)
     rows, d = _rows(x)
     out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
-                                       **row_launch(d))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
+                                       RESIDUAL=False, **row_launch(d))
     return out.view(x.shape)
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_centred: bool = False
+                 ) -> tuple[Tensor, Tensor]:
+    """``(x + delta, rms_norm(x + delta))``: a residual add and the norm that reads it in one launch.
+    The sum is rounded to the dtype (as PyTorch's add) and normalised from the rounded value, so both
+    outputs carry the bits of the two separate ops."""
+    if not use_kernels(x, delta, weight):
+        return add_rms_norm_torch(x, delta, weight, eps, zero_centred)
+    rows, d = _rows(x)
+    dr = delta.reshape(-1, d).contiguous()
+    total, out = torch.empty_like(rows), torch.empty_like(rows)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, dr, total, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
+                                       RESIDUAL=True, **row_launch(d))
+    return total.view(x.shape), out.view(x.shape)
+
+
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``norm(x) * silu(gate)`` (Gated DeltaNet's output norm; plain weight, rounding as the eager form)."""
+    """``norm(x) * silu(gate)`` (Gated DeltaNet's output norm; plain weight, rounding as the eager
+    form) in the gate's dtype; ``x`` (the delta rule's float32 output) is rounded to it first."""
     if not use_kernels(x, gate, weight):
         return gated_rms_norm_torch(x, gate, weight, eps)
     rows, d = _rows(x)
     g = gate.reshape(-1, d).contiguous()
-    out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, out, d, eps, ZERO_CENTRED=False, GATED=True,
-                                       **row_launch(d))
-    return out.view(x.shape)
+    out = torch.empty_like(g)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, ZERO_CENTRED=False, GATED=True,
+                                       RESIDUAL=False, **row_launch(d))
+    return out.view(gate.shape)
+
+
+def _strided_rows(x: Tensor, d: int) -> Tensor:
+    """[rows, d] with unit column stride, a view where it can be (the halves of a fused projection)."""
+    rows = x.reshape(-1, d)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up`` (SwiGLU's inner product), computed in float32 and rounded once."""
+    """``silu(gate) * up`` (SwiGLU's inner product), computed in float32 and rounded once. The two
+    may be views of one fused projection (rows strided)."""
     if not use_kernels(gate, up):
         return silu_mul_torch(gate, up)
-    g, d = _rows(gate)
-    u = up.reshape(-1, d).contiguous()
-    out = torch.empty_like(g)
+    d = gate.shape[-1]
+    g, u = _strided_rows(gate, d), _strided_rows(up, d)
+    out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
     block = min(triton.next_power_of_2(d), 2048)  # elementwise: tiles of a wide row, no spills
-    _silu_mul_kernel[(g.shape[0], triton.cdiv(d, block))](g, u, out, d, BLOCK=block)
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(d, block))](g, u, out, d, g.stride(0), u.stride(0), BLOCK=block)
     return out.view(gate.shape)
 
 
@@ -197,7 +226,7 @@ def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: T
     conv_index [T, K]: each token's window rows in ``hist`` (its ancestors for a tree); conv_w
     [C, K] the depthwise conv weight; a, b [T, HV] the ``in_proj_a`` / ``in_proj_b`` outputs.
     Returns q, k [T, HK, DK] (causal conv, SiLU, L2-normalised, q scaled by 1/sqrt(DK)), v [T, HV, DV],
-    g (log decay) and beta [T, HV], all float32. On CUDA: two launches instead of about thirty."""
+    g (log decay) and beta [T, HV], all float32. On CUDA: one launch instead of about thirty."""
     if not use_kernels(hist, conv_w, a, b):
         return gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
     t, kernel = conv_index.shape
@@ -205,12 +234,15 @@ def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: T
     q = torch.empty(t, hk, dk, device=hist.device, dtype=torch.float32)
     k = torch.empty_like(q)
     v = torch.empty(t, hv, dv, device=hist.device, dtype=torch.float32)
-    _gdn_conv_kernel[(t, 2 * hk + hv)](hist, idx, w, q, k, v, hist.shape[1], HK=hk, DK=dk, DV=dv, KERNEL=kernel,
-                                      BLOCK=triton.next_power_of_2(max(dk, dv)))
-    a, b = a.contiguous(), b.contiguous()
+    a, b = _strided_rows(a, hv), _strided_rows(b, hv)  # views of the fused in-projection's output
     g = torch.empty(t, hv, device=hist.device, dtype=torch.float32)
     beta = torch.empty_like(g)
-    _gdn_gates_kernel[(t,)](a, b, a_log, dt_bias, g, beta, hv, BLOCK=triton.next_power_of_2(hv))
+    # One launch: per token, the conv segments (q heads, k heads, v heads) and one program for the gates.
+    _gdn_inputs_kernel[(t, 2 * hk + hv + 1)](
+        hist, idx, w, q, k, v, a, b, a.stride(0), b.stride(0), a_log, dt_bias, g, beta, hist.shape[1],
+        HK=hk, DK=dk, HV=hv, DV=dv, KERNEL=kernel, BLOCK=triton.next_power_of_2(max(dk, dv)),
+        BLOCK_H=triton.next_power_of_2(hv),
+    )
     return q, k, v, g, beta
 
 
@@ -254,15 +286,34 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     mb = m if m.dim() == 3 else m[None]
     b, t, hq, d = qc.shape
     s, hkv = kb.shape[1], kb.shape[2]
-    out = torch.empty_like(qc)
     group = hq // hkv
-    grid = (triton.cdiv(t * group, ATTN_BLOCK_M), hkv, b)
+    split = split_keys(s)
+    n_split = triton.cdiv(s, split)
+    # Split over the keys: each program one span of keys (a decode step has few query rows, so one
+    # program per K/V head would leave the GPU idle), then one launch merges the spans' partial
+    # softmaxes. Always both launches: a one-span call rounds as a many-span one.
+    acc = torch.empty(b, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
+    m_l = torch.empty(b, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
+    launch = attention_launch(d, q.dtype == torch.float32)
+    grid = (triton.cdiv(t * group, ATTN_BLOCK_M), hkv, b * n_split)
     _small_attention_kernel[grid](
-        qc, kb, vb, mb, out, t, s, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2),
-        mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1), scale if scale is not None else d**-0.5,
-        HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32, **attention_launch(d),
+        qc, kb, vb, mb, acc, m_l, t, s, n_split, split, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0),
+        vb.stride(1), vb.stride(2), mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1),
+        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32, **launch,
     )
+    out = torch.empty_like(qc)
+    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, t * hq, n_split, D=d, BLOCK_D=launch["BLOCK_D"])
     return out if batched else out[0]
+
+
+def split_keys(s: int) -> int:
+    """Keys per span of the split attention: 128 (a multiple of every key block) up to 32 spans, then
+    doubled as often as needed to keep at most 32 (the partials' memory). A span's boundaries depend
+    on ``s`` only through this, so an AR step and a verify of contexts up to 4,096 keys round alike."""
+    split = 128
+    while triton.cdiv(s, split) > 32:
+        split *= 2
+    return split
 
 
 def row_launch(d: int) -> dict[str, int]:
@@ -273,14 +324,16 @@ def row_launch(d: int) -> dict[str, int]:
     return dict(BLOCK=block, num_warps=4 if block <= 2048 else 8 if block <= 4096 else 16)
 
 
-def attention_launch(d: int) -> dict[str, int]:
-    """Block sizes and launch options of the attention kernel for head_dim ``d``. Two pipeline
-    stages and smaller key blocks for wide heads keep shared memory within a Hopper SM's 227 KB
-    (head_dim 256 with three stages does not fit)."""
+def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
+    """Block sizes and launch options of the attention kernel for head_dim ``d`` (``fp32``: float32
+    inputs). Two pipeline stages and smaller key blocks for wide heads keep shared memory within a
+    Hopper SM's 227 KB (head_dim 256 with three stages does not fit); 8 warps from head_dim 64, and
+    float32 key blocks of 32 from head_dim 128, keep every value in registers (no spills on sm_90
+    with Triton 3.6, benchmarks/kernel_check.py)."""
     block_d = max(16, triton.next_power_of_2(d))
-    wide = block_d >= 256
-    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if wide else 64, BLOCK_D=block_d, num_warps=8 if wide else 4,
-                num_stages=2)
+    narrow_keys = block_d >= 256 or (fp32 and block_d >= 128)
+    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if narrow_keys else 64, BLOCK_D=block_d,
+                num_warps=8 if block_d >= 64 else 4, num_stages=2)
 
 
 def _rows(x: Tensor) -> tuple[Tensor, int]:
@@ -293,12 +346,20 @@ def _rows(x: Tensor) -> tuple[Tensor, int]:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, D, eps, ZERO_CENTRED: tl.constexpr,
-                         GATED: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, other_ptr, total_ptr, out_ptr, D, eps, ZERO_CENTRED: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr)
         row = tl.program_id(0).to(tl.int64)  # row * D overflows int32 on long prefills of wide models
         cols = tl.arange(0, BLOCK)
         m = cols < D
+        ty = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        if RESIDUAL:  # the sum rounded as PyTorch's add rounds it, then normalised from that value
+            x = (x + tl.load(other_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(ty)
+            tl.store(total_ptr + row * D + cols, x, mask=m)
+            x = x.to(tl.float32)
+        if GATED:  # x may be float32 (the delta rule's output): rounded to the dtype first
+            x = x.to(ty).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + cols, mask=m, other=0.0)
         if GATED:
@@ -306,7 +367,7 @@ if triton is not None:
             # (a product of two values of the dtype is exact in float32: rounding it is the dtype's product)
             h = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
             hw = (w.to(tl.float32) * h).to(out_ptr.dtype.element_ty).to(tl.float32)
-            g = tl.load(gate_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(other_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
             y = hw * (g * tl.sigmoid(g))
         else:
             wf = w.to(tl.float32)
@@ -316,12 +377,12 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, g_stride, u_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < D
-        g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * g_stride + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_stride + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * D + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -345,22 +406,24 @@ if triton is not None:
         mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
         tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
 
-    # Not specialised on T or S: an AR step (T == 1) and a verify, or two key spans, run one variant.
-    @triton.jit(do_not_specialize=["T", "S"])
-    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, skb, skt, skh, svb, svt, svh, smb,
-                                smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                IEEE: tl.constexpr):
+    # Not specialised on T, S or the split: an AR step (T == 1) and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "split"])
+    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, T, S, n_split, split, skb, skt, skh,
+                                svb, svt, svh, smb, smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
+                                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
         # Rows of one program: (query token, query head) pairs of one K/V head of one sequence,
-        # token-major, so every K/V block is read once for all GROUP heads sharing it. A row's result
-        # does not depend on the other rows of its block (exactness across AR steps and tree verifies).
+        # token-major, so every K/V block is read once for all GROUP heads sharing it; keys: one span
+        # of ``split``. A row's result does not depend on the other rows of its block (exactness
+        # across AR steps and tree verifies). Writes the span's unnormalised output, running max and sum.
         kv_head = tl.program_id(1)
-        seq = tl.program_id(2).to(tl.int64)
+        seq = (tl.program_id(2) // n_split).to(tl.int64)
+        span = tl.program_id(2) % n_split
         q_ptr += seq * T * HQ * D
-        out_ptr += seq * T * HQ * D
         k_ptr += seq * skb
         v_ptr += seq * svb
         mask_ptr += seq * smb
+        part = (seq * n_split + span) * T * HQ  # this span's first row in the partials
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = rm // GROUP
         head = kv_head * GROUP + rm % GROUP
@@ -372,9 +435,10 @@ if triton is not None:
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, S, BLOCK_N):
+        end = tl.minimum(S, (span + 1) * split)
+        for n0 in range(span * split, end, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
-            mn = rn < S
+            mn = rn < end
             kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=mn[:, None] & md[None, :],
                          other=0.0)
             # bf16/fp16 values are exact in tf32, so a tf32 product of the upcast operands is the
@@ -399,48 +463,71 @@ if triton is not None:
                 pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows past T see nothing (and are not stored)
-        tl.store(out_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mrow[:, None] & md[None, :])
+        row = part + tok * HQ + head
+        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+
+    @triton.jit(do_not_specialize=["ROWS", "n_split"])
+    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, ROWS, n_split, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
+        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero.
+        r = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        m_all = tl.load(ml_ptr + (seq * n_split * ROWS + r) * 2)
+        for sp in range(1, n_split):
+            m_all = tl.maximum(m_all, tl.load(ml_ptr + ((seq * n_split + sp) * ROWS + r) * 2))
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        total = 0.0
+        for sp in range(0, n_split):
+            at = (seq * n_split + sp) * ROWS + r
+            w = tl.exp(tl.load(ml_ptr + at * 2) - m_safe)
+            acc += w * tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)
+            total += w * tl.load(ml_ptr + at * 2 + 1)
+        out = acc / tl.where(total > 0, total, 1.0)  # a row with nothing visible gets zeros
+        tl.store(out_ptr + (seq * ROWS + r) * D + rd, out.to(out_ptr.dtype.element_ty), mask=md)
 
     @triton.jit
-    def _gdn_conv_kernel(hist_ptr, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr, C, HK: tl.constexpr, DK: tl.constexpr,
-                         DV: tl.constexpr, KERNEL: tl.constexpr, BLOCK: tl.constexpr):
-        # One (token, head) segment of the conv channels: q heads, then k heads, then v heads.
+    def _gdn_inputs_kernel(hist_ptr, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_stride, b_stride, alog_ptr,
+                           dt_ptr, g_ptr, beta_ptr, C, HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr,
+                           DV: tl.constexpr, KERNEL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        # Program (token, seg): seg < 2 * HK + HV one (token, head) segment of the conv channels
+        # (q heads, then k heads, then v heads); the last seg the token's gates.
         tok = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
-        is_v = seg >= 2 * HK
-        width = tl.where(is_v, DV, DK)
-        start = tl.where(is_v, 2 * HK * DK + (seg - 2 * HK) * DV, seg * DK)
-        cols = tl.arange(0, BLOCK)
-        m = cols < width
-        ch = start + cols
-        acc = tl.zeros([BLOCK], tl.float32)
-        for j in range(KERNEL):
-            row = tl.load(idx_ptr + tok * KERNEL + j)
-            x = tl.load(hist_ptr + row * C + ch, mask=m, other=0.0).to(tl.float32)
-            acc += x * tl.load(w_ptr + ch * KERNEL + j, mask=m, other=0.0).to(tl.float32)
-        ty = hist_ptr.dtype.element_ty
-        y = acc.to(ty).to(tl.float32)  # as the eager form: the conv rounded, then SiLU rounded
-        y = (y * tl.sigmoid(y)).to(ty).to(tl.float32)
-        if is_v:
-            tl.store(v_ptr + tok * (C - 2 * HK * DK) + (seg - 2 * HK) * DV + cols, y, mask=m)
+        if seg == 2 * HK + HV:
+            h = tl.arange(0, BLOCK_H)
+            mh = h < HV
+            x = tl.load(a_ptr + tok * a_stride + h, mask=mh, other=0.0).to(tl.float32) \
+                + tl.load(dt_ptr + h, mask=mh, other=0.0).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+            decay = tl.exp(tl.load(alog_ptr + h, mask=mh, other=0.0).to(tl.float32))
+            tl.store(g_ptr + tok * HV + h, -decay * softplus, mask=mh)
+            bb = tl.load(b_ptr + tok * b_stride + h, mask=mh, other=0.0).to(tl.float32)
+            tl.store(beta_ptr + tok * HV + h, tl.sigmoid(bb).to(b_ptr.dtype.element_ty).to(tl.float32), mask=mh)
         else:
-            n = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) + 1e-6))
-            if seg < HK:
-                tl.store(q_ptr + (tok * HK + seg) * DK + cols, n / tl.sqrt(DK * 1.0), mask=m)
+            is_v = seg >= 2 * HK
+            width = tl.where(is_v, DV, DK)
+            start = tl.where(is_v, 2 * HK * DK + (seg - 2 * HK) * DV, seg * DK)
+            cols = tl.arange(0, BLOCK)
+            m = cols < width
+            ch = start + cols
+            acc = tl.zeros([BLOCK], tl.float32)
+            for j in range(KERNEL):
+                row = tl.load(idx_ptr + tok * KERNEL + j)
+                x = tl.load(hist_ptr + row * C + ch, mask=m, other=0.0).to(tl.float32)
+                acc += x * tl.load(w_ptr + ch * KERNEL + j, mask=m, other=0.0).to(tl.float32)
+            ty = hist_ptr.dtype.element_ty
+            y = acc.to(ty).to(tl.float32)  # as the eager form: the conv rounded, then SiLU rounded
+            y = (y * tl.sigmoid(y)).to(ty).to(tl.float32)
+            if is_v:
+                tl.store(v_ptr + tok * (C - 2 * HK * DK) + (seg - 2 * HK) * DV + cols, y, mask=m)
             else:
-                tl.store(k_ptr + (tok * HK + seg - HK) * DK + cols, n, mask=m)
-
-    @triton.jit
-    def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, HV, BLOCK: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK)
-        m = h < HV
-        x = tl.load(a_ptr + tok * HV + h, mask=m, other=0.0).to(tl.float32) \
-            + tl.load(dt_ptr + h, mask=m, other=0.0).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
-        decay = tl.exp(tl.load(alog_ptr + h, mask=m, other=0.0).to(tl.float32))
-        tl.store(g_ptr + tok * HV + h, -decay * softplus, mask=m)
-        bb = tl.load(b_ptr + tok * HV + h, mask=m, other=0.0).to(tl.float32)
-        tl.store(beta_ptr + tok * HV + h, tl.sigmoid(bb).to(b_ptr.dtype.element_ty).to(tl.float32), mask=m)
+                n = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) + 1e-6))
+                if seg < HK:
+                    tl.store(q_ptr + (tok * HK + seg) * DK + cols, n / tl.sqrt(DK * 1.0), mask=m)
+                else:
+                    tl.store(k_ptr + (tok * HK + seg - HK) * DK + cols, n, mask=m)

@@ -25,7 +25,9 @@ from engine.models.common import (
     apply_rope,
     attention,
     context_mask,
+    final_norm,
     new_positions,
+    project,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -303,11 +305,13 @@ class _Pass:
     sin: Tensor
     mask: Tensor  # [T, keys]
     conv_index: Tensor  # [T, kernel]
-    parents: Tensor  # [T] long on the device
+    parents: Tensor  # [T] int32 on the device (as the delta rule kernel reads them: converted once a forward)
     tree: bool  # True: capture every node's state, leave the committed state; False: commit a chain
 
 
 class GatedDeltaNet(nn.Module):
+    FUSED = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -327,23 +331,24 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t, cache = x.shape[0], p.state
-        mixed = self.in_proj_qkv(x)  # [T, C]
+        mixed, z, b, a = project(self, "in_proj", x)  # [T, C], [T, HV * DV], [T, HV], [T, HV]
         hist = torch.cat([cache.conv[layer], mixed])  # [K-1+T, C]
-        q, k, v, g, beta = fused.gdn_inputs(hist, p.conv_index, self.conv1d.weight[:, 0, :], self.in_proj_a(x),
-                                            self.in_proj_b(x), self.A_log, self.dt_bias, self.hk, self.dk,
-                                            self.hv, self.dv)
+        q, k, v, g, beta = fused.gdn_inputs(hist, p.conv_index, self.conv1d.weight[:, 0, :], a, b, self.A_log,
+                                            self.dt_bias, self.hk, self.dk, self.hv, self.dv)
         if p.tree:
             cache.tree_conv[layer, :t] = mixed
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t])
         else:
             cache.conv[layer] = hist[t:]
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
-        z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        return self.out_proj(self.norm(out.to(x.dtype), z).reshape(t, -1))
+        # the norm rounds the float32 output to the model's dtype (z's) itself
+        return self.out_proj(self.norm(out, z.view(t, self.hv, self.dv)).reshape(t, -1))
 
 
 class GatedAttention(nn.Module):
     """Full attention with q/k norm, partial RoPE and a sigmoid output gate (from q_proj)."""
+
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
@@ -358,11 +363,12 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t = x.shape[0]
+        q_gate, k, v = project(self, "qkv_proj", x)
         # q_proj rows are per head [query | gate], not [all queries | all gates].
-        q, gate = self.q_proj(x).view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, gate = q_gate.view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        k = self.k_norm(k.view(t, self.n_kv, self.head_dim))
+        v = v.view(t, self.n_kv, self.head_dim)
         q, k = apply_rope(q, p.cos, p.sin), apply_rope(k, p.cos, p.sin)
         keys, values = p.kv.write(layer, p.start, k, v)
         o = attention(q, keys, values, p.mask).reshape(t, -1)
@@ -381,10 +387,13 @@ class HybridBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, p: _Pass) -> Tensor:
+    def forward(self, x: Tensor, delta: Tensor | None, p: _Pass) -> tuple[Tensor, Tensor]:
+        """As ``DenseBlock.forward``: the input is ``x + delta``; returns the residual after the mixer
+        and the MLP's output, each residual add fused with the norm that reads it."""
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), p, self.slot)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, mixer(h, p, self.slot))
+        return x, self.mlp(h)
 
 
 class HybridModel(nn.Module):
@@ -462,14 +471,13 @@ class HybridModel(nn.Module):
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask,
-                  conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents=parents, tree=tree)
+                  conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim),
+                  parents=parents.to(torch.int32), tree=tree)
         wanted = set(feature_layers)
-        feats = []
+        feats, delta = [], None
         for i, layer in enumerate(self.layers):
-            x = layer(x, p)
+            x, delta = layer(x, delta, p)
             if i in wanted:
-                feats.append(x)
-        if last_only:
-            x = x[-1:]
+                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
         features = torch.cat(feats, -1) if feats else None
-        return self.lm_head(self.norm(x)), features
+        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features

@@ -66,11 +66,40 @@ def test_gated_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_add_rms_norm(dtype, zero_centred):
+    """The fused residual add gives the add's sum and the norm of that sum (the rounded value)."""
+    x, delta, w = _r(7, 576, dtype=dtype), _r(7, 576, dtype=dtype, seed=1), 0.1 * _r(576, dtype=dtype, seed=2)
+    total, normed = fused.add_rms_norm(x, delta, w, 1e-6, zero_centred)
+    want_total, want_norm = fused.add_rms_norm_torch(x, delta, w, 1e-6, zero_centred)
+    assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == x.shape
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter rounds to half precision by truncation
+        assert torch.equal(total, want_total)
+        assert torch.equal(normed, fused.rms_norm(total, w, 1e-6, zero_centred))  # normalised from the sum
+    assert _rel(total, want_total) < TOL[dtype] and _rel(normed, want_norm) < TOL[dtype]
+    _rows_invariant(lambda a, b: torch.cat(fused.add_rms_norm(a, b, w, 1e-6, zero_centred), -1), x, delta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_rounds_a_float32_input_to_the_gate_dtype(dtype):
+    """The delta rule's float32 output goes in as is: the same as rounding it to the model's dtype first."""
+    x, g, w = _r(5, 3, 16), _r(5, 3, 16, dtype=dtype, seed=2), 1 + 0.1 * _r(16, dtype=dtype, seed=3)
+    got = fused.gated_rms_norm(x, g, w, 1e-6)
+    assert got.dtype == dtype
+    if dtype == torch.float32 or DEVICE == "cuda":  # the interpreter rounds to half precision by truncation
+        assert torch.equal(got, fused.gated_rms_norm(x.to(dtype), g, w, 1e-6))
+    assert _rel(got, fused.gated_rms_norm_torch(x, g, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     g, u = _r(6, 200, dtype=dtype), _r(6, 200, dtype=dtype, seed=1)
     got = fused.silu_mul(g, u)
     assert _rel(got, fused.silu_mul_torch(g.float(), u.float())) < TOL[dtype]
     _rows_invariant(fused.silu_mul, g, u)
+    # the two halves of one fused gate-up product (strided rows) give the same bits as copies
+    gate, up = torch.cat([g, u], dim=1).split(200, dim=1)
+    assert not gate.is_contiguous() and torch.equal(fused.silu_mul(gate, up), got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,6 +168,18 @@ def test_small_query_attention_rows_do_not_depend_on_their_batch_or_on_masked_pa
     assert torch.equal(fused.attention(q, k2, v2, mask2), whole)
 
 
+def test_split_attention_spans():
+    """Keys split into spans of 128 (more than 32 spans: wider), merged in order; a long context
+    and a one-key-visible row come out as the PyTorch form's."""
+    assert [fused.split_keys(s) for s in (1, 128, 129, 4096, 4097, 9000)] == [128, 128, 128, 128, 256, 512]
+    q, k, v, mask = _attn_inputs(2, 4500, 4, 2, 16, torch.float32, seed=7)
+    mask[1] = False
+    mask[1, 4321] = True  # one visible key, in the last span but one
+    got = fused.attention(q, k, v, mask)
+    assert _rel(got, fused.attention_torch(q, k, v, mask)) < 1e-5
+    assert torch.allclose(got[1], v[4321].repeat_interleave(2, dim=0), atol=1e-6)
+
+
 def test_attention_with_strided_cache_views_and_large_queries():
     """K/V as slices of a [layers, slots, heads, D] cache; more rows than SMALL_QUERIES take SDPA."""
     cache = _r(2, 256, 2, 16, seed=3)
@@ -164,6 +205,11 @@ def test_gdn_inputs(dtype, hk, dk, hv, dv):
     a[0, 0] = 30.0  # softplus's linear branch
     got = fused.gdn_inputs(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
     want = fused.gdn_inputs_torch(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
+    # a and b as views of one fused in-projection's output (strided rows): the same bits
+    b_view, a_view = torch.cat([_r(t, 5, dtype=dtype, seed=6), b, a], dim=1)[:, 5:].split(hv, dim=1)
+    assert not a_view.is_contiguous()
+    assert all(torch.equal(x, y) for x, y in zip(
+        fused.gdn_inputs(hist, idx, w, a_view, b_view, a_log, dt, hk, dk, hv, dv), got, strict=True))
     for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want, strict=True):
         assert x.shape == y.shape and x.dtype == torch.float32, name
         assert _rel(x, y) < {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype], name
@@ -265,6 +311,10 @@ def test_engine_kernels_environment_variable_sets_the_process_default():
     assert bad.returncode != 0 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in bad.stderr
     cli = _with_kernels_env("off", "-m", "engine", "generate", "--target", "tiny-dense", "--prompt", "x")
     assert cli.returncode == 2 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in cli.stderr
+
+
+def test_autotune_refuses_a_bad_engine_kernels_value():
+    pytest.importorskip("optuna")  # the GPU machine runs the engine's tests without autotune's stack
     quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
     sweep = _with_kernels_env("off", "-m", "autotune", "sweep", str(quickstart))
     assert sweep.returncode == 2 and "environment: ENGINE_KERNELS: must be 'fused' or 'eager'" in sweep.stderr

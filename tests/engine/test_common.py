@@ -1,0 +1,50 @@
+"""engine.models.common: projection fusion and the fused residual norms, on the tiny targets."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.models.common import FusedLinear, fuse_projections_
+from engine.registry import TARGETS, load_target
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_fused_projections_compute_what_the_parts_did(name):
+    model, _ = TARGETS[name].build()
+    model = model.float().eval()
+    fused = fuse_projections_(copy.deepcopy(model))
+    names = {n for n, _ in fused.named_parameters()}
+    owners = {n.split(".")[-2] for n in names}
+    assert not owners & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
+                         "in_proj_a", "in_proj_b"}
+    assert {"qkv_proj", "gate_up_proj"} <= owners
+    # the parts' weights are stacked, not copied beside them: the same number of parameters
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in model.parameters())
+    assert fuse_projections_(fused) is fused and {n for n, _ in fused.named_parameters()} == names  # idempotent
+    tokens = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, want_feats = model(tokens, model.new_cache(64), 0, feature_layers=[1, 2])
+        got, feats = fused(tokens, fused.new_cache(64), 0, feature_layers=[1, 2])
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5) and torch.allclose(feats, want_feats, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_fused_linear_keeps_each_part_and_zero_fills_a_missing_bias():
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.nn.Linear(8, 5, bias=True), torch.nn.Linear(8, 3, bias=False)]
+    for p in parts:
+        torch.nn.init.normal_(p.weight, generator=gen)
+    parts[0].bias.data.normal_(generator=gen)
+    x = torch.randn(4, 8, generator=gen)
+    a, b = FusedLinear(parts)(x)
+    assert torch.allclose(a, parts[0](x), atol=1e-6) and torch.allclose(b, parts[1](x), atol=1e-6)
+
+
+def test_loaded_targets_are_fused():
+    model, _ = load_target("tiny-hybrid", torch.device("cpu"), torch.float32)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "FusedLinear" in kinds and not any(isinstance(m, torch.nn.Linear) and n.endswith("in_proj_qkv")
+                                              for n, m in model.named_modules())
