@@ -50,6 +50,13 @@ class TrainConfig:
     gen_batch_size: int = 128
     seed: int = 0
     time_budget_s: float = 0.0  # 0: no limit besides `steps`
+    # Held-out sequences (at most VAL_MAX, none under VAL_MIN_DATA) scored every `val_every` steps;
+    # the draft returned is the one with the lowest held-out loss.
+    val_fraction: float = 0.02
+    val_every: int = 250
+    # Where the frozen target features of every training position live: "device" (fastest),
+    # "host" (pinned CPU memory, each batch copied over: GPUs too small to hold them), or "auto".
+    feature_store: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("layers", "block_size", "num_target_ids", "num_anchors", "steps", "batch_size",
@@ -59,6 +66,33 @@ class TrainConfig:
                 raise EngineInputError(f"TrainConfig.{name} must be a positive integer (block_size >= 2), got {v!r}")
         if not self.lr > 0 or not self.gamma > 0:
             raise EngineInputError(f"TrainConfig: lr and gamma must be > 0, got lr={self.lr}, gamma={self.gamma}")
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise EngineInputError(f"TrainConfig.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
+        if isinstance(self.val_every, bool) or not isinstance(self.val_every, int) or self.val_every < 1:
+            raise EngineInputError(f"TrainConfig.val_every must be a positive integer, got {self.val_every!r}")
+        if self.feature_store not in FEATURE_STORES:
+            raise EngineInputError(f"TrainConfig.feature_store must be one of {list(FEATURE_STORES)}, "
+                                   f"got {self.feature_store!r}")
+
+
+FEATURE_STORES = ("auto", "device", "host")
+# "auto" keeps the features on the GPU when they take at most this share of its free memory (the
+# draft's activations and the optimiser need the rest), in pinned host memory otherwise.
+DEVICE_FEATURE_SHARE = 0.7
+
+
+def feature_store_device(choice: str, n_bytes: int, device: torch.device, free_bytes: int | None) -> torch.device:
+    """Where ``n_bytes`` of target features go for a ``choice`` of ``FEATURE_STORES`` (``free_bytes``:
+    the device's free memory; None off CUDA, where both are the same memory)."""
+    if device.type != "cuda" or choice == "device":
+        return device
+    if choice == "host" or free_bytes is None or n_bytes > DEVICE_FEATURE_SHARE * free_bytes:
+        return torch.device("cpu")
+    return device
+
+
+VAL_MAX = 256  # held-out sequences at most (scoring them costs a few forwards)
+VAL_MIN_DATA = 50  # fewer sequences than this: no held-out set
 
 
 @torch.inference_mode()
@@ -99,7 +133,7 @@ def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max
                           device=device, dtype=target.dtype),
             valid=torch.zeros(b, size, dtype=torch.bool, device=device),
         )
-        logits, _ = forward_padded(target, tokens, positions, valid, kv, 0)
+        logits, _ = forward_padded(target, tokens, positions, valid, kv, 0, last_only=True)
         nxt = logits[:, -1].argmax(-1)
         pos = positions[:, -1] + 1
         gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
@@ -156,7 +190,11 @@ class TokenStore:
         j = torch.arange(width, device=lens.device)
         inside = j[None, :] < lens[:, None]
         idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
-        return self.tokens[idx] * inside, self.feats[idx], lens, self.prompt_lens[pick]
+        if self.feats.device == idx.device:
+            feats = self.feats[idx]
+        else:  # features in host memory: gathered there, one copy of the batch's rows
+            feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
+        return self.tokens[idx] * inside, feats, lens, self.prompt_lens[pick]
 
 
 def sample_anchors(prompt_lens: Tensor, lens: Tensor, width: int, n: int,
@@ -209,9 +247,10 @@ def block_batch(tokens: Tensor, lens: Tensor, anchors: Tensor, valid: Tensor, bl
 
 @torch.no_grad()
 def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Sequence[int],
-                    tokens_per_batch: int = 32768) -> Tensor:
+                    tokens_per_batch: int = 32768, store: str = "device") -> Tensor:
     """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
-    (the target is frozen): length-bucketed batches keep padding low. On the target's device, its dtype."""
+    (the target is frozen): length-bucketed batches keep padding low. In the target's dtype, on its
+    device or (``store``, one of ``FEATURE_STORES``) in pinned host memory."""
     device = target.device
     starts = [0]
     for s in seqs:
@@ -234,7 +273,11 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
         positions = torch.arange(width, device=device).expand(len(idx), -1)
         _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
         if out is None:
-            out = torch.empty(starts[-1], f.shape[-1], device=device, dtype=f.dtype)
+            n_bytes = starts[-1] * f.shape[-1] * f.element_size()
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            where = feature_store_device(store, n_bytes, device, free)
+            out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype,
+                              pin_memory=where.type == "cpu" and device.type == "cuda")
         for r, q in enumerate(idx):
             out[starts[q] : starts[q + 1]] = f[r, : seqs[q].numel()]
         i = j
@@ -302,14 +345,18 @@ def train_draft(
     lens = torch.tensor([s.numel() for s, _ in data], device=device)
     store = TokenStore(
         tokens=torch.cat([s for s, _ in data]),
-        feats=target_features(target, [s for s, _ in data], ids),
+        feats=target_features(target, [s for s, _ in data], ids, store=cfg.feature_store),
         starts=torch.cumsum(lens, 0) - lens, lens=lens,
         prompt_lens=torch.tensor([p for _, p in data], device=device),
     )
-    log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB "
+    log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB on "
+        f"{'the device' if store.feats.device == device else 'the host (pinned)'} "
         f"in {time.perf_counter() - t0:.0f}s")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    train_idx, val_batches = _held_out(store, cfg, mask_token_id, device)
     t0, history, step = time.perf_counter(), [], 0
+    val_history: list[dict[str, float]] = []
+    best: tuple[float, int, dict[str, Tensor]] | None = None  # (held-out loss, step, weights)
     lr = cfg.lr
     for step in range(cfg.steps):
         # Warm-up, then cosine decay over whichever runs out first: steps or the time budget.
@@ -319,7 +366,7 @@ def train_draft(
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
-        pick = torch.randint(0, len(data), (cfg.batch_size,), generator=gen, device=device)
+        pick = train_idx[torch.randint(0, train_idx.numel(), (cfg.batch_size,), generator=gen, device=device)]
         tokens, feats, seq_lens, plens = store.batch(pick)
         anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
         batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
@@ -337,9 +384,19 @@ def train_draft(
         if step % 25 == 0 or step == cfg.steps - 1:
             log(f"step {step} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} chain_al {stats['chain_al']:.2f} "
                 f"lr {lr:.2e} elapsed {elapsed:.0f}s")
-        if cfg.time_budget_s and elapsed > cfg.time_budget_s:
+        out_of_time = bool(cfg.time_budget_s and elapsed > cfg.time_budget_s)
+        if val_batches and ((step + 1) % cfg.val_every == 0 or step == cfg.steps - 1 or out_of_time):
+            val = dict(step=step + 1, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
+            val_history.append(val)
+            if best is None or val["loss"] < best[0]:
+                best = (val["loss"], step + 1, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+            log(f"held-out at step {step + 1}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
+                f"chain_al {val['chain_al']:.2f} (best {best[0]:.4f} at step {best[1]})")
+        if out_of_time:
             log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
             break
+    if best is not None:
+        draft.load_state_dict(best[2])  # the draft that predicted held-out answers best
     tail = history[-20:]
     summary = {
         "steps": step + 1,
@@ -349,9 +406,47 @@ def train_draft(
         "final_chain_al_train": sum(h["chain_al"] for h in tail) / len(tail),
         "sequences": len(data),
         "tokens": int(sum(s.numel() for s, _ in data)),
+        "feature_store": "device" if store.feats.device == device else "host",
+        "held_out_sequences": len(data) - train_idx.numel(),
+        "held_out": val_history,
+        "kept_step": best[1] if best is not None else step + 1,
         "config": asdict(cfg),
     }
     return draft.eval(), summary
+
+
+def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: torch.device
+              ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    """The training sequences' indices, and fixed blocks (anchors drawn once, seeded) of the
+    held-out ones: every scoring sees the same blocks, so two scorings compare."""
+    n = store.lens.numel()
+    n_val = 0 if n < VAL_MIN_DATA else min(VAL_MAX, round(cfg.val_fraction * n))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 1)).to(device)
+    val_idx, train_idx = order[:n_val], order[n_val:]
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+    batches = []
+    for lo in range(0, n_val, cfg.batch_size):
+        pick = val_idx[lo : lo + cfg.batch_size]
+        tokens, _, seq_lens, plens = store.batch(pick)
+        anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
+        batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
+        batches.append(dict(batch, pick=pick))
+    return train_idx, batches
+
+
+@torch.no_grad()
+def held_out_stats(draft: DFlashDraft, target: DenseModel, batches: list[dict[str, Tensor]], store: TokenStore,
+                   gamma: float, autocast: bool) -> dict[str, float]:
+    """Loss, first-slot accuracy and chain AL on the held-out blocks (means over the batches)."""
+    totals = {"loss": 0.0, "acc1": 0.0, "chain_al": 0.0}
+    for batch in batches:
+        feats = store.batch(batch["pick"])[1]
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
+            _, stats = draft_loss(draft, target, {k: v for k, v in batch.items() if k != "pick"},
+                                  feats if autocast else feats.float(), gamma)
+        for k in totals:
+            totals[k] += stats[k] / len(batches)
+    return totals
 
 
 def _open_text(path: Path, mode: str) -> IO[str]:

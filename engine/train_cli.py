@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target", required=True, help="dense target: preset, HF folder or .gguf")
     t.add_argument("--out", required=True, help="folder for the checkpoint (public DFlash layout)")
     t.add_argument("--prompts", nargs="*", default=None,
-                   help="JSONL prompt files; default: train split of code (HumanEval + code-like chat), chat, agent")
+                   help="JSONL prompt files; default: train split of code (HumanEval + code-like chat), chat, agent, "
+                        "stdlib (standard-library functions posed like HumanEval) and chat-turns (later chat turns)")
     t.add_argument("--n-prompts", type=int, default=3000)
     t.add_argument("--gen-max-new-tokens", type=int, default=256)
     t.add_argument("--gen-batch-size", type=int, default=128)
@@ -49,6 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--wall-budget", type=float, default=0.0,
                    help="seconds for the whole command (data, features, training, saving): the training budget "
                         "shrinks to fit (0: no limit)")
+    t.add_argument("--val-fraction", type=float, default=0.02,
+                   help="held-out share of the sequences (at most 256), scored every --val-every steps; the "
+                        "checkpoint written is the one with the lowest held-out loss (0: none, keep the last)")
+    t.add_argument("--val-every", type=int, default=250, help="steps between held-out scorings")
+    t.add_argument("--feature-store", choices=["auto", "device", "host"], default="auto",
+                   help="where the target features of every training position live: on the GPU, in pinned "
+                        "host memory (a batch copied each step: for GPUs too small to hold them), or auto "
+                        "(the GPU when they fit in 70%% of its free memory)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--data", nargs="+", metavar="FILE",
@@ -72,9 +81,9 @@ def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
             prompts.extend(load_workload(f, Path.cwd(), n_prompts=10**9, seed=args.seed, split="all").prompts)
         prompts = prompts[:n]
     else:
-        from engine.workloads import training_prompts
+        from engine.workloads import TRAINING_MIX, training_prompts
 
-        prompts = training_prompts(("code", "chat", "agent"), n, args.seed)
+        prompts = training_prompts(TRAINING_MIX, n, args.seed)
     encoded = [pair.encode(p) for p in prompts]
     # A prompt that leaves no room for an answer inside max_seq_len teaches nothing.
     keep = [ids for ids in encoded if len(ids) <= args.max_seq_len - 32]
@@ -148,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         steps=values["steps"], batch_size=values["batch_size"], max_seq_len=args.max_seq_len,
         gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
         time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
+        val_fraction=args.val_fraction, val_every=args.val_every, feature_store=args.feature_store,
     )
     for flag in ("wall_budget", "gen_budget"):
         if getattr(args, flag) < 0:
@@ -203,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
     (out / "training.json").write_text(json.dumps(summary, indent=2))
-    for key in ("steps", "train_seconds", "final_loss", "final_acc1", "final_chain_al_train", "sequences", "tokens"):
+    for key in ("steps", "train_seconds", "final_loss", "final_acc1", "final_chain_al_train", "sequences", "tokens",
+                "held_out_sequences", "kept_step"):
         print(f"{key}: {summary[key]}")
     print(f"checkpoint: {out}")
     return 0

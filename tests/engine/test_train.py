@@ -43,6 +43,9 @@ def test_batched_forward_equals_one_sequence_forward(pair):
         ref_logits, ref_feats = model(torch.tensor(s), model.new_cache(64), 0, feature_layers=(1, 2))
         torch.testing.assert_close(logits[r, width - len(s):], ref_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(feats[r, width - len(s):], ref_feats, rtol=1e-4, atol=1e-4)
+    last, _ = forward_padded(model, tokens, positions, valid, last_only=True)  # a prefill's next-token logits
+    assert last.shape == (len(seqs), 1, logits.shape[-1])
+    torch.testing.assert_close(last, logits[:, -1:], rtol=1e-5, atol=1e-5)
 
 
 def test_self_distillation_is_the_targets_own_greedy_answer(pair):
@@ -134,6 +137,59 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
     for verify in ("chain", "ddtree"):
         out = engine.generate(trained, ids, EngineConfig(verify=verify, budget=10, top_k=3), 32, ignore_eos=True)
         assert out.tokens == ar.tokens
+
+
+def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
+    """A held-out share is never trained on and is scored on fixed blocks; the draft returned is the
+    one of the lowest held-out loss (rescoring it gives that loss)."""
+    from engine.train import TokenStore, _held_out, held_out_stats
+
+    torch.manual_seed(0)
+    prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(60)]
+    answers = generate_responses(pair.target, prompts, 16, batch_size=30, stop_ids=pair.stop_ids)
+    seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+    cfg = TrainConfig(layers=1, block_size=4, steps=30, batch_size=4, num_anchors=4, lr=3e-3, warmup_steps=3,
+                      val_fraction=0.1, val_every=10)
+    logs = []
+    draft, summary = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=logs.append)
+    assert summary["held_out_sequences"] == 6 and summary["feature_store"] == "device"
+    assert [v["step"] for v in summary["held_out"]] == [10, 20, 30]
+    best = min(summary["held_out"], key=lambda v: v["loss"])
+    assert summary["kept_step"] == best["step"]
+    assert sum(line.startswith("held-out at step") for line in logs) == 3
+    # rescoring the returned draft on the same fixed blocks gives the kept scoring's loss
+    data = [torch.tensor(sq) for sq in seqs]
+    lens = torch.tensor([len(sq) for sq in seqs])
+    from engine.train import target_features
+
+    store = TokenStore(tokens=torch.cat(data), feats=target_features(pair.target, data, draft.cfg.target_layer_ids),
+                       starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=torch.tensor(plens))
+    train_idx, batches = _held_out(store, cfg, pair.tokenizer.mask_id, torch.device("cpu"))
+    assert len(batches) == 2 and train_idx.numel() == 54
+    held = torch.cat([b["pick"] for b in batches])
+    assert not set(held.tolist()) & set(train_idx.tolist())
+    rescored = held_out_stats(draft.float(), pair.target, batches, store, cfg.gamma, False)
+    assert rescored["loss"] == pytest.approx(best["loss"], rel=1e-5)
+    # too little data: no held-out set, the last draft is kept
+    _, small = train_draft(pair.target, seqs[:20], plens[:20], cfg, pair.tokenizer.mask_id, log=lambda m: None)
+    assert small["held_out_sequences"] == 0 and small["held_out"] == [] and small["kept_step"] == 30
+    with pytest.raises(EngineInputError, match="val_fraction"):
+        TrainConfig(val_fraction=0.7)
+
+
+def test_target_features_go_to_the_gpu_only_when_they_fit():
+    """auto: the GPU while the features take at most 70% of its free memory, pinned host memory
+    beyond; device and host are taken as asked; off CUDA everything is the same memory."""
+    from engine.train import feature_store_device
+
+    gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 2**30
+    assert feature_store_device("auto", 60 * gib, gpu, 100 * gib) == gpu
+    assert feature_store_device("auto", 80 * gib, gpu, 100 * gib) == cpu  # a 24 GB card with 12M tokens of data
+    assert feature_store_device("host", 1 * gib, gpu, 100 * gib) == cpu
+    assert feature_store_device("device", 80 * gib, gpu, 100 * gib) == gpu
+    assert feature_store_device("auto", 80 * gib, cpu, None) == cpu
+    with pytest.raises(EngineInputError, match="feature_store must be one of"):
+        TrainConfig(feature_store="disk")
 
 
 def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path):
