@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.workloads import load_workload, training_prompts
+from engine.workloads import TRAINING_MIX, load_workload, training_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.spec == "train":
-        prompts, digest = training_prompts(("code", "chat", "agent"), args.n_prompts, args.seed), "-"
+        prompts, digest = training_prompts(TRAINING_MIX, args.n_prompts, args.seed), "-"
     else:
         wl = load_workload(args.spec, Path.cwd(), args.n_prompts, args.seed, split=args.split)
         prompts, digest = wl.prompts, wl.hash

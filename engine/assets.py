@@ -36,7 +36,7 @@ from typing import Any, TextIO
 from engine.config import EngineInputError
 
 MARKER = "ASSET.json"
-LAYOUT = 1  # bump when an unpacker's output changes: cached folders of another layout are refetched
+LAYOUT = 2  # bump when an unpacker's output changes: cached folders of another layout are refetched
 SHAREGPT_MAX_CONVERSATIONS = 20_000
 _CHUNK = 1 << 20
 
@@ -193,18 +193,26 @@ _CUT_TOKEN = re.compile(r"|-|\.|[eE][-+]?|t(r(u)?)?|f(a(l(s)?)?)?|n(u(l)?)?")
 
 
 def _compact_conversation(rec: Any) -> dict[str, Any] | None:
-    """Keep the id and the turns up to the first assistant reply after the first user turn."""
+    """Keep the id and the turns: all of a conversation start's (``*_0``), of another only those up to the
+    first assistant reply after the first user turn. A record malformed up to that reply is dropped."""
     if not isinstance(rec, dict) or not isinstance(rec.get("conversations"), list):
         return None
-    turns, seen_user = [], False
+    whole = str(rec.get("id", "")).endswith("_0")
+    turns, seen_user, replied = [], False, False
     for m in rec["conversations"]:
         if not isinstance(m, dict) or not isinstance(m.get("value"), str):
-            return None
-        turns.append({"from": m.get("from"), "value": m["value"]})
+            if not replied:
+                return None
+            m = m if isinstance(m, dict) else {}  # kept, so that readers see where the conversation breaks
+        turns.append({"from": m.get("from"), "value": m.get("value")})
+        if replied:
+            continue
         if m.get("from") in ("human", "user"):
             seen_user = True
         elif seen_user:
-            break
+            replied = True
+            if not whole:
+                break
     return {"id": str(rec.get("id", "")), "n_turns": len(rec["conversations"]), "conversations": turns}
 
 

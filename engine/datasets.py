@@ -1,4 +1,5 @@
-"""Prompt pools built from the data assets: HumanEval (code), ShareGPT (chat), BFCL (agent traffic).
+"""Prompt pools built from the data assets: HumanEval (code), ShareGPT (chat), BFCL (agent traffic), and
+two training-only pools: later ShareGPT turns and the running interpreter's standard library.
 
 Every pool is a deterministic list (file order, duplicates dropped); engine.workloads splits it into
 train/eval by content hash and samples from it by seed.
@@ -20,25 +21,47 @@ train/eval by content hash and samples from it by seed.
   data does carry (system and assistant turns) are kept. ``web_search`` questions get the web-search
   tools; the memory category is left out (it needs BFCL's memory back-ends and prerequisite chats).
   Prompts whose messages + tools exceed ``AGENT_MAX_CHARS`` are skipped.
+- ``chat-turns`` (training only): the later user turns of each ShareGPT conversation start, each with
+  the conversation before it (system turn if any, then user/assistant turns, the ``gpt`` replies as
+  assistant messages). A conversation ends at its first empty, non-string or over-``CHAT_MAX_CHARS``
+  turn, at a break in the user/assistant alternation, or where its content passes
+  ``CHAT_TURNS_MAX_CHARS`` in all. A conversation whose first turn (its ``chat`` prompt) is in the eval
+  split gives nothing: the eval chat workload is first turns, and a later turn contains the first.
+  Needs whole conversations in the asset's ``sharegpt.jsonl``; a copy that holds only each
+  conversation's first exchange (``n_turns`` above the turns it has) is refused with a message.
+- ``stdlib`` (training only, no asset): functions of the running interpreter's standard library
+  (top-level modules and packages; tests, IDLE, lib2to3 and ``encodings`` left out), presented like
+  HumanEval: the ``def`` line(s) (dedented for methods) and the docstring exactly as in the source, no
+  body. Public module-level functions and methods of public module-level classes (``async def``
+  too) whose docstring has at least 2 non-empty lines and whose body does more than ``pass``,
+  ``...`` or ``raise NotImplementedError``; a def + docstring over ``STDLIB_MAX_CHARS`` is skipped,
+  and so are files that do not decode or parse. The pool depends on the Python version (CPython 3.11.7:
+  2,479 prompts).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import gc
 import gzip
 import hashlib
 import json
 import re
+import sysconfig
+from importlib.util import decode_source
 from pathlib import Path
 from typing import Any
 
 from engine.assets import default_cache_dir, ensure_asset
 from engine.config import EngineInputError
-from engine.workloads import Prompt
+from engine.workloads import Prompt, split_of
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 CHAT_MAX_CHARS = 2000
+CHAT_TURNS_MAX_CHARS = 6000  # all of a chat-turns prompt's content
+STDLIB_MAX_CHARS = 1500  # the def + docstring
+STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "encodings"})
 AGENT_MAX_CHARS = 24_000  # ~6k SmolLM2 tokens: leaves room for generation in its 8k context
 
 BFCL_SINGLE_TURN = (
@@ -105,21 +128,61 @@ def humaneval_prompts(folder: Path) -> list[Prompt]:
 # --- ShareGPT -----------------------------------------------------------------------------------
 
 
+def _chat_start(turns: list[Any], max_chars: int) -> list[dict[str, Any]]:
+    """A conversation's first prompt: its system turn, if any, and first user turn; [] if it has none."""
+    msgs: list[dict[str, Any]] = []
+    for turn in turns:
+        who, text = turn.get("from"), turn.get("value")
+        if who == "system" and not msgs and isinstance(text, str) and text.strip():
+            msgs.append({"role": "system", "content": text})
+            continue
+        if who in ("human", "user") and isinstance(text, str) and text.strip() and len(text) <= max_chars:
+            msgs.append({"role": "user", "content": text})
+            return msgs
+        break
+    return []
+
+
 def chat_prompts(folder: Path, max_chars: int = CHAT_MAX_CHARS) -> list[Prompt]:
     out = []
     for rec in _read_jsonl(folder / "sharegpt.jsonl"):
+        if str(rec.get("id", "")).endswith("_0"):
+            msgs = _chat_start(rec.get("conversations", []), max_chars)
+            if msgs:
+                out.append(Prompt(messages=tuple(msgs)))
+    return _dedup_json(out)
+
+
+def chat_turn_prompts(folder: Path, max_chars: int = CHAT_MAX_CHARS,
+                      max_total: int = CHAT_TURNS_MAX_CHARS) -> list[Prompt]:
+    path = folder / "sharegpt.jsonl"
+    out = []
+    for rec in _read_jsonl(path):
         if not str(rec.get("id", "")).endswith("_0"):
             continue
-        msgs: list[dict[str, Any]] = []
-        for turn in rec.get("conversations", []):
-            who, text = turn.get("from"), turn.get("value")
-            if who == "system" and not msgs and isinstance(text, str) and text.strip():
-                msgs.append({"role": "system", "content": text})
-                continue
-            if who in ("human", "user") and isinstance(text, str) and text.strip() and len(text) <= max_chars:
-                msgs.append({"role": "user", "content": text})
+        turns = rec.get("conversations", [])
+        if isinstance(rec.get("n_turns"), int) and rec["n_turns"] > len(turns):
+            raise EngineInputError(
+                f"{path}: conversation {rec['id']!r} holds {len(turns)} of its {rec['n_turns']} turns; this "
+                f"copy of the sharegpt asset keeps only each conversation's first exchange, and chat-turns "
+                f"needs whole conversations (an asset layout that keeps them, then a refetch of the asset)")
+        msgs = _chat_start(turns, max_chars)
+        if not msgs or split_of(Prompt(messages=tuple(msgs))) == "eval":
+            continue  # every later turn contains the first: an eval first turn must never reach the draft
+        total = sum(len(m["content"]) for m in msgs)
+        for turn in turns[len(msgs):]:
+            role = "assistant" if msgs[-1]["role"] == "user" else "user"
+            who, text = (turn.get("from"), turn.get("value")) if isinstance(turn, dict) else (None, None)
+            if who not in (("gpt",) if role == "assistant" else ("human", "user")):
+                break
+            if not isinstance(text, str) or not text.strip() or len(text) > max_chars:
+                break
+            total += len(text)
+            if total > max_total:
+                break
+            msgs.append({"role": role, "content": text})
+            if role == "user":
                 out.append(Prompt(messages=tuple(msgs)))
-            break
     return _dedup_json(out)
 
 
@@ -218,16 +281,105 @@ def agent_prompts(folder: Path, max_chars: int = AGENT_MAX_CHARS) -> list[Prompt
     return [p for p in _dedup_json(out) if len(json.dumps(p.to_json(), ensure_ascii=False)) <= max_chars]
 
 
+# --- the Python standard library ----------------------------------------------------------------
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    """The top-level modules and the packages' modules, minus the ``STDLIB_SKIP`` folders, by relative path."""
+    files = [p for p in root.glob("*.py") if p.is_file()]
+    for pkg in root.iterdir():
+        if pkg.name not in STDLIB_SKIP and (pkg / "__init__.py").is_file():
+            files += [p for p in pkg.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _is_stub(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis:
+        return True
+    if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+        exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return False
+
+
+def _dedent(line: str, n: int) -> str:
+    """``line`` less up to ``n`` leading blanks (a docstring line indented less than its def loses fewer)."""
+    return line[min(n, len(line) - len(line.lstrip(" \t"))):]
+
+
+def _function_prompt(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> str | None:
+    """The def line(s) and the docstring of ``fn`` as in the source, dedented to column 0; None if unfit."""
+    doc = fn.body[0]
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+        return None
+    if sum(1 for line in doc.value.value.splitlines() if line.strip()) < 2 or all(map(_is_stub, fn.body[1:])):
+        return None
+    if lines[doc.lineno - 1][:doc.col_offset].strip() or (len(fn.body) > 1 and fn.body[1].lineno <= doc.end_lineno):
+        return None  # the docstring shares a line with the signature or with code: no clean cut
+    head = lines[fn.lineno - 1:doc.lineno - 1]  # fn.lineno is the def line, after any decorators
+    while head and (not head[-1].strip() or head[-1].lstrip().startswith("#")):
+        head.pop()  # blank lines and comments between the signature and the docstring
+    text = "".join(_dedent(line, fn.col_offset) + "\n" for line in head + lines[doc.lineno - 1:doc.end_lineno])
+    try:
+        ok = [type(n) for n in ast.parse(text).body] == [type(fn)]
+    except SyntaxError:  # a dedent that breaks the code (tabs, odd continuation lines)
+        ok = False
+    return text if ok else None
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Public module-level functions and public methods of public module-level classes, in source order."""
+    out = []
+    for node in tree.body:
+        members = node.body if isinstance(node, ast.ClassDef) and not node.name.startswith("_") else [node]
+        out += [f for f in members if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and not f.name.startswith("_")]
+    return out
+
+
+def _parse(path: Path) -> tuple[str, ast.Module] | None:
+    """A module's source (its coding cookie applied, newlines made \\n) and tree; None if it has none."""
+    collect = gc.isenabled()
+    gc.disable()  # a tree is a heap of small objects and no cycles: collections triggered by them cost ~1/3
+    try:
+        source = decode_source(path.read_bytes())
+        return source, ast.parse(source, filename=str(path))
+    except (OSError, SyntaxError, ValueError, LookupError):  # unreadable, undecodable, unparsable: skipped
+        return None
+    finally:
+        if collect:
+            gc.enable()
+
+
+def stdlib_prompts(root: Path, max_chars: int = STDLIB_MAX_CHARS) -> list[Prompt]:
+    out = []
+    for path in _stdlib_files(root):
+        parsed = _parse(path)
+        if parsed is None:
+            continue
+        source, tree = parsed
+        lines = source.split("\n")
+        for fn in _functions(tree):
+            prompt = _function_prompt(fn, lines)
+            if prompt is not None and len(prompt) <= max_chars:
+                out.append(Prompt(messages=({"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=prompt)},)))
+    return _dedup_json(out)
+
+
 # --- pools --------------------------------------------------------------------------------------
 
+# name -> (asset, builder of the pool from the asset's folder); asset None: the interpreter's stdlib
 POOLS = {"humaneval": ("humaneval", humaneval_prompts), "chat": ("sharegpt", chat_prompts),
-         "agent": ("bfcl", agent_prompts)}
+         "agent": ("bfcl", agent_prompts), "chat-turns": ("sharegpt", chat_turn_prompts),
+         "stdlib": (None, stdlib_prompts)}
 
 
 @functools.lru_cache(maxsize=16)
 def _pool(name: str, cache_dir: str) -> tuple[Prompt, ...]:
     asset, build = POOLS[name]
-    folder = ensure_asset(asset, Path(cache_dir))
+    folder = Path(sysconfig.get_paths()["stdlib"]) if asset is None else ensure_asset(asset, Path(cache_dir))
     return tuple(build(folder))
 
 
@@ -235,4 +387,6 @@ def named_pool(name: str, cache_dir: Path | None = None) -> tuple[Prompt, ...]:
     """All prompts of a named set (fetching its asset on first use), in a fixed order."""
     if name not in POOLS:
         raise EngineInputError(f"unknown workload set {name!r}; known: {sorted(POOLS)}")
+    if POOLS[name][0] is None:
+        return _pool(name, "")  # no asset: one pool whatever the cache
     return _pool(name, str(cache_dir if cache_dir is not None else default_cache_dir()))

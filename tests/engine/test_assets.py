@@ -149,7 +149,8 @@ RECORDS = [
     {"id": "a_0", "conversations": [{"from": "human", "value": "héllo \"q\" \\ 😀 \n \\u0041"},
                                     {"from": "gpt", "value": "hi"}, {"from": "human", "value": "more"},
                                     {"from": "gpt", "value": "sure"}]},
-    {"id": "a_1", "conversations": [{"from": "human", "value": "continue"}, {"from": "gpt", "value": "ok"}]},
+    {"id": "a_1", "conversations": [{"from": "human", "value": "continue"}, {"from": "gpt", "value": "ok"},
+                                    {"from": "human", "value": "and?"}, {"from": "gpt", "value": "done"}]},
     {"id": "b_0", "conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "2+2?"},
                                     {"from": "gpt", "value": "4"}], "n": [1, 2.5e3, -7, True, None]},
 ]
@@ -191,8 +192,10 @@ def test_sharegpt_truncated_file_is_recovered(tmp_path):
     folder = ensure_asset(spec, tmp_path / "cache", downloader=dl)
     rows = [json.loads(line) for line in (folder / "sharegpt.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a_0", "a_1"]
-    # compact: turns up to the first assistant reply after the first user turn
-    assert rows[0]["conversations"] == RECORDS[0]["conversations"][:2] and rows[0]["n_turns"] == 4
+    # a conversation start keeps every turn (later turns are training prompts); another record is
+    # compacted to the turns up to the first assistant reply after the first user turn
+    assert rows[0]["conversations"] == RECORDS[0]["conversations"] and rows[0]["n_turns"] == 4
+    assert rows[1]["conversations"] == RECORDS[1]["conversations"][:2] and rows[1]["n_turns"] == 4
     info = json.loads((folder / MARKER).read_text())["info"]
     assert info["recovered"] == 2 and info["complete_array"] is False and info["dropped_tail_chars"] > 0
 

