@@ -145,8 +145,10 @@ def _hf_llama(pair):
         num_key_value_heads=c.num_key_value_heads, head_dim=c.dim_per_head, rms_norm_eps=c.rms_norm_eps,
         rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, max_position_embeddings=8192,
     ))
+    from engine.models.common import unfused_state_dict
+
     state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v
-             for k, v in pair.target.state_dict().items()}
+             for k, v in unfused_state_dict(pair.target).items()}  # the loaded target's GEMMs are fused
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [m for m in missing if "rotary" not in m]
     if missing or [u for u in unexpected if "inv_freq" not in u]:

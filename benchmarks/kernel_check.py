@@ -65,10 +65,10 @@ def cases():
             launch = fused.attention_launch(d, dtype == "fp32")
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
             types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32", T="i32",
-                         S="i32", n_split="i32", split="i32", skb="i32", skt="i32", skh="i32", svb="i32", svt="i32",
-                         svh="i32", smb="i32", smt="i32", scale="fp32")
+                         S="i32", n_split="i32", row_blocks="i32", skb="i32", skt="i32", skh="i32", svb="i32",
+                         svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
             yield (f"attention {dtype} head_dim={d}", fused._small_attention_kernel, types,
-                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", **launch), warps, stages)
+                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=fused.SPLIT_KEYS, **launch), warps, stages)
             merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, ROWS="i32", n_split="i32")
             yield (f"attention merge {dtype} head_dim={d}", fused._attention_merge_kernel, merge,
                    dict(D=d, BLOCK_D=launch["BLOCK_D"]), 4, 3)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import lzma
 import math
@@ -55,7 +56,7 @@ class TrainConfig:
     val_fraction: float = 0.02
     val_every: int = 250
     # Where the frozen target features of every training position live: "device" (fastest),
-    # "host" (pinned CPU memory, each batch copied over: GPUs too small to hold them), or "auto".
+    # "host" (CPU memory, each batch copied over: GPUs too small to hold them), or "auto".
     feature_store: str = "auto"
 
     def __post_init__(self) -> None:
@@ -77,7 +78,7 @@ class TrainConfig:
 
 FEATURE_STORES = ("auto", "device", "host")
 # "auto" keeps the features on the GPU when they take at most this share of its free memory (the
-# draft's activations and the optimiser need the rest), in pinned host memory otherwise.
+# draft's activations and the optimiser need the rest), in host memory otherwise.
 DEVICE_FEATURE_SHARE = 0.7
 
 
@@ -250,7 +251,7 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
                     tokens_per_batch: int = 32768, store: str = "device") -> Tensor:
     """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
     (the target is frozen): length-bucketed batches keep padding low. In the target's dtype, on its
-    device or (``store``, one of ``FEATURE_STORES``) in pinned host memory."""
+    device or (``store``, one of ``FEATURE_STORES``) in host memory."""
     device = target.device
     starts = [0]
     for s in seqs:
@@ -276,8 +277,9 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
             n_bytes = starts[-1] * f.shape[-1] * f.element_size()
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             where = feature_store_device(store, n_bytes, device, free)
-            out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype,
-                              pin_memory=where.type == "cpu" and device.type == "cuda")
+            # Pageable, not pinned: PyTorch's pinned allocator rounds a request up to a power of two
+            # (70 GiB would ask for 128), and a batch's rows are gathered into a new tensor anyway.
+            out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype)
         for r, q in enumerate(idx):
             out[starts[q] : starts[q + 1]] = f[r, : seqs[q].numel()]
         i = j
@@ -335,9 +337,9 @@ def train_draft(
         draft = new_draft_for(target, cfg, mask_token_id).to(device)
     ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    data = [(torch.tensor(list(s)[: cfg.max_seq_len], device=device), p)
-            for s, p in zip(sequences, prompt_lens, strict=True)]
-    data = [(s, p) for s, p in data if s.numel() - 1 > p]
+    kept = [(list(s)[: cfg.max_seq_len], p) for s, p in zip(sequences, prompt_lens, strict=True)]
+    kept = [(s, p) for s, p in kept if len(s) - 1 > p]
+    data = [(torch.tensor(s, device=device), p) for s, p in kept]
     if not data:
         raise EngineInputError("no training sequence has a response token after its prompt")
     autocast = device.type == "cuda"
@@ -350,13 +352,19 @@ def train_draft(
         prompt_lens=torch.tensor([p for _, p in data], device=device),
     )
     log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB on "
-        f"{'the device' if store.feats.device == device else 'the host (pinned)'} "
+        f"{'the device' if store.feats.device == device else 'the host'} "
         f"in {time.perf_counter() - t0:.0f}s")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    train_idx, val_batches = _held_out(store, cfg, mask_token_id, device)
+    train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
     t0, history, step = time.perf_counter(), [], 0
     val_history: list[dict[str, float]] = []
     best: tuple[float, int, dict[str, Tensor]] | None = None  # (held-out loss, step, weights)
+    if init is not None and val_batches:  # a continuation that only gets worse keeps the draft it started from
+        val = dict(step=0, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
+        val_history.append(val)
+        best = (val["loss"], 0, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+        log(f"held-out at step 0 (the warm-start draft): loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
+            f"chain_al {val['chain_al']:.2f}")
     lr = cfg.lr
     for step in range(cfg.steps):
         # Warm-up, then cosine decay over whichever runs out first: steps or the time budget.
@@ -409,20 +417,27 @@ def train_draft(
         "feature_store": "device" if store.feats.device == device else "host",
         "held_out_sequences": len(data) - train_idx.numel(),
         "held_out": val_history,
-        "kept_step": best[1] if best is not None else step + 1,
+        "kept_step": best[1] if best is not None else step + 1,  # 0: the warm-start draft was best
         "config": asdict(cfg),
     }
     return draft.eval(), summary
 
 
-def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: torch.device
-              ) -> tuple[Tensor, list[dict[str, Tensor]]]:
+def held_out_key(prompt: Sequence[int]) -> bytes:
+    """A sequence's place in the held-out order: a hash of its prompt, so the held-out set does not
+    depend on which other sequences the data holds (a warm start on grown data is scored on
+    sequences its earlier training held out too, once the set is capped at VAL_MAX)."""
+    return hashlib.sha256(json.dumps(list(prompt)).encode()).digest()
+
+
+def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: torch.device,
+              keys: Sequence[bytes]) -> tuple[Tensor, list[dict[str, Tensor]]]:
     """The training sequences' indices, and fixed blocks (anchors drawn once, seeded) of the
-    held-out ones: every scoring sees the same blocks, so two scorings compare."""
+    held-out ones (the lowest ``keys``): every scoring sees the same blocks, so two scorings compare."""
     n = store.lens.numel()
     n_val = 0 if n < VAL_MIN_DATA else min(VAL_MAX, round(cfg.val_fraction * n))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + 1)).to(device)
-    val_idx, train_idx = order[:n_val], order[n_val:]
+    order = torch.tensor(sorted(range(n), key=lambda i: keys[i]), device=device)
+    val_idx, train_idx = order[:n_val], order[n_val:].sort().values
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     batches = []
     for lo in range(0, n_val, cfg.batch_size):

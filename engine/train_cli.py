@@ -55,8 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "checkpoint written is the one with the lowest held-out loss (0: none, keep the last)")
     t.add_argument("--val-every", type=int, default=250, help="steps between held-out scorings")
     t.add_argument("--feature-store", choices=["auto", "device", "host"], default="auto",
-                   help="where the target features of every training position live: on the GPU, in pinned "
-                        "host memory (a batch copied each step: for GPUs too small to hold them), or auto "
+                   help="where the target features of every training position live: on the GPU, in host "
+                        "memory (a batch copied each step: for GPUs too small to hold them), or auto "
                         "(the GPU when they fit in 70%% of its free memory)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

@@ -128,6 +128,7 @@ class FusedLinear(nn.Module):
     def __init__(self, parts: Sequence[nn.Linear]) -> None:
         super().__init__()
         self.sizes = [p.out_features for p in parts]
+        self.biased = [p.bias is not None for p in parts]  # a missing bias is stored as zeros
         w = parts[0].weight
         self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=w.requires_grad)
         if any(p.bias is not None for p in parts):
@@ -153,6 +154,26 @@ def fuse_projections_(model: nn.Module) -> nn.Module:
             for p in parts:
                 delattr(module, p)
     return model
+
+
+def unfused_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` in its checkpoint's names: each ``FusedLinear`` split back into the
+    parts it replaced (views), for code that hands the weights to another implementation."""
+    out = dict(model.state_dict())
+    for owner, module in model.named_modules():
+        for name, parts in getattr(module, "FUSED", {}).items():
+            fused_linear = module._modules.get(name)
+            if fused_linear is None:
+                continue
+            prefix = f"{owner}." if owner else ""
+            weights = out.pop(f"{prefix}{name}.weight").split(fused_linear.sizes)
+            biases = out.pop(f"{prefix}{name}.bias").split(fused_linear.sizes) \
+                if fused_linear.bias is not None else [None] * len(parts)
+            for part, w, b, biased in zip(parts, weights, biases, fused_linear.biased, strict=True):
+                out[f"{prefix}{part}.weight"] = w
+                if biased:
+                    out[f"{prefix}{part}.bias"] = b
+    return out
 
 
 def project(module: nn.Module, name: str, x: Tensor) -> tuple[Tensor, ...]:

@@ -249,6 +249,8 @@ def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: T
 # Decode steps, tree verifies (any budget the search spaces reach) and draft blocks take the
 # kernel; a longer prefill takes SDPA. Both the AR step and the verify must take the same one.
 SMALL_QUERIES = 256
+# Keys per span of the split decode attention: a multiple of every key block (attention_launch).
+SPLIT_KEYS = 128
 # Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
 # compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
 ATTN_BLOCK_M = 16
@@ -287,33 +289,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     b, t, hq, d = qc.shape
     s, hkv = kb.shape[1], kb.shape[2]
     group = hq // hkv
-    split = split_keys(s)
-    n_split = triton.cdiv(s, split)
-    # Split over the keys: each program one span of keys (a decode step has few query rows, so one
-    # program per K/V head would leave the GPU idle), then one launch merges the spans' partial
-    # softmaxes. Always both launches: a one-span call rounds as a many-span one.
+    n_split = triton.cdiv(s, SPLIT_KEYS)
+    # Split over the keys: each program one span of SPLIT_KEYS keys (a decode step has few query
+    # rows, so one program per K/V head would leave the GPU idle), then one launch merges the spans'
+    # partial softmaxes in order. The spans sit at fixed key positions whatever the key span, and a
+    # span with no visible key adds exactly zero: an AR step and a verify over more (masked) slots
+    # round alike. Always both launches: a one-span call rounds as a many-span one. The partials
+    # take T * HQ * D float32 values per span: at most what the keys hold while T * GROUP <= 128.
     acc = torch.empty(b, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
     m_l = torch.empty(b, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
     launch = attention_launch(d, q.dtype == torch.float32)
-    grid = (triton.cdiv(t * group, ATTN_BLOCK_M), hkv, b * n_split)
+    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)
+    grid = (row_blocks * n_split, hkv, b)  # spans on the first axis: its limit is 2**31 - 1, not 65,535
     _small_attention_kernel[grid](
-        qc, kb, vb, mb, acc, m_l, t, s, n_split, split, kb.stride(0), kb.stride(1), kb.stride(2), vb.stride(0),
-        vb.stride(1), vb.stride(2), mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1),
-        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32, **launch,
+        qc, kb, vb, mb, acc, m_l, t, s, n_split, row_blocks, kb.stride(0), kb.stride(1), kb.stride(2),
+        vb.stride(0), vb.stride(1), vb.stride(2), mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1),
+        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32,
+        SPLIT=SPLIT_KEYS, **launch,
     )
     out = torch.empty_like(qc)
     _attention_merge_kernel[(t * hq, b)](acc, m_l, out, t * hq, n_split, D=d, BLOCK_D=launch["BLOCK_D"])
     return out if batched else out[0]
-
-
-def split_keys(s: int) -> int:
-    """Keys per span of the split attention: 128 (a multiple of every key block) up to 32 spans, then
-    doubled as often as needed to keep at most 32 (the partials' memory). A span's boundaries depend
-    on ``s`` only through this, so an AR step and a verify of contexts up to 4,096 keys round alike."""
-    split = 128
-    while triton.cdiv(s, split) > 32:
-        split *= 2
-    return split
 
 
 def row_launch(d: int) -> dict[str, int]:
@@ -406,25 +402,25 @@ if triton is not None:
         mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
         tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
 
-    # Not specialised on T, S or the split: an AR step (T == 1) and a verify, or two key spans, run one variant.
-    @triton.jit(do_not_specialize=["T", "S", "n_split", "split"])
-    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, T, S, n_split, split, skb, skt, skh,
-                                svb, svt, svh, smb, smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
+    # Not specialised on T, S or the spans: an AR step (T == 1) and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks"])
+    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, T, S, n_split, row_blocks, skb, skt,
+                                skh, svb, svt, svh, smb, smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
                                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                                BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
         # Rows of one program: (query token, query head) pairs of one K/V head of one sequence,
         # token-major, so every K/V block is read once for all GROUP heads sharing it; keys: one span
-        # of ``split``. A row's result does not depend on the other rows of its block (exactness
-        # across AR steps and tree verifies). Writes the span's unnormalised output, running max and sum.
+        # of SPLIT. A row's result does not depend on the other rows of its block (exactness across
+        # AR steps and tree verifies). Writes the span's unnormalised output, running max and sum.
         kv_head = tl.program_id(1)
-        seq = (tl.program_id(2) // n_split).to(tl.int64)
-        span = tl.program_id(2) % n_split
+        seq = tl.program_id(2).to(tl.int64)
+        span = tl.program_id(0) // row_blocks
         q_ptr += seq * T * HQ * D
         k_ptr += seq * skb
         v_ptr += seq * svb
         mask_ptr += seq * smb
         part = (seq * n_split + span) * T * HQ  # this span's first row in the partials
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = (tl.program_id(0) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = rm // GROUP
         head = kv_head * GROUP + rm % GROUP
         mrow = tok < T
@@ -435,8 +431,8 @@ if triton is not None:
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.minimum(S, (span + 1) * split)
-        for n0 in range(span * split, end, BLOCK_N):
+        end = tl.minimum(S, (span + 1) * SPLIT)
+        for n0 in range(span * SPLIT, end, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             mn = rn < end
             kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=mn[:, None] & md[None, :],

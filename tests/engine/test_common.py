@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from engine.models.common import FusedLinear, fuse_projections_
+from engine.models.common import FusedLinear, fuse_projections_, unfused_state_dict
 from engine.registry import TARGETS, load_target
 
 
@@ -48,3 +48,14 @@ def test_loaded_targets_are_fused():
     kinds = {type(m).__name__ for m in model.modules()}
     assert "FusedLinear" in kinds and not any(isinstance(m, torch.nn.Linear) and n.endswith("in_proj_qkv")
                                               for n, m in model.named_modules())
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_unfused_state_dict_gives_back_the_checkpoint_names_and_values(name):
+    """What hands a fused target to another implementation (gpu_bench's transformers run)."""
+    model, _ = TARGETS[name].build()
+    want = model.state_dict()
+    got = unfused_state_dict(fuse_projections_(copy.deepcopy(model)))
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert unfused_state_dict(model).keys() == want.keys()  # an unfused model: its own state dict

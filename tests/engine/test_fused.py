@@ -169,15 +169,19 @@ def test_small_query_attention_rows_do_not_depend_on_their_batch_or_on_masked_pa
 
 
 def test_split_attention_spans():
-    """Keys split into spans of 128 (more than 32 spans: wider), merged in order; a long context
-    and a one-key-visible row come out as the PyTorch form's."""
-    assert [fused.split_keys(s) for s in (1, 128, 129, 4096, 4097, 9000)] == [128, 128, 128, 128, 256, 512]
+    """Keys split into spans of 128 at fixed positions, merged in order: a long context (36 spans)
+    and a one-key-visible row come out as the PyTorch form's, and masked slots appended past 4,096
+    keys (an AR step's key span against a verify's) change no bit."""
     q, k, v, mask = _attn_inputs(2, 4500, 4, 2, 16, torch.float32, seed=7)
     mask[1] = False
     mask[1, 4321] = True  # one visible key, in the last span but one
     got = fused.attention(q, k, v, mask)
     assert _rel(got, fused.attention_torch(q, k, v, mask)) < 1e-5
     assert torch.allclose(got[1], v[4321].repeat_interleave(2, dim=0), atol=1e-6)
+    pad = 4700 - 4500
+    k2, v2 = torch.cat([k, _r(pad, 2, 16, seed=11)]), torch.cat([v, _r(pad, 2, 16, seed=12)])
+    mask2 = torch.cat([mask, torch.zeros(2, pad, dtype=torch.bool, device=DEVICE)], dim=1)
+    assert torch.equal(fused.attention(q, k2, v2, mask2), got)
 
 
 def test_attention_with_strided_cache_views_and_large_queries():

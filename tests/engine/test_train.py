@@ -142,7 +142,7 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
 def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
     """A held-out share is never trained on and is scored on fixed blocks; the draft returned is the
     one of the lowest held-out loss (rescoring it gives that loss)."""
-    from engine.train import TokenStore, _held_out, held_out_stats
+    from engine.train import TokenStore, _held_out, held_out_key, held_out_stats
 
     torch.manual_seed(0)
     prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(60)]
@@ -164,12 +164,19 @@ def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
 
     store = TokenStore(tokens=torch.cat(data), feats=target_features(pair.target, data, draft.cfg.target_layer_ids),
                        starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=torch.tensor(plens))
-    train_idx, batches = _held_out(store, cfg, pair.tokenizer.mask_id, torch.device("cpu"))
+    keys = [held_out_key(sq[:n]) for sq, n in zip(seqs, plens, strict=True)]
+    train_idx, batches = _held_out(store, cfg, pair.tokenizer.mask_id, torch.device("cpu"), keys)
     assert len(batches) == 2 and train_idx.numel() == 54
     held = torch.cat([b["pick"] for b in batches])
     assert not set(held.tolist()) & set(train_idx.tolist())
+    assert sorted(held.tolist()) == sorted(sorted(range(60), key=lambda i: keys[i])[:6])  # by prompt hash
     rescored = held_out_stats(draft.float(), pair.target, batches, store, cfg.gamma, False)
     assert rescored["loss"] == pytest.approx(best["loss"], rel=1e-5)
+    # a warm start is scored before its first step, and kept if nothing after it scores better
+    _, cont = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None, init=draft)
+    assert [v["step"] for v in cont["held_out"]] == [0, 10, 20, 30]
+    assert cont["held_out"][0]["loss"] == pytest.approx(best["loss"], rel=1e-5)
+    assert cont["kept_step"] == min(cont["held_out"], key=lambda v: v["loss"])["step"]
     # too little data: no held-out set, the last draft is kept
     _, small = train_draft(pair.target, seqs[:20], plens[:20], cfg, pair.tokenizer.mask_id, log=lambda m: None)
     assert small["held_out_sequences"] == 0 and small["held_out"] == [] and small["kept_step"] == 30
