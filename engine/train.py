@@ -359,12 +359,19 @@ def train_draft(
     t0, history, step = time.perf_counter(), [], 0
     val_history: list[dict[str, float]] = []
     best: tuple[float, int, dict[str, Tensor]] | None = None  # (held-out loss, step, weights)
-    if init is not None and val_batches:  # a continuation that only gets worse keeps the draft it started from
-        val = dict(step=0, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
+
+    def score(done_steps: int) -> None:
+        """Score the held-out blocks after ``done_steps`` steps; keep the weights if they are the best."""
+        nonlocal best
+        val = dict(step=done_steps, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
         val_history.append(val)
-        best = (val["loss"], 0, {k: v.detach().clone() for k, v in draft.state_dict().items()})
-        log(f"held-out at step 0 (the warm-start draft): loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
-            f"chain_al {val['chain_al']:.2f}")
+        if best is None or val["loss"] < best[0]:
+            best = (val["loss"], done_steps, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+        log(f"held-out at step {done_steps}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
+            f"chain_al {val['chain_al']:.2f} (best {best[0]:.4f} at step {best[1]})")
+
+    if init is not None and val_batches:  # a continuation that only gets worse keeps the draft it started from
+        score(0)
     lr = cfg.lr
     for step in range(cfg.steps):
         # Warm-up, then cosine decay over whichever runs out first: steps or the time budget.
@@ -394,12 +401,7 @@ def train_draft(
                 f"lr {lr:.2e} elapsed {elapsed:.0f}s")
         out_of_time = bool(cfg.time_budget_s and elapsed > cfg.time_budget_s)
         if val_batches and ((step + 1) % cfg.val_every == 0 or step == cfg.steps - 1 or out_of_time):
-            val = dict(step=step + 1, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
-            val_history.append(val)
-            if best is None or val["loss"] < best[0]:
-                best = (val["loss"], step + 1, {k: v.detach().clone() for k, v in draft.state_dict().items()})
-            log(f"held-out at step {step + 1}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
-                f"chain_al {val['chain_al']:.2f} (best {best[0]:.4f} at step {best[1]})")
+            score(step + 1)
         if out_of_time:
             log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
             break

@@ -131,7 +131,7 @@ class FusedLinear(nn.Module):
         self.biased = [p.bias is not None for p in parts]  # a missing bias is stored as zeros
         w = parts[0].weight
         self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=w.requires_grad)
-        if any(p.bias is not None for p in parts):
+        if any(self.biased):
             bias = [p.bias.detach() if p.bias is not None else w.new_zeros(p.out_features) for p in parts]
             self.bias = nn.Parameter(torch.cat(bias), requires_grad=w.requires_grad)
         else:
