@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="folder for the checkpoint (public DFlash layout)")
     t.add_argument("--prompts", nargs="*", default=None,
                    help="JSONL prompt files; default: train split of code (HumanEval + code-like chat), chat, agent, "
-                        "stdlib (standard-library functions posed like HumanEval) and chat-turns (later chat turns)")
+                        "stdlib (standard-library functions posed like HumanEval), chat-turns (later chat turns) "
+                        "and stdlib-rest (the standard library's other functions)")
     t.add_argument("--n-prompts", type=int, default=3000)
     t.add_argument("--gen-max-new-tokens", type=int, default=256)
     t.add_argument("--gen-batch-size", type=int, default=128)

@@ -128,8 +128,9 @@ def load_workload(spec: str, base_dir: Path, n_prompts: int, seed: int, split: s
     return Workload(name=name, prompts=chosen_t, hash=workload_hash(chosen_t))
 
 
-TRAINING_SETS = ("chat", "agent", "code", "humaneval", "stdlib", "chat-turns")  # the last two: training only
-TRAINING_MIX = ("code", "chat", "agent", "stdlib", "chat-turns")  # what a draft trains on by default
+# the last three: training only
+TRAINING_SETS = ("chat", "agent", "code", "humaneval", "stdlib", "chat-turns", "stdlib-rest")
+TRAINING_MIX = ("code", "chat", "agent", "stdlib", "chat-turns", "stdlib-rest")  # what a draft trains on by default
 
 
 def training_pool(name: str, cache_dir: Path | None = None) -> list[Prompt]:
@@ -137,9 +138,9 @@ def training_pool(name: str, cache_dir: Path | None = None) -> list[Prompt]:
 
     ``code`` is HumanEval's train split (only ~130 of its 164 problems) plus the train-split ShareGPT
     first turns that ask for or about code (``engine.datasets.is_code_like``); BFCL's python questions
-    are agent traffic and stay in ``agent``. ``stdlib`` (standard-library functions posed like HumanEval)
-    and ``chat-turns`` (later ShareGPT turns, none from a conversation whose first turn is eval) are no
-    workloads (``NAMED_WORKLOADS``): they exist to train on.
+    are agent traffic and stay in ``agent``. ``stdlib`` (standard-library functions posed like HumanEval),
+    ``stdlib-rest`` (the library's other functions) and ``chat-turns`` (later ShareGPT turns, none from a
+    conversation whose first turn is eval) are no workloads (``NAMED_WORKLOADS``): they exist to train on.
     """
     from engine.datasets import is_code_like
 

@@ -28,8 +28,10 @@ from engine.datasets import (
     is_code_like,
     named_pool,
     stdlib_prompts,
+    stdlib_rest_prompts,
 )
 from engine.workloads import (
+    TRAINING_MIX,
     Prompt,
     load_workload,
     read_jsonl,
@@ -353,6 +355,14 @@ STDLIB_TREE = {
             return 1
 
 
+        def bare(x, y):
+            # a comment before the body
+            return x * y
+
+
+        def oneliner(x): return x
+
+
         class Public:
             """A class."""
 
@@ -438,6 +448,34 @@ def test_stdlib_pool_is_the_interpreters_functions_posed_like_humaneval():
     assert list(pool) == stdlib_prompts(Path(sysconfig.get_paths()["stdlib"]))  # built again: the same
     train = training_pool("stdlib")
     assert all(split_of(p) == "train" for p in train) and 0.7 * len(pool) < len(train) < 0.9 * len(pool)
+
+
+def test_stdlib_rest_prompts_are_the_functions_stdlib_leaves_out(tmp_path):
+    for rel, text in STDLIB_TREE.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    codes = [_code(p) for p in stdlib_rest_prompts(tmp_path)]
+    assert codes == [
+        'def one_line(x):\n    """Only one line."""\n',  # a docstring of one line
+        'def _private(x):\n    """Private.\n\n    Skipped.\n    """\n',  # a private name
+        'def bare(x, y):\n',  # no docstring: the signature alone, the comment after it dropped
+        'def __init__(self):\n    """Dunder.\n\n    Skipped.\n    """\n',  # a dunder method, dedented
+        'def shown(self):\n    """Of a private class.\n\n    Skipped.\n    """\n',
+    ]  # stubs, a one-line def, the nested def, the too long one and everything stdlib takes: left out
+    for code in codes:
+        fn = ast.parse(code + "    pass\n").body[0]
+        assert isinstance(fn, ast.FunctionDef) and not fn.decorator_list and code.startswith("def ")
+    assert not set(codes) & {_code(p) for p in stdlib_prompts(tmp_path)}
+
+
+def test_stdlib_rest_pool_is_disjoint_from_stdlib_and_split():
+    pool, stdlib = named_pool("stdlib-rest"), {_code(p) for p in named_pool("stdlib")}
+    codes = {_code(p) for p in pool}
+    assert len(pool) > (5000 if sys.version_info[:2] == (3, 11) else 0) and not stdlib & codes
+    assert len(codes) == len(pool)
+    train = training_pool("stdlib-rest")
+    assert all(split_of(p) == "train" for p in train) and 0.7 * len(pool) < len(train) < 0.9 * len(pool)
+    assert "stdlib-rest" in TRAINING_MIX
 
 
 def _train_text(stem: str, split: str = "train") -> str:
