@@ -11,7 +11,9 @@ Two backends compute the same function:
   graphs can capture it); the CPU path, and the reference the kernel is tested against.
 - ``triton``: one launch for all nodes. Each program owns one value head and a block of value
   columns (the rule is independent per column of S), keeps its state block in registers while the
-  next node is its child, and otherwise reloads the parent's captured state.
+  next node is its child, and otherwise reloads the parent's captured state. Every load (the next
+  node's inputs, and the state it starts from when that is not the current node's) is issued a
+  node ahead, so only the arithmetic is a chain from node to node.
 
 Tree forwards (``node_states`` given) leave the committed state alone and write every node's
 state, which ``fast`` rollback takes the accepted node's state from. Committing forwards
@@ -107,23 +109,25 @@ def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (it is updated in place)")
     out = torch.empty_like(v)
-    block_k, block_v = kernel_blocks(dk, dv)
+    if t == 0:  # no node: nothing to compute, the state stays (the kernel assumes a node 0)
+        return out
+    block_k, block_v, num_warps = kernel_config(dk, dv)
     store = node_states is not None
     if store and not node_states.is_contiguous():
         raise ValueError("node_states must be contiguous")
     grid = (triton.cdiv(dv, block_v), hv)
     _tree_delta_kernel[grid](
         q, k, v, g, beta, parents, state, node_states if store else state, out, t, int(store),
-        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
     )
     return out
 
 
-def kernel_blocks(dk: int, dv: int) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_V) of the kernel: a [BLOCK_K, BLOCK_V] float32 block of S per program stays in
-    registers (4096 values: 32 a thread)."""
+def kernel_config(dk: int, dv: int) -> tuple[int, int, int]:
+    """(BLOCK_K, BLOCK_V, num_warps) of the kernel: a [BLOCK_K, BLOCK_V] float32 block of S per
+    program stays in registers (4096 values: 32 a thread with 4 warps)."""
     block_k = triton.next_power_of_2(dk)
-    return block_k, min(triton.next_power_of_2(dv), max(16, 4096 // block_k))
+    return block_k, min(triton.next_power_of_2(dv), max(16, 4096 // block_k)), 4
 
 
 if triton is not None:
@@ -146,25 +150,42 @@ if triton is not None:
         m2 = mk[:, None] & mv[None, :]
         head_offs = head * DK * DV + rk[:, None] * DV + rv[None, :]  # this block of S in a [HV, DK, DV] tensor
         s = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
+        # Software pipelining: node i + 1's inputs are loaded before node i's update, so that their
+        # latency hides behind it (the updates are a chain from node to node, the loads are not).
+        # The arithmetic is the same whatever the order of the loads.
+        # (The wrapper launches no kernel for T == 0, so node 0 exists.)
+        kk = tl.load(k_ptr + key_head * DK + rk, mask=mk, other=0.0)
+        qq = tl.load(q_ptr + key_head * DK + rk, mask=mk, other=0.0)
+        vv = tl.load(v_ptr + head * DV + rv, mask=mv, other=0.0)
+        g = tl.load(g_ptr + head)
+        b = tl.load(beta_ptr + head)
+        parent = tl.load(parents_ptr)  # -1: node 0 starts from the committed state, s
+        s_ahead = s
         for i in range(0, T):
-            parent = tl.load(parents_ptr + i)
+            n = (i + 1) % T  # after the last node: node 0 again, loaded and never used
+            kk_next = tl.load(k_ptr + (n * HK + key_head) * DK + rk, mask=mk, other=0.0)
+            qq_next = tl.load(q_ptr + (n * HK + key_head) * DK + rk, mask=mk, other=0.0)
+            vv_next = tl.load(v_ptr + (n * HV + head) * DV + rv, mask=mv, other=0.0)
+            g_next = tl.load(g_ptr + n * HV + head)
+            b_next = tl.load(beta_ptr + n * HV + head)
+            parent_next = tl.load(parents_ptr + n)
             if store_nodes != 0:
-                if parent != i - 1:  # not the node just computed: its state is in memory
-                    if parent < 0:
-                        s = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
+                if parent != i - 1:  # not the node just computed: the state loaded a node ahead
+                    s = s_ahead
+                if parent_next != i:
+                    # Node i + 1 starts from a state already in memory (the committed one, or an
+                    # earlier node's, stored before a barrier): load it now, used a node later.
+                    if parent_next < 0:
+                        s_ahead = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
                     else:
-                        s = tl.load(nodes_ptr + parent * HV * DK * DV + head_offs, mask=m2, other=0.0)
-            kk = tl.load(k_ptr + (i * HK + key_head) * DK + rk, mask=mk, other=0.0)
-            qq = tl.load(q_ptr + (i * HK + key_head) * DK + rk, mask=mk, other=0.0)
-            vv = tl.load(v_ptr + (i * HV + head) * DV + rv, mask=mv, other=0.0)
-            decay = tl.exp(tl.load(g_ptr + i * HV + head))
-            b = tl.load(beta_ptr + i * HV + head)
-            s = s * decay
+                        s_ahead = tl.load(nodes_ptr + parent_next * HV * DK * DV + head_offs, mask=m2, other=0.0)
+            s = s * tl.exp(g)
             delta = (vv - tl.sum(s * kk[:, None], axis=0)) * b
             s = s + kk[:, None] * delta[None, :]
             tl.store(out_ptr + (i * HV + head) * DV + rv, tl.sum(s * qq[:, None], axis=0), mask=mv)
             if store_nodes != 0:
                 tl.store(nodes_ptr + i * HV * DK * DV + head_offs, s, mask=m2)
                 tl.debug_barrier()  # a later child reloads this state
+            kk, qq, vv, g, b, parent = kk_next, qq_next, vv_next, g_next, b_next, parent_next
         if store_nodes == 0:
             tl.store(state_ptr + head_offs, s, mask=m2)

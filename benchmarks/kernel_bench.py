@@ -1,0 +1,191 @@
+"""Time single Triton kernels by launch configuration on the GPU, against what they replace.
+
+    python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
+    python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
+    python benchmarks/kernel_bench.py gemv                  # one-row projections: GEMV vs cuBLAS
+
+Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
+replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
+
+``delta``: one row per (BLOCK_V, num_warps); columns for an AR step (T = 1), a budget-32 DDTree
+verify (T = 33, every node's state stored, a best-first tree of random draft log-probs) and a
+512-token prefill chain. Only the launch configuration changes between rows: within one
+configuration tree and chain forwards share one compiled kernel, which keeps speculative decoding
+exact; across configurations the float32 rounding may differ.
+
+``gemv``: the projections of the SmolLM2, 8B-shape and 27B-shape targets (bf16, one row): cuBLAS
+(``F.linear``), the autotuned GEMV and its best fixed configuration, with the weight bytes read
+per microsecond (GB/s) beside each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models import delta_rule  # noqa: E402
+from engine.tree import build_tree_host  # noqa: E402
+
+HK, HV, DK, DV = 16, 48, 128, 128  # qwen35-27b-shape's linear attention heads
+LAUNCHES = 48  # the 27B shape has 48 Gated DeltaNet layers
+
+
+def _inputs(t: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q = torch.nn.functional.normalize(r(t, HK, DK), dim=-1) * DK ** -0.5
+    k = torch.nn.functional.normalize(r(t, HK, DK), dim=-1)
+    return dict(q=q, k=k, v=r(t, HV, DV), g=-torch.rand(t, HV, generator=gen).cuda(),
+                beta=torch.rand(t, HV, generator=gen).cuda(), state=r(HV, DK, DV) * 0.1)
+
+
+def _tree_parents(budget: int, gen: torch.Generator) -> torch.Tensor:
+    lp = -torch.cumsum(torch.rand(15, 8, generator=gen) * 2, dim=1)
+    return build_tree_host(lp, torch.arange(8).expand(15, 8), 0, budget, None).parents.cuda()
+
+
+def _time(fn, reps: int = 5) -> float:
+    """GPU microseconds per call: LAUNCHES calls captured in one graph, replayed ``reps`` times."""
+    fn()  # compile, warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAUNCHES):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(1000.0 * a.elapsed_time(b) / LAUNCHES)
+    return statistics.median(times)
+
+
+def bench_delta(module) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(0)
+    row = {}
+    for name, t in (("ar", 1), ("verify33", 33), ("prefill512", 512)):
+        x = _inputs(t, gen)
+        if name == "verify33":
+            parents = _tree_parents(32, gen)
+            nodes = torch.empty(t, HV, DK, DV, device="cuda")
+            row[name] = _time(lambda x=x, p=parents, n=nodes: module.tree_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], p, x["state"], n, backend="triton"))
+        else:
+            chain = torch.arange(t, device="cuda") - 1
+            row[name] = _time(lambda x=x, c=chain: module.tree_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], c, x["state"], backend="triton"))
+    return row
+
+
+GEMV_SHAPES = {  # (N, K) of each projection, fused as the engine fuses them
+    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                "lm_head": (49152, 576)},
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+           "lm_head": (151936, 4096)},
+    "27b": {"gdn in": (16480, 5120), "gdn out": (5120, 6144), "attn qkv": (14336, 5120), "attn o": (5120, 6144),
+            "gate_up": (34816, 5120), "down": (5120, 17408), "lm_head": (248320, 5120)},
+}
+
+
+def bench_gemv() -> list[dict]:
+    import torch.nn.functional as F
+
+    from engine.models import gemv
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model, shapes in GEMV_SHAPES.items():
+        for name, (n, k) in shapes.items():
+            x = torch.randn(1, k, generator=gen).cuda().bfloat16()
+            w = (torch.randn(n, k, generator=gen) * 0.02).cuda().bfloat16()
+            row = {"model": model, "proj": name, "n": n, "k": k,
+                   "cublas": _time(lambda x=x, w=w: F.linear(x, w)), "tuned": _time(lambda x=x, w=w: gemv.gemv(x, w))}
+            fixed = {c: _time(lambda x=x, w=w, c=c: gemv.gemv(x, w, config=c)) for c in gemv.CONFIGS}
+            best = min(fixed, key=fixed.get)
+            row.update(best=list(best), best_us=fixed[best])
+            want = F.linear(x.float(), w.float())
+            row["rel_err"] = float((gemv.gemv(x, w).float() - want).norm() / want.norm())
+            rows.append(row)
+            del w
+    return rows
+
+
+def _gbs(n: int, k: int, us: float) -> str:
+    return f"{2 * n * k / us / 1000:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", choices=["delta", "gemv"])
+    ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
+                    help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
+    ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
+    ap.add_argument("--md", help="write the table here")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs CUDA", file=sys.stderr)
+        return 2
+    if args.kernel == "gemv":
+        rows = bench_gemv()
+        lines = ["| model | projection | N x K | cuBLAS us (GB/s) | GEMV tuned us (GB/s) | best fixed config | us | "
+                 "GEMV / cuBLAS |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['proj']} | {r['n']} x {r['k']} | {r['cublas']:.1f} "
+                  f"({_gbs(r['n'], r['k'], r['cublas'])}) | {r['tuned']:.1f} ({_gbs(r['n'], r['k'], r['tuned'])}) | "
+                  f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['tuned'] / r['cublas']:.2f}x |" for r in rows]
+        return _report(args, rows, lines)
+    configs = []
+    for c in args.configs:
+        try:
+            block_v, warps = (int(x) for x in c.split(","))
+        except ValueError:
+            print(f"--configs: {c!r} is not BLOCK_V,num_warps (two integers)", file=sys.stderr)
+            return 2
+        if block_v < 1 or block_v & (block_v - 1) or block_v > DV or warps not in (1, 2, 4, 8, 16):
+            print(f"--configs: {c!r}: BLOCK_V must be a power of two <= {DV}, num_warps 1, 2, 4, 8 or 16",
+                  file=sys.stderr)
+            return 2
+        configs.append((block_v, warps))
+    default = delta_rule.kernel_config
+    rows = []
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_delta_rule", args.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        rows.append({"config": f"{Path(args.old).name} (its own)", **bench_delta(old)})
+    rows.append({"config": f"default {default(DK, DV)[1:]}", **bench_delta(delta_rule)})
+    try:
+        for block_v, warps in configs:
+            delta_rule.kernel_config = lambda dk, dv, bv=block_v, w=warps: (default(dk, dv)[0], bv, w)
+            rows.append({"config": f"BLOCK_V={block_v} warps={warps}", **bench_delta(delta_rule)})
+    finally:
+        delta_rule.kernel_config = default
+    lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | prefill (T=512) us |", "|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['prefill512']:.1f} |" for r in rows]
+    return _report(args, rows, lines)
+
+
+def _report(args, rows: list[dict], lines: list[str]) -> int:
+    table = "\n".join(lines)
+    print(table)
+    if args.md:
+        Path(args.md).write_text(table + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
