@@ -16,7 +16,7 @@ from torch import Tensor
 from engine import runtime
 from engine.config import EngineConfig, EngineInputError
 from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
-from engine.models import fused
+from engine.models import fused, tree_kernel
 from engine.models.common import VerifyTree
 from engine.sampling import select_tokens
 from engine.stats import PHASES, Generation, GenerationStats
@@ -247,8 +247,23 @@ UNTIMED = _Untimed()
 def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed) -> Tree:
     """topk + tree phases. generic: logits go to the host, host top-k, heap-built tree, back to
     the device. runtime: everything stays on the device."""
+    return _propose_tree(cfg, draft_logits, root, timer, None)[0]
+
+
+def propose_tree_masked(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
+                        max_depth: int) -> tuple[Tree, Tensor]:
+    """``propose_tree`` and ``ancestor_mask(tree.parents, max_depth)``. A DDTree built on CUDA with
+    the kernels enabled takes both from one launch (``tree_kernel.build_tree_kernel``): the CUDA-graph
+    runtime's draft phase would otherwise spend ~250 tiny launches on them."""
+    tree, mask = _propose_tree(cfg, draft_logits, root, timer, max_depth)
+    return tree, mask if mask is not None else ancestor_mask(tree.parents, max_depth)
+
+
+def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
+                  max_depth: int | None) -> tuple[Tree, Tensor | None]:
     device = draft_logits.device
     host = cfg.draft_path == "generic"
+    mask = None
     with timer.phase("topk"):
         logits = draft_logits.float().cpu() if host else draft_logits.float()
         if cfg.verify == "chain":
@@ -261,11 +276,13 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
             tree = chain_tree(root.cpu() if host else root, top_ids)
         elif host:
             tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
+        elif tree_kernel.use_tree_kernel(top_lp, cfg.budget, top_lp.shape[0] if max_depth is None else max_depth):
+            tree, mask = tree_kernel.build_tree_kernel(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
         else:
             tree = build_tree_device(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
         if host:
             tree = tree.to(device)
-    return tree
+    return tree, mask
 
 
 @torch.inference_mode()

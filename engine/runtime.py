@@ -47,7 +47,7 @@ from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
 from engine.stats import Generation, GenerationStats
-from engine.tree import Tree, ancestor_mask, walk_device
+from engine.tree import Tree, walk_device
 
 MIN_BUCKET = 128
 
@@ -169,14 +169,14 @@ class StaticDecoder:
 
     # -- one speculative step, in two graphs ------------------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
-        from engine.decode import UNTIMED, propose_tree
+        from engine.decode import UNTIMED, propose_tree_masked
 
         drafter, ws = self.pair.drafter, self.ws
         window = cfg.target_feat_ctx if cfg.target_feat_ctx > 0 else key_len
         logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features)
         # cfg.draft_path is "runtime" here (``supports``): top-k and tree stay on the device.
-        tree = propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED)
-        return tree, ancestor_mask(tree.parents, block - 1)
+        # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
+        return propose_tree_masked(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
 
     def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target

@@ -322,3 +322,85 @@ def test_autotune_refuses_a_bad_engine_kernels_value():
     quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
     sweep = _with_kernels_env("off", "-m", "autotune", "sweep", str(quickstart))
     assert sweep.returncode == 2 and "environment: ENGINE_KERNELS: must be 'fused' or 'eager'" in sweep.stderr
+
+
+# ------------------------------------------------------------------ DDTree: tree + mask in one launch
+
+
+def _tie_free_proposals(depth: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs sorted descending per row, no two prefix sums equal (random positive steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = -torch.cumsum(torch.rand(depth, k, generator=gen) + 1e-3, dim=1) - torch.rand(depth, 1, generator=gen)
+    return lp.to(DEVICE), torch.randint(0, 1000, (depth, k), generator=gen).to(DEVICE)
+
+
+def _assert_same_tree(a, b):
+    for x, y in zip((a.tokens, a.parents, a.depths, a.ranks), (b.tokens, b.parents, b.depths, b.ranks), strict=True):
+        assert x.dtype == y.dtype == torch.long and torch.equal(x.cpu(), y.cpu())
+
+
+# budget past the node count (2, 3, 40), k=1, chain seed none/0/partial/full, an exact-size budget
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [
+    (1, 3, 5, None), (2, 3, 40, 0), (4, 1, 3, None), (4, 3, 10, 0), (5, 2, 9, 2), (7, 4, 22, None),
+    (6, 3, 17, 6), (3, 5, 155, 1), (8, 8, 16, 3),
+])
+def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, chain_seed):
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(depth, k, seed=depth * 100 + k * 10 + budget)
+    root = torch.tensor([5], device=DEVICE)
+    ref = build_tree_device(lp, ids, root, budget, chain_seed)
+    tree, mask = build_tree_kernel(lp, ids, root, budget, chain_seed)
+    _assert_same_tree(tree, ref)
+    assert mask.dtype == torch.bool and torch.equal(mask.cpu(), ancestor_mask(ref.parents, depth).cpu())
+
+
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [(4, 3, 10, 0), (7, 4, 22, None), (5, 8, 40, 2)])
+def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import build_tree_host
+
+    gen = torch.Generator().manual_seed(budget)
+    top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(depth, 50, generator=gen) * 2, -1), k, dim=-1)
+    host = build_tree_host(top_lp, top_ids, 3, budget, chain_seed)
+    tree, _ = build_tree_kernel(top_lp.to(DEVICE), top_ids.to(DEVICE), torch.tensor(3, device=DEVICE), budget,
+                                chain_seed)
+    _assert_same_tree(tree, host)
+
+
+def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
+    """Quantised log-probs tie exactly (parents too, which turns the kernel's pruning off); the
+    kernel orders ties by lower index, as build_tree_device does with a stable top-k."""
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    def stable_topk(x, n, *args, **kwargs):
+        values, order = torch.sort(x, descending=True, stable=True)
+        return values[:n], order[:n]
+
+    lp = -torch.tensor([[0.5, 0.5, 1.0], [0.0, 0.5, 0.5], [0.5, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    ids = torch.arange(12).view(4, 3)
+    for budget, chain_seed in ((9, 0), (14, 2)):
+        tree, mask = build_tree_kernel(lp.to(DEVICE), ids.to(DEVICE), torch.tensor(1, device=DEVICE), budget,
+                                       chain_seed)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "topk", stable_topk)
+            ref = build_tree_device(lp, ids, torch.tensor(1), budget, chain_seed)
+        _assert_same_tree(tree, ref)
+        assert torch.equal(mask.cpu(), ancestor_mask(ref.parents, 4))
+
+
+def test_tree_dispatch_falls_back_off_cuda_and_past_the_kernel_sizes():
+    from engine.models import tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(4, 3, seed=1)
+    assert not tree_kernel.use_tree_kernel(lp.cpu(), 10, 4)
+    tree, mask = tree_kernel.build_tree_and_mask(lp.cpu(), ids.cpu(), torch.tensor(2), 10, None)
+    _assert_same_tree(tree, build_tree_device(lp.cpu(), ids.cpu(), torch.tensor(2), 10, None))
+    assert torch.equal(mask, ancestor_mask(tree.parents, 4))
+    assert tree_kernel.kernel_supports(31, 16, 256)
+    assert not tree_kernel.kernel_supports(32, 8, 22) and not tree_kernel.kernel_supports(15, 17, 22)
+    assert not tree_kernel.kernel_supports(15, 8, 257)
+    assert tree_kernel.tree_sizes(3, 4, 10) == ([4, 10, 10], 10)
