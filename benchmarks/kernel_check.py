@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import delta_rule, fused  # noqa: E402
+from engine.models import delta_rule, fused, gemv, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -28,6 +28,8 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 DELTA_SHAPES = [(16, 8), (128, 128)]  # (dk, dv): tiny-hybrid, Qwen3.5-27B
 HEAD_DIMS = [16, 64, 128, 256]  # tiny, SmolLM2 and the DFlash drafts, Qwen3-8B, Qwen3.5-27B
 WIDTHS = [576, 4096, 5120, 8192, 16384]  # hidden sizes (SmolLM2 ... a 400B model's)
+# (L, top_k, budget) of the DDTree kernel: the default config, a wide tree, the largest supported
+TREE_SHAPES = [(15, 8, 22), (15, 16, 128), (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
 
 
 def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
@@ -53,12 +55,20 @@ def resources(compiled) -> dict[str, int]:
 def cases():
     """(name, kernel, argument types, constexprs, num_warps, num_stages) as the wrappers launch them."""
     for dk, dv in DELTA_SHAPES:
-        block_k, block_v = delta_rule.kernel_blocks(dk, dv)
+        block_k, block_v, warps = delta_rule.kernel_config(dk, dv)
         types = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
                      parents_ptr="*i32", state_ptr="*fp32", nodes_ptr="*fp32", out_ptr="*fp32", T="i32",
                      store_nodes="i32")
         yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
-               dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), 4, 3)
+               dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), warps, 3)
+    tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64", dep_ptr="*i64",
+                rank_ptr="*i64", mask_ptr="*i1", ekey_ptr="*fp64", escore_ptr="*fp64", ckey_ptr="*fp64",
+                epar_ptr="*i32", erank_ptr="*i32", edep_ptr="*i32", efinal_ptr="*i32", cidx_ptr="*i32",
+                slot_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
+    for depth, k, budget in TREE_SHAPES:
+        yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
+               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
+                    **tree_kernel.kernel_launch(depth, k, budget)), 4, 3)
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
         for d in HEAD_DIMS:
@@ -93,6 +103,13 @@ def cases():
                    C="i32")
         yield (f"gdn inputs {dtype}", fused._gdn_inputs_kernel, gdn,
                dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64), 4, 3)
+
+
+    for bn, bk, warps in gemv.CONFIGS:
+        for bias in (False, True):
+            yield (f"gemv bf16 {bn}x{bk}{' bias' if bias else ''}", gemv._gemv_kernel,
+                   dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32", stride_n="i32"),
+                   dict(HAS_BIAS=bias, BLOCK_N=bn, BLOCK_K=bk), warps, 3)
 
 
 def main() -> int:
