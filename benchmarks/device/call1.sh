@@ -2,27 +2,36 @@
 # Device call 1 of 3, carrying .device/smol1 (benchmarks/DEVICE.md). Stashes the first half of the
 # SmolLM2 asset wheel for call 2 (made right after this one), then what needs no model asset: the
 # GPU tests (kernels compiled for the device, CUDA graphs, float32 exactness) and the large-shape
-# presets (roofline, verify cost per budget, step profiles; KERNELS_OFF=1: the 8B shape without the
-# Triton kernels too).
+# presets (roofline, verify cost per budget; KERNELS_OFF=1: the 8B shape without the Triton kernels
+# too; PROFILE=1: step profiles) and the kernels alone by launch configuration (kernel_bench.py).
 source benchmarks/device/common.sh call1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 
 rm -f /root/stash/kernels_failed
 section kernel_check 45 python3 benchmarks/kernel_check.py
-section kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/test_delta_rule.py \
-  tests/engine/test_fused.py
+section kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/test_delta_rule.py \
+  tests/engine/test_fused.py tests/engine/test_gemv.py
 if [ "$LAST_RC" != 0 ]; then
   touch /root/stash/kernels_failed
   export ENGINE_KERNELS=eager
   say "the Triton kernels failed on this GPU: ENGINE_KERNELS=eager from here on (and in calls 2 and 3)"
 fi
 section gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py
+# The kernels alone, by launch configuration (OLD_DELTA=path: another delta_rule.py timed beside).
+section kernel_bench 90 bash -c "python3 benchmarks/kernel_bench.py delta ${OLD_DELTA:+--old $OLD_DELTA} \
+  --md $OUT/kernel_delta.md && python3 benchmarks/kernel_bench.py gemv --md $OUT/kernel_gemv.md"
 section large 140 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
   --md "$OUT/large.md" --out "$OUT/large.json"
+if [ -z "${NO_GEMV_OFF:-}" ]; then  # the AR step through cuBLAS instead of the GEMV kernel
+  section large_gemv_off 100 python3 benchmarks/gpu_bench.py large --budgets 32 --repeats 3 --new-tokens 24 \
+    --gemv off --md "$OUT/large_gemv_off.md"
+fi
 if [ -n "${KERNELS_OFF:-}" ]; then
   section large_kernels_off 50 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
     --repeats 2 --new-tokens 24 --kernels off --md "$OUT/large_kernels_off.md"
 fi
-section profile 60 python3 benchmarks/gpu_bench.py profile --presets qwen3-8b-shape qwen35-27b-shape \
-  --new-tokens 6 --budget 32 --md "$OUT/profile.md"
+if [ -n "${PROFILE:-}" ]; then
+  section profile 60 python3 benchmarks/gpu_bench.py profile --presets qwen3-8b-shape qwen35-27b-shape \
+    --new-tokens 6 --budget 32 --md "$OUT/profile.md"
+fi
 summary
