@@ -125,9 +125,12 @@ def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 def kernel_config(dk: int, dv: int) -> tuple[int, int, int]:
     """(BLOCK_K, BLOCK_V, num_warps) of the kernel: a [BLOCK_K, BLOCK_V] float32 block of S per
-    program stays in registers (4096 values: 32 a thread with 4 warps)."""
+    program stays in registers (2048 values: 32 a thread with 2 warps). Measured on an H200 at the
+    27B shape's heads (dk = dv = 128, ``benchmarks/kernel_bench.py delta``): 16 columns and 2 warps
+    walk a budget-32 tree in 42 us against 59-62 us with 32 columns and 4 warps, and 8 warps or
+    wider blocks are slower still (the per-node chain is latency, not bandwidth)."""
     block_k = triton.next_power_of_2(dk)
-    return block_k, min(triton.next_power_of_2(dv), max(16, 4096 // block_k)), 4
+    return block_k, min(triton.next_power_of_2(dv), max(16, 2048 // block_k)), 2
 
 
 if triton is not None:

@@ -324,11 +324,12 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     """Block sizes and launch options of the attention kernel for head_dim ``d`` (``fp32``: float32
     inputs). Two pipeline stages and smaller key blocks for wide heads keep shared memory within a
     Hopper SM's 227 KB (head_dim 256 with three stages does not fit); 8 warps from head_dim 64, and
-    float32 key blocks of 32 from head_dim 128, keep every value in registers (no spills on sm_90
-    with Triton 3.6, benchmarks/kernel_check.py)."""
+    float32 key blocks of 32 from head_dim 64 (16 at head_dim 128), keep every value in registers
+    (no spills on sm_90 with Triton 3.6, benchmarks/kernel_check.py)."""
     block_d = max(16, triton.next_power_of_2(d))
-    narrow_keys = block_d >= 256 or (fp32 and block_d >= 128)
-    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=32 if narrow_keys else 64, BLOCK_D=block_d,
+    narrow_keys = block_d >= 256 or (fp32 and block_d >= 64)
+    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=(16 if fp32 and block_d == 128 else 32) if narrow_keys else 64,
+                BLOCK_D=block_d,
                 num_warps=8 if block_d >= 64 else 4, num_stages=2)
 
 
