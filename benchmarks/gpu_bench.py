@@ -52,11 +52,10 @@ from engine.workloads import load_workload  # noqa: E402
 def _env() -> dict:
     gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
            else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
-    from engine.models import fused, gemv
+    from engine.models import fused
 
     return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python " + " ".join(sys.argv), "triton_kernels": fused.kernels_enabled(),
-            "gemv": gemv.gemv_enabled()}
+            "command": "python " + " ".join(sys.argv), "triton_kernels": fused.kernels_enabled()}
 
 
 def _sync() -> None:
@@ -419,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf and reference sections as a check")
     ap.add_argument("--kernels", choices=["on", "off"], default="on",
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
-    ap.add_argument("--gemv", choices=["on", "off"], default="on",
-                    help="off: one-row projections through cuBLAS instead of the GEMV kernel (engine.models.gemv)")
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -433,10 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and args.section in ("pair", "large", "profile"):
         print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
         return 2
-    from engine.models import fused, gemv
+    from engine.models import fused
 
     fused.set_kernels(args.kernels == "on")
-    gemv.set_gemv(args.gemv == "on")
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
                 "profile": section_profile}
     md, report = sections[args.section](args)

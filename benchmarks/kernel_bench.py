@@ -2,7 +2,6 @@
 
     python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
-    python benchmarks/kernel_bench.py gemv                  # one-row projections: GEMV vs cuBLAS
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -12,10 +11,6 @@ verify (T = 33, every node's state stored, a best-first tree of random draft log
 512-token prefill chain. Only the launch configuration changes between rows: within one
 configuration tree and chain forwards share one compiled kernel, which keeps speculative decoding
 exact; across configurations the float32 rounding may differ.
-
-``gemv``: the projections of the SmolLM2, 8B-shape and 27B-shape targets (bf16, one row): cuBLAS
-(``F.linear``), the autotuned GEMV and its best fixed configuration, with the weight bytes read
-per microsecond (GB/s) beside each.
 """
 
 from __future__ import annotations
@@ -89,46 +84,9 @@ def bench_delta(module) -> dict[str, float]:
     return row
 
 
-GEMV_SHAPES = {  # (N, K) of each projection, fused as the engine fuses them
-    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-                "lm_head": (49152, 576)},
-    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
-           "lm_head": (151936, 4096)},
-    "27b": {"gdn in": (16480, 5120), "gdn out": (5120, 6144), "attn qkv": (14336, 5120), "attn o": (5120, 6144),
-            "gate_up": (34816, 5120), "down": (5120, 17408), "lm_head": (248320, 5120)},
-}
-
-
-def bench_gemv() -> list[dict]:
-    import torch.nn.functional as F
-
-    from engine.models import gemv
-
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for model, shapes in GEMV_SHAPES.items():
-        for name, (n, k) in shapes.items():
-            x = torch.randn(1, k, generator=gen).cuda().bfloat16()
-            w = (torch.randn(n, k, generator=gen) * 0.02).cuda().bfloat16()
-            row = {"model": model, "proj": name, "n": n, "k": k,
-                   "cublas": _time(lambda x=x, w=w: F.linear(x, w)), "tuned": _time(lambda x=x, w=w: gemv.gemv(x, w))}
-            fixed = {c: _time(lambda x=x, w=w, c=c: gemv.gemv(x, w, config=c)) for c in gemv.CONFIGS}
-            best = min(fixed, key=fixed.get)
-            row.update(best=list(best), best_us=fixed[best])
-            want = F.linear(x.float(), w.float())
-            row["rel_err"] = float((gemv.gemv(x, w).float() - want).norm() / want.norm())
-            rows.append(row)
-            del w
-    return rows
-
-
-def _gbs(n: int, k: int, us: float) -> str:
-    return f"{2 * n * k / us / 1000:.0f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "gemv"])
+    ap.add_argument("kernel", choices=["delta"])
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
     ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
@@ -138,14 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench needs CUDA", file=sys.stderr)
         return 2
-    if args.kernel == "gemv":
-        rows = bench_gemv()
-        lines = ["| model | projection | N x K | cuBLAS us (GB/s) | GEMV tuned us (GB/s) | best fixed config | us | "
-                 "GEMV / cuBLAS |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['proj']} | {r['n']} x {r['k']} | {r['cublas']:.1f} "
-                  f"({_gbs(r['n'], r['k'], r['cublas'])}) | {r['tuned']:.1f} ({_gbs(r['n'], r['k'], r['tuned'])}) | "
-                  f"{tuple(r['best'])} | {r['best_us']:.1f} | {r['tuned'] / r['cublas']:.2f}x |" for r in rows]
-        return _report(args, rows, lines)
     configs = []
     for c in args.configs:
         try:

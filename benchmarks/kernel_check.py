@@ -5,6 +5,8 @@ report registers, shared memory and spills: what Triton's interpreter (the CPU t
 
 Triton's own compiler with the ptxas and cuobjdump its wheel carries; run it with
 TRITON_INTERPRET unset (tests/engine/test_kernels_compile.py runs it in a process of its own).
+The GPU image's Triton (3.6) can spill where a newer one does not: ``pip install --no-deps --target
+DIR triton==3.6.0`` and ``PYTHONPATH=DIR python benchmarks/kernel_check.py`` checks with it here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import delta_rule, fused, gemv, tree_kernel  # noqa: E402
+from engine.models import delta_rule, fused, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -68,7 +70,7 @@ def cases():
     for depth, k, budget in TREE_SHAPES:
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
-                    **tree_kernel.kernel_launch(depth, k, budget)), 4, 3)
+                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
         for d in HEAD_DIMS:
@@ -103,13 +105,6 @@ def cases():
                    C="i32")
         yield (f"gdn inputs {dtype}", fused._gdn_inputs_kernel, gdn,
                dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64), 4, 3)
-
-
-    for bn, bk, warps in gemv.CONFIGS:
-        for bias in (False, True):
-            yield (f"gemv bf16 {bn}x{bk}{' bias' if bias else ''}", gemv._gemv_kernel,
-                   dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", N="i32", K="i32", stride_n="i32"),
-                   dict(HAS_BIAS=bias, BLOCK_N=bn, BLOCK_K=bk), warps, 3)
 
 
 def main() -> int:

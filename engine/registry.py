@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import EngineInputError
 from engine.drafters import DFlashDrafter, Drafter, OracleDrafter
-from engine.models.common import RMSNorm, cast_module_, fuse_projections_, row_linears_
+from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.tokenizer import ByteTokenizer
@@ -288,9 +288,8 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn
         tok = tokenizer_from_folder(Path(spec))
     model = cast_module_(model, device, dtype).eval()
     model.requires_grad_(False)
-    # The projections that read one input become one GEMM each (the loaded names are checked by now),
-    # and one-row products take the GEMV kernel.
-    return row_linears_(fuse_projections_(model)), tok
+    # The projections that read one input become one GEMM each (the loaded names are checked by now).
+    return fuse_projections_(model), tok
 
 
 def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED + 7,

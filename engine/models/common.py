@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models import fused, gemv
+from engine.models import fused
 
 
 @dataclass(frozen=True)
@@ -137,24 +138,7 @@ class FusedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return gemv.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-
-
-class RowLinear(nn.Linear):
-    """``nn.Linear`` whose one-row products (an AR step in half precision on CUDA) take the GEMV
-    kernel (``engine.models.gemv``); everything else is ``F.linear``. Same parameters and names."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return gemv.linear(x, self.weight, self.bias)
-
-
-def row_linears_(model: nn.Module) -> nn.Module:
-    """Every plain ``nn.Linear`` of an inference target becomes a ``RowLinear`` (in place: the
-    module's class changes, its weights and names stay). Idempotent."""
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = RowLinear
-    return model
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def fuse_projections_(model: nn.Module) -> nn.Module:

@@ -40,6 +40,10 @@ RANK_COLS = 32
 MERGE_ROWS = 32  # entries per binary-search tile of the final merge ([MERGE_ROWS, depths])
 CAND_BLOCK = 128  # candidates per chunk of the per-depth candidate pass
 MASK_BLOCK = 1024  # mask bytes zeroed per step
+# 8 warps: with 4, ptxas puts 8-24 bytes on the stack (Triton 3.6 for sm_90, benchmarks/kernel_check.py).
+# Every float is a per-entry sum or a comparison (the reductions count integers), so the tree does
+# not depend on the warp count.
+NUM_WARPS = 8
 
 
 def tree_sizes(depth: int, k: int, budget: int) -> tuple[list[int], int]:
@@ -93,7 +97,7 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
         f64[:entries], f64[entries:2 * entries], f64[2 * entries:],
         i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:4 * entries],
         i32[4 * entries:4 * entries + cands], i32[4 * entries + cands:],
-        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget),
+        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget), num_warps=NUM_WARPS,
     )
     return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
 
