@@ -18,7 +18,7 @@ import lzma
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -275,6 +275,8 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
         _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
         if out is None:
             n_bytes = starts[-1] * f.shape[-1] * f.element_size()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
             where = feature_store_device(store, n_bytes, device, free)
             # Pageable, not pinned: PyTorch's pinned allocator rounds a request up to a power of two
@@ -318,10 +320,12 @@ def train_draft(
     mask_token_id: int,
     log: Callable[[str], None] = print,
     init: DFlashDraft | None = None,
+    deadline: float | None = None,
 ) -> tuple[DFlashDraft, dict]:
     """Train a draft on (prompt + self-distilled response) token sequences: a new one, or ``init``
     (a trained draft, warm start: its architecture is kept, training continues in float32 with a
-    fresh optimiser, warm-up and schedule)."""
+    fresh optimiser, warm-up and schedule). ``deadline`` (a ``time.perf_counter()`` value): the
+    training time is at most what is left before it once the target features are computed."""
     device = target.device
     if len(sequences) != len(prompt_lens) or not sequences:
         raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
@@ -356,6 +360,14 @@ def train_draft(
         f"in {time.perf_counter() - t0:.0f}s")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
+    if deadline is not None:
+        # Measured after the features (in host memory they can take minutes), not guessed before.
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise EngineInputError(f"the wall budget is spent before training starts ({-left:.0f}s over after the "
+                                   f"target features)")
+        cfg = replace(cfg, time_budget_s=min(cfg.time_budget_s, left) if cfg.time_budget_s else left)
+        log(f"training budget: {cfg.time_budget_s:.0f}s")
     t0, history, step = time.perf_counter(), [], 0
     val_history: list[dict[str, float]] = []
     best: tuple[float, int, dict[str, Tensor]] | None = None  # (held-out loss, step, weights)

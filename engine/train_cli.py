@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -15,6 +14,7 @@ from engine.config import EngineInputError
 from engine.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
 
 ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
+SAVE_MARGIN_S = 15.0  # --wall-budget: seconds kept for writing the checkpoint after training
 SMOKE = dict(n_prompts=8, gen_max_new_tokens=16, steps=5, layers=1, block_size=4, num_anchors=4, batch_size=2)
 
 
@@ -194,16 +194,14 @@ def run(args: argparse.Namespace) -> int:
         save_sequences(Path(args.save_data), seqs, plens)
     gen_s = time.perf_counter() - t0
     print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
+    deadline = None
     if args.wall_budget:
-        # What is left after the data, less a margin for target features and saving.
-        left = args.wall_budget - (time.perf_counter() - t_start) - 45.0
-        if left <= 0:
+        # train_draft trains until this, less a margin for saving, once the target features are in.
+        deadline = t_start + args.wall_budget - SAVE_MARGIN_S
+        if time.perf_counter() >= deadline:
             raise EngineInputError(f"--wall-budget {args.wall_budget:.0f}s is spent before training starts")
-        budget = min(cfg.time_budget_s, left) if cfg.time_budget_s else left
-        cfg = dataclasses.replace(cfg, time_budget_s=budget)
-        print(f"training budget: {budget:.0f}s", flush=True)
     draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True),
-                                 init=init)
+                                 init=init, deadline=deadline)
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    data=args.data, reused_sequences=reused,
                    command="python -m engine " + " ".join(sys.argv[1:]))

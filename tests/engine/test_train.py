@@ -139,6 +139,37 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
         assert out.tokens == ar.tokens
 
 
+def test_a_deadline_bounds_training_from_after_the_target_features(pair, monkeypatch):
+    """--wall-budget's deadline is measured once the features are in: a slow feature pass (host
+    memory) shortens the training instead of overrunning the budget, and a spent one is an error."""
+    import time
+
+    import engine.train as train_mod
+
+    prompts = [pair.encode(f"Count {i} and {i + 2}.") for i in range(8)]
+    answers = generate_responses(pair.target, prompts, 12, batch_size=8, stop_ids=pair.stop_ids)
+    seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+    cfg = TrainConfig(layers=1, block_size=4, steps=100000, batch_size=2, num_anchors=4, time_budget_s=600.0)
+    features = train_mod.target_features
+
+    def slow_features(*args, **kwargs):
+        time.sleep(1.0)  # as a feature pass into host memory would take minutes
+        return features(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "target_features", slow_features)
+    with pytest.raises(EngineInputError, match="spent before training starts"):
+        train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None,
+                    deadline=time.perf_counter() + 0.5)
+    logs = []
+    t0 = time.perf_counter()
+    _, summary = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=logs.append,
+                             deadline=time.perf_counter() + 3.0)
+    budget = next(float(line.split()[2].rstrip("s")) for line in logs if line.startswith("training budget"))
+    kept = summary["config"]["time_budget_s"]
+    assert kept <= 2.0 and kept == pytest.approx(budget, abs=0.5)  # what the deadline left, not the 600 s asked
+    assert time.perf_counter() - t0 < 60.0 and summary["steps"] < 100000
+
+
 def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
     """A held-out share is never trained on and is scored on fixed blocks; the draft returned is the
     one of the lowest held-out loss (rescoring it gives that loss)."""
