@@ -23,7 +23,6 @@ from engine.stats import PHASES, Generation, GenerationStats
 from engine.tree import (
     Tree,
     ancestor_mask,
-    build_tree_device,
     build_tree_host,
     chain_tree,
     walk_device,
@@ -244,26 +243,14 @@ class _Untimed:
 UNTIMED = _Untimed()
 
 
-def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed) -> Tree:
-    """topk + tree phases. generic: logits go to the host, host top-k, heap-built tree, back to
-    the device. runtime: everything stays on the device."""
-    return _propose_tree(cfg, draft_logits, root, timer, None)[0]
-
-
-def propose_tree_masked(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
-                        max_depth: int) -> tuple[Tree, Tensor]:
-    """``propose_tree`` and ``ancestor_mask(tree.parents, max_depth)``. A DDTree built on CUDA with
-    the kernels enabled takes both from one launch (``tree_kernel.build_tree_kernel``): the CUDA-graph
-    runtime's draft phase would otherwise spend ~250 tiny launches on them."""
-    tree, mask = _propose_tree(cfg, draft_logits, root, timer, max_depth)
-    return tree, mask if mask is not None else ancestor_mask(tree.parents, max_depth)
-
-
-def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
-                  max_depth: int | None) -> tuple[Tree, Tensor | None]:
+def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
+                 max_depth: int) -> tuple[Tree, Tensor]:
+    """topk + tree phases: the tree and its ancestor mask (``ancestor_mask(tree.parents, max_depth)``).
+    generic: logits go to the host, host top-k, heap-built tree, back to the device. runtime:
+    everything stays on the device, and a DDTree on CUDA with the kernels on comes with its mask
+    from one launch (``tree_kernel.build_tree_and_mask``; ~250 tiny launches otherwise)."""
     device = draft_logits.device
     host = cfg.draft_path == "generic"
-    mask = None
     with timer.phase("topk"):
         logits = draft_logits.float().cpu() if host else draft_logits.float()
         if cfg.verify == "chain":
@@ -272,16 +259,18 @@ def _propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: 
             lp = torch.log_softmax(logits / cfg.proposal_temp, dim=-1)
             top_lp, top_ids = torch.topk(lp, min(cfg.top_k, lp.shape[-1]), dim=-1)
     with timer.phase("tree"):
+        mask = None
         if cfg.verify == "chain":
             tree = chain_tree(root.cpu() if host else root, top_ids)
         elif host:
             tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
-        elif tree_kernel.use_tree_kernel(top_lp, cfg.budget, top_lp.shape[0] if max_depth is None else max_depth):
-            tree, mask = tree_kernel.build_tree_kernel(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
         else:
-            tree = build_tree_device(top_lp, top_ids, root, cfg.budget, cfg.chain_seed)
+            tree, mask = tree_kernel.build_tree_and_mask(top_lp, top_ids, root, cfg.budget, cfg.chain_seed,
+                                                         max_depth)
         if host:
             tree = tree.to(device)
+        if mask is None:
+            mask = ancestor_mask(tree.parents, max_depth)
     return tree, mask
 
 
@@ -328,10 +317,9 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         start = cache.length  # position of the root: the last committed token, not yet cached
         with timer.phase("draft"):
             draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-        tree = propose_tree(cfg, draft_logits, seq[start], timer)
+        tree, mask = propose_tree(cfg, draft_logits, seq[start], timer, depth)
 
         with timer.phase("verify"):
-            mask = ancestor_mask(tree.parents, depth)
             snap = cache.snapshot() if replay else None
             logits, f = target(tree.tokens, cache, start, tree=VerifyTree(tree.parents, tree.depths, mask),
                                feature_layers=drafter.feature_layers)

@@ -169,14 +169,14 @@ class StaticDecoder:
 
     # -- one speculative step, in two graphs ------------------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
-        from engine.decode import UNTIMED, propose_tree_masked
+        from engine.decode import UNTIMED, propose_tree
 
         drafter, ws = self.pair.drafter, self.ws
         window = cfg.target_feat_ctx if cfg.target_feat_ctx > 0 else key_len
         logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features)
         # cfg.draft_path is "runtime" here (``supports``): top-k and tree stay on the device.
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
-        return propose_tree_masked(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
+        return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
 
     def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target
