@@ -341,15 +341,15 @@ def _function_prompt(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str
     return text if ok else None
 
 
-def _functions(tree: ast.Module, public: bool = True) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
-    """Module-level functions and methods of module-level classes, in source order; ``public``: only
-    public functions, and methods of public classes."""
+def _functions(tree: ast.Module) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, bool]]:
+    """Module-level functions and methods of module-level classes, in source order, each with
+    whether it is public (a public name, and for a method a public class)."""
     out = []
     for node in tree.body:
-        members = node.body if isinstance(node, ast.ClassDef) and not (public and node.name.startswith("_")) \
-            else [node]
-        out += [f for f in members if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and not (public and f.name.startswith("_"))]
+        hidden = isinstance(node, ast.ClassDef) and node.name.startswith("_")
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        out += [(f, not (hidden or f.name.startswith("_"))) for f in members
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return out
 
 
@@ -367,31 +367,35 @@ def _parse(path: Path) -> tuple[str, ast.Module] | None:
             gc.enable()
 
 
-def _stdlib_pool(root: Path, max_chars: int, rest: bool) -> list[Prompt]:
-    out = []
+def _stdlib_pools(root: Path, max_chars: int) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...]]:
+    """``stdlib`` and ``stdlib-rest`` from one pass over the library's sources (parsing is the cost:
+    ``stdlib-rest`` is what ``stdlib`` does not take)."""
+    main, rest = [], []
     for path in _stdlib_files(root):
         parsed = _parse(path)
         if parsed is None:
             continue
         source, tree = parsed
         lines = source.split("\n")
-        for fn in _functions(tree, public=not rest):
-            prompt = _function_prompt(fn, lines, min_doc_lines=0 if rest else 2)
-            if prompt is not None and len(prompt) <= max_chars:
-                out.append(Prompt(messages=({"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=prompt)},)))
-    return _dedup_json(out)
+        for fn, public in _functions(tree):
+            for pool, prompt in ((main, _function_prompt(fn, lines) if public else None),
+                                 (rest, _function_prompt(fn, lines, min_doc_lines=0))):
+                if prompt is not None and len(prompt) <= max_chars:
+                    pool.append(Prompt(messages=({"role": "user",
+                                                  "content": HUMANEVAL_TEMPLATE.format(prompt=prompt)},)))
+    main = _dedup_json(main)
+    taken = {json.dumps(p.to_json(), sort_keys=True) for p in main}
+    return tuple(main), tuple(p for p in _dedup_json(rest) if json.dumps(p.to_json(), sort_keys=True) not in taken)
 
 
 def stdlib_prompts(root: Path, max_chars: int = STDLIB_MAX_CHARS) -> list[Prompt]:
     """The ``stdlib`` pool of the standard library at ``root`` (see the module docstring)."""
-    return _stdlib_pool(root, max_chars, rest=False)
+    return list(_stdlib_pools(root, max_chars)[0])
 
 
 def stdlib_rest_prompts(root: Path, max_chars: int = STDLIB_MAX_CHARS) -> list[Prompt]:
     """The ``stdlib-rest`` pool: every other function ``stdlib`` leaves out (see the module docstring)."""
-    stdlib = {json.dumps(p.to_json(), sort_keys=True) for p in stdlib_prompts(root, max_chars)}
-    rest = _stdlib_pool(root, max_chars, rest=True)
-    return [p for p in rest if json.dumps(p.to_json(), sort_keys=True) not in stdlib]
+    return list(_stdlib_pools(root, max_chars)[1])
 
 
 # --- pools --------------------------------------------------------------------------------------
