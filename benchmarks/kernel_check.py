@@ -71,8 +71,33 @@ def cases():
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
                     **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
+    walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
+                path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
+    for _, _, budget in TREE_SHAPES:
+        yield (f"walk budget={budget}", tree_kernel._walk_kernel, walk,
+               dict(T_PAD=max(16, triton.next_power_of_2(budget + 1))), 4, 3)
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
+        move = dict(k_ptr=p, v_ptr=p, slot_ptr="*i64", path_ptr="*i64", al_ptr="*i64", s_layer="i32",
+                    s_slot="i32", s_head="i32", D="i32")
+        for d in HEAD_DIMS:
+            yield (f"move accepted rows {dtype} d={d}", tree_kernel._move_rows_kernel, move,
+                   dict(A_PAD=32, D_PAD=d), 4, 3)
+        for k in (1, 8, 16):
+            kp = max(2, triton.next_power_of_2(k))
+            yield (f"topk {dtype} k={k}", fused._topk_chunk_kernel,
+                   dict(x_ptr=p, V="i32", stride="i32", temp="fp32", val_ptr="*fp32", idx_ptr="*i32", m_ptr="*fp32",
+                        s_ptr="*fp32", NCHUNK="i32"), dict(K=k, KP=kp, BLOCK=fused.TOPK_CHUNK, LSE=True), 4, 3)
+            cand = triton.next_power_of_2(triton.cdiv(248320, fused.TOPK_CHUNK) * kp)  # Qwen3.5's vocabulary
+            yield (f"topk merge k={k}", fused._topk_merge_kernel,
+                   dict(val_ptr="*fp32", idx_ptr="*i32", m_ptr="*fp32", s_ptr="*fp32", top_v_ptr="*fp32",
+                        top_i_ptr="*i64", NCHUNK="i32"), dict(K=k, KP=kp, CAND=cand, CH=128, LSE=True), 4, 3)
+        rope_write = dict(q_ptr=p, k_ptr=p, v_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", qo_ptr=p, kc_ptr=p,
+                          vc_ptr=p, sq_t="i32", sq_h="i32", sk_t="i32", sk_h="i32", sv_t="i32", sv_h="i32",
+                          skc_t="i32", skc_h="i32", svc_t="i32", svc_h="i32", HQ="i32", D="i32", RD="i32")
+        for d, rd in ((64, 64), (128, 128), (256, 64)):
+            yield (f"rope + KV write {dtype} d={d} rd={rd}", fused._rope_write_kernel, rope_write,
+                   dict(HALF=rd // 2, BLOCK=d), 4, 3)
         for d in HEAD_DIMS:
             launch = fused.attention_launch(d, dtype == "fp32")
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")

@@ -252,16 +252,19 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
     device = draft_logits.device
     host = cfg.draft_path == "generic"
     with timer.phase("topk"):
-        logits = draft_logits.float().cpu() if host else draft_logits.float()
+        logits = draft_logits.float().cpu() if host else draft_logits
         if cfg.verify == "chain":
-            top_ids = torch.argmax(logits, dim=-1)
-        else:
-            lp = torch.log_softmax(logits / cfg.proposal_temp, dim=-1)
-            top_lp, top_ids = torch.topk(lp, min(cfg.top_k, lp.shape[-1]), dim=-1)
+            top_ids = fused.argmax_rows(logits)
+        else:  # top-k of the log-softmax (two launches on CUDA with the kernels on)
+            top_lp, top_ids = fused.topk_rows(logits, min(cfg.top_k, logits.shape[-1]), cfg.proposal_temp)
     with timer.phase("tree"):
         mask = None
         if cfg.verify == "chain":
             tree = chain_tree(root.cpu() if host else root, top_ids)
+            # a chain's ancestors are the (at most max_depth) nodes before it: ancestor_mask's form in
+            # three launches, not ~5 per depth
+            t = tree.tokens.numel()
+            mask = torch.ones(t, t, dtype=torch.bool, device=tree.tokens.device).tril().triu(-max_depth)
         elif host:
             tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
         else:

@@ -43,11 +43,12 @@ from torch import Tensor
 from engine.config import EngineConfig
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
+from engine.models import tree_kernel
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
 from engine.stats import Generation, GenerationStats
-from engine.tree import Tree, walk_device
+from engine.tree import Tree
 
 MIN_BUCKET = 128
 
@@ -178,7 +179,8 @@ class StaticDecoder:
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
         return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
 
-    def _verify(self, key_len: int, cfg: EngineConfig, tree: Tree, anc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target
         t = tree.tokens.numel()
         j = torch.arange(t, device=self.device)
@@ -187,24 +189,18 @@ class StaticDecoder:
                                           ws.cache, self.pair.drafter.feature_layers,
                                           parents=tree.parents if self.recurrent else None)
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
-        path, al = walk_device(tree, anc, posterior)
-        last = path.index_select(0, al.view(1) - 1)  # [1]: a 0-d index would be a host read
-        has_child = (tree.parents == last).any()
-        side = (tree.ranks * anc.index_select(0, last)[0]).gt(0).any()
-        # Commit on the device: the accepted nodes' K/V and features move to slots start..start+AL-1
-        # (slots past AL receive other nodes: they lie beyond the committed length), the committed
-        # tokens land after the root, and the root's position advances by AL.
-        src = s + path
-        ws.cache.k.index_copy_(1, slots, ws.cache.k.index_select(1, src))
-        ws.cache.v.index_copy_(1, slots, ws.cache.v.index_select(1, src))
+        # The walk, then the commit on the device: the committed tokens land after the root and the
+        # root's position advances by AL (one launch with the kernels on), the accepted nodes' K/V
+        # and features move to slots start..start+AL-1 (slots past AL may receive other nodes: they
+        # lie beyond the committed length).
+        max_depth = min(block - 1, t - 1)  # the draft's block bounds the tree's depth
+        path, al, packed = tree_kernel.walk_and_advance(tree, anc, posterior, s, ws.seq, max_depth)
+        tree_kernel.move_accepted_rows(ws.cache.k, ws.cache.v, slots, path, al, max_depth + 1)
         if self.recurrent:  # the accepted node's recurrent state, the conv window along its path
-            ws.cache.commit_recurrent(path, al.view(1))
+            ws.cache.commit_recurrent(path, al)
         ws.features.index_copy_(0, slots, f.index_select(0, path))
-        new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
-        ws.seq.index_copy_(0, s + 1 + j, new)
-        s.add_(al)
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
-        return torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new]), logits, path
+        return packed, logits, path
 
     def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
         """A grammar cut after the device committed more: ``kept`` tokens from the root's position
@@ -287,8 +283,8 @@ class StaticDecoder:
             with timer.phase("draft"):
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
-                packed, logits, path = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, tree,
-                                                       anc)
+                packed, logits, path = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, block,
+                                                       tree, anc)
                 values = packed.tolist()  # the step's one host read
             al, leaf, side = values[0], not values[1], bool(values[2])
             new = values[3 : 3 + al]

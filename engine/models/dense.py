@@ -67,6 +67,11 @@ class KVCache:
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end]
 
+    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """RoPE on q and k, then ``write``: (rotated q, the layer's keys, its values)."""
+        return apply_rope(q, cos, sin), *self.write(layer, start, apply_rope(k, cos, sin), v)
+
     def commit_path(self, start: int, path: Tensor, al: int) -> None:
         """KV compaction: the accepted nodes' slots move to start..start+al-1."""
         src = path[:al] + start
@@ -105,8 +110,7 @@ class DenseAttention(nn.Module):
         v = v.view(t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, start, k, v)
+        q, keys, values = cache.rope_write(layer, start, q, k, v, cos, sin)
         return self.o_proj(attention(q, keys, values, mask).reshape(t, -1))
 
 
@@ -217,6 +221,13 @@ class _SlotWriter:
         c.k[layer].index_copy_(0, self.slots, k)
         c.v[layer].index_copy_(0, self.slots, v)
         return c.k[layer, : self.key_len], c.v[layer, : self.key_len]
+
+    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """``KVCache.rope_write`` at the device-held slots: one launch on CUDA (``fused.rope_write``)."""
+        c = self.cache
+        q = fused.rope_write(q, k, v, cos, sin, self.slots, c.k[layer], c.v[layer])
+        return q, c.k[layer, : self.key_len], c.v[layer, : self.key_len]
 
 
 @dataclass

@@ -22,7 +22,6 @@ from engine.models.common import (
     RMSNorm,
     SwiGLU,
     VerifyTree,
-    apply_rope,
     attention,
     context_mask,
     final_norm,
@@ -369,8 +368,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.n_kv, self.head_dim))
         v = v.view(t, self.n_kv, self.head_dim)
-        q, k = apply_rope(q, p.cos, p.sin), apply_rope(k, p.cos, p.sin)
-        keys, values = p.kv.write(layer, p.start, k, v)
+        q, keys, values = p.kv.rope_write(layer, p.start, q, k, v, p.cos, p.sin)
         o = attention(q, keys, values, p.mask).reshape(t, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 

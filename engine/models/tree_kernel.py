@@ -20,7 +20,15 @@ import torch
 from torch import Tensor
 
 from engine.models import fused
-from engine.tree import _DEPTH_TIE, _FORCED_KEY, Tree, ancestor_mask, build_tree_device, effective_chain_seed
+from engine.tree import (
+    _DEPTH_TIE,
+    _FORCED_KEY,
+    Tree,
+    ancestor_mask,
+    build_tree_device,
+    effective_chain_seed,
+    walk_device,
+)
 
 try:
     import triton
@@ -121,7 +129,123 @@ def build_tree_and_mask(top_logprobs: Tensor, top_ids: Tensor, root_token: Tenso
     return tree, ancestor_mask(tree.parents, max_depth)
 
 
+def walk_and_advance(tree: Tree, anc: Tensor, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The verify's walk and its bookkeeping on the device: the accepted path, its length, and the
+    step's packed result ``[AL, has_child, side, new tokens...]`` (``new[j]``: the token after the
+    root at offset j + 1; past the path, the bonus token ``posterior[last]``). Writes the committed
+    tokens after the root into ``seq`` and advances ``start`` [1] by AL.
+
+    ``path[:AL]`` are the accepted nodes root first (its other entries are nodes too, not meant to
+    be read). One launch on CUDA with the kernels on (``max_depth``: the tree's depth bound); about
+    forty tensor ops otherwise (``walk_device`` and the commit's), the reference the kernel is
+    tested against."""
+    t = tree.tokens.numel()
+    if triton is None or not posterior.is_cuda or not fused.kernels_enabled():
+        path, al = walk_device(tree, anc, posterior)
+        last = path.index_select(0, al.view(1) - 1)  # [1]: a 0-d index would be a host read
+        has_child = (tree.parents == last).any()
+        side = (tree.ranks * anc.index_select(0, last)[0]).gt(0).any()
+        j = torch.arange(t, device=posterior.device)
+        new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
+        seq.index_copy_(0, start + 1 + j, new)
+        start.add_(al)
+        return path, al.view(1), torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])
+    return walk_and_advance_kernel(tree, posterior, start, seq, max_depth)
+
+
+def walk_and_advance_kernel(tree: Tree, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """``walk_and_advance`` in one launch (grid (1,)); no host synchronisation."""
+    t = tree.tokens.numel()
+    path = torch.empty(t, dtype=torch.long, device=posterior.device)
+    packed = torch.empty(3 + t, dtype=torch.long, device=posterior.device)
+    _walk_kernel[(1,)](tree.tokens, tree.parents, tree.ranks, posterior, start, seq, path, packed, t,
+                       min(max_depth, t - 1), T_PAD=max(16, triton.next_power_of_2(t)), num_warps=4)
+    return path, packed[:1], packed
+
+
+def move_accepted_rows(k: Tensor, v: Tensor, slots: Tensor, path: Tensor, al: Tensor, max_accept: int) -> None:
+    """KV compaction after a verify that wrote its T nodes at ``slots`` (start, start + 1, ...): in
+    every layer of ``k`` and ``v`` [layers, slots, heads, D] the row of node ``path[j]`` moves to
+    ``slots[j]`` for j < AL (``al`` [1]; every row is read before any is written). One launch on
+    CUDA (a program per layer, head and tensor, moving at most ``max_accept`` rows);
+    index_select + index_copy per tensor, moving every row, otherwise."""
+    if triton is None or not k.is_cuda or not fused.kernels_enabled() or k.stride(-1) != 1:
+        src = slots[:1] + path
+        k.index_copy_(1, slots, k.index_select(1, src))
+        v.index_copy_(1, slots, v.index_select(1, src))
+        return
+    move_accepted_rows_kernel(k, v, slots, path, al, max_accept)
+
+
+def move_accepted_rows_kernel(k: Tensor, v: Tensor, slots: Tensor, path: Tensor, al: Tensor, max_accept: int
+                              ) -> None:
+    """``move_accepted_rows`` in one launch: moves the first min(AL, max_accept) rows."""
+    layers, _, heads, d = k.shape
+    _move_rows_kernel[(layers, heads, 2)](k, v, slots, path, al, k.stride(0), k.stride(1), k.stride(2), d,
+                                          A_PAD=max(2, triton.next_power_of_2(max_accept)),
+                                          D_PAD=triton.next_power_of_2(d), num_warps=4)
+
+
 if triton is not None:
+
+    @triton.jit(do_not_specialize=["T", "MAXD"])
+    def _walk_kernel(tok_ptr, par_ptr, rank_ptr, post_ptr, start_ptr, seq_ptr, path_ptr, packed_ptr, T, MAXD,
+                     T_PAD: tl.constexpr):
+        # From the root, follow the child whose token is the target's choice at the current node
+        # (siblings hold distinct tokens: at most one matches) until none does.
+        n = tl.arange(0, T_PAD)
+        vn = n < T
+        toks = tl.load(tok_ptr + n, mask=vn, other=-1)
+        pars = tl.load(par_ptr + n, mask=vn, other=-2)
+        path = tl.zeros([T_PAD], tl.int64)  # path[0] = 0, the root
+        cur = tl.zeros([], tl.int64)
+        al = tl.full([], 1, tl.int64)
+        going = tl.full([], 1, tl.int32)
+        side = tl.zeros([], tl.int32)
+        for _ in range(0, MAXD):
+            want = tl.load(post_ptr + cur)
+            nxt = tl.min(tl.where(vn & (pars == cur) & (toks == want), n, T_PAD), axis=0).to(tl.int64)
+            going = going * (nxt < T).to(tl.int32)
+            step = going > 0
+            path = tl.where(step & (n == al), nxt, path)
+            side = side | (step & (tl.load(rank_ptr + nxt, mask=step, other=0) > 0)).to(tl.int32)
+            cur = tl.where(step, nxt, cur)
+            al = al + going
+        has_child = tl.sum((vn & (pars == cur)).to(tl.int32), axis=0) > 0
+        bonus = tl.load(post_ptr + cur)
+        path = tl.where(n >= al, cur, path)  # past the path: the last node (a valid index)
+        tl.store(path_ptr + n, path, mask=vn)
+        tl.debug_barrier()
+        nxt_node = tl.load(path_ptr + n + 1, mask=vn & (n + 1 < T), other=0)
+        new = tl.where(n < al - 1, tl.load(tok_ptr + nxt_node, mask=vn, other=0), bonus)
+        s = tl.load(start_ptr)
+        tl.store(seq_ptr + s + 1 + n, new, mask=n < al)
+        tl.store(packed_ptr + 3 + n, new, mask=vn)
+        tl.store(packed_ptr, al)
+        tl.store(packed_ptr + 1, has_child.to(tl.int64))
+        tl.store(packed_ptr + 2, side.to(tl.int64))
+        tl.store(start_ptr, s + al)
+
+    @triton.jit
+    def _move_rows_kernel(k_ptr, v_ptr, slot_ptr, path_ptr, al_ptr, s_layer, s_slot, s_head, D,
+                          A_PAD: tl.constexpr, D_PAD: tl.constexpr):
+        layer = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        if tl.program_id(2) == 0:
+            base = k_ptr + layer * s_layer + head * s_head
+        else:
+            base = v_ptr + layer * s_layer + head * s_head
+        a = tl.arange(0, A_PAD)
+        col = tl.arange(0, D_PAD)
+        va = a < tl.load(al_ptr)
+        src = tl.load(slot_ptr) + tl.load(path_ptr + a, mask=va, other=0)
+        dst = tl.load(slot_ptr + a, mask=va, other=0)
+        m = va[:, None] & (col < D)[None, :]
+        rows = tl.load(base + src[:, None] * s_slot + col[None, :], mask=m, other=0.0)
+        tl.debug_barrier()  # a row may be read from the slot another one is written to
+        tl.store(base + dst[:, None] * s_slot + col[None, :], rows, mask=m)
 
     @triton.jit
     def _beats(key_a, idx_a, key_b, idx_b):

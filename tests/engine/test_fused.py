@@ -116,6 +116,63 @@ def test_rope(dtype, d, rd):
     _rows_invariant(fused.rope, x, cos, sin)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rd", [(64, 64), (32, 8)])
+def test_rope_write_rotates_and_writes_the_cache_slots_as_rope_and_index_copy(dtype, d, rd):
+    """One launch: the rotated queries, and the rotated keys and the values at their slots, from
+    strided views of one fused projection, with the bits of ``rope`` and ``index_copy_``."""
+    from engine.models.common import rope_cos_sin, rope_inv_freq
+
+    t, hq, hkv, s = 5, 3, 2, 12
+    qkv = _r(t, (hq + 2 * hkv) * d, dtype=dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    assert not q.is_contiguous()
+    cos, sin = rope_cos_sin(torch.arange(7, 7 + t, device=DEVICE), rope_inv_freq(rd, 10000.0), dtype)
+    slots = torch.tensor([9, 2, 4, 3, 11], device=DEVICE)
+    kc, vc = _r(s, hkv, d, dtype=dtype, seed=5), _r(s, hkv, d, dtype=dtype, seed=6)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.index_copy_(0, slots, fused.rope(k, cos, sin))
+    want_v.index_copy_(0, slots, v)
+    got = fused.rope_write(q, k, v, cos, sin, slots, kc, vc)
+    assert got.shape == (t, hq, d) and got.is_contiguous()
+    assert torch.equal(got, fused.rope(q, cos, sin))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # the other slots untouched
+    assert _rel(got, fused.rope_torch(q.float(), cos.float(), sin.float())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v,k,temp", [(5000, 8, 1.0), (4096, 16, 0.7), (300, 1, 1.0), (2049, 3, 1.5)])
+def test_topk_rows_are_the_top_k_of_the_log_softmax(dtype, v, k, temp):
+    """Two launches give torch's top-k of the log-softmax: the same indices, sorted, exact ties to
+    the lower index (a row with repeated values and -inf entries included), values to rounding."""
+    x = (4 * _r(6, v, seed=3)).to(dtype)
+    x[1, :] = x[1, 0]  # a row of one value: its first k indices
+    x[2, 100:] = float("-inf")  # most of a row masked
+    x[3, 7], x[3, v - 1] = 50.0, 50.0  # a tie for the top at the two ends (different slices)
+    lp, ids = fused.topk_rows(x, k, temp)
+    want_lp, _ = fused.topk_rows_torch(x, k, temp)
+    assert lp.dtype == torch.float32 and ids.dtype == torch.long and lp.shape == ids.shape == (6, k)
+    assert torch.all(lp[:, :-1] >= lp[:, 1:])
+    assert ids[1].tolist() == list(range(k))
+    assert ids[3, :2].tolist() == [7, v - 1][:k]
+    # a stable descending sort orders ties by index: its first k are the kernel's, row by row
+    stable = torch.sort(x.float() / temp, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(ids, stable)
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+    values, plain_ids = fused.topk_rows(x, k, temp, log_probs=False)
+    assert torch.equal(plain_ids, ids) and torch.equal(values, torch.gather(x.float() / temp, 1, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    x = _r(9, 49152, dtype=dtype, seed=4)
+    x[2] = 0.0  # all tied: the first index
+    x[5, 3], x[5, 40000] = 99.0, 99.0
+    x[6, :] = float("-inf")
+    got = fused.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1))
+
+
 def test_autograd_takes_the_pytorch_forms():
     """The kernels have no backward: with a gradient needed, the eager forms run (draft training)."""
     w = torch.ones(8, device=DEVICE, requires_grad=True)
@@ -404,3 +461,61 @@ def test_tree_dispatch_falls_back_off_cuda_and_past_the_kernel_sizes():
     assert not tree_kernel.kernel_supports(32, 8, 22) and not tree_kernel.kernel_supports(15, 17, 22)
     assert not tree_kernel.kernel_supports(15, 8, 257)
     assert tree_kernel.tree_sizes(3, 4, 10) == ([4, 10, 10], 10)
+
+
+# ------------------------------------------------------------------ the verify's walk and commit in two launches
+
+
+def _walk_case(depth: int, k: int, budget: int, seed: int):
+    """A DDTree, and target choices that follow it from the root down to a random node (and leave
+    it with a token none of its children holds), plus a sequence buffer and the root's position."""
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(depth, k, seed)
+    tree = build_tree_device(lp, ids, torch.tensor([5], device=DEVICE), budget, None)
+    gen = torch.Generator().manual_seed(seed)
+    t = tree.tokens.numel()
+    posterior = torch.randint(2000, 3000, (t,), generator=gen).to(DEVICE)  # no node holds these
+    node = int(torch.randint(0, t, (1,), generator=gen))
+    parents = tree.parents.tolist()
+    while parents[node] >= 0:  # each ancestor's target choice is its child on the way to `node`
+        posterior[parents[node]] = tree.tokens[node]
+        node = parents[node]
+    seq = torch.randint(0, 100, (t + 40,), generator=gen).to(DEVICE)
+    return tree, ancestor_mask(tree.parents, depth), posterior, seq, torch.tensor([17], device=DEVICE)
+
+
+@pytest.mark.parametrize("depth,k,budget,seed", [(4, 3, 10, 0), (7, 4, 22, 1), (15, 8, 22, 2), (15, 8, 64, 3),
+                                                 (5, 1, 5, 4), (1, 2, 2, 5)])
+def test_walk_kernel_equals_the_tensor_op_walk_and_commit(depth, k, budget, seed):
+    from engine.models import tree_kernel
+
+    tree, anc, posterior, seq, start = _walk_case(depth, k, budget, seed)
+    seq_ref, start_ref = seq.clone(), start.clone()
+    with fused.using_kernels(False):
+        path_ref, al_ref, packed_ref = tree_kernel.walk_and_advance(tree, anc, posterior, start_ref, seq_ref, depth)
+    path, al, packed = tree_kernel.walk_and_advance_kernel(tree, posterior, start, seq, depth)
+    a = int(al_ref)
+    assert a >= 1 and al.tolist() == [a] and torch.equal(packed, packed_ref)
+    assert torch.equal(path[:a], path_ref[:a]) and torch.equal(start, start_ref)
+    assert torch.equal(seq[: 18 + a], seq_ref[: 18 + a])  # committed tokens after the root, nothing before
+    assert torch.equal(seq[18 + a :], _walk_case(depth, k, budget, seed)[3][18 + a :])  # the rest untouched
+
+
+@pytest.mark.parametrize("al,max_accept", [(1, 4), (3, 4), (4, 4), (6, 16)])
+def test_move_accepted_rows_kernel_compacts_like_index_copy(al, max_accept):
+    """Rows read from slots other rows are written to (path [0, 2, 3, 5, ...]) still move intact."""
+    from engine.models import tree_kernel
+
+    layers, slots_n, heads, d, t, s = 3, 40, 2, 24, 12, 9
+    k, v = _r(layers, slots_n, heads, d, seed=7), _r(layers, slots_n, heads, d, seed=8)
+    slots = s + torch.arange(t, device=DEVICE)
+    path = torch.tensor([0, 2, 3, 5, 6, 7, 9, 10, 11, 1, 4, 8], device=DEVICE)
+    k_ref, v_ref = k.clone(), v.clone()
+    with fused.using_kernels(False):
+        tree_kernel.move_accepted_rows(k_ref, v_ref, slots, path, torch.tensor([al], device=DEVICE), max_accept)
+    k0, v0 = k.clone(), v.clone()
+    tree_kernel.move_accepted_rows_kernel(k, v, slots, path, torch.tensor([al], device=DEVICE), max_accept)
+    n = min(al, max_accept)
+    assert torch.equal(k[:, : s + n], k_ref[:, : s + n]) and torch.equal(v[:, : s + n], v_ref[:, : s + n])
+    assert torch.equal(k[:, s + n :], k0[:, s + n :]) and torch.equal(v[:, s + n :], v0[:, s + n :])
