@@ -264,7 +264,7 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
             # a chain's ancestors are the (at most max_depth) nodes before it: ancestor_mask's form in
             # three launches, not ~5 per depth
             t = tree.tokens.numel()
-            mask = torch.ones(t, t, dtype=torch.bool, device=tree.tokens.device).tril().triu(-max_depth)
+            mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().triu(-max_depth)
         elif host:
             tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
         else:
