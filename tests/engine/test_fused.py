@@ -399,7 +399,7 @@ def _assert_same_tree(a, b):
 # budget past the node count (2, 3, 40), k=1, chain seed none/0/partial/full, an exact-size budget
 @pytest.mark.parametrize("depth,k,budget,chain_seed", [
     (1, 3, 5, None), (2, 3, 40, 0), (4, 1, 3, None), (4, 3, 10, 0), (5, 2, 9, 2), (7, 4, 22, None),
-    (6, 3, 17, 6), (3, 5, 155, 1), (8, 8, 16, 3),
+    (6, 3, 17, 6), (3, 5, 155, 1), (8, 8, 16, 3), (15, 8, 48, None), (15, 8, 64, 4), (10, 16, 128, 0),
 ])
 def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, chain_seed):
     from engine.models.tree_kernel import build_tree_kernel
@@ -436,9 +436,12 @@ def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
         values, order = torch.sort(x, descending=True, stable=True)
         return values[:n], order[:n]
 
-    lp = -torch.tensor([[0.5, 0.5, 1.0], [0.0, 0.5, 0.5], [0.5, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    tied_first = -torch.tensor([[0.5, 0.5, 1.0], [0.0, 0.5, 0.5], [0.5, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    # distinct parents at depth 2 (the binary-search ranking) whose children tie exactly
+    distinct_first = -torch.tensor([[0.125, 0.75, 1.5], [0.5, 0.5, 1.0], [0.25, 0.25, 0.375], [0.5, 0.5, 0.5]])
     ids = torch.arange(12).view(4, 3)
-    for budget, chain_seed in ((9, 0), (14, 2)):
+    for lp, budget, chain_seed in ((tied_first, 9, 0), (tied_first, 14, 2), (distinct_first, 9, 0),
+                                   (distinct_first, 7, None), (distinct_first, 12, 1)):
         tree, mask = build_tree_kernel(lp.to(DEVICE), ids.to(DEVICE), torch.tensor(1, device=DEVICE), budget,
                                        chain_seed)
         with monkeypatch.context() as m:
