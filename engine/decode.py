@@ -56,6 +56,15 @@ class PhaseTimer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def checkpoint(self) -> tuple[int, dict[str, float]]:
+        """What has been timed so far, for ``rollback``."""
+        return len(self._events), dict(self.ms)
+
+    def rollback(self, mark: tuple[int, dict[str, float]]) -> None:
+        """Forget the phases timed since ``mark`` (a step launched ahead and not needed)."""
+        del self._events[mark[0]:]
+        self.ms = dict(mark[1])
+
     def collect(self) -> dict[str, float]:
         if self._events:
             torch.cuda.synchronize()
@@ -173,9 +182,11 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
     return int(seq[n])
 
 
-def finish(out: list[int], stats: GenerationStats, timer: PhaseTimer, t_first: float, t0: float) -> Generation:
-    """Close a generation: phase times collected, decode time from the first to the last token."""
-    t_last = timer.now()
+def finish(out: list[int], stats: GenerationStats, timer: PhaseTimer, t_first: float, t0: float,
+           t_last: float | None = None) -> Generation:
+    """Close a generation: phase times collected, decode time from the first to the last token
+    (``t_last``: when the last token was read, if work launched ahead may still be running)."""
+    t_last = timer.now() if t_last is None else t_last
     stats.phase_ms = timer.collect()
     stats.new_tokens, stats.decode_s, stats.total_s = len(out), t_last - t_first, t_last - t0
     return Generation(tokens=out, stats=stats)

@@ -9,7 +9,9 @@ replayed:
   forward writing K/V at device-held slots, posterior, walk, KV/feature/token compaction, the
   position advanced on the device) are two graphs per key-span bucket;
 - an AR step (one token) is one graph per bucket;
-- the host reads one small packed tensor per step: accept length, flags and the new tokens.
+- the host reads one small packed tensor per step: accept length, flags and the new tokens; the
+  next step is launched before that read (its position and inputs are on the device already), so
+  the host's reading and reporting overlaps the GPU's next step.
 
 Shapes never depend on where the sequence is: the root's position lives in a [1] device tensor,
 attention spans a power-of-two bucket of key slots with a mask, and the draft sees a fixed
@@ -119,6 +121,34 @@ class _Graphs:
         return out
 
 
+class _Readback:
+    """A step's small result copied to the host behind the work launched after it: on CUDA into
+    one of two pinned buffers (alternating: at most two steps are in flight) with an event to wait
+    on; elsewhere a plain copy."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.cuda = device.type == "cuda"
+        self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self._next = 0
+
+    def push(self, values: Tensor) -> tuple[Tensor, object]:
+        buf = self._buffers[self._next][: values.numel()]
+        self._next ^= 1
+        buf.copy_(values.view(-1), non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return buf, event
+
+    @staticmethod
+    def read(item: tuple[Tensor, object]) -> list[int]:
+        buf, event = item
+        if event is not None:
+            event.synchronize()
+        return buf.tolist()
+
+
 class StaticDecoder:
     """Buffers and graphs of one workspace; rebuilt when the pair's workspace is reallocated."""
 
@@ -133,6 +163,13 @@ class StaticDecoder:
         self.graphs = _Graphs(graphs, state)
         self._tree_buffers = self._tree_buffer_ids()
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
+        self._readbacks: dict[int, _Readback] = {}
+
+    def _readback(self, size: int) -> _Readback:
+        """The pinned result buffers of steps of ``size`` values (allocated once: not in the timed decode)."""
+        if size not in self._readbacks:
+            self._readbacks[size] = _Readback(self.device, size)
+        return self._readbacks[size]
 
     def _bitmask(self, gs: GrammarState) -> tuple[Tensor, Tensor]:
         """The grammar bitmask buffers (the device one is read by captured AR steps: allocated once)."""
@@ -240,13 +277,15 @@ class StaticDecoder:
         from engine.decode import advance_grammar, finish  # the decode module imports this one
 
         bits = self._bitmask(gs) if gs is not None else None
+        readback = self._readback(1)  # before the prefill: allocation is not timed
         stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs,
                                               bits[0] if bits else None)
         pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (gs is not None, cfg.temperature, cfg.seed, cfg.kernels)  # after (kind, key span): see CudaGraphs
-        while not done:
-            key_len = self._bucket(pos + 1)
+
+        def launch(p: int) -> tuple[Tensor, object]:  # the step whose input token sits at position p
+            key_len = self._bucket(p + 1)
             with timer.phase("verify"):
                 if bits is not None:  # this step's mask, copied in before the replay reads it
                     tg = time.perf_counter()
@@ -254,16 +293,30 @@ class StaticDecoder:
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                     bits[1].copy_(bits[0], non_blocking=True)
                 nxt = self.graphs.run(("ar", key_len, *key), self._ar_step, key_len, cfg, gs is not None)
-                out.append(int(nxt))
+                return readback.push(nxt)
+
+        pending = None if done else launch(pos)
+        t_last = None
+        while not done:
+            # The next step reads its input token on the device: launched before this one is read,
+            # it runs while the host reads and reports this token (not with a grammar, whose mask
+            # for the next step needs this token, nor past max_new_tokens).
+            mark = timer.checkpoint()
+            ahead = launch(pos + 1) if gs is None and len(out) + 1 < max_new_tokens else None
+            out.append(readback.read(pending)[0])
             if gs is not None:
                 advance_grammar(gs, out[-1], stats)
             pos += 1
             if on_tokens is not None:
                 on_tokens(out[-1:])
             stats.steps += 1
+            t_last = time.perf_counter()
             done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
+            if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
+                timer.rollback(mark)
+            pending = ahead if ahead is not None or done else launch(pos)
         self.ws.cache.length = pos
-        return finish(out, stats, timer, t_first, t0)
+        return finish(out, stats, timer, t_first, t0, t_last)
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
@@ -271,6 +324,7 @@ class StaticDecoder:
         from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
+        readback = self._readback(3 + n_verify)
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
                                               bits)
@@ -278,14 +332,28 @@ class StaticDecoder:
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block, cfg.kernels)
-        while not done:
-            key_len = self._bucket(start + n_verify)
+
+        def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
+            # ``root``: the root's position, or an upper bound of it (the key span covers it)
+            key_len = self._bucket(root + n_verify)
             with timer.phase("draft"):
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
                 packed, logits, path = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, block,
                                                        tree, anc)
-                values = packed.tolist()  # the step's one host read
+                return readback.push(packed), tree, logits, path  # the step's one host read, when read
+
+        pending = None if done else launch(start)
+        t_last = None
+        while not done:
+            # The next step starts from the device's position: launched before this one is read (its
+            # key span covering the furthest root, `block` tokens on), it runs while the host reads
+            # and reports this one. Not with a grammar (a cut moves the position back), nor where
+            # this step may reach max_new_tokens.
+            mark = timer.checkpoint()
+            ahead = launch(start + block) if gs is None and len(out) + block < max_new_tokens else None
+            item, tree, logits, path = pending
+            values = readback.read(item)
             al, leaf, side = values[0], not values[1], bool(values[2])
             new = values[3 : 3 + al]
             if gs is not None:  # grammar: commit (``supports``): advance on the committed tokens
@@ -307,8 +375,12 @@ class StaticDecoder:
             out.extend(new)
             if on_tokens is not None and new:
                 on_tokens(list(new))
+            t_last = time.perf_counter()
+            if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
+                timer.rollback(mark)
+            pending = ahead if ahead is not None or done else launch(start)
         self.ws.cache.length = start
-        return finish(out, stats, timer, t_first, t0)
+        return finish(out, stats, timer, t_first, t0, t_last)
 
 
 def decoder_for(pair, ws, graphs: bool) -> StaticDecoder:

@@ -65,6 +65,24 @@ def test_static_steps_equal_ar_and_the_generic_loop(params, target):
     assert (static.stats.loop, generic.stats.loop) == ("static", "generic")  # what ran is recorded
 
 
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_a_stop_token_ends_the_static_loops_as_the_generic_ones_and_the_step_launched_ahead_leaks_nothing(target):
+    """The runtime launches each step before reading the last one: at a stop token that step is
+    not part of the generation (not counted, not timed), and the next generation is unaffected."""
+    pair = pair_for(target, "random")
+    ids = pair.encode("A stop token in the middle.")
+    free = generate_ar(pair, ids, EngineConfig(verify="ar"), 40).tokens
+    stop = (free[11],)  # AR stops after its 12th token (or at an earlier occurrence of that token)
+    cut = free[: free.index(stop[0]) + 1]
+    for cfg in (EngineConfig(verify="ar"), EngineConfig(verify="chain"), EngineConfig(verify="ddtree", budget=8)):
+        run = generate_ar if cfg.verify == "ar" else generate_speculative
+        generic = run(pair, ids, cfg, 40, stop, static=False)
+        static = run(pair, ids, cfg, 40, stop, static=True)
+        assert static.tokens == generic.tokens == cut
+        assert static.stats.steps == generic.stats.steps
+        assert run(pair, ids, cfg, 40, static=True).tokens == free  # the same workspace, again
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return engine.load("smollm2-135m-instruct", "smollm2-135m-dflash", device="cpu", dtype="float32")
