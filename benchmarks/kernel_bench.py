@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
+    python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -84,9 +85,49 @@ def bench_delta(module) -> dict[str, float]:
     return row
 
 
+TREE_BUDGETS = (22, 32, 48, 64)
+# (NUM_WARPS, RANK_ROWS, RANK_COLS, CAND_BLOCK) of the DDTree kernel (engine/models/tree_kernel.py)
+TREE_VARIANTS = [(8, 64, 32, 128), (4, 64, 32, 128), (8, 32, 32, 128), (8, 128, 16, 128), (8, 32, 64, 128),
+                 (8, 64, 32, 64), (8, 64, 32, 256), (16, 64, 32, 128)]
+
+
+def bench_tree() -> tuple[list[dict], list[str]]:
+    """The DDTree kernel (L = 15, k = 8: SmolLM2's draft) per budget, by launch configuration."""
+    from engine.models import tree_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    lp = (-torch.cumsum(torch.rand(15, 8, generator=gen) + 1e-3, dim=1)).cuda()
+    ids = torch.randint(0, 1000, (15, 8), generator=gen).cuda()
+    root = torch.tensor([5], device="cuda")
+    names = ("NUM_WARPS", "RANK_ROWS", "RANK_COLS", "CAND_BLOCK")
+    saved = {n: getattr(tree_kernel, n) for n in names}
+    rows = []
+    try:
+        for variant in TREE_VARIANTS:
+            for n, v in zip(names, variant, strict=True):
+                setattr(tree_kernel, n, v)
+            row = {"config": "warps={} rank={}x{} cand={}".format(*variant)}
+            for b in TREE_BUDGETS:
+                row[f"b{b}"] = _time(lambda b=b: tree_kernel.build_tree_kernel(lp, ids, root, b, None))
+            rows.append(row)
+    finally:
+        for n, v in saved.items():
+            setattr(tree_kernel, n, v)
+    # Draft logits in bf16 repeat values: log-probs (and so parent scores) tie exactly
+    tied = torch.sort((lp * 8).round() / 8, dim=1, descending=True).values
+    row = {"config": "default, log-probs in steps of 1/8 (exact ties)"}
+    for b in TREE_BUDGETS:
+        row[f"b{b}"] = _time(lambda b=b: tree_kernel.build_tree_kernel(tied, ids, root, b, None))
+    rows.append(row)
+    lines = ["| config | " + " | ".join(f"budget {b} us" for b in TREE_BUDGETS) + " |",
+             "|---|" + "---|" * len(TREE_BUDGETS)]
+    lines += [f"| {r['config']} | " + " | ".join(f"{r[f'b{b}']:.1f}" for b in TREE_BUDGETS) + " |" for r in rows]
+    return rows, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta"])
+    ap.add_argument("kernel", choices=["delta", "tree"])
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
     ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
@@ -96,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kernel_bench needs CUDA", file=sys.stderr)
         return 2
+    if args.kernel == "tree":
+        return _report(args, *bench_tree())
     configs = []
     for c in args.configs:
         try:

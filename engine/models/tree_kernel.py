@@ -47,7 +47,6 @@ RANK_ROWS = 64
 RANK_COLS = 32
 MERGE_ROWS = 32  # entries per binary-search tile of the final merge ([MERGE_ROWS, depths])
 CAND_BLOCK = 128  # candidates per chunk of the per-depth candidate pass
-SEARCH_ROWS = 32  # candidates per chunk of the binary-search ranking ([SEARCH_ROWS, k] searches at once)
 MASK_BLOCK = 1024  # mask bytes zeroed per step
 # 8 warps: with 4, ptxas puts 8-24 bytes on the stack (Triton 3.6 for sm_90, benchmarks/kernel_check.py).
 # Every float is a per-entry sum or a comparison (the reductions count integers), so the tree does
@@ -74,8 +73,7 @@ def kernel_launch(depth: int, k: int, budget: int) -> dict[str, int]:
     _, n = tree_sizes(depth, k, budget)
     return dict(P_PAD=max(16, triton.next_power_of_2(budget)), L_PAD=max(2, triton.next_power_of_2(depth)),
                 LOG=budget.bit_length(), N1_PAD=max(16, triton.next_power_of_2(n + 1)), BLOCK_C=CAND_BLOCK,
-                BLOCK_I=RANK_ROWS, CHUNK=RANK_COLS, BLOCK_E=MERGE_ROWS, BLOCK_M=MASK_BLOCK,
-                K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_S=SEARCH_ROWS)
+                BLOCK_I=RANK_ROWS, CHUNK=RANK_COLS, BLOCK_E=MERGE_ROWS, BLOCK_M=MASK_BLOCK)
 
 
 def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
@@ -260,7 +258,7 @@ if triton is not None:
                      L, K, B, N, CHAIN, FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr,
                      P_PAD: tl.constexpr, L_PAD: tl.constexpr, LOG: tl.constexpr, N1_PAD: tl.constexpr,
                      BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_M: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+                     BLOCK_M: tl.constexpr):
         # Entries: 0 the root, then depth 1's kept candidates sorted by key, depth 2's, ... (the
         # order of build_tree_device's concatenation, so global entry indices break ties alike).
         forced_key = tl.full([], FORCED_KEY, tl.float64)  # float64 constants: a Python float is fp32
@@ -287,100 +285,62 @@ if triton is not None:
             m = tl.minimum(B, p_count * K)
             # Parent slot 0 is forced (chain-seeded; the root counts) at depths <= CHAIN.
             f = (d <= CHAIN).to(tl.int32)
-            # Structural pruning. A non-forced parent's key above another's means a higher score,
-            # so child (p, r) is beaten by every (p', r') with f <= p' <= p, r' <= r: its rank is at
-            # least (p - f + 1)(r + 1) - 1 and it can be kept only if (p - f + 1)(r + 1) <= m. That
-            # needs strictly ordered parent keys: on an exact tie among them, prune nothing.
+            # Structural pruning. The non-forced parents come in key order; where their scores do
+            # too (ties allowed: a tie goes to the lower index, as between keys), child (p, r) is
+            # beaten by every (p', r') with f <= p' <= p, r' <= r (rounding is monotone): its rank is
+            # at least (p - f + 1)(r + 1) - 1 and it can be kept only if (p - f + 1)(r + 1) <= m.
+            # Only parents with equal keys and unequal scores (the depth term's rounding) can break
+            # that order: then prune nothing. (Exact ties are common: bf16 logits repeat values.)
             ps = tl.arange(0, P_PAD)
             pair = (ps >= f) & (ps + 1 < p_count)
-            ka = tl.load(ekey_ptr + p_off + ps, mask=pair, other=0.0)
-            kb = tl.load(ekey_ptr + p_off + ps + 1, mask=pair, other=1.0)
-            tied = tl.sum((pair & (ka == kb)).to(tl.int32), axis=0)  # > 0: an exact tie
+            sa = tl.load(escore_ptr + p_off + ps, mask=pair, other=0.0)
+            sb = tl.load(escore_ptr + p_off + ps + 1, mask=pair, other=-1.0)
+            unordered = tl.sum((pair & (sa < sb)).to(tl.int32), axis=0)  # > 0: a score out of the key order
+            # Candidates i = p * K + r: score, key, and the surviving ones compacted into ckey/cidx.
             lp_tie = d.to(tl.float64) * depth_tie  # as Python's d * _DEPTH_TIE
-            if tied > 0:
-                # Candidates i = p * K + r: score, key, and the surviving ones compacted into ckey/cidx.
-                surv = tl.full([], 0, tl.int32)
-                for c0 in range(0, p_count * K, BLOCK_C):
-                    i = c0 + tl.arange(0, BLOCK_C)
-                    p = i // K
-                    r = i % K
-                    # (a scalar | vector of int1 yields int32 data in Triton 3.9's interpreter: compare ints)
-                    ok = (i < p_count * K) & (((p - f + 1) * (r + 1) <= m).to(tl.int32) + tied > 0)
-                    score = tl.load(escore_ptr + p_off + p, mask=ok, other=0.0) \
-                        + tl.load(lp_ptr + d * K + r, mask=ok, other=0.0).to(tl.float64)
-                    forced = (p == 0) & (r == 0) & (d < CHAIN)
-                    key = tl.where(forced, forced_key - d, score - lp_tie)
-                    pos = surv + tl.cumsum(ok.to(tl.int32), axis=0) - 1
-                    tl.store(ckey_ptr + pos, key, mask=ok)
-                    tl.store(cidx_ptr + pos, i, mask=ok)
-                    surv += tl.sum(ok.to(tl.int32), axis=0)
-                tl.debug_barrier()
-                # Rank each survivor by the survivors that beat it (every entry that beats a kept one
-                # survives, so a kept rank is exact); the top m land at off + rank, sorted.
-                for a0 in range(0, surv, BLOCK_I):
-                    a = a0 + tl.arange(0, BLOCK_I)
-                    va = a < surv
-                    ki = tl.load(ckey_ptr + a, mask=va, other=0.0)
-                    ii = tl.load(cidx_ptr + a, mask=va, other=0)
-                    srank = tl.zeros([BLOCK_I], tl.int32)
-                    for j0 in range(0, surv, CHUNK):
-                        j = j0 + tl.arange(0, CHUNK)
-                        vj = j < surv
-                        kj = tl.load(ckey_ptr + j, mask=vj, other=0.0)
-                        ij = tl.load(cidx_ptr + j, mask=vj, other=0)
-                        swin = _beats(kj[None, :], ij[None, :], ki[:, None], ii[:, None]) & vj[None, :]
-                        srank += tl.sum(swin.to(tl.int32), axis=1)
-                    skeep = va & (srank < m)
-                    sp = ii // K
-                    sr = ii % K
-                    # the score again, by the same operations (the same bits) as in the candidate pass
-                    sscore = tl.load(escore_ptr + p_off + sp, mask=skeep, other=0.0) \
-                        + tl.load(lp_ptr + d * K + sr, mask=skeep, other=0.0).to(tl.float64)
-                    se = off + srank
-                    tl.store(ekey_ptr + se, ki, mask=skeep)
-                    tl.store(escore_ptr + se, sscore, mask=skeep)
-                    tl.store(epar_ptr + se, p_off + sp, mask=skeep)
-                    tl.store(erank_ptr + se, sr, mask=skeep)
-                    tl.store(edep_ptr + se, tl.zeros([BLOCK_I], tl.int32) + d + 1, mask=skeep)
-            else:
-                # Every parent key differs, so the parents' scores are strictly ordered (slot 0 aside
-                # when forced) and, for each rank r', the candidates (p', r') are in the order along p':
-                # a candidate's rank is, per r', how many of them beat it (a binary search each,
-                # all r' at once), plus forced parent 0's children compared directly.
-                rk = tl.arange(0, K_PAD)
-                vk = rk < K
-                lp_d = tl.load(lp_ptr + d * K + rk, mask=vk, other=0.0).to(tl.float64)
-                s0 = tl.load(escore_ptr + p_off)
-                k0 = tl.where((rk == 0) & (d < CHAIN), forced_key - d, (s0 + lp_d) - lp_tie)
-                for c0 in range(0, p_count * K, BLOCK_S):
-                    i = c0 + tl.arange(0, BLOCK_S)
-                    p = i // K
-                    r = i % K
-                    ok = (i < p_count * K) & ((p - f + 1) * (r + 1) <= m)
-                    score = tl.load(escore_ptr + p_off + p, mask=ok, other=0.0) \
-                        + tl.load(lp_ptr + d * K + r, mask=ok, other=0.0).to(tl.float64)
-                    forced = (p == 0) & (r == 0) & (d < CHAIN)
-                    key = tl.where(forced, forced_key - d, score - lp_tie)
-                    win0 = _beats(k0[None, :], rk[None, :], key[:, None], i[:, None]) & vk[None, :]
-                    rank = tl.sum(win0.to(tl.int32), axis=1) * f
-                    lo = tl.zeros([BLOCK_S, K_PAD], tl.int32) + f
-                    hi = tl.zeros([BLOCK_S, K_PAD], tl.int32) + p_count
-                    for _ in tl.static_range(LOG):
-                        act = lo < hi
-                        mid = (lo + hi) // 2
-                        sm = tl.load(escore_ptr + p_off + mid, mask=act & ok[:, None], other=0.0)
-                        km = (sm + lp_d[None, :]) - lp_tie  # the candidate pass's operations
-                        win = _beats(km, mid * K + rk[None, :], key[:, None], i[:, None])
-                        lo = tl.where(act & win, mid + 1, lo)
-                        hi = tl.where(act & ~win, mid, hi)
-                    rank += tl.sum(tl.where(vk[None, :], lo - f, 0), axis=1)
-                    keep = ok & (rank < m)
-                    se = off + rank
-                    tl.store(ekey_ptr + se, key, mask=keep)
-                    tl.store(escore_ptr + se, score, mask=keep)
-                    tl.store(epar_ptr + se, p_off + p, mask=keep)
-                    tl.store(erank_ptr + se, r, mask=keep)
-                    tl.store(edep_ptr + se, tl.zeros([BLOCK_S], tl.int32) + d + 1, mask=keep)
+            surv = tl.full([], 0, tl.int32)
+            for c0 in range(0, p_count * K, BLOCK_C):
+                i = c0 + tl.arange(0, BLOCK_C)
+                p = i // K
+                r = i % K
+                # (a scalar | vector of int1 yields int32 data in Triton 3.9's interpreter: compare ints)
+                ok = (i < p_count * K) & (((p - f + 1) * (r + 1) <= m).to(tl.int32) + unordered > 0)
+                score = tl.load(escore_ptr + p_off + p, mask=ok, other=0.0) \
+                    + tl.load(lp_ptr + d * K + r, mask=ok, other=0.0).to(tl.float64)
+                forced = (p == 0) & (r == 0) & (d < CHAIN)
+                key = tl.where(forced, forced_key - d, score - lp_tie)
+                pos = surv + tl.cumsum(ok.to(tl.int32), axis=0) - 1
+                tl.store(ckey_ptr + pos, key, mask=ok)
+                tl.store(cidx_ptr + pos, i, mask=ok)
+                surv += tl.sum(ok.to(tl.int32), axis=0)
+            tl.debug_barrier()
+            # Rank each survivor by the survivors that beat it (every entry that beats a kept one
+            # survives, so a kept rank is exact); the top m land at off + rank, sorted.
+            for a0 in range(0, surv, BLOCK_I):
+                a = a0 + tl.arange(0, BLOCK_I)
+                va = a < surv
+                ki = tl.load(ckey_ptr + a, mask=va, other=0.0)
+                ii = tl.load(cidx_ptr + a, mask=va, other=0)
+                srank = tl.zeros([BLOCK_I], tl.int32)
+                for j0 in range(0, surv, CHUNK):
+                    j = j0 + tl.arange(0, CHUNK)
+                    vj = j < surv
+                    kj = tl.load(ckey_ptr + j, mask=vj, other=0.0)
+                    ij = tl.load(cidx_ptr + j, mask=vj, other=0)
+                    swin = _beats(kj[None, :], ij[None, :], ki[:, None], ii[:, None]) & vj[None, :]
+                    srank += tl.sum(swin.to(tl.int32), axis=1)
+                skeep = va & (srank < m)
+                sp = ii // K
+                sr = ii % K
+                # the score again, by the same operations (the same bits) as in the candidate pass
+                sscore = tl.load(escore_ptr + p_off + sp, mask=skeep, other=0.0) \
+                    + tl.load(lp_ptr + d * K + sr, mask=skeep, other=0.0).to(tl.float64)
+                se = off + srank
+                tl.store(ekey_ptr + se, ki, mask=skeep)
+                tl.store(escore_ptr + se, sscore, mask=skeep)
+                tl.store(epar_ptr + se, p_off + sp, mask=skeep)
+                tl.store(erank_ptr + se, sr, mask=skeep)
+                tl.store(edep_ptr + se, tl.zeros([BLOCK_I], tl.int32) + d + 1, mask=skeep)
             tl.debug_barrier()
             off_v = tl.where(dl == d, off, off_v)
             cnt_v = tl.where(dl == d, m, cnt_v)
