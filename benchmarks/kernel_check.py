@@ -125,11 +125,13 @@ def cases():
         rope = dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, HEADS="i32", D="i32", RD="i32")
         for d, rd in ((64, 64), (128, 128), (256, 64)):  # full RoPE, and Qwen3.5's partial quarter
             yield f"rope {dtype} d={d} rd={rd}", fused._rope_kernel, rope, dict(HALF=rd // 2, BLOCK=d), 4, 3
-        gdn = dict(hist_ptr=p, idx_ptr="*i64", w_ptr=p, q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", a_ptr=p, b_ptr=p,
-                   a_stride="i32", b_stride="i32", alog_ptr="*fp32", dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
-                   C="i32")
-        yield (f"gdn inputs {dtype}", fused._gdn_inputs_kernel, gdn,
-               dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64), 4, 3)
+        gdn = dict(conv_ptr=p, mix_ptr=p, mix_stride="i32", rec_ptr=p, rec_stride="i32", idx_ptr="*i64", w_ptr=p,
+                   q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", a_ptr=p, b_ptr=p, a_stride="i32", b_stride="i32",
+                   alog_ptr="*fp32", dt_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32", C="i32")
+        for commit, record in ((True, False), (False, True)):  # a chain's step, a tree's verify
+            yield (f"gdn inputs {dtype} {'commit' if commit else 'record'}", fused._gdn_inputs_kernel, gdn,
+                   dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64, COMMIT=commit,
+                        RECORD=record), 4, 3)
 
 
 def main() -> int:

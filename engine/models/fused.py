@@ -286,31 +286,51 @@ def gdn_inputs_torch(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor
     return q, k, v, g, beta
 
 
-def gdn_inputs(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: Tensor, a_log: Tensor,
-               dt_bias: Tensor, hk: int, dk: int, hv: int, dv: int) -> tuple[Tensor, ...]:
+def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: Tensor,
+               a_log: Tensor, dt_bias: Tensor, hk: int, dk: int, hv: int, dv: int, commit: bool = False,
+               record: Tensor | None = None) -> tuple[Tensor, ...]:
     """What the gated delta rule needs from one Gated DeltaNet layer's projections.
 
-    hist [K-1+T, C]: the conv window's earlier inputs then this forward's ``in_proj_qkv`` output;
-    conv_index [T, K]: each token's window rows in ``hist`` (its ancestors for a tree); conv_w
-    [C, K] the depthwise conv weight; a, b [T, HV] the ``in_proj_a`` / ``in_proj_b`` outputs.
+    conv [K-1, C]: the conv window's inputs before this forward; mixed [T, C]: this forward's
+    ``in_proj_qkv`` output (strided rows allowed); conv_index [T, K]: each token's window rows in
+    ``cat(conv, mixed)`` (its ancestors for a tree); conv_w [C, K] the depthwise conv weight; a, b
+    [T, HV] the ``in_proj_a`` / ``in_proj_b`` outputs. ``commit``: ``conv`` becomes the window after
+    a chain (the last K-1 rows of ``cat(conv, mixed)``); ``record`` [T, C]: receives ``mixed`` (a
+    tree's per-node conv inputs).
+
     Returns q, k [T, HK, DK] (causal conv, SiLU, L2-normalised, q scaled by 1/sqrt(DK)), v [T, HV, DV],
-    g (log decay) and beta [T, HV], all float32. On CUDA: one launch instead of about thirty."""
-    if not use_kernels(hist, conv_w, a, b):
-        return gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
+    g (log decay) and beta [T, HV], all float32. On CUDA one launch instead of about thirty; the
+    window is read in place and, for one token, committed or recorded in the same launch (a
+    concatenation and a copy each otherwise)."""
     t, kernel = conv_index.shape
-    hist, idx, w = hist.contiguous(), conv_index.contiguous(), conv_w.contiguous()
-    q = torch.empty(t, hk, dk, device=hist.device, dtype=torch.float32)
+    if not (use_kernels(conv, mixed, conv_w, a, b) and mixed.stride(-1) == 1 and conv.is_contiguous()
+            and (record is None or (record.stride(-1) == 1))):
+        hist = torch.cat([conv, mixed])
+        out = gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
+        if record is not None:
+            record.copy_(mixed)
+        if commit:
+            conv.copy_(hist[t:])
+        return out
+    idx, w = conv_index.contiguous(), conv_w.contiguous()
+    q = torch.empty(t, hk, dk, device=mixed.device, dtype=torch.float32)
     k = torch.empty_like(q)
-    v = torch.empty(t, hv, dv, device=hist.device, dtype=torch.float32)
+    v = torch.empty(t, hv, dv, device=mixed.device, dtype=torch.float32)
     a, b = _strided_rows(a, hv), _strided_rows(b, hv)  # views of the fused in-projection's output
-    g = torch.empty(t, hv, device=hist.device, dtype=torch.float32)
+    g = torch.empty(t, hv, device=mixed.device, dtype=torch.float32)
     beta = torch.empty_like(g)
+    # A program owns its channels in every row: with one token it can shift the window in place.
+    in_kernel = commit and t == 1
+    rec = record if record is not None else mixed
     # One launch: per token, the conv segments (q heads, k heads, v heads) and one program for the gates.
     _gdn_inputs_kernel[(t, 2 * hk + hv + 1)](
-        hist, idx, w, q, k, v, a, b, a.stride(0), b.stride(0), a_log, dt_bias, g, beta, hist.shape[1],
-        HK=hk, DK=dk, HV=hv, DV=dv, KERNEL=kernel, BLOCK=triton.next_power_of_2(max(dk, dv)),
-        BLOCK_H=triton.next_power_of_2(hv),
+        conv, mixed, mixed.stride(0), rec, rec.stride(0), idx, w, q, k, v, a, b, a.stride(0), b.stride(0), a_log,
+        dt_bias, g, beta, mixed.shape[1], HK=hk, DK=dk, HV=hv, DV=dv, KERNEL=kernel,
+        BLOCK=triton.next_power_of_2(max(dk, dv)), BLOCK_H=triton.next_power_of_2(hv), COMMIT=in_kernel,
+        RECORD=record is not None,
     )
+    if commit and not in_kernel:  # after the kernel's reads (stream order)
+        conv.copy_(torch.cat([conv, mixed])[t:])
     return q, k, v, g, beta
 
 
@@ -646,11 +666,14 @@ if triton is not None:
         tl.store(out_ptr + (seq * ROWS + r) * D + rd, out.to(out_ptr.dtype.element_ty), mask=md)
 
     @triton.jit
-    def _gdn_inputs_kernel(hist_ptr, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_stride, b_stride, alog_ptr,
-                           dt_ptr, g_ptr, beta_ptr, C, HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr,
-                           DV: tl.constexpr, KERNEL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gdn_inputs_kernel(conv_ptr, mix_ptr, mix_stride, rec_ptr, rec_stride, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr,
+                           a_ptr, b_ptr, a_stride, b_stride, alog_ptr, dt_ptr, g_ptr, beta_ptr, C,
+                           HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr,
+                           KERNEL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, COMMIT: tl.constexpr,
+                           RECORD: tl.constexpr):
         # Program (token, seg): seg < 2 * HK + HV one (token, head) segment of the conv channels
-        # (q heads, then k heads, then v heads); the last seg the token's gates.
+        # (q heads, then k heads, then v heads); the last seg the token's gates. Row r of the
+        # window rows cat(conv, mixed) is conv's r-th (r < KERNEL - 1) or mixed's (r - KERNEL + 1)-th.
         tok = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1)
         if seg == 2 * HK + HV:
@@ -673,9 +696,21 @@ if triton is not None:
             acc = tl.zeros([BLOCK], tl.float32)
             for j in range(KERNEL):
                 row = tl.load(idx_ptr + tok * KERNEL + j)
-                x = tl.load(hist_ptr + row * C + ch, mask=m, other=0.0).to(tl.float32)
+                in_conv = (row + cols * 0) < KERNEL - 1  # a vector (scalar & vector masks: int32 in the interpreter)
+                old = tl.load(conv_ptr + row * C + ch, mask=m & in_conv, other=0.0)
+                new = tl.load(mix_ptr + (row - (KERNEL - 1)) * mix_stride + ch, mask=m & ~in_conv, other=0.0)
+                x = tl.where(in_conv, old, new).to(tl.float32)
                 acc += x * tl.load(w_ptr + ch * KERNEL + j, mask=m, other=0.0).to(tl.float32)
-            ty = hist_ptr.dtype.element_ty
+            if RECORD:
+                tl.store(rec_ptr + tok * rec_stride + ch, tl.load(mix_ptr + tok * mix_stride + ch, mask=m), mask=m)
+            if COMMIT:  # one token: the window shifts by one row, in this program's channels only
+                for r in tl.static_range(KERNEL - 1):
+                    if r + 1 < KERNEL - 1:
+                        nxt = tl.load(conv_ptr + (r + 1) * C + ch, mask=m)
+                    else:
+                        nxt = tl.load(mix_ptr + ch, mask=m)
+                    tl.store(conv_ptr + r * C + ch, nxt, mask=m)
+            ty = mix_ptr.dtype.element_ty
             y = acc.to(ty).to(tl.float32)  # as the eager form: the conv rounded, then SiLU rounded
             y = (y * tl.sigmoid(y)).to(ty).to(tl.float32)
             if is_v:

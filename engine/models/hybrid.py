@@ -331,14 +331,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t, cache = x.shape[0], p.state
         mixed, z, b, a = project(self, "in_proj", x)  # [T, C], [T, HV * DV], [T, HV], [T, HV]
-        hist = torch.cat([cache.conv[layer], mixed])  # [K-1+T, C]
-        q, k, v, g, beta = fused.gdn_inputs(hist, p.conv_index, self.conv1d.weight[:, 0, :], a, b, self.A_log,
-                                            self.dt_bias, self.hk, self.dk, self.hv, self.dv)
+        # A tree records every node's conv input (the commit gathers the accepted path's window); a
+        # chain commits its window here.
+        q, k, v, g, beta = fused.gdn_inputs(cache.conv[layer], mixed, p.conv_index, self.conv1d.weight[:, 0, :], a,
+                                            b, self.A_log, self.dt_bias, self.hk, self.dk, self.hv, self.dv,
+                                            commit=not p.tree, record=cache.tree_conv[layer, :t] if p.tree else None)
         if p.tree:
-            cache.tree_conv[layer, :t] = mixed
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t])
         else:
-            cache.conv[layer] = hist[t:]
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
         # the norm rounds the float32 output to the model's dtype (z's) itself
         return self.out_proj(self.norm(out, z.view(t, self.hv, self.dv)).reshape(t, -1))

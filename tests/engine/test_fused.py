@@ -259,24 +259,46 @@ def test_gdn_inputs(dtype, hk, dk, hv, dv):
     kernel, t = 4, 9
     c = 2 * hk * dk + hv * dv
     hist = _r(kernel - 1 + t, c, dtype=dtype)
+    conv, mixed = hist[: kernel - 1], hist[kernel - 1 :]
     parents = torch.tensor([-1, 0, 0, 1, 2, 3, 3, 5, 7], device=DEVICE)  # a tree: windows follow ancestors
     idx = conv_window_index(parents, kernel)
     w, a, b = 0.5 * _r(c, kernel, dtype=dtype, seed=1), _r(t, hv, dtype=dtype, seed=2), _r(t, hv, dtype=dtype, seed=3)
     a_log, dt = 0.3 * _r(hv, seed=4), _r(hv, seed=5)
     a[0, 0] = 30.0  # softplus's linear branch
-    got = fused.gdn_inputs(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
+    got = fused.gdn_inputs(conv, mixed, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
     want = fused.gdn_inputs_torch(hist, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
-    # a and b as views of one fused in-projection's output (strided rows): the same bits
+    # a and b as views of one fused in-projection's output (strided rows), mixed too: the same bits
     b_view, a_view = torch.cat([_r(t, 5, dtype=dtype, seed=6), b, a], dim=1)[:, 5:].split(hv, dim=1)
-    assert not a_view.is_contiguous()
+    mixed_view = torch.cat([mixed, a], dim=1)[:, :c]
+    assert not a_view.is_contiguous() and not mixed_view.is_contiguous()
     assert all(torch.equal(x, y) for x, y in zip(
-        fused.gdn_inputs(hist, idx, w, a_view, b_view, a_log, dt, hk, dk, hv, dv), got, strict=True))
+        fused.gdn_inputs(conv, mixed_view, idx, w, a_view, b_view, a_log, dt, hk, dk, hv, dv), got, strict=True))
     for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want, strict=True):
         assert x.shape == y.shape and x.dtype == torch.float32, name
         assert _rel(x, y) < {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype], name
     # rows are independent of the batch: the first token alone gives the same bits
-    alone = fused.gdn_inputs(hist, idx[:1], w, a[:1], b[:1], a_log, dt, hk, dk, hv, dv)
+    alone = fused.gdn_inputs(conv, mixed[:1], idx[:1], w, a[:1], b[:1], a_log, dt, hk, dk, hv, dv)
     assert all(torch.equal(x, y[:1]) for x, y in zip(alone, got, strict=True))
+    # a tree records its nodes' conv inputs; nothing else is written
+    record, conv_before = torch.zeros_like(mixed), conv.clone()
+    fused.gdn_inputs(conv, mixed_view, idx, w, a, b, a_log, dt, hk, dk, hv, dv, record=record)
+    assert torch.equal(record, mixed) and torch.equal(conv, conv_before)
+
+
+@pytest.mark.parametrize("t", [1, 2, 5])  # one token: the window shifted in the kernel; more: after it
+def test_gdn_inputs_commits_a_chains_conv_window(t):
+    hk, dk, hv, dv, kernel = 2, 16, 4, 8, 4
+    c = 2 * hk * dk + hv * dv
+    conv, mixed = _r(kernel - 1, c, dtype=torch.bfloat16), _r(t, c, dtype=torch.bfloat16, seed=1)
+    idx = (torch.arange(t, device=DEVICE)[:, None] + torch.arange(kernel, device=DEVICE)[None, :])  # a chain
+    w, a, b = 0.5 * _r(c, kernel, seed=2), _r(t, hv, seed=3), _r(t, hv, seed=4)
+    a_log, dt = 0.3 * _r(hv, seed=5), _r(hv, seed=6)
+    want_window = torch.cat([conv, mixed])[t:].clone()
+    want = fused.gdn_inputs(conv.clone(), mixed, idx, w, a, b, a_log, dt, hk, dk, hv, dv)
+    got = fused.gdn_inputs(conv, torch.cat([mixed, a.to(mixed.dtype)], dim=1)[:, :c], idx, w, a, b, a_log, dt, hk,
+                           dk, hv, dv, commit=True)
+    assert torch.equal(conv, want_window)  # the window after the chain
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))  # read before it moved
 
 
 def test_kernels_can_be_turned_off_for_a_comparison():
