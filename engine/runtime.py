@@ -165,6 +165,12 @@ class StaticDecoder:
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
         self._readbacks: dict[int, _Readback] = {}
 
+    def _ran_ahead(self) -> None:
+        """A step past the generation's end ran: its K/V lie past the committed length (ignored),
+        but a recurrent state cannot be taken back, so it is marked (``HybridCache.ahead``)."""
+        if self.recurrent:
+            self.ws.cache.ahead = True
+
     def _readback(self, size: int) -> _Readback:
         """The pinned result buffers of steps of ``size`` values (allocated once: not in the timed decode)."""
         if size not in self._readbacks:
@@ -314,6 +320,7 @@ class StaticDecoder:
             done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
             if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
                 timer.rollback(mark)
+                self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(pos)
         self.ws.cache.length = pos
         return finish(out, stats, timer, t_first, t0, t_last)
@@ -378,6 +385,7 @@ class StaticDecoder:
             t_last = time.perf_counter()
             if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
                 timer.rollback(mark)
+                self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(start)
         self.ws.cache.length = start
         return finish(out, stats, timer, t_first, t0, t_last)

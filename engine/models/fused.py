@@ -262,8 +262,9 @@ def topk_rows(logits: Tensor, k: int, temperature: float = 1.0, log_probs: bool 
 
 def argmax_rows(logits: Tensor) -> Tensor:
     """``torch.argmax(logits, dim=-1)`` for [R, V] (the first index of the maximum), in two launches
-    on CUDA: the reduction over a 49k vocabulary in one block per row takes ~13 us on an H200."""
-    if logits.dim() != 2 or not use_kernels(logits):
+    on CUDA: the reduction over a 49k vocabulary in one block per row takes ~13 us on an H200.
+    (A row of NaNs, which torch answers with a NaN's index, has no maximum here.)"""
+    if logits.dim() != 2 or logits.stride(-1) != 1 or not use_kernels(logits):
         return torch.argmax(logits, dim=-1)
     return topk_rows(logits, 1, log_probs=False)[1][:, 0]
 
@@ -303,6 +304,8 @@ def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, 
     window is read in place and, for one token, committed or recorded in the same launch (a
     concatenation and a copy each otherwise)."""
     t, kernel = conv_index.shape
+    if record is not None and tuple(record.shape) != tuple(mixed.shape):
+        raise ValueError(f"record must be shaped like mixed {tuple(mixed.shape)}, got {tuple(record.shape)}")
     if not (use_kernels(conv, mixed, conv_w, a, b) and mixed.stride(-1) == 1 and conv.is_contiguous()
             and (record is None or (record.stride(-1) == 1))):
         hist = torch.cat([conv, mixed])

@@ -193,6 +193,9 @@ class HybridCache(KVCache):
         self.tree_rec = self.rec.new_zeros(n_gdn, 0, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
+        # True when a step launched ahead (engine.runtime) left the state past ``length``: the
+        # K/V past ``length`` are ignored, but a recurrent state cannot be taken back
+        self.ahead = False
         self.reserve_tree(max_tree)
 
     def reserve_tree(self, nodes: int) -> None:
@@ -208,6 +211,9 @@ class HybridCache(KVCache):
         """Called by the model before a forward: checks the recurrent state matches ``start``."""
         if start == 0:
             self.reset()  # a new sequence starts from zero recurrent state
+        elif self.ahead:
+            raise RuntimeError(f"the recurrent state was advanced past the {self.length} committed tokens (a "
+                               "step launched ahead of a stop token): only a new sequence can start here")
         elif start != self.length:
             raise RuntimeError(f"recurrent state holds {self.length} tokens; cannot run a forward at {start}")
         if tree_size is None:
@@ -221,6 +227,7 @@ class HybridCache(KVCache):
         self.rec.zero_()
         self.conv.zero_()
         self._tree = None
+        self.ahead = False
 
     def commit_path(self, start: int, path: Tensor, al: int) -> None:
         """Fast rollback: KV compaction, then the recurrent state of node path[al-1] and the conv
@@ -266,6 +273,7 @@ class HybridCache(KVCache):
         self.rec.copy_(rec)
         self.conv.copy_(conv)
         self._tree = None
+        self.ahead = False
 
 
 def conv_window_index(parents: Tensor, kernel: int) -> Tensor:

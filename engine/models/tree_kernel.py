@@ -217,10 +217,10 @@ if triton is not None:
         bonus = tl.load(post_ptr + cur)
         path = tl.where(n >= al, cur, path)  # past the path: the last node (a valid index)
         tl.store(path_ptr + n, path, mask=vn)
+        s = tl.load(start_ptr)  # before the barrier: every thread has it before one stores s + al
         tl.debug_barrier()
         nxt_node = tl.load(path_ptr + n + 1, mask=vn & (n + 1 < T), other=0)
         new = tl.where(n < al - 1, tl.load(tok_ptr + nxt_node, mask=vn, other=0), bonus)
-        s = tl.load(start_ptr)
         tl.store(seq_ptr + s + 1 + n, new, mask=n < al)
         tl.store(packed_ptr + 3 + n, new, mask=vn)
         tl.store(packed_ptr, al)

@@ -80,6 +80,11 @@ def test_a_stop_token_ends_the_static_loops_as_the_generic_ones_and_the_step_lau
         static = run(pair, ids, cfg, 40, stop, static=True)
         assert static.tokens == generic.tokens == cut
         assert static.stats.steps == generic.stats.steps
+        cache = pair._workspace.cache
+        if target == "tiny-hybrid":  # the step launched ahead moved the recurrent state on: no continuing
+            assert cache.ahead
+            with pytest.raises(RuntimeError, match="advanced past the .* committed tokens"):
+                pair.target(torch.tensor(cut[-1:]), cache, cache.length)
         assert run(pair, ids, cfg, 40, static=True).tokens == free  # the same workspace, again
 
 
