@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import delta_rule, fused, tree_kernel  # noqa: E402
+from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -85,11 +85,11 @@ def cases():
                    dict(A_PAD=32, D_PAD=d), 4, 3)
         for k in (1, 8, 16):
             kp = max(2, triton.next_power_of_2(k))
-            yield (f"topk {dtype} k={k}", fused._topk_chunk_kernel,
+            yield (f"topk {dtype} k={k}", topk._topk_chunk_kernel,
                    dict(x_ptr=p, V="i32", stride="i32", temp="fp32", val_ptr="*fp32", idx_ptr="*i32", m_ptr="*fp32",
-                        s_ptr="*fp32", NCHUNK="i32"), dict(K=k, KP=kp, BLOCK=fused.TOPK_CHUNK, LSE=True), 4, 3)
-            cand = triton.next_power_of_2(triton.cdiv(248320, fused.TOPK_CHUNK) * kp)  # Qwen3.5's vocabulary
-            yield (f"topk merge k={k}", fused._topk_merge_kernel,
+                        s_ptr="*fp32", NCHUNK="i32"), dict(K=k, KP=kp, BLOCK=topk.TOPK_CHUNK, LSE=True), 4, 3)
+            cand = triton.next_power_of_2(triton.cdiv(248320, topk.TOPK_CHUNK) * kp)  # Qwen3.5's vocabulary
+            yield (f"topk merge k={k}", topk._topk_merge_kernel,
                    dict(val_ptr="*fp32", idx_ptr="*i32", m_ptr="*fp32", s_ptr="*fp32", top_v_ptr="*fp32",
                         top_i_ptr="*i64", NCHUNK="i32"), dict(K=k, KP=kp, CAND=cand, CH=128, LSE=True), 4, 3)
         rope_write = dict(q_ptr=p, k_ptr=p, v_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", qo_ptr=p, kc_ptr=p,

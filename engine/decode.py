@@ -16,7 +16,7 @@ from torch import Tensor
 from engine import runtime
 from engine.config import EngineConfig, EngineInputError
 from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
-from engine.models import fused, tree_kernel
+from engine.models import fused, topk, tree_kernel
 from engine.models.common import VerifyTree
 from engine.sampling import select_tokens
 from engine.stats import PHASES, Generation, GenerationStats
@@ -265,9 +265,9 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
     with timer.phase("topk"):
         logits = draft_logits.float().cpu() if host else draft_logits
         if cfg.verify == "chain":
-            top_ids = fused.argmax_rows(logits)
+            top_ids = topk.argmax_rows(logits)
         else:  # top-k of the log-softmax (two launches on CUDA with the kernels on)
-            top_lp, top_ids = fused.topk_rows(logits, min(cfg.top_k, logits.shape[-1]), cfg.proposal_temp)
+            top_lp, top_ids = topk.topk_rows(logits, min(cfg.top_k, logits.shape[-1]), cfg.proposal_temp)
     with timer.phase("tree"):
         mask = None
         if cfg.verify == "chain":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.models import fused
+from engine.models.topk import argmax_rows
 
 _MASK31 = 0x7FFFFFFF
 _MIX = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995)
@@ -36,7 +36,7 @@ def uniform_noise(seed: int, positions: Tensor, vocab: int) -> Tensor:
 def select_tokens(logits: Tensor, positions: Tensor, temperature: float, seed: int) -> Tensor:
     """logits [T, V] -> tokens [T]; ``positions[i]`` is the absolute position of the token chosen."""
     if temperature <= 0.0:  # the first index of the maximum, as torch.argmax (two launches on CUDA)
-        return fused.argmax_rows(logits)
+        return argmax_rows(logits)
     u = uniform_noise(seed, positions, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return torch.argmax(logits.double() / temperature + gumbel, dim=-1)

@@ -216,12 +216,6 @@ class _SlotWriter:
     def __init__(self, cache: KVCache, slots: Tensor, key_len: int) -> None:
         self.cache, self.slots, self.key_len = cache, slots, key_len
 
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        c = self.cache
-        c.k[layer].index_copy_(0, self.slots, k)
-        c.v[layer].index_copy_(0, self.slots, v)
-        return c.k[layer, : self.key_len], c.v[layer, : self.key_len]
-
     def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
                    ) -> tuple[Tensor, Tensor, Tensor]:
         """``KVCache.rope_write`` at the device-held slots: one launch on CUDA (``fused.rope_write``)."""

@@ -226,49 +226,6 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots:
     return out
 
 
-TOPK_CHUNK = 2048  # vocabulary entries per program of the first pass
-
-
-def topk_rows_torch(logits: Tensor, k: int, temperature: float = 1.0, log_probs: bool = True
-                    ) -> tuple[Tensor, Tensor]:
-    x = logits.float() / temperature
-    return torch.topk(torch.log_softmax(x, dim=-1) if log_probs else x, k, dim=-1)
-
-
-def topk_rows(logits: Tensor, k: int, temperature: float = 1.0, log_probs: bool = True) -> tuple[Tensor, Tensor]:
-    """Per row of ``logits`` [R, V]: the ``k`` largest of ``logits / temperature`` in float32,
-    sorted descending, as log-softmax values (``log_probs``) or as they are, and their indices
-    (long); exact ties go to the lower index. On CUDA two launches (each program of the first
-    takes the top k and the max and sum of exponentials of one slice of a row, the second merges a
-    row's slices) where ``log_softmax`` and ``topk`` take about twenty on a 49k vocabulary."""
-    r, v = logits.shape
-    if not (1 <= k <= min(16, v) and logits.stride(-1) == 1 and use_kernels(logits)):
-        return topk_rows_torch(logits, k, temperature, log_probs)
-    kp = max(2, triton.next_power_of_2(k))
-    chunks = triton.cdiv(v, TOPK_CHUNK)
-    vals = torch.empty(r, chunks, kp, device=logits.device, dtype=torch.float32)
-    idx = torch.empty(r, chunks, kp, device=logits.device, dtype=torch.int32)
-    mx = torch.empty(r, chunks, device=logits.device, dtype=torch.float32)
-    se = torch.empty_like(mx)
-    _topk_chunk_kernel[(r, chunks)](logits, v, logits.stride(0), float(temperature), vals, idx, mx, se, chunks,
-                                    K=k, KP=kp, BLOCK=TOPK_CHUNK, LSE=log_probs, num_warps=4)
-    top_v = torch.empty(r, k, device=logits.device, dtype=torch.float32)
-    top_i = torch.empty(r, k, device=logits.device, dtype=torch.long)
-    _topk_merge_kernel[(r,)](vals, idx, mx, se, top_v, top_i, chunks, K=k, KP=kp,
-                             CAND=triton.next_power_of_2(chunks * kp), CH=max(2, triton.next_power_of_2(chunks)),
-                             LSE=log_probs, num_warps=4)
-    return top_v, top_i
-
-
-def argmax_rows(logits: Tensor) -> Tensor:
-    """``torch.argmax(logits, dim=-1)`` for [R, V] (the first index of the maximum), in two launches
-    on CUDA: the reduction over a 49k vocabulary in one block per row takes ~13 us on an H200.
-    (A row of NaNs, which torch answers with a NaN's index, has no maximum here.)"""
-    if logits.dim() != 2 or logits.stride(-1) != 1 or not use_kernels(logits):
-        return torch.argmax(logits, dim=-1)
-    return topk_rows(logits, 1, log_probs=False)[1][:, 0]
-
-
 def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -474,45 +431,8 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one (token, head)
-        tok = row // HEADS
-        base = row * D
-        half = RD // 2
-        i = tl.arange(0, HALF)
-        mi = i < half
-        x1 = tl.load(x_ptr + base + i, mask=mi, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + base + half + i, mask=mi, other=0.0).to(tl.float32)
-        c1 = tl.load(cos_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
-        ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + base + i, (x1 * c1 - x2 * s1).to(ty), mask=mi)
-        tl.store(out_ptr + base + half + i, (x2 * c2 + x1 * s2).to(ty), mask=mi)
-        j = tl.arange(0, BLOCK)
-        mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
-        tl.store(out_ptr + base + j, tl.load(x_ptr + base + j, mask=mj, other=0.0), mask=mj)
-
-    @triton.jit(do_not_specialize=["sq_t", "sk_t", "sv_t"])
-    def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr, sq_t, sq_h,
-                           sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, HQ, D, RD, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        j = tl.arange(0, BLOCK)
-        if h < HQ:  # a query head, rotated into the contiguous output
-            src = q_ptr + tok * sq_t + h * sq_h
-            dst = qo_ptr + (tok * HQ + h) * D
-        else:  # a key head, rotated into its cache slot; its value head copied to the same slot
-            hk = h - HQ
-            slot = tl.load(slot_ptr + tok)
-            src = k_ptr + tok * sk_t + hk * sk_h
-            dst = kc_ptr + slot * skc_t + hk * skc_h
-            mv = j < D
-            val = tl.load(v_ptr + tok * sv_t + hk * sv_h + j, mask=mv, other=0.0)
-            tl.store(vc_ptr + slot * svc_t + hk * svc_h + j, val, mask=mv)
-        # as _rope_kernel, element for element
+    def _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # One head at src rotated (HF half layout) into dst: the first RD dims, the rest copied.
         half = RD // 2
         i = tl.arange(0, HALF)
         mi = i < half
@@ -522,67 +442,37 @@ if triton is not None:
         c2 = tl.load(cos_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
-        ty = qo_ptr.dtype.element_ty
+        ty = dst.dtype.element_ty
         tl.store(dst + i, (x1 * c1 - x2 * s1).to(ty), mask=mi)
         tl.store(dst + half + i, (x2 * c2 + x1 * s2).to(ty), mask=mi)
+        j = tl.arange(0, BLOCK)
         mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
         tl.store(dst + j, tl.load(src + j, mask=mj, other=0.0), mask=mj)
 
     @triton.jit
-    def _take_top(x, offs, avail, kk, K: tl.constexpr, KP: tl.constexpr):
-        # K rounds of (largest available value, its lowest index): sorted, ties to the lower index
-        big = 2147483647
-        vals = tl.full([KP], float("-inf"), tl.float32)
-        ids = tl.full([KP], big, tl.int32)
-        for j in tl.static_range(K):
-            m = tl.max(tl.where(avail, x, float("-inf")), axis=0)
-            i = tl.min(tl.where(avail & (x == m), offs, big), axis=0)
-            vals = tl.where(kk == j, m, vals)
-            ids = tl.where(kk == j, i, ids)
-            avail = avail & (offs != i)
-        return vals, ids
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one (token, head)
+        _rotate_head(x_ptr + row * D, out_ptr + row * D, cos_ptr, sin_ptr, row // HEADS, D, RD, HALF, BLOCK)
 
-    @triton.jit(do_not_specialize=["V", "stride", "NCHUNK"])
-    def _topk_chunk_kernel(x_ptr, V, stride, temp, val_ptr, idx_ptr, m_ptr, s_ptr, NCHUNK, K: tl.constexpr,
-                           KP: tl.constexpr, BLOCK: tl.constexpr, LSE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < V
-        x = tl.load(x_ptr + row * stride + offs, mask=valid, other=float("-inf")).to(tl.float32) / temp
-        out = row * NCHUNK + c
-        if LSE:  # this slice's max and sum of exponentials (an all -inf slice: -inf and 0)
-            m = tl.max(x, axis=0)
-            ms = tl.where(m == float("-inf"), 0.0, m)
-            tl.store(m_ptr + out, m)
-            tl.store(s_ptr + out, tl.sum(tl.exp(x - ms), axis=0))
-        kk = tl.arange(0, KP)
-        vals, ids = _take_top(x, offs, valid, kk, K, KP)
-        tl.store(val_ptr + out * KP + kk, vals)
-        tl.store(idx_ptr + out * KP + kk, ids)
-
-    @triton.jit(do_not_specialize=["NCHUNK"])
-    def _topk_merge_kernel(val_ptr, idx_ptr, m_ptr, s_ptr, top_v_ptr, top_i_ptr, NCHUNK, K: tl.constexpr,
-                           KP: tl.constexpr, CAND: tl.constexpr, CH: tl.constexpr, LSE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        e = tl.arange(0, CAND)
-        ve = (e < NCHUNK * KP) & ((e % KP) < K)
-        x = tl.load(val_ptr + row * NCHUNK * KP + e, mask=ve, other=float("-inf"))
-        ids = tl.load(idx_ptr + row * NCHUNK * KP + e, mask=ve, other=2147483647)
-        # the vocabulary index orders ties (slices hold disjoint indices); an unfilled slot is never taken
-        kk = tl.arange(0, KP)
-        vals, top = _take_top(x, ids, ve & (ids < 2147483647), kk, K, KP)
-        if LSE:
-            c = tl.arange(0, CH)
-            vc = c < NCHUNK
-            m = tl.load(m_ptr + row * NCHUNK + c, mask=vc, other=float("-inf"))
-            sm = tl.load(s_ptr + row * NCHUNK + c, mask=vc, other=0.0)
-            mm = tl.max(m, axis=0)
-            mms = tl.where(mm == float("-inf"), 0.0, mm)
-            lse = mms + tl.log(tl.sum(sm * tl.exp(m - mms), axis=0))
-            vals = vals - lse
-        tl.store(top_v_ptr + row * K + kk, vals, mask=kk < K)
-        tl.store(top_i_ptr + row * K + kk, top.to(tl.int64), mask=kk < K)
+    @triton.jit(do_not_specialize=["sq_t", "sk_t", "sv_t"])
+    def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr, sq_t, sq_h,
+                           sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, HQ, D, RD, HALF: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        if h < HQ:  # a query head, rotated into the contiguous output
+            src = q_ptr + tok * sq_t + h * sq_h
+            dst = qo_ptr + (tok * HQ + h) * D
+        else:  # a key head, rotated into its cache slot; its value head copied to the same slot
+            hk = h - HQ
+            slot = tl.load(slot_ptr + tok)
+            src = k_ptr + tok * sk_t + hk * sk_h
+            dst = kc_ptr + slot * skc_t + hk * skc_h
+            j = tl.arange(0, BLOCK)
+            mv = j < D
+            val = tl.load(v_ptr + tok * sv_t + hk * sv_h + j, mask=mv, other=0.0)
+            tl.store(vc_ptr + slot * svc_t + hk * svc_h + j, val, mask=mv)
+        _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, HALF, BLOCK)  # as _rope_kernel
 
     # Not specialised on T, S or the spans: an AR step (T == 1) and a verify, or two key spans, run one variant.
     @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks"])
