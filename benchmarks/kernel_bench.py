@@ -3,6 +3,7 @@
     python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
+    python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -125,9 +126,62 @@ def bench_tree() -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+# One-row products of the large presets (N outputs, K inputs): what an AR step streams.
+BLAS_SHAPES = [
+    ("27B GDN in_proj", 16480, 5120), ("27B GDN out_proj", 5120, 6144), ("27B attn qkv", 14336, 5120),
+    ("27B attn o_proj", 5120, 6144), ("27B gate_up", 34816, 5120), ("27B down", 5120, 17408),
+    ("27B lm_head", 248320, 5120), ("8B qkv", 6144, 4096), ("8B o_proj", 4096, 4096), ("8B gate_up", 24576, 4096),
+    ("8B down", 4096, 12288),
+]
+COPIES = 4  # weight copies cycled through, so that no launch reads its weights from L2 (50 MB)
+
+
+def bench_blas() -> tuple[list[dict], list[str]]:
+    """A one-row bf16 product per way torch can ask for it: ``F.linear`` (the engine's) with each
+    BLAS library torch can prefer, ``torch.mv`` (a GEMV) and ``W @ x.T`` (the weight as the left
+    operand). GPU us per call and the weight stream's GB/s; the copy bandwidth for reference."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device="cuda").manual_seed(0)  # the lm_head's copies are 10 GB: made on the GPU
+    n_bytes = 1 << 30
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = _time(lambda: dst.copy_(src))
+    rows = [{"shape": "copy 1 GiB (read + write)", "copy": copy_us, "gbs": {"copy": 2 * n_bytes / copy_us / 1e3}}]
+    forms = {
+        "linear (default)": ("default", lambda x, w: F.linear(x, w)),
+        "linear (cublas)": ("cublas", lambda x, w: F.linear(x, w)),
+        "linear (cublaslt)": ("cublaslt", lambda x, w: F.linear(x, w)),
+        "mv": ("default", lambda x, w: torch.mv(w, x[0])),
+        "W @ x.T": ("default", lambda x, w: w @ x.t()),
+    }
+    previous = torch.backends.cuda.preferred_blas_library()
+    for label, n, k in BLAS_SHAPES:
+        ws = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        calls = iter(range(1 << 30))
+        row = {"shape": f"{label} ({n} x {k})", "gbs": {}}
+        for name, (lib, fn) in forms.items():
+            torch.backends.cuda.preferred_blas_library(lib)
+            try:
+                row[name] = _time(lambda fn=fn, x=x, ws=ws, calls=calls: fn(x, ws[next(calls) % COPIES]))
+            finally:
+                torch.backends.cuda.preferred_blas_library(previous)
+            row["gbs"][name] = 2 * n * k / row[name] / 1e3
+        rows.append(row)
+        ws = None  # freed before the next shape's copies
+        torch.cuda.empty_cache()
+    names = list(forms)
+    lines = ["| weights | " + " | ".join(f"{n} us (GB/s)" for n in names) + " |", "|---|" + "---|" * len(names),
+             f"| copy 1 GiB: {copy_us:.1f} us, {rows[0]['gbs']['copy']:.0f} GB/s |" + " |" * (len(names) - 1)]
+    lines += [f"| {r['shape']} | " + " | ".join(f"{r[n]:.1f} ({r['gbs'][n]:.0f})" for n in names) + " |"
+              for r in rows[1:]]
+    return rows, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree"])
+    ap.add_argument("kernel", choices=["delta", "tree", "blas"])
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
     ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
@@ -139,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.kernel == "tree":
         return _report(args, *bench_tree())
+    if args.kernel == "blas":
+        return _report(args, *bench_blas())
     configs = []
     for c in args.configs:
         try:

@@ -94,10 +94,13 @@ def cases():
                         top_i_ptr="*i64", NCHUNK="i32"), dict(K=k, KP=kp, CAND=cand, CH=128, LSE=True), 4, 3)
         rope_write = dict(q_ptr=p, k_ptr=p, v_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", qo_ptr=p, kc_ptr=p,
                           vc_ptr=p, sq_t="i32", sq_h="i32", sk_t="i32", sk_h="i32", sv_t="i32", sv_h="i32",
-                          skc_t="i32", skc_h="i32", svc_t="i32", svc_h="i32", HQ="i32", D="i32", RD="i32")
+                          skc_t="i32", skc_h="i32", svc_t="i32", svc_h="i32", HQ="i32", D="i32", RD="i32",
+                          qw_ptr=p, kw_ptr=p, eps="fp32")
         for d, rd in ((64, 64), (128, 128), (256, 64)):
-            yield (f"rope + KV write {dtype} d={d} rd={rd}", fused._rope_write_kernel, rope_write,
-                   dict(HALF=rd // 2, BLOCK=d), 4, 3)
+            for norm, zc in ((False, False), (True, False), (True, True)):  # none, Qwen3's, Qwen3.5's
+                label = " + zero-centred head norms" if zc else " + head norms" if norm else ""
+                yield (f"rope + KV write{label} {dtype} d={d} rd={rd}", fused._rope_write_kernel, rope_write,
+                       dict(NORM=norm, ZERO_CENTRED=zc, HALF=rd // 2, BLOCK=d), 4, 3)
         for d in HEAD_DIMS:
             launch = fused.attention_launch(d, dtype == "fp32")
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")

@@ -304,7 +304,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
-    ws = pair.workspace(n + max_new_tokens + n_verify + block + 1, feature_dim=feat_dim)
+    # room past the last root for a step launched ahead (engine.runtime): its block and its tree
+    ws = pair.workspace(n + max_new_tokens + n_verify + 2 * block + 1, feature_dim=feat_dim)
     cache, seq, feats = ws.cache, ws.seq, ws.features
     device = seq.device
     drafter.reset()

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from engine.models.common import fuse_projections_
 from engine.models.draft import DFlashDraft
 
 
@@ -25,12 +26,13 @@ class Drafter(Protocol):
 
 
 class DFlashDrafter:
-    """The DFlash draft. ``propose`` keeps each committed position's context keys/values (they
-    depend on the target features only) and runs the draft layers over the block alone;
-    ``propose_static`` recomputes a fixed window each step (the shape CUDA graphs need)."""
+    """The DFlash draft. Both forms keep each committed position's context keys/values (they
+    depend on the target features only) and run the draft layers over the block alone:
+    ``propose`` on the host's position, ``propose_static`` on a device-held one (the shape-static
+    step CUDA graphs replay, over buffers its caller owns: ``new_context``, ``fill_context``)."""
 
     def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
-        self.draft = draft
+        self.draft = fuse_projections_(draft)  # inference: one GEMM per input (checkpoints keep the parts)
         self.target = target
         self.block_size = draft.cfg.block_size
         self.feature_layers = tuple(draft.cfg.target_layer_ids)
@@ -74,19 +76,45 @@ class DFlashDrafter:
         h = self.draft.forward_cached(self.target.embed_tokens(self._block_ids), ctx_kv, block_pos)
         return self._logits(h)
 
-    def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor) -> Tensor:
-        """``propose`` with the root's position ``start`` ([1] long) held on the device and a fixed
-        ``window`` of context slots before it (slots before position 0 masked out): the
-        shape-static form a CUDA graph replays at every step."""
+    def new_context(self, max_len: int) -> tuple[Tensor, Tensor]:
+        """Context key/value buffers for ``propose_static``: [layers, max_len, kv_heads, head_dim] each."""
+        cfg, w = self.draft.cfg, self.draft.fc.weight
+        shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.dim_per_head)
+        k = torch.zeros(shape, device=w.device, dtype=w.dtype)
+        return k, torch.zeros_like(k)
+
+    @torch.inference_mode()
+    def fill_context(self, context: tuple[Tensor, Tensor], features: Tensor, end: int) -> None:
+        """The context keys/values of positions 0..end-1 (a prompt's, after its prefill) into
+        ``context``; ``propose_static`` keeps them up to date from there."""
+        positions = torch.arange(end, device=features.device)
+        for i, (k, v) in enumerate(self.draft.context_kv(features[:end], positions)):
+            context[0][i, :end] = k
+            context[1][i, :end] = v
+
+    def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
+                       context: tuple[Tensor, Tensor], key_len: int) -> Tensor:
+        """``propose`` with the root's position ``start`` ([1] long) held on the device: the
+        shape-static form a CUDA graph replays at every step.
+
+        The context keys/values of positions ``start - block_size .. start - 1`` are (re)computed
+        from ``features`` and stored in ``context`` (a step commits at most ``block_size`` tokens,
+        so every position committed since the last call is among them; older ones are already
+        there, from ``fill_context`` or earlier steps), and the block attends over slots
+        ``max(0, start - window) .. start + block_size - 1`` of the first ``key_len`` (``window``
+        0: the whole context). ``key_len`` must cover ``start + block_size``."""
         device = seq.device
-        idx = start + torch.arange(-window, 0, device=device)
-        ctx_pos = idx.clamp(min=0)
+        j = torch.arange(block_size, device=device)
+        fresh = (start - block_size + j).clamp(min=0)  # before position 0: position 0 again (same values)
+        slots = torch.cat([fresh, start + j])
         masks = torch.full((block_size - 1,), self.mask_token_id, dtype=torch.long, device=device)
         ids = torch.cat([seq.index_select(0, start), masks])
-        block_pos = start + torch.arange(block_size, device=device)
-        seen = torch.cat([(idx >= 0)[None, :].expand(block_size, -1),
-                          torch.ones(block_size, block_size, dtype=torch.bool, device=device)], dim=1)
-        h = self.draft(self.target.embed_tokens(ids), features.index_select(0, ctx_pos), ctx_pos, block_pos, seen)
+        keys = torch.arange(key_len, device=device)
+        seen = keys < start + block_size
+        if window > 0:
+            seen = seen & (keys >= start - window)
+        h = self.draft.forward_static(self.target.embed_tokens(ids), features.index_select(0, fresh), slots,
+                                      context[0], context[1], key_len, seen[None, :].expand(block_size, -1))
         return self._logits(h)
 
     def _logits(self, h: Tensor) -> Tensor:

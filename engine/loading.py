@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
-from engine.models.common import rope_inv_freq
+from engine.models.common import rope_inv_freq, unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
 
@@ -183,7 +183,8 @@ def save_draft_folder(draft: DFlashDraft, path: Path, extra: dict | None = None)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(text + "\n")
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in draft.state_dict().items()}
+    # a draft fused for inference (DFlashDrafter) is saved in the checkpoint layout
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in unfused_state_dict(draft).items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -164,6 +164,13 @@ class StaticDecoder:
         self._tree_buffers = self._tree_buffer_ids()
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
         self._readbacks: dict[int, _Readback] = {}
+        self._draft_kv: tuple[Tensor, Tensor] | None = None
+
+    def _draft_context(self) -> tuple[Tensor, Tensor]:
+        """The DFlash draft's context K/V buffers for this workspace (graphs read them: allocated once)."""
+        if self._draft_kv is None:
+            self._draft_kv = self.pair.drafter.new_context(self.ws.max_len)
+        return self._draft_kv
 
     def _ran_ahead(self) -> None:
         """A step past the generation's end ran: its K/V lie past the committed length (ignored),
@@ -216,8 +223,8 @@ class StaticDecoder:
         from engine.decode import UNTIMED, propose_tree
 
         drafter, ws = self.pair.drafter, self.ws
-        window = cfg.target_feat_ctx if cfg.target_feat_ctx > 0 else key_len
-        logits = drafter.propose_static(ws.seq, self.start, block, window, ws.features)
+        logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
+                                        self._draft_context(), key_len)
         # cfg.draft_path is "runtime" here (``supports``): top-k and tree stay on the device.
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
         return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
@@ -258,14 +265,17 @@ class StaticDecoder:
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
                timer, gs: GrammarState | None, bits: Tensor | None
                ) -> tuple[GenerationStats, list[int], float, float]:
-        """The eager prefill (its token masked by the grammar through the host ``bits``), then the
-        root's position handed to the device."""
+        """The eager prefill (its token masked by the grammar through the host ``bits``; with
+        ``feature_layers``, the draft's context K/V of the prompt too), then the root's position
+        handed to the device."""
         from engine.decode import advance_grammar, constrain_logits, prefill
 
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
         constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
         out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain)]
+        if feature_layers:  # part of the prompt's processing (prefill time), like the target's K/V
+            self.pair.drafter.fill_context(self._draft_context(), self.ws.features, len(prompt))
         if gs is not None:
             advance_grammar(gs, out[0], stats)
         t_first = timer.now()
@@ -331,6 +341,7 @@ class StaticDecoder:
         from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
+        self._draft_context()
         readback = self._readback(3 + n_verify)
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
@@ -342,7 +353,7 @@ class StaticDecoder:
 
         def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)
-            key_len = self._bucket(root + n_verify)
+            key_len = self._bucket(root + max(n_verify, block))  # the verify's slots and the draft block's
             with timer.phase("draft"):
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
@@ -356,9 +367,10 @@ class StaticDecoder:
             # The next step starts from the device's position: launched before this one is read (its
             # key span covering the furthest root, `block` tokens on), it runs while the host reads
             # and reports this one. Not with a grammar (a cut moves the position back), nor where
-            # this step may reach max_new_tokens.
+            # this step surely ends the generation; where it may (a stop token, max_new_tokens), the
+            # step launched ahead is discarded, neither counted nor timed.
             mark = timer.checkpoint()
-            ahead = launch(start + block) if gs is None and len(out) + block < max_new_tokens else None
+            ahead = launch(start + block) if gs is None and len(out) + 1 < max_new_tokens else None
             item, tree, logits, path = pending
             values = readback.read(item)
             al, leaf, side = values[0], not values[1], bool(values[2])
@@ -383,7 +395,7 @@ class StaticDecoder:
             if on_tokens is not None and new:
                 on_tokens(list(new))
             t_last = time.perf_counter()
-            if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
+            if done and ahead is not None:  # the step launched ahead is not part of the generation
                 timer.rollback(mark)
                 self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(start)

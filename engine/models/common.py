@@ -61,6 +61,11 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, delta, self.weight, self.eps, self.zero_centred)
 
 
+def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> fused.HeadNorms:
+    """The query and key heads' norms as ``fused.rope_write`` applies them (one eps: the model's)."""
+    return fused.HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred)
+
+
 def final_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None, last_only: bool) -> Tensor:
     """The model's final norm of the last layer's output ``x + delta`` (of its last row only with ``last_only``)."""
     if last_only:
@@ -140,6 +145,12 @@ class FusedLinear(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
+    def part(self, x: Tensor, i: int) -> Tensor:
+        """Projection ``i`` alone, through its rows of the stacked weight (views: nothing copied)."""
+        lo = sum(self.sizes[:i])
+        hi = lo + self.sizes[i]
+        return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
+
 
 def fuse_projections_(model: nn.Module) -> nn.Module:
     """Stack every module's projection groups (its class's ``FUSED``: fused name -> the names of
@@ -183,6 +194,15 @@ def project(module: nn.Module, name: str, x: Tensor) -> tuple[Tensor, ...]:
     if fused_linear is not None:
         return fused_linear(x)
     return tuple(module.get_submodule(p)(x) for p in module.FUSED[name])
+
+
+def project_part(module: nn.Module, name: str, part: str, x: Tensor) -> Tensor:
+    """One projection of ``module``'s group ``name`` alone: its own ``nn.Linear``, or once fused
+    the stacked weight's rows of that part (code that needs one part works in both layouts)."""
+    fused_linear = module._modules.get(name)
+    if fused_linear is None:
+        return module.get_submodule(part)(x)
+    return fused_linear.part(x, module.FUSED[name].index(part))
 
 
 class SwiGLU(nn.Module):

@@ -17,6 +17,7 @@ from engine.models.common import (
     attention,
     context_mask,
     final_norm,
+    head_norms,
     new_positions,
     project,
     rope_cos_sin,
@@ -67,9 +68,12 @@ class KVCache:
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end]
 
-    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-        """RoPE on q and k, then ``write``: (rotated q, the layer's keys, its values)."""
+    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                   norms: fused.HeadNorms | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The heads' norms (if any) and RoPE on q and k, then ``write``: (rotated q, the layer's
+        keys, its values)."""
+        if norms is not None:
+            q, k = norms.apply(q, k)
         return apply_rope(q, cos, sin), *self.write(layer, start, apply_rope(k, cos, sin), v)
 
     def commit_path(self, start: int, path: Tensor, al: int) -> None:
@@ -108,9 +112,8 @@ class DenseAttention(nn.Module):
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, keys, values = cache.rope_write(layer, start, q, k, v, cos, sin)
+        norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None else None
+        q, keys, values = cache.rope_write(layer, start, q, k, v, cos, sin, norms)
         return self.o_proj(attention(q, keys, values, mask).reshape(t, -1))
 
 
@@ -216,11 +219,11 @@ class _SlotWriter:
     def __init__(self, cache: KVCache, slots: Tensor, key_len: int) -> None:
         self.cache, self.slots, self.key_len = cache, slots, key_len
 
-    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+    def rope_write(self, layer: int, start: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                   norms: fused.HeadNorms | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``KVCache.rope_write`` at the device-held slots: one launch on CUDA (``fused.rope_write``)."""
         c = self.cache
-        q = fused.rope_write(q, k, v, cos, sin, self.slots, c.k[layer], c.v[layer])
+        q = fused.rope_write(q, k, v, cos, sin, self.slots, c.k[layer], c.v[layer], norms)
         return q, c.k[layer, : self.key_len], c.v[layer, : self.key_len]
 
 

@@ -11,7 +11,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engine.models.common import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin, rope_inv_freq
+from engine.models import fused
+from engine.models.common import (
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    attention,
+    final_norm,
+    head_norms,
+    project,
+    project_part,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,9 @@ def default_target_layer_ids(n_target_layers: int, n_ids: int = 5) -> tuple[int,
 
 
 class DraftAttention(nn.Module):
+    # Fused for inference (``DFlashDrafter``): checkpoints and training keep the three parts.
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         d = cfg.dim_per_head
@@ -63,7 +78,8 @@ class DraftAttention(nn.Module):
         """Keys and values: the context's first, then the block's own. ``ctx_kv`` gives the
         context's already projected (``context_kv``) instead of ``ctx`` with its cos/sin."""
         lead = h.shape[:-1]  # [..., B]: a batch of sequences in training, one block at decode time
-        q = apply_rope(self.q_norm(self.q_proj(h).view(*lead, self.n_heads, self.head_dim)), cos_q, sin_q)
+        q = project_part(self, "qkv_proj", "q_proj", h).view(*lead, self.n_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos_q, sin_q)
         if ctx_kv is None:
             kv_in = torch.cat([ctx, h], dim=-2)
             k, v = self._kv(kv_in, cos_k, sin_k)
@@ -73,8 +89,24 @@ class DraftAttention(nn.Module):
         return self.o_proj(attention(q, k, v, mask).reshape(*lead, -1))
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        k = self.k_norm(self.k_proj(x).view(*x.shape[:-1], self.n_kv, self.head_dim))
-        return apply_rope(k, cos, sin), self.v_proj(x).view(*x.shape[:-1], self.n_kv, self.head_dim)
+        shape = (*x.shape[:-1], self.n_kv, self.head_dim)
+        k = self.k_norm(project_part(self, "qkv_proj", "k_proj", x).view(shape))
+        return apply_rope(k, cos, sin), project_part(self, "qkv_proj", "v_proj", x).view(shape)
+
+    def forward_static(self, x: Tensor, block: int, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor,
+                       v_cache: Tensor, key_len: int, mask: Tensor) -> Tensor:
+        """The runtime's step: ``x`` [C + block, H] the normed new context rows then the block's;
+        their keys and values land at ``slots`` of the caches [S, kv_heads, head_dim] (one GEMM and
+        one launch for the norms, RoPE and the writes; the context rows' queries are computed and
+        dropped, cheaper than a second GEMM), and the block's queries attend over the first
+        ``key_len`` slots through ``mask`` [block, key_len]. Returns [block, H]."""
+        t = x.shape[0]
+        q, k, v = project(self, "qkv_proj", x)
+        q = fused.rope_write(q.view(t, self.n_heads, self.head_dim), k.view(t, self.n_kv, self.head_dim),
+                             v.view(t, self.n_kv, self.head_dim), cos, sin, slots, k_cache, v_cache,
+                             head_norms(self.q_norm, self.k_norm))
+        o = attention(q[t - block:], k_cache[:key_len], v_cache[:key_len], mask)
+        return self.o_proj(o.reshape(block, -1))
 
 
 class DraftBlock(nn.Module):
@@ -88,6 +120,16 @@ class DraftBlock(nn.Module):
     def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv=None) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_static(self, x: Tensor, delta: Tensor | None, ctx: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
+                       k_cache: Tensor, v_cache: Tensor, key_len: int, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """As the target's blocks: the input is ``x + delta``, each residual add fused with the norm
+        that reads it; returns the residual after attention and the MLP's output."""
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        a = self.self_attn.forward_static(torch.cat([ctx, h]), x.shape[0], cos, sin, slots, k_cache, v_cache,
+                                          key_len, mask)
+        x, h = self.post_attention_layernorm.add_and_norm(x, a)
+        return x, self.mlp(h)
 
 
 class DFlashDraft(nn.Module):
@@ -144,3 +186,21 @@ class DFlashDraft(nn.Module):
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             h = layer(h, None, cos_q, sin_q, None, None, None, kv)
         return self.norm(h)
+
+    def forward_static(self, block_embeds: Tensor, ctx_features: Tensor, slots: Tensor, k_cache: Tensor,
+                       v_cache: Tensor, key_len: int, mask: Tensor) -> Tensor:
+        """The runtime's shape-static step over cached context keys and values.
+
+        ctx_features [C, n_ids * H]: the target features of the context positions ``slots[:C]``
+        (positions committed since the last step among them); block_embeds [B, H] at positions
+        ``slots[C:]``. Every layer writes the keys and values of both to those slots of its
+        caches (``k_cache``/``v_cache`` [layers, S, kv_heads, head_dim]: the context's stay for
+        later steps, the block's are overwritten by the next step's) and the block attends over
+        the first ``key_len`` slots through ``mask`` [B, key_len]. Returns [B, H] (``forward``'s
+        output for that context, up to rounding)."""
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        cos, sin = rope_cos_sin(slots, self.inv_freq, block_embeds.dtype)  # a slot is its position
+        x, delta = block_embeds, None
+        for i, layer in enumerate(self.layers):
+            x, delta = layer.forward_static(x, delta, ctx, cos, sin, slots, k_cache[i], v_cache[i], key_len, mask)
+        return final_norm(self.norm, x, delta, False)

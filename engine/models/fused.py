@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -201,17 +202,21 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor,
-               v_cache: Tensor) -> Tensor:
+               v_cache: Tensor, norms: HeadNorms | None = None) -> Tensor:
     """RoPE on the query and key heads, the rotated keys and the values written to their cache
     ``slots``, in one launch on CUDA (three or five otherwise: a rotation each, a copy each, and on
     a verify two more that make the strided query and key views contiguous for the rotation).
+    ``norms``: the per-head RMSNorms of the queries and keys (Qwen3, Qwen3.5, the DFlash draft),
+    applied first in the same launch (two more launches otherwise).
 
     q [T, HQ, D], k and v [T, HKV, D] (views of one fused projection: any row and head strides),
     cos/sin [T, rd], slots [T] (long), k_cache/v_cache [S, HKV, D]. Returns the rotated queries
-    [T, HQ, D]; the rotation is ``rope``'s, bit for bit."""
+    [T, HQ, D]; the norm is ``rms_norm``'s and the rotation ``rope``'s, bit for bit."""
     if not (q.dim() == k.dim() == v.dim() == 3 and cos.dim() == 2 and q.stride(-1) == k.stride(-1)
             == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
             and use_kernels(q, k, v, cos, sin, k_cache, v_cache)):
+        if norms is not None:
+            q, k = norms.apply(q, k)
         k_cache.index_copy_(0, slots, rope(k, cos, sin))
         v_cache.index_copy_(0, slots, v)
         return rope(q, cos, sin)
@@ -219,11 +224,30 @@ def rope_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, slots:
     cc, sc = cos.contiguous(), sin.contiguous()
     out = torch.empty(t, hq, d, device=q.device, dtype=q.dtype)
     rd = cc.shape[-1]
+    qw, kw = (norms.q_weight, norms.k_weight) if norms is not None else (cc, cc)  # unread without NORM
     _rope_write_kernel[(t, hq + k.shape[1])](
         q, k, v, cc, sc, slots, out, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        hq, d, rd, HALF=triton.next_power_of_2(max(rd // 2, 1)), BLOCK=triton.next_power_of_2(d))
+        hq, d, rd, qw, kw, norms.eps if norms is not None else 0.0, NORM=norms is not None,
+        ZERO_CENTRED=norms is not None and norms.zero_centred, HALF=triton.next_power_of_2(max(rd // 2, 1)),
+        BLOCK=triton.next_power_of_2(d))
     return out
+
+
+@dataclass(frozen=True)
+class HeadNorms:
+    """The query and key heads' RMSNorms (weights [D], one eps, zero-centred or not) as
+    ``rope_write`` applies them before the rotation."""
+
+    q_weight: Tensor
+    k_weight: Tensor
+    eps: float
+    zero_centred: bool = False
+
+    def apply(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """The norms as separate ops (the path without the fused kernel)."""
+        return (rms_norm(q, self.q_weight, self.eps, self.zero_centred),
+                rms_norm(k, self.k_weight, self.eps, self.zero_centred))
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -431,48 +455,76 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
-        # One head at src rotated (HF half layout) into dst: the first RD dims, the rest copied.
+    def _head_norm(src, w_ptr, cols, scale, ZERO_CENTRED: tl.constexpr, ty: tl.constexpr):
+        # Entries ``cols`` of one head normalised as _rms_norm_kernel does (its product order, rounded
+        # to the dtype), in float32 for the rotation.
+        x = tl.load(src + cols).to(tl.float32)
+        w = tl.load(w_ptr + cols).to(tl.float32)
+        if ZERO_CENTRED:
+            w = 1.0 + w
+        return ((x * scale) * w).to(ty).to(tl.float32)
+
+    @triton.jit
+    def _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, w_ptr, eps, NORM: tl.constexpr,
+                     ZERO_CENTRED: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # One head at src rotated (HF half layout) into dst: the first RD dims, the rest copied;
+        # with NORM the head is RMS-normalised by the weight at w_ptr first.
         half = RD // 2
+        ty = dst.dtype.element_ty
+        j = tl.arange(0, BLOCK)
+        mj = j < D
+        scale = 1.0
+        if NORM:  # the head's sum of squares over the same [BLOCK] layout as _rms_norm_kernel's row
+            xs = tl.load(src + j, mask=mj, other=0.0).to(tl.float32)
+            scale = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / D + eps)
         i = tl.arange(0, HALF)
         mi = i < half
-        x1 = tl.load(src + i, mask=mi, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half + i, mask=mi, other=0.0).to(tl.float32)
+        if NORM:
+            x1 = _head_norm(src, w_ptr, tl.where(mi, i, 0), scale, ZERO_CENTRED, ty)
+            x2 = _head_norm(src, w_ptr, tl.where(mi, half + i, 0), scale, ZERO_CENTRED, ty)
+        else:
+            x1 = tl.load(src + i, mask=mi, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half + i, mask=mi, other=0.0).to(tl.float32)
         c1 = tl.load(cos_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + tok * RD + i, mask=mi, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + tok * RD + half + i, mask=mi, other=0.0).to(tl.float32)
-        ty = dst.dtype.element_ty
         tl.store(dst + i, (x1 * c1 - x2 * s1).to(ty), mask=mi)
         tl.store(dst + half + i, (x2 * c2 + x1 * s2).to(ty), mask=mi)
-        j = tl.arange(0, BLOCK)
-        mj = (j >= RD) & (j < D)  # the unrotated tail of a partial RoPE
-        tl.store(dst + j, tl.load(src + j, mask=mj, other=0.0), mask=mj)
+        mt = (j >= RD) & mj  # the unrotated tail of a partial RoPE
+        if NORM:
+            tail = _head_norm(src, w_ptr, tl.where(mt, j, 0), scale, ZERO_CENTRED, ty).to(ty)
+        else:
+            tail = tl.load(src + j, mask=mt, other=0.0)
+        tl.store(dst + j, tail, mask=mt)
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, D, RD, HALF: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one (token, head)
-        _rotate_head(x_ptr + row * D, out_ptr + row * D, cos_ptr, sin_ptr, row // HEADS, D, RD, HALF, BLOCK)
+        _rotate_head(x_ptr + row * D, out_ptr + row * D, cos_ptr, sin_ptr, row // HEADS, D, RD, cos_ptr, 0.0,
+                     False, False, HALF, BLOCK)
 
     @triton.jit(do_not_specialize=["sq_t", "sk_t", "sv_t"])
     def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr, sq_t, sq_h,
-                           sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, HQ, D, RD, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           sk_t, sk_h, sv_t, sv_h, skc_t, skc_h, svc_t, svc_h, HQ, D, RD, qw_ptr, kw_ptr, eps,
+                           NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         if h < HQ:  # a query head, rotated into the contiguous output
             src = q_ptr + tok * sq_t + h * sq_h
             dst = qo_ptr + (tok * HQ + h) * D
+            w_ptr = qw_ptr
         else:  # a key head, rotated into its cache slot; its value head copied to the same slot
             hk = h - HQ
             slot = tl.load(slot_ptr + tok)
             src = k_ptr + tok * sk_t + hk * sk_h
             dst = kc_ptr + slot * skc_t + hk * skc_h
+            w_ptr = kw_ptr
             j = tl.arange(0, BLOCK)
             mv = j < D
             val = tl.load(v_ptr + tok * sv_t + hk * sv_h + j, mask=mv, other=0.0)
             tl.store(vc_ptr + slot * svc_t + hk * svc_h + j, val, mask=mv)
-        _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, HALF, BLOCK)  # as _rope_kernel
+        _rotate_head(src, dst, cos_ptr, sin_ptr, tok, D, RD, w_ptr, eps, NORM, ZERO_CENTRED, HALF, BLOCK)
 
     # Not specialised on T, S or the spans: an AR step (T == 1) and a verify, or two key spans, run one variant.
     @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks"])

@@ -25,6 +25,7 @@ from engine.models.common import (
     attention,
     context_mask,
     final_norm,
+    head_norms,
     new_positions,
     project,
     rope_cos_sin,
@@ -373,10 +374,8 @@ class GatedAttention(nn.Module):
         q_gate, k, v = project(self, "qkv_proj", x)
         # q_proj rows are per head [query | gate], not [all queries | all gates].
         q, gate = q_gate.view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.n_kv, self.head_dim))
-        v = v.view(t, self.n_kv, self.head_dim)
-        q, keys, values = p.kv.rope_write(layer, p.start, q, k, v, p.cos, p.sin)
+        k, v = k.view(t, self.n_kv, self.head_dim), v.view(t, self.n_kv, self.head_dim)
+        q, keys, values = p.kv.rope_write(layer, p.start, q, k, v, p.cos, p.sin, head_norms(self.q_norm, self.k_norm))
         o = attention(q, keys, values, p.mask).reshape(t, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 

@@ -44,3 +44,42 @@ def test_reset_or_a_shorter_prefix_recomputes_the_context():
     drafter.propose(seq, 10, block, 0, f1)
     # no reset, but the position went back: what was cached past it cannot be trusted
     assert torch.equal(drafter.propose(seq, 5, block, 0, f2), expected_5)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_static_propose_over_its_own_context_cache_gives_the_full_forwards_logits(window):
+    """The runtime's step: context K/V from ``fill_context`` (the prompt) and from each step's
+    recomputed last ``block`` positions (whatever a step committed), the block attending over a
+    fixed key span; positions as a device tensor. A prompt shorter than the block included."""
+    pair = pair_for("tiny-dense", "random")
+    drafter, draft, target = pair.drafter, pair.drafter.draft, pair.target
+    block = drafter.block_size
+    torch.manual_seed(1)
+    seq = torch.randint(0, 256, (80,))
+    features = torch.randn(80, len(drafter.feature_layers) * target.cfg.hidden_size)
+    for prompt, starts in ((3, (3, 4, 9, 20)), (18, (18, 19, 22, 37, 40))):  # steps commit 1..block tokens
+        context = drafter.new_context(80)
+        drafter.fill_context(context, features, prompt)
+        for start in starts:
+            got = drafter.propose_static(seq, torch.tensor([start]), block, window, features, context, 64)
+            lo = 0 if window <= 0 else max(0, start - window)
+            ids = torch.full((block,), draft.cfg.mask_token_id)
+            ids[0] = seq[start]
+            h = draft(target.embed_tokens(ids), features[lo:start], torch.arange(lo, start),
+                      torch.arange(start, start + block))
+            torch.testing.assert_close(got, target.lm_head(h[1:]), rtol=1e-4, atol=1e-4)
+
+
+def test_the_inference_draft_is_fused_and_saves_in_the_checkpoint_layout(tmp_path):
+    from engine.loading import load_draft_folder, save_draft_folder
+
+    pair = pair_for("tiny-dense", "random")
+    attn = pair.drafter.draft.layers[0].self_attn
+    assert "qkv_proj" in attn._modules and not hasattr(attn, "q_proj")  # one GEMM per input
+    save_draft_folder(pair.drafter.draft, tmp_path)
+    loaded = load_draft_folder(tmp_path, pair.target, "cpu", torch.float32)
+    assert hasattr(loaded.layers[0].self_attn, "q_proj")
+    feats = torch.randn(6, len(pair.drafter.feature_layers) * pair.target.cfg.hidden_size)
+    block = torch.randn(4, pair.target.cfg.hidden_size)
+    args = (block, feats, torch.arange(6), torch.arange(6, 10))
+    torch.testing.assert_close(loaded(*args), pair.drafter.draft(*args), rtol=1e-5, atol=1e-5)

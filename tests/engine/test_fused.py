@@ -140,6 +140,34 @@ def test_rope_write_rotates_and_writes_the_cache_slots_as_rope_and_index_copy(dt
     assert _rel(got, fused.rope_torch(q.float(), cos.float(), sin.float())) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,rd,zero_centred", [(64, 64, False), (32, 8, True), (24, 12, False)])
+def test_rope_write_with_head_norms_equals_rms_norm_then_rope(dtype, d, rd, zero_centred):
+    """The query and key heads' RMSNorms in the same launch: the bits of ``rms_norm`` then ``rope``
+    (Qwen3's plain and Qwen3.5's zero-centred weights; a partial and an odd-width rotation)."""
+    from engine.models.common import rope_cos_sin, rope_inv_freq
+
+    t, hq, hkv, s = 4, 3, 1, 9
+    qkv = _r(t, (hq + 2 * hkv) * d, dtype=dtype, seed=1) * 3
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    norms = fused.HeadNorms(_r(d, dtype=dtype, seed=2), _r(d, dtype=dtype, seed=3), 1e-6, zero_centred)
+    cos, sin = rope_cos_sin(torch.arange(3, 3 + t, device=DEVICE), rope_inv_freq(rd, 10000.0), dtype)
+    slots = torch.tensor([8, 0, 5, 1], device=DEVICE)
+    kc, vc = torch.zeros(s, hkv, d, device=DEVICE, dtype=dtype), torch.zeros(s, hkv, d, device=DEVICE, dtype=dtype)
+    got = fused.rope_write(q, k, v, cos, sin, slots, kc, vc, norms)
+    qn, kn = norms.apply(q, k)
+    assert torch.equal(got, fused.rope(qn, cos, sin))
+    assert torch.equal(kc[slots], fused.rope(kn, cos, sin)) and torch.equal(vc[slots], v)
+    assert not kc[[2, 3, 4, 6, 7]].any()  # the other slots untouched
+    ref_q = fused.rope_torch(fused.rms_norm_torch(q.float(), norms.q_weight.float(), 1e-6, zero_centred),
+                             cos.float(), sin.float())
+    assert _rel(got, ref_q) < TOL[dtype]
+    with fused.using_kernels(False):  # the eager path applies the same norms
+        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+        eager = fused.rope_write(q, k, v, cos, sin, slots, kc2, vc2, norms)
+    assert _rel(eager, ref_q) < TOL[dtype] and _rel(kc2, kc) < TOL[dtype]
+
+
 def test_autograd_takes_the_pytorch_forms():
     """The kernels have no backward: with a gradient needed, the eager forms run (draft training)."""
     w = torch.ones(8, device=DEVICE, requires_grad=True)

@@ -113,8 +113,8 @@ def _peeking(pair, prompt_len: int, truth: list[int], side_every: int = 3):
     real = pair.drafter.propose_static
     truth_t = torch.tensor(truth, dtype=torch.long)
 
-    def propose(seq, start, block_size, window, features):
-        logits = real(seq, start, block_size, window, features)
+    def propose(seq, start, block_size, window, features, *context):
+        logits = real(seq, start, block_size, window, features, *context)
         pos = start - prompt_len + torch.arange(1, block_size)
         true_tok = truth_t[pos.clamp(0, truth_t.numel() - 1)]
         side = pos % side_every == 0
@@ -190,8 +190,8 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
     real, target = pair.drafter.propose_static, pair.target
     committed_more = []
 
-    def unconstrained_oracle(seq, start, block_size, window, features):
-        logits = real(seq, start, block_size, window, features)  # the runtime's own draft forward
+    def unconstrained_oracle(seq, start, block_size, window, features, *context):
+        logits = real(seq, start, block_size, window, features, *context)  # the runtime's own draft forward
         s = int(start)
         cache = target.new_cache(s + block_size + 2)  # not the workspace's: greedy from here, unconstrained
         last, _ = target(seq[: s + 1], cache, 0, last_only=True)
