@@ -109,9 +109,12 @@ def cases():
                          svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
             yield (f"attention {dtype} head_dim={d}", fused._small_attention_kernel, types,
                    dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=fused.SPLIT_KEYS, **launch), warps, stages)
-            merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, ROWS="i32", n_split="i32")
-            yield (f"attention merge {dtype} head_dim={d}", fused._attention_merge_kernel, merge,
-                   dict(D=d, BLOCK_D=launch["BLOCK_D"]), 4, 3)
+            merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
+                         sgb="i32", sgt="i32", sgh="i32")
+            for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
+                yield (f"attention merge{' gated' if gated else ''} {dtype} head_dim={d}",
+                       fused._attention_merge_kernel, merge,
+                       dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=fused._LIBDEVICE), 4, 3)
         for d in WIDTHS + HEAD_DIMS:
             types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32")
             launch = fused.row_launch(d)

@@ -100,13 +100,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return fused.rope(x, cos, sin)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+              gate: Tensor | None = None) -> Tensor:
     """q: [..., Tq, Hq, D]; k, v: [..., Tk, Hkv, D]; mask: [..., Tq, Tk] bool (True = attend) or
-    None (full). Leading dims are a batch (training many sequences at once).
+    None (full). Leading dims are a batch (training many sequences at once). gate: [..., Tq, Hq, D]
+    or None: the output times ``sigmoid(gate)``, with the eager ops' bits (``fused.attention``).
 
     Returns [..., Tq, Hq, D]. Grouped-query heads share their key/value head.
     """
-    return fused.attention(q, k, v, mask, scale)
+    return fused.attention(q, k, v, mask, scale, gate)
 
 
 def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor:

@@ -28,6 +28,7 @@ from engine.config import EngineInputError
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 
@@ -326,9 +327,13 @@ SPLIT_KEYS = 128
 # Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
 # compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
 ATTN_BLOCK_M = 16
+# The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
+# interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
+_LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret
 
 
-def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+                    gate: Tensor | None = None) -> Tensor:
     hq, hkv = q.shape[-2], k.shape[-2]
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=-2)
@@ -337,23 +342,33 @@ def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
         mask = mask.unsqueeze(-3)  # one mask for every head
     out = F.scaled_dot_product_attention(
         q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
-    )
-    return out.transpose(-3, -2)
+    ).transpose(-3, -2)
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+              gate: Tensor | None = None) -> Tensor:
     """q [B?, T, Hq, D], k/v [B?, S, Hkv, D] (grouped heads share a K/V head), mask [B?, T, S] bool
     (True = attend) or None -> [B?, T, Hq, D]; B? an optional batch axis.
 
+    ``gate`` [B?, T, Hq, D] (q's shape and dtype, any strides: Qwen3.5's gate is a view of the
+    fused query projection): the result is ``out * torch.sigmoid(gate)`` with the bits of those two
+    eager ops (the sigmoid rounded to the dtype, then the product), on the fused path inside the
+    merge launch (two launches fewer).
+
     A few query rows (T <= SMALL_QUERIES: decode steps, tree verifies, draft blocks, batched decode
     of many sequences) with a mask take one fused launch that reads each K/V head once for all its
-    query heads, with no K/V copies; anything else takes SDPA."""
+    query heads, with no K/V copies, and a second that merges the key spans (and applies the gate);
+    anything else takes SDPA."""
+    if gate is not None and (tuple(gate.shape) != tuple(q.shape) or gate.dtype != q.dtype):
+        raise ValueError(f"gate must have the queries' shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                         f"{tuple(gate.shape)} and {gate.dtype}")
     batched = q.dim() == 4
     small = (mask is not None and q.dim() in (3, 4) and k.dim() == q.dim() and v.dim() == q.dim()
              and mask.dim() in (2, q.dim() - 1) and q.shape[-3] <= SMALL_QUERIES
              and k.stride(-1) == 1 and v.stride(-1) == 1)
-    if not (small and use_kernels(q, k, v)):
-        return attention_torch(q, k, v, mask, scale)
+    if not (small and use_kernels(q, k, v, *([] if gate is None else [gate]))):  # a gate's gradient too
+        return attention_torch(q, k, v, mask, scale, gate)
     qc = q.contiguous() if batched else q.contiguous()[None]
     kb, vb = (k, v) if batched else (k[None], v[None])
     m = mask.contiguous()
@@ -380,7 +395,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         SPLIT=SPLIT_KEYS, **launch,
     )
     out = torch.empty_like(qc)
-    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, t * hq, n_split, D=d, BLOCK_D=launch["BLOCK_D"])
+    if gate is None:
+        gb, g_strides = out, (0, 0, 0)  # not read (GATED=False)
+    else:
+        gb = gate if gate.stride(-1) == 1 else gate.contiguous()
+        gb = gb if batched else gb[None]
+        g_strides = (gb.stride(0) if b > 1 else 0, gb.stride(1), gb.stride(2))
+    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, t * hq, n_split, *g_strides, HQ=hq, D=d,
+                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE)
     return out if batched else out[0]
 
 
@@ -588,10 +610,28 @@ if triton is not None:
         tl.store(ml_ptr + row * 2, m_i, mask=mrow)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
 
-    @triton.jit(do_not_specialize=["ROWS", "n_split"])
-    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, ROWS, n_split, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    @triton.jit
+    def _round_rne(x, ty: tl.constexpr):
+        # x (float32) rounded to the nearest value of dtype ty (ties to even), as PyTorch rounds, and
+        # returned in float32. bf16 by its bits: Triton's interpreter truncates in x.to(bf16), the GPU
+        # rounds to nearest even as this does. A NaN stays NaN (adding to its bits could reach the sign).
+        if ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            y = tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)
+        else:
+            y = x.to(ty).to(tl.float32)
+        return y
+
+    # Not specialised on the rows, the spans or the gate's strides (a batched gate's first stride
+    # grows with T): an AR step and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["ROWS", "n_split", "sgb", "sgt", "sgh"])
+    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, ROWS, n_split, sgb, sgt, sgh, HQ: tl.constexpr,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
+                                LIBDEVICE: tl.constexpr):
         # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
-        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero.
+        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero. Row r is query
+        # token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager ops round.
         r = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
         rd = tl.arange(0, BLOCK_D)
@@ -608,7 +648,25 @@ if triton is not None:
             acc += w * tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)
             total += w * tl.load(ml_ptr + at * 2 + 1)
         out = acc / tl.where(total > 0, total, 1.0)  # a row with nothing visible gets zeros
-        tl.store(out_ptr + (seq * ROWS + r) * D + rd, out.to(out_ptr.dtype.element_ty), mask=md)
+        ty = out_ptr.dtype.element_ty
+        if GATED:
+            tok = (r // HQ).to(tl.int64)
+            g = tl.load(gate_ptr + seq * sgb + tok * sgt + (r % HQ) * sgh + rd, mask=md, other=0.0).to(tl.float32)
+            # PyTorch's CUDA sigmoid is 1 / (1 + expf(-x)) in float32, CUDA's accurate expf and a
+            # rounded division: libdevice's exp is that expf and div_rn that division (on an H200 with
+            # Triton 3.6 the same bits for every bf16 and fp16 input and 16.8M float32 ones, where
+            # tl.sigmoid, ex2.approx and an approximate division, rounds 2 of the 65,536 fp16 inputs
+            # and about a third of float32 ones otherwise). The interpreter has no libdevice: there
+            # NumPy's exp, a few float32 ulps from PyTorch's CPU sigmoid.
+            if LIBDEVICE:
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            s = _round_rne(tl.math.div_rn(1.0, 1.0 + e), ty)
+            # the attention output rounded as the ungated store rounds it, then the product of two
+            # values of the dtype (exact in float32 for bf16 and fp16) rounded as PyTorch's mul
+            out = _round_rne(out.to(ty).to(tl.float32) * s, ty)
+        tl.store(out_ptr + (seq * ROWS + r) * D + rd, out.to(ty), mask=md)
 
     @triton.jit
     def _gdn_inputs_kernel(conv_ptr, mix_ptr, mix_stride, rec_ptr, rec_stride, idx_ptr, w_ptr, q_ptr, k_ptr, v_ptr,

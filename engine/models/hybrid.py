@@ -376,8 +376,8 @@ class GatedAttention(nn.Module):
         q, gate = q_gate.view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k, v = k.view(t, self.n_kv, self.head_dim), v.view(t, self.n_kv, self.head_dim)
         q, keys, values = p.kv.rope_write(layer, p.start, q, k, v, p.cos, p.sin, head_norms(self.q_norm, self.k_norm))
-        o = attention(q, keys, values, p.mask).reshape(t, -1)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+        # the output gate inside the attention's merge launch: a sigmoid and a product fewer per layer
+        return self.o_proj(attention(q, keys, values, p.mask, gate=gate).reshape(t, -1))
 
 
 class HybridBlock(nn.Module):

@@ -246,6 +246,74 @@ def test_attention_with_strided_cache_views_and_large_queries():
     assert torch.equal(fused.attention(big_q, k, v, big_mask), fused.attention_torch(big_q, k, v, big_mask))
 
 
+def _model_gate(*lead, hq, d, dtype, seed):
+    """The gate as Qwen3.5's GatedAttention takes it: the second half of each head of the fused
+    query projection's output, [..., T, HQ, D] with head stride 2 * D."""
+    q_gate = 3 * _r(*lead, hq, 2 * d, dtype=dtype, seed=seed)  # wide enough to reach sigmoid's tails
+    gate = q_gate.chunk(2, dim=-1)[1]
+    assert gate.stride()[-3:] == (hq * 2 * d, 2 * d, 1)
+    return gate
+
+
+def _assert_gate_bits(got, want, dtype):
+    if dtype != torch.float32 or DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:  # the interpreter's exp is NumPy's, PyTorch's CPU sigmoid Sleef's: a few float32 ulps apart
+        assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])  # an AR step, a small verify
+def test_gated_attention_equals_the_eager_gate(dtype, t):
+    """The gate applied in the merge kernel gives the bits of ``attention(...) * sigmoid(gate)``
+    (the sigmoid rounded to the dtype, then the product): GQA groups of 3, two key spans."""
+    q, k, v, mask = _attn_inputs(t, 140, 6, 2, 24, dtype, seed=13)
+    gate = _model_gate(t, hq=6, d=24, dtype=dtype, seed=14)
+    got = fused.attention(q, k, v, mask, gate=gate)
+    assert got.shape == q.shape and got.dtype == dtype
+    _assert_gate_bits(got, fused.attention(q, k, v, mask) * torch.sigmoid(gate), dtype)
+    # a contiguous gate (its copy) gives the same bits as the strided view
+    assert torch.equal(fused.attention(q, k, v, mask, gate=gate.contiguous()), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_gated_attention_equals_the_eager_gate(dtype):
+    """[B, T, H, D] queries with a strided [B, T, H, D] gate: each sequence its own gate rows."""
+    b, t, s_len, hq, hkv, d = 3, 2, 50, 4, 2, 16
+    q = _r(b, t, hq, d, dtype=dtype)
+    k, v = _r(b, s_len, hkv, d, dtype=dtype, seed=1), _r(b, s_len, hkv, d, dtype=dtype, seed=2)
+    mask = (torch.rand(b, t, s_len, generator=torch.Generator().manual_seed(3)) < 0.7).to(DEVICE)
+    mask[:, :, -1] = True
+    gate = _model_gate(b, t, hq=hq, d=d, dtype=dtype, seed=4)
+    got = fused.attention(q, k, v, mask, gate=gate)
+    _assert_gate_bits(got, fused.attention(q, k, v, mask) * torch.sigmoid(gate), dtype)
+    for i in range(b):  # as each sequence's own unbatched call
+        assert torch.equal(got[i], fused.attention(q[i], k[i], v[i], mask[i], gate=gate[i]))
+
+
+def test_gated_attention_on_the_sdpa_path_applies_the_eager_ops():
+    """SDPA (no mask, or more query rows than SMALL_QUERIES) and autograd take the eager ops."""
+    big_q, k, v, big_mask = _attn_inputs(fused.SMALL_QUERIES + 1, 80, 4, 2, 16, torch.bfloat16, seed=5)
+    gate = _model_gate(fused.SMALL_QUERIES + 1, hq=4, d=16, dtype=torch.bfloat16, seed=6)
+    for mask in (big_mask, None):
+        want = fused.attention_torch(big_q, k, v, mask) * torch.sigmoid(gate)
+        assert torch.equal(fused.attention(big_q, k, v, mask, gate=gate), want)
+    q, k, v, mask = _attn_inputs(3, 40, 4, 2, 16, torch.float32, seed=7)
+    gate = _model_gate(3, hq=4, d=16, dtype=torch.float32, seed=8).detach().requires_grad_()
+    out = fused.attention(q, k, v, mask, gate=gate)  # the kernels have no backward: the eager ops run
+    assert torch.equal(out, fused.attention_torch(q, k, v, mask) * torch.sigmoid(gate))
+    out.sum().backward()
+    assert gate.grad is not None and gate.grad.shape == gate.shape
+
+
+def test_gated_attention_refuses_a_gate_unlike_the_queries():
+    q, k, v, mask = _attn_inputs(2, 20, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="gate must have the queries' shape"):
+        fused.attention(q, k, v, mask, gate=_r(2, 4, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        fused.attention(q, k, v, mask, gate=_r(2, 4, 16, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hk,dk,hv,dv", [(2, 16, 4, 8), (1, 12, 3, 20)])  # GQA-like groups; odd widths
 def test_gdn_inputs(dtype, hk, dk, hv, dv):
