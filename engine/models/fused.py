@@ -371,7 +371,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         return attention_torch(q, k, v, mask, scale, gate)
     qc = q.contiguous() if batched else q.contiguous()[None]
     kb, vb = (k, v) if batched else (k[None], v[None])
-    m = mask.contiguous()
+    m = mask if mask.stride(-1) == 1 else mask.contiguous()  # rows may repeat (stride 0): one mask for all
     mb = m if m.dim() == 3 else m[None]
     b, t, hq, d = qc.shape
     s, hkv = kb.shape[1], kb.shape[2]
