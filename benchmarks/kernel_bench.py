@@ -120,6 +120,12 @@ def bench_tree() -> tuple[list[dict], list[str]]:
     for b in TREE_BUDGETS:
         row[f"b{b}"] = _time(lambda b=b: tree_kernel.build_tree_kernel(tied, ids, root, b, None))
     rows.append(row)
+    if hasattr(tree_kernel, "build_tree_sorted"):  # the candidates sorted in registers, per depth
+        for label, x in (("sort kernel", lp), ("sort kernel, exact ties", tied)):
+            row = {"config": label}
+            for b in TREE_BUDGETS:
+                row[f"b{b}"] = _time(lambda b=b, x=x: tree_kernel.build_tree_sorted(x, ids, root, b, None))
+            rows.append(row)
     lines = ["| config | " + " | ".join(f"budget {b} us" for b in TREE_BUDGETS) + " |",
              "|---|" + "---|" * len(TREE_BUDGETS)]
     lines += [f"| {r['config']} | " + " | ".join(f"{r[f'b{b}']:.1f}" for b in TREE_BUDGETS) + " |" for r in rows]

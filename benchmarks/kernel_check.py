@@ -71,6 +71,14 @@ def cases():
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
                     **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
+    tree_sort = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
+                     dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
+                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
+    for depth, k, budget in ((15, 8, 22), (15, 8, 48), (15, 8, 64), (31, 16, 128)):
+        yield (f"ddtree sort L={depth} k={k} budget={budget}", tree_kernel._tree_sort_kernel, tree_sort,
+               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
+                    LOW=(1 << tree_kernel.INDEX_BITS) - 1, P_PAD=max(16, triton.next_power_of_2(budget)),
+                    K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_M=tree_kernel.MASK_BLOCK), tree_kernel.NUM_WARPS, 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
                 path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
     for _, _, budget in TREE_SHAPES:

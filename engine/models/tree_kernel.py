@@ -110,6 +110,37 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
     return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
 
 
+# The sort kernel's candidate and entry indices ride in the low bits of the packed sort keys.
+INDEX_BITS = 12
+SORT_MAX_BUDGET = 128  # P_PAD * K_PAD candidates per depth stay in registers up to here
+
+
+def build_tree_sorted(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
+                      chain_seed: int | None) -> tuple[Tree, Tensor]:
+    """``build_tree_kernel`` by sorting in registers: per depth the candidates (parent, rank) as
+    one packed vector, sorted; the best entries over all depths as a running sorted list."""
+    depth, k = top_logprobs.shape
+    if not (kernel_supports(depth, k, budget) and budget <= SORT_MAX_BUDGET):
+        raise ValueError(f"tree sort kernel supports L <= {MAX_DEPTH}, k <= {MAX_TOP_K}, budget <= "
+                         f"{SORT_MAX_BUDGET}; got L={depth}, k={k}, budget={budget}")
+    device = top_logprobs.device
+    c = effective_chain_seed(chain_seed, depth, budget)
+    kept, n = tree_sizes(depth, k, budget)
+    entries = 1 + sum(kept)
+    lp, ids = top_logprobs.contiguous(), top_ids.contiguous()
+    i32 = torch.empty(4 * entries, dtype=torch.int32, device=device)
+    out = torch.empty(4, n + 1, dtype=torch.long, device=device)
+    mask = torch.empty(n + 1, n + 1, dtype=torch.bool, device=device)
+    _tree_sort_kernel[(1,)](
+        lp, ids, root_token.reshape(1), out[0], out[1], out[2], out[3], mask,
+        i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:],
+        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, LOW=(1 << INDEX_BITS) - 1,
+        P_PAD=max(16, triton.next_power_of_2(budget)), K_PAD=max(2, triton.next_power_of_2(k)),
+        BLOCK_M=MASK_BLOCK, num_warps=NUM_WARPS,
+    )
+    return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
+
+
 def use_tree_kernel(top_logprobs: Tensor, budget: int, max_depth: int) -> bool:
     """The kernel for CUDA tensors with the kernels enabled, at sizes it supports, when the mask
     asked for covers the whole tree (``max_depth >= L``); the tensor-op forms otherwise."""
@@ -393,4 +424,99 @@ if triton is not None:
         for _ in range(0, L + 1):
             live = cur >= 0
             tl.store(mask_ptr + nodes * n1 + cur, tl.full([N1_PAD], 1, tl.int1), mask=live)
+            cur = tl.where(live, tl.load(par_ptr + cur, mask=live, other=-1).to(tl.int32), -1)
+
+    @triton.jit
+    def _packed(key, idx, LOW: tl.constexpr):
+        # A float64 key as a signed int64 that sorts as the key, its low bits replaced by LOW - idx:
+        # a descending sort orders by key, exact ties (and keys within 2**-40 of each other) to the
+        # lower index.
+        bits = key.to(tl.int64, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFFFFFFFFFF)
+        return (ordered & ~LOW) | (LOW - idx)
+
+    @triton.jit
+    def _first(sorted_vec, ROWS: tl.constexpr, COLS: tl.constexpr):
+        # The first COLS entries of a [ROWS * COLS] vector (a row-major reshape's row 0).
+        grid = tl.reshape(sorted_vec, [ROWS, COLS])
+        return tl.sum(tl.where((tl.arange(0, ROWS) == 0)[:, None], grid, 0), axis=0)
+
+    @triton.jit
+    def _tree_sort_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
+                          epar_ptr, erank_ptr, edep_ptr, efinal_ptr, L, K, B, N, CHAIN,
+                          FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr, LOW: tl.constexpr,
+                          P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        # Entries: 0 the root, then depth 1's kept candidates in key order, depth 2's, ... (as
+        # build_tree_device concatenates them). Per depth everything stays in registers: the parents'
+        # scores in their kept order, the [P_PAD, K_PAD] candidates packed and sorted, the best B of
+        # them kept; across depths the best entries so far as one sorted packed list.
+        forced_key = tl.full([], FORCED_KEY, tl.float64)  # float64 constants: a Python float is fp32
+        depth_tie = tl.full([], DEPTH_TIE, tl.float64)
+        sent = tl.full([], -9223372036854775807 - 1, tl.int64)  # sorts after every packed key
+        n1 = N + 1
+        for m0 in range(0, n1 * n1, BLOCK_M):  # the mask starts all False
+            mo = m0 + tl.arange(0, BLOCK_M)
+            tl.store(mask_ptr + mo, tl.zeros([BLOCK_M], tl.int1), mask=mo < n1 * n1)
+        tl.store(epar_ptr, -1)
+        tl.store(efinal_ptr, 0)
+        ps = tl.arange(0, P_PAD)
+        rs = tl.arange(0, K_PAD)
+        cand = ps[:, None] * K + rs[None, :]  # candidate (parent slot p, rank r) is p * K + r
+        pscore = tl.zeros([P_PAD], tl.float64)  # the root's score: 0
+        best = tl.zeros([P_PAD], tl.int64) + sent
+        p_count = tl.full([], 1, tl.int32)
+        p_off = tl.full([], 0, tl.int32)
+        off = tl.full([], 1, tl.int32)
+        for d_loop in range(0, L):
+            d = tl.zeros([], tl.int32) + d_loop  # a tensor also in the interpreter (whose loop index is an int)
+            m = tl.minimum(B, p_count * K)
+            lp_d = tl.load(lp_ptr + d * K + rs, mask=rs < K, other=0.0).to(tl.float64)
+            score = pscore[:, None] + lp_d[None, :]  # as build_tree_device: the parent's score + lp, float64
+            forced = (ps[:, None] == 0) & (rs[None, :] == 0) & (d < CHAIN)  # the chain seed's rank-0 path
+            key = tl.where(forced, forced_key - d, score - d.to(tl.float64) * depth_tie)
+            valid = (ps[:, None] < p_count) & (rs[None, :] < K)
+            packed = tl.where(valid, _packed(key, cand, LOW), sent)
+            top = _first(tl.sort(tl.reshape(packed, [P_PAD * K_PAD]), descending=True), K_PAD, P_PAD)
+            keep = ps < m
+            i = LOW - (top & LOW)
+            p = tl.where(keep, i // K, 0)
+            r = tl.where(keep, i % K, 0)
+            e = off + ps
+            tl.store(epar_ptr + e, p_off + p, mask=keep)
+            tl.store(erank_ptr + e, r, mask=keep)
+            tl.store(edep_ptr + e, d + 1 + ps * 0, mask=keep)
+            entry = tl.where(keep, (top & ~LOW) | (LOW - e), sent)
+            best = _first(tl.sort(tl.reshape(tl.join(best, entry), [2 * P_PAD]), descending=True), 2, P_PAD)
+            # the kept entries' scores, by the same float64 add as their candidates'
+            pscore = tl.where(keep, tl.gather(pscore, p, 0)
+                              + tl.load(lp_ptr + d * K + r, mask=keep, other=0.0).to(tl.float64), 0.0)
+            p_off = off
+            off += m
+            p_count = m
+
+        # The best N entries are the tree, in order: node n + 1 is best[n].
+        chosen = ps < N
+        en = LOW - (best & LOW)
+        tl.store(efinal_ptr + en, ps + 1, mask=chosen)
+        tl.debug_barrier()  # the entries' records and final indices, before any thread reads them
+        fdep = tl.load(edep_ptr + en, mask=chosen, other=1)
+        fr = tl.load(erank_ptr + en, mask=chosen, other=0)
+        par = tl.load(efinal_ptr + tl.load(epar_ptr + en, mask=chosen, other=0), mask=chosen, other=0)
+        dst = ps + 1
+        tl.store(tok_ptr + dst, tl.load(ids_ptr + (fdep - 1) * K + fr, mask=chosen, other=0).to(tl.int64),
+                 mask=chosen)
+        tl.store(dep_ptr + dst, fdep.to(tl.int64), mask=chosen)
+        tl.store(rank_ptr + dst, fr.to(tl.int64), mask=chosen)
+        tl.store(par_ptr + dst, par.to(tl.int64), mask=chosen)
+        tl.store(tok_ptr, tl.load(root_ptr).to(tl.int64))
+        tl.store(par_ptr, tl.full([], -1, tl.int64))
+        tl.store(dep_ptr, tl.zeros([], tl.int64))
+        tl.store(rank_ptr, tl.zeros([], tl.int64))
+        tl.debug_barrier()
+        # Ancestor mask: each node marks itself, then walks up its at most L ancestors.
+        nodes = tl.arange(0, 2 * P_PAD)
+        cur = tl.where(nodes < n1, nodes, -1)
+        for _ in range(0, L + 1):
+            live = cur >= 0
+            tl.store(mask_ptr + nodes * n1 + cur, tl.full([2 * P_PAD], 1, tl.int1), mask=live)
             cur = tl.where(live, tl.load(par_ptr + cur, mask=live, other=-1).to(tl.int32), -1)
