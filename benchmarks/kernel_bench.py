@@ -86,46 +86,34 @@ def bench_delta(module) -> dict[str, float]:
     return row
 
 
-TREE_BUDGETS = (22, 32, 48, 64)
-# (NUM_WARPS, RANK_ROWS, RANK_COLS, CAND_BLOCK) of the DDTree kernel (engine/models/tree_kernel.py)
-TREE_VARIANTS = [(8, 64, 32, 128), (4, 64, 32, 128), (8, 32, 32, 128), (8, 128, 16, 128), (8, 32, 64, 128),
-                 (8, 64, 32, 64), (8, 64, 32, 256), (16, 64, 32, 128)]
+TREE_BUDGETS = (8, 16, 22, 32, 48, 64)
+TREE_WARPS = (8, 4, 2, 16)  # NUM_WARPS of the DDTree kernel (engine/models/tree_kernel.py); the first is its own
 
 
 def bench_tree() -> tuple[list[dict], list[str]]:
-    """The DDTree kernel (L = 15, k = 8: SmolLM2's draft) per budget, by launch configuration."""
+    """The DDTree kernel (L = 15, k = 8: SmolLM2's draft) per budget, by warp count; tie-free random
+    log-probs, and log-probs in steps of 1/8 (bf16 draft logits repeat values: exact ties)."""
     from engine.models import tree_kernel
 
     gen = torch.Generator().manual_seed(0)
     lp = (-torch.cumsum(torch.rand(15, 8, generator=gen) + 1e-3, dim=1)).cuda()
+    tied = torch.sort((lp * 8).round() / 8, dim=1, descending=True).values
     ids = torch.randint(0, 1000, (15, 8), generator=gen).cuda()
     root = torch.tensor([5], device="cuda")
-    names = ("NUM_WARPS", "RANK_ROWS", "RANK_COLS", "CAND_BLOCK")
-    saved = {n: getattr(tree_kernel, n) for n in names}
+    saved = tree_kernel.NUM_WARPS
     rows = []
     try:
-        for variant in TREE_VARIANTS:
-            for n, v in zip(names, variant, strict=True):
-                setattr(tree_kernel, n, v)
-            row = {"config": "warps={} rank={}x{} cand={}".format(*variant)}
-            for b in TREE_BUDGETS:
-                row[f"b{b}"] = _time(lambda b=b: tree_kernel.build_tree_kernel(lp, ids, root, b, None))
-            rows.append(row)
+        for warps in TREE_WARPS:
+            tree_kernel.NUM_WARPS = warps
+            for label, x in (("", lp), (", exact ties", tied)):
+                if label and warps != saved:
+                    continue
+                row = {"config": f"warps={warps}{label}"}
+                for b in TREE_BUDGETS:
+                    row[f"b{b}"] = _time(lambda b=b, x=x: tree_kernel.build_tree_kernel(x, ids, root, b, None))
+                rows.append(row)
     finally:
-        for n, v in saved.items():
-            setattr(tree_kernel, n, v)
-    # Draft logits in bf16 repeat values: log-probs (and so parent scores) tie exactly
-    tied = torch.sort((lp * 8).round() / 8, dim=1, descending=True).values
-    row = {"config": "default, log-probs in steps of 1/8 (exact ties)"}
-    for b in TREE_BUDGETS:
-        row[f"b{b}"] = _time(lambda b=b: tree_kernel.build_tree_kernel(tied, ids, root, b, None))
-    rows.append(row)
-    if hasattr(tree_kernel, "build_tree_sorted"):  # the candidates sorted in registers, per depth
-        for label, x in (("sort kernel", lp), ("sort kernel, exact ties", tied)):
-            row = {"config": label}
-            for b in TREE_BUDGETS:
-                row[f"b{b}"] = _time(lambda b=b, x=x: tree_kernel.build_tree_sorted(x, ids, root, b, None))
-            rows.append(row)
+        tree_kernel.NUM_WARPS = saved
     lines = ["| config | " + " | ".join(f"budget {b} us" for b in TREE_BUDGETS) + " |",
              "|---|" + "---|" * len(TREE_BUDGETS)]
     lines += [f"| {r['config']} | " + " | ".join(f"{r[f'b{b}']:.1f}" for b in TREE_BUDGETS) + " |" for r in rows]

@@ -30,8 +30,9 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 DELTA_SHAPES = [(16, 8), (128, 128)]  # (dk, dv): tiny-hybrid, Qwen3.5-27B
 HEAD_DIMS = [16, 64, 128, 256]  # tiny, SmolLM2 and the DFlash drafts, Qwen3-8B, Qwen3.5-27B
 WIDTHS = [576, 4096, 5120, 8192, 16384]  # hidden sizes (SmolLM2 ... a 400B model's)
-# (L, top_k, budget) of the DDTree kernel: the default config, a wide tree, the largest supported
-TREE_SHAPES = [(15, 8, 22), (15, 16, 128), (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
+# (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported
+TREE_SHAPES = [(15, 8, 22), (15, 8, 48), (15, 16, 128),
+               (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
 
 
 def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
@@ -63,22 +64,13 @@ def cases():
                      store_nodes="i32")
         yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
                dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), warps, 3)
-    tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64", dep_ptr="*i64",
-                rank_ptr="*i64", mask_ptr="*i1", ekey_ptr="*fp64", escore_ptr="*fp64", ckey_ptr="*fp64",
-                epar_ptr="*i32", erank_ptr="*i32", edep_ptr="*i32", efinal_ptr="*i32", cidx_ptr="*i32",
-                slot_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
+    tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
+                     dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
+                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
     for depth, k, budget in TREE_SHAPES:
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
                     **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
-    tree_sort = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
-                     dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
-                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
-    for depth, k, budget in ((15, 8, 22), (15, 8, 48), (15, 8, 64), (31, 16, 128)):
-        yield (f"ddtree sort L={depth} k={k} budget={budget}", tree_kernel._tree_sort_kernel, tree_sort,
-               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
-                    LOW=(1 << tree_kernel.INDEX_BITS) - 1, P_PAD=max(16, triton.next_power_of_2(budget)),
-                    K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_M=tree_kernel.MASK_BLOCK), tree_kernel.NUM_WARPS, 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
                 path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
     for _, _, budget in TREE_SHAPES:

@@ -7,11 +7,14 @@ an H200 against 0.49 ms for a chain step). ``build_tree_kernel`` computes the sa
 a single launch of one program; ``build_tree_and_mask`` picks it on CUDA with the kernels enabled and
 falls back to the tensor-op forms (the reference the kernel is tested against) otherwise.
 
-Selection inside one program, with no sort: an entry's place in a descending order is the number of
-entries that beat it (a higher key, or an equal key at a lower index). Per depth the candidates are
-ranked pairwise in chunks; the final top ``N`` over all depths merges the per-depth lists (each
-already sorted) by binary search. Exact key ties go to the lower candidate index (``torch.topk``
-leaves their order unspecified): only on exact ties can a tree differ from ``build_tree_device``'s.
+Selection inside one program, in registers: per depth the candidates (kept parent, rank) are one
+vector of float64 keys packed into sortable int64 with their index in the low bits, sorted (Triton's
+bitonic ``tl.sort``); the best ``budget`` are kept, their scores recomputed by the same float64 add,
+and merged into a running sorted list of the best entries over all depths. No global memory round
+trip per depth (the ranking kernel this replaced ranked candidates pairwise through global memory:
+103 against 68 us at budget 48 on an H200). Exact key ties go to the lower candidate (or entry)
+index, as do keys within 2**-39 of each other (the packed index takes the key's low 13 bits);
+``torch.topk`` leaves tie order unspecified: only there can a tree differ from ``build_tree_device``'s.
 """
 
 from __future__ import annotations
@@ -41,16 +44,13 @@ except ImportError:  # pragma: no cover - installs without Triton use the tensor
 MAX_DEPTH = 31
 MAX_TOP_K = 16
 MAX_BUDGET = 256
-# Rows and columns of one pairwise-ranking tile: 64 x 32 float64 comparisons keep a 4-warp program
-# in registers (benchmarks/kernel_check.py).
-RANK_ROWS = 64
-RANK_COLS = 32
-MERGE_ROWS = 32  # entries per binary-search tile of the final merge ([MERGE_ROWS, depths])
-CAND_BLOCK = 128  # candidates per chunk of the per-depth candidate pass
+# Candidate (< MAX_BUDGET * MAX_TOP_K) and entry (<= 1 + MAX_DEPTH * MAX_BUDGET) indices ride in the
+# low bits of the packed sort keys: keys closer than 2**-39 relative order by index, as exact ties.
+INDEX_BITS = 13
 MASK_BLOCK = 1024  # mask bytes zeroed per step
-# 8 warps: with 4, ptxas puts 8-24 bytes on the stack (Triton 3.6 for sm_90, benchmarks/kernel_check.py).
-# Every float is a per-entry sum or a comparison (the reductions count integers), so the tree does
-# not depend on the warp count.
+# 8 warps: the candidates of a depth are P_PAD x K_PAD packed int64 values, sorted across the program
+# (at budget 256 and k 16, 4,096 of them: 212 registers a thread on sm_90 with no spills,
+# benchmarks/kernel_check.py). The tree does not depend on the warp count.
 NUM_WARPS = 8
 
 
@@ -70,10 +70,8 @@ def kernel_supports(depth: int, k: int, budget: int) -> bool:
 
 def kernel_launch(depth: int, k: int, budget: int) -> dict[str, int]:
     """The constexprs of one launch (powers of two covering the sizes)."""
-    _, n = tree_sizes(depth, k, budget)
-    return dict(P_PAD=max(16, triton.next_power_of_2(budget)), L_PAD=max(2, triton.next_power_of_2(depth)),
-                LOG=budget.bit_length(), N1_PAD=max(16, triton.next_power_of_2(n + 1)), BLOCK_C=CAND_BLOCK,
-                BLOCK_I=RANK_ROWS, CHUNK=RANK_COLS, BLOCK_E=MERGE_ROWS, BLOCK_M=MASK_BLOCK)
+    return dict(LOW=(1 << INDEX_BITS) - 1, P_PAD=max(16, triton.next_power_of_2(budget)),
+                K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_M=MASK_BLOCK)
 
 
 def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
@@ -91,52 +89,16 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
     c = effective_chain_seed(chain_seed, depth, budget)
     kept, n = tree_sizes(depth, k, budget)
     entries = 1 + sum(kept)  # entry 0 is the root
-    cands = max([1] + [p * k for p in [1] + kept[:-1]])
     lp, ids = top_logprobs.contiguous(), top_ids.contiguous()
-    root = root_token.reshape(1)
-    # Scratch (global memory; from the graph's pool under capture): per entry its key and score,
-    # its parent entry, rank, depth and final index; per depth the ranked candidates.
-    f64 = torch.empty(2 * entries + cands, dtype=torch.float64, device=device)
-    i32 = torch.empty(4 * entries + cands + n, dtype=torch.int32, device=device)
-    out = torch.empty(4, n + 1, dtype=torch.long, device=device)
-    mask = torch.empty(n + 1, n + 1, dtype=torch.bool, device=device)
-    _tree_kernel[(1,)](
-        lp, ids, root, out[0], out[1], out[2], out[3], mask,
-        f64[:entries], f64[entries:2 * entries], f64[2 * entries:],
-        i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:4 * entries],
-        i32[4 * entries:4 * entries + cands], i32[4 * entries + cands:],
-        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget), num_warps=NUM_WARPS,
-    )
-    return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
-
-
-# The sort kernel's candidate and entry indices ride in the low bits of the packed sort keys.
-INDEX_BITS = 12
-SORT_MAX_BUDGET = 128  # P_PAD * K_PAD candidates per depth stay in registers up to here
-
-
-def build_tree_sorted(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
-                      chain_seed: int | None) -> tuple[Tree, Tensor]:
-    """``build_tree_kernel`` by sorting in registers: per depth the candidates (parent, rank) as
-    one packed vector, sorted; the best entries over all depths as a running sorted list."""
-    depth, k = top_logprobs.shape
-    if not (kernel_supports(depth, k, budget) and budget <= SORT_MAX_BUDGET):
-        raise ValueError(f"tree sort kernel supports L <= {MAX_DEPTH}, k <= {MAX_TOP_K}, budget <= "
-                         f"{SORT_MAX_BUDGET}; got L={depth}, k={k}, budget={budget}")
-    device = top_logprobs.device
-    c = effective_chain_seed(chain_seed, depth, budget)
-    kept, n = tree_sizes(depth, k, budget)
-    entries = 1 + sum(kept)
-    lp, ids = top_logprobs.contiguous(), top_ids.contiguous()
+    # Scratch (global memory; from the graph's pool under capture): per entry its parent entry,
+    # rank, depth and final index.
     i32 = torch.empty(4 * entries, dtype=torch.int32, device=device)
     out = torch.empty(4, n + 1, dtype=torch.long, device=device)
     mask = torch.empty(n + 1, n + 1, dtype=torch.bool, device=device)
-    _tree_sort_kernel[(1,)](
+    _tree_kernel[(1,)](
         lp, ids, root_token.reshape(1), out[0], out[1], out[2], out[3], mask,
         i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:],
-        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, LOW=(1 << INDEX_BITS) - 1,
-        P_PAD=max(16, triton.next_power_of_2(budget)), K_PAD=max(2, triton.next_power_of_2(k)),
-        BLOCK_M=MASK_BLOCK, num_warps=NUM_WARPS,
+        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget), num_warps=NUM_WARPS,
     )
     return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
 
@@ -279,154 +241,6 @@ if triton is not None:
         tl.store(base + dst[:, None] * s_slot + col[None, :], rows, mask=m)
 
     @triton.jit
-    def _beats(key_a, idx_a, key_b, idx_b):
-        # a sorts before b: the higher key, an exact tie to the lower index (a total order)
-        return (key_a > key_b) | ((key_a == key_b) & (idx_a < idx_b))
-
-    @triton.jit
-    def _tree_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
-                     ekey_ptr, escore_ptr, ckey_ptr, epar_ptr, erank_ptr, edep_ptr, efinal_ptr, cidx_ptr, slot_ptr,
-                     L, K, B, N, CHAIN, FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr,
-                     P_PAD: tl.constexpr, L_PAD: tl.constexpr, LOG: tl.constexpr, N1_PAD: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
-        # Entries: 0 the root, then depth 1's kept candidates sorted by key, depth 2's, ... (the
-        # order of build_tree_device's concatenation, so global entry indices break ties alike).
-        forced_key = tl.full([], FORCED_KEY, tl.float64)  # float64 constants: a Python float is fp32
-        depth_tie = tl.full([], DEPTH_TIE, tl.float64)
-        n1 = N + 1
-        # The mask starts all False (its True entries are scattered below, after a barrier).
-        for m0 in range(0, n1 * n1, BLOCK_M):
-            mo = m0 + tl.arange(0, BLOCK_M)
-            tl.store(mask_ptr + mo, tl.zeros([BLOCK_M], tl.int1), mask=mo < n1 * n1)
-        tl.store(ekey_ptr, forced_key + 1.0)
-        tl.store(escore_ptr, tl.zeros([], tl.float64))
-        tl.store(epar_ptr, -1)
-        tl.store(efinal_ptr, 0)
-
-        dl = tl.arange(0, L_PAD)
-        off_v = tl.zeros([L_PAD], tl.int32)  # per depth: its first entry and its entry count
-        cnt_v = tl.zeros([L_PAD], tl.int32)
-        p_count = tl.full([], 1, tl.int32)  # parents (previous depth's kept entries)
-        p_off = tl.full([], 0, tl.int32)
-        off = tl.full([], 1, tl.int32)
-        tl.debug_barrier()
-        for d_loop in range(0, L):
-            d = tl.zeros([], tl.int32) + d_loop  # a tensor also in the interpreter (whose loop index is an int)
-            m = tl.minimum(B, p_count * K)
-            # Parent slot 0 is forced (chain-seeded; the root counts) at depths <= CHAIN.
-            f = (d <= CHAIN).to(tl.int32)
-            # Structural pruning. The non-forced parents come in key order; where their scores do
-            # too (ties allowed: a tie goes to the lower index, as between keys), child (p, r) is
-            # beaten by every (p', r') with f <= p' <= p, r' <= r (rounding is monotone): its rank is
-            # at least (p - f + 1)(r + 1) - 1 and it can be kept only if (p - f + 1)(r + 1) <= m.
-            # Only parents with equal keys and unequal scores (the depth term's rounding) can break
-            # that order: then prune nothing. (Exact ties are common: bf16 logits repeat values.)
-            ps = tl.arange(0, P_PAD)
-            pair = (ps >= f) & (ps + 1 < p_count)
-            sa = tl.load(escore_ptr + p_off + ps, mask=pair, other=0.0)
-            sb = tl.load(escore_ptr + p_off + ps + 1, mask=pair, other=-1.0)
-            unordered = tl.sum((pair & (sa < sb)).to(tl.int32), axis=0)  # > 0: a score out of the key order
-            # Candidates i = p * K + r: score, key, and the surviving ones compacted into ckey/cidx.
-            lp_tie = d.to(tl.float64) * depth_tie  # as Python's d * _DEPTH_TIE
-            surv = tl.full([], 0, tl.int32)
-            for c0 in range(0, p_count * K, BLOCK_C):
-                i = c0 + tl.arange(0, BLOCK_C)
-                p = i // K
-                r = i % K
-                # (a scalar | vector of int1 yields int32 data in Triton 3.9's interpreter: compare ints)
-                ok = (i < p_count * K) & (((p - f + 1) * (r + 1) <= m).to(tl.int32) + unordered > 0)
-                score = tl.load(escore_ptr + p_off + p, mask=ok, other=0.0) \
-                    + tl.load(lp_ptr + d * K + r, mask=ok, other=0.0).to(tl.float64)
-                forced = (p == 0) & (r == 0) & (d < CHAIN)
-                key = tl.where(forced, forced_key - d, score - lp_tie)
-                pos = surv + tl.cumsum(ok.to(tl.int32), axis=0) - 1
-                tl.store(ckey_ptr + pos, key, mask=ok)
-                tl.store(cidx_ptr + pos, i, mask=ok)
-                surv += tl.sum(ok.to(tl.int32), axis=0)
-            tl.debug_barrier()
-            # Rank each survivor by the survivors that beat it (every entry that beats a kept one
-            # survives, so a kept rank is exact); the top m land at off + rank, sorted.
-            for a0 in range(0, surv, BLOCK_I):
-                a = a0 + tl.arange(0, BLOCK_I)
-                va = a < surv
-                ki = tl.load(ckey_ptr + a, mask=va, other=0.0)
-                ii = tl.load(cidx_ptr + a, mask=va, other=0)
-                srank = tl.zeros([BLOCK_I], tl.int32)
-                for j0 in range(0, surv, CHUNK):
-                    j = j0 + tl.arange(0, CHUNK)
-                    vj = j < surv
-                    kj = tl.load(ckey_ptr + j, mask=vj, other=0.0)
-                    ij = tl.load(cidx_ptr + j, mask=vj, other=0)
-                    swin = _beats(kj[None, :], ij[None, :], ki[:, None], ii[:, None]) & vj[None, :]
-                    srank += tl.sum(swin.to(tl.int32), axis=1)
-                skeep = va & (srank < m)
-                sp = ii // K
-                sr = ii % K
-                # the score again, by the same operations (the same bits) as in the candidate pass
-                sscore = tl.load(escore_ptr + p_off + sp, mask=skeep, other=0.0) \
-                    + tl.load(lp_ptr + d * K + sr, mask=skeep, other=0.0).to(tl.float64)
-                se = off + srank
-                tl.store(ekey_ptr + se, ki, mask=skeep)
-                tl.store(escore_ptr + se, sscore, mask=skeep)
-                tl.store(epar_ptr + se, p_off + sp, mask=skeep)
-                tl.store(erank_ptr + se, sr, mask=skeep)
-                tl.store(edep_ptr + se, tl.zeros([BLOCK_I], tl.int32) + d + 1, mask=skeep)
-            tl.debug_barrier()
-            off_v = tl.where(dl == d, off, off_v)
-            cnt_v = tl.where(dl == d, m, cnt_v)
-            p_off = off
-            off += m
-            p_count = m
-
-        # Final top N over all depths: an entry's rank is the sum over depths of how many of that
-        # depth's entries beat it, each a binary search (every depth's list is sorted in the order).
-        for e0 in range(1, off, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            ve = e < off
-            ke = tl.load(ekey_ptr + e, mask=ve, other=0.0)
-            lo = tl.zeros([BLOCK_E, L_PAD], tl.int32)
-            hi = tl.zeros([BLOCK_E, L_PAD], tl.int32) + cnt_v[None, :]
-            for _ in tl.static_range(LOG):
-                act = lo < hi
-                mid = (lo + hi) // 2
-                g = off_v[None, :] + mid
-                kx = tl.load(ekey_ptr + g, mask=act & ve[:, None], other=0.0)
-                fwin = _beats(kx, g, ke[:, None], e[:, None])
-                lo = tl.where(act & fwin, mid + 1, lo)
-                hi = tl.where(act & ~fwin, mid, hi)
-            frank = tl.sum(lo, axis=1)
-            chosen = ve & (frank < N)
-            dst = frank + 1
-            tl.store(efinal_ptr + e, dst, mask=chosen)
-            tl.store(slot_ptr + frank, e, mask=chosen)
-            fdep = tl.load(edep_ptr + e, mask=chosen, other=1)
-            fr = tl.load(erank_ptr + e, mask=chosen, other=0)
-            tl.store(tok_ptr + dst, tl.load(ids_ptr + (fdep - 1) * K + fr, mask=chosen, other=0).to(tl.int64),
-                     mask=chosen)
-            tl.store(dep_ptr + dst, fdep.to(tl.int64), mask=chosen)
-            tl.store(rank_ptr + dst, fr.to(tl.int64), mask=chosen)
-        tl.store(tok_ptr, tl.load(root_ptr).to(tl.int64))
-        tl.store(par_ptr, tl.full([], -1, tl.int64))
-        tl.store(dep_ptr, tl.zeros([], tl.int64))
-        tl.store(rank_ptr, tl.zeros([], tl.int64))
-        tl.debug_barrier()
-        # Parents as final indices: a chosen entry's parent beats it, so it is chosen too.
-        nodes = tl.arange(0, N1_PAD)
-        vn = (nodes >= 1) & (nodes < n1)
-        ne = tl.load(slot_ptr + nodes - 1, mask=vn, other=0)
-        pe = tl.load(epar_ptr + ne, mask=vn, other=0)
-        par = tl.load(efinal_ptr + pe, mask=vn, other=0)
-        tl.store(par_ptr + nodes, par.to(tl.int64), mask=vn)
-        # Ancestor mask: each node marks itself, then walks up its at most L ancestors.
-        cur = tl.where(nodes < n1, nodes, -1)
-        tl.debug_barrier()
-        for _ in range(0, L + 1):
-            live = cur >= 0
-            tl.store(mask_ptr + nodes * n1 + cur, tl.full([N1_PAD], 1, tl.int1), mask=live)
-            cur = tl.where(live, tl.load(par_ptr + cur, mask=live, other=-1).to(tl.int32), -1)
-
-    @triton.jit
     def _packed(key, idx, LOW: tl.constexpr):
         # A float64 key as a signed int64 that sorts as the key, its low bits replaced by LOW - idx:
         # a descending sort orders by key, exact ties (and keys within 2**-40 of each other) to the
@@ -442,7 +256,7 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, ROWS) == 0)[:, None], grid, 0), axis=0)
 
     @triton.jit
-    def _tree_sort_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
+    def _tree_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
                           epar_ptr, erank_ptr, edep_ptr, efinal_ptr, L, K, B, N, CHAIN,
                           FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr, LOW: tl.constexpr,
                           P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):

@@ -512,8 +512,8 @@ def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
 
 
 def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
-    """Quantised log-probs tie exactly (parents too, which turns the kernel's pruning off); the
-    kernel orders ties by lower index, as build_tree_device does with a stable top-k."""
+    """Quantised log-probs tie exactly (children of distinct parents too); the kernel orders ties by
+    lower index, as build_tree_device does with a stable top-k."""
     from engine.models.tree_kernel import build_tree_kernel
     from engine.tree import ancestor_mask, build_tree_device
 
@@ -522,7 +522,7 @@ def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
         return values[:n], order[:n]
 
     tied_first = -torch.tensor([[0.5, 0.5, 1.0], [0.0, 0.5, 0.5], [0.5, 1.0, 1.0], [0.5, 0.5, 0.5]])
-    # distinct parents at depth 2 (the binary-search ranking) whose children tie exactly
+    # distinct parents at depth 2 whose children tie exactly
     distinct_first = -torch.tensor([[0.125, 0.75, 1.5], [0.5, 0.5, 1.0], [0.25, 0.25, 0.375], [0.5, 0.5, 0.5]])
     ids = torch.arange(12).view(4, 3)
     for lp, budget, chain_seed in ((tied_first, 9, 0), (tied_first, 14, 2), (distinct_first, 9, 0),
