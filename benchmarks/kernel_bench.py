@@ -4,6 +4,7 @@
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
     python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
+    python benchmarks/kernel_bench.py attention             # the split attention by keys per span
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -173,9 +174,42 @@ def bench_blas() -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+# (label, query heads, K/V heads, head_dim, key span, query rows): SmolLM2 and the 27B shape's
+# attention in an AR step and a DDTree verify (budget 48 and 32)
+ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 512, 49),
+              ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 1024, 33)]
+ATTN_SPLITS = (128, 64, 32)  # keys per span of the split attention (fused.SPLIT_KEYS; the first: the engine's)
+
+
+def bench_attention() -> tuple[list[dict], list[str]]:
+    """The split decode attention (both launches) by keys per span: more spans, more programs."""
+    from engine.models import fused
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    saved = fused.SPLIT_KEYS
+    rows = []
+    try:
+        for label, hq, hkv, d, s_len, t in ATTN_CASES:
+            q = torch.randn(t, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(s_len, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(s_len, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            mask = torch.ones(t, s_len, dtype=torch.bool, device="cuda").tril(s_len - t)
+            row = {"case": f"{label} (T={t}, keys {s_len})"}
+            for split in ATTN_SPLITS:
+                fused.SPLIT_KEYS = split
+                row[f"split{split}"] = _time(lambda q=q, k=k, v=v, m=mask: fused.attention(q, k, v, m))
+            rows.append(row)
+    finally:
+        fused.SPLIT_KEYS = saved
+    lines = ["| case | " + " | ".join(f"{s} keys/span us" for s in ATTN_SPLITS) + " |",
+             "|---|" + "---|" * len(ATTN_SPLITS)]
+    lines += [f"| {r['case']} | " + " | ".join(f"{r[f'split{s}']:.1f}" for s in ATTN_SPLITS) + " |" for r in rows]
+    return rows, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree", "blas"])
+    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention"])
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
     ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
@@ -189,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, *bench_tree())
     if args.kernel == "blas":
         return _report(args, *bench_blas())
+    if args.kernel == "attention":
+        return _report(args, *bench_attention())
     configs = []
     for c in args.configs:
         try:

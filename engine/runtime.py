@@ -74,13 +74,19 @@ def bucket_for(need: int, limit: int) -> int:
     return min(b, limit)
 
 
-def key_mask(start: Tensor, key_len: int, inner: Tensor) -> Tensor:
+def key_mask(start: Tensor, key_len: int, inner: Tensor, keys: Tensor | None = None,
+             new_slots: Tensor | None = None) -> Tensor:
     """[T, key_len] bool: every slot before ``start`` (committed), and among the T new slots
-    start..start+T-1 those ``inner`` [T, T] allows (causal for AR and chains, ancestors for trees)."""
+    start..start+T-1 those ``inner`` [T, T] allows (causal for AR and chains, ancestors for trees).
+    ``keys`` (0..key_len-1) and ``new_slots`` (start + 0..T-1) may be given (made once or already
+    at hand): three launches then, where slicing by a device position would take a dozen."""
     t = inner.shape[0]
-    rel = torch.arange(key_len, device=inner.device) - start
-    new = (rel >= 0) & (rel < t)
-    return (rel < 0)[None, :] | (inner[:, rel.clamp(0, t - 1)] & new[None, :])
+    if keys is None:
+        keys = torch.arange(key_len, device=inner.device)
+    if new_slots is None:
+        new_slots = start + torch.arange(t, device=inner.device)
+    mask = torch.lt(keys.expand(t, -1), start)
+    return mask.index_copy_(1, new_slots, inner)
 
 
 class _Graphs:
@@ -165,6 +171,13 @@ class StaticDecoder:
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
         self._readbacks: dict[int, _Readback] = {}
         self._draft_kv: tuple[Tensor, Tensor] | None = None
+        self._aranges: dict[int, Tensor] = {}
+
+    def _arange(self, n: int) -> Tensor:
+        """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n, device=self.device)
+        return self._aranges[n]
 
     def _draft_context(self) -> tuple[Tensor, Tensor]:
         """The DFlash draft's context K/V buffers for this workspace (graphs read them: allocated once)."""
@@ -209,7 +222,7 @@ class StaticDecoder:
     def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool) -> Tensor:
         s, ws = self.start, self.ws
         tok = ws.seq.index_select(0, s)
-        mask = key_mask(s, key_len, torch.ones(1, 1, dtype=torch.bool, device=self.device))
+        mask = torch.le(self._arange(key_len), s)[None, :]  # key_mask's for one token
         logits, _ = self.pair.target.forward_static(tok, s, s, key_len, mask, ws.cache)
         if constrained:  # the bitmask the host filled for this step
             logits = mask_logits(logits, self._bits[1])
@@ -233,9 +246,9 @@ class StaticDecoder:
                 ) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target
         t = tree.tokens.numel()
-        j = torch.arange(t, device=self.device)
-        positions, slots = s + tree.depths, s + j
-        logits, f = target.forward_static(tree.tokens, positions, slots, key_len, key_mask(s, key_len, anc),
+        positions, slots = s + tree.depths, s + self._arange(t)
+        logits, f = target.forward_static(tree.tokens, positions, slots, key_len,
+                                          key_mask(s, key_len, anc, self._arange(key_len), slots),
                                           ws.cache, self.pair.drafter.feature_layers,
                                           parents=tree.parents if self.recurrent else None)
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)

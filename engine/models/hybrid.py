@@ -419,6 +419,7 @@ class HybridModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+        self._chains: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # _chain_indices
 
     @property
     def device(self) -> torch.device:
@@ -465,19 +466,30 @@ class HybridModel(nn.Module):
         from engine.models.dense import _SlotWriter
 
         tree = parents is not None
+        chain = None if tree else self._chain_indices(tokens.shape[0], tokens.device)
         if parents is None:
-            parents = torch.arange(tokens.shape[0], device=tokens.device) - 1
+            parents = chain[0]
         return self._run(tokens, positions, _SlotWriter(cache, slots, key_len), cache, 0, mask, parents, tree,
-                         feature_layers, False)
+                         feature_layers, False, chain)
+
+    def _chain_indices(self, t: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """A chain of ``t`` tokens' parents, conv window rows and int32 parents: the same at every
+        step, made once (an AR step's graph reads them instead of making them: ~17 launches)."""
+        if (t, device) not in self._chains:
+            parents = torch.arange(t, device=device) - 1
+            self._chains[(t, device)] = (parents, conv_window_index(parents, self.cfg.linear_conv_kernel_dim),
+                                         parents.to(torch.int32))
+        return self._chains[(t, device)]
 
     def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor,
-             parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool
-             ) -> tuple[Tensor, Tensor | None]:
+             parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool,
+             chain: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask,
-                  conv_index=conv_window_index(parents, self.cfg.linear_conv_kernel_dim),
-                  parents=parents.to(torch.int32), tree=tree)
+        conv_index, parents32 = (chain[1], chain[2]) if chain is not None else (
+            conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
+        p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,
+                  parents=parents32, tree=tree)
         wanted = set(feature_layers)
         feats, delta = [], None
         for i, layer in enumerate(self.layers):
