@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
+from engine.models import delta_rule, fused, prefetch, topk, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -71,6 +71,8 @@ def cases():
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
                     **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
+    yield ("l2 prefetch bf16 cols=2048", prefetch._prefetch_kernel, dict(w_ptr="*bf16", sink_ptr="*fp32", N="i32",
+           stride="i32"), dict(COLS=2048, ROWS=4), 4, 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
                 path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
     for _, _, budget in TREE_SHAPES:
