@@ -532,16 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
                     help="the BLAS library torch prefers for the GEMMs (torch.backends.cuda.preferred_blas_library)")
-    ap.add_argument("--l2-prefetch", type=float, default=None, metavar="SCALE",
-                    help="captured steps read the next GEMM's leading weight columns into L2 on a side stream "
-                         "(engine.models.prefetch; SCALE times each site's amount, 0 off; default: "
-                         "ENGINE_L2_PREFETCH or off)")
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.l2_prefetch is not None and args.l2_prefetch < 0:
-        print(f"--l2-prefetch must be >= 0, got {args.l2_prefetch}", file=sys.stderr)
-        return 2
     args.presets_given = args.presets is not None
     if args.presets is None:
         args.presets = ["qwen3-8b-shape", "qwen35-27b-shape"]
@@ -556,10 +549,6 @@ def main(argv: list[str] | None = None) -> int:
     fused.set_kernels(args.kernels == "on")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.l2_prefetch is not None:
-        from engine.models import prefetch
-
-        prefetch.set_scale(args.l2_prefetch)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
                 "profile": section_profile, "graphs": section_graphs}
     md, report = sections[args.section](args)

@@ -88,7 +88,7 @@ def bench_delta(module) -> dict[str, float]:
 
 
 TREE_BUDGETS = (8, 16, 22, 32, 48, 64)
-TREE_WARPS = (8, 4, 2, 16)  # NUM_WARPS of the DDTree kernel (engine/models/tree_kernel.py); the first is its own
+TREE_WARPS = (None, 8, 4, 2, 16)  # warps per program of the DDTree kernel; None: its own (kernel_warps)
 
 
 def bench_tree() -> tuple[list[dict], list[str]]:
@@ -101,20 +101,21 @@ def bench_tree() -> tuple[list[dict], list[str]]:
     tied = torch.sort((lp * 8).round() / 8, dim=1, descending=True).values
     ids = torch.randint(0, 1000, (15, 8), generator=gen).cuda()
     root = torch.tensor([5], device="cuda")
-    saved = tree_kernel.NUM_WARPS
+    own = tree_kernel.kernel_warps
     rows = []
     try:
         for warps in TREE_WARPS:
-            tree_kernel.NUM_WARPS = warps
+            tree_kernel.kernel_warps = own if warps is None else (lambda budget, w=warps: w)
+            name = f"warps={warps}" if warps else "its own (4 up to budget 32, 8 beyond)"
             for label, x in (("", lp), (", exact ties", tied)):
-                if label and warps != saved:
+                if label and warps is not None:
                     continue
-                row = {"config": f"warps={warps}{label}"}
+                row = {"config": name + label}
                 for b in TREE_BUDGETS:
                     row[f"b{b}"] = _time(lambda b=b, x=x: tree_kernel.build_tree_kernel(x, ids, root, b, None))
                 rows.append(row)
     finally:
-        tree_kernel.NUM_WARPS = saved
+        tree_kernel.kernel_warps = own
     lines = ["| config | " + " | ".join(f"budget {b} us" for b in TREE_BUDGETS) + " |",
              "|---|" + "---|" * len(TREE_BUDGETS)]
     lines += [f"| {r['config']} | " + " | ".join(f"{r[f'b{b}']:.1f}" for b in TREE_BUDGETS) + " |" for r in rows]

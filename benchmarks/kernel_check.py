@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models import delta_rule, fused, prefetch, topk, tree_kernel  # noqa: E402
+from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -31,7 +31,7 @@ DELTA_SHAPES = [(16, 8), (128, 128)]  # (dk, dv): tiny-hybrid, Qwen3.5-27B
 HEAD_DIMS = [16, 64, 128, 256]  # tiny, SmolLM2 and the DFlash drafts, Qwen3-8B, Qwen3.5-27B
 WIDTHS = [576, 4096, 5120, 8192, 16384]  # hidden sizes (SmolLM2 ... a 400B model's)
 # (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported
-TREE_SHAPES = [(15, 8, 22), (15, 8, 48), (15, 16, 128),
+TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
                (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
 
 
@@ -70,9 +70,7 @@ def cases():
     for depth, k, budget in TREE_SHAPES:
         yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
                dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
-                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.NUM_WARPS, 3)
-    yield ("l2 prefetch bf16 cols=2048", prefetch._prefetch_kernel, dict(w_ptr="*bf16", sink_ptr="*fp32", N="i32",
-           stride="i32"), dict(COLS=2048, ROWS=4), 4, 3)
+                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
                 path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
     for _, _, budget in TREE_SHAPES:

@@ -45,7 +45,7 @@ from torch import Tensor
 from engine.config import EngineConfig
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
-from engine.models import prefetch, tree_kernel
+from engine.models import tree_kernel
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
@@ -121,7 +121,6 @@ class _Graphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = fn(*args)
-                prefetch.join()  # weights read ahead on a side stream (engine.models.prefetch)
             self._captured[key] = (graph, out)
         graph, out = self._captured[key]
         graph.replay()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models import fused, prefetch
+from engine.models import fused
 
 
 @dataclass(frozen=True)
@@ -217,14 +217,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(self, "gate_up_proj", x)
-        prefetch.ahead(self.down_proj.weight, 6)  # while the SiLU product runs
-        return self.down_proj(fused.silu_mul(gate, up))
-
-    def first_weight(self) -> Tensor:
-        """The weight this MLP's first GEMM reads (the fused gate-up, or the gate's)."""
-        fused_linear = self._modules.get("gate_up_proj")
-        return fused_linear.weight if fused_linear is not None else self.gate_proj.weight
+        return self.down_proj(fused.silu_mul(*project(self, "gate_up_proj", x)))
 
 
 def cast_module_(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

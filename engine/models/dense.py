@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from engine.models import fused, prefetch
+from engine.models import fused
 from engine.models.common import (
     RMSNorm,
     SwiGLU,
@@ -109,17 +109,12 @@ class DenseAttention(nn.Module):
                 mask: Tensor) -> Tensor:
         t = x.shape[0]
         q, k, v = project(self, "qkv_proj", x)
-        prefetch.ahead(self.o_proj.weight, 16)  # while RoPE and the attention run
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
         norms = head_norms(self.q_norm, self.k_norm) if self.q_norm is not None else None
         q, keys, values = cache.rope_write(layer, start, q, k, v, cos, sin, norms)
         return self.o_proj(attention(q, keys, values, mask).reshape(t, -1))
-
-    def first_weight(self) -> Tensor:
-        """The weight this attention's first GEMM reads."""
-        return self.qkv_proj.weight if "qkv_proj" in self._modules else self.q_proj.weight
 
 
 class DenseBlock(nn.Module):
@@ -136,9 +131,7 @@ class DenseBlock(nn.Module):
         the first layer). Returns the residual after attention and this layer's MLP output: each
         residual add is fused with the norm that reads it (``RMSNorm.add_and_norm``)."""
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
-        a = self.self_attn(h, cos, sin, cache, layer, start, mask)
-        prefetch.ahead(self.mlp.first_weight(), 8)  # while the residual add and the norm run
-        x, h = self.post_attention_layernorm.add_and_norm(x, a)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, cache, layer, start, mask))
         return x, self.mlp(h)
 
 
@@ -213,9 +206,6 @@ class DenseModel(nn.Module):
         feats, delta = [], None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, cache, i, start, mask)
-            # the next GEMM's weight while the next residual add and norm run
-            prefetch.ahead(self.layers[i + 1].self_attn.first_weight() if i + 1 < len(self.layers)
-                           else self.lm_head.weight, 8)
             if i in wanted:
                 feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
-from engine.models import fused, prefetch
+from engine.models import fused
 from engine.models.common import (
     RMSNorm,
     SwiGLU,
@@ -340,7 +340,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t, cache = x.shape[0], p.state
         mixed, z, b, a = project(self, "in_proj", x)  # [T, C], [T, HV * DV], [T, HV], [T, HV]
-        prefetch.ahead(self.out_proj.weight, 24)  # while the conv, the delta rule and the norm run
         # A tree records every node's conv input (the commit gathers the accepted path's window); a
         # chain commits its window here.
         q, k, v, g, beta = fused.gdn_inputs(cache.conv[layer], mixed, p.conv_index, self.conv1d.weight[:, 0, :], a,
@@ -373,7 +372,6 @@ class GatedAttention(nn.Module):
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t = x.shape[0]
         q_gate, k, v = project(self, "qkv_proj", x)
-        prefetch.ahead(self.o_proj.weight, 40)  # while RoPE and the attention run
         # q_proj rows are per head [query | gate], not [all queries | all gates].
         q, gate = q_gate.view(t, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k, v = k.view(t, self.n_kv, self.head_dim), v.view(t, self.n_kv, self.head_dim)
@@ -399,18 +397,8 @@ class HybridBlock(nn.Module):
         and the MLP's output, each residual add fused with the norm that reads it."""
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
-        mixed = mixer(h, p, self.slot)
-        prefetch.ahead(self.mlp.first_weight(), 8)  # while the residual add and the norm run
-        x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
+        x, h = self.post_attention_layernorm.add_and_norm(x, mixer(h, p, self.slot))
         return x, self.mlp(h)
-
-    def first_weight(self) -> Tensor:
-        """The weight this block's first GEMM reads."""
-        if self.kind == FULL:
-            m = self.self_attn
-            return m.qkv_proj.weight if "qkv_proj" in m._modules else m.q_proj.weight
-        m = self.linear_attn
-        return m.in_proj.weight if "in_proj" in m._modules else m.in_proj_qkv.weight
 
 
 class HybridModel(nn.Module):
@@ -506,8 +494,6 @@ class HybridModel(nn.Module):
         feats, delta = [], None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, p)
-            # the next GEMM's weight while the next residual add and norm run
-            prefetch.ahead(self.layers[i + 1].first_weight() if i + 1 < len(self.layers) else self.lm_head.weight, 8)
             if i in wanted:
                 feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
         features = torch.cat(feats, -1) if feats else None

@@ -48,10 +48,17 @@ MAX_BUDGET = 256
 # low bits of the packed sort keys: keys closer than 2**-39 relative order by index, as exact ties.
 INDEX_BITS = 13
 MASK_BLOCK = 1024  # mask bytes zeroed per step
-# 8 warps: the candidates of a depth are P_PAD x K_PAD packed int64 values, sorted across the program
-# (at budget 256 and k 16, 4,096 of them: 212 registers a thread on sm_90 with no spills,
+# Warps per program: 4 up to budget 32, 8 beyond (H200, budget 8-32: 27-42 us with 4, 30-42 with 8;
+# 48: 87 against 68). A depth's candidates are P_PAD x K_PAD packed int64 values sorted across the
+# program (at budget 256 and k 16, 4,096 of them: 212 registers a thread on sm_90 with no spills,
 # benchmarks/kernel_check.py). The tree does not depend on the warp count.
 NUM_WARPS = 8
+NUM_WARPS_SMALL = 4  # budgets <= SMALL_BUDGET
+SMALL_BUDGET = 32
+
+
+def kernel_warps(budget: int) -> int:
+    return NUM_WARPS_SMALL if budget <= SMALL_BUDGET else NUM_WARPS
 
 
 def tree_sizes(depth: int, k: int, budget: int) -> tuple[list[int], int]:
@@ -98,7 +105,8 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
     _tree_kernel[(1,)](
         lp, ids, root_token.reshape(1), out[0], out[1], out[2], out[3], mask,
         i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:],
-        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget), num_warps=NUM_WARPS,
+        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget),
+        num_warps=kernel_warps(budget),
     )
     return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
 
