@@ -5,7 +5,7 @@ host between them; for a small target that launch and sync time is most of the s
 step is a fixed sequence of kernels over buffers allocated once, so it is captured once and
 replayed:
 
-- ``propose`` (DFlash draft over a fixed window, top-k, device tree build) and ``verify`` (tree
+- ``propose`` (the DFlash draft over its own context K/V cache, top-k, device tree build) and ``verify`` (tree
   forward writing K/V at device-held slots, posterior, walk, KV/feature/token compaction, the
   position advanced on the device) are two graphs per key-span bucket;
 - an AR step (one token) is one graph per bucket;
@@ -15,9 +15,10 @@ replayed:
 
 Shapes never depend on where the sequence is: the root's position lives in a [1] device tensor,
 attention spans a power-of-two bucket of key slots with a mask, and the draft sees a fixed
-window of context (``target_feat_ctx`` slots, or the whole bucket when it is 0) with the slots
-before position 0 masked out. The math is the generic path's; only the attention's padding and
-kernels differ, so float32 output stays equal to AR.
+window of context (``target_feat_ctx`` slots, or the whole bucket when it is 0) through its own
+context K/V cache: each propose recomputes the last ``block`` positions' keys and values (a step
+commits at most that many) and ``_begin`` fills the prompt's after the prefill. The math is the
+generic path's; only the attention's padding and kernels differ, so float32 output stays equal to AR.
 
 Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forward captures every
 node's recurrent state in one kernel launch per layer, and the commit copies the accepted node's
