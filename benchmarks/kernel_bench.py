@@ -116,10 +116,7 @@ def bench_tree() -> tuple[list[dict], list[str]]:
                 rows.append(row)
     finally:
         tree_kernel.kernel_warps = own
-    lines = ["| config | " + " | ".join(f"budget {b} us" for b in TREE_BUDGETS) + " |",
-             "|---|" + "---|" * len(TREE_BUDGETS)]
-    lines += [f"| {r['config']} | " + " | ".join(f"{r[f'b{b}']:.1f}" for b in TREE_BUDGETS) + " |" for r in rows]
-    return rows, lines
+    return rows, _table("config", [(f"budget {b} us", f"b{b}") for b in TREE_BUDGETS], rows)
 
 
 # One-row products of the large presets (N outputs, K inputs): what an AR step streams.
@@ -202,10 +199,7 @@ def bench_attention() -> tuple[list[dict], list[str]]:
             rows.append(row)
     finally:
         fused.SPLIT_KEYS = saved
-    lines = ["| case | " + " | ".join(f"{s} keys/span us" for s in ATTN_SPLITS) + " |",
-             "|---|" + "---|" * len(ATTN_SPLITS)]
-    lines += [f"| {r['case']} | " + " | ".join(f"{r[f'split{s}']:.1f}" for s in ATTN_SPLITS) + " |" for r in rows]
-    return rows, lines
+    return rows, _table("case", [(f"{s} keys/span us", f"split{s}") for s in ATTN_SPLITS], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | prefill (T=512) us |", "|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['prefill512']:.1f} |" for r in rows]
     return _report(args, rows, lines)
+
+
+def _table(first: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    """Markdown lines: the ``first`` key's value, then each (header, key) column's value in us."""
+    lines = [f"| {first} | " + " | ".join(h for h, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    return lines + [f"| {r[first]} | " + " | ".join(f"{r[k]:.1f}" for _, k in columns) + " |" for r in rows]
 
 
 def _report(args, rows: list[dict], lines: list[str]) -> int:

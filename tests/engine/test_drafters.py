@@ -6,23 +6,28 @@ import torch
 from tests.engine.engine_pairs import pair_for
 
 
+def _full_forward_logits(pair, seq, start: int, window: int, features):
+    """The draft's logits from its full forward over the window's features (no cache)."""
+    draft, target, block = pair.drafter.draft, pair.target, pair.drafter.block_size
+    lo = 0 if window <= 0 else max(0, start - window)
+    ids = torch.full((block,), draft.cfg.mask_token_id)
+    ids[0] = seq[start]
+    h = draft(target.embed_tokens(ids), features[lo:start], torch.arange(lo, start), torch.arange(start, start + block))
+    return target.lm_head(h[1:])
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_cached_context_gives_the_full_forwards_logits_step_after_step(window):
     pair = pair_for("tiny-dense", "random")
-    drafter, draft, target = pair.drafter, pair.drafter.draft, pair.target
-    block = drafter.block_size
+    drafter, target, block = pair.drafter, pair.target, pair.drafter.block_size
     torch.manual_seed(0)
     seq = torch.randint(0, 256, (64,))
     features = torch.randn(64, len(drafter.feature_layers) * target.cfg.hidden_size)
     drafter.reset()
     for start in (3, 4, 9, 20, 21, 40):  # positions only move forward within a generation
         cached = drafter.propose(seq, start, block, window, features)
-        lo = 0 if window <= 0 else max(0, start - window)
-        ids = torch.full((block,), draft.cfg.mask_token_id)
-        ids[0] = seq[start]
-        h = draft(target.embed_tokens(ids), features[lo:start], torch.arange(lo, start),
-                  torch.arange(start, start + block))
-        torch.testing.assert_close(cached, target.lm_head(h[1:]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cached, _full_forward_logits(pair, seq, start, window, features),
+                                   rtol=1e-4, atol=1e-4)
     assert drafter._cached == 40
 
 
@@ -52,8 +57,7 @@ def test_static_propose_over_its_own_context_cache_gives_the_full_forwards_logit
     recomputed last ``block`` positions (whatever a step committed), the block attending over a
     fixed key span; positions as a device tensor. A prompt shorter than the block included."""
     pair = pair_for("tiny-dense", "random")
-    drafter, draft, target = pair.drafter, pair.drafter.draft, pair.target
-    block = drafter.block_size
+    drafter, target, block = pair.drafter, pair.target, pair.drafter.block_size
     torch.manual_seed(1)
     seq = torch.randint(0, 256, (80,))
     features = torch.randn(80, len(drafter.feature_layers) * target.cfg.hidden_size)
@@ -62,12 +66,8 @@ def test_static_propose_over_its_own_context_cache_gives_the_full_forwards_logit
         drafter.fill_context(context, features, prompt)
         for start in starts:
             got = drafter.propose_static(seq, torch.tensor([start]), block, window, features, context, 64)
-            lo = 0 if window <= 0 else max(0, start - window)
-            ids = torch.full((block,), draft.cfg.mask_token_id)
-            ids[0] = seq[start]
-            h = draft(target.embed_tokens(ids), features[lo:start], torch.arange(lo, start),
-                      torch.arange(start, start + block))
-            torch.testing.assert_close(got, target.lm_head(h[1:]), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, _full_forward_logits(pair, seq, start, window, features),
+                                       rtol=1e-4, atol=1e-4)
 
 
 def test_the_inference_draft_is_fused_and_saves_in_the_checkpoint_layout(tmp_path):
