@@ -104,10 +104,12 @@ class DFlashDrafter:
         there, from ``fill_context`` or earlier steps), and the block attends over slots
         ``max(0, start - window) .. start + block_size - 1`` of the first ``key_len`` (``window``
         0: the whole context). ``key_len`` must cover ``start + block_size``."""
-        j, keys, ids = self._static_constants(block_size, key_len, seq.device)
-        fresh = (start - block_size + j).clamp(min=0)  # before position 0: position 0 again (same values)
-        slots = torch.cat([fresh, start + j])
-        ids[:1] = seq[start]  # the root, then mask tokens (ids is this shape's own buffer)
+        offsets, keys, ids = self._static_constants(block_size, key_len, seq.device)
+        # the last block_size context positions, then the block's; before position 0: position 0 again
+        # (the same values written twice)
+        slots = (start + offsets).clamp(min=0)
+        fresh = slots[:block_size]
+        torch.index_select(seq, 0, start, out=ids[:1])  # the root, then mask tokens (this shape's own buffer)
         seen = keys < start + block_size
         if window > 0:
             seen = seen & (keys >= start - window)
@@ -119,10 +121,10 @@ class DFlashDrafter:
 
     def _static_constants(self, block: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """Per step shape, made once (a CUDA graph replays reads of them, not their construction):
-        0..block-1, 0..key_len-1, and the block's token buffer (mask tokens after the root)."""
+        -block..block-1, 0..key_len-1, and the block's token buffer (mask tokens after the root)."""
         key = (block, key_len, device)
         if key not in self._constants:
-            self._constants[key] = (torch.arange(block, device=device), torch.arange(key_len, device=device),
+            self._constants[key] = (torch.arange(-block, block, device=device), torch.arange(key_len, device=device),
                                     torch.full((block,), self.mask_token_id, dtype=torch.long, device=device))
         return self._constants[key]
 

@@ -94,6 +94,19 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_rows(module: nn.Module, positions: Tensor, size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``rope_cos_sin(positions, module.inv_freq, dtype)`` for positions below ``size``, as rows of
+    a table of every such position made once per (size, dtype) and kept on ``module`` (its
+    ``_rope_tables``): a captured step gathers two rows instead of computing them in seven launches.
+    The values are rope_cos_sin's, elementwise, so the bits are too."""
+    key = (size, dtype, positions.device)
+    tables = module._rope_tables
+    if key not in tables:
+        tables[key] = rope_cos_sin(torch.arange(size, device=positions.device), module.inv_freq, dtype)
+    cos, sin = tables[key]
+    return cos[positions], sin[positions]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [..., T, heads, head_dim], cos/sin [..., T, rd]: rotates the first rd dims (partial RoPE),
     HF half layout."""

@@ -22,6 +22,7 @@ from engine.models.common import (
     project,
     rope_cos_sin,
     rope_inv_freq,
+    rope_rows,
 )
 
 
@@ -151,6 +152,7 @@ class DenseModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
 
     @property
     def device(self) -> torch.device:
@@ -197,11 +199,12 @@ class DenseModel(nn.Module):
         No host value depends on where the sequence is, so one capture serves every step.
         (``parents`` matters to recurrent targets only: attention sees the tree through ``mask``.)"""
         x = self.embed_tokens(tokens)
-        return self._run(x, positions, _SlotWriter(cache, slots, key_len), 0, mask, feature_layers, False)
+        return self._run(x, positions, _SlotWriter(cache, slots, key_len), 0, mask, feature_layers, False,
+                         rope_rows(self, positions, key_len, x.dtype))
 
     def _run(self, x: Tensor, positions: Tensor, cache, start: int, mask: Tensor, feature_layers: Sequence[int],
-             last_only: bool) -> tuple[Tensor, Tensor | None]:
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+             last_only: bool, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, x.dtype)
         wanted = set(feature_layers)
         feats, delta = [], None
         for i, layer in enumerate(self.layers):

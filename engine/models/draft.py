@@ -23,6 +23,7 @@ from engine.models.common import (
     project_part,
     rope_cos_sin,
     rope_inv_freq,
+    rope_rows,
 )
 
 
@@ -142,6 +143,7 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta), persistent=False)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
 
     def forward(
         self,
@@ -199,7 +201,7 @@ class DFlashDraft(nn.Module):
         the first ``key_len`` slots through ``mask`` [B, key_len]. Returns [B, H] (``forward``'s
         output for that context, up to rounding)."""
         ctx = self.hidden_norm(self.fc(ctx_features))
-        cos, sin = rope_cos_sin(slots, self.inv_freq, block_embeds.dtype)  # a slot is its position
+        cos, sin = rope_rows(self, slots, key_len, block_embeds.dtype)  # a slot is its position (< key_len)
         x, delta = block_embeds, None
         for i, layer in enumerate(self.layers):
             x, delta = layer.forward_static(x, delta, ctx, cos, sin, slots, k_cache[i], v_cache[i], key_len, mask)

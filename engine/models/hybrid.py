@@ -30,6 +30,7 @@ from engine.models.common import (
     project,
     rope_cos_sin,
     rope_inv_freq,
+    rope_rows,
 )
 from engine.models.delta_rule import tree_delta_rule
 from engine.models.dense import KVCache
@@ -419,6 +420,7 @@ class HybridModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
         self._chains: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # _chain_indices
 
     @property
@@ -470,7 +472,7 @@ class HybridModel(nn.Module):
         if parents is None:
             parents = chain[0]
         return self._run(tokens, positions, _SlotWriter(cache, slots, key_len), cache, 0, mask, parents, tree,
-                         feature_layers, False, chain)
+                         feature_layers, False, chain, rope_rows(self, positions, key_len, self.dtype))
 
     def _chain_indices(self, t: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """A chain of ``t`` tokens' parents, conv window rows and int32 parents: the same at every
@@ -483,9 +485,10 @@ class HybridModel(nn.Module):
 
     def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor,
              parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool,
-             chain: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+             chain: tuple[Tensor, Tensor, Tensor] | None = None, rope: tuple[Tensor, Tensor] | None = None
+             ) -> tuple[Tensor, Tensor | None]:
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, x.dtype)
         conv_index, parents32 = (chain[1], chain[2]) if chain is not None else (
             conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,

@@ -59,3 +59,22 @@ def test_unfused_state_dict_gives_back_the_checkpoint_names_and_values(name):
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert unfused_state_dict(model).keys() == want.keys()  # an unfused model: its own state dict
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_are_rope_cos_sin_bit_for_bit(dtype):
+    """A captured step gathers its positions' cos/sin from a table made once per size: the values of
+    rope_cos_sin at those positions, exactly (an AR step, a verify and the prefill must agree)."""
+    from torch import nn
+
+    from engine.models.common import rope_cos_sin, rope_inv_freq, rope_rows
+
+    module = nn.Module()
+    module.inv_freq = rope_inv_freq(24, 1e6)
+    module._rope_tables = {}
+    positions = torch.tensor([0, 7, 7, 300, 511])
+    cos, sin = rope_rows(module, positions, 512, dtype)
+    want_cos, want_sin = rope_cos_sin(positions, module.inv_freq, dtype)
+    assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    rope_rows(module, positions[:2], 512, dtype)
+    assert len(module._rope_tables) == 1  # made once for that size and dtype
