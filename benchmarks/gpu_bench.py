@@ -76,13 +76,13 @@ def _prompts(pair, spec: str, n: int) -> list[list[int]]:
     return [pair.encode(p) for p in wl.prompts]
 
 
-def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None):
+def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True):
     # Warm-up: every prompt at full length, so that every key-span bucket the timed passes reach has
     # its graphs captured (one short prompt left the others' captures in the first timed pass: AR's
     # 363 against 824 tok/s on HumanEval, 2026-12-01 evening).
     engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
-    runs = [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=True) for _ in range(repeats)]
-    return runs
+    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos)
+            for _ in range(repeats)]
 
 
 def section_pair(args) -> tuple[str, dict]:
@@ -94,7 +94,8 @@ def section_pair(args) -> tuple[str, dict]:
     report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
     for spec in args.sets:
         prompts = _prompts(pair, spec, args.n_prompts)
-        ref_runs = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
+        ref_runs = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats,
+                          ignore_eos=not args.stop_at_eos)
         reference = ref_runs[0].outputs
         ar_tps = statistics.median(r.decode_tps for r in ref_runs)
         rows = {}
@@ -102,7 +103,7 @@ def section_pair(args) -> tuple[str, dict]:
             for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
                 runs = ref_runs if (name == "ar" and path == "runtime") else _timed(
-                    pair, cfg, prompts, args.max_new_tokens, args.repeats, reference)
+                    pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos)
                 tps = [r.decode_tps for r in runs]
                 r0 = runs[-1]
                 steps = max(r0.steps, 1)
@@ -515,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="pair: timed generations end at a stop token (a solution's end) instead of running on "
+                         "to --max-new-tokens (the warm-up still runs every prompt to full length)")
     ap.add_argument("--paths", nargs="+", choices=["generic", "runtime"], default=["generic", "runtime"],
                     help="pair: the draft paths to time (our AR is always timed on the runtime path)")
     ap.add_argument("--hf-static", action="store_true",
