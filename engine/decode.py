@@ -67,7 +67,9 @@ class PhaseTimer:
 
     def collect(self) -> dict[str, float]:
         if self._events:
-            torch.cuda.synchronize()
+            # the last kept phase's end (earlier ones complete before it, one stream), not the device:
+            # a step launched ahead and rolled back may still run, and the caller need not wait for it
+            self._events[-1][2].synchronize()
             for name, start, end in self._events:
                 self.ms[name] += start.elapsed_time(end)
             self._events.clear()

@@ -300,6 +300,10 @@ class StaticDecoder:
         return stats, out, t0, t_first
 
     def _bucket(self, need: int) -> int:
+        # A span past the buffers would gather cos/sin and write K/V out of bounds on the device:
+        # the workspace is sized for every step, the step launched ahead included (decode.py).
+        if need > self.ws.max_len:
+            raise RuntimeError(f"a step needs {need} key slots, but the workspace has {self.ws.max_len}")
         return bucket_for(need, self.ws.max_len)
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],

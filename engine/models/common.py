@@ -170,8 +170,8 @@ class FusedLinear(nn.Module):
 def fuse_projections_(model: nn.Module) -> nn.Module:
     """Stack every module's projection groups (its class's ``FUSED``: fused name -> the names of
     the ``nn.Linear`` parts it replaces) into one ``FusedLinear`` each, freeing the parts. For
-    inference targets after loading (checkpoints keep the parts' names; a draft keeps its layout).
-    Idempotent."""
+    inference after loading (targets, and drafts in ``DFlashDrafter``); checkpoints keep the parts'
+    names (``unfused_state_dict``). Idempotent."""
     for module in list(model.modules()):
         for name, parts in getattr(module, "FUSED", {}).items():
             if name in module._modules:

@@ -251,7 +251,7 @@ if triton is not None:
     @triton.jit
     def _packed(key, idx, LOW: tl.constexpr):
         # A float64 key as a signed int64 that sorts as the key, its low bits replaced by LOW - idx:
-        # a descending sort orders by key, exact ties (and keys within 2**-40 of each other) to the
+        # a descending sort orders by key, exact ties (and keys within 2**-39 of each other) to the
         # lower index.
         bits = key.to(tl.int64, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFFFFFFFFFF)
