@@ -176,15 +176,16 @@ def bench_blas() -> tuple[list[dict], list[str]]:
 # attention in an AR step and a DDTree verify (budget 48 and 32)
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 512, 49),
               ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 1024, 33)]
-ATTN_SPLITS = (128, 64, 32)  # keys per span of the split attention (fused.SPLIT_KEYS; the first: the engine's)
+# keys per span of the split attention (engine.models.attention.SPLIT_KEYS; the first: the engine's)
+ATTN_SPLITS = (128, 64, 32)
 
 
 def bench_attention() -> tuple[list[dict], list[str]]:
     """The split decode attention (both launches) by keys per span: more spans, more programs."""
-    from engine.models import fused
+    from engine.models import attention as split_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    saved = fused.SPLIT_KEYS
+    saved = split_attention.SPLIT_KEYS
     rows = []
     try:
         for label, hq, hkv, d, s_len, t in ATTN_CASES:
@@ -194,11 +195,11 @@ def bench_attention() -> tuple[list[dict], list[str]]:
             mask = torch.ones(t, s_len, dtype=torch.bool, device="cuda").tril(s_len - t)
             row = {"case": f"{label} (T={t}, keys {s_len})"}
             for split in ATTN_SPLITS:
-                fused.SPLIT_KEYS = split
-                row[f"split{split}"] = _time(lambda q=q, k=k, v=v, m=mask: fused.attention(q, k, v, m))
+                split_attention.SPLIT_KEYS = split
+                row[f"split{split}"] = _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))
             rows.append(row)
     finally:
-        fused.SPLIT_KEYS = saved
+        split_attention.SPLIT_KEYS = saved
     return rows, _table("case", [(f"{s} keys/span us", f"split{s}") for s in ATTN_SPLITS], rows)
 
 

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.models import attention as split_attention  # noqa: E402
 from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -102,19 +103,21 @@ def cases():
                 yield (f"rope + KV write{label} {dtype} d={d} rd={rd}", fused._rope_write_kernel, rope_write,
                        dict(NORM=norm, ZERO_CENTRED=zc, HALF=rd // 2, BLOCK=d), 4, 3)
         for d in HEAD_DIMS:
-            launch = fused.attention_launch(d, dtype == "fp32")
+            launch = split_attention.attention_launch(d, dtype == "fp32")
             warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
             types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32", T="i32",
                          S="i32", n_split="i32", row_blocks="i32", skb="i32", skt="i32", skh="i32", svb="i32",
                          svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
-            yield (f"attention {dtype} head_dim={d}", fused._small_attention_kernel, types,
-                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=fused.SPLIT_KEYS, **launch), warps, stages)
+            yield (f"attention {dtype} head_dim={d}", split_attention._small_attention_kernel, types,
+                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS, **launch),
+                   warps, stages)
             merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
                          sgb="i32", sgt="i32", sgh="i32")
             for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
                 yield (f"attention merge{' gated' if gated else ''} {dtype} head_dim={d}",
-                       fused._attention_merge_kernel, merge,
-                       dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=fused._LIBDEVICE), 4, 3)
+                       split_attention._attention_merge_kernel, merge,
+                       dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated,
+                            LIBDEVICE=split_attention._LIBDEVICE), 4, 3)
         for d in WIDTHS + HEAD_DIMS:
             types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32")
             launch = fused.row_launch(d)

@@ -5,9 +5,13 @@
 source benchmarks/device/common.sh call4
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 rm -f /root/stash/kernels_failed
-section kernel_check 45 python3 benchmarks/kernel_check.py
-section kernel_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_delta_rule.py \
-  tests/engine/test_fused.py
-[ "$LAST_RC" != 0 ] && touch /root/stash/kernels_failed && export ENGINE_KERNELS=eager
+section kernel_check 150 python3 benchmarks/kernel_check.py  # cold compiles: see call1.sh
+section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_delta_rule.py \
+  tests/engine/test_fused.py tests/engine/test_attention.py tests/engine/test_tree_kernel.py tests/engine/test_topk.py
+# a timeout (124, 137) is not a kernel failure: the kernels stay on
+if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != 124 ] && [ "$LAST_RC" != 137 ]; then
+  touch /root/stash/kernels_failed
+  export ENGINE_KERNELS=eager
+fi
 section gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py
 summary

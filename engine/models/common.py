@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import attention as split_attention
 from engine.models import fused
 
 
@@ -117,11 +118,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
               gate: Tensor | None = None) -> Tensor:
     """q: [..., Tq, Hq, D]; k, v: [..., Tk, Hkv, D]; mask: [..., Tq, Tk] bool (True = attend) or
     None (full). Leading dims are a batch (training many sequences at once). gate: [..., Tq, Hq, D]
-    or None: the output times ``sigmoid(gate)``, with the eager ops' bits (``fused.attention``).
+    or None: the output times ``sigmoid(gate)``, with the eager ops' bits (``engine.models.attention``).
 
     Returns [..., Tq, Hq, D]. Grouped-query heads share their key/value head.
     """
-    return fused.attention(q, k, v, mask, scale, gate)
+    return split_attention.attention(q, k, v, mask, scale, gate)
 
 
 def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models.common import (
     RMSNorm,
@@ -304,8 +305,8 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     batched SDPA over a long padded cache with three query rows per head is mostly idle.
     """
     b, t, h, d = q.shape
-    if t <= fused.SMALL_QUERIES and fused.use_kernels(q, k, v):
-        return fused.attention(q, k, v, mask).reshape(b, t, h * d)
+    if t <= split_attention.SMALL_QUERIES and fused.use_kernels(q, k, v):
+        return split_attention.attention(q, k, v, mask).reshape(b, t, h * d)
     hkv = k.shape[2]
     g = h // hkv
     q = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)

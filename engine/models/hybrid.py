@@ -215,7 +215,7 @@ class HybridCache(KVCache):
             self.reset()  # a new sequence starts from zero recurrent state
         elif self.ahead:
             raise RuntimeError(f"the recurrent state was advanced past the {self.length} committed tokens (a "
-                               "step launched ahead of a stop token): only a new sequence can start here")
+                               "step launched ahead past a generation's end): only a new sequence can start here")
         elif start != self.length:
             raise RuntimeError(f"recurrent state holds {self.length} tokens; cannot run a forward at {start}")
         if tree_size is None:

@@ -1,0 +1,250 @@
+"""Attention for a few query rows (decode steps, tree verifies, draft blocks) in two launches,
+SDPA for the rest.
+
+A decode step or a verify has a handful of query rows against hundreds or thousands of keys: one
+program per K/V head would leave the GPU idle, so the keys are split into spans of ``SPLIT_KEYS``
+at fixed positions, each program one span of one K/V head for all the query heads sharing it, and
+a second launch merges the spans' partial softmaxes in order (and applies Qwen3.5's output gate).
+The spans sit where they sit whatever the key span, and a span with no visible key adds exactly
+zero: an AR step and a verify over more (masked) slots round alike, which keeps speculative
+decoding exact. The dispatch follows ``engine.models.fused`` (its kernel switch and PyTorch forms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.models import fused
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
+    triton = None
+
+# Decode steps, tree verifies (any budget the search spaces reach) and draft blocks take the
+# kernel; a longer prefill takes SDPA. Both the AR step and the verify must take the same one.
+SMALL_QUERIES = 256
+# Keys per span of the split decode attention: a multiple of every key block (attention_launch).
+SPLIT_KEYS = 128
+# Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
+# compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
+ATTN_BLOCK_M = 16
+# The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
+# interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
+_LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret
+
+
+def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+                    gate: Tensor | None = None) -> Tensor:
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=-2)
+        v = v.repeat_interleave(hq // hkv, dim=-2)
+    if mask is not None:
+        mask = mask.unsqueeze(-3)  # one mask for every head
+    out = F.scaled_dot_product_attention(
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, scale=scale
+    ).transpose(-3, -2)
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+              gate: Tensor | None = None) -> Tensor:
+    """q [B?, T, Hq, D], k/v [B?, S, Hkv, D] (grouped heads share a K/V head), mask [B?, T, S] bool
+    (True = attend) or None -> [B?, T, Hq, D]; B? an optional batch axis.
+
+    ``gate`` [B?, T, Hq, D] (q's shape and dtype, any strides: Qwen3.5's gate is a view of the
+    fused query projection): the result is ``out * torch.sigmoid(gate)`` with the bits of those two
+    eager ops (the sigmoid rounded to the dtype, then the product), on the fused path inside the
+    merge launch (two launches fewer).
+
+    A few query rows (T <= SMALL_QUERIES: decode steps, tree verifies, draft blocks, batched decode
+    of many sequences) with a mask take one fused launch that reads each K/V head once for all its
+    query heads, with no K/V copies, and a second that merges the key spans (and applies the gate);
+    anything else takes SDPA."""
+    if gate is not None and (tuple(gate.shape) != tuple(q.shape) or gate.dtype != q.dtype):
+        raise ValueError(f"gate must have the queries' shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                         f"{tuple(gate.shape)} and {gate.dtype}")
+    batched = q.dim() == 4
+    small = (mask is not None and q.dim() in (3, 4) and k.dim() == q.dim() and v.dim() == q.dim()
+             and mask.dim() in (2, q.dim() - 1) and q.shape[-3] <= SMALL_QUERIES
+             and k.stride(-1) == 1 and v.stride(-1) == 1)
+    if not (small and fused.use_kernels(q, k, v, *([] if gate is None else [gate]))):  # a gate's gradient too
+        return attention_torch(q, k, v, mask, scale, gate)
+    qc = q.contiguous() if batched else q.contiguous()[None]
+    kb, vb = (k, v) if batched else (k[None], v[None])
+    m = mask if mask.stride(-1) == 1 else mask.contiguous()  # rows may repeat (stride 0): one mask for all
+    mb = m if m.dim() == 3 else m[None]
+    b, t, hq, d = qc.shape
+    s, hkv = kb.shape[1], kb.shape[2]
+    group = hq // hkv
+    n_split = triton.cdiv(s, SPLIT_KEYS)
+    # Split over the keys: each program one span of SPLIT_KEYS keys (a decode step has few query
+    # rows, so one program per K/V head would leave the GPU idle), then one launch merges the spans'
+    # partial softmaxes in order. The spans sit at fixed key positions whatever the key span, and a
+    # span with no visible key adds exactly zero: an AR step and a verify over more (masked) slots
+    # round alike. Always both launches: a one-span call rounds as a many-span one. The partials
+    # take T * HQ * D float32 values per span: at most what the keys hold while T * GROUP <= 128.
+    acc = torch.empty(b, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
+    m_l = torch.empty(b, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
+    launch = attention_launch(d, q.dtype == torch.float32)
+    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)
+    grid = (row_blocks * n_split, hkv, b)  # spans on the first axis: its limit is 2**31 - 1, not 65,535
+    _small_attention_kernel[grid](
+        qc, kb, vb, mb, acc, m_l, t, s, n_split, row_blocks, kb.stride(0), kb.stride(1), kb.stride(2),
+        vb.stride(0), vb.stride(1), vb.stride(2), mb.stride(0) if mb.shape[0] > 1 else 0, mb.stride(1),
+        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, D=d, IEEE=q.dtype == torch.float32,
+        SPLIT=SPLIT_KEYS, **launch,
+    )
+    out = torch.empty_like(qc)
+    if gate is None:
+        gb, g_strides = out, (0, 0, 0)  # not read (GATED=False)
+    else:
+        gb = gate if gate.stride(-1) == 1 else gate.contiguous()
+        gb = gb if batched else gb[None]
+        g_strides = (gb.stride(0) if b > 1 else 0, gb.stride(1), gb.stride(2))
+    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, t * hq, n_split, *g_strides, HQ=hq, D=d,
+                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE)
+    return out if batched else out[0]
+
+
+def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
+    """Block sizes and launch options of the attention kernel for head_dim ``d`` (``fp32``: float32
+    inputs). Two pipeline stages and smaller key blocks for wide heads keep shared memory within a
+    Hopper SM's 227 KB (head_dim 256 with three stages does not fit); 8 warps from head_dim 64, and
+    float32 key blocks of 32 from head_dim 64 (16 at head_dim 128), keep every value in registers
+    (no spills on sm_90 with Triton 3.6, benchmarks/kernel_check.py)."""
+    block_d = max(16, triton.next_power_of_2(d))
+    narrow_keys = block_d >= 256 or (fp32 and block_d >= 64)
+    return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=(16 if fp32 and block_d == 128 else 32) if narrow_keys else 64,
+                BLOCK_D=block_d,
+                num_warps=8 if block_d >= 64 else 4, num_stages=2)
+
+
+# ------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    # Not specialised on T, S or the spans: an AR step (T == 1) and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks"])
+    def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, T, S, n_split, row_blocks, skb, skt,
+                                skh, svb, svt, svh, smb, smt, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
+                                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+        # Rows of one program: (query token, query head) pairs of one K/V head of one sequence,
+        # token-major, so every K/V block is read once for all GROUP heads sharing it; keys: one span
+        # of SPLIT. A row's result does not depend on the other rows of its block (exactness across
+        # AR steps and tree verifies). Writes the span's unnormalised output, running max and sum.
+        kv_head = tl.program_id(1)
+        seq = tl.program_id(2).to(tl.int64)
+        span = tl.program_id(0) // row_blocks
+        q_ptr += seq * T * HQ * D
+        k_ptr += seq * skb
+        v_ptr += seq * svb
+        mask_ptr += seq * smb
+        part = (seq * n_split + span) * T * HQ  # this span's first row in the partials
+        rm = (tl.program_id(0) % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rm // GROUP
+        head = kv_head * GROUP + rm % GROUP
+        mrow = tok < T
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
+                    other=0.0)
+        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.minimum(S, (span + 1) * SPLIT)
+        for n0 in range(span * SPLIT, end, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            mn = rn < end
+            kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=mn[:, None] & md[None, :],
+                         other=0.0)
+            # bf16/fp16 values are exact in tf32, so a tf32 product of the upcast operands is the
+            # half-precision product with float32 accumulation; float32 inputs stay in full precision.
+            if IEEE:
+                scores = tl.dot(q, tl.trans(kb), input_precision="ieee")
+            else:
+                scores = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="tf32")
+            allowed = tl.load(mask_ptr + tok[:, None] * smt + rn[None, :], mask=mrow[:, None] & mn[None, :],
+                              other=0) != 0
+            scores = tl.where(allowed, scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + rn[:, None] * svt + kv_head * svh + rd[None, :], mask=mn[:, None] & md[None, :],
+                         other=0.0)
+            if IEEE:
+                pv = tl.dot(p, vb, input_precision="ieee")
+            else:
+                pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        row = part + tok * HQ + head
+        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+
+    @triton.jit
+    def _round_rne(x, ty: tl.constexpr):
+        # x (float32) rounded to the nearest value of dtype ty (ties to even), as PyTorch rounds, and
+        # returned in float32. bf16 by its bits: Triton's interpreter truncates in x.to(bf16), the GPU
+        # rounds to nearest even as this does. A NaN stays NaN (adding to its bits could reach the sign).
+        if ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            y = tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)
+        else:
+            y = x.to(ty).to(tl.float32)
+        return y
+
+    # Not specialised on the rows, the spans or the gate's strides (a batched gate's first stride
+    # grows with T): an AR step and a verify, or two key spans, run one variant.
+    @triton.jit(do_not_specialize=["ROWS", "n_split", "sgb", "sgt", "sgh"])
+    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, ROWS, n_split, sgb, sgt, sgh, HQ: tl.constexpr,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
+                                LIBDEVICE: tl.constexpr):
+        # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
+        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero. Row r is query
+        # token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager ops round.
+        r = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        m_all = tl.load(ml_ptr + (seq * n_split * ROWS + r) * 2)
+        for sp in range(1, n_split):
+            m_all = tl.maximum(m_all, tl.load(ml_ptr + ((seq * n_split + sp) * ROWS + r) * 2))
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        total = 0.0
+        for sp in range(0, n_split):
+            at = (seq * n_split + sp) * ROWS + r
+            w = tl.exp(tl.load(ml_ptr + at * 2) - m_safe)
+            acc += w * tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)
+            total += w * tl.load(ml_ptr + at * 2 + 1)
+        out = acc / tl.where(total > 0, total, 1.0)  # a row with nothing visible gets zeros
+        ty = out_ptr.dtype.element_ty
+        if GATED:
+            tok = (r // HQ).to(tl.int64)
+            g = tl.load(gate_ptr + seq * sgb + tok * sgt + (r % HQ) * sgh + rd, mask=md, other=0.0).to(tl.float32)
+            # PyTorch's CUDA sigmoid is 1 / (1 + expf(-x)) in float32, CUDA's accurate expf and a
+            # rounded division: libdevice's exp is that expf and div_rn that division (on an H200 with
+            # Triton 3.6 the same bits for every bf16 and fp16 input and 16.8M float32 ones, where
+            # tl.sigmoid, ex2.approx and an approximate division, rounds 2 of the 65,536 fp16 inputs
+            # and about a third of float32 ones otherwise). The interpreter has no libdevice: there
+            # NumPy's exp, a few float32 ulps from PyTorch's CPU sigmoid.
+            if LIBDEVICE:
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            s = _round_rne(tl.math.div_rn(1.0, 1.0 + e), ty)
+            # the attention output rounded as the ungated store rounds it, then the product of two
+            # values of the dtype (exact in float32 for bf16 and fp16) rounded as PyTorch's mul
+            out = _round_rne(out.to(ty).to(tl.float32) * s, ty)
+        tl.store(out_ptr + (seq * ROWS + r) * D + rd, out.to(ty), mask=md)

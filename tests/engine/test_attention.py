@@ -1,0 +1,189 @@
+"""The split attention for few query rows (Triton, interpreted on the CPU) against SDPA: rows that
+do not depend on their batch or on masked padding, the key spans, Qwen3.5's output gate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import attention as split_attention
+from engine.models import fused
+from tests.engine.test_fused import DEVICE, DTYPES, TOL, _r, _rel, kernels_on  # noqa: F401  (kernels_on: autouse)
+
+pytest.importorskip("triton")
+
+
+def _attn_inputs(t, s, hq, hkv, d, dtype, seed=0):
+    q, k, v = _r(t, hq, d, dtype=dtype, seed=seed), _r(s, hkv, d, dtype=dtype, seed=seed + 1), \
+        _r(s, hkv, d, dtype=dtype, seed=seed + 2)
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(t, s, generator=gen) < 0.6
+    mask[torch.arange(t), torch.randint(0, s, (t,), generator=gen)] = True  # every row sees something
+    return q, k, v, mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,s,hq,hkv,d", [(1, 130, 4, 2, 64), (5, 10, 9, 3, 64), (33, 300, 8, 8, 16),
+                                          (16, 70, 6, 2, 24),
+                                          (65, 200, 6, 1, 256)])  # Qwen3.5-27B-like heads, a budget-64 verify
+def test_small_query_attention(dtype, t, s, hq, hkv, d):
+    q, k, v, mask = _attn_inputs(t, s, hq, hkv, d, dtype)
+    got = split_attention.attention(q, k, v, mask)
+    want = split_attention.attention_torch(q.float(), k.float(), v.float(), mask)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_query_attention_rows_do_not_depend_on_their_batch_or_on_masked_padding(dtype):
+    """A row gives the same bits alone or among others (33 tokens x 4 heads: many programs), and
+    with masked key slots appended (the runtime's key-span buckets): tree verify rows and AR steps
+    round alike."""
+    t = 33
+    q, k, v, mask = _attn_inputs(t, 90, 8, 2, 32, dtype, seed=4)
+    whole = split_attention.attention(q, k, v, mask)
+    for i in (0, 5, t - 1):
+        alone = split_attention.attention(q[i : i + 1], k, v, mask[i : i + 1])
+        if DEVICE == "cuda":
+            assert torch.equal(alone, whole[i : i + 1])
+        else:  # the interpreter's dot is NumPy's matmul, whose rounding depends on the matrix shape
+            assert _rel(alone, whole[i : i + 1]) < (1e-6 if dtype == torch.float32 else 2e-2)
+    if dtype != torch.float32:
+        return
+    pad = 200 - 90
+    k2, v2 = torch.cat([k, _r(pad, 2, 32, seed=9)]), torch.cat([v, _r(pad, 2, 32, seed=10)])
+    mask2 = torch.cat([mask, torch.zeros(t, pad, dtype=torch.bool, device=DEVICE)], dim=1)
+    assert torch.equal(split_attention.attention(q, k2, v2, mask2), whole)
+
+
+def test_split_attention_spans():
+    """Keys split into spans of 128 at fixed positions, merged in order: a long context (36 spans)
+    and a one-key-visible row come out as the PyTorch form's, and masked slots appended past 4,096
+    keys (an AR step's key span against a verify's) change no bit."""
+    q, k, v, mask = _attn_inputs(2, 4500, 4, 2, 16, torch.float32, seed=7)
+    mask[1] = False
+    mask[1, 4321] = True  # one visible key, in the last span but one
+    got = split_attention.attention(q, k, v, mask)
+    assert _rel(got, split_attention.attention_torch(q, k, v, mask)) < 1e-5
+    assert torch.allclose(got[1], v[4321].repeat_interleave(2, dim=0), atol=1e-6)
+    pad = 4700 - 4500
+    k2, v2 = torch.cat([k, _r(pad, 2, 16, seed=11)]), torch.cat([v, _r(pad, 2, 16, seed=12)])
+    mask2 = torch.cat([mask, torch.zeros(2, pad, dtype=torch.bool, device=DEVICE)], dim=1)
+    assert torch.equal(split_attention.attention(q, k2, v2, mask2), got)
+
+
+def test_attention_with_strided_cache_views_and_large_queries():
+    """K/V as slices of a [layers, slots, heads, D] cache; more rows than SMALL_QUERIES take SDPA."""
+    cache = _r(2, 256, 2, 16, seed=3)
+    q, _, _, mask = _attn_inputs(3, 100, 4, 2, 16, torch.float32, seed=2)
+    got = split_attention.attention(q, cache[1, :100], cache[0, :100], mask)
+    assert _rel(got, split_attention.attention_torch(q, cache[1, :100], cache[0, :100], mask)) < 1e-5
+    big_q, k, v, big_mask = _attn_inputs(split_attention.SMALL_QUERIES + 1, 80, 4, 2, 16, torch.float32, seed=5)
+    assert torch.equal(split_attention.attention(big_q, k, v, big_mask),
+                       split_attention.attention_torch(big_q, k, v, big_mask))
+
+
+def _model_gate(*lead, hq, d, dtype, seed):
+    """The gate as Qwen3.5's GatedAttention takes it: the second half of each head of the fused
+    query projection's output, [..., T, HQ, D] with head stride 2 * D."""
+    q_gate = 3 * _r(*lead, hq, 2 * d, dtype=dtype, seed=seed)  # wide enough to reach sigmoid's tails
+    gate = q_gate.chunk(2, dim=-1)[1]
+    assert gate.stride()[-3:] == (hq * 2 * d, 2 * d, 1)
+    return gate
+
+
+def _assert_gate_bits(got, want, dtype):
+    if dtype != torch.float32 or DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:  # the interpreter's exp is NumPy's, PyTorch's CPU sigmoid Sleef's: a few float32 ulps apart
+        assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])  # an AR step, a small verify
+def test_gated_attention_equals_the_eager_gate(dtype, t):
+    """The gate applied in the merge kernel gives the bits of ``attention(...) * sigmoid(gate)``
+    (the sigmoid rounded to the dtype, then the product): GQA groups of 3, two key spans."""
+    q, k, v, mask = _attn_inputs(t, 140, 6, 2, 24, dtype, seed=13)
+    gate = _model_gate(t, hq=6, d=24, dtype=dtype, seed=14)
+    got = split_attention.attention(q, k, v, mask, gate=gate)
+    assert got.shape == q.shape and got.dtype == dtype
+    _assert_gate_bits(got, split_attention.attention(q, k, v, mask) * torch.sigmoid(gate), dtype)
+    # a contiguous gate (its copy) gives the same bits as the strided view
+    assert torch.equal(split_attention.attention(q, k, v, mask, gate=gate.contiguous()), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_gated_attention_equals_the_eager_gate(dtype):
+    """[B, T, H, D] queries with a strided [B, T, H, D] gate: each sequence its own gate rows."""
+    b, t, s_len, hq, hkv, d = 3, 2, 50, 4, 2, 16
+    q = _r(b, t, hq, d, dtype=dtype)
+    k, v = _r(b, s_len, hkv, d, dtype=dtype, seed=1), _r(b, s_len, hkv, d, dtype=dtype, seed=2)
+    mask = (torch.rand(b, t, s_len, generator=torch.Generator().manual_seed(3)) < 0.7).to(DEVICE)
+    mask[:, :, -1] = True
+    gate = _model_gate(b, t, hq=hq, d=d, dtype=dtype, seed=4)
+    got = split_attention.attention(q, k, v, mask, gate=gate)
+    _assert_gate_bits(got, split_attention.attention(q, k, v, mask) * torch.sigmoid(gate), dtype)
+    for i in range(b):  # as each sequence's own unbatched call
+        assert torch.equal(got[i], split_attention.attention(q[i], k[i], v[i], mask[i], gate=gate[i]))
+
+
+def test_gated_attention_on_the_sdpa_path_applies_the_eager_ops():
+    """SDPA (no mask, or more query rows than SMALL_QUERIES) and autograd take the eager ops."""
+    big_q, k, v, big_mask = _attn_inputs(split_attention.SMALL_QUERIES + 1, 80, 4, 2, 16, torch.bfloat16, seed=5)
+    gate = _model_gate(split_attention.SMALL_QUERIES + 1, hq=4, d=16, dtype=torch.bfloat16, seed=6)
+    for mask in (big_mask, None):
+        want = split_attention.attention_torch(big_q, k, v, mask) * torch.sigmoid(gate)
+        assert torch.equal(split_attention.attention(big_q, k, v, mask, gate=gate), want)
+    q, k, v, mask = _attn_inputs(3, 40, 4, 2, 16, torch.float32, seed=7)
+    gate = _model_gate(3, hq=4, d=16, dtype=torch.float32, seed=8).detach().requires_grad_()
+    out = split_attention.attention(q, k, v, mask, gate=gate)  # the kernels have no backward: the eager ops run
+    assert torch.equal(out, split_attention.attention_torch(q, k, v, mask) * torch.sigmoid(gate))
+    out.sum().backward()
+    assert gate.grad is not None and gate.grad.shape == gate.shape
+
+
+def test_gated_attention_refuses_a_gate_unlike_the_queries():
+    q, k, v, mask = _attn_inputs(2, 20, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="gate must have the queries' shape"):
+        split_attention.attention(q, k, v, mask, gate=_r(2, 4, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        split_attention.attention(q, k, v, mask, gate=_r(2, 4, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batched_small_query_attention_over_a_padded_cache(dtype):
+    """Many sequences decoding at once (self-distillation): [B, T, H, D] queries over strided views
+    of a [B, slots, Hkv, D] cache, one mask per sequence (left padding) or one shared mask."""
+    b, t, s_len, hq, hkv, d = 3, 2, 50, 6, 2, 32
+    q = _r(b, t, hq, d, dtype=dtype)
+    cache_k, cache_v = _r(b, 64, hkv, d, dtype=dtype, seed=1), _r(b, 64, hkv, d, dtype=dtype, seed=2)
+    k, v = cache_k[:, :s_len], cache_v[:, :s_len]
+    mask = torch.rand(b, t, s_len, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[:, :, -1] = True
+    mask = mask.to(DEVICE)
+    got = split_attention.attention(q, k, v, mask)
+    want = split_attention.attention_torch(q.float(), k.float(), v.float(), mask)
+    assert got.shape == q.shape and _rel(got, want) < {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]
+    for i in range(b):  # each sequence alone: as its own unbatched call
+        assert _rel(got[i], split_attention.attention(q[i], k[i], v[i], mask[i])) < 1e-6
+    shared = split_attention.attention(q, k, v, mask[0])
+    assert _rel(shared, split_attention.attention_torch(q.float(), k.float(), v.float(), mask[0])) < 5e-3
+
+
+def test_batched_decode_uses_the_fused_attention_and_matches_sdpa():
+    """forward_padded (batched greedy generation for draft training): one decode step through the
+    fused path equals the memory-efficient SDPA path it replaces."""
+    from engine.models.dense import _grouped_attention
+
+    b, t, s_len, hq, hkv, d = 2, 1, 40, 6, 2, 16
+    q, k, v = _r(b, t, hq, d), _r(b, s_len, hkv, d, seed=1), _r(b, s_len, hkv, d, seed=2)
+    mask = torch.ones(b, t, s_len, dtype=torch.bool, device=DEVICE)
+    mask[0, :, :7] = False  # sequence 0 is left-padded
+    fused_out = _grouped_attention(q, k, v, mask)
+    fused.set_kernels(False)
+    try:
+        sdpa_out = _grouped_attention(q, k, v, mask)
+    finally:
+        fused.set_kernels(True)
+    assert fused_out.shape == sdpa_out.shape == (b, t, hq * d) and _rel(fused_out, sdpa_out) < 1e-5

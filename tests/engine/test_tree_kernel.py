@@ -1,0 +1,155 @@
+"""DDTree's tree and mask in one launch, the verify's walk and the KV compaction (Triton,
+interpreted on the CPU) against their tensor-op forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import fused
+from tests.engine.test_fused import DEVICE, _r, kernels_on  # noqa: F401  (kernels_on: autouse)
+
+pytest.importorskip("triton")
+
+
+# ------------------------------------------------------------------ DDTree: tree + mask in one launch
+
+
+def _tie_free_proposals(depth: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs sorted descending per row, no two prefix sums equal (random positive steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = -torch.cumsum(torch.rand(depth, k, generator=gen) + 1e-3, dim=1) - torch.rand(depth, 1, generator=gen)
+    return lp.to(DEVICE), torch.randint(0, 1000, (depth, k), generator=gen).to(DEVICE)
+
+
+def _assert_same_tree(a, b):
+    for x, y in zip((a.tokens, a.parents, a.depths, a.ranks), (b.tokens, b.parents, b.depths, b.ranks), strict=True):
+        assert x.dtype == y.dtype == torch.long and torch.equal(x.cpu(), y.cpu())
+
+
+# budget past the node count (2, 3, 40), k=1, chain seed none/0/partial/full, an exact-size budget
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [
+    (1, 3, 5, None), (2, 3, 40, 0), (4, 1, 3, None), (4, 3, 10, 0), (5, 2, 9, 2), (7, 4, 22, None),
+    (6, 3, 17, 6), (3, 5, 155, 1), (8, 8, 16, 3), (15, 8, 48, None), (15, 8, 64, 4), (10, 16, 128, 0),
+])
+def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, chain_seed):
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(depth, k, seed=depth * 100 + k * 10 + budget)
+    root = torch.tensor([5], device=DEVICE)
+    ref = build_tree_device(lp, ids, root, budget, chain_seed)
+    tree, mask = build_tree_kernel(lp, ids, root, budget, chain_seed)
+    _assert_same_tree(tree, ref)
+    assert mask.dtype == torch.bool and torch.equal(mask.cpu(), ancestor_mask(ref.parents, depth).cpu())
+
+
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [(4, 3, 10, 0), (7, 4, 22, None), (5, 8, 40, 2)])
+def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import build_tree_host
+
+    gen = torch.Generator().manual_seed(budget)
+    top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(depth, 50, generator=gen) * 2, -1), k, dim=-1)
+    host = build_tree_host(top_lp, top_ids, 3, budget, chain_seed)
+    tree, _ = build_tree_kernel(top_lp.to(DEVICE), top_ids.to(DEVICE), torch.tensor(3, device=DEVICE), budget,
+                                chain_seed)
+    _assert_same_tree(tree, host)
+
+
+def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
+    """Quantised log-probs tie exactly (children of distinct parents too); the kernel orders ties by
+    lower index, as build_tree_device does with a stable top-k."""
+    from engine.models.tree_kernel import build_tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    def stable_topk(x, n, *args, **kwargs):
+        values, order = torch.sort(x, descending=True, stable=True)
+        return values[:n], order[:n]
+
+    tied_first = -torch.tensor([[0.5, 0.5, 1.0], [0.0, 0.5, 0.5], [0.5, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    # distinct parents at depth 2 whose children tie exactly
+    distinct_first = -torch.tensor([[0.125, 0.75, 1.5], [0.5, 0.5, 1.0], [0.25, 0.25, 0.375], [0.5, 0.5, 0.5]])
+    ids = torch.arange(12).view(4, 3)
+    for lp, budget, chain_seed in ((tied_first, 9, 0), (tied_first, 14, 2), (distinct_first, 9, 0),
+                                   (distinct_first, 7, None), (distinct_first, 12, 1)):
+        tree, mask = build_tree_kernel(lp.to(DEVICE), ids.to(DEVICE), torch.tensor(1, device=DEVICE), budget,
+                                       chain_seed)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "topk", stable_topk)
+            ref = build_tree_device(lp, ids, torch.tensor(1), budget, chain_seed)
+        _assert_same_tree(tree, ref)
+        assert torch.equal(mask.cpu(), ancestor_mask(ref.parents, 4))
+
+
+def test_tree_dispatch_falls_back_off_cuda_and_past_the_kernel_sizes():
+    from engine.models import tree_kernel
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(4, 3, seed=1)
+    assert not tree_kernel.use_tree_kernel(lp.cpu(), 10, 4)
+    tree, mask = tree_kernel.build_tree_and_mask(lp.cpu(), ids.cpu(), torch.tensor(2), 10, None)
+    _assert_same_tree(tree, build_tree_device(lp.cpu(), ids.cpu(), torch.tensor(2), 10, None))
+    assert torch.equal(mask, ancestor_mask(tree.parents, 4))
+    assert tree_kernel.kernel_supports(31, 16, 256)
+    assert not tree_kernel.kernel_supports(32, 8, 22) and not tree_kernel.kernel_supports(15, 17, 22)
+    assert not tree_kernel.kernel_supports(15, 8, 257)
+    assert tree_kernel.tree_sizes(3, 4, 10) == ([4, 10, 10], 10)
+
+
+# ------------------------------------------------------------------ the verify's walk and commit in two launches
+
+
+def _walk_case(depth: int, k: int, budget: int, seed: int):
+    """A DDTree, and target choices that follow it from the root down to a random node (and leave
+    it with a token none of its children holds), plus a sequence buffer and the root's position."""
+    from engine.tree import ancestor_mask, build_tree_device
+
+    lp, ids = _tie_free_proposals(depth, k, seed)
+    tree = build_tree_device(lp, ids, torch.tensor([5], device=DEVICE), budget, None)
+    gen = torch.Generator().manual_seed(seed)
+    t = tree.tokens.numel()
+    posterior = torch.randint(2000, 3000, (t,), generator=gen).to(DEVICE)  # no node holds these
+    node = int(torch.randint(0, t, (1,), generator=gen))
+    parents = tree.parents.tolist()
+    while parents[node] >= 0:  # each ancestor's target choice is its child on the way to `node`
+        posterior[parents[node]] = tree.tokens[node]
+        node = parents[node]
+    seq = torch.randint(0, 100, (t + 40,), generator=gen).to(DEVICE)
+    return tree, ancestor_mask(tree.parents, depth), posterior, seq, torch.tensor([17], device=DEVICE)
+
+
+@pytest.mark.parametrize("depth,k,budget,seed", [(4, 3, 10, 0), (7, 4, 22, 1), (15, 8, 22, 2), (15, 8, 64, 3),
+                                                 (5, 1, 5, 4), (1, 2, 2, 5)])
+def test_walk_kernel_equals_the_tensor_op_walk_and_commit(depth, k, budget, seed):
+    from engine.models import tree_kernel
+
+    tree, anc, posterior, seq, start = _walk_case(depth, k, budget, seed)
+    seq_ref, start_ref = seq.clone(), start.clone()
+    with fused.using_kernels(False):
+        path_ref, al_ref, packed_ref = tree_kernel.walk_and_advance(tree, anc, posterior, start_ref, seq_ref, depth)
+    path, al, packed = tree_kernel.walk_and_advance_kernel(tree, posterior, start, seq, depth)
+    a = int(al_ref)
+    assert a >= 1 and al.tolist() == [a] and torch.equal(packed, packed_ref)
+    assert torch.equal(path[:a], path_ref[:a]) and torch.equal(start, start_ref)
+    assert torch.equal(seq[: 18 + a], seq_ref[: 18 + a])  # committed tokens after the root, nothing before
+    assert torch.equal(seq[18 + a :], _walk_case(depth, k, budget, seed)[3][18 + a :])  # the rest untouched
+
+
+@pytest.mark.parametrize("al,max_accept", [(1, 4), (3, 4), (4, 4), (6, 16)])
+def test_move_accepted_rows_kernel_compacts_like_index_copy(al, max_accept):
+    """Rows read from slots other rows are written to (path [0, 2, 3, 5, ...]) still move intact."""
+    from engine.models import tree_kernel
+
+    layers, slots_n, heads, d, t, s = 3, 40, 2, 24, 12, 9
+    k, v = _r(layers, slots_n, heads, d, seed=7), _r(layers, slots_n, heads, d, seed=8)
+    slots = s + torch.arange(t, device=DEVICE)
+    path = torch.tensor([0, 2, 3, 5, 6, 7, 9, 10, 11, 1, 4, 8], device=DEVICE)
+    k_ref, v_ref = k.clone(), v.clone()
+    with fused.using_kernels(False):
+        tree_kernel.move_accepted_rows(k_ref, v_ref, slots, path, torch.tensor([al], device=DEVICE), max_accept)
+    k0, v0 = k.clone(), v.clone()
+    tree_kernel.move_accepted_rows_kernel(k, v, slots, path, torch.tensor([al], device=DEVICE), max_accept)
+    n = min(al, max_accept)
+    assert torch.equal(k[:, : s + n], k_ref[:, : s + n]) and torch.equal(v[:, : s + n], v_ref[:, : s + n])
+    assert torch.equal(k[:, s + n :], k0[:, s + n :]) and torch.equal(v[:, s + n :], v0[:, s + n :])
