@@ -20,10 +20,11 @@ context K/V cache: each propose recomputes the last ``block`` positions' keys an
 commits at most that many) and ``_begin`` fills the prompt's after the prefill. The math is the
 generic path's; only the attention's padding and kernels differ, so float32 output stays equal to AR.
 
-Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forward captures every
-node's recurrent state in one kernel launch per layer, and the commit copies the accepted node's
-state and gathers the conv window along its path on the device (``fast`` rollback; ``replay``
-re-runs a variable number of tokens, so it takes the generic loop).
+Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forward records every
+node's delta-rule and conv inputs (one kernel launch per layer for the recurrence), and the commit
+recomputes the accepted path's recurrent state for every layer in one launch and gathers the conv
+window along the path on the device (``fast`` rollback; ``replay`` re-runs a variable number of
+tokens, so it takes the generic loop).
 
 Grammar-constrained decoding (a prompt with tools): AR masks the logits inside its captured step
 with a bitmask the host fills before each replay; speculative decoding with ``grammar: commit``
@@ -208,7 +209,10 @@ class StaticDecoder:
         return self._bits
 
     def _tree_buffer_ids(self) -> tuple[int, ...]:
-        return (self.ws.cache.tree_rec.data_ptr(), self.ws.cache.tree_conv.data_ptr()) if self.recurrent else ()
+        if not self.recurrent:
+            return ()
+        cache = self.ws.cache
+        return (cache.tree_rec.data_ptr(), cache.tree_conv.data_ptr(), *(x.data_ptr() for x in cache.tree_inputs))
 
     def reserve_tree(self, nodes: int) -> None:
         """Per-node recurrent buffers for trees of ``nodes``; growing them invalidates the captures."""
@@ -260,7 +264,7 @@ class StaticDecoder:
         max_depth = min(block - 1, t - 1)  # the draft's block bounds the tree's depth
         path, al, packed = tree_kernel.walk_and_advance(tree, anc, posterior, s, ws.seq, max_depth)
         tree_kernel.move_accepted_rows(ws.cache.k, ws.cache.v, slots, path, al, max_depth + 1)
-        if self.recurrent:  # the accepted node's recurrent state, the conv window along its path
+        if self.recurrent:  # the accepted path's recurrent state recomputed, the conv window along it
             ws.cache.commit_recurrent(path, al)
         ws.features.index_copy_(0, slots, f.index_select(0, path))
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
@@ -360,6 +364,8 @@ class StaticDecoder:
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
         self._draft_context()
+        if self.recurrent:  # a grammar may cut a step after its commit: the replaced state is kept
+            self.ws.cache.keep_previous = gs is not None
         readback = self._readback(3 + n_verify)
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
@@ -367,7 +373,7 @@ class StaticDecoder:
         start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
-               cfg.temperature, cfg.seed, block, cfg.kernels)
+               cfg.temperature, cfg.seed, block, gs is not None, cfg.kernels)  # kernels last: gpu_bench graphs
 
         def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)

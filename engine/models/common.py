@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from engine.models import attention as split_attention
 from engine.models import fused
+from engine.models import linear as rows_linear
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,14 @@ def new_positions(start: int, tree: VerifyTree | None, t: int, device: torch.dev
     return tree.depths + start
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose product takes ``engine.models.linear``: a
+    decode step's or a verify's few rows through the few-row kernel where it is measured faster."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rows_linear.linear(x, self.weight, self.bias)
+
+
 class FusedLinear(nn.Module):
     """Projections that read the same input as one GEMM: their weight rows stacked, so a decode step
     reads them in one launch instead of one each (a tiny projection alone is all launch latency).
@@ -159,7 +168,7 @@ class FusedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return rows_linear.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
     def part(self, x: Tensor, i: int) -> Tensor:
         """Projection ``i`` alone, through its rows of the stacked weight (views: nothing copied)."""
@@ -228,7 +237,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(fused.silu_mul(*project(self, "gate_up_proj", x)))

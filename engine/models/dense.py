@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models.common import (
+    Linear,
     RMSNorm,
     SwiGLU,
     VerifyTree,
@@ -103,7 +104,7 @@ class DenseAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.n_heads * d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -148,7 +149,7 @@ class DenseModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling),

@@ -135,8 +135,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) 
         return rms_norm_torch(x, weight, eps, zero_centred)
     rows, d = _rows(x)
     out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
-                                       RESIDUAL=False, **row_launch(d))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, 1, d, 0, ZERO_CENTRED=zero_centred,
+                                       GATED=False, RESIDUAL=False, **row_launch(d))
     return out.view(x.shape)
 
 
@@ -150,8 +150,8 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_cent
     rows, d = _rows(x)
     dr = delta.reshape(-1, d).contiguous()
     total, out = torch.empty_like(rows), torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, dr, total, out, d, eps, ZERO_CENTRED=zero_centred, GATED=False,
-                                       RESIDUAL=True, **row_launch(d))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, dr, total, out, d, eps, 1, d, 0, ZERO_CENTRED=zero_centred,
+                                       GATED=False, RESIDUAL=True, **row_launch(d))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -161,11 +161,17 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     if not use_kernels(x, gate, weight):
         return gated_rms_norm_torch(x, gate, weight, eps)
     rows, d = _rows(x)
-    g = gate.reshape(-1, d).contiguous()
-    out = torch.empty_like(g)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, ZERO_CENTRED=False, GATED=True,
-                                       RESIDUAL=False, **row_launch(d))
-    return out.view(gate.shape)
+    # The gate is read in place when it is [T, heads, d] with unit column stride (Qwen3.5's z: a
+    # view of the fused in-projection, rows strided): row r is token r // heads, head r % heads.
+    if gate.dim() == 3 and gate.stride(-1) == 1:
+        g, heads, s_tok, s_head = gate, gate.shape[1], gate.stride(0), gate.stride(1)
+    else:
+        g = gate.reshape(-1, d).contiguous()
+        heads, s_tok, s_head = 1, d, 0
+    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, heads, s_tok, s_head, ZERO_CENTRED=False,
+                                       GATED=True, RESIDUAL=False, **row_launch(d))
+    return out
 
 
 def _strided_rows(x: Tensor, d: int) -> Tensor:
@@ -270,7 +276,7 @@ def gdn_inputs_torch(hist: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor
 
 def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, a: Tensor, b: Tensor,
                a_log: Tensor, dt_bias: Tensor, hk: int, dk: int, hv: int, dv: int, commit: bool = False,
-               record: Tensor | None = None) -> tuple[Tensor, ...]:
+               record: Tensor | None = None, out: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
     """What the gated delta rule needs from one Gated DeltaNet layer's projections.
 
     conv [K-1, C]: the conv window's inputs before this forward; mixed [T, C]: this forward's
@@ -278,7 +284,8 @@ def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, 
     ``cat(conv, mixed)`` (its ancestors for a tree); conv_w [C, K] the depthwise conv weight; a, b
     [T, HV] the ``in_proj_a`` / ``in_proj_b`` outputs. ``commit``: ``conv`` becomes the window after
     a chain (the last K-1 rows of ``cat(conv, mixed)``); ``record`` [T, C]: receives ``mixed`` (a
-    tree's per-node conv inputs).
+    tree's per-node conv inputs). ``out``: contiguous float32 tensors of the five results' shapes
+    that receive them (a tree forward keeps every node's inputs in the cache for its commit).
 
     Returns q, k [T, HK, DK] (causal conv, SiLU, L2-normalised, q scaled by 1/sqrt(DK)), v [T, HV, DV],
     g (log decay) and beta [T, HV], all float32. On CUDA one launch instead of about thirty; the
@@ -287,22 +294,29 @@ def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, 
     t, kernel = conv_index.shape
     if record is not None and tuple(record.shape) != tuple(mixed.shape):
         raise ValueError(f"record must be shaped like mixed {tuple(mixed.shape)}, got {tuple(record.shape)}")
+    shapes = [(t, hk, dk), (t, hk, dk), (t, hv, dv), (t, hv), (t, hv)]
+    if out is not None and ([tuple(o.shape) for o in out] != shapes or not all(o.is_contiguous() for o in out)
+                            or any(o.dtype != torch.float32 for o in out)):
+        raise ValueError(f"out must be contiguous float32 tensors shaped {shapes}, got "
+                         f"{[(tuple(o.shape), o.dtype) for o in out]}")
     if not (use_kernels(conv, mixed, conv_w, a, b) and mixed.stride(-1) == 1 and conv.is_contiguous()
             and (record is None or (record.stride(-1) == 1))):
         hist = torch.cat([conv, mixed])
-        out = gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
+        res = gdn_inputs_torch(hist, conv_index, conv_w, a, b, a_log, dt_bias, hk, dk, hv, dv)
         if record is not None:
             record.copy_(mixed)
         if commit:
             conv.copy_(hist[t:])
+        if out is None:
+            return res
+        for o, r in zip(out, res, strict=True):
+            o.copy_(r)
         return out
     idx, w = conv_index.contiguous(), conv_w.contiguous()
-    q = torch.empty(t, hk, dk, device=mixed.device, dtype=torch.float32)
-    k = torch.empty_like(q)
-    v = torch.empty(t, hv, dv, device=mixed.device, dtype=torch.float32)
     a, b = _strided_rows(a, hv), _strided_rows(b, hv)  # views of the fused in-projection's output
-    g = torch.empty(t, hv, device=mixed.device, dtype=torch.float32)
-    beta = torch.empty_like(g)
+    if out is None:
+        out = tuple(torch.empty(shape, device=mixed.device, dtype=torch.float32) for shape in shapes)
+    q, k, v, g, beta = out
     # A program owns its channels in every row: with one token it can shift the window in place.
     in_kernel = commit and t == 1
     rec = record if record is not None else mixed
@@ -336,16 +350,19 @@ def _rows(x: Tensor) -> tuple[Tensor, int]:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, other_ptr, total_ptr, out_ptr, D, eps, ZERO_CENTRED: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr)
+    def _rms_norm_kernel(x_ptr, w_ptr, other_ptr, total_ptr, out_ptr, D, eps, other_heads, other_tok, other_head,
+                         ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr);
+        # its row r at (r // other_heads) * other_tok + (r % other_heads) * other_head
         row = tl.program_id(0).to(tl.int64)  # row * D overflows int32 on long prefills of wide models
+        other_row = (row // other_heads) * other_tok + (row % other_heads) * other_head
         cols = tl.arange(0, BLOCK)
         m = cols < D
         ty = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
         if RESIDUAL:  # the sum rounded as PyTorch's add rounds it, then normalised from that value
-            x = (x + tl.load(other_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)).to(ty)
+            x = (x + tl.load(other_ptr + other_row + cols, mask=m, other=0.0).to(tl.float32)).to(ty)
             tl.store(total_ptr + row * D + cols, x, mask=m)
             x = x.to(tl.float32)
         if GATED:  # x may be float32 (the delta rule's output): rounded to the dtype first
@@ -357,7 +374,7 @@ if triton is not None:
             # (a product of two values of the dtype is exact in float32: rounding it is the dtype's product)
             h = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
             hw = (w.to(tl.float32) * h).to(out_ptr.dtype.element_ty).to(tl.float32)
-            g = tl.load(other_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(other_ptr + other_row + cols, mask=m, other=0.0).to(tl.float32)
             y = hw * (g * tl.sigmoid(g))
         else:
             wf = w.to(tl.float32)

@@ -2,9 +2,10 @@
 
 Same forward signature and cache protocol as ``DenseModel``. Gated DeltaNet state cannot be
 cropped after a verify, so a tree forward leaves the committed state alone and records every
-node's recurrent state and conv input (one launch per layer: ``engine.models.delta_rule``);
-``commit_path`` then rebuilds the state of the accepted path from those records (``fast``
-rollback), and ``snapshot``/``restore`` support ``replay``. ``forward_static`` and
+node's delta-rule inputs and conv input (one launch per layer: ``engine.models.delta_rule``);
+``commit_path`` then rebuilds the state of the accepted path from those records, recomputing the
+path's recurrence for every layer in one launch (``fast`` rollback), and ``snapshot``/``restore``
+support ``replay``. ``forward_static`` and
 ``HybridCache.commit_recurrent`` are the shape-static forms the CUDA-graph runtime replays.
 """
 
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from engine.config import EngineInputError
 from engine.models import fused
 from engine.models.common import (
+    Linear,
     RMSNorm,
     SwiGLU,
     VerifyTree,
@@ -32,7 +34,7 @@ from engine.models.common import (
     rope_inv_freq,
     rope_rows,
 )
-from engine.models.delta_rule import tree_delta_rule
+from engine.models.delta_rule import delta_rule_path, restart_flags, tree_delta_rule
 from engine.models.dense import KVCache
 
 FULL, LINEAR = "full_attention", "linear_attention"
@@ -178,8 +180,10 @@ class HybridCache(KVCache):
     """K/V of the attention layers (``KVCache``) plus Gated DeltaNet state per linear layer.
 
     rec: [gdn_layers, v_heads, dk, dv] float32 and conv: [gdn_layers, kernel-1, conv_dim], the state
-    after ``length`` tokens. tree_rec[:, i] / tree_conv[:, i] hold tree node i's state and conv
-    input from the last tree forward.
+    after ``length`` tokens. From the last tree forward: tree_inputs (q, k, v, g, beta, each
+    [gdn_layers, nodes, ...] float32) hold every node's delta-rule inputs, tree_conv[:, i] node i's
+    conv input, and tree_rec[:, i] node i's recurrent state where a later node restarts from it
+    (scratch of the tree kernel; the commit recomputes the accepted path from tree_inputs).
     """
 
     def __init__(self, cfg: HybridConfig, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -194,6 +198,14 @@ class HybridCache(KVCache):
         self.conv_prev = torch.zeros_like(self.conv)  # the window before the last commit
         self.tree_rec = self.rec.new_zeros(n_gdn, 0, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
+        self._input_shapes = [(cfg.linear_num_key_heads, cfg.linear_key_head_dim)] * 2 + [
+            (cfg.linear_num_value_heads, cfg.linear_value_head_dim), (cfg.linear_num_value_heads,),
+            (cfg.linear_num_value_heads,)]
+        self.tree_inputs = tuple(self.rec.new_zeros(n_gdn, 0, *shp) for shp in self._input_shapes)
+        # With ``keep_previous`` a commit first keeps the state it replaces (a grammar may cut the
+        # step after it: ``recommit_recurrent``); allocated on the first such commit.
+        self.keep_previous = False
+        self.rec_prev: Tensor | None = None
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
         # True when a step launched ahead (engine.runtime) left the state past ``length``: the
         # K/V past ``length`` are ignored, but a recurrent state cannot be taken back
@@ -208,6 +220,7 @@ class HybridCache(KVCache):
         n_gdn, _, *shape = self.tree_rec.shape
         self.tree_rec = self.rec.new_zeros(n_gdn, nodes, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, nodes, self.conv.shape[-1])
+        self.tree_inputs = tuple(self.rec.new_zeros(n_gdn, nodes, *shp) for shp in self._input_shapes)
 
     def begin(self, start: int, tree_size: int | None) -> None:
         """Called by the model before a forward: checks the recurrent state matches ``start``."""
@@ -247,15 +260,24 @@ class HybridCache(KVCache):
     def commit_recurrent(self, path: Tensor, al: Tensor) -> None:
         """The recurrent half of a fast commit, on the device: ``path`` [>= al] the accepted nodes
         root first (entries past ``al`` ignored), ``al`` [1] how many. The state becomes node
-        path[al-1]'s; the conv window becomes the last kernel-1 inputs along the path, reaching
-        back into the old window when the path is shorter than that (kept for ``recommit_recurrent``)."""
+        path[al-1]'s, recomputed along the path from the recorded inputs (the bits the tree forward
+        computed); the conv window becomes the last kernel-1 inputs along the path, reaching back
+        into the old window when the path is shorter than that (kept for ``recommit_recurrent``)."""
         self.conv_prev.copy_(self.conv)
+        if self.keep_previous:
+            if self.rec_prev is None:
+                self.rec_prev = torch.empty_like(self.rec)
+            self.rec_prev.copy_(self.rec)
         self._commit_recurrent(path, al)
 
     def recommit_recurrent(self, path: Tensor, al: Tensor) -> None:
         """Commit a shorter prefix of the same tree instead (a grammar cut after the commit): the
-        per-node records are still those of the last tree forward."""
+        per-node records are still those of the last tree forward; the state replaced by the commit
+        was kept (``keep_previous``)."""
+        if self.rec_prev is None or not self.keep_previous:
+            raise RuntimeError("recommit_recurrent needs the state before the commit: set keep_previous first")
         self.conv.copy_(self.conv_prev)
+        self.rec.copy_(self.rec_prev)
         self._commit_recurrent(path, al)
 
     def _commit_recurrent(self, path: Tensor, al: Tensor) -> None:
@@ -264,7 +286,7 @@ class HybridCache(KVCache):
         from_tree = self.tree_conv.index_select(1, path.index_select(0, j.clamp(min=0)))
         from_old = self.conv.index_select(1, (j + w).clamp(0, w - 1))
         self.conv.copy_(torch.where((j >= 0)[None, :, None], from_tree, from_old))
-        self.rec.copy_(self.tree_rec.index_select(1, path.index_select(0, al - 1)).squeeze(1))
+        delta_rule_path(*self.tree_inputs, path, al, self.rec)
 
     def snapshot(self) -> object:
         return self.length, self.rec.clone(), self.conv.clone()
@@ -315,7 +337,8 @@ class _Pass:
     mask: Tensor  # [T, keys]
     conv_index: Tensor  # [T, kernel]
     parents: Tensor  # [T] int32 on the device (as the delta rule kernel reads them: converted once a forward)
-    tree: bool  # True: capture every node's state, leave the committed state; False: commit a chain
+    tree: bool  # True: record every node's inputs, leave the committed state; False: commit a chain
+    restarts: Tensor | None  # a tree's restart_flags (the nodes whose state the kernel stores), once a forward
 
 
 class GatedDeltaNet(nn.Module):
@@ -336,18 +359,21 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t, cache = x.shape[0], p.state
         mixed, z, b, a = project(self, "in_proj", x)  # [T, C], [T, HV * DV], [T, HV], [T, HV]
-        # A tree records every node's conv input (the commit gathers the accepted path's window); a
-        # chain commits its window here.
+        # A tree records every node's conv input and delta-rule inputs (the commit gathers the accepted
+        # path's window and recomputes its recurrence); a chain commits its window here.
+        inputs = tuple(x[layer, :t] for x in cache.tree_inputs) if p.tree else None
         q, k, v, g, beta = fused.gdn_inputs(cache.conv[layer], mixed, p.conv_index, self.conv1d.weight[:, 0, :], a,
                                             b, self.A_log, self.dt_bias, self.hk, self.dk, self.hv, self.dv,
-                                            commit=not p.tree, record=cache.tree_conv[layer, :t] if p.tree else None)
+                                            commit=not p.tree, record=cache.tree_conv[layer, :t] if p.tree else None,
+                                            out=inputs)
         if p.tree:
-            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t])
+            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t],
+                                  restarts=p.restarts)
         else:
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
         # the norm rounds the float32 output to the model's dtype (z's) itself
@@ -366,7 +392,7 @@ class GatedAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d * 2, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
 
@@ -416,7 +442,7 @@ class HybridModel(nn.Module):
             HybridBlock(cfg, kind, kinds[:i].count(kind)) for i, kind in enumerate(kinds)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
@@ -463,7 +489,7 @@ class HybridModel(nn.Module):
                        parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The shape-static forward CUDA graphs replay (``DenseModel.forward_static``). Without
         ``parents`` the tokens are a chain committed to the recurrent state (an AR step); with
-        ``parents`` [T] a tree whose every node's state is captured for ``commit_recurrent``.
+        ``parents`` [T] a tree whose every node's inputs are recorded for ``commit_recurrent``.
         Nothing is checked on the host: the caller keeps the state at the root's position."""
         from engine.models.dense import _SlotWriter
 
@@ -492,7 +518,7 @@ class HybridModel(nn.Module):
         conv_index, parents32 = (chain[1], chain[2]) if chain is not None else (
             conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,
-                  parents=parents32, tree=tree)
+                  parents=parents32, tree=tree, restarts=restart_flags(parents32) if tree else None)
         wanted = set(feature_layers)
         feats, delta = [], None
         for i, layer in enumerate(self.layers):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.delta_rule import delta_step, tree_delta_rule
+from engine.models.delta_rule import delta_rule_path, delta_step, restart_flags, tree_delta_rule
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,11 +61,16 @@ def test_tree_forward_matches_the_per_path_reference(backend, shape):
     parents = _random_tree(t, seed=t)
     ref_out, ref_states = _reference(q, k, v, g, beta, parents, state)
     before = state.clone()
-    nodes = torch.full((t, hv, dk, dv), float("nan"), device=DEVICE)  # every element must be written
+    nodes = torch.full((t, hv, dk, dv), float("nan"), device=DEVICE)
     out = tree_delta_rule(q, k, v, g, beta, parents, state, nodes, backend=backend)
     assert torch.equal(state, before)  # a tree forward leaves the committed state alone
-    assert not out.isnan().any() and not nodes.isnan().any()
-    assert _rel(out, ref_out) < 1e-5 and _rel(nodes, ref_states) < 1e-5
+    assert not out.isnan().any() and _rel(out, ref_out) < 1e-5
+    # The states later nodes restart from are stored (the torch loop stores every node's).
+    stored = restart_flags(parents).bool() if backend == "triton" else torch.ones(t, dtype=torch.bool)
+    assert 0 < int(stored.sum()) < t or backend == "torch"
+    assert not nodes[stored].isnan().any() and _rel(nodes[stored], ref_states[stored]) < 1e-5
+    if backend == "triton":  # and no other: a state is 3 MB a layer at the 27B shape
+        assert nodes[~stored].isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -88,7 +93,12 @@ def test_kernel_is_bit_identical_for_tree_and_chain_forwards():
     tree_out = tree_delta_rule(q, k, v, g, beta, chain, state, nodes, backend="triton")
     s = state.clone()
     chain_out = tree_delta_rule(q, k, v, g, beta, chain, s, backend="triton")
-    assert torch.equal(tree_out, chain_out) and torch.equal(nodes[-1], s)
+    assert torch.equal(tree_out, chain_out)
+    # The path commit (a chain over the nodes' recorded inputs, one layer here) lands on the same bits.
+    committed = state.clone()[None]
+    delta_rule_path(q[None], k[None], v[None], g[None], beta[None], torch.arange(t, device=DEVICE),
+                    torch.tensor([t], device=DEVICE), committed, backend="triton")
+    assert torch.equal(committed[0], s)
     # One token at a time (AR steps) gives the same bits as the whole chain at once.
     s1 = state.clone()
     step_out = [tree_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
@@ -110,7 +120,48 @@ def test_torch_and_triton_agree_on_a_real_tree():
         nodes = torch.empty(t, 4, 16, 16, device=DEVICE)
         outs.append(tree_delta_rule(q, k, v, g, beta, parents, state, nodes, backend=backend))
         states.append(nodes)
-    assert _rel(outs[1], outs[0]) < 1e-5 and _rel(states[1], states[0]) < 1e-5
+    stored = restart_flags(parents).bool()
+    assert _rel(outs[1], outs[0]) < 1e-5 and _rel(states[1][stored], states[0][stored]) < 1e-5
+
+
+def test_restart_flags_mark_the_nodes_a_later_node_other_than_the_next_restarts_from():
+    #          0   1  2  3  4  5  6  7
+    parents = [-1, 0, 1, 0, 3, 1, 5, 0]  # 3, 5 and 7 jump back: to 0, 1 and 0
+    assert restart_flags(torch.tensor(parents, device=DEVICE)).tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert restart_flags(torch.arange(6, device=DEVICE) - 1).tolist() == [0] * 6  # a chain stores nothing
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_path_commit_reproduces_each_accepted_nodes_state_bit_for_bit(backend):
+    """fast rollback: every layer's state after the accepted path, recomputed from the tree forward's
+    inputs, has the bits that forward computed at the path's last node (``path`` padded as the walk
+    pads it: entries past ``length`` are ignored)."""
+    t, hk, hv, dk, dv, layers = 13, 2, 4, 16, 8, 3
+    parents = torch.tensor([-1, 0, 1, 1, 0, 4, 2, 6, 5, 3, 9, 9, 7], device=DEVICE)
+    ins = [_inputs(t, hk, hv, dk, dv, seed=20 + layer) for layer in range(layers)]
+    q, k, v, g, beta, state = (torch.stack(x) for x in zip(*ins, strict=True))
+    path = torch.tensor([0, 1, 2, 6, 7, 12, 3, 4, 5, 8, 9, 10, 11], device=DEVICE)  # root..node 12, then padding
+    for length in (1, 2, 4, 6):
+        committed = state.clone()
+        delta_rule_path(q, k, v, g, beta, path, torch.tensor([length], device=DEVICE), committed, backend=backend)
+        node = int(path[length - 1])
+        for layer in range(layers):
+            # the same node through a tree forward (every state stored: the torch loop) and through a
+            # chain forward of the path's nodes (the kernel a tree forward runs)
+            ref_nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
+            tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], ref_nodes,
+                            backend="torch")
+            assert _rel(committed[layer], ref_nodes[node]) < 1e-5
+            idx = path[:length]
+            chain_state = state[layer].clone()
+            tree_delta_rule(q[layer][idx], k[layer][idx], v[layer][idx], g[layer][idx], beta[layer][idx],
+                            torch.arange(length, device=DEVICE) - 1, chain_state, backend=backend)
+            assert torch.equal(committed[layer], chain_state)
+            if backend == "triton" and bool(restart_flags(parents)[node]):  # a stored state: the tree's own bits
+                nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
+                tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], nodes,
+                                backend="triton")
+                assert torch.equal(committed[layer], nodes[node])
 
 
 def test_bad_shapes_and_backend_are_refused():
@@ -124,3 +175,9 @@ def test_bad_shapes_and_backend_are_refused():
         tree_delta_rule(q, k, v, g, beta[:, :3], parents, state)
     with pytest.raises(ValueError, match="node_states must be"):
         tree_delta_rule(q, k, v, g, beta, parents, state, torch.empty(3, 4, 8, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="restarts must be"):
+        tree_delta_rule(q, k, v, g, beta, parents, state, torch.empty(4, 4, 8, 8, device=DEVICE),
+                        restarts=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="shapes do not match"):  # the path commit: one layer too few states
+        delta_rule_path(q[None], k[None], v[None], g[None], beta[None], parents, torch.tensor([1]),
+                        state[None].expand(2, -1, -1, -1))

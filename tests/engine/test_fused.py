@@ -91,6 +91,20 @@ def test_gated_rms_norm_rounds_a_float32_input_to_the_gate_dtype(dtype):
     assert _rel(got, fused.gated_rms_norm_torch(x, g, w, 1e-6)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_rms_norm_reads_a_strided_gate_in_place(dtype):
+    """Qwen3.5's gate z is a [T, heads, d] view of the fused in-projection (rows strided): the same
+    result as from a contiguous copy, bit for bit."""
+    t, heads, d = 3, 4, 32
+    x = _r(t, heads, d, seed=1)  # the delta rule's float32 output
+    fused_proj = _r(t, 2 * heads * d + 7, dtype=dtype, seed=2)
+    gate = fused_proj[:, heads * d : 2 * heads * d].view(t, heads, d)
+    assert not gate.is_contiguous()
+    w = 1 + 0.1 * _r(d, dtype=dtype, seed=3)
+    got = fused.gated_rms_norm(x, gate, w, 1e-6)
+    assert got.shape == gate.shape and torch.equal(got, fused.gated_rms_norm(x, gate.contiguous(), w, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     g, u = _r(6, 200, dtype=dtype), _r(6, 200, dtype=dtype, seed=1)

@@ -1,0 +1,221 @@
+"""Linear layers of decode steps and tree verifies: a few rows against a large weight, one launch.
+
+An AR step or a verify multiplies 1-65 rows by every weight of the model: a stream over the
+weights, which cuBLAS answers with GEMM kernels tiled for many rows, some split over K with a
+second, reducing launch. This kernel reads the weight once in tiles of ``block_n`` output columns,
+``block_k`` at a time through pipelined asynchronous copies, with the rows as the matrix unit's
+narrow operand (``W @ x^T``, padded to 16 rows or more). Where the output is too narrow to fill the
+GPU, K is split into ``split`` parts; the last program of a column tile to finish (an atomic ticket)
+adds the parts in order, so there is one launch and its result does not depend on which part
+finished last.
+
+Which weights take it is measured, not guessed: ``TUNED`` holds, per GPU architecture and weight
+shape, the launch that beat cuBLAS at one row (``step``: up to 16 rows, an AR step or a draft block)
+or at 33 (``verify``: 17-128 rows), from ``benchmarks/kernel_bench.py linear``; every other weight,
+row count, dtype and GPU takes ``F.linear``. A launch depends on the weight and the class of row
+count only, so every row of a step rounds alike however many rows it has, and likewise in a verify.
+The kernel switch is ``engine.models.fused``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.models import fused
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - installs without Triton use F.linear
+    triton = None
+
+MAX_ROWS = 128  # a verify of budget 64 has 65 rows; a prefill takes cuBLAS
+STEP_ROWS = 16  # up to here a "step" launch (BLOCK_M 16), beyond a "verify" one
+SHARED_BYTES = 200 * 2**10  # of an H100/H200 SM's 227 KB, what the pipeline stages may take
+# Triton's interpreter (the CPU tests) multiplies bf16 operands wrongly in tl.dot (3.9): there the
+# tiles are upcast first (exact: a product of two bf16 values is exact in float32's significand).
+_INTERPRET = triton is not None and triton.knobs.runtime.interpret
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One launch: output columns per tile, K per block, parts of K, warps, pipeline stages (at
+    most: fewer where a verify's wider row tile leaves no room; stages never change the result)."""
+
+    block_n: int
+    block_k: int
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, but got {value}")
+        if self.split < 1 or self.num_warps not in (4, 8) or self.num_stages < 1:
+            raise ValueError(f"LinearConfig needs split >= 1, num_warps 4 or 8 and num_stages >= 1, got {self}")
+
+
+_C = LinearConfig
+# H100/H200 (sm_90). Measured on an H200, 2026-12-02 (benchmarks/RESULTS.md, "few-row linear"): the
+# weights of the Qwen3.5-27B and Qwen3-8B shapes where the kernel beat cuBLAS by 2% or more, GPU us
+# at 1 / 33 rows (cuBLAS's in brackets). The others (the 27B out-projections, 5120 x 6144; the 8B and 27B
+# gate_up and the 8B o_proj and down at 33 rows; SmolLM2's weights) stay with cuBLAS.
+TUNED: dict[tuple[int, int], dict[tuple[int, int], dict[str, LinearConfig]]] = {
+    (9, 0): {
+        # 27B: GDN in_proj 40.8/42.7 us (cuBLAS 43.9/44.5), qkv 36.0/38.0 (36.7-39.8/39.0), gate_up 85.3
+        # (88.1), down 44.7/48.0 (49.4/48.9), lm_head 564/598 (625/641)
+        (16480, 5120): {"step": _C(64, 128, 1, 4, 3), "verify": _C(128, 128, 1, 8, 5)},
+        (14336, 5120): {"step": _C(128, 128, 1, 8, 4), "verify": _C(128, 128, 1, 8, 5)},
+        (34816, 5120): {"step": _C(64, 128, 1, 4, 3)},
+        (5120, 17408): {"step": _C(64, 128, 3, 4, 4), "verify": _C(128, 128, 3, 8, 4)},
+        (248320, 5120): {"step": _C(128, 128, 1, 8, 4), "verify": _C(128, 128, 1, 8, 5)},
+        # 8B: qkv 15.2/16.0 (17.3/17.0), o_proj 11.8 (12.5), gate_up 47.8 (49.4), down 27.1 (29.4),
+        # lm_head 277/293 (297/307)
+        (6144, 4096): {"step": _C(64, 128, 1, 4, 6), "verify": _C(64, 128, 1, 4, 6)},
+        (4096, 4096): {"step": _C(64, 128, 1, 4, 6)},
+        (24576, 4096): {"step": _C(64, 128, 1, 4, 3)},
+        (4096, 12288): {"step": _C(64, 128, 4, 4, 4)},
+        (151936, 4096): {"step": _C(64, 128, 1, 4, 3), "verify": _C(128, 128, 1, 8, 5)},
+    },
+}
+_CAPABILITY: dict[torch.device, tuple[int, int]] = {}
+
+
+def launch_config(x: Tensor, weight: Tensor) -> LinearConfig | None:
+    """The tuned launch for ``x``'s rows against ``weight`` on its GPU, or None (cuBLAS)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not 1 <= rows <= MAX_ROWS:
+        return None
+    dev = weight.device
+    if dev not in _CAPABILITY:
+        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)
+    shapes = TUNED.get(_CAPABILITY[dev], {}).get(tuple(weight.shape))
+    return None if shapes is None else shapes.get("step" if rows <= STEP_ROWS else "verify")
+
+
+def use_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether these operands can take the kernel at all (half precision on CUDA, no gradient,
+    rows the kernel reads: a weight with contiguous rows, as many inputs as its columns)."""
+    if triton is None or not fused.use_kernels(x, weight, *([] if bias is None else [bias])):
+        return False
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1] and (bias is None or bias.dtype == x.dtype))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: LinearConfig | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``: through the kernel where ``TUNED`` (or ``config``, for
+    benchmarks and tests) has a launch for these operands, else cuBLAS."""
+    if not use_kernel(x, weight, bias):
+        return F.linear(x, weight, bias)
+    config = config or launch_config(x, weight)
+    if config is None:
+        return F.linear(x, weight, bias)
+    return _kernel_linear(x, weight, bias, config)
+
+
+def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearConfig) -> Tensor:
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_iters = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k)  # K blocks a part
+    split = triton.cdiv(k, k_iters * cfg.block_k)
+    stages = stages_for(cfg, block_m, x.element_size())
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    tickets = _tickets(x.device, tiles)
+    _linear_kernel[(tiles, split)](
+        x2, weight, bias if bias is not None else out, out, parts, tickets, m, n, k, x2.stride(0), weight.stride(0),
+        k_iters, split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, UPCAST=_INTERPRET, num_warps=cfg.num_warps,
+        num_stages=stages,
+    )
+    return out.view(*lead, n)
+
+
+def stages_for(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
+    """Pipeline stages of a launch: ``cfg.num_stages``, fewer where a verify's wider row tile leaves
+    no room for them (stages never change the arithmetic)."""
+    stage_bytes = (cfg.block_n + block_m) * cfg.block_k * itemsize
+    return max(2, min(cfg.num_stages, SHARED_BYTES // stage_bytes))
+
+
+_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def _tickets(device: torch.device, tiles: int) -> Tensor:
+    """Per column tile, how many parts have finished: zero between launches (the last part resets
+    its tile's), one buffer per device (launches on one stream run one after another). Grown
+    outside CUDA graph capture: the runtime's warm-up run makes it before capturing."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
+
+
+if triton is not None:
+
+    # Not specialised on the rows or the split: an AR step and a verify run one compiled variant
+    # per BLOCK_M, and the parts of K sit where they sit whatever the rows. A part starts at a
+    # multiple of BLOCK_K (k_iters blocks a part): the compiler knows its alignment, so the tiles
+    # load 16 bytes at a time through the pipelined asynchronous copies.
+    @triton.jit(do_not_specialize=["M", "k_iters", "split"])
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, swn, k_iters, split,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        mn = rn < N
+        mm = rm < M
+        k_lo = part * k_iters * BLOCK_K
+        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * swn + (k_lo + rk)[None, :]
+        x_ptrs = x_ptr + rm[None, :] * sxm + (k_lo + rk)[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
+                xt = tl.load(x_ptrs, mask=mm[None, :], other=0.0)
+            else:
+                mk = (k0 + rk) < k_hi
+                w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
+            if UPCAST:
+                w, xt = w.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out_offs = rm[None, :] * N + rn[:, None]  # out [M, N]; acc is its transpose
+        omask = mn[:, None] & mm[None, :]
+        if split > 1:
+            # This part's sum, then a ticket: the part that takes the last one adds every part in
+            # order 0..split-1 (the same bits whichever finished last) and resets the ticket.
+            tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+            if ticket == split - 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for p in range(0, split):
+                    acc += tl.load(part_ptr + p * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next launch
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
