@@ -5,6 +5,7 @@
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
     python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
     python benchmarks/kernel_bench.py attention             # the split attention by keys per span
+    python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -78,13 +79,35 @@ def bench_delta(module) -> dict[str, float]:
         if name == "verify33":
             parents = _tree_parents(32, gen)
             nodes = torch.empty(t, HV, DK, DV, device="cuda")
-            row[name] = _time(lambda x=x, p=parents, n=nodes: module.tree_delta_rule(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], p, x["state"], n, backend="triton"))
+            # made once a forward in the engine (every layer reads them): outside the timed launch
+            extra = {"restarts": module.restart_flags(parents)} if hasattr(module, "restart_flags") else {}
+            row[name] = _time(lambda x=x, p=parents, n=nodes, e=extra: module.tree_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], p, x["state"], n, backend="triton", **e))
+            row["stored"] = int(extra["restarts"].sum()) if extra else t
         else:
             chain = torch.arange(t, device="cuda") - 1
             row[name] = _time(lambda x=x, c=chain: module.tree_delta_rule(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], c, x["state"], backend="triton"))
+    row["commit"] = _commit_time(module, gen)
     return row
+
+
+def _commit_time(module, gen: torch.Generator, al: int = 5) -> float:
+    """GPU us of a fast commit of every GDN layer's recurrent state (AL ``al`` of a budget-32 tree):
+    ``delta_rule_path`` (the accepted path recomputed, one launch) where the module has it, else the
+    accepted node's stored state gathered and copied (``HybridCache._commit_recurrent``'s)."""
+    t = 33
+    state = torch.randn(LAUNCHES, HV, DK, DV, generator=gen).cuda() * 0.1
+    path = torch.arange(t, device="cuda")
+    length = torch.tensor([al], device="cuda")
+    if hasattr(module, "delta_rule_path"):
+        x = {k: v.unsqueeze(0).expand(LAUNCHES, *v.shape).contiguous() for k, v in _inputs(t, gen).items()
+             if k != "state"}
+        fn = lambda: module.delta_rule_path(x["q"], x["k"], x["v"], x["g"], x["beta"], path, length, state)  # noqa: E731
+    else:
+        nodes = torch.empty(LAUNCHES, t, HV, DK, DV, device="cuda")
+        fn = lambda: state.copy_(nodes.index_select(1, path.index_select(0, length - 1)).squeeze(1))  # noqa: E731
+    return _time(fn)  # one commit (every layer) a call
 
 
 TREE_BUDGETS = (8, 16, 22, 32, 48, 64)
@@ -172,6 +195,99 @@ def bench_blas() -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
+LINEAR_SHAPES = BLAS_SHAPES + [("8B lm_head", 151936, 4096), ("SmolLM2 lm_head", 49152, 576)]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape, each with every split of K below
+# (BLOCK_K 256 took more shared memory than an SM has at 4 stages, and lost at 3, 2026-12-02)
+LINEAR_TILES = [(64, 128, 4, st) for st in (3, 4, 6)] + [(128, 128, w, st) for w in (4, 8) for st in (3, 4, 5)]
+# narrower and deeper tiles, for outputs too narrow to fill the GPU with the ones above (--narrow)
+LINEAR_NARROW_TILES = [(32, 128, 4, st) for st in (4, 6, 8)] + [(32, 256, 4, st) for st in (3, 4)] + [
+    (64, 64, 4, st) for st in (6, 8)] + [(64, 128, 4, 8)]
+LINEAR_SPLITS = (1, 2, 3, 4, 6)
+
+
+def _rotating(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Weight copies cycled through so that a launch reads its weight from memory, not L2 (50 MB)."""
+    copies = max(2, -(-256 * 2**20 // (2 * n * k)))
+    return [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def bench_linear(shapes: list[tuple[str, int, int]] | None = None, tiles: list | None = None
+                 ) -> tuple[list[dict], list[str]]:
+    """``engine.models.linear`` (split-K few-row kernel) against cuBLAS (``F.linear``) per weight:
+    GPU us per call at 1 row (an AR step) and 33 (a budget-32 verify) for every tile and split; the
+    engine's choice (``linear.TUNED``, cuBLAS where it has none); whether a row's bits are the same
+    at 1 and 16 rows with the step launch, and at 17, 33 and 65 (BLOCK_M 32, 64, 128) with the
+    verify launch."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for label, n, k in shapes or LINEAR_SHAPES:
+        row = _linear_shape(label, n, k, gen, tiles or LINEAR_TILES)
+        rows.append(row)
+        b = row["best"][0] if row["best"] else {"config": None, "us1": float("nan"), "us33": float("nan")}
+        print(f"{row['shape']}: cuBLAS {row['cublas1']:.1f}/{row['cublas33']:.1f} us, engine {row['chosen']} "
+              f"{row['chosen1']:.1f}/{row['chosen33']:.1f} us, best {b['config']} {b['us1']:.1f}/{b['us33']:.1f} us, "
+              f"bits {row['bits_equal']}", flush=True)
+        torch.cuda.empty_cache()
+    lines = ["| weights | cuBLAS 1 row us (GB/s) | 33 rows us | engine 1 row us (GB/s) | 33 rows us "
+             "| best at 1 row (N, K, split, warps, stages) | its us at 1 / 33 rows | row bits equal at 16 / 33 / 65 |",
+             "|---|" + "---|" * 7]
+    for r in rows:
+        b = r["best"][0] if r["best"] else None
+        best = (f"{b['config']['block_n']}, {b['config']['block_k']}, {b['config']['split']}, "
+                f"{b['config']['num_warps']}, {b['config']['num_stages']} | {b['us1']:.1f} / {b['us33']:.1f}"
+                if b else "- | -")
+        lines.append(f"| {r['shape']} | {r['cublas1']:.1f} ({r['gb'] / r['cublas1']:.0f}) | {r['cublas33']:.1f} | "
+                     f"{r['chosen1']:.1f} ({r['gb'] / r['chosen1']:.0f}) | {r['chosen33']:.1f} | {best} | "
+                     f"{'/'.join('y' if r['bits_equal'][m] else 'n' for m in (16, 33, 65))} |")
+    return rows, lines
+
+
+def _linear_shape(label: str, n: int, k: int, gen: torch.Generator, tiles: list) -> dict:
+    import torch.nn.functional as F
+
+    from engine.models import linear as lin
+
+    ws = _rotating(n, k, gen)
+    calls = iter(range(1 << 30))
+
+    def pick() -> torch.Tensor:
+        return ws[next(calls) % len(ws)]
+
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 33, 65)}
+    row = {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "gb": 2 * n * k / 1e3,
+           "cublas1": _time(lambda: F.linear(xs[1], pick())), "cublas33": _time(lambda: F.linear(xs[33], pick()))}
+    ref = F.linear(xs[33].float(), ws[0].float())
+    tried = []
+    for bn, bk, warps, stages in tiles:
+        for split in LINEAR_SPLITS:
+            if split > 1 and k // split < 2 * bk:
+                continue
+            cfg = lin.LinearConfig(bn, bk, split, warps, stages)
+            try:
+                out = lin._kernel_linear(xs[33], ws[0], None, cfg)
+                err = float((out.float() - ref).norm() / ref.norm())
+                us = _time(lambda cfg=cfg: lin._kernel_linear(xs[1], pick(), None, cfg))
+                us33 = _time(lambda cfg=cfg: lin._kernel_linear(xs[33], pick(), None, cfg))
+            except Exception as exc:  # a tile that does not fit (shared memory): skipped, said so
+                tried.append({"config": cfg.__dict__, "error": str(exc).splitlines()[0][:120]})
+                continue
+            tried.append({"config": cfg.__dict__, "us1": us, "us33": us33, "err": err})
+    ok = sorted((t for t in tried if "us1" in t and t["err"] < 1e-2), key=lambda t: t["us1"])
+    tuned = lin.TUNED.get(torch.cuda.get_device_capability(), {}).get((n, k), {})
+    row["chosen"] = {cls: cfg.__dict__ for cls, cfg in tuned.items()}
+    for m in (1, 33):  # the engine's launch (cuBLAS where it has none)
+        row[f"chosen{m}"] = _time(lambda m=m: lin.linear(xs[m], pick()))
+    cfg = tuned.get("step") or lin.LinearConfig(64, 128)
+    one = lin._kernel_linear(xs[16][:1], ws[0], None, cfg)
+    row["bits_equal"] = {16: bool(torch.equal(lin._kernel_linear(xs[16], ws[0], None, cfg)[:1], one))}
+    cfg = tuned.get("verify") or lin.LinearConfig(128, 128, 1, 8, 5)
+    one = lin._kernel_linear(xs[65][:17], ws[0], None, cfg)
+    row["bits_equal"].update({m: bool(torch.equal(lin._kernel_linear(xs[65][:m], ws[0], None, cfg)[:17], one))
+                              for m in (33, 65)})
+    row["best"], row["errors"], row["tried"] = ok[:3], [t for t in tried if "error" in t][:3], tried
+    return row
+
+
 # (label, query heads, K/V heads, head_dim, key span, query rows): SmolLM2 and the 27B shape's
 # attention in an AR step and a DDTree verify (budget 48 and 32)
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 512, 49),
@@ -205,7 +321,9 @@ def bench_attention() -> tuple[list[dict], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention"])
+    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear"])
+    ap.add_argument("--shapes", nargs="+", help="linear: only the weights whose label starts with one of these")
+    ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
     ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
@@ -221,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, *bench_blas())
     if args.kernel == "attention":
         return _report(args, *bench_attention())
+    if args.kernel == "linear":
+        shapes = [s for s in LINEAR_SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes)]
+        return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))
     configs = []
     for c in args.configs:
         try:
@@ -247,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"config": f"BLOCK_V={block_v} warps={warps}", **bench_delta(delta_rule)})
     finally:
         delta_rule.kernel_config = default
-    lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | prefill (T=512) us |", "|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['prefill512']:.1f} |" for r in rows]
+    lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | states stored | prefill (T=512) us | "
+             "commit, 48 layers, AL 5 us |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['stored']} | {r['prefill512']:.1f} | "
+              f"{r['commit']:.1f} |" for r in rows]
     return _report(args, rows, lines)
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models import attention as split_attention  # noqa: E402
 from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
+from engine.models import linear as rows_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -37,10 +38,13 @@ TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
 
 
 def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                       num_stages: int = 3):
+                       num_stages: int = 3, aligned: tuple[str, ...] = ()):
+    """``aligned``: arguments a launch specialises as multiples of 16 (pointers from the caching
+    allocator, widths of the presets): what lets Triton pipeline a loop's loads."""
     backend = triton.compiler.make_backend(TARGET)
     signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
-    src = triton.compiler.ASTSource(fn=kernel, constexprs=constexprs, signature=signature)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = triton.compiler.ASTSource(fn=kernel, constexprs=constexprs, signature=signature, attrs=attrs)
     opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
     return triton.compile(src, target=TARGET, options=opts.__dict__)
 
@@ -57,14 +61,27 @@ def resources(compiled) -> dict[str, int]:
 
 
 def cases():
-    """(name, kernel, argument types, constexprs, num_warps, num_stages) as the wrappers launch them."""
+    """(name, kernel, argument types, constexprs, num_warps, num_stages[, aligned arguments]) as the
+    wrappers launch them."""
     for dk, dv in DELTA_SHAPES:
         block_k, block_v, warps = delta_rule.kernel_config(dk, dv)
         types = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
-                     parents_ptr="*i32", state_ptr="*fp32", nodes_ptr="*fp32", out_ptr="*fp32", T="i32",
-                     store_nodes="i32")
+                     parents_ptr="*i32", index_ptr="*i32", count_ptr="*i32", state_ptr="*fp32", nodes_ptr="*fp32",
+                     restart_ptr="*i32", out_ptr="*fp32", T="i32", gather="i32", store_nodes="i32",
+                     layer_nodes="i32")
         yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
                dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), warps, 3)
+    lin = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
+               M="i32", N="i32", K="i32", sxm="i32", swn="i32", k_iters="i32", split="i32")
+    lin_aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm", "swn")
+    for arch, shapes in rows_linear.TUNED.items():
+        for (n, k), launches in shapes.items():
+            for cls, cfg in launches.items():
+                block_m = rows_linear.STEP_ROWS if cls == "step" else rows_linear.MAX_ROWS
+                stages = rows_linear.stages_for(cfg, block_m, 2)
+                yield (f"linear sm_{arch[0]}{arch[1]} {n}x{k} {cls} M<={block_m}", rows_linear._linear_kernel, lin,
+                       dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                            BLOCK_M=block_m, UPCAST=False), cfg.num_warps, stages, lin_aligned)
     tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
                      dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
                      edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
@@ -119,7 +136,8 @@ def cases():
                        dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated,
                             LIBDEVICE=split_attention._LIBDEVICE), 4, 3)
         for d in WIDTHS + HEAD_DIMS:
-            types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32")
+            types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32",
+                         other_heads="i32", other_tok="i32", other_head="i32")
             launch = fused.row_launch(d)
             warps = launch.pop("num_warps")
             for label, zc, gated, residual in (("rms_norm", False, False, False),
@@ -147,8 +165,8 @@ def main() -> int:
     bad = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}, shared memory limit {SHARED_LIMIT} B")
     print(f"{'kernel':40s} {'warps':>5s} {'regs':>5s} {'shared':>7s} {'spill':>6s}  verdict")
-    for name, kernel, types, constexprs, warps, stages in cases():
-        res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages))
+    for name, kernel, types, constexprs, warps, stages, *aligned in cases():
+        res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages, *aligned))
         spill = res.get("STACK", 0) + res.get("LOCAL", 0)
         ok = spill == 0 and res["SHARED"] <= SHARED_LIMIT
         bad += not ok
