@@ -364,16 +364,17 @@ class StaticDecoder:
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
         self._draft_context()
-        if self.recurrent:  # a grammar may cut a step after its commit: the replaced state is kept
-            self.ws.cache.keep_previous = gs is not None
         readback = self._readback(3 + n_verify)
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
                                               bits)
+        if self.recurrent:  # a grammar may cut a step after its commit: the replaced state is kept
+            self.ws.cache.keep_previous = gs is not None  # (after the prefill: its reset clears it)
         start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
-               cfg.temperature, cfg.seed, block, gs is not None, cfg.kernels)  # kernels last: gpu_bench graphs
+               cfg.temperature, cfg.seed, block, cfg.kernels)
+        keep = self.recurrent and gs is not None  # a verify keeping the replaced state is another graph
 
         def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)
@@ -381,8 +382,9 @@ class StaticDecoder:
             with timer.phase("draft"):
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
-                packed, logits, path = self.graphs.run(("verify", key_len, *key), self._verify, key_len, cfg, block,
-                                                       tree, anc)
+                # (the kernel switch stays the key's last entry: gpu_bench graphs selects by it)
+                packed, logits, path = self.graphs.run(("verify", key_len, *key[:-1], keep, cfg.kernels),
+                                                       self._verify, key_len, cfg, block, tree, anc)
                 return readback.push(packed), tree, logits, path  # the step's one host read, when read
 
         pending = None if done else launch(start)

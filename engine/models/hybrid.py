@@ -203,7 +203,9 @@ class HybridCache(KVCache):
             (cfg.linear_num_value_heads,)]
         self.tree_inputs = tuple(self.rec.new_zeros(n_gdn, 0, *shp) for shp in self._input_shapes)
         # With ``keep_previous`` a commit first keeps the state it replaces (a grammar may cut the
-        # step after it: ``recommit_recurrent``); allocated on the first such commit.
+        # step after it: ``recommit_recurrent``); allocated on the first such commit. Set for a whole
+        # generation after its prefill (``reset`` clears it), so that every commit of it keeps the
+        # state: a captured commit replays without this object knowing, so it cannot track them.
         self.keep_previous = False
         self.rec_prev: Tensor | None = None
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
@@ -220,7 +222,10 @@ class HybridCache(KVCache):
         n_gdn, _, *shape = self.tree_rec.shape
         self.tree_rec = self.rec.new_zeros(n_gdn, nodes, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, nodes, self.conv.shape[-1])
-        self.tree_inputs = tuple(self.rec.new_zeros(n_gdn, nodes, *shp) for shp in self._input_shapes)
+        # Rows for a multiple of 4 nodes: every layer's g and beta then start 16-byte aligned, as
+        # the path commit's do (the tree kernel compiles to the variant the path commit runs).
+        rows = -(-nodes // 4) * 4
+        self.tree_inputs = tuple(self.rec.new_zeros(n_gdn, rows, *shp) for shp in self._input_shapes)
 
     def begin(self, start: int, tree_size: int | None) -> None:
         """Called by the model before a forward: checks the recurrent state matches ``start``."""
@@ -243,6 +248,7 @@ class HybridCache(KVCache):
         self.conv.zero_()
         self._tree = None
         self.ahead = False
+        self.keep_previous = False
 
     def commit_path(self, start: int, path: Tensor, al: int) -> None:
         """Fast rollback: KV compaction, then the recurrent state of node path[al-1] and the conv
@@ -274,8 +280,9 @@ class HybridCache(KVCache):
         """Commit a shorter prefix of the same tree instead (a grammar cut after the commit): the
         per-node records are still those of the last tree forward; the state replaced by the commit
         was kept (``keep_previous``)."""
-        if self.rec_prev is None or not self.keep_previous:
-            raise RuntimeError("recommit_recurrent needs the state before the commit: set keep_previous first")
+        if not self.keep_previous or self.rec_prev is None:
+            raise RuntimeError("recommit_recurrent needs the state the last commit replaced: set keep_previous "
+                               "before the generation's first commit")
         self.conv.copy_(self.conv_prev)
         self.rec.copy_(self.rec_prev)
         self._commit_recurrent(path, al)

@@ -151,14 +151,18 @@ def stages_for(cfg: LinearConfig, block_m: int, itemsize: int) -> int:
 
 
 _TICKETS: dict[torch.device, Tensor] = {}
+_RETIRED: list[Tensor] = []  # smaller ticket buffers replaced by a larger one: graphs may still use them
 
 
 def _tickets(device: torch.device, tiles: int) -> Tensor:
     """Per column tile, how many parts have finished: zero between launches (the last part resets
-    its tile's), one buffer per device (launches on one stream run one after another). Grown
-    outside CUDA graph capture: the runtime's warm-up run makes it before capturing."""
+    its tile's), one buffer per device (the engine's launches run on one stream, one after another).
+    A launch with more tiles gets a larger buffer; the smaller one is kept alive, since a captured
+    CUDA graph may still point at it (the runtime's warm-up run makes buffers outside capture)."""
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _TICKETS[device] = buf
     return buf

@@ -140,8 +140,9 @@ def test_path_commit_reproduces_each_accepted_nodes_state_bit_for_bit(backend):
     parents = torch.tensor([-1, 0, 1, 1, 0, 4, 2, 6, 5, 3, 9, 9, 7], device=DEVICE)
     ins = [_inputs(t, hk, hv, dk, dv, seed=20 + layer) for layer in range(layers)]
     q, k, v, g, beta, state = (torch.stack(x) for x in zip(*ins, strict=True))
-    path = torch.tensor([0, 1, 2, 6, 7, 12, 3, 4, 5, 8, 9, 10, 11], device=DEVICE)  # root..node 12, then padding
-    for length in (1, 2, 4, 6):
+    # root..node 12 (nodes 6 and 12 follow a reload in the tree forward), then padding
+    path = torch.tensor([0, 1, 2, 6, 7, 12, 3, 4, 5, 8, 9, 10, 11], device=DEVICE)
+    for length in range(1, 7):
         committed = state.clone()
         delta_rule_path(q, k, v, g, beta, path, torch.tensor([length], device=DEVICE), committed, backend=backend)
         node = int(path[length - 1])
@@ -157,11 +158,12 @@ def test_path_commit_reproduces_each_accepted_nodes_state_bit_for_bit(backend):
             tree_delta_rule(q[layer][idx], k[layer][idx], v[layer][idx], g[layer][idx], beta[layer][idx],
                             torch.arange(length, device=DEVICE) - 1, chain_state, backend=backend)
             assert torch.equal(committed[layer], chain_state)
-            if backend == "triton" and bool(restart_flags(parents)[node]):  # a stored state: the tree's own bits
-                nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
-                tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], nodes,
-                                backend="triton")
-                assert torch.equal(committed[layer], nodes[node])
+            # The tree forward's own bits at that node, reloads included: every state stored
+            # (``restarts`` only says which states the kernel writes, not how it computes them).
+            nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
+            tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], nodes,
+                            backend=backend, restarts=torch.ones(t, dtype=torch.int32, device=DEVICE))
+            assert torch.equal(committed[layer], nodes[node])
 
 
 def test_bad_shapes_and_backend_are_refused():

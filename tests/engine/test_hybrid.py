@@ -212,6 +212,36 @@ def test_fast_commit_equals_replay_and_ar(model, accept):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("accept", ["deepest", "side"])
+def test_fast_commit_through_the_kernels_equals_ar(model, accept, monkeypatch):
+    """The Triton path (interpreted here, as on a GPU): the tree forward stores only the states later
+    nodes restart from and records every node's inputs in the cache, and the commit recomputes the
+    accepted path from them (``delta_rule_path``); the state and what follows equal AR's."""
+    pytest.importorskip("triton")
+    from engine.models import delta_rule, fused
+
+    if not torch.cuda.is_available():  # off CUDA the dispatchers take the PyTorch forms: force the kernels
+        monkeypatch.setattr(fused, "use_kernels", lambda *t: fused.kernels_enabled())
+        monkeypatch.setattr(delta_rule, "_backend", lambda backend, x: "triton")
+    _, last = _prefilled(model)
+    tree, vt = _tree(int(last.argmax()))
+    parents, tokens, depths = tree.parents.tolist(), tree.tokens.tolist(), tree.depths.tolist()
+    node = depths.index(max(depths)) if accept == "deepest" else next(
+        i for i in range(len(tokens)) if depths[i] == 1 and tree.ranks[i] == 1)
+    path = _path_to(parents, node)
+    padded = torch.tensor(path + [n for n in range(len(tokens)) if n not in path])
+    fast, _ = _prefilled(model)
+    model(tree.tokens, fast, START_PROMPT, tree=vt)
+    assert int(delta_rule.restart_flags(tree.parents).sum()) < len(tokens)  # not every state was stored
+    fast.commit_path(START_PROMPT, padded, len(path))
+    ar, _ = _prefilled(model, [tokens[i] for i in path])
+    n = START_PROMPT + len(path)
+    _assert_same_state(fast, ar, n)
+    nxt = torch.tensor([5, 17])
+    _assert_logits_close(model(nxt, fast, n)[0], model(nxt, ar, n)[0])
+
+
+@torch.no_grad()
 def test_commit_guards(model):
     cache, _ = _prefilled(model)
     with pytest.raises(RuntimeError, match="tree forward"):

@@ -47,9 +47,10 @@ def test_kernel_matches_the_product(dtype, n, k, rows, split):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the reference parts are float32 products: tf32 on a GPU")
-def test_parts_add_in_order_whatever_finishes_last():
-    """The sum does not depend on which part took the last ticket: the same bits as adding the
-    parts' float32 sums in order 0..split-1 (computed here from single-part launches)."""
+def test_parts_add_in_order():
+    """The result is the parts' float32 sums added in order 0..split-1, then rounded: the same bits
+    as single-part launches added that way. (The interpreter runs the parts in grid order, so the last
+    one takes the last ticket here; on a GPU any part may, and the order of the sum is the same.)"""
     n, k, split = 64, 512, 4
     w, x = 0.05 * _r(n, k, dtype=torch.float16, seed=1), _r(1, k, dtype=torch.float16, seed=2)
     got = lin._kernel_linear(x, w, None, lin.LinearConfig(64, 64, split))
@@ -99,15 +100,20 @@ def test_dispatch_takes_cublas_where_nothing_is_tuned():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuned launches are for GPUs")
 def test_tuned_shapes_on_the_gpu_match_cublas_and_round_alike_across_rows():
-    """A tuned weight (the 8B shape's o_proj) through the engine's dispatch: close to cuBLAS, and a
-    row's bits the same however many rows share its launch class (1 and 16 rows: a step)."""
+    """A tuned weight (the 8B shape's qkv: a step and a verify launch) through the engine's dispatch:
+    close to cuBLAS, and a row's bits the same however many rows share its launch class (1 and 16
+    rows: a step; 17, 33 and 65 rows: a verify, BLOCK_M 32, 64 and 128)."""
     fused.set_kernels(True)
     cap = torch.cuda.get_device_capability()
-    if (4096, 4096) not in lin.TUNED.get(cap, {}):
-        pytest.skip(f"no tuned launches for compute capability {cap}")
-    w = 0.02 * torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    assert lin.launch_config(x, w) is not None
-    got = lin.linear(x, w)
-    assert _rel(got, F.linear(x.float(), w.float())) < 1e-2
-    assert torch.equal(lin.linear(x[:1], w), got[:1])
+    if set(lin.TUNED.get(cap, {}).get((6144, 4096), {})) != {"step", "verify"}:
+        pytest.skip(f"no tuned step and verify launches for compute capability {cap}")
+    w = 0.02 * torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 16, 17, 33, 65):
+        assert lin.launch_config(x[:rows], w) is not None
+    assert _rel(lin.linear(x, w), F.linear(x.float(), w.float())) < 1e-2
+    step = lin.linear(x[:16], w)
+    assert torch.equal(lin.linear(x[:1], w), step[:1])
+    verify = lin.linear(x[:17], w)
+    for rows in (33, 65):
+        assert torch.equal(lin.linear(x[:rows], w)[:17], verify)
