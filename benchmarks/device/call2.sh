@@ -12,4 +12,12 @@ section grammar_tests 45 python3 -m pytest -q -p no:cacheprovider -rs tests/engi
 # PATHS="generic runtime" times the generic loop too (the runtime path's step was 11-16x cheaper).
 section pair 210 python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent --n-prompts 4 \
   --max-new-tokens 96 --repeats 2 --paths ${PATHS:-runtime} --md "$OUT/pair.md" --out "$OUT/pair.json"
+# B48=1: HumanEval at budget 48 (the DDTree goal's budget), at 96 new tokens and at up to 256 ended
+# at each solution's stop token.
+if [ -n "${B48:-}" ]; then
+  section pair_b48 120 python3 benchmarks/gpu_bench.py pair --sets humaneval --n-prompts 4 --max-new-tokens 96 \
+    --repeats 2 --paths runtime --budget 48 --no-fp32-check --md "$OUT/pair_b48.md" --out "$OUT/pair_b48.json"
+  section pair_b48_eos 150 python3 benchmarks/gpu_bench.py pair --sets humaneval --n-prompts 4 --max-new-tokens 256 \
+    --repeats 2 --paths runtime --budget 48 --no-fp32-check --stop-at-eos --md "$OUT/pair_b48_eos.md"
+fi
 summary

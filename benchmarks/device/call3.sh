@@ -16,6 +16,11 @@ W=.device/workloads
 section grammar_tests 45 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py -k grammar
 section pair 130 python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent --n-prompts 4 \
   --max-new-tokens 96 --repeats 2 --md "$OUT/pair.md"
+# GENERIC=1: the generic decode path beside the runtime path (its steps are 10-16x dearer: a short set).
+if [ -n "${GENERIC:-}" ]; then
+  section generic 150 python3 benchmarks/gpu_bench.py pair --sets humaneval --n-prompts 2 --max-new-tokens 64 \
+    --repeats 1 --paths generic runtime --no-fp32-check --md "$OUT/generic.md"
+fi
 section hf 45 python3 benchmarks/gpu_bench.py hf --sets humaneval --n-prompts 2 --max-new-tokens 64 --repeats 1 \
   --md "$OUT/hf.md"
 section reference 50 python3 benchmarks/gpu_bench.py reference --reference-src .device/ref --sets humaneval \

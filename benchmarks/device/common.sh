@@ -12,9 +12,16 @@ SUMMARY=()
 say() { echo "$*" | tee -a "$LOG"; }
 
 # section NAME SECONDS CMD...: run CMD with a time limit, its output into the log (and stdout)
+# SKIP="name ..." skips those sections (a re-run of a call that already has them).
 section() {
   local name=$1 limit=$2 t0 rc
   shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    say "=== $name: skipped (SKIP)"
+    SUMMARY+=("$name: skipped")
+    LAST_RC=0
+    return 0
+  fi
   t0=$(date +%s)
   say "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
   set -o pipefail
