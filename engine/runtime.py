@@ -368,13 +368,15 @@ class StaticDecoder:
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
                                               bits)
-        if self.recurrent:  # a grammar may cut a step after its commit: the replaced state is kept
-            self.ws.cache.keep_previous = gs is not None  # (after the prefill: its reset clears it)
+        # A grammar may cut a step after its commit: the replaced recurrent state is kept, set after
+        # the prefill (its reset clears it); a verify that keeps it is another graph.
+        keep = self.recurrent and gs is not None
+        if self.recurrent:
+            self.ws.cache.keep_previous = keep
         start = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block, cfg.kernels)
-        keep = self.recurrent and gs is not None  # a verify keeping the replaced state is another graph
 
         def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)

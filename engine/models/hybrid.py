@@ -373,7 +373,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = project(self, "in_proj", x)  # [T, C], [T, HV * DV], [T, HV], [T, HV]
         # A tree records every node's conv input and delta-rule inputs (the commit gathers the accepted
         # path's window and recomputes its recurrence); a chain commits its window here.
-        inputs = tuple(x[layer, :t] for x in cache.tree_inputs) if p.tree else None
+        inputs = tuple(buf[layer, :t] for buf in cache.tree_inputs) if p.tree else None
         q, k, v, g, beta = fused.gdn_inputs(cache.conv[layer], mixed, p.conv_index, self.conv1d.weight[:, 0, :], a,
                                             b, self.A_log, self.dt_bias, self.hk, self.dk, self.hv, self.dv,
                                             commit=not p.tree, record=cache.tree_conv[layer, :t] if p.tree else None,

@@ -103,7 +103,14 @@ def test_tuned_shapes_on_the_gpu_match_cublas_and_round_alike_across_rows():
     """A tuned weight (the 8B shape's qkv: a step and a verify launch) through the engine's dispatch:
     close to cuBLAS, and a row's bits the same however many rows share its launch class (1 and 16
     rows: a step; 17, 33 and 65 rows: a verify, BLOCK_M 32, 64 and 128)."""
-    fused.set_kernels(True)
+    previous = fused.set_kernels(True)
+    try:
+        _check_tuned_qkv()
+    finally:
+        fused.set_kernels(previous)
+
+
+def _check_tuned_qkv():
     cap = torch.cuda.get_device_capability()
     if set(lin.TUNED.get(cap, {}).get((6144, 4096), {})) != {"step", "verify"}:
         pytest.skip(f"no tuned step and verify launches for compute capability {cap}")
