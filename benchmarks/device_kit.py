@@ -38,7 +38,7 @@ GPU_WHEELS = ["optuna", "sqlalchemy", "alembic", "mako", "colorlog", "xgrammar",
               "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
-EVAL_SETS = {"humaneval": 12, "chat": 12, "agent": 12}
+EVAL_SETS = {"humaneval": 24, "chat": 24, "agent": 24}
 TRAIN_PROMPTS = 40000  # more than the training mix holds: every train prompt (export_workload.py train)
 CALLS = {  # what each call carries besides the tracked tree
     "call1": ["smol1"],

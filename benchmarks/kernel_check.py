@@ -32,6 +32,12 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 DELTA_SHAPES = [(16, 8), (128, 128)]  # (dk, dv): tiny-hybrid, Qwen3.5-27B
 HEAD_DIMS = [16, 64, 128, 256]  # tiny, SmolLM2 and the DFlash drafts, Qwen3-8B, Qwen3.5-27B
 WIDTHS = [576, 4096, 5120, 8192, 16384]  # hidden sizes (SmolLM2 ... a 400B model's)
+# Weights with no tuned plan that the checked default plans are made for: SmolLM2-135M (qkv, o, gate_up,
+# down, lm_head) and a tiny model's.
+DEFAULT_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (128, 64)]
+# Kernels allowed to spill, and why: not on a path whose speed is measured.
+MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwen3.5) checks the algorithm, "
+                                                 "not speed: 8 warps hold q, the partial sums and a gathered block"}
 # (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported
 TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
                (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
@@ -72,16 +78,18 @@ def cases():
         yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
                dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), warps, 3)
     lin = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
-               M="i32", N="i32", K="i32", sxm="i32", swn="i32", k_iters="i32", split="i32")
+               M="i32", N="i32", K="i32", sxm="i32", swn="i32", k_iters="i32", split="i32", tiles="i32")
     lin_aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm", "swn")
-    for arch, shapes in rows_linear.TUNED.items():
-        for (n, k), launches in shapes.items():
-            for cls, cfg in launches.items():
-                block_m = rows_linear.STEP_ROWS if cls == "step" else rows_linear.MAX_ROWS
-                stages = rows_linear.stages_for(cfg, block_m, 2)
-                yield (f"linear sm_{arch[0]}{arch[1]} {n}x{k} {cls} M<={block_m}", rows_linear._linear_kernel, lin,
-                       dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                            BLOCK_M=block_m, UPCAST=False), cfg.num_warps, stages, lin_aligned)
+    plans = [(f"sm_{arch[0]}{arch[1]}", shape, plan) for arch, shapes in rows_linear.TUNED.items()
+             for shape, plan in shapes.items()]
+    plans += [("default", shape, rows_linear.default_plan(*shape)) for shape in DEFAULT_LINEAR_SHAPES]
+    for where, (n, k), plan in plans:
+        for cls, cfg, block_m in (("step", plan.step, rows_linear.STEP_ROWS),
+                                  ("verify", plan.verify, rows_linear.ROW_BLOCK)):
+            stages = rows_linear.stages_for(cfg, block_m, 2)
+            yield (f"linear {where} {n}x{k} {cls} M<={block_m}", rows_linear._linear_kernel, lin,
+                   dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                        BLOCK_M=block_m, INTERPRET=False), cfg.num_warps, stages, lin_aligned)
     tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
                      dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
                      edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
@@ -128,6 +136,14 @@ def cases():
             yield (f"attention {dtype} head_dim={d}", split_attention._small_attention_kernel, types,
                    dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS, **launch),
                    warps, stages)
+            step_launch = split_attention.step_attention_launch(d, dtype == "fp32")
+            step_warps, step_stages = step_launch.pop("num_warps"), step_launch.pop("num_stages")
+            step = dict(q_ptr=p, k_ptr=p, v_ptr=p, start_ptr="*i64", depth_ptr="*i32", anc_ptr="*i32",
+                        acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", row_blocks="i32",
+                        s_anc="i32", skt="i32", skh="i32", svt="i32", svh="i32", scale="fp32")
+            yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
+                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS,
+                        INTERPRET=False, **step_launch), step_warps, step_stages)
             merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
                          sgb="i32", sgt="i32", sgh="i32")
             for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
@@ -168,7 +184,7 @@ def main() -> int:
     for name, kernel, types, constexprs, warps, stages, *aligned in cases():
         res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages, *aligned))
         spill = res.get("STACK", 0) + res.get("LOCAL", 0)
-        ok = spill == 0 and res["SHARED"] <= SHARED_LIMIT
+        ok = (spill == 0 or name in MAY_SPILL) and res["SHARED"] <= SHARED_LIMIT
         bad += not ok
         print(f"{name:40s} {warps:5d} {res.get('REG', 0):5d} {res['SHARED']:7d} {spill:6d}  {'ok' if ok else 'BAD'}")
     print(f"kernels: {sum(1 for _ in cases())}  bad: {bad}")

@@ -48,6 +48,7 @@ from engine.config import EngineConfig
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
 from engine.models import tree_kernel
+from engine.models.attention import StepKeys, ancestor_table, chain_keys, chain_table
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
 from engine.sampling import select_tokens
@@ -74,21 +75,6 @@ def bucket_for(need: int, limit: int) -> int:
     while b < need:
         b *= 2
     return min(b, limit)
-
-
-def key_mask(start: Tensor, key_len: int, inner: Tensor, keys: Tensor | None = None,
-             new_slots: Tensor | None = None) -> Tensor:
-    """[T, key_len] bool: every slot before ``start`` (committed), and among the T new slots
-    start..start+T-1 those ``inner`` [T, T] allows (causal for AR and chains, ancestors for trees).
-    ``keys`` (0..key_len-1) and ``new_slots`` (start + 0..T-1) may be given (made once or already
-    at hand): three launches then, where slicing by a device position would take a dozen."""
-    t = inner.shape[0]
-    if keys is None:
-        keys = torch.arange(key_len, device=inner.device)
-    if new_slots is None:
-        new_slots = start + torch.arange(t, device=inner.device)
-    mask = torch.lt(keys.expand(t, -1), start)
-    return mask.index_copy_(1, new_slots, inner)
 
 
 class _Graphs:
@@ -174,12 +160,20 @@ class StaticDecoder:
         self._readbacks: dict[int, _Readback] = {}
         self._draft_kv: tuple[Tensor, Tensor] | None = None
         self._aranges: dict[int, Tensor] = {}
+        self._chain_tables: dict[int, tuple[Tensor, Tensor]] = {}
 
     def _arange(self, n: int) -> Tensor:
         """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
         if n not in self._aranges:
             self._aranges[n] = torch.arange(n, device=self.device)
         return self._aranges[n]
+
+    def _chain_keys(self, t: int, key_len: int) -> StepKeys:
+        """The step layout of ``t`` tokens in a row from the root (an AR step, a chain verify): its
+        depth and ancestor tables made once (a captured step reads them)."""
+        if t not in self._chain_tables:
+            self._chain_tables[t] = chain_table(t, self.device)
+        return chain_keys(self.start, t, key_len, self._chain_tables[t])
 
     def _draft_context(self) -> tuple[Tensor, Tensor]:
         """The DFlash draft's context K/V buffers for this workspace (graphs read them: allocated once)."""
@@ -227,8 +221,7 @@ class StaticDecoder:
     def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool) -> Tensor:
         s, ws = self.start, self.ws
         tok = ws.seq.index_select(0, s)
-        mask = torch.le(self._arange(key_len), s)[None, :]  # key_mask's for one token
-        logits, _ = self.pair.target.forward_static(tok, s, s, key_len, mask, ws.cache)
+        logits, _ = self.pair.target.forward_static(tok, s, s, self._chain_keys(1, key_len), ws.cache)
         if constrained:  # the bitmask the host filled for this step
             logits = mask_logits(logits, self._bits[1])
         nxt = select_tokens(logits, s + 1, cfg.temperature, cfg.seed)
@@ -252,9 +245,13 @@ class StaticDecoder:
         s, ws, target = self.start, self.ws, self.pair.target
         t = tree.tokens.numel()
         positions, slots = s + tree.depths, s + self._arange(t)
-        logits, f = target.forward_static(tree.tokens, positions, slots, key_len,
-                                          key_mask(s, key_len, anc, self._arange(key_len), slots),
-                                          ws.cache, self.pair.drafter.feature_layers,
+        if cfg.verify == "chain":
+            keys = self._chain_keys(t, key_len)
+        else:  # each node's ancestors by depth (its depth bounded by the draft's block)
+            depths = tree.depths.to(torch.int32)
+            keys = StepKeys(s, depths, ancestor_table(anc, depths, block), key_len)
+        logits, f = target.forward_static(tree.tokens, positions, slots, keys, ws.cache,
+                                          self.pair.drafter.feature_layers,
                                           parents=tree.parents if self.recurrent else None)
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
         # The walk, then the commit on the device: the committed tokens land after the root and the

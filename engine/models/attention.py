@@ -6,11 +6,20 @@ program per K/V head would leave the GPU idle, so the keys are split into spans 
 at fixed positions, each program one span of one K/V head for all the query heads sharing it, and
 a second launch merges the spans' partial softmaxes in order (and applies Qwen3.5's output gate).
 The spans sit where they sit whatever the key span, and a span with no visible key adds exactly
-zero: an AR step and a verify over more (masked) slots round alike, which keeps speculative
-decoding exact. The dispatch follows ``engine.models.fused`` (its kernel switch and PyTorch forms).
+zero: an AR step and a verify over more (masked) slots round alike. The dispatch follows
+``engine.models.fused`` (its kernel switch and PyTorch forms).
+
+Decode steps (an AR step, a chain or tree verify, a replay) take ``step_attention``: the new tokens'
+keys are found by logical position, not by slot. A tree node at depth d attends the committed prefix,
+then its ancestors by depth, then itself, each key at the position it will hold once committed, in
+the same spans and key blocks as an AR step at position start + d, so the node's result has the AR
+step's bits (the ancestors sit at other slots of the verify: they are gathered into place per
+token). The mask form (``attention``) serves prefills, draft blocks and training.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,57 @@ ATTN_BLOCK_M = 16
 # The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
 # interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
 _LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret
+# Triton's interpreter runs tl.dot as NumPy's matmul, whose rounding depends on the operands' shapes
+# and a row's place in them: there the step kernel's products are explicit sums (over head dims, then
+# over keys in order), so the CPU tests check that a row's bits do not depend on its launch.
+_INTERPRET = triton is not None and triton.knobs.runtime.interpret
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """Where a decode step's T new tokens sit among the keys (``step_attention``).
+
+    start: [1] long on the device, the position (and cache slot) of the first new token (the root):
+        every slot before it holds a committed key.
+    depths: [T] int32, token i at position ``start + depths[i]`` (a chain: i).
+    ancestors: [T, W] int32, ``ancestors[i, j]`` the new token on token i's path at depth j, for
+        j <= depths[i] (``ancestors[i, depths[i]] == i``; entries past a token's depth are not read).
+        New token m's key sits at slot ``start + m``.
+    key_len: the slots the step may read (static: a captured step's key span), covering start + T.
+    """
+
+    start: Tensor
+    depths: Tensor
+    ancestors: Tensor
+    key_len: int
+
+    @property
+    def width(self) -> int:
+        return self.ancestors.shape[1]
+
+
+def chain_keys(start: Tensor, t: int, key_len: int, table: tuple[Tensor, Tensor] | None = None) -> StepKeys:
+    """``StepKeys`` of ``t`` tokens in a row (an AR step, a chain, a replay): token i at depth i, its
+    ancestors the tokens before it. ``table``: (depths, ancestors) made once (``chain_table``)."""
+    depths, ancestors = table if table is not None else chain_table(t, start.device)
+    return StepKeys(start.reshape(1), depths, ancestors, key_len)
+
+
+def chain_table(t: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(depths [t], ancestors [t, t]) of a chain of ``t`` tokens, int32."""
+    idx = torch.arange(t, dtype=torch.int32, device=device)
+    return idx, idx[None, :].expand(t, t).contiguous()
+
+
+def ancestor_table(mask: Tensor, depths: Tensor, width: int) -> Tensor:
+    """[T, width] int32 ancestors (``StepKeys.ancestors``) from a tree's ancestor mask [T, T] (mask[i, j]:
+    j is i or an ancestor of i) and its depths [T]: column depth[j] of row i holds j. Entries past a
+    node's depth are 0 (never read). Tensor ops (the tree kernel writes the table itself on CUDA)."""
+    t = mask.shape[0]
+    cols = torch.where(mask, depths.long()[None, :].expand(t, t), width)  # non-ancestors go to a dump column
+    table = torch.zeros(t, width + 1, dtype=torch.int32, device=mask.device)
+    table.scatter_(1, cols, torch.arange(t, dtype=torch.int32, device=mask.device)[None, :].expand(t, t))
+    return table[:, :width].contiguous()
 
 
 def attention_torch(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
@@ -112,6 +172,66 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     return out if batched else out[0]
 
 
+def step_attention_torch(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float | None = None,
+                         gate: Tensor | None = None) -> Tensor:
+    """``step_attention`` by SDPA over the slots (the mask of committed keys, ancestors and self):
+    the PyTorch form (the CPU path, and the reference the kernel is tested against)."""
+    t = q.shape[0]
+    key_len = keys.key_len
+    start = keys.start.reshape(1)
+    slots = torch.arange(key_len, device=q.device)
+    mask = (slots[None, :] < start).expand(t, key_len).clone()
+    anc = keys.ancestors.long()
+    cols = torch.arange(keys.width, device=q.device)[None, :]
+    visible = cols <= keys.depths.long()[:, None]  # [T, W]
+    rows = torch.arange(t, device=q.device)[:, None].expand_as(anc)
+    # column start + ancestors[i, j] of row i, for j <= depth_i
+    mask.index_put_((rows[visible], (start + anc)[visible]), torch.ones((), dtype=torch.bool, device=q.device))
+    return attention_torch(q, k[:key_len], v[:key_len], mask, scale, gate)
+
+
+def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float | None = None,
+                   gate: Tensor | None = None) -> Tensor:
+    """Attention of a decode step's T new tokens, q [T, Hq, D], over a layer's cache k, v [S, Hkv, D]
+    (their keys already written at slots start..start+T-1), laid out by ``keys`` -> [T, Hq, D].
+
+    A token at depth d sees the committed keys (slots before start), then its ancestors by depth,
+    then itself, each at its logical position start + depth: on the kernel path every key block
+    holds what an AR step at that position holds, so the token's output carries the AR step's bits
+    (``gate`` as in ``attention``). Any T: the kernel serves every verify."""
+    if gate is not None and (tuple(gate.shape) != tuple(q.shape) or gate.dtype != q.dtype):
+        raise ValueError(f"gate must have the queries' shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                         f"{tuple(gate.shape)} and {gate.dtype}")
+    ok = (q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and k.stride(-1) == 1 and v.stride(-1) == 1
+          and keys.ancestors.dtype == torch.int32 and keys.depths.dtype == torch.int32)
+    if not (ok and fused.use_kernels(q, k, v, *([] if gate is None else [gate]))):
+        return step_attention_torch(q, k, v, keys, scale, gate)
+    qc = q.contiguous()
+    t, hq, d = qc.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    n_split = triton.cdiv(keys.key_len, SPLIT_KEYS)
+    acc = torch.empty(1, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
+    m_l = torch.empty(1, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
+    launch = step_attention_launch(d, q.dtype == torch.float32)
+    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)
+    anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
+    _step_attention_kernel[(row_blocks * n_split, hkv)](
+        qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, row_blocks, anc.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5, HQ=hq,
+        GROUP=group, D=d, IEEE=q.dtype == torch.float32, SPLIT=SPLIT_KEYS, INTERPRET=_INTERPRET, **launch,
+    )
+    out = torch.empty_like(qc)
+    if gate is None:
+        gb, g_strides = out, (0, 0, 0)  # not read (GATED=False)
+    else:
+        gb = gate if gate.stride(-1) == 1 else gate.contiguous()
+        g_strides = (0, gb.stride(0), gb.stride(1))
+    _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, t * hq, n_split, *g_strides, HQ=hq, D=d,
+                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE)
+    return out
+
+
 def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     """Block sizes and launch options of the attention kernel for head_dim ``d`` (``fp32``: float32
     inputs). Two pipeline stages and smaller key blocks for wide heads keep shared memory within a
@@ -123,6 +243,18 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     return dict(BLOCK_M=ATTN_BLOCK_M, BLOCK_N=(16 if fp32 and block_d == 128 else 32) if narrow_keys else 64,
                 BLOCK_D=block_d,
                 num_warps=8 if block_d >= 64 else 4, num_stages=2)
+
+
+def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
+    """``attention_launch`` for ``_step_attention_kernel``, which holds a token's gathered key block
+    beside the scores: key blocks of at most 32 (16 in float32) from head_dim 128 keep it in registers
+    (no spills on sm_90 with Triton 3.9, benchmarks/kernel_check.py, except float32 at head_dim 256: a
+    check of the algorithm on 256-wide heads, not a speed path). One launch per head_dim and dtype,
+    whatever the rows: an AR step and a verify reduce their keys in the same blocks."""
+    launch = attention_launch(d, fp32)
+    if launch["BLOCK_D"] >= 128:
+        launch["BLOCK_N"] = min(launch["BLOCK_N"], 16 if fp32 else 32)
+    return launch
 
 
 # ------------------------------------------------------------------------------- kernels
@@ -184,6 +316,98 @@ if triton is not None:
                 pv = tl.dot(p, vb, input_precision="ieee")
             else:
                 pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        row = part + tok * HQ + head
+        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+
+    @triton.jit
+    def _step_keys(k_ptr, start, rn, tok, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh, rd, md):
+        # The key block at logical positions rn as token ``tok`` sees it: the committed slot below
+        # start, else its ancestor at that depth (visible up to its own depth), each one's slot.
+        off = rn - start
+        dep = tl.load(depth_ptr + tok)
+        in_tree = (off >= 0) & (off <= dep)
+        anc = tl.load(anc_ptr + tok * s_anc + off, mask=in_tree, other=0)
+        slot = tl.where(off < 0, rn, start + anc)
+        visible = ((off < 0) | in_tree) & (rn < end)
+        block = tl.load(k_ptr + slot[:, None] * skt + kv_head * skh + rd[None, :], mask=visible[:, None] & md[None, :],
+                        other=0.0)
+        return block, visible
+
+    # Not specialised on T, S, the spans or the table's stride: an AR step (T == 1), a chain and a
+    # tree run one variant.
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks", "s_anc"])
+    def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
+                               row_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               IEEE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+        # Rows: (token, head) pairs of one K/V head, token-major (as _small_attention_kernel). Keys:
+        # one span of SPLIT logical positions in blocks of BLOCK_N. A block wholly before start is
+        # the committed keys, shared by every row; a block reaching past it holds, for each token,
+        # that token's ancestors at their depths: computed once per token of the program (its rows
+        # kept), so each row's scores and sums see exactly an AR step's block at that position.
+        kv_head = tl.program_id(1)
+        span = tl.program_id(0) // row_blocks
+        rb = tl.program_id(0) % row_blocks
+        part = span * T * HQ
+        rm = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rm // GROUP
+        head = kv_head * GROUP + rm % GROUP
+        mrow = tok < T
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
+                    other=0.0)
+        start = tl.load(start_ptr)
+        tok_lo = (rb * BLOCK_M) // GROUP
+        tok_hi = tl.minimum(T - 1, (rb * BLOCK_M + BLOCK_M - 1) // GROUP)
+        deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
+        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.minimum(S, (span + 1) * SPLIT)
+        # Blocks past every row's position are skipped: for a row they would add exactly nothing.
+        hi = tl.minimum(end, start + deepest + 1)
+        for n0 in range(span * SPLIT, hi, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            shared = n0 + BLOCK_N <= start
+            n_tok = tl.where(shared, 1, tok_hi - tok_lo + 1)
+            scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            allowed = tl.zeros([BLOCK_M, BLOCK_N], tl.int1)
+            for j in range(0, n_tok):
+                t = tok_lo + j
+                kb, visible = _step_keys(k_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh,
+                                         rd, md)
+                if INTERPRET:  # a row's own order (see _INTERPRET)
+                    s_j = tl.sum(q.to(tl.float32)[:, None, :] * kb.to(tl.float32)[None, :, :], axis=2)
+                elif IEEE:
+                    s_j = tl.dot(q, tl.trans(kb), input_precision="ieee")
+                else:  # bf16/fp16 values are exact in tf32: the half-precision product, float32 sums
+                    s_j = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="tf32")
+                sel = (tok == t) | shared
+                scores = tl.where(sel[:, None], s_j, scores)
+                allowed = tl.where(sel[:, None], visible[None, :], allowed)
+            scores = tl.where(allowed & mrow[:, None], scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for j in range(0, n_tok):
+                t = tok_lo + j
+                vb, visible = _step_keys(v_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, svt, svh,
+                                         rd, md)
+                if INTERPRET:
+                    pv_j = tl.sum(p[:, :, None] * vb.to(tl.float32)[None, :, :], axis=1)
+                elif IEEE:
+                    pv_j = tl.dot(p, vb, input_precision="ieee")
+                else:
+                    pv_j = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
+                pv = tl.where(((tok == t) | shared)[:, None], pv_j, pv)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         row = part + tok * HQ + head

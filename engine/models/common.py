@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models import linear as rows_linear
+from engine.models.attention import StepKeys
 
 
 @dataclass(frozen=True)
@@ -115,14 +116,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return fused.rope(x, cos, sin)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | StepKeys | None, scale: float | None = None,
               gate: Tensor | None = None) -> Tensor:
     """q: [..., Tq, Hq, D]; k, v: [..., Tk, Hkv, D]; mask: [..., Tq, Tk] bool (True = attend) or
     None (full). Leading dims are a batch (training many sequences at once). gate: [..., Tq, Hq, D]
     or None: the output times ``sigmoid(gate)``, with the eager ops' bits (``engine.models.attention``).
+    A decode step's layout (``StepKeys``, unbatched) takes ``step_attention``: each new token's
+    result has the bits of an AR step at its position.
 
     Returns [..., Tq, Hq, D]. Grouped-query heads share their key/value head.
     """
+    if isinstance(mask, StepKeys):
+        return split_attention.step_attention(q, k, v, mask, scale, gate)
     return split_attention.attention(q, k, v, mask, scale, gate)
 
 
@@ -134,6 +139,20 @@ def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.devi
         inner = tree.mask
     ctx = torch.ones(t, start, dtype=torch.bool, device=device)
     return torch.cat([ctx, inner], dim=1)
+
+
+def attention_layout(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor | StepKeys:
+    """How a forward of ``t`` tokens at ``start`` attends. A prefill (``start`` 0, no tree) takes the
+    mask of ``context_mask``; every other forward continues a sequence (an AR step, a verify, a replay)
+    and is a decode step: ``StepKeys``, so that its rows round as AR steps at their positions do and
+    speculative decoding commits AR's tokens in half precision too."""
+    if start == 0 and tree is None:
+        return context_mask(start, tree, t, device)
+    start_t = torch.tensor([start], device=device)
+    if tree is None:
+        return split_attention.chain_keys(start_t, t, start + t)
+    depths = tree.depths.to(device=device, dtype=torch.int32)
+    return StepKeys(start_t, depths, split_attention.ancestor_table(tree.mask, depths, t), start + t)
 
 
 def new_positions(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor:

@@ -13,11 +13,12 @@ from engine.models import fused
 from engine.models.common import (
     Linear,
     RMSNorm,
+    StepKeys,
     SwiGLU,
     VerifyTree,
     apply_rope,
     attention,
-    context_mask,
+    attention_layout,
     final_norm,
     head_norms,
     new_positions,
@@ -109,7 +110,7 @@ class DenseAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int,
-                mask: Tensor) -> Tensor:
+                mask: Tensor | StepKeys) -> Tensor:
         t = x.shape[0]
         q, k, v = project(self, "qkv_proj", x)
         q = q.view(t, self.n_heads, self.head_dim)
@@ -129,7 +130,7 @@ class DenseBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, cache, layer: int, start: int,
-                mask: Tensor) -> tuple[Tensor, Tensor]:
+                mask: Tensor | StepKeys) -> tuple[Tensor, Tensor]:
         """This layer's input is ``x + delta`` (``delta``: the previous layer's MLP output, None for
         the first layer). Returns the residual after attention and this layer's MLP output: each
         residual add is fused with the norm that reads it (``RMSNorm.add_and_norm``)."""
@@ -187,25 +188,27 @@ class DenseModel(nn.Module):
         t = tokens.shape[0]
         x = self.embed_tokens(tokens)
         positions = new_positions(start, tree, t, x.device)
-        mask = context_mask(start, tree, t, x.device)
+        mask = attention_layout(start, tree, t, x.device)
         logits, features = self._run(x, positions, cache, start, mask, feature_layers, last_only)
         if tree is None:
             cache.length = start + t
         return logits, features
 
-    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, key_len: int, mask: Tensor,
-                       cache: KVCache, feature_layers: Sequence[int] = (),
-                       parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, keys: StepKeys, cache: KVCache,
+                       feature_layers: Sequence[int] = (), parents: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
         """The shape-static forward CUDA graphs replay: K/V land in the device-held ``slots`` [T]
-        and every query attends over the first ``key_len`` slots through ``mask`` [T, key_len].
-        No host value depends on where the sequence is, so one capture serves every step.
-        (``parents`` matters to recurrent targets only: attention sees the tree through ``mask``.)"""
+        and every query attends over the first ``keys.key_len`` slots as ``keys`` lays them out
+        (``step_attention``). No host value depends on where the sequence is, so one capture serves
+        every step. (``parents`` matters to recurrent targets only: attention sees the tree through
+        ``keys``.)"""
         x = self.embed_tokens(tokens)
-        return self._run(x, positions, _SlotWriter(cache, slots, key_len), 0, mask, feature_layers, False,
-                         rope_rows(self, positions, key_len, x.dtype))
+        return self._run(x, positions, _SlotWriter(cache, slots, keys.key_len), 0, keys, feature_layers, False,
+                         rope_rows(self, positions, keys.key_len, x.dtype))
 
-    def _run(self, x: Tensor, positions: Tensor, cache, start: int, mask: Tensor, feature_layers: Sequence[int],
-             last_only: bool, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    def _run(self, x: Tensor, positions: Tensor, cache, start: int, mask: Tensor | StepKeys,
+             feature_layers: Sequence[int], last_only: bool, rope: tuple[Tensor, Tensor] | None = None
+             ) -> tuple[Tensor, Tensor | None]:
         cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, x.dtype)
         wanted = set(feature_layers)
         feats, delta = [], None

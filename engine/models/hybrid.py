@@ -22,10 +22,11 @@ from engine.models import fused
 from engine.models.common import (
     Linear,
     RMSNorm,
+    StepKeys,
     SwiGLU,
     VerifyTree,
     attention,
-    context_mask,
+    attention_layout,
     final_norm,
     head_norms,
     new_positions,
@@ -341,7 +342,7 @@ class _Pass:
     start: int
     cos: Tensor
     sin: Tensor
-    mask: Tensor  # [T, keys]
+    mask: Tensor | StepKeys  # a prefill's [T, keys] mask, or a decode step's layout (``attention_layout``)
     conv_index: Tensor  # [T, kernel]
     parents: Tensor  # [T] int32 on the device (as the delta rule kernel reads them: converted once a forward)
     tree: bool  # True: record every node's inputs, leave the committed state; False: commit a chain
@@ -484,16 +485,16 @@ class HybridModel(nn.Module):
         cache.begin(start, None if tree is None else t)
         positions = new_positions(start, tree, t, tokens.device)
         parents = torch.arange(t, device=tokens.device) - 1 if tree is None else tree.parents.to(tokens.device)
-        mask = context_mask(start, tree, t, tokens.device)
+        mask = attention_layout(start, tree, t, tokens.device)
         logits, features = self._run(tokens, positions, cache, cache, start, mask, parents, tree is not None,
                                      feature_layers, last_only)
         if tree is None:
             cache.length = start + t
         return logits, features
 
-    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, key_len: int, mask: Tensor,
-                       cache: HybridCache, feature_layers: Sequence[int] = (),
-                       parents: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, keys: StepKeys, cache: HybridCache,
+                       feature_layers: Sequence[int] = (), parents: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
         """The shape-static forward CUDA graphs replay (``DenseModel.forward_static``). Without
         ``parents`` the tokens are a chain committed to the recurrent state (an AR step); with
         ``parents`` [T] a tree whose every node's inputs are recorded for ``commit_recurrent``.
@@ -504,8 +505,8 @@ class HybridModel(nn.Module):
         chain = None if tree else self._chain_indices(tokens.shape[0], tokens.device)
         if parents is None:
             parents = chain[0]
-        return self._run(tokens, positions, _SlotWriter(cache, slots, key_len), cache, 0, mask, parents, tree,
-                         feature_layers, False, chain, rope_rows(self, positions, key_len, self.dtype))
+        return self._run(tokens, positions, _SlotWriter(cache, slots, keys.key_len), cache, 0, keys, parents, tree,
+                         feature_layers, False, chain, rope_rows(self, positions, keys.key_len, self.dtype))
 
     def _chain_indices(self, t: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """A chain of ``t`` tokens' parents, conv window rows and int32 parents: the same at every
@@ -516,7 +517,7 @@ class HybridModel(nn.Module):
                                          parents.to(torch.int32))
         return self._chains[(t, device)]
 
-    def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor,
+    def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor | StepKeys,
              parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool,
              chain: tuple[Tensor, Tensor, Tensor] | None = None, rope: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor | None]:

@@ -4,17 +4,25 @@ An AR step or a verify multiplies 1-65 rows by every weight of the model: a stre
 weights, which cuBLAS answers with GEMM kernels tiled for many rows, some split over K with a
 second, reducing launch. This kernel reads the weight once in tiles of ``block_n`` output columns,
 ``block_k`` at a time through pipelined asynchronous copies, with the rows as the matrix unit's
-narrow operand (``W @ x^T``, padded to 16 rows or more). Where the output is too narrow to fill the
-GPU, K is split into ``split`` parts; the last program of a column tile to finish (an atomic ticket)
-adds the parts in order, so there is one launch and its result does not depend on which part
-finished last.
+narrow operand (``W @ x^T``, padded to 16 rows or more, at most ``ROW_BLOCK`` a program). Where the
+output is too narrow to fill the GPU, K is split into ``split`` parts; the last program of a column
+tile to finish (an atomic ticket) adds the parts in order, so there is one launch and its result
+does not depend on which part finished last.
 
-Which weights take it is measured, not guessed: ``TUNED`` holds, per GPU architecture and weight
-shape, the launch that beat cuBLAS at one row (``step``: up to 16 rows, an AR step or a draft block)
-or at 33 (``verify``: 17-128 rows), from ``benchmarks/kernel_bench.py linear``; every other weight,
-row count, dtype and GPU takes ``F.linear``. A launch depends on the weight and the class of row
-count only, so every row of a step rounds alike however many rows it has, and likewise in a verify.
-The kernel switch is ``engine.models.fused``'s.
+Row invariance (speculative decoding must commit exactly the AR tokens in bf16): a row's result
+is the sum over K in 16-wide chunks in order, part by part, the parts added in order 0..split-1.
+That order depends on the K partition (``split`` and ``block_k``) only, never on the tile's width,
+its row count, warps or stages: every weight has one ``LinearPlan`` whose two launches (``step`` up
+to 16 rows: an AR step, a chain, a draft block; ``verify`` beyond) share that partition, and every
+row count from 1 to ``MAX_ROWS`` takes it. cuBLAS picks its kernels by row count, so it would round
+a verify's rows otherwise than an AR step's; it takes only what no step reaches (longer prefills,
+float32, CPU tensors). ``tests/engine/test_linear.py`` checks a row's bits across 1, 7, 17, 33 and 65
+rows on the GPU for every plan, and in Triton's interpreter (whose dot runs as an explicit
+sequential sum, the order the GPU's matrix unit keeps) on the CPU.
+
+Which launch each weight takes is measured, not guessed: ``TUNED`` holds, per GPU architecture and
+weight shape, the plan that beat cuBLAS (``benchmarks/kernel_bench.py linear``); any other weight
+takes ``default_plan``, sized from its shape. The kernel switch is ``engine.models.fused``'s.
 """
 
 from __future__ import annotations
@@ -33,12 +41,18 @@ try:
 except ImportError:  # pragma: no cover - installs without Triton use F.linear
     triton = None
 
-MAX_ROWS = 128  # a verify of budget 64 has 65 rows; a prefill takes cuBLAS
-STEP_ROWS = 16  # up to here a "step" launch (BLOCK_M 16), beyond a "verify" one
+# Rows the kernel takes: every decode step, verify (the engine's budgets stay below it: MAX_BUDGET in
+# engine.config), replay and draft block, and prefills this short; longer prefills take cuBLAS (a
+# prefill is shared by AR and speculative decoding, so it need not round as a step does).
+MAX_ROWS = 1024
+ROW_BLOCK = 128  # rows per program at most (acc [block_n, 128] float32 in registers); more: row blocks
+STEP_ROWS = 16  # up to here a plan's "step" launch (BLOCK_M 16), beyond its "verify" one
 SHARED_BYTES = 200 * 2**10  # of an H100/H200 SM's 227 KB, what the pipeline stages may take
-# Triton's interpreter (the CPU tests) multiplies bf16 operands wrongly in tl.dot (3.9): there the
-# tiles are upcast first (exact: a product of two bf16 values is exact in float32's significand).
+# Triton's interpreter (the CPU tests) runs tl.dot as NumPy's matmul, whose rounding depends on the
+# matrix's shape: there the product is an explicit sum over K in order (as the GPU's matrix unit keeps
+# it), so that a row's bits are checked not to depend on the launch on the CPU too.
 _INTERPRET = triton is not None and triton.knobs.runtime.interpret
+TARGET_PROGRAMS = 264  # default_plan's split aims at two programs per SM of an H100/H200 (132 SMs)
 
 
 @dataclass(frozen=True)
@@ -61,42 +75,80 @@ class LinearConfig:
             raise ValueError(f"LinearConfig needs split >= 1, num_warps 4 or 8 and num_stages >= 1, got {self}")
 
 
+@dataclass(frozen=True)
+class LinearPlan:
+    """A weight's launches for every row count: ``step`` up to ``STEP_ROWS`` rows, ``verify`` beyond.
+    Both must split K alike (the same ``split`` and ``block_k``), so that a row's sums run in one
+    order whichever launch computes it."""
+
+    step: LinearConfig
+    verify: LinearConfig
+
+    def __post_init__(self) -> None:
+        if (self.step.split, self.step.block_k) != (self.verify.split, self.verify.block_k):
+            raise ValueError("a LinearPlan's step and verify launches must split K alike (split and block_k), "
+                             f"but got step {self.step} and verify {self.verify}")
+
+    def for_rows(self, rows: int) -> LinearConfig:
+        return self.step if rows <= STEP_ROWS else self.verify
+
+
+def _plan(step: LinearConfig, verify: LinearConfig | None = None) -> LinearPlan:
+    return LinearPlan(step, verify or step)
+
+
 _C = LinearConfig
 # H100/H200 (sm_90). Measured on an H200, 2026-12-02 (benchmarks/RESULTS.md, "few-row linear"): the
-# weights of the Qwen3.5-27B and Qwen3-8B shapes where the kernel beat cuBLAS by 2% or more, GPU us
-# at 1 / 33 rows (cuBLAS's in brackets). The others (the 27B out-projections, 5120 x 6144; the 8B and 27B
-# gate_up and the 8B o_proj and down at 33 rows; SmolLM2's weights) stay with cuBLAS.
-TUNED: dict[tuple[int, int], dict[tuple[int, int], dict[str, LinearConfig]]] = {
+# weights of the Qwen3.5-27B and Qwen3-8B shapes, GPU us at 1 / 33 rows (cuBLAS's in brackets).
+TUNED: dict[tuple[int, int], dict[tuple[int, int], LinearPlan]] = {
     (9, 0): {
         # 27B: GDN in_proj 40.8/42.7 us (cuBLAS 43.9/44.5), qkv 36.0/38.0 (36.7-39.8/39.0), gate_up 85.3
         # (88.1), down 44.7/48.0 (49.4/48.9), lm_head 564/598 (625/641)
-        (16480, 5120): {"step": _C(64, 128, 1, 4, 3), "verify": _C(128, 128, 1, 8, 5)},
-        (14336, 5120): {"step": _C(128, 128, 1, 8, 4), "verify": _C(128, 128, 1, 8, 5)},
-        (34816, 5120): {"step": _C(64, 128, 1, 4, 3)},
-        (5120, 17408): {"step": _C(64, 128, 3, 4, 4), "verify": _C(128, 128, 3, 8, 4)},
-        (248320, 5120): {"step": _C(128, 128, 1, 8, 4), "verify": _C(128, 128, 1, 8, 5)},
+        (16480, 5120): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
+        (14336, 5120): _plan(_C(128, 128, 1, 8, 4), _C(128, 128, 1, 8, 5)),
+        (34816, 5120): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
+        (5120, 17408): _plan(_C(64, 128, 3, 4, 4), _C(128, 128, 3, 8, 4)),
+        (248320, 5120): _plan(_C(128, 128, 1, 8, 4), _C(128, 128, 1, 8, 5)),
         # 8B: qkv 15.2/16.0 (17.3/17.0), o_proj 11.8 (12.5), gate_up 47.8 (49.4), down 27.1 (29.4),
         # lm_head 277/293 (297/307)
-        (6144, 4096): {"step": _C(64, 128, 1, 4, 6), "verify": _C(64, 128, 1, 4, 6)},
-        (4096, 4096): {"step": _C(64, 128, 1, 4, 6)},
-        (24576, 4096): {"step": _C(64, 128, 1, 4, 3)},
-        (4096, 12288): {"step": _C(64, 128, 4, 4, 4)},
-        (151936, 4096): {"step": _C(64, 128, 1, 4, 3), "verify": _C(128, 128, 1, 8, 5)},
+        (6144, 4096): _plan(_C(64, 128, 1, 4, 6), _C(64, 128, 1, 4, 6)),
+        (4096, 4096): _plan(_C(64, 128, 1, 4, 6)),
+        (24576, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
+        (4096, 12288): _plan(_C(64, 128, 4, 4, 4)),
+        (151936, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
     },
 }
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 
 
+def default_plan(n: int, k: int) -> LinearPlan:
+    """The launch of a weight nothing was measured for, from its shape alone: tiles of 64 columns,
+    K in blocks of 128 (64 for a K under 1,024: more parts for the narrow outputs of small models),
+    and K split until about ``TARGET_PROGRAMS`` programs run (a part at least two blocks long)."""
+    block_k = 128 if k >= 1024 else 64
+    tiles = -(-n // 64)
+    blocks = -(-k // block_k)
+    split = max(1, min(blocks // 2, -(-TARGET_PROGRAMS // tiles)))
+    return _plan(LinearConfig(64, block_k, split, 4, 4))
+
+
+def plan_for(weight: Tensor) -> LinearPlan:
+    """``weight``'s plan on its GPU: the tuned one, else ``default_plan``."""
+    dev = weight.device
+    if dev not in _CAPABILITY:  # (a CPU tensor reaches here in Triton's interpreter only: the CPU tests)
+        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+    n, k = weight.shape
+    plan = TUNED.get(_CAPABILITY[dev], {}).get((n, k))
+    return plan if plan is not None else default_plan(n, k)
+
+
 def launch_config(x: Tensor, weight: Tensor) -> LinearConfig | None:
-    """The tuned launch for ``x``'s rows against ``weight`` on its GPU, or None (cuBLAS)."""
+    """The launch for ``x``'s rows against ``weight`` on its GPU (its plan's), or None (cuBLAS:
+    more rows than ``MAX_ROWS``)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if not 1 <= rows <= MAX_ROWS:
         return None
-    dev = weight.device
-    if dev not in _CAPABILITY:
-        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev)
-    shapes = TUNED.get(_CAPABILITY[dev], {}).get(tuple(weight.shape))
-    return None if shapes is None else shapes.get("step" if rows <= STEP_ROWS else "verify")
+    return plan_for(weight).for_rows(rows)
 
 
 def use_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
@@ -109,8 +161,8 @@ def use_kernel(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: LinearConfig | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``: through the kernel where ``TUNED`` (or ``config``, for
-    benchmarks and tests) has a launch for these operands, else cuBLAS."""
+    """``F.linear(x, weight, bias)``: through the kernel (the weight's plan, or ``config`` for
+    benchmarks and tests) for up to ``MAX_ROWS`` half-precision rows on CUDA, else cuBLAS."""
     if not use_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
     config = config or launch_config(x, weight)
@@ -126,18 +178,19 @@ def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearCo
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = min(ROW_BLOCK, max(16, triton.next_power_of_2(m)))
+    row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k)  # K blocks a part
     split = triton.cdiv(k, k_iters * cfg.block_k)
     stages = stages_for(cfg, block_m, x.element_size())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
-    tickets = _tickets(x.device, tiles)
-    _linear_kernel[(tiles, split)](
+    tickets = _tickets(x.device, tiles * row_blocks)
+    _linear_kernel[(tiles, split, row_blocks)](
         x2, weight, bias if bias is not None else out, out, parts, tickets, m, n, k, x2.stride(0), weight.stride(0),
-        k_iters, split, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, UPCAST=_INTERPRET, num_warps=cfg.num_warps,
+        k_iters, split, tiles, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=_INTERPRET, num_warps=cfg.num_warps,
         num_stages=stages,
     )
     return out.view(*lead, n)
@@ -174,21 +227,22 @@ if triton is not None:
     # per BLOCK_M, and the parts of K sit where they sit whatever the rows. A part starts at a
     # multiple of BLOCK_K (k_iters blocks a part): the compiler knows its alignment, so the tiles
     # load 16 bytes at a time through the pipelined asynchronous copies.
-    @triton.jit(do_not_specialize=["M", "k_iters", "split"])
-    def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, swn, k_iters, split,
+    @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, swn, k_iters, split, tiles,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
         tile = tl.program_id(0)
         part = tl.program_id(1)
+        row_block = tl.program_id(2)
         rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
+        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         mn = rn < N
         mm = rm < M
         k_lo = part * k_iters * BLOCK_K
         k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * swn + (k_lo + rk)[None, :]
-        x_ptrs = x_ptr + rm[None, :] * sxm + (k_lo + rk)[:, None]
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
@@ -198,19 +252,21 @@ if triton is not None:
                 mk = (k0 + rk) < k_hi
                 w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
-            if UPCAST:
-                w, xt = w.to(tl.float32), xt.to(tl.float32)
-            acc = tl.dot(w, xt, acc)
+            if INTERPRET:  # the sum over K in order, one product at a time (a row's own order)
+                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(w, xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out_offs = rm[None, :] * N + rn[:, None]  # out [M, N]; acc is its transpose
+        out_offs = rm[None, :].to(tl.int64) * N + rn[:, None]  # out [M, N]; acc is its transpose
         omask = mn[:, None] & mm[None, :]
         if split > 1:
             # This part's sum, then a ticket: the part that takes the last one adds every part in
             # order 0..split-1 (the same bits whichever finished last) and resets the ticket.
             tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
             tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
-            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+            ticket_at = ticket_ptr + row_block * tiles + tile
+            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
             if ticket == split - 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
                 for p in range(0, split):
@@ -218,7 +274,7 @@ if triton is not None:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
                 tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(ticket_ptr + tile, 0)  # ready for the next launch
+                tl.atomic_xchg(ticket_at, 0)  # ready for the next launch
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]

@@ -187,3 +187,104 @@ def test_batched_decode_uses_the_fused_attention_and_matches_sdpa():
     finally:
         fused.set_kernels(True)
     assert fused_out.shape == sdpa_out.shape == (b, t, hq * d) and _rel(fused_out, sdpa_out) < 1e-5
+
+
+# ------------------------------------------------------------------ decode steps (step_attention)
+
+# A tree of 33 nodes (parents before children, as the DDTree builder orders them): depths up to 6.
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 6, 7, 7, 8, 9, 10, 11, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                21, 3, 3, 28, 29, 30]
+
+
+def _tree(parents):
+    t = len(parents)
+    depths, mask = torch.zeros(t, dtype=torch.int32), torch.eye(t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depths[i] = depths[p] + 1
+            mask[i] |= mask[p]
+    return depths.to(DEVICE), mask.to(DEVICE)
+
+
+def _path(parents, i):
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def _step_inputs(parents, start, slots, hq, hkv, d, dtype, seed):
+    """A verify's queries and a cache of ``slots``: committed keys below ``start``, node i's at start + i."""
+    t = len(parents)
+    q = _r(t, hq, d, dtype=dtype, seed=seed)
+    k, v = _r(slots, hkv, d, dtype=dtype, seed=seed + 1), _r(slots, hkv, d, dtype=dtype, seed=seed + 2)
+    depths, mask = _tree(parents)
+    width = int(depths.max()) + 1
+    keys = split_attention.StepKeys(torch.tensor([start], device=DEVICE), depths,
+                                    split_attention.ancestor_table(mask, depths, width), start + t)
+    return q, k, v, keys
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_step_attention_matches_the_mask_form(dtype, gated):
+    """A tree verify over a committed prefix spanning several key spans: the kernel against the
+    PyTorch form (SDPA over the mask of committed keys and ancestors)."""
+    q, k, v, keys = _step_inputs(TREE_PARENTS, 200, 300, 8, 2, 32, dtype, seed=3)
+    gate = _r(*q.shape, dtype=dtype, seed=8) if gated else None
+    got = split_attention.step_attention(q, k, v, keys, gate=gate)
+    want = split_attention.step_attention_torch(q.float(), k.float(), v.float(), keys,
+                                                gate=None if gate is None else gate.float())
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (6, 1, 64)])
+def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d):
+    """Row invariance of the attention: node i of a verify at depth d gives the bits an AR step gives
+    at position start + d over the same keys (its ancestors committed at start..start+d), whatever
+    the verify's size (1, 7 or 33 nodes), the node's slot among them, and the key span (the AR step's
+    bucket against the verify's). Queries past the first span's end: committed blocks shared by every
+    row of a program, tree blocks gathered per token."""
+    start = 150
+    q, k, v, keys = _step_inputs(TREE_PARENTS, start, 400, hq, hkv, d, dtype, seed=11)
+    full = split_attention.step_attention(q, k, v, keys)
+    sub_parents = TREE_PARENTS[:7]
+    _, _, _, sub_keys = _step_inputs(sub_parents, start, 400, hq, hkv, d, dtype, seed=11)
+    sub = split_attention.step_attention(q[:7], k, v, sub_keys)
+    assert torch.equal(sub, full[:7])
+    for i in (0, 3, 6, 13, 27, 32):
+        path = _path(TREE_PARENTS, i)
+        depth = len(path) - 1
+        # the AR step at start + depth: the path committed in order, nothing else past it
+        k_ar, v_ar = k.clone(), v.clone()
+        k_ar[start : start + depth + 1], v_ar[start : start + depth + 1] = k[start + torch.tensor(path)], \
+            v[start + torch.tensor(path)]
+        pos = torch.tensor([start + depth], device=DEVICE)
+        for key_len in (start + depth + 1, 256, 400):
+            ar = split_attention.step_attention(q[i : i + 1], k_ar, v_ar, split_attention.chain_keys(pos, 1, key_len))
+            assert torch.equal(ar, full[i : i + 1]), f"node {i} (depth {depth}), key span {key_len}"
+
+
+def test_a_chain_is_the_tree_of_one_path():
+    """``chain_keys``: token i at depth i, its ancestors the tokens before it; the same bits as the
+    tree layout of a path (a chain verify, a replay) and as one AR step per token."""
+    t, start = 7, 130
+    parents = [-1, 0, 1, 2, 3, 4, 5]
+    q, k, v, keys = _step_inputs(parents, start, 200, 4, 2, 32, torch.bfloat16, seed=5)
+    chain = split_attention.chain_keys(torch.tensor([start], device=DEVICE), t, start + t)
+    assert chain.depths.tolist() == list(range(t)) and chain.ancestors[t - 1].tolist() == list(range(t))
+    got = split_attention.step_attention(q, k, v, chain)
+    assert torch.equal(got, split_attention.step_attention(q, k, v, keys))
+    for i in range(t):
+        one = split_attention.chain_keys(torch.tensor([start + i], device=DEVICE), 1, 256)
+        assert torch.equal(split_attention.step_attention(q[i : i + 1], k, v, one), got[i : i + 1])
+
+
+def test_ancestor_table_lists_each_nodes_path_by_depth():
+    depths, mask = _tree(TREE_PARENTS)
+    table = split_attention.ancestor_table(mask, depths, 7)
+    for i in (0, 9, 32):
+        path = _path(TREE_PARENTS, i)
+        assert table[i, : len(path)].tolist() == path

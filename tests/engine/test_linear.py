@@ -84,9 +84,57 @@ def test_config_is_validated():
         lin.LinearConfig(64, 64, 0)
 
 
-def test_dispatch_takes_cublas_where_nothing_is_tuned():
-    """CPU tensors, float32, gradients, untuned shapes and row counts past MAX_ROWS take F.linear,
-    and ``Linear`` is an ``nn.Linear`` with the same parameters and result."""
+def test_a_plan_splits_k_alike_in_its_two_launches():
+    with pytest.raises(ValueError, match="must split K alike"):
+        lin.LinearPlan(lin.LinearConfig(64, 128, 2), lin.LinearConfig(64, 128, 1))
+    with pytest.raises(ValueError, match="must split K alike"):
+        lin.LinearPlan(lin.LinearConfig(64, 128, 2), lin.LinearConfig(64, 64, 2))
+    plan = lin.LinearPlan(lin.LinearConfig(64, 128, 2, 4, 3), lin.LinearConfig(128, 128, 2, 8, 5))
+    assert plan.for_rows(1) is plan.step and plan.for_rows(lin.STEP_ROWS) is plan.step
+    assert plan.for_rows(lin.STEP_ROWS + 1) is plan.verify and plan.for_rows(lin.MAX_ROWS) is plan.verify
+
+
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (1536, 576), (192, 1536), (100, 2100)])
+def test_default_plans_cover_any_weight(n, k):
+    """Any weight gets a plan from its shape: K blocks of 64 below K 1,024 (else 128), a part at least
+    two blocks long, about TARGET_PROGRAMS programs."""
+    plan = lin.default_plan(n, k)
+    cfg = plan.step
+    assert plan.step == plan.verify and cfg.block_k == (64 if k < 1024 else 128)
+    blocks = -(-k // cfg.block_k)
+    assert 1 <= cfg.split <= max(1, blocks // 2)
+    assert cfg.split == 1 or -(-n // cfg.block_n) * (cfg.split - 1) < lin.TARGET_PROGRAMS
+
+
+# The plans a row's bits are checked under: default ones (SmolLM2-like narrow and wide weights, an odd
+# K) and one whose step and verify launches differ in tile width, warps and stages (as tuned ones do).
+ROW_PLANS = [
+    lin.default_plan(96, 576),
+    lin.default_plan(64, 1100),
+    lin.LinearPlan(lin.LinearConfig(64, 64, 3, 4, 3), lin.LinearConfig(128, 64, 3, 8, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plan", ROW_PLANS, ids=["narrow", "odd-k", "two-launches"])
+def test_a_rows_bits_do_not_depend_on_its_launch(dtype, plan):
+    """Row invariance (speculative decoding commits AR's tokens only if a verify's rows round as AR
+    steps do): a row gives the same bits alone (an AR step), among 7 (a chain or a draft block) and
+    among 33 (a verify, the plan's other launch), wherever it sits among them."""
+    n, k = 96, plan.step.block_k * 9 + 5
+    w = 0.05 * _r(n, k, dtype=dtype, seed=k)
+    x = _r(33, k, dtype=dtype, seed=n)
+    whole = lin._kernel_linear(x, w, None, plan.for_rows(33))
+    for rows in ([0], [32], [5], list(range(3, 10)), [9, 2, 30, 0, 17, 4, 11]):
+        sub = x[rows]
+        got = lin._kernel_linear(sub, w, None, plan.for_rows(len(rows)))
+        assert torch.equal(got, whole[rows]), f"rows {rows}"
+
+
+def test_dispatch_takes_cublas_off_the_steps():
+    """CPU tensors, float32, gradients and row counts past MAX_ROWS (long prefills) take F.linear,
+    and ``Linear`` is an ``nn.Linear`` with the same parameters and result; every weight has a launch
+    for every row count a step uses."""
     layer = Linear(64, 32)
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -94,33 +142,27 @@ def test_dispatch_takes_cublas_where_nothing_is_tuned():
     assert set(layer.state_dict()) == {"weight", "bias"}
     if DEVICE == "cuda":
         w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        assert lin.launch_config(torch.randn(129, 4096, device="cuda", dtype=torch.bfloat16), w) is None
-        assert lin.launch_config(torch.randn(1, 4096, device="cuda"), w[:100]) is None  # untuned shape
+        assert lin.launch_config(torch.randn(lin.MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16), w) is None
+        assert lin.launch_config(torch.randn(1, 4096, device="cuda"), w[:100]) == lin.default_plan(100, 4096).step
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tuned launches are for GPUs")
-def test_tuned_shapes_on_the_gpu_match_cublas_and_round_alike_across_rows():
-    """A tuned weight (the 8B shape's qkv: a step and a verify launch) through the engine's dispatch:
-    close to cuBLAS, and a row's bits the same however many rows share its launch class (1 and 16
-    rows: a step; 17, 33 and 65 rows: a verify, BLOCK_M 32, 64 and 128)."""
+@pytest.mark.parametrize("shape", [(6144, 4096), (151936, 4096), (5120, 17408), (576, 576), (1536, 576),
+                                   (49152, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_plans_on_the_gpu_match_cublas_and_round_alike_across_rows(shape):
+    """Through the engine's dispatch on the GPU, the matrix unit's own order: tuned weights (8B qkv
+    and lm_head, 27B down: step and verify launches differ in tile, warps and stages) and SmolLM2's
+    (default plans). Close to cuBLAS, and a row's bits the same alone, among 7 and 16 (a step
+    launch) and among 17, 33, 65 and 200 rows (the verify launch, BLOCK_M 32 to 128, row blocks)."""
     previous = fused.set_kernels(True)
     try:
-        _check_tuned_qkv()
+        n, k = shape
+        w = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(200, k, device="cuda", dtype=torch.bfloat16)
+        whole = lin.linear(x, w)
+        assert _rel(whole, F.linear(x.float(), w.float())) < 1e-2
+        for rows in ([0], [199], list(range(7)), list(range(5, 21)), list(range(17)), list(range(33)),
+                     list(range(100, 165)), [150, 3, 77, 0, 199, 42, 8]):
+            assert torch.equal(lin.linear(x[rows], w), whole[rows]), f"{len(rows)} rows"
     finally:
         fused.set_kernels(previous)
-
-
-def _check_tuned_qkv():
-    cap = torch.cuda.get_device_capability()
-    if set(lin.TUNED.get(cap, {}).get((6144, 4096), {})) != {"step", "verify"}:
-        pytest.skip(f"no tuned step and verify launches for compute capability {cap}")
-    w = 0.02 * torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
-    for rows in (1, 16, 17, 33, 65):
-        assert lin.launch_config(x[:rows], w) is not None
-    assert _rel(lin.linear(x, w), F.linear(x.float(), w.float())) < 1e-2
-    step = lin.linear(x[:16], w)
-    assert torch.equal(lin.linear(x[:1], w), step[:1])
-    verify = lin.linear(x[:17], w)
-    for rows in (33, 65):
-        assert torch.equal(lin.linear(x[:rows], w)[:17], verify)

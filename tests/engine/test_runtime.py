@@ -7,17 +7,8 @@ import torch
 import engine
 from engine import EngineConfig
 from engine.decode import generate_ar, generate_speculative
-from engine.runtime import StaticDecoder, bucket_for, key_mask, supports
+from engine.runtime import StaticDecoder, bucket_for, supports
 from tests.engine.engine_pairs import pair_for
-
-
-def test_key_mask_sees_the_committed_slots_and_the_trees_ancestors():
-    inner = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root, two children
-    mask = key_mask(torch.tensor([4]), 8, inner)
-    assert mask.shape == (3, 8)
-    assert mask[0].tolist() == [True] * 4 + [True, False, False, False]
-    assert mask[2].tolist() == [True] * 4 + [True, False, True, False]
-    assert not mask[:, 7].any()  # past the tree: nothing
 
 
 def test_buckets_are_powers_of_two_capped_at_the_buffer():
