@@ -247,13 +247,13 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
 
 def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     """``attention_launch`` for ``_step_attention_kernel``, which holds a token's gathered key block
-    beside the scores: key blocks of at most 32 (16 in float32) from head_dim 128 keep it in registers
-    (no spills on sm_90 with Triton 3.9, benchmarks/kernel_check.py, except float32 at head_dim 256: a
-    check of the algorithm on 256-wide heads, not a speed path). One launch per head_dim and dtype,
+    beside the scores: key blocks of at most 32 from head_dim 128 (16 in float32 and from head_dim 256)
+    keep it in registers (no spills on sm_90 with Triton 3.9, benchmarks/kernel_check.py, except float32
+    at head_dim 256: a check of the algorithm on 256-wide heads, not a speed path). One launch per head_dim and dtype,
     whatever the rows: an AR step and a verify reduce their keys in the same blocks."""
     launch = attention_launch(d, fp32)
     if launch["BLOCK_D"] >= 128:
-        launch["BLOCK_N"] = min(launch["BLOCK_N"], 16 if fp32 else 32)
+        launch["BLOCK_N"] = min(launch["BLOCK_N"], 16 if fp32 or launch["BLOCK_D"] >= 256 else 32)
     return launch
 
 
@@ -337,6 +337,28 @@ if triton is not None:
                         other=0.0)
         return block, visible
 
+    @triton.jit
+    def _step_scores(q, kb, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # q [M, D] against a key block [N, D]: float32 scores, each row's sum in one order
+        if INTERPRET:  # a row's own order (see _INTERPRET)
+            s = tl.sum(q.to(tl.float32)[:, None, :] * kb.to(tl.float32)[None, :, :], axis=2)
+        elif IEEE:
+            s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+        else:  # bf16/fp16 values are exact in tf32: the half-precision product, float32 sums
+            s = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="tf32")
+        return s
+
+    @triton.jit
+    def _step_values(p, vb, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # weights p [M, N] (float32) times a value block [N, D]
+        if INTERPRET:
+            pv = tl.sum(p[:, :, None] * vb.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
+            pv = tl.dot(p, vb, input_precision="ieee")
+        else:
+            pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
+        return pv
+
     # Not specialised on T, S, the spans or the table's stride: an AR step (T == 1), a chain and a
     # tree run one variant.
     @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks", "s_anc"])
@@ -368,31 +390,46 @@ if triton is not None:
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.minimum(S, (span + 1) * SPLIT)
+        lo = span * SPLIT
+        end = tl.minimum(S, lo + SPLIT)
         # Blocks past every row's position are skipped: for a row they would add exactly nothing.
         hi = tl.minimum(end, start + deepest + 1)
-        for n0 in range(span * SPLIT, hi, BLOCK_N):
+        # The blocks wholly before start (committed keys, the same for every row) in a plain pipelined
+        # loop; then the blocks reaching past it, gathered per token. Both run the same arithmetic
+        # on a block (the gathered block holds what the AR step's plain one holds), so a row's bits
+        # do not depend on which loop saw a block: an AR step's start is the node's start + depth.
+        shared_hi = tl.minimum(hi, lo + (tl.maximum(start - lo, 0) // BLOCK_N) * BLOCK_N)
+        for n0 in range(lo, shared_hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
-            shared = n0 + BLOCK_N <= start
-            n_tok = tl.where(shared, 1, tok_hi - tok_lo + 1)
+            visible = rn < end
+            kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=visible[:, None] & md[None, :],
+                         other=0.0)
+            scores = _step_scores(q, kb, IEEE, INTERPRET)
+            scores = tl.where(visible[None, :] & mrow[:, None], scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + rn[:, None] * svt + kv_head * svh + rd[None, :], mask=visible[:, None] & md[None, :],
+                         other=0.0)
+            acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
+            m_i = m_new
+        n_tok = tok_hi - tok_lo + 1
+        for n0 in range(shared_hi, hi, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
             scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             allowed = tl.zeros([BLOCK_M, BLOCK_N], tl.int1)
             for j in range(0, n_tok):
                 t = tok_lo + j
                 kb, visible = _step_keys(k_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh,
                                          rd, md)
-                if INTERPRET:  # a row's own order (see _INTERPRET)
-                    s_j = tl.sum(q.to(tl.float32)[:, None, :] * kb.to(tl.float32)[None, :, :], axis=2)
-                elif IEEE:
-                    s_j = tl.dot(q, tl.trans(kb), input_precision="ieee")
-                else:  # bf16/fp16 values are exact in tf32: the half-precision product, float32 sums
-                    s_j = tl.dot(q.to(tl.float32), tl.trans(kb.to(tl.float32)), input_precision="tf32")
-                sel = (tok == t) | shared
-                scores = tl.where(sel[:, None], s_j, scores)
+                sel = tok == t
+                scores = tl.where(sel[:, None], _step_scores(q, kb, IEEE, INTERPRET), scores)
                 allowed = tl.where(sel[:, None], visible[None, :], allowed)
             scores = tl.where(allowed & mrow[:, None], scores * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -401,13 +438,7 @@ if triton is not None:
                 t = tok_lo + j
                 vb, visible = _step_keys(v_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, svt, svh,
                                          rd, md)
-                if INTERPRET:
-                    pv_j = tl.sum(p[:, :, None] * vb.to(tl.float32)[None, :, :], axis=1)
-                elif IEEE:
-                    pv_j = tl.dot(p, vb, input_precision="ieee")
-                else:
-                    pv_j = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
-                pv = tl.where(((tok == t) | shared)[:, None], pv_j, pv)
+                pv = tl.where((tok == t)[:, None], _step_values(p, vb, IEEE, INTERPRET), pv)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         row = part + tok * HQ + head
