@@ -214,12 +214,14 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     acc = torch.empty(1, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
     m_l = torch.empty(1, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
     launch = step_attention_launch(d, q.dtype == torch.float32)
-    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)
+    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)  # programs of several tokens' rows, per span
+    sub = triton.cdiv(group, ATTN_BLOCK_M)  # and programs of one token's rows (see the kernel)
     anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
-    _step_attention_kernel[(row_blocks * n_split, hkv)](
-        qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, row_blocks, anc.stride(0),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5, HQ=hq,
-        GROUP=group, D=d, IEEE=q.dtype == torch.float32, SPLIT=SPLIT_KEYS, INTERPRET=_INTERPRET, **launch,
+    _step_attention_kernel[((row_blocks + t * sub) * n_split, hkv)](
+        qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, row_blocks, t * sub,
+        anc.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5,
+        HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32, SPLIT=SPLIT_KEYS, INTERPRET=_INTERPRET,
+        **launch,
     )
     out = torch.empty_like(qc)
     if gate is None:
@@ -361,39 +363,54 @@ if triton is not None:
 
     # Not specialised on T, S, the spans or the table's stride: an AR step (T == 1), a chain and a
     # tree run one variant.
-    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks", "s_anc"])
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks", "tok_blocks", "s_anc"])
     def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
-                               row_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr, GROUP: tl.constexpr,
-                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               IEEE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-        # Rows: (token, head) pairs of one K/V head, token-major (as _small_attention_kernel). Keys:
-        # one span of SPLIT logical positions in blocks of BLOCK_N. A block wholly before start is
-        # the committed keys, shared by every row; a block reaching past it holds, for each token,
-        # that token's ancestors at their depths: computed once per token of the program (its rows
-        # kept), so each row's scores and sums see exactly an AR step's block at that position.
+                               row_blocks, tok_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr,
+                               GROUP: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+        # Rows: (token, head) pairs of one K/V head. Keys: one span of SPLIT logical positions in
+        # blocks of BLOCK_N. A block wholly before start is the committed keys, shared by every row;
+        # a block reaching past it holds, for each token, that token's ancestors at their depths,
+        # gathered per token (its rows kept), so each row's scores and sums see exactly an AR
+        # step's block at that position. Two kinds of program, so that a span's rows are written by
+        # exactly one: the first row_blocks * n_split take BLOCK_M rows of several tokens (token-major,
+        # as _small_attention_kernel) in the spans wholly before start, where every block is shared;
+        # the other tok_blocks * n_split take one token's heads (SUB blocks of them) in the spans
+        # that reach start or past it, so no block is gathered for several tokens in turn. A row's
+        # arithmetic is the same whichever program has it.
         kv_head = tl.program_id(1)
-        span = tl.program_id(0) // row_blocks
-        rb = tl.program_id(0) % row_blocks
+        pid = tl.program_id(0)
+        multi = pid < row_blocks * n_split
+        p1 = tl.maximum(pid - row_blocks * n_split, 0)
+        span = tl.where(multi, pid // row_blocks, p1 // tok_blocks)
+        rb = pid % row_blocks
+        one_tok = (p1 % tok_blocks) // SUB
+        r = tl.arange(0, BLOCK_M)
+        tok = tl.where(multi, (rb * BLOCK_M + r) // GROUP, one_tok)
+        hrow = tl.where(multi, (rb * BLOCK_M + r) % GROUP, ((p1 % tok_blocks) % SUB) * BLOCK_M + r)
+        start = tl.load(start_ptr)
+        lo = span * SPLIT
+        # the span's kind of program (compared as integers: a comparison of two booleans is no mask)
+        active = multi.to(tl.int32) == (lo + SPLIT <= start).to(tl.int32)
+        tok = tl.where(active, tok, T)  # an inactive program's rows: none (it stores nothing)
+        mrow = (tok < T) & (hrow < GROUP)
         part = span * T * HQ
-        rm = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = rm // GROUP
-        head = kv_head * GROUP + rm % GROUP
-        mrow = tok < T
+        head = kv_head * GROUP + hrow
         rd = tl.arange(0, BLOCK_D)
         md = rd < D
         q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
                     other=0.0)
-        start = tl.load(start_ptr)
-        tok_lo = (rb * BLOCK_M) // GROUP
-        tok_hi = tl.minimum(T - 1, (rb * BLOCK_M + BLOCK_M - 1) // GROUP)
+        tok_lo = tl.where(multi, (rb * BLOCK_M) // GROUP, one_tok)
+        tok_hi = tl.where(multi, tl.minimum(T - 1, (rb * BLOCK_M + BLOCK_M - 1) // GROUP), one_tok)
         deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        lo = span * SPLIT
         end = tl.minimum(S, lo + SPLIT)
-        # Blocks past every row's position are skipped: for a row they would add exactly nothing.
-        hi = tl.minimum(end, start + deepest + 1)
+        # Blocks past every row's position are skipped: for a row they would add exactly nothing
+        # (an inactive program skips them all and stores nothing).
+        hi = tl.where(active, tl.minimum(end, start + deepest + 1), lo)
         # The blocks wholly before start (committed keys, the same for every row) in a plain pipelined
         # loop; then the blocks reaching past it, gathered per token. Both run the same arithmetic
         # on a block (the gathered block holds what the AR step's plain one holds), so a row's bits

@@ -240,7 +240,7 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (6, 1, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (6, 1, 64), (40, 2, 16)])  # the last: a token's heads in 2 blocks
 def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d):
     """Row invariance of the attention: node i of a verify at depth d gives the bits an AR step gives
     at position start + d over the same keys (its ancestors committed at start..start+d), whatever
