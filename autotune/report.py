@@ -1,6 +1,7 @@
 """A study → report.md and PNG plots (matplotlib, Agg backend: no display needed).
 
-Sections: the winner and whether it is a positive conclusion, exactness failures (loudly), top
+Sections: the winner and whether it is a positive conclusion, exactness failures (loudly, with each
+divergence's top-2 logit margins and verdict: numeric tie or mismatch), top
 trials with spread, speedup vs AR, break-even AL and oracle gate per workload, the per-phase
 breakdown (and what the phases do not account for), which path won and by how much, failures.
 """
@@ -138,11 +139,35 @@ def _exactness(study: optuna.Study) -> list[str]:
         return ["## Exactness", "", "Every measured output equalled the AR output token for token.", ""]
     L = ["## ⚠ EXACTNESS FAILURES", "", "These configs produced output that differs from the AR output. "
          "They are infeasible under `exactness: strict` and never win.", "",
-         "| trial | exact fraction | first divergence | prompts | config |", "|---|---|---|---|---|"]
-    for t in {t.number: t for t in bad + report_mode}.values():
+         "| trial | exact fraction | inexact prompts | first divergence | verdicts | prompts | config |",
+         "|---|---|---|---|---|---|---|"]
+    trials = list({t.number: t for t in bad + report_mode}.values())
+    for t in trials:
         u = t.user_attrs
-        L.append(f"| {t.number} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('first_divergence'))} | "
+        verdicts = ", ".join(f"{v} {n}" for v, n in u.get("divergence_verdicts", {}).items()) or "–"
+        L.append(f"| {t.number} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('inexact_count'))} | "
+                 f"{_fmt(u.get('first_divergence'))} | {verdicts} | "
                  f"{', '.join(u.get('inexact_prompts', [])[:5])} | `{_cfg_short(u.get('config', {}))}` |")
+    return L + ["", *_divergences(trials)]
+
+
+def _divergences(trials: list[FrozenTrial]) -> list[str]:
+    """Each inexact prompt's first divergence: both runs' top-2 logit margins there and the verdict."""
+    rows = [(t.number, d) for t in trials for d in t.user_attrs.get("divergences", [])]
+    if not rows:
+        return []
+    L = ["### Divergences", "", "At each inexact prompt's first differing token, the margin top1 − top2 of the "
+         "target's logits row that picked it, in the AR run and in the config's run (float32, from each run's own "
+         "logits). A **numeric tie**: the smaller margin is within the tie bound (4 units in the last place of the "
+         "model's dtype at the top logit), so rounding alone can swap the two tokens; a **mismatch** is not "
+         "explained by rounding (`engine.stats.tie_bound`). *not reproduced*: re-decoding did not give the "
+         "compared tokens again.", "",
+         "| trial | prompt | position | AR margin | run margin | tie bound | verdict |",
+         "|---|---|---|---|---|---|---|"]
+    for number, d in rows:
+        verdict = d["verdict"] + ("" if d.get("reproduced", True) else " (not reproduced)")
+        L.append(f"| {number} | {d['prompt']} | {d['position']} | {_fmt(d['ar_margin'], 4)} | "
+                 f"{_fmt(d['run_margin'], 4)} | {d['tie_bound']:.3g} | {verdict} |")
     return L + [""]
 
 

@@ -379,7 +379,8 @@ class _Driver:
         if rec.exact_match is not None and rec.exact_match < 1.0:
             verdict = "INFEASIBLE" if self.exp.measure.exactness == "strict" else "recorded (exactness: report)"
             tqdm.write(f"trial {trial.number} INEXACT: exact_match={rec.exact_match:.2f} first_divergence="
-                       f"{rec.first_divergence} prompts={rec.inexact_prompts[:4]} -> {verdict}", file=sys.stderr)
+                       f"{rec.first_divergence} prompts={rec.inexact_prompts[:4]} "
+                       f"verdicts={rec.divergence_verdicts} -> {verdict}", file=sys.stderr)
         self.study.tell(trial, score.value)
 
     def score_attrs(self, number: int, rec: Record, score: measure.Score) -> dict[str, Any]:
@@ -397,7 +398,11 @@ class _Driver:
             "step_ms": rec.step_ms, "phase_ms_per_step": rec.phase_ms_per_step,
             "phase_coverage": phase_sum / rec.step_ms if rec.step_ms > 0 else None,
             "exact_match": rec.exact_match, "first_divergence": rec.first_divergence,
-            "inexact_prompts": rec.inexact_prompts[:20], "peak_memory_bytes": rec.peak_memory_bytes,
+            "inexact_prompts": rec.inexact_prompts[:20], "inexact_count": rec.inexact_count,
+            # why each inexact prompt differs: its first divergence's top-2 margins (AR's, the run's)
+            # and verdict (engine.Divergence), and the count per verdict
+            "divergences": rec.divergences, "divergence_verdicts": rec.divergence_verdicts,
+            "peak_memory_bytes": rec.peak_memory_bytes,
             "decode_loops": rec.loops,  # what ran: a runtime config under `walk` decodes in the generic loop
             "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "baseline_trial": number if is_base else (base.number if base else None),

@@ -23,7 +23,7 @@ from autotune.study import role_of
 _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", TrialState.FAIL: "FAILED"}
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
-            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s")
+            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count")
 
 
 def check_tracking_uri(uri: str) -> str | None:
@@ -118,6 +118,8 @@ class Tracker:
             metrics["value"] = t.value
         for phase, ms in a.get("phase_ms_per_step", {}).items():
             metrics[f"phase_ms.{phase}"] = ms
+        for verdict, n in a.get("divergence_verdicts", {}).items():  # "numeric tie" -> verdict.numeric_tie
+            metrics[f"verdict.{verdict.replace(' ', '_')}"] = n
         self._log_metrics(rid, metrics)
         for i, tps in enumerate(a.get("decode_tps_runs", [])):
             self.client.log_metric(rid, "decode_tps_run", tps, step=i)
@@ -128,6 +130,8 @@ class Tracker:
                                        "phase_coverage": a.get("phase_coverage")}, "phases.json")
         if a.get("per_set"):
             self.client.log_dict(rid, a["per_set"], "per_workload.json")
+        if a.get("divergences"):  # at most worker.MAX_DIAGNOSED small records
+            self.client.log_dict(rid, a["divergences"], "divergences.json")
         self.client.set_terminated(rid, _STATUS.get(t.state, "FAILED"), end_time=_ms(t.datetime_complete))
         self._logged.add(t.number)
 

@@ -8,7 +8,10 @@ measurement protocol of MEASUREMENT.md for one config:
    between generations);
 3. if the relative MAD is above ``max_rel_mad``, ``repeats`` more passes, scored together with
    the first ones (the median and MAD are robust to the disturbed passes); still noisy → flagged;
-4. every output compared token by token with the AR output of the same prompt.
+4. every output compared token by token with the AR output of the same prompt; a prompt that
+   differs is decoded again up to its first divergence, by AR and by the config, recording the
+   target's top-2 logit margins there (``engine.diagnose``: a numeric tie or a mismatch), after the
+   measured passes.
 
 Each record also carries the worker's utilisation during the job (NVML GPU utilisation on a GPU,
 process CPU time over wall time on a CPU) and whether the engine error it hit leaves the device
@@ -46,6 +49,7 @@ PassCallback = Callable[[list[float]], bool]
 # Test-only: rewrites a config's outputs before the exactness check (see tests/autotune).
 OutputHook = Callable[[dict[str, Any], list[list[int]]], list[list[int]]]
 FAULTS = ("crash", "hang", "oom", "device")
+MAX_DIAGNOSED = 20  # inexact prompts given divergence forensics per trial (two short generations each)
 # Messages of errors after which a CUDA context cannot be trusted (the process must go).
 _DEVICE_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
                  "misaligned address", "an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED",
@@ -88,13 +92,18 @@ class Record:
     phase_ms_per_step: dict[str, float] = field(default_factory=dict)
     exact_match: float | None = None
     first_divergence: int | None = None
-    inexact_prompts: list[str] = field(default_factory=list)
+    inexact_prompts: list[str] = field(default_factory=list)  # "set[i]@position", one per distinct output
+    inexact_count: int = 0  # prompts whose output differed from AR's in any pass
+    # engine.Divergence of each inexact prompt (the first MAX_DIAGNOSED) as a dict, with its "prompt"
+    # ("set[i]"), and their count per verdict (every verdict, zeros included, once outputs are checked)
+    divergences: list[dict[str, Any]] = field(default_factory=list)
+    divergence_verdicts: dict[str, int] = field(default_factory=dict)
     per_prompt_tps: list[float] = field(default_factory=list)
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
     peak_memory_bytes: int = 0
     loops: dict[str, int] = field(default_factory=dict)  # generations per decode loop that ran (engine stats)
     elapsed_s: float = 0.0
-    engine_s: float = 0.0  # wall time inside engine.bench (overhead = trial wall − this)
+    engine_s: float = 0.0  # wall time inside the engine: bench passes, forensics (overhead = trial wall − this)
     utilisation: dict[str, Any] = field(default_factory=dict)  # {"kind": "gpu"|"cpu", "percent": ...}
     device_unusable: bool = False  # the engine error poisoned the device: the worker process must restart
     interrupted: bool = False  # the worker died mid-job: the trial is failed and its params retried once
@@ -114,7 +123,7 @@ class Worker:
             raise ValueError(f"fault kinds must be one of {FAULTS}, but got {bad}")
         self.pair = pair
         self.faults = dict(faults or {})
-        self._engine_s = 0.0  # seconds inside engine.bench during the current job
+        self._engine_s = 0.0  # seconds inside the engine during the current job
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.fixed = dict(fixed)
         names = [w.name for w in workloads]
@@ -196,7 +205,9 @@ class Worker:
             if first.noisy:
                 rec.remeasured = True
                 passes += [self._pass(cfg, job.max_new_tokens) for _ in range(job.repeats)]
-        self._fill(rec, cfg.to_dict(), passes, reference)
+        diverged = self._fill(rec, cfg.to_dict(), passes, reference)
+        if not rec.pruned:  # a pruned trial records no exactness (sweep.tell)
+            self._diagnose(rec, cfg, reference, diverged)
 
     def _pass(self, cfg: Any, max_new_tokens: int) -> list[Any]:
         import engine
@@ -207,8 +218,32 @@ class Worker:
         finally:
             self._engine_s += time.perf_counter() - t0
 
+    def _diagnose(self, rec: Record, cfg: Any, reference: list[list[list[int]]],
+                  diverged: dict[tuple[int, int], list[int]]) -> None:
+        """Forensics of each inexact prompt (its first differing output), outside the measured passes."""
+        import engine
+        from engine.stats import VERDICTS
+
+        ar_cfg = engine.EngineConfig.from_dict(self.ar_config(cfg.to_dict()), source="AR reference")
+        t0 = time.perf_counter()
+        try:
+            for (j, i), out in list(diverged.items())[:MAX_DIAGNOSED]:
+                name, prompts = self.sets[j]
+                div = engine.diagnose(self.pair, cfg, prompts[i], out, reference[j][i],
+                                      grammar=self.pair.grammar_of(prompts[i], cfg), ar_config=ar_cfg)
+                rec.divergences.append({"prompt": f"{name}[{i}]", **div.to_dict()})
+        finally:
+            self._engine_s += time.perf_counter() - t0
+        if rec.exact_match is not None:
+            counts = Counter(d["verdict"] for d in rec.divergences)
+            rec.divergence_verdicts = {v: counts[v] for v in VERDICTS}
+
     def _fill(self, rec: Record, config: dict[str, Any], passes: list[list[Any]],
-              reference: list[list[list[int]]]) -> None:
+              reference: list[list[list[int]]]) -> dict[tuple[int, int], list[int]]:
+        """The record's numbers from the passes; returns the first differing output of each inexact
+        prompt, keyed by (set, prompt)."""
+        from engine.stats import first_divergence
+
         rec.decode_tps_runs = [_pass_tps(p) for p in passes]
         rec.e2e_tps_runs = [sum(r.new_tokens for r in p) / max(sum(r.total_s for r in p), 1e-12) for p in passes]
         # Greedy decoding makes every pass commit the same steps, so the first pass's step record
@@ -229,8 +264,9 @@ class Worker:
         rec.peak_memory_bytes = max(r.peak_memory_bytes for p in passes for r in p)
         rec.loops = dict(sum((Counter(r.loops) for r in first), Counter()))
         exact, checked, divergences = 0, 0, []
+        diverged: dict[tuple[int, int], list[int]] = {}
         for p in passes:
-            for (name, _), r, ref in zip(self.sets, p, reference, strict=True):
+            for j, ((name, _), r, ref) in enumerate(zip(self.sets, p, reference, strict=True)):
                 outputs = self._output_hook(config, r.outputs) if self._output_hook else r.outputs
                 for i, (out, want) in enumerate(zip(outputs, ref, strict=True)):
                     checked += 1
@@ -239,11 +275,13 @@ class Worker:
                         exact += 1
                     else:
                         divergences.append(div)
+                        diverged.setdefault((j, i), list(out))
                         tag = f"{name}[{i}]@{div}"
                         if tag not in rec.inexact_prompts:
                             rec.inexact_prompts.append(tag)
         rec.exact_match = exact / checked if checked else None
         rec.first_divergence = min(divergences) if divergences else None
+        rec.inexact_count = len(diverged)
         for j, (name, _) in enumerate(self.sets):
             results = [p[j] for p in passes]
             als = list(results[0].accept_lengths)
@@ -254,6 +292,7 @@ class Worker:
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
             }
+        return diverged
 
 
 def device_unusable(exc: BaseException) -> bool:
@@ -341,14 +380,6 @@ def _nvml_reading(device: str) -> int | None:
         return int(torch.cuda.utilization(device))
     except Exception:  # no pynvml, no driver, a poisoned context: report CPU facts only
         return None
-
-
-def first_divergence(out: Sequence[int], want: Sequence[int]) -> int | None:
-    """First position where two token lists differ (a length difference counts), or None."""
-    for i, (a, b) in enumerate(zip(out, want, strict=False)):
-        if a != b:
-            return i
-    return None if len(out) == len(want) else min(len(out), len(want))
 
 
 def _pass_tps(results: Sequence[Any]) -> float:

@@ -9,7 +9,7 @@ token for token in the dtype users run (bf16 on the GPU)?
 
 Per set, AR runs once (the reference); then chain and DDTree at every (budget, top_k), on each
 ``--paths`` and ``--rollbacks`` entry, each one untimed pass over the prompts, outputs compared with
-AR's (first divergence; the ``Divergence`` record where the engine gives one). ``--eos-configs``
+AR's (the first divergence, both runs' top-2 margins there and the verdict: ``engine.diagnose``). ``--eos-configs``
 also runs those configs to each prompt's stop token. ``--oracle P`` adds an ``oracle:P`` draft on
 the same target (the target's own greedy continuation, corrupted per slot with probability P: deep
 accepted paths on random weights; it takes the generic loop). Prints a markdown table and a total
@@ -54,10 +54,8 @@ def _configs(args) -> list[tuple[str, dict]]:
 
 
 def _divergence_text(p) -> str:
-    d = getattr(p, "divergence", None)
-    if d is None:
-        return str(p.first_divergence)
-    return f"{d.position} {d.verdict} ({d.ar_margin:.3g}/{d.run_margin:.3g})"
+    """``prompt@position``, with the ``Divergence`` record's margins and verdict."""
+    return f"p{p.index}@{p.first_divergence}" if p.divergence is None else f"p{p.index} {p.divergence.describe()}"
 
 
 def _check(pair: Pair, name: str, params: dict, path: str, rollback: str, prompts, reference, max_new: int,
@@ -68,11 +66,10 @@ def _check(pair: Pair, name: str, params: dict, path: str, rollback: str, prompt
     bad = [p for p in res.prompts if not p.exact]
     al = sum(res.accept_lengths) / len(res.accept_lengths) if res.accept_lengths else 1.0
     divs = [{"prompt": p.index, "first_divergence": p.first_divergence,
-             **({k: getattr(p.divergence, k) for k in ("ar_margin", "run_margin", "verdict")}
-                if getattr(p, "divergence", None) is not None else {})} for p in bad]
+             **(p.divergence.to_dict() if p.divergence is not None else {})} for p in bad]
     return dict(config=name, path=path, rollback=rollback, exact=len(prompts) - len(bad), n=len(prompts), al=al,
                 loops=res.loops, seconds=time.perf_counter() - t0, divergences=divs,
-                text=", ".join(f"p{p.index}@{_divergence_text(p)}" for p in bad[:4]) + (" ..." if len(bad) > 4 else ""))
+                text=", ".join(_divergence_text(p) for p in bad[:4]) + (" ..." if len(bad) > 4 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [f"{args.target} + {args.draft}, {args.dtype} on {where}, {when}",
-             "", "| set | draft | config | path | rollback | to | exact | AL | loops | first divergences "
-             "(prompt@position) |", "|" + "---|" * 10]
+             "", "| set | draft | config | path | rollback | to | exact | AL | loops | divergences (prompt, "
+             "position: verdict AR/run margin) |", "|" + "---|" * 10]
     rows, total, exact = [], 0, 0
     for set_name, prompts in _prompt_sets(pair, args).items():
         for ignore_eos in (True, False):

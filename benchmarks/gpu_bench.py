@@ -13,8 +13,10 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
 
 - ``pair``: AR, chain and DDTree on the ``generic`` and ``runtime`` paths (rollback modes are the
   same code for a dense target). Per config: TPS, AL, ms per step and per phase, speedup over our
-  runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR
-  (first divergence), and a float32 pass checks that the runtime path stays exact.
+  runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR,
+  an inexact prompt shown with its first divergence, both runs' top-2 logit margins there (AR's /
+  the config's) and the verdict (``engine.Divergence``: numeric tie or mismatch), and a float32
+  pass checks that the runtime path stays exact.
 - ``hf``: the same weights through ``transformers`` ``LlamaForCausalLM.generate`` (greedy, its
   default dynamic cache; ``--hf-static`` adds its static cache, which may compile first), decode
   TPS = (N - 1) new tokens over the time of a N-token generation minus a 1-token one.
@@ -76,13 +78,20 @@ def _prompts(pair, spec: str, n: int) -> list[list[int]]:
     return [pair.encode(p) for p in wl.prompts]
 
 
-def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True):
+def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True,
+           ar_config: EngineConfig | None = None):
     # Warm-up: every prompt at full length, so that every key-span bucket the timed passes reach has
     # its graphs captured (one short prompt left the others' captures in the first timed pass: AR's
     # 363 against 824 tok/s on HumanEval, 2026-12-01 evening).
     engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
-    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos)
+    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos, ar_config=ar_config)
             for _ in range(repeats)]
+
+
+def _divergence_note(divs: list) -> str:
+    """`` (div 70: numeric tie 0/0.125; div 17: mismatch 1.5/1.4)``: each inexact prompt's first
+    divergence, AR's margin / the config's, and the verdict (``engine.Divergence.describe``)."""
+    return f" ({'; '.join(d.describe() for d in divs)})" if divs else ""
 
 
 def section_pair(args) -> tuple[str, dict]:
@@ -94,8 +103,8 @@ def section_pair(args) -> tuple[str, dict]:
     report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
     for spec in args.sets:
         prompts = _prompts(pair, spec, args.n_prompts)
-        ref_runs = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats,
-                          ignore_eos=not args.stop_at_eos)
+        ar_cfg = EngineConfig(verify="ar")  # the reference: every config's forensics re-run this AR
+        ref_runs = _timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
         reference = ref_runs[0].outputs
         ar_tps = statistics.median(r.decode_tps for r in ref_runs)
         rows = {}
@@ -103,22 +112,25 @@ def section_pair(args) -> tuple[str, dict]:
             for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
                 runs = ref_runs if (name == "ar" and path == "runtime") else _timed(
-                    pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos)
+                    pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos,
+                    ar_config=ar_cfg)
                 tps = [r.decode_tps for r in runs]
                 r0 = runs[-1]
                 steps = max(r0.steps, 1)
                 ph = {k: v / steps for k, v in r0.phase_ms.items()}
                 exact = sum(bool(p.exact) for p in r0.prompts) if name != "ar" or path != "runtime" else len(prompts)
-                divs = [p.first_divergence for p in r0.prompts if p.first_divergence is not None]
+                divs = [p.divergence for p in r0.prompts if p.divergence is not None]
                 al = sum(r0.accept_lengths) / len(r0.accept_lengths) if r0.accept_lengths else 1.0
                 row = dict(tps=tps, al=al, ms_per_step=1000 * r0.decode_s / steps, phase_ms=ph,
-                           speedup=statistics.median(tps) / ar_tps, exact=exact, n=len(prompts), divergences=divs)
+                           speedup=statistics.median(tps) / ar_tps, exact=exact, n=len(prompts),
+                           divergences=[{"prompt": p.index, **p.divergence.to_dict()} for p in r0.prompts
+                                        if p.divergence is not None])
                 rows[f"{name}/{path}"] = row
                 front = ph["draft"] + ph["topk"] + ph["tree"]
                 back = ph["verify"] + ph["walk"] + ph["commit"]
                 lines.append(f"| {Path(spec).stem} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
                              f"{row['ms_per_step']:.2f} | {front:.2f} | {back:.2f} | {row['speedup']:.2f}x | "
-                             f"{exact}/{len(prompts)}{' (first div ' + str(min(divs)) + ')' if divs else ''} |")
+                             f"{exact}/{len(prompts)}{_divergence_note(divs)} |")
                 print(lines[-1], flush=True)
         report["sets"][spec] = rows
     if args.fp32_check:

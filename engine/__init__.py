@@ -1,15 +1,16 @@
 """DFlash + DDTree speculative decoding engine: exact, switchable paths, per-phase timing."""
 
-from engine.api import Pair, bench, load
+from engine.api import Pair, bench, diagnose, load
 from engine.config import EngineConfig, EngineInputError
 from engine.decode import generate
 from engine.grammar import CompiledGrammar
 from engine.registry import check_model_spec
-from engine.stats import BenchResult, Generation, GenerationStats, PromptResult
+from engine.stats import BenchResult, Divergence, Generation, GenerationStats, PromptResult
 
 __all__ = [
     "BenchResult",
     "CompiledGrammar",
+    "Divergence",
     "EngineConfig",
     "EngineInputError",
     "Generation",
@@ -18,6 +19,7 @@ __all__ = [
     "PromptResult",
     "bench",
     "check_model_spec",
+    "diagnose",
     "generate",
     "load",
 ]

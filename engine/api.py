@@ -17,7 +17,7 @@ from engine.decode import Workspace, generate
 from engine.drafters import Drafter
 from engine.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
-from engine.stats import PHASES, BenchResult, Generation, PromptResult
+from engine.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
 
 
 class PromptIds(list):
@@ -97,6 +97,11 @@ class Pair:
             self._grammars[key] = compile_tool_grammar(self._grammar_vocab, tools)
         return self._grammars[key]
 
+    def grammar_of(self, prompt: Sequence[int], config: EngineConfig) -> CompiledGrammar | None:
+        """The grammar ``bench`` decodes ``prompt`` under unless told otherwise: the tool-call grammar
+        of the prompt's tools (``Pair.encode`` of a chat with tools) where ``config`` places one."""
+        return None if config.grammar == "off" else self.grammar_for(getattr(prompt, "tools", None))
+
     def decode_paths(self, config: EngineConfig, constrained: bool = False) -> tuple[str, str]:
         """(loop, kernels) that ``config`` decodes with on this pair: the loop ``generic``,
         ``static`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
@@ -141,11 +146,33 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto") -> 
     return pair
 
 
-def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def diagnose(pair: Pair, config: EngineConfig, prompt: Sequence[int], output: Sequence[int],
+             reference: Sequence[int], ignore_eos: bool = False, grammar: CompiledGrammar | None = None,
+             ar_config: EngineConfig | None = None) -> Divergence | None:
+    """Why ``output`` (``config``'s tokens for ``prompt``) differs from ``reference`` (AR's), or None
+    where they are equal.
+
+    AR (``ar_config``: by default ``config`` with ``verify="ar"``, the loop and kernels it decodes
+    with) and ``config`` are decoded again up to the first divergence with ``record_margins`` (both
+    deterministic; the reference is tokens only, so AR's margin needs the re-run), under the same
+    ``grammar`` and ``ignore_eos`` as the compared outputs. Each run's margin is that of the logits
+    row that picked its token at the divergence; the verdict follows ``Divergence.judge``.
+    """
+    position = first_divergence(output, reference)
+    if position is None:
+        return None
+    ar_config = ar_config or config.replace(verify="ar")
+    n = position + 1
+    ar, run = (generate(pair, list(prompt), cfg, n, ignore_eos=ignore_eos, grammar=grammar, record_margins=True)
+               for cfg in (ar_config, config))
+    reproduced = ar.tokens == list(reference[:n]) and run.tokens == list(output[:n])
+    return Divergence.judge(position, _row_at(ar, position), _row_at(run, position), pair.target.dtype,
+                            reproduced)
+
+
+def _row_at(gen: Generation, position: int) -> tuple[float, float] | None:
+    """(top logit, margin) of the row that picked ``gen``'s token at ``position``; None past its end."""
+    return (gen.top_logits[position], gen.margins[position]) if position < len(gen.tokens) else None
 
 
 def bench(
@@ -156,10 +183,14 @@ def bench(
     reference: Sequence[Sequence[int]] | None = None,
     ignore_eos: bool = False,
     grammars: Sequence[CompiledGrammar | None] | None = None,
+    ar_config: EngineConfig | None = None,
 ) -> BenchResult:
     """One measured pass of ``config`` over ``prompts``; caches reset between generations.
 
-    ``reference`` (AR outputs for the same prompts) turns on the per-prompt exactness check.
+    ``reference`` (AR outputs for the same prompts) turns on the per-prompt exactness check; a
+    prompt that differs gets ``PromptResult.divergence`` (``diagnose``, after the pass: outside the
+    measured time and the peak memory; ``ar_config``: the AR config that produced ``reference``,
+    by default ``config`` with ``verify="ar"``).
     ``grammars`` (one per prompt, ``None`` = unconstrained) apply when ``config.grammar != "off"``;
     left out, each prompt that remembers its tools (``Pair.encode`` of a chat with tools) gets its
     tool-call grammar (compiled before the pass, outside the measured time).
@@ -171,7 +202,7 @@ def bench(
     if config.grammar == "off":
         grammars = [None] * len(prompts)
     elif grammars is None:
-        grammars = [pair.grammar_for(getattr(p, "tools", None)) for p in prompts]
+        grammars = [pair.grammar_of(p, config) for p in prompts]
     cuda = pair.target.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -180,13 +211,17 @@ def bench(
     for i, prompt in enumerate(prompts):
         g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos, grammar=grammars[i])
         gens.append(g)
-        div = _first_divergence(g.tokens, reference[i]) if reference is not None else None
+        div = first_divergence(g.tokens, reference[i]) if reference is not None else None
         results.append(PromptResult(
             index=i, prompt_tokens=len(prompt), new_tokens=g.stats.new_tokens, decode_s=g.stats.decode_s,
             total_s=g.stats.total_s, decode_tps=g.stats.decode_tps, acceptance_length=g.stats.acceptance_length,
             steps=g.stats.steps, exact=None if reference is None else div is None, first_divergence=div,
         ))
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for r, g in zip(results, gens, strict=True):
+        if r.first_divergence is not None:
+            r.divergence = diagnose(pair, config, prompts[r.index], g.tokens, reference[r.index], ignore_eos,
+                                    grammars[r.index], ar_config)
     return BenchResult(
         config=config.to_dict(),
         prompts=results,

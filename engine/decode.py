@@ -18,7 +18,7 @@ from engine.config import EngineConfig, EngineInputError
 from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
 from engine.models import fused, topk, tree_kernel
 from engine.models.common import VerifyTree
-from engine.sampling import select_tokens
+from engine.sampling import select_tokens, top_margins
 from engine.stats import PHASES, Generation, GenerationStats
 from engine.tree import (
     Tree,
@@ -87,6 +87,23 @@ class Workspace:
     seq: Tensor  # [max_len] every token: prompt, then committed output
     features: Tensor | None  # [max_len, n_ids * H] target features of cached positions
     max_len: int
+    margins: Tensor | None = None  # [max_len + 1, 2] see margin_buffer (allocated on first use)
+
+    def margin_buffer(self) -> Tensor:
+        """[max_len + 1, 2] float32, by position like ``seq``: ``top_margins`` of the logits row that
+        picked the token there (``record_margins``). A verify writes all its rows after the root (one
+        slot past ``max_len`` at most); rows past the accepted path lie beyond the committed length,
+        as their K/V do. Allocated once per workspace: captured steps write into it."""
+        if self.margins is None:
+            self.margins = torch.zeros(self.max_len + 1, 2, dtype=torch.float32, device=self.seq.device)
+        return self.margins
+
+    def attach_margins(self, gen: Generation, first: int) -> Generation:
+        """``gen`` with the margins of its tokens (the first at position ``first``): one read, after
+        the generation (outside its timing)."""
+        rows = self.margin_buffer()[first : first + len(gen.tokens)].tolist()
+        gen.top_logits, gen.margins = [r[0] for r in rows], [r[1] for r in rows]
+        return gen
 
 
 def constrain_logits(gs: GrammarState, bits: Tensor, logits: Tensor, stats: GenerationStats) -> Tensor:
@@ -153,10 +170,14 @@ def grammar_commit(gs: GrammarState, new: list[int], repick: Callable[[int], int
 
 
 def masked_pick(gs: GrammarState, bits: Tensor, logits: Tensor, node: int, position: int,
-                cfg: EngineConfig) -> int:
-    """The target's token at ``node`` (its logits row) under the grammar's current mask."""
+                cfg: EngineConfig, margins: Tensor | None = None) -> int:
+    """The target's token at ``node`` (its logits row) under the grammar's current mask; with
+    ``margins`` (``Workspace.margin_buffer``) the masked row's margin replaces the unmasked one at
+    ``position``: the masked row picked the token committed there."""
     gs.fill(bits, 0)
     row = mask_logits(logits[node : node + 1], bits[:1])
+    if margins is not None:
+        margins[position : position + 1] = top_margins(row)
     return int(select_tokens(row, torch.tensor([position], device=logits.device), cfg.temperature, cfg.seed))
 
 
@@ -170,7 +191,7 @@ def truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]
 
 
 def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
-            constrain: Callable[[Tensor], Tensor] | None = None) -> int:
+            constrain: Callable[[Tensor], Tensor] | None = None, record_margins: bool = False) -> int:
     """The prompt's forward: its K/V (and draft features) cached, ``seq`` holding the prompt and
     the first new token, which is returned. ``constrain`` masks the last logits (a grammar)."""
     n, seq = len(prompt), ws.seq
@@ -180,6 +201,8 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
         ws.features[:n] = f
     if constrain is not None:
         logits = constrain(logits)
+    if record_margins:
+        ws.margin_buffer()[n : n + 1] = top_margins(logits)
     seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=seq.device), cfg.temperature, cfg.seed)
     return int(seq[n])
 
@@ -205,21 +228,24 @@ def _use_static(pair, cfg: EngineConfig, gs: GrammarState | None, static: bool |
 @torch.inference_mode()
 def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                 stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                gs: GrammarState | None = None, static: bool | None = None) -> Generation:
+                gs: GrammarState | None = None, static: bool | None = None,
+                record_margins: bool = False) -> Generation:
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
     With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
-    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``)."""
+    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``).
+    ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
     if _use_static(pair, cfg, gs, static):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
-        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs)
+        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
+    margins = ws.margin_buffer() if record_margins else None  # before the prefill: allocation is not timed
     t0 = timer.now()
     bits = new_bitmask(1, gs.words) if gs is not None else None
     constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, (), constrain)]
+    out = [prefill(pair, ws, prompt, cfg, (), constrain, record_margins)]
     tok = ws.seq[len(prompt)]
     if gs is not None:
         advance_grammar(gs, out[0], stats)
@@ -235,6 +261,8 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
             if gs is not None:
                 logits = constrain_logits(gs, bits, logits, stats)
             tok = select_tokens(logits, torch.tensor([pos + 1], device=logits.device), cfg.temperature, cfg.seed)
+            if margins is not None:
+                margins[pos + 1 : pos + 2] = top_margins(logits)
         out.append(int(tok))
         if gs is not None:
             advance_grammar(gs, out[-1], stats)
@@ -242,7 +270,8 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
             on_tokens(out[-1:])
         stats.steps += 1
         done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
-    return finish(out, stats, timer, t_first, t0)
+    gen = finish(out, stats, timer, t_first, t0)
+    return ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
 
 class _Untimed:
@@ -293,11 +322,14 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
 @torch.inference_mode()
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                          stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                         gs: GrammarState | None = None, static: bool | None = None) -> Generation:
+                         gs: GrammarState | None = None, static: bool | None = None,
+                         record_margins: bool = False) -> Generation:
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
-    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``)."""
+    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``).
+    ``record_margins``: ``Generation.margins``, from the verify rows along each accepted path (a
+    grammar cut's token: from its masked row)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
@@ -316,12 +348,13 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     if _use_static(pair, cfg, gs, static) and not replay:
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify,
-                                        gs)
+                                        gs, record_margins)
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
+    margins = ws.margin_buffer() if record_margins else None
     t0 = timer.now()
     constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain)]
+    out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain, record_margins)]
     if gs is not None:
         advance_grammar(gs, out[0], stats)
     t_first = timer.now()
@@ -341,6 +374,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
             logits, f = target(tree.tokens, cache, start, tree=VerifyTree(tree.parents, tree.depths, mask),
                                feature_layers=drafter.feature_layers)
             positions = start + tree.depths + 1
+            picked_by = logits  # the rows that pick the tokens (masked by a walk grammar below)
             if not walk_grammar:
                 posterior = select_tokens(logits, positions, cfg.temperature, cfg.seed)
 
@@ -349,8 +383,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 tg = time.perf_counter()
                 _tree_bitmask(gs, tree.tokens.tolist(), tree.parents.tolist(), bits)
                 stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
-                posterior = select_tokens(mask_logits(logits, bits[: tree.size]), positions,
-                                          cfg.temperature, cfg.seed)
+                picked_by = mask_logits(logits, bits[: tree.size])
+                posterior = select_tokens(picked_by, positions, cfg.temperature, cfg.seed)
             if cfg.draft_path == "generic":
                 tokens_h, parents_h = tree.tokens.tolist(), tree.parents.tolist()
                 path_list = walk_host(tokens_h, parents_h, posterior.tolist())
@@ -369,13 +403,15 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                                     tree.tokens[path], posterior[last].view(1)]).tolist()
                 al, leaf, side = packed[0], not packed[1], bool(packed[2])
                 new = packed[4 : 3 + al] + [packed[-1]]
+            if margins is not None:  # node path[j] picked the token at start + 1 + j
+                margins[start + 1 : start + 1 + al] = top_margins(picked_by.index_select(0, path[:al]))
 
         with timer.phase("commit"):
             if gs is not None:
                 tg = time.perf_counter()
                 # a refused token's node: one host read, on a refused token only
                 new, cut = grammar_commit(gs, new, lambda i, lg=logits, pa=path, st=start: masked_pick(
-                    gs, bits, lg, int(pa[i]), st + i + 1, cfg), cfg.grammar)
+                    gs, bits, lg, int(pa[i]), st + i + 1, cfg, margins), cfg.grammar)
                 if cut:
                     al, leaf = len(new), False
                     side = any(r > 0 for r in tree.ranks[path[:al]].tolist())
@@ -397,7 +433,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         if on_tokens is not None and new:
             on_tokens(list(new))
 
-    return finish(out, stats, timer, t_first, t0)
+    gen = finish(out, stats, timer, t_first, t0)
+    return ws.attach_margins(gen, n) if record_margins else gen
 
 
 def _max_nodes(top_k: int, depth: int) -> int:
@@ -412,7 +449,7 @@ def _max_nodes(top_k: int, depth: int) -> int:
 
 def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
              ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-             grammar: CompiledGrammar | None = None) -> Generation:
+             grammar: CompiledGrammar | None = None, record_margins: bool = False) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt``, stopping after the tokenizer's stop
     token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests).
 
@@ -425,6 +462,11 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
     ``None`` (a prompt without tools) or ``cfg.grammar == "off"`` decodes unconstrained. A
     constrained generation also ends when the grammar is complete (its stop token accepted), even
     with ``ignore_eos``: the grammar allows nothing after it.
+
+    ``record_margins`` fills ``Generation.top_logits`` and ``.margins``: per new token, the top logit
+    and the top1 - top2 margin (float32) of the target's logits row that picked it, for divergence
+    forensics (``engine.api.diagnose``). Off, no step does any of that work; on, the runtime's
+    captured steps are other graphs.
     """
     if not prompt:
         raise EngineInputError("prompt is empty: at least one token is needed")
@@ -440,5 +482,7 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
         gs = grammar.state()
     with fused.using_kernels(cfg.kernels == "fused"):
         if cfg.verify == "ar":
-            return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
-        return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs)
+            return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
+                               record_margins=record_margins)
+        return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
+                                    record_margins=record_margins)

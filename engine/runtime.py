@@ -33,6 +33,10 @@ cutting the step at a refused token (the device position and, on a hybrid, the r
 are moved back to the cut). ``grammar: walk`` needs the grammar's masks inside the walk, between
 the verify forward and the commit, so it takes the generic loop, as does the oracle draft.
 
+``record_margins`` (divergence forensics, ``Generation.margins``): the AR step and the verify also
+write the top-2 margins of their logits rows into the workspace's margin buffer, by position, read
+once after the generation; those steps are other graphs (keyed by it), so without it nothing changes.
+
 ``graphs=False`` runs the same step functions eagerly (the CPU tests check the logic that way).
 """
 
@@ -51,7 +55,7 @@ from engine.models import tree_kernel
 from engine.models.attention import StepKeys, ancestor_table, chain_keys, chain_table
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
-from engine.sampling import select_tokens
+from engine.sampling import select_tokens, top_margins
 from engine.stats import Generation, GenerationStats
 from engine.tree import Tree
 
@@ -94,7 +98,7 @@ class _Graphs:
         """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
         the same static buffers and constants at every call with that key). Every key starts
         ``(kind, key span, ...)``, kind one of "ar", "propose", "verify"; the AR key goes on with
-        whether a grammar mask is applied."""
+        whether a grammar mask is applied, then whether margins are recorded."""
         if not self.enabled:
             return fn(*args)
         if key not in self._captured:
@@ -218,7 +222,7 @@ class StaticDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
-    def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool) -> Tensor:
+    def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool, record: bool) -> Tensor:
         s, ws = self.start, self.ws
         tok = ws.seq.index_select(0, s)
         logits, _ = self.pair.target.forward_static(tok, s, s, self._chain_keys(1, key_len), ws.cache)
@@ -226,6 +230,8 @@ class StaticDecoder:
             logits = mask_logits(logits, self._bits[1])
         nxt = select_tokens(logits, s + 1, cfg.temperature, cfg.seed)
         ws.seq.index_copy_(0, s + 1, nxt)
+        if record:  # (record_margins) the row that picked the token at s + 1
+            ws.margins.index_copy_(0, s + 1, top_margins(logits))
         s.add_(1)
         return nxt
 
@@ -240,7 +246,7 @@ class StaticDecoder:
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
         return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
 
-    def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor
+    def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor, record: bool
                 ) -> tuple[Tensor, Tensor, Tensor]:
         s, ws, target = self.start, self.ws, self.pair.target
         t = tree.tokens.numel()
@@ -264,6 +270,8 @@ class StaticDecoder:
         if self.recurrent:  # the accepted path's recurrent state recomputed, the conv window along it
             ws.cache.commit_recurrent(path, al)
         ws.features.index_copy_(0, slots, f.index_select(0, path))
+        if record:  # (record_margins) node path[j] picked the token at start + 1 + j, as the K/V move
+            ws.margins.index_copy_(0, slots + 1, top_margins(logits).index_select(0, path))
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
         return packed, logits, path
 
@@ -278,7 +286,7 @@ class StaticDecoder:
             self.ws.cache.recommit_recurrent(path, torch.tensor([kept], device=self.device))
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
-               timer, gs: GrammarState | None, bits: Tensor | None
+               timer, gs: GrammarState | None, bits: Tensor | None, record: bool
                ) -> tuple[GenerationStats, list[int], float, float]:
         """The eager prefill (its token masked by the grammar through the host ``bits``; with
         ``feature_layers``, the draft's context K/V of the prompt too), then the root's position
@@ -288,7 +296,7 @@ class StaticDecoder:
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
         constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain)]
+        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain, record)]
         if feature_layers:  # part of the prompt's processing (prefill time), like the target's K/V
             self.pair.drafter.fill_context(self._draft_context(), self.ws.features, len(prompt))
         if gs is not None:
@@ -308,16 +316,19 @@ class StaticDecoder:
         return bucket_for(need, self.ws.max_len)
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
-                    on_tokens, timer, gs: GrammarState | None = None) -> Generation:
+                    on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
         from engine.decode import advance_grammar, finish  # the decode module imports this one
 
         bits = self._bitmask(gs) if gs is not None else None
         readback = self._readback(1)  # before the prefill: allocation is not timed
+        if record_margins:  # allocated before the prefill and any capture: captured steps write into it
+            self.ws.margin_buffer()
         stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs,
-                                              bits[0] if bits else None)
+                                              bits[0] if bits else None, record_margins)
         pos = len(prompt)
         done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
-        key = (gs is not None, cfg.temperature, cfg.seed, cfg.kernels)  # after (kind, key span): see CudaGraphs
+        # after (kind, key span): see _Graphs.run
+        key = (gs is not None, record_margins, cfg.temperature, cfg.seed, cfg.kernels)
 
         def launch(p: int) -> tuple[Tensor, object]:  # the step whose input token sits at position p
             key_len = self._bucket(p + 1)
@@ -327,7 +338,8 @@ class StaticDecoder:
                     gs.fill(bits[0], 0)
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                     bits[1].copy_(bits[0], non_blocking=True)
-                nxt = self.graphs.run(("ar", key_len, *key), self._ar_step, key_len, cfg, gs is not None)
+                nxt = self.graphs.run(("ar", key_len, *key), self._ar_step, key_len, cfg, gs is not None,
+                                      record_margins)
                 return readback.push(nxt)
 
         pending = None if done else launch(pos)
@@ -352,19 +364,21 @@ class StaticDecoder:
                 self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(pos)
         self.ws.cache.length = pos
-        return finish(out, stats, timer, t_first, t0, t_last)
+        gen = finish(out, stats, timer, t_first, t0, t_last)
+        return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
-                             gs: GrammarState | None = None) -> Generation:
+                             gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
         from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
         self._draft_context()
         readback = self._readback(3 + n_verify)
+        margins = self.ws.margin_buffer() if record_margins else None
         bits = new_bitmask(1, gs.words) if gs is not None else None
         stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
-                                              bits)
+                                              bits, record_margins)
         # A grammar may cut a step after its commit: the replaced recurrent state is kept, set after
         # the prefill (its reset clears it); a verify that keeps it is another graph.
         keep = self.recurrent and gs is not None
@@ -382,8 +396,9 @@ class StaticDecoder:
                 tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
             with timer.phase("verify"):
                 # (the kernel switch stays the key's last entry: gpu_bench graphs selects by it)
-                packed, logits, path = self.graphs.run(("verify", key_len, *key[:-1], keep, cfg.kernels),
-                                                       self._verify, key_len, cfg, block, tree, anc)
+                packed, logits, path = self.graphs.run(
+                    ("verify", key_len, *key[:-1], keep, record_margins, cfg.kernels),
+                    self._verify, key_len, cfg, block, tree, anc, record_margins)
                 return readback.push(packed), tree, logits, path  # the step's one host read, when read
 
         pending = None if done else launch(start)
@@ -405,7 +420,7 @@ class StaticDecoder:
                     tg = time.perf_counter()
                     root = start
                     new, cut = grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: masked_pick(
-                        gs, bits, lg, int(pa[i]), r + i + 1, cfg), cfg.grammar)
+                        gs, bits, lg, int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
                     if cut:
                         al, leaf = len(new), False
                         side = bool((tree.ranks.index_select(0, path[:al]) > 0).any())
@@ -425,7 +440,8 @@ class StaticDecoder:
                 self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(start)
         self.ws.cache.length = start
-        return finish(out, stats, timer, t_first, t0, t_last)
+        gen = finish(out, stats, timer, t_first, t0, t_last)
+        return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
 
 def decoder_for(pair, ws, graphs: bool) -> StaticDecoder:

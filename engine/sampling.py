@@ -40,3 +40,11 @@ def select_tokens(logits: Tensor, positions: Tensor, temperature: float, seed: i
     u = uniform_noise(seed, positions, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return torch.argmax(logits.double() / temperature + gumbel, dim=-1)
+
+
+def top_margins(logits: Tensor) -> Tensor:
+    """logits [T, V] -> [T, 2] float32: each row's top logit and its margin over the second (top1 -
+    top2), taken from the logits a token was picked from, as computed (divergence forensics:
+    ``Generation.margins``). At temperature 0 the margin is how far the pick was from a tie."""
+    top = logits.float().topk(2, dim=-1).values
+    return torch.stack([top[:, 0], top[:, 0] - top[:, 1]], dim=-1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,6 +79,97 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     text: str | None = None
+    # With ``record_margins``: per new token i, the target's logits row that picked it (the prefill's
+    # last row for token 0), in float32: its top logit and its margin top1 - top2. A grammar's masked
+    # row where it picked the token: every row under AR and ``walk``; under ``commit`` the prefill's
+    # and a cut token's (a token the grammar accepted was picked by the unmasked verify row). At
+    # temperature > 0 the pick is a Gumbel-max draw: these are the logits' margins, not the draw's.
+    top_logits: list[float] | None = None
+    margins: list[float] | None = None
+
+
+# Divergence forensics: why a speculative output left AR's tokens (engine.api.diagnose).
+TIE_ULPS = 4
+VERDICTS = ("numeric tie", "mismatch")
+# (explicit mantissa bits, smallest normal exponent) of the dtypes a target runs in
+_FLOAT_FORMATS = {"float32": (23, -126), "bfloat16": (7, -126), "float16": (10, -14)}
+
+
+def first_divergence(out: Sequence[int], want: Sequence[int]) -> int | None:
+    """First position where two token lists differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(out, want, strict=False)):
+        if a != b:
+            return i
+    return None if len(out) == len(want) else min(len(out), len(want))
+
+
+def ulp(dtype: object, magnitude: float) -> float:
+    """One unit in the last place of ``dtype`` (a torch dtype or its name) at ``magnitude``:
+    2**(floor(log2 |m|) - mantissa bits), the subnormal spacing below the smallest normal; NaN for
+    a non-finite magnitude."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _FLOAT_FORMATS:
+        raise ValueError(f"ulp: dtype must be one of {sorted(_FLOAT_FORMATS)}, but got {name!r}")
+    bits, emin = _FLOAT_FORMATS[name]
+    m = abs(magnitude)
+    if not math.isfinite(m):
+        return math.nan
+    exponent = math.frexp(m)[1] - 1 if m > 0 else emin  # m = f * 2**e with 0.5 <= f < 1: floor(log2 m) = e - 1
+    return math.ldexp(1.0, max(exponent, emin) - bits)
+
+
+def tie_bound(dtype: object, top_logit: float) -> float:
+    """The widest top-2 margin still called a numeric tie: ``TIE_ULPS`` (4) units in the last place
+    of the model's dtype at the top logit's magnitude.
+
+    Two exact-in-math runs that compute a logits row in another order (a verify's rows against an
+    AR step's, another loop or kernel) differ by rounding: a logit is stored to the dtype's
+    precision, and the final norm and projection add a few roundings more, so a pair of logits
+    closer than a few units in the last place can swap places between the runs. A wider margin
+    at the first divergence is not explained by rounding: a "mismatch" (a bug until shown otherwise)."""
+    return TIE_ULPS * ulp(dtype, top_logit)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first position where a run's output left the AR output, and why.
+
+    ``ar_margin`` / ``run_margin``: top1 - top2 (float32) of the logits row that picked the token at
+    ``position`` in the AR run and in the run (``None``: that run has no token there, a length
+    difference). ``verdict``: "numeric tie" when the smaller margin is within ``tie_bound``
+    (``tie_bound()`` at the larger top logit of the two rows), else "mismatch". ``reproduced``:
+    the re-runs the margins come from gave the compared tokens again up to ``position`` (False: the
+    outputs compared were not what the engine decodes now, e.g. a rewritten reference)."""
+
+    position: int
+    ar_margin: float | None
+    run_margin: float | None
+    tie_bound: float
+    verdict: str
+    reproduced: bool = True
+
+    @classmethod
+    def judge(cls, position: int, ar: tuple[float, float] | None, run: tuple[float, float] | None,
+              dtype: object, reproduced: bool = True) -> Divergence:
+        """``ar`` / ``run``: (top logit, margin) of each run's row at ``position``, or None."""
+        rows = [r for r in (ar, run) if r is not None]
+        bound = tie_bound(dtype, max((abs(top) for top, _ in rows), default=0.0))
+        tie = ar is not None and run is not None and min(ar[1], run[1]) <= bound
+        return cls(position, ar[1] if ar else None, run[1] if run else None, bound,
+                   VERDICTS[0] if tie else VERDICTS[1], reproduced)
+
+    def describe(self) -> str:
+        """One line: ``div 70: numeric tie 0/0.125`` (AR's margin / the run's, 3 significant digits)."""
+        note = "" if self.reproduced else " (not reproduced)"
+        return (f"div {self.position}: {self.verdict} {_margin_text(self.ar_margin)}/"
+                f"{_margin_text(self.run_margin)}{note}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _margin_text(margin: float | None) -> str:
+    return "-" if margin is None else f"{margin:.3g}"
 
 
 @dataclass
@@ -91,6 +184,7 @@ class PromptResult:
     steps: int
     exact: bool | None  # equal to the AR output token for token (None: not checked)
     first_divergence: int | None  # first differing position among new tokens
+    divergence: Divergence | None = None  # why it differs (re-run with margins, outside the measured time)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import uuid
 from pathlib import Path
 
@@ -124,6 +125,12 @@ def test_inexact_config_is_infeasible_and_never_wins(tmp_path):
     bad = chain[0]
     assert bad.state == TrialState.COMPLETE
     assert bad.user_attrs["exact_match"] == 0.0 and bad.user_attrs["first_divergence"] == 7
+    _assert_forensics(bad)
+    for t in s.get_trials():  # checked and exact: no divergence, every verdict counted at zero
+        if t.number != bad.number and t.state == TrialState.COMPLETE:
+            a = t.user_attrs
+            assert (a["inexact_count"], a["divergences"]) == (0, [])
+            assert a["divergence_verdicts"] == {"numeric tie": 0, "mismatch": 0}
     assert bad.constraints["exactness"] == 1.0 and not results.feasible(bad)
     assert s.best_trial.number != bad.number
     assert results.winner(s).trial != bad.number
@@ -131,10 +138,45 @@ def test_inexact_config_is_infeasible_and_never_wins(tmp_path):
     assert "trials_infeasible: 1" in text
 
 
+def _assert_forensics(t: optuna.trial.FrozenTrial) -> None:
+    """The chain trial's divergence records: both prompts at the rewritten last token (position 7),
+    re-decoded by AR and chain, which pick the true token from the same row (equal margins, far
+    wider than float32's tie bound: a mismatch), and which the rewritten outputs do not reproduce."""
+    a = t.user_attrs
+    assert a["inexact_count"] == 2 and a["divergence_verdicts"] == {"numeric tie": 0, "mismatch": 2}
+    divs = a["divergences"]
+    assert [d["prompt"] for d in divs] == ["prompts[0]", "prompts[1]"]
+    for d in divs:
+        assert d["position"] == 7 and d["verdict"] == "mismatch" and d["reproduced"] is False
+        assert d["ar_margin"] == pytest.approx(d["run_margin"], abs=1e-4)
+        assert d["ar_margin"] > d["tie_bound"] > 0 and d["tie_bound"] < 1e-4  # float32: a few 1e-6
+
+
 def test_exactness_report_records_without_rejecting(tmp_path):
-    outcome, _ = sweep(_grid_experiment(tmp_path, "report"), "memory", output_hook=_corrupt_chain)
+    from mlflow import MlflowClient
+
+    from autotune.report import write_report
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    outcome, text = sweep(_grid_experiment(tmp_path, "report"), "memory", output_hook=_corrupt_chain, tracking=db)
     chain = [t for t in outcome.study.get_trials() if t.params.get("verify") == "chain"][0]
     assert chain.user_attrs["exact_match"] == 0.0 and chain.constraints == {}
+    _assert_forensics(chain)
+    # MLflow: the counts as metrics, the records as an artifact
+    client = MlflowClient(db)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              f"tags.`autotune.trial` = '{chain.number}'")
+    assert len(runs) == 1
+    m = runs[0].data.metrics
+    assert (m["inexact_count"], m["verdict.mismatch"], m["verdict.numeric_tie"]) == (2, 2, 0)
+    local = client.download_artifacts(runs[0].info.run_id, "divergences.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == chain.user_attrs["divergences"]
+    # the report: the trial's counts and a row per divergence with both margins and the verdict
+    md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
+    assert "### Divergences" in md and "numeric tie 0, mismatch 2" in md
+    for d in chain.user_attrs["divergences"]:
+        assert (f"| {chain.number} | {d['prompt']} | 7 | {d['ar_margin']:.4f} | {d['run_margin']:.4f} | "
+                f"{d['tie_bound']:.3g} | mismatch (not reproduced) |") in md
 
 
 def test_engine_failures_become_failed_trials_and_the_sweep_goes_on(tmp_path):

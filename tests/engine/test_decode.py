@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from engine_pairs import pair_for
+from engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 import engine
 from engine import EngineConfig
@@ -134,6 +134,7 @@ def test_bench_reports_exactness_and_phases():
     res = engine.bench(pair, EngineConfig(verify="ddtree", budget=8, top_k=2), prompts, 24,
                        reference=ref.outputs, ignore_eos=True)
     assert res.exact_match == 1.0 and all(p.first_divergence is None for p in res.prompts)
+    assert all(p.divergence is None for p in res.prompts)
     assert res.new_tokens == 48 and res.steps == len(res.accept_lengths)
     assert set(res.phase_ms_per_step) == {"draft", "topk", "tree", "verify", "walk", "commit"}
     assert all(v > 0 for v in res.phase_ms_per_step.values())
@@ -144,6 +145,54 @@ def test_bench_reports_exactness_and_phases():
     bad[1][5] = (bad[1][5] + 1) % 256
     res2 = engine.bench(pair, EngineConfig(verify="chain"), prompts, 24, reference=bad, ignore_eos=True)
     assert res2.exact_match == 0.5 and res2.prompts[1].first_divergence == 5
+    # ... and its forensics: AR and chain re-decoded to position 5 pick the same token from the same
+    # row, which the rewritten reference does not hold (not reproduced); a clear margin: a mismatch
+    div = res2.prompts[1].divergence
+    want = direct_margins(pair, prompts[1], ref.outputs[1][:6])[5].tolist()
+    assert res2.prompts[0].divergence is None and div.position == 5 and not div.reproduced
+    assert div.ar_margin == pytest.approx(want[1], abs=1e-4) and div.run_margin == pytest.approx(want[1], abs=1e-4)
+    assert div.tie_bound == 4 * engine.stats.ulp(torch.float32, want[0]) and div.verdict == "mismatch"
+
+
+def test_a_real_divergence_is_diagnosed_at_its_position_with_both_margins():
+    """Sampling (temperature 0.8) against a greedy reference: the outputs really differ, both runs
+    are re-decoded and reproduce them; at the first difference both picked from the same logits row
+    (the prefix is equal), so both margins are that row's, and it is no tie in float32."""
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    prompts = [pair.encode(PROMPTS[1])]
+    greedy = EngineConfig(verify="ar")
+    ref = engine.bench(pair, greedy, prompts, 24, ignore_eos=True).outputs
+    sampled = EngineConfig(verify="ddtree", budget=8, top_k=2, temperature=0.8, seed=5)
+    res = engine.bench(pair, sampled, prompts, 24, reference=ref, ignore_eos=True, ar_config=greedy)
+    p = res.prompts[0]
+    pos = p.first_divergence
+    assert pos is not None and res.outputs[0][:pos] == ref[0][:pos]
+    top, margin = direct_margins(pair, prompts[0], ref[0][: pos + 1])[pos].tolist()
+    d = p.divergence
+    assert (d.position, d.reproduced, d.verdict) == (pos, True, "mismatch")
+    assert d.ar_margin == pytest.approx(margin, abs=1e-4) and d.run_margin == pytest.approx(margin, abs=1e-4)
+    assert d.tie_bound == pytest.approx(4 * 2.0 ** (torch.tensor(abs(top)).log2().floor().item() - 23))
+    assert d.ar_margin > d.tie_bound
+    # the default AR config is the run's own with verify=ar: here it samples, so AR is not the reference
+    assert engine.diagnose(pair, sampled, prompts[0], res.outputs[0], ref[0], ignore_eos=True).reproduced is False
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_margins_of_the_generic_loops_are_those_of_a_direct_forward(target):
+    """Each new token's margin is the one of the target row that picked it: the prefill's last row,
+    an AR step's row, a verify's rows along the accepted paths (side branches included)."""
+    pair = pair_for(target, "oracle:0.3")
+    ids = pair.encode(PROMPTS[0])
+    ar = engine.generate(pair, ids, EngineConfig(verify="ar", draft_path="generic"), MAX_NEW, ignore_eos=True,
+                         record_margins=True)
+    want = direct_margins(pair, ids, ar.tokens)
+    assert_margins_equal(ar, want)
+    spec = engine.generate(pair, ids, EngineConfig(verify="ddtree", draft_path="generic", budget=30, top_k=4),
+                           MAX_NEW, ignore_eos=True, record_margins=True)
+    assert spec.tokens == ar.tokens and max(spec.stats.accept_lengths) > 2 and spec.stats.side_branch_steps > 0
+    assert_margins_equal(spec, want)
+    plain = engine.generate(pair, ids, EngineConfig(verify="chain", draft_path="generic"), MAX_NEW, ignore_eos=True)
+    assert plain.margins is None and plain.top_logits is None  # off unless asked for
 
 
 def test_peak_memory_and_devices_are_reported():

@@ -37,3 +37,30 @@ def test_exact_bench_checks_every_config_against_ar(tmp_path):
     oracle = next(r for r in rows if r["draft"] == "oracle:0.3")
     assert oracle["al"] > 1.5  # the oracle's deep paths: the check covers accepted trees, not only roots
     assert f"total: {2 * len(rows)}/{2 * len(rows)} outputs equal to AR" in md.read_text()
+
+
+def test_exact_bench_reports_a_divergence_with_its_margins_and_verdict(tmp_path, monkeypatch):
+    """A reference rewritten at position 3 (as a kernel that rounded a verify's row otherwise would
+    leave it): the row counts the prompt inexact with the ``Divergence`` record, and the exit code is 1."""
+    module = _exact_bench()
+    bench = module.engine.bench
+
+    def rewritten(pair, cfg, prompts, max_new, reference=None, **kw):
+        if reference is not None:
+            reference = [list(r) for r in reference]
+            reference[0][3] = (reference[0][3] + 1) % pair.target.cfg.vocab_size
+        return bench(pair, cfg, prompts, max_new, reference=reference, **kw)
+
+    monkeypatch.setattr(module.engine, "bench", rewritten)
+    out = tmp_path / "exact.json"
+    rc = module.main(["--target", "tiny-dense", "--draft", "random", "--device", "cpu", "--dtype", "float32",
+                      "--random-prompts", "2", "--prompt-len", "12", "--max-new-tokens", "8", "--budgets", "4",
+                      "--top-ks", "2", "--eos-configs", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 1
+    assert all(r["exact"] == 1 for r in rows)
+    div = rows[0]["divergences"][0]
+    assert div["prompt"] == 0 and div["first_divergence"] == div["position"] == 3
+    assert div["verdict"] == "mismatch" and div["reproduced"] is False
+    assert div["ar_margin"] >= 0 and div["run_margin"] >= 0
+    assert "p0 div 3: mismatch" in rows[0]["text"]

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from engine_pairs import pair_for
 
 import engine
@@ -133,6 +134,30 @@ def test_commit_placement_cuts_steps_on_refused_tokens():
     gen = engine.generate(pair, ids, EngineConfig(verify="ddtree", grammar="commit"), 48, ignore_eos=True, grammar=g)
     assert gen.tokens == constrained_ar(pair, ids, g, 0.0, 48)
     assert gen.stats.correction_tokens > 0
+
+
+def test_walk_margins_are_those_of_the_masked_rows_as_constrained_ar(monkeypatch):
+    """Under `walk` every tree row is masked before the walk picks from it: each token's margin is
+    its masked row's, as in constrained AR (infinite where the grammar allows a single token). The
+    draft proposes constrained AR's own tokens, so steps accept several (the oracle proposes the
+    unconstrained continuation, which the grammar refuses)."""
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    ids, g = pair.encode(CHAT), pair.grammar_for(TOOLS)
+    ar = engine.generate(pair, ids, EngineConfig(verify="ar", grammar="walk"), 64, ignore_eos=True, grammar=g,
+                         record_margins=True)
+    truth, vocab = torch.tensor(ar.tokens), pair.target.cfg.vocab_size
+
+    def constrained_oracle(seq, start, block_size, window, features):
+        tok = truth[(start - len(ids) + torch.arange(1, block_size)).clamp(max=len(truth) - 1)]
+        return torch.zeros(block_size - 1, vocab).scatter_(1, tok[:, None], 10.0)
+
+    monkeypatch.setattr(pair.drafter, "propose", constrained_oracle)
+    walk = engine.generate(pair, ids, EngineConfig(verify="ddtree", draft_path="generic", grammar="walk", budget=12,
+                                                   top_k=3), 64, ignore_eos=True, grammar=g, record_margins=True)
+    assert walk.tokens == ar.tokens and max(walk.stats.accept_lengths) > 4
+    assert walk.margins == pytest.approx(ar.margins, abs=1e-4)
+    assert walk.top_logits == pytest.approx(ar.top_logits, abs=1e-4)
+    assert any(m == float("inf") for m in ar.margins) and not all(m == float("inf") for m in ar.margins)
 
 
 def test_bench_serves_each_prompt_with_its_tools():

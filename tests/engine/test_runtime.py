@@ -8,7 +8,7 @@ import engine
 from engine import EngineConfig
 from engine.decode import generate_ar, generate_speculative
 from engine.runtime import StaticDecoder, bucket_for, supports
-from tests.engine.engine_pairs import pair_for
+from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 
 def test_buckets_are_powers_of_two_capped_at_the_buffer():
@@ -136,6 +136,60 @@ def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
     assert max(gen.stats.accept_lengths) >= 4 and gen.stats.side_branch_steps > 0
 
 
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_margins_of_the_static_steps_equal_the_generic_loops_and_a_direct_forward(target):
+    """record_margins on the runtime: the AR step writes its row's margin at its token's position,
+    the verify all its rows', moved along the accepted path (several nodes, side branches) as the
+    K/V are; a step launched ahead writes past the committed tokens only. The same numbers as the
+    generic loops and as one plain forward (float32)."""
+    pair = pair_for(target, "random")
+    ids = pair.encode("Margins move with the accepted path.")
+    generic_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, static=False, record_margins=True)
+    want = direct_margins(pair, ids, generic_ar.tokens)
+    assert_margins_equal(generic_ar, want)
+    static_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, static=True, record_margins=True)
+    assert static_ar.tokens == generic_ar.tokens and static_ar.stats.loop == "static"
+    assert_margins_equal(static_ar, want)
+    cfg = EngineConfig(verify="ddtree", budget=12, top_k=3, chain_seed=0)
+    drafter = pair.drafter
+    real, peeking = _peeking(pair, len(ids), generic_ar.tokens)
+    drafter.propose_static = peeking
+    try:
+        spec = generate_speculative(pair, ids, cfg, 48, static=True, record_margins=True)
+    finally:
+        drafter.propose_static = real
+    assert spec.tokens == generic_ar.tokens
+    assert max(spec.stats.accept_lengths) >= 4 and spec.stats.side_branch_steps > 0
+    assert_margins_equal(spec, want)
+    # off: the verify graph of the same key without the margins, and no margins on the generation
+    assert generate_speculative(pair, ids, cfg, 48, static=True).margins is None
+
+
+def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
+    """The margins change what a captured step does, so they are part of its graph key; a step
+    without them leaves the margin buffer alone (no extra work in the graphs that time decoding)."""
+    from engine.runtime import _Graphs
+
+    keys = []
+    run = _Graphs.run
+    monkeypatch.setattr(_Graphs, "run", lambda self, key, fn, *args: keys.append(key) or run(self, key, fn, *args))
+    pair = pair_for("tiny-dense", "random")
+    ids = pair.encode("Keys say what a graph does.")
+    cfg = EngineConfig(verify="ddtree", budget=6, top_k=2)
+    on = generate_speculative(pair, ids, cfg, 12, static=True, record_margins=True)
+    ws = pair._workspace
+    with torch.inference_mode():  # (the buffer is an inference tensor, as the decode loops make it)
+        ws.margins.fill_(float("nan"))
+    assert generate_speculative(pair, ids, cfg, 12, static=True).tokens == on.tokens
+    assert generate_ar(pair, ids, EngineConfig(verify="ar"), 12, static=True).tokens == on.tokens
+    assert pair._workspace is ws and ws.margins.isnan().all()  # nothing written without them
+    ar_on = generate_ar(pair, ids, EngineConfig(verify="ar"), 12, static=True, record_margins=True)
+    assert not ws.margins[len(ids) : len(ids) + 12].isnan().any()
+    assert ar_on.margins == pytest.approx(on.margins, abs=1e-4)
+    assert {k[-2] for k in keys if k[0] == "verify"} == {True, False}  # (..., record, kernels)
+    assert {k[3] for k in keys if k[0] == "ar"} == {True, False}  # ("ar", span, grammar, record, ...)
+
+
 # --- grammar-constrained decoding on the runtime ---------------------------------------------------
 
 # A free-text argument: where the grammar leaves the choice to the model, a wrong context shows.
@@ -155,9 +209,13 @@ def test_grammar_on_the_static_steps_equals_constrained_ar(target):
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
     g = pair.grammar_for(TOOLS)
     want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(),
-                       static=False)
-    got = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(), static=True)
+                       static=False, record_margins=True)
+    got = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(), static=True,
+                      record_margins=True)
     assert got.tokens == want.tokens and got.stats.grammar_ms > 0
+    # the margins of the masked rows, the step's as the generic loop's (infinite where one token is allowed)
+    assert_margins_equal(got, torch.tensor([want.top_logits, want.margins]).T)
+    assert float("inf") in want.margins
     text = pair.tokenizer.decode(want.tokens)
     assert text.startswith("<tool_call>\n{")
     for params in (dict(verify="chain"), dict(verify="ddtree", budget=8, top_k=3, chain_seed=0)):
@@ -177,9 +235,10 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
     pair = pair_for(target, "random")
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
     g = pair.grammar_for(TOOLS)
-    want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state()).tokens
+    want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(),
+                       record_margins=True)
     real, target = pair.drafter.propose_static, pair.target
-    committed_more = []
+    committed_more, cut_at = [], []
 
     def unconstrained_oracle(seq, start, block_size, window, features, *context):
         logits = real(seq, start, block_size, window, features, *context)  # the runtime's own draft forward
@@ -195,14 +254,24 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
 
     def spy(self, start, kept, token, path, _cut=StaticDecoder._cut):
         committed_more.append(int(self.start) - start > kept)
+        cut_at.append(start + kept - len(ids))  # the re-picked token's index among the new tokens
         return _cut(self, start, kept, token, path)
 
     monkeypatch.setattr(StaticDecoder, "_cut", spy)
     pair.drafter.propose_static = unconstrained_oracle
     try:
         gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=8, top_k=2, grammar="commit"),
-                                   GRAMMAR_NEW, gs=g.state(), static=True)
+                                   GRAMMAR_NEW, gs=g.state(), static=True, record_margins=True)
     finally:
         pair.drafter.propose_static = real
-    assert gen.tokens == want
+    assert gen.tokens == want.tokens
     assert any(committed_more)  # the device had committed past the cut, and was moved back
+    # Each margin is the one of the row that picked the token: the prefill's (masked) and a cut
+    # token's are masked rows, as constrained AR's (infinite where the grammar allows one token); a
+    # token the grammar accepted has its unmasked verify row's.
+    masked = torch.tensor([want.top_logits, want.margins]).T
+    expect = direct_margins(pair, ids, want.tokens)
+    picked_masked = [0] + [i for i in cut_at if i < len(want.tokens)]  # a last cut may lie past max_new_tokens
+    expect[picked_masked] = masked[picked_masked]
+    assert_margins_equal(gen, expect)
+    assert masked[picked_masked[1:], 1].isinf().any() and not torch.equal(expect, masked)
