@@ -263,6 +263,23 @@ def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
 
 if triton is not None:
 
+    @triton.jit
+    def _online_softmax(scores, m_i, l_i):
+        # One key block's step of the online softmax, in the one order every attention kernel here
+        # keeps: (weights p, the old sums' rescale alpha, the new running max, the new running sum).
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _store_partials(acc_ptr, ml_ptr, row, acc, m_i, l_i, mrow, rd, md, D: tl.constexpr):
+        # A span's unnormalised output and its running max and sum, per row, for the merge launch.
+        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+
     # Not specialised on T, S or the spans: an AR step (T == 1) and a verify, or two key spans, run one variant.
     @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks"])
     def _small_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, T, S, n_split, row_blocks, skb, skt,
@@ -307,11 +324,7 @@ if triton is not None:
             allowed = tl.load(mask_ptr + tok[:, None] * smt + rn[None, :], mask=mrow[:, None] & mn[None, :],
                               other=0) != 0
             scores = tl.where(allowed, scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
             vb = tl.load(v_ptr + rn[:, None] * svt + kv_head * svh + rd[None, :], mask=mn[:, None] & md[None, :],
                          other=0.0)
             if IEEE:
@@ -320,10 +333,7 @@ if triton is not None:
                 pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        row = part + tok * HQ + head
-        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
-        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+        _store_partials(acc_ptr, ml_ptr, part + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 
     @triton.jit
     def _step_keys(k_ptr, start, rn, tok, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh, rd, md):
@@ -423,11 +433,7 @@ if triton is not None:
                          other=0.0)
             scores = _step_scores(q, kb, IEEE, INTERPRET)
             scores = tl.where(visible[None, :] & mrow[:, None], scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
             vb = tl.load(v_ptr + rn[:, None] * svt + kv_head * svh + rd[None, :], mask=visible[:, None] & md[None, :],
                          other=0.0)
             acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
@@ -445,11 +451,7 @@ if triton is not None:
                 scores = tl.where(sel[:, None], _step_scores(q, kb, IEEE, INTERPRET), scores)
                 allowed = tl.where(sel[:, None], visible[None, :], allowed)
             scores = tl.where(allowed & mrow[:, None], scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
             pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             for j in range(0, n_tok):
                 t = tok_lo + j
@@ -458,10 +460,7 @@ if triton is not None:
                 pv = tl.where((tok == t)[:, None], _step_values(p, vb, IEEE, INTERPRET), pv)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        row = part + tok * HQ + head
-        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=mrow[:, None] & md[None, :])
-        tl.store(ml_ptr + row * 2, m_i, mask=mrow)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mrow)
+        _store_partials(acc_ptr, ml_ptr, part + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 
     @triton.jit
     def _round_rne(x, ty: tl.constexpr):
