@@ -19,7 +19,7 @@ token). The mask form (``attention``) serves prefills, draft blocks and training
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,10 +68,27 @@ class StepKeys:
     depths: Tensor
     ancestors: Tensor
     key_len: int
+    # the PyTorch form's mask, made by the first layer that needs it (one StepKeys serves a forward)
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def width(self) -> int:
         return self.ancestors.shape[1]
+
+    def dense_mask(self) -> Tensor:
+        """[T, key_len] bool: the committed slots (before start), and each token's ancestors and
+        itself at their slots start + index (the PyTorch form's view of the layout)."""
+        if "mask" not in self._masks:
+            t, key_len, dev = self.depths.shape[0], self.key_len, self.ancestors.device
+            start = self.start.reshape(1)
+            mask = (torch.arange(key_len, device=dev)[None, :] < start).expand(t, key_len).clone()
+            anc = self.ancestors.long()
+            visible = torch.arange(self.width, device=dev)[None, :] <= self.depths.long()[:, None]  # [T, W]
+            rows = torch.arange(t, device=dev)[:, None].expand_as(anc)
+            # column start + ancestors[i, j] of row i, for j <= depth_i
+            mask.index_put_((rows[visible], (start + anc)[visible]), torch.ones((), dtype=torch.bool, device=dev))
+            self._masks["mask"] = mask
+        return self._masks["mask"]
 
 
 def chain_keys(start: Tensor, t: int, key_len: int, table: tuple[Tensor, Tensor] | None = None) -> StepKeys:
@@ -176,18 +193,7 @@ def step_attention_torch(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale:
                          gate: Tensor | None = None) -> Tensor:
     """``step_attention`` by SDPA over the slots (the mask of committed keys, ancestors and self):
     the PyTorch form (the CPU path, and the reference the kernel is tested against)."""
-    t = q.shape[0]
-    key_len = keys.key_len
-    start = keys.start.reshape(1)
-    slots = torch.arange(key_len, device=q.device)
-    mask = (slots[None, :] < start).expand(t, key_len).clone()
-    anc = keys.ancestors.long()
-    cols = torch.arange(keys.width, device=q.device)[None, :]
-    visible = cols <= keys.depths.long()[:, None]  # [T, W]
-    rows = torch.arange(t, device=q.device)[:, None].expand_as(anc)
-    # column start + ancestors[i, j] of row i, for j <= depth_i
-    mask.index_put_((rows[visible], (start + anc)[visible]), torch.ones((), dtype=torch.bool, device=q.device))
-    return attention_torch(q, k[:key_len], v[:key_len], mask, scale, gate)
+    return attention_torch(q, k[: keys.key_len], v[: keys.key_len], keys.dense_mask(), scale, gate)
 
 
 def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float | None = None,
