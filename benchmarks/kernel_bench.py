@@ -4,8 +4,9 @@
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
     python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
-    python benchmarks/kernel_bench.py attention             # the split attention by keys per span
+    python benchmarks/kernel_bench.py attention             # decode attention by keys per span and block
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
+    python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -195,7 +196,10 @@ def bench_blas() -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-LINEAR_SHAPES = BLAS_SHAPES + [("8B lm_head", 151936, 4096), ("SmolLM2 lm_head", 49152, 576)]
+# SmolLM2-135M's target weights (q/k/v and gate/up stacked, as the engine fuses them)
+SMOLLM2_SHAPES = [("SmolLM2 qkv", 960, 576), ("SmolLM2 o_proj", 576, 576), ("SmolLM2 gate_up", 3072, 576),
+                  ("SmolLM2 down", 576, 1536), ("SmolLM2 lm_head", 49152, 576)]
+LINEAR_SHAPES = BLAS_SHAPES + [("8B lm_head", 151936, 4096)] + SMOLLM2_SHAPES
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per shape, each with every split of K below
 # (BLOCK_K 256 took more shared memory than an SM has at 4 stages, and lost at 3, 2026-12-02)
 LINEAR_TILES = [(64, 128, 4, st) for st in (3, 4, 6)] + [(128, 128, w, st) for w in (4, 8) for st in (3, 4, 5)]
@@ -273,14 +277,14 @@ def _linear_shape(label: str, n: int, k: int, gen: torch.Generator, tiles: list)
                 continue
             tried.append({"config": cfg.__dict__, "us1": us, "us33": us33, "err": err})
     ok = sorted((t for t in tried if "us1" in t and t["err"] < 1e-2), key=lambda t: t["us1"])
-    tuned = lin.TUNED.get(torch.cuda.get_device_capability(), {}).get((n, k), {})
-    row["chosen"] = {cls: cfg.__dict__ for cls, cfg in tuned.items()}
-    for m in (1, 33):  # the engine's launch (cuBLAS where it has none)
+    plan = lin.plan_for(ws[0])
+    row["chosen"] = {"step": plan.step.__dict__, "verify": plan.verify.__dict__}
+    for m in (1, 33):  # the engine's launch
         row[f"chosen{m}"] = _time(lambda m=m: lin.linear(xs[m], pick()))
-    cfg = tuned.get("step") or lin.LinearConfig(64, 128)
+    cfg = plan.step
     one = lin._kernel_linear(xs[16][:1], ws[0], None, cfg)
     row["bits_equal"] = {16: bool(torch.equal(lin._kernel_linear(xs[16], ws[0], None, cfg)[:1], one))}
-    cfg = tuned.get("verify") or lin.LinearConfig(128, 128, 1, 8, 5)
+    cfg = plan.verify
     one = lin._kernel_linear(xs[65][:17], ws[0], None, cfg)
     row["bits_equal"].update({m: bool(torch.equal(lin._kernel_linear(xs[65][:m], ws[0], None, cfg)[:17], one))
                               for m in (33, 65)})
@@ -288,41 +292,159 @@ def _linear_shape(label: str, n: int, k: int, gen: torch.Generator, tiles: list)
     return row
 
 
-# (label, query heads, K/V heads, head_dim, key span, query rows): SmolLM2 and the 27B shape's
+# plans: the tiles tried for each K partition, (BLOCK_N, BLOCK_K, num_warps, num_stages); a BLOCK_K of
+# 32 gives small models' short K (576 for SmolLM2) more parts
+PLAN_TILES = [(bn, bk, 8 if bn == 128 else 4, st) for bn in (32, 64, 128) for bk in (32, 64, 128) for st in (2, 4)]
+PLAN_SPLITS = (1, 2, 3, 4, 6, 8)
+PLAN_ROW_BLOCKS = (128, 32, 16)  # a verify launch's rows per program at most (LinearConfig.row_block)
+
+
+def bench_plans(shapes: list[tuple[str, int, int]], rows: list[int]) -> tuple[list[dict], list[str]]:
+    """A ``LinearPlan`` per weight, measured: for every K partition (split, BLOCK_K) the fastest
+    step tile (summed over the row counts up to ``STEP_ROWS`` in ``rows``) and the fastest verify
+    tile (over the larger ones); the partition with the least total wins. cuBLAS at the same row
+    counts beside it. Prints the winners as ``linear.TUNED`` entries."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out, entries = [], []
+    for label, n, k in shapes:
+        row = _plan_shape(label, n, k, rows, gen)
+        out.append(row)
+        st, ve = row["step"], row["verify"]
+        entries.append(f"        ({n}, {k}): _plan(_C{_cfg_tuple(st)}, _C{_cfg_tuple(ve)}),  # {label}")
+        print(f"{row['shape']}: split {st['split']} block_k {st['block_k']}: " + ", ".join(
+            f"{m} rows {row['us'][m]:.1f} us (cuBLAS {row['cublas'][m]:.1f})" for m in rows), flush=True)
+        torch.cuda.empty_cache()
+    lines = ["| weights | plan (step; verify: N, K, split, warps, stages, rows a program) | "
+             + " | ".join(f"{m} rows us (cuBLAS)" for m in rows) + " |", "|---|---|" + "---|" * len(rows)]
+    lines += [f"| {r['shape']} | {_cfg_tuple(r['step'])}; {_cfg_tuple(r['verify'])} | "
+              + " | ".join(f"{r['us'][m]:.1f} ({r['cublas'][m]:.1f})" for m in rows) + " |" for r in out]
+    return out, lines + ["", "```python", *entries, "```"]
+
+
+def _cfg_tuple(cfg: dict) -> tuple[int, ...]:
+    return tuple(cfg[f] for f in ("block_n", "block_k", "split", "num_warps", "num_stages", "row_block"))
+
+
+def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
+    import torch.nn.functional as F
+
+    from engine.models import linear as lin
+
+    ws = _rotating(n, k, gen)
+    calls = iter(range(1 << 30))
+
+    def pick() -> torch.Tensor:
+        return ws[next(calls) % len(ws)]
+
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+    ref = {m: F.linear(xs[m].float(), ws[0].float()) for m in rows}
+    cublas = {m: _time(lambda m=m: F.linear(xs[m], pick())) for m in rows}
+    kinds = {"step": [m for m in rows if m <= lin.STEP_ROWS], "verify": [m for m in rows if m > lin.STEP_ROWS]}
+    parts: dict[tuple[int, int], dict] = {}  # (split, block_k) -> kind -> (us summed, config, us by rows)
+
+    def timed(cfg: lin.LinearConfig, m: int) -> float:
+        got = lin._kernel_linear(xs[m], ws[0], None, cfg).float()
+        if float((got - ref[m]).norm() / ref[m].norm()) > 1e-2:
+            raise RuntimeError(f"a wrong product at {m} rows")
+        return _time(lambda: lin._kernel_linear(xs[m], pick(), None, cfg))
+
+    for bn, bk, warps, stages in PLAN_TILES:
+        for split in PLAN_SPLITS:
+            if split > 1 and k // split < bk:
+                continue
+            best = parts.setdefault((split, bk), {})
+            for kind, ms in kinds.items():
+                for row_block in (PLAN_ROW_BLOCKS if kind == "verify" else (lin.ROW_BLOCK,)):
+                    cfg = lin.LinearConfig(bn, bk, split, warps, stages, row_block)
+                    try:
+                        us = {m: timed(cfg, m) for m in ms}
+                    except Exception as exc:  # a tile that does not fit (shared memory): skipped, said so
+                        print(f"  {label} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
+                        continue
+                    if ms and (kind not in best or sum(us.values()) < best[kind][0]):
+                        best[kind] = (sum(us.values()), cfg, us)
+    needed = [kind for kind, ms in kinds.items() if ms]
+    ranked = sorted((sum(p[kind][0] for kind in needed), key, p) for key, p in parts.items()
+                    if all(kind in p for kind in needed))
+    total, _, best = ranked[0]
+    step = best["step"][1] if "step" in best else best["verify"][1]
+    verify = best["verify"][1] if "verify" in best else step
+    us = {m: u for kind in needed for m, u in best[kind][2].items()}
+    return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, "us": us, "total": total,
+            "step": step.__dict__, "verify": verify.__dict__,
+            "runners_up": [{"split": key[0], "block_k": key[1], "total": t} for t, key, _ in ranked[1:4]]}
+
+
+# (label, query heads, K/V heads, head_dim, committed keys, new tokens): SmolLM2 and the 27B shape's
 # attention in an AR step and a DDTree verify (budget 48 and 32)
-ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 512, 49),
-              ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 1024, 33)]
-# keys per span of the split attention (engine.models.attention.SPLIT_KEYS; the first: the engine's)
-ATTN_SPLITS = (128, 64, 32)
+ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 463, 49),
+              ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33)]
+# keys per span (engine.models.attention.SPLIT_KEYS; the first: the engine's) and the step kernel's
+# key blocks (None: step_attention_launch's)
+ATTN_SPLITS = (128, 64, 256)
+ATTN_BLOCKS = (None, 16, 32, 64)
+
+
+def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [t] int32, ancestor-or-self mask [t, t]) of a random tree: node i's parent among the
+    nodes before it, picked towards the latest (a DDTree's best-first trees are deep and narrow)."""
+    parents = [-1] + [max(0, i - 1 - int(torch.randint(0, 4, (1,), generator=gen))) for i in range(1, t)]
+    depths, mask = [0] * t, torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):
+        depths[i] = depths[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    return torch.tensor(depths, dtype=torch.int32), mask
 
 
 def bench_attention() -> tuple[list[dict], list[str]]:
-    """The split decode attention (both launches) by keys per span: more spans, more programs."""
+    """The decode attention by keys per span and key block: the step kernel (``step_attention``:
+    every decode step and verify since issue #21) against the mask kernel (``attention``: a verify's
+    before it), each case's keys laid out as the engine lays them out."""
     from engine.models import attention as split_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    saved = split_attention.SPLIT_KEYS
+    cpu = torch.Generator().manual_seed(0)
+    saved_split, saved_launch = split_attention.SPLIT_KEYS, split_attention.step_attention_launch
     rows = []
     try:
-        for label, hq, hkv, d, s_len, t in ATTN_CASES:
+        for label, hq, hkv, d, start, t in ATTN_CASES:
             q = torch.randn(t, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(s_len, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(s_len, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            mask = torch.ones(t, s_len, dtype=torch.bool, device="cuda").tril(s_len - t)
-            row = {"case": f"{label} (T={t}, keys {s_len})"}
+            k = torch.randn(start + t, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(start + t, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            depths, anc_mask = _random_tree(t, cpu)
+            keys = split_attention.StepKeys(torch.tensor([start], device="cuda"), depths.cuda(),
+                                            split_attention.ancestor_table(anc_mask, depths, t).cuda(), start + t)
+            mask = keys.dense_mask()
+            row = {"case": f"{label} (T={t}, keys {start + t}, depth {int(depths.max())})"}
             for split in ATTN_SPLITS:
                 split_attention.SPLIT_KEYS = split
-                row[f"split{split}"] = _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))
+                row[f"mask{split}"] = _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))
+                for block in ATTN_BLOCKS:
+                    if block is not None:
+                        split_attention.step_attention_launch = (
+                            lambda dd, fp32=False, b=block: {**saved_launch(dd, fp32), "BLOCK_N": b})
+                    try:
+                        row[f"step{split}_{block}"] = _time(
+                            lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
+                    except Exception as exc:  # a block that does not fit: said so
+                        print(f"  {label} split {split} BLOCK_N {block}: {str(exc).splitlines()[0][:100]}")
+                        row[f"step{split}_{block}"] = float("nan")
+                    split_attention.step_attention_launch = saved_launch
+            print(row, flush=True)
             rows.append(row)
     finally:
-        split_attention.SPLIT_KEYS = saved
-    return rows, _table("case", [(f"{s} keys/span us", f"split{s}") for s in ATTN_SPLITS], rows)
+        split_attention.SPLIT_KEYS, split_attention.step_attention_launch = saved_split, saved_launch
+    cols = [(f"mask {s}", f"mask{s}") for s in ATTN_SPLITS] + [
+        (f"step {s}/{b or 'engine'}", f"step{s}_{b}") for s in ATTN_SPLITS for b in ATTN_BLOCKS]
+    return rows, _table("case", cols, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear"])
-    ap.add_argument("--shapes", nargs="+", help="linear: only the weights whose label starts with one of these")
+    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans"])
+    ap.add_argument("--shapes", nargs="+", help="linear, plans: the weights whose label starts so (or NxK)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
+                    help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
@@ -339,8 +461,15 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, *bench_blas())
     if args.kernel == "attention":
         return _report(args, *bench_attention())
+    if args.kernel == "plans":
+        shapes = _pick_shapes(args.shapes)
+        if not shapes or any(not 1 <= m <= 1024 for m in args.rows):
+            print(f"plans: --shapes {args.shapes} must match a weight of {[s[0] for s in LINEAR_SHAPES]} and "
+                  f"--rows {args.rows} lie in 1..1024", file=sys.stderr)
+            return 2
+        return _report(args, *bench_plans(shapes, args.rows))
     if args.kernel == "linear":
-        shapes = [s for s in LINEAR_SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes)]
+        shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))
     configs = []
     for c in args.configs:
@@ -373,6 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['stored']} | {r['prefill512']:.1f} | "
               f"{r['commit']:.1f} |" for r in rows]
     return _report(args, rows, lines)
+
+
+def _pick_shapes(wanted: list[str] | None) -> list[tuple[str, int, int]]:
+    """``LINEAR_SHAPES`` whose label starts with one of ``wanted`` or whose dims read ``NxK`` (all: None)."""
+    first: dict[tuple[int, int], tuple[str, int, int]] = {}  # one label per shape
+    for label, n, k in LINEAR_SHAPES:
+        if not wanted or any(label.startswith(w) or w == f"{n}x{k}" for w in wanted):
+            first.setdefault((n, k), (label, n, k))
+    return list(first.values())
 
 
 def _table(first: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:

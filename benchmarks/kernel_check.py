@@ -85,7 +85,7 @@ def cases():
     plans += [("default", shape, rows_linear.default_plan(*shape)) for shape in DEFAULT_LINEAR_SHAPES]
     for where, (n, k), plan in plans:
         for cls, cfg, block_m in (("step", plan.step, rows_linear.STEP_ROWS),
-                                  ("verify", plan.verify, rows_linear.ROW_BLOCK)):
+                                  ("verify", plan.verify, plan.verify.row_block)):
             stages = rows_linear.stages_for(cfg, block_m, 2)
             yield (f"linear {where} {n}x{k} {cls} M<={block_m}", rows_linear._linear_kernel, lin,
                    dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

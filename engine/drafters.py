@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.models.common import fuse_projections_
+from engine.models.common import free_rows_, fuse_projections_
 from engine.models.draft import DFlashDraft
 
 
@@ -32,7 +32,8 @@ class DFlashDrafter:
     step CUDA graphs replay, over buffers its caller owns: ``new_context``, ``fill_context``)."""
 
     def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
-        self.draft = fuse_projections_(draft)  # inference: one GEMM per input (checkpoints keep the parts)
+        # inference: one GEMM per input (checkpoints keep the parts), cuBLAS's rounding (free_rows_)
+        self.draft = free_rows_(fuse_projections_(draft))
         self.target = target
         self.block_size = draft.cfg.block_size
         self.feature_layers = tuple(draft.cfg.target_layer_ids)

@@ -221,10 +221,11 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     m_l = torch.empty(1, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
     launch = step_attention_launch(d, q.dtype == torch.float32)
     row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)  # programs of several tokens' rows, per span
-    sub = triton.cdiv(group, ATTN_BLOCK_M)  # and programs of one token's rows (see the kernel)
+    sub = triton.cdiv(group, ATTN_BLOCK_M)  # and programs of one token's rows (see the kernel),
+    n_tail = min(n_split, triton.cdiv(t - 1, SPLIT_KEYS) + 1)  # in the spans the new tokens reach
     anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
-    _step_attention_kernel[((row_blocks + t * sub) * n_split, hkv)](
-        qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, row_blocks, t * sub,
+    _step_attention_kernel[(row_blocks * n_split + t * sub * n_tail, hkv)](
+        qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, n_tail, row_blocks, t * sub,
         anc.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5,
         HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32, SPLIT=SPLIT_KEYS, INTERPRET=_INTERPRET,
         **launch,
@@ -254,14 +255,15 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
 
 
 def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
-    """``attention_launch`` for ``_step_attention_kernel``, which holds a token's gathered key block
-    beside the scores: key blocks of at most 32 from head_dim 128 (16 in float32 and from head_dim 256)
-    keep it in registers (no spills on sm_90 with Triton 3.9, benchmarks/kernel_check.py, except float32
-    at head_dim 256: a check of the algorithm on 256-wide heads, not a speed path). One launch per head_dim and dtype,
-    whatever the rows: an AR step and a verify reduce their keys in the same blocks."""
+    """``attention_launch`` for ``_step_attention_kernel``: the same in half precision (key blocks of 64
+    to head_dim 128, 32 from 256: at the 27B shape's 256-wide heads 32 beat 16 by 1.3x in an AR step
+    and 1.2x in a verify, 2026-12-03); in float32, which holds a gathered key block beside the scores,
+    key blocks of 16 from head_dim 128 keep it in registers (a check of the algorithm, not a speed
+    path; benchmarks/kernel_check.py). One launch per head_dim and dtype, whatever the rows: an AR
+    step and a verify reduce their keys in the same blocks."""
     launch = attention_launch(d, fp32)
-    if launch["BLOCK_D"] >= 128:
-        launch["BLOCK_N"] = min(launch["BLOCK_N"], 16 if fp32 or launch["BLOCK_D"] >= 256 else 32)
+    if fp32 and launch["BLOCK_D"] >= 128:
+        launch["BLOCK_N"] = 16
     return launch
 
 
@@ -342,18 +344,13 @@ if triton is not None:
         _store_partials(acc_ptr, ml_ptr, part + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 
     @triton.jit
-    def _step_keys(k_ptr, start, rn, tok, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh, rd, md):
-        # The key block at logical positions rn as token ``tok`` sees it: the committed slot below
-        # start, else its ancestor at that depth (visible up to its own depth), each one's slot.
+    def _tree_slots(start, rn, depth, anc_row_ptr, end):
+        # Where the keys at logical positions rn sit for a token at ``depth``: a committed slot below
+        # start, else its ancestor at that depth (visible up to its own depth), at that one's slot.
         off = rn - start
-        dep = tl.load(depth_ptr + tok)
-        in_tree = (off >= 0) & (off <= dep)
-        anc = tl.load(anc_ptr + tok * s_anc + off, mask=in_tree, other=0)
-        slot = tl.where(off < 0, rn, start + anc)
-        visible = ((off < 0) | in_tree) & (rn < end)
-        block = tl.load(k_ptr + slot[:, None] * skt + kv_head * skh + rd[None, :], mask=visible[:, None] & md[None, :],
-                        other=0.0)
-        return block, visible
+        in_tree = (off >= 0) & (off <= depth)
+        anc = tl.load(anc_row_ptr + off, mask=in_tree, other=0)
+        return tl.where(off < 0, rn, start + anc), ((off < 0) | in_tree) & (rn < end)
 
     @triton.jit
     def _step_scores(q, kb, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
@@ -379,36 +376,40 @@ if triton is not None:
 
     # Not specialised on T, S, the spans or the table's stride: an AR step (T == 1), a chain and a
     # tree run one variant.
-    @triton.jit(do_not_specialize=["T", "S", "n_split", "row_blocks", "tok_blocks", "s_anc"])
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "n_tail", "row_blocks", "tok_blocks", "s_anc"])
     def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
-                               row_blocks, tok_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr,
+                               n_tail, row_blocks, tok_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr,
                                GROUP: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                                INTERPRET: tl.constexpr):
         # Rows: (token, head) pairs of one K/V head. Keys: one span of SPLIT logical positions in
         # blocks of BLOCK_N. A block wholly before start is the committed keys, shared by every row;
-        # a block reaching past it holds, for each token, that token's ancestors at their depths,
-        # gathered per token (its rows kept), so each row's scores and sums see exactly an AR
-        # step's block at that position. Two kinds of program, so that a span's rows are written by
-        # exactly one: the first row_blocks * n_split take BLOCK_M rows of several tokens (token-major,
-        # as _small_attention_kernel) in the spans wholly before start, where every block is shared;
-        # the other tok_blocks * n_split take one token's heads (SUB blocks of them) in the spans
-        # that reach start or past it, so no block is gathered for several tokens in turn. A row's
-        # arithmetic is the same whichever program has it.
+        # a block reaching past it holds the token's ancestors at their depths, gathered by position,
+        # so each row's scores and sums see exactly an AR step's block at that position. Two kinds of
+        # program, so that a span's rows are written by exactly one: the first row_blocks * n_split
+        # take BLOCK_M rows of several tokens (token-major, as _small_attention_kernel) in the spans
+        # wholly before start, where every block is shared, and in those past every new token (they
+        # store empty partials); the other tok_blocks * n_tail take one token's heads (SUB blocks of
+        # them) in the n_tail spans from start's on, where the new tokens sit. Only the spans'
+        # programs launch whose kind depends on start (known on the GPU only): a captured verify over
+        # many spans schedules no idle program per token and span. A row's arithmetic is the same
+        # whichever program has it.
         kv_head = tl.program_id(1)
         pid = tl.program_id(0)
+        start = tl.load(start_ptr)
+        first_tail = start // SPLIT
         multi = pid < row_blocks * n_split
         p1 = tl.maximum(pid - row_blocks * n_split, 0)
-        span = tl.where(multi, pid // row_blocks, p1 // tok_blocks)
+        span = tl.where(multi, pid // row_blocks, first_tail + p1 // tok_blocks)
         rb = pid % row_blocks
         one_tok = (p1 % tok_blocks) // SUB
         r = tl.arange(0, BLOCK_M)
         tok = tl.where(multi, (rb * BLOCK_M + r) // GROUP, one_tok)
         hrow = tl.where(multi, (rb * BLOCK_M + r) % GROUP, ((p1 % tok_blocks) % SUB) * BLOCK_M + r)
-        start = tl.load(start_ptr)
         lo = span * SPLIT
         # the span's kind of program (compared as integers: a comparison of two booleans is no mask)
-        active = multi.to(tl.int32) == (lo + SPLIT <= start).to(tl.int32)
+        tail = (span >= first_tail) & (span < first_tail + n_tail)
+        active = (multi.to(tl.int32) != tail.to(tl.int32)) & (span < n_split)
         tok = tl.where(active, tok, T)  # an inactive program's rows: none (it stores nothing)
         mrow = (tok < T) & (hrow < GROUP)
         part = span * T * HQ
@@ -417,8 +418,6 @@ if triton is not None:
         md = rd < D
         q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
                     other=0.0)
-        tok_lo = tl.where(multi, (rb * BLOCK_M) // GROUP, one_tok)
-        tok_hi = tl.where(multi, tl.minimum(T - 1, (rb * BLOCK_M + BLOCK_M - 1) // GROUP), one_tok)
         deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -444,27 +443,20 @@ if triton is not None:
                          other=0.0)
             acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
             m_i = m_new
-        n_tok = tok_hi - tok_lo + 1
+        # Past the shared blocks only a one-token program has work (a several-token one's spans end
+        # before start): its token's keys gathered by position, keys and values loaded together.
+        depth = tl.load(depth_ptr + one_tok)  # (one_tok < T in every program)
+        anc_row = anc_ptr + one_tok * s_anc
         for n0 in range(shared_hi, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
-            scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            allowed = tl.zeros([BLOCK_M, BLOCK_N], tl.int1)
-            for j in range(0, n_tok):
-                t = tok_lo + j
-                kb, visible = _step_keys(k_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, skt, skh,
-                                         rd, md)
-                sel = tok == t
-                scores = tl.where(sel[:, None], _step_scores(q, kb, IEEE, INTERPRET), scores)
-                allowed = tl.where(sel[:, None], visible[None, :], allowed)
-            scores = tl.where(allowed & mrow[:, None], scores * scale, float("-inf"))
+            slot, visible = _tree_slots(start, rn, depth, anc_row, end)
+            kv_mask = visible[:, None] & md[None, :]
+            kb = tl.load(k_ptr + slot[:, None] * skt + kv_head * skh + rd[None, :], mask=kv_mask, other=0.0)
+            vb = tl.load(v_ptr + slot[:, None] * svt + kv_head * svh + rd[None, :], mask=kv_mask, other=0.0)
+            scores = _step_scores(q, kb, IEEE, INTERPRET)
+            scores = tl.where(visible[None, :] & mrow[:, None], scores * scale, float("-inf"))
             p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
-            pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for j in range(0, n_tok):
-                t = tok_lo + j
-                vb, visible = _step_keys(v_ptr, start, rn, t, depth_ptr, anc_ptr, s_anc, end, kv_head, svt, svh,
-                                         rd, md)
-                pv = tl.where((tok == t)[:, None], _step_values(p, vb, IEEE, INTERPRET), pv)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
             m_i = m_new
         _store_partials(acc_ptr, ml_ptr, part + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 

@@ -163,9 +163,13 @@ def new_positions(start: int, tree: VerifyTree | None, t: int, device: torch.dev
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose product takes ``engine.models.linear``: a
-    decode step's or a verify's few rows through the few-row kernel where it is measured faster."""
+    decode step's or a verify's few rows round alike (``row_invariant``; ``free_rows_`` turns it off)."""
+
+    row_invariant = True
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.row_invariant:
+            return F.linear(x, self.weight, self.bias)
         return rows_linear.linear(x, self.weight, self.bias)
 
 
@@ -186,7 +190,11 @@ class FusedLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    row_invariant = True
+
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        if not self.row_invariant:
+            return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         return rows_linear.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
     def part(self, x: Tensor, i: int) -> Tensor:
@@ -194,6 +202,16 @@ class FusedLinear(nn.Module):
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
         return F.linear(x, self.weight[lo:hi], None if self.bias is None else self.bias[lo:hi])
+
+
+def free_rows_(model: nn.Module) -> nn.Module:
+    """Let ``model``'s projections round as cuBLAS launches them for each row count (``row_invariant``
+    off): for a draft, whose outputs only propose tokens that the target verifies, so no output of a
+    speculative run depends on them, and whose block always has the same rows. Returns ``model``."""
+    for module in model.modules():
+        if isinstance(module, (Linear, FusedLinear)):
+            module.row_invariant = False
+    return model
 
 
 def fuse_projections_(model: nn.Module) -> nn.Module:

@@ -58,19 +58,25 @@ TARGET_PROGRAMS = 264  # default_plan's split aims at two programs per SM of an 
 @dataclass(frozen=True)
 class LinearConfig:
     """One launch: output columns per tile, K per block, parts of K, warps, pipeline stages (at
-    most: fewer where a verify's wider row tile leaves no room; stages never change the result)."""
+    most: fewer where a verify's wider row tile leaves no room; stages never change the result), and
+    rows per program at most (``row_block``: a power of two from 16 to ``ROW_BLOCK``; more rows take
+    several row blocks, each reading the weight tile again, mostly from L2: at a small model's
+    weights a verify's 49 rows in blocks of 16 beat one block of 64, 2026-12-03)."""
 
     block_n: int
     block_k: int
     split: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    row_block: int = ROW_BLOCK
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, but got {value}")
+        if not 16 <= self.row_block <= ROW_BLOCK or self.row_block & (self.row_block - 1):
+            raise ValueError(f"LinearConfig.row_block must be a power of two in 16..{ROW_BLOCK}, got {self.row_block}")
         if self.split < 1 or self.num_warps not in (4, 8) or self.num_stages < 1:
             raise ValueError(f"LinearConfig needs split >= 1, num_warps 4 or 8 and num_stages >= 1, got {self}")
 
@@ -99,7 +105,9 @@ def _plan(step: LinearConfig, verify: LinearConfig | None = None) -> LinearPlan:
 
 _C = LinearConfig
 # H100/H200 (sm_90). Measured on an H200, 2026-12-02 (benchmarks/RESULTS.md, "few-row linear"): the
-# weights of the Qwen3.5-27B and Qwen3-8B shapes, GPU us at 1 / 33 rows (cuBLAS's in brackets).
+# weights of the Qwen3.5-27B and Qwen3-8B shapes, GPU us at 1 / 33 rows (cuBLAS's in brackets); and
+# 2026-12-03 SmolLM2-135M's (`kernel_bench.py plans`: the fastest step and verify tiles of one K
+# partition, the partition with the least total).
 TUNED: dict[tuple[int, int], dict[tuple[int, int], LinearPlan]] = {
     (9, 0): {
         # 27B: GDN in_proj 40.8/42.7 us (cuBLAS 43.9/44.5), qkv 36.0/38.0 (36.7-39.8/39.0), gate_up 85.3
@@ -116,6 +124,17 @@ TUNED: dict[tuple[int, int], dict[tuple[int, int], LinearPlan]] = {
         (24576, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
         (4096, 12288): _plan(_C(64, 128, 4, 4, 4)),
         (151936, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
+        # 27B out-projections (GDN out_proj, attention o_proj): 18.6/21.2 us (cuBLAS 17.4/18.0), the
+        # fastest tile under one K partition (on cuBLAS before issue #21); 2026-12-03
+        (5120, 6144): _plan(_C(64, 128, 3, 4, 4), _C(128, 128, 3, 8, 4)),
+        # SmolLM2-135M (`kernel_bench.py plans --shapes SmolLM2 --rows 1 16 49`, 2026-12-03), us at 1/16/49
+        # rows (cuBLAS's): qkv 3.5/3.6/3.6 (3.8/3.4/3.4), o_proj 3.0/3.0/3.3 (3.2/3.3/3.3), gate_up
+        # 4.0/4.0/4.4 (4.2/4.2/4.2), down 4.9/5.0/6.0 (5.3/5.2/5.2), lm_head 15.7/16.2/17.8 (16.0/16.6/18.3)
+        (960, 576): _plan(_C(32, 128, 1, 4, 4), _C(32, 128, 1, 4, 4, 16)),
+        (576, 576): _plan(_C(32, 128, 1, 4, 4), _C(32, 128, 1, 4, 4, 16)),
+        (3072, 576): _plan(_C(64, 128, 1, 4, 4), _C(64, 128, 1, 4, 4, 32)),
+        (576, 1536): _plan(_C(32, 128, 6, 4, 4), _C(32, 128, 6, 4, 4, 32)),
+        (49152, 576): _plan(_C(64, 64, 1, 4, 2)),
     },
 }
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
@@ -178,7 +197,7 @@ def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearCo
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    block_m = min(ROW_BLOCK, max(16, triton.next_power_of_2(m)))
+    block_m = min(cfg.row_block, max(16, triton.next_power_of_2(m)))
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k)  # K blocks a part

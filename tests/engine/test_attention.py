@@ -239,18 +239,18 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
     assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,d", [
-    *((dtype, 8, 2, 32) for dtype in DTYPES),
-    (torch.bfloat16, 6, 1, 64),
-    (torch.bfloat16, 40, 2, 16),  # a token's heads in two row blocks
+@pytest.mark.parametrize("dtype,hq,hkv,d,start", [
+    *((dtype, 8, 2, 32, 150) for dtype in DTYPES),
+    (torch.bfloat16, 6, 1, 64, 150),
+    (torch.bfloat16, 40, 2, 16, 150),  # a token's heads in two row blocks
+    (torch.bfloat16, 8, 2, 32, 2 * split_attention.SPLIT_KEYS - 3),  # the tree across a span's end
 ])
-def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d):
+def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d, start):
     """Row invariance of the attention: node i of a verify at depth d gives the bits an AR step gives
     at position start + d over the same keys (its ancestors committed at start..start+d), whatever
     the verify's size (1, 7 or 33 nodes), the node's slot among them, and the key span (the AR step's
     bucket against the verify's). Queries past the first span's end: committed blocks shared by every
     row of a program, tree blocks gathered per token."""
-    start = 150
     q, k, v, keys = _step_inputs(TREE_PARENTS, start, 400, hq, hkv, d, dtype, seed=11)
     full = split_attention.step_attention(q, k, v, keys)
     sub_parents = TREE_PARENTS[:7]
@@ -265,7 +265,7 @@ def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, 
         k_ar[start : start + depth + 1], v_ar[start : start + depth + 1] = k[start + torch.tensor(path)], \
             v[start + torch.tensor(path)]
         pos = torch.tensor([start + depth], device=DEVICE)
-        for key_len in (start + depth + 1, 256, 400):
+        for key_len in (start + depth + 1, start + 40, 400):  # (the tree is 6 deep)
             ar = split_attention.step_attention(q[i : i + 1], k_ar, v_ar, split_attention.chain_keys(pos, 1, key_len))
             assert torch.equal(ar, full[i : i + 1]), f"node {i} (depth {depth}), key span {key_len}"
 

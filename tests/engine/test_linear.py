@@ -82,6 +82,9 @@ def test_config_is_validated():
         lin.LinearConfig(64, 64, 1, 2)
     with pytest.raises(ValueError, match="split >= 1"):
         lin.LinearConfig(64, 64, 0)
+    for row_block in (8, 48, 2 * lin.ROW_BLOCK):
+        with pytest.raises(ValueError, match="row_block must be a power of two"):
+            lin.LinearConfig(64, 64, row_block=row_block)
 
 
 def test_a_plan_splits_k_alike_in_its_two_launches():
@@ -112,11 +115,12 @@ ROW_PLANS = [
     lin.default_plan(96, 576),
     lin.default_plan(64, 1100),
     lin.LinearPlan(lin.LinearConfig(64, 64, 3, 4, 3), lin.LinearConfig(128, 64, 3, 8, 4)),
+    lin.LinearPlan(lin.LinearConfig(32, 64, 1, 4, 4), lin.LinearConfig(64, 64, 1, 4, 2, row_block=16)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("plan", ROW_PLANS, ids=["narrow", "odd-k", "two-launches"])
+@pytest.mark.parametrize("plan", ROW_PLANS, ids=["narrow", "odd-k", "two-launches", "row-blocks-of-16"])
 def test_a_rows_bits_do_not_depend_on_its_launch(dtype, plan):
     """Row invariance (speculative decoding commits AR's tokens only if a verify's rows round as AR
     steps do): a row gives the same bits alone (an AR step), among 7 (a chain or a draft block) and
@@ -166,3 +170,24 @@ def test_plans_on_the_gpu_match_cublas_and_round_alike_across_rows(shape):
             assert torch.equal(lin.linear(x[rows], w), whole[rows]), f"{len(rows)} rows"
     finally:
         fused.set_kernels(previous)
+
+
+def test_free_rows_takes_the_draft_off_the_kernel(monkeypatch):
+    """A draft's projections (``free_rows_``: its outputs only propose tokens the target verifies)
+    take cuBLAS; every other ``Linear`` and ``FusedLinear`` keeps the row-invariant dispatch."""
+    from torch import nn
+
+    from engine.models.common import FusedLinear, free_rows_
+
+    calls = []
+    monkeypatch.setattr(lin, "linear", lambda x, w, b=None: calls.append(w.shape) or F.linear(x, w, b))
+    target = nn.Sequential(Linear(8, 4), FusedLinear([nn.Linear(4, 3), nn.Linear(4, 5)]))
+    draft = free_rows_(nn.Sequential(Linear(8, 4), FusedLinear([nn.Linear(4, 3), nn.Linear(4, 5)])))
+    x = torch.randn(2, 8)
+    for model in (target, draft):
+        h = model[0](x)
+        parts = model[1](h)
+        assert [p.shape for p in parts] == [(2, 3), (2, 5)]
+        assert torch.equal(torch.cat(parts, -1), F.linear(h, model[1].weight, model[1].bias))
+    assert calls == [(4, 8), (8, 4)]  # the target's two, none of the draft's
+    assert not any(m.row_invariant for m in draft if hasattr(m, "row_invariant"))
