@@ -139,8 +139,9 @@ def cases():
             step_launch = split_attention.step_attention_launch(d, dtype == "fp32")
             step_warps, step_stages = step_launch.pop("num_warps"), step_launch.pop("num_stages")
             step = dict(q_ptr=p, k_ptr=p, v_ptr=p, start_ptr="*i64", depth_ptr="*i32", anc_ptr="*i32",
-                        acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", row_blocks="i32",
-                        tok_blocks="i32", s_anc="i32", skt="i32", skh="i32", svt="i32", svh="i32", scale="fp32")
+                        acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", n_tail="i32",
+                        row_blocks="i32", tok_blocks="i32", s_anc="i32", skt="i32", skh="i32", svt="i32",
+                        svh="i32", scale="fp32")
             yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
                    dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS,
                         INTERPRET=False, **step_launch), step_warps, step_stages)

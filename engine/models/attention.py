@@ -255,15 +255,15 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
 
 
 def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
-    """``attention_launch`` for ``_step_attention_kernel``: the same in half precision (key blocks of 64
-    to head_dim 128, 32 from 256: at the 27B shape's 256-wide heads 32 beat 16 by 1.3x in an AR step
-    and 1.2x in a verify, 2026-12-03); in float32, which holds a gathered key block beside the scores,
-    key blocks of 16 from head_dim 128 keep it in registers (a check of the algorithm, not a speed
-    path; benchmarks/kernel_check.py). One launch per head_dim and dtype, whatever the rows: an AR
-    step and a verify reduce their keys in the same blocks."""
+    """``attention_launch`` for ``_step_attention_kernel``, which also holds a gathered value block
+    beside the key block: key blocks of 32 from head_dim 128 in half precision (64 spills at 128; at
+    the 27B shape's 256-wide heads 32 beat 16 by 1.4x in an AR step and 1.3x in a verify, 2026-12-03)
+    and of 16 in float32 (a check of the algorithm, not a speed path), no spills on sm_90
+    (benchmarks/kernel_check.py). One launch per head_dim and dtype, whatever the rows: an AR step
+    and a verify reduce their keys in the same blocks."""
     launch = attention_launch(d, fp32)
-    if fp32 and launch["BLOCK_D"] >= 128:
-        launch["BLOCK_N"] = 16
+    if launch["BLOCK_D"] >= 128:
+        launch["BLOCK_N"] = 16 if fp32 else 32
     return launch
 
 
