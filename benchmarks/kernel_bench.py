@@ -380,9 +380,9 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 463, 49),
               ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33)]
 # keys per span (engine.models.attention.SPLIT_KEYS; the first: the engine's) and the step kernel's
-# key blocks (None: step_attention_launch's)
+# (key block, warps) (None: step_attention_launch's)
 ATTN_SPLITS = (128, 64, 256)
-ATTN_BLOCKS = (None, 16, 32, 64)
+ATTN_BLOCKS = (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
 
 
 def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,12 +422,13 @@ def bench_attention() -> tuple[list[dict], list[str]]:
                 for block in ATTN_BLOCKS:
                     if block is not None:
                         split_attention.step_attention_launch = (
-                            lambda dd, fp32=False, b=block: {**saved_launch(dd, fp32), "BLOCK_N": b})
+                            lambda dd, fp32=False, b=block: {**saved_launch(dd, fp32), "BLOCK_N": b[0],
+                                                             "num_warps": b[1]})
                     try:
                         row[f"step{split}_{block}"] = _time(
                             lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
                     except Exception as exc:  # a block that does not fit: said so
-                        print(f"  {label} split {split} BLOCK_N {block}: {str(exc).splitlines()[0][:100]}")
+                        print(f"  {label} split {split} (BLOCK_N, warps) {block}: {str(exc).splitlines()[0][:100]}")
                         row[f"step{split}_{block}"] = float("nan")
                     split_attention.step_attention_launch = saved_launch
             print(row, flush=True)
@@ -435,7 +436,8 @@ def bench_attention() -> tuple[list[dict], list[str]]:
     finally:
         split_attention.SPLIT_KEYS, split_attention.step_attention_launch = saved_split, saved_launch
     cols = [(f"mask {s}", f"mask{s}") for s in ATTN_SPLITS] + [
-        (f"step {s}/{b or 'engine'}", f"step{s}_{b}") for s in ATTN_SPLITS for b in ATTN_BLOCKS]
+        (f"step {s}/{'engine' if b is None else f'{b[0]}x{b[1]}w'}", f"step{s}_{b}") for s in ATTN_SPLITS
+        for b in ATTN_BLOCKS]
     return rows, _table("case", cols, rows)
 
 
