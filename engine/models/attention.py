@@ -396,22 +396,16 @@ if triton is not None:
         # whichever program has it.
         kv_head = tl.program_id(1)
         pid = tl.program_id(0)
+        start = tl.load(start_ptr)
+        first_tail = start // SPLIT
         multi = pid < row_blocks * n_split
         p1 = tl.maximum(pid - row_blocks * n_split, 0)
+        span = tl.where(multi, pid // row_blocks, first_tail + p1 // tok_blocks)
         rb = pid % row_blocks
         one_tok = (p1 % tok_blocks) // SUB
         r = tl.arange(0, BLOCK_M)
         tok = tl.where(multi, (rb * BLOCK_M + r) // GROUP, one_tok)
         hrow = tl.where(multi, (rb * BLOCK_M + r) % GROUP, ((p1 % tok_blocks) % SUB) * BLOCK_M + r)
-        head = kv_head * GROUP + hrow
-        rd = tl.arange(0, BLOCK_D)
-        md = rd < D
-        # The rows' depths do not depend on start: loaded while start is (an idle program's too)
-        row_ok = (tok < T) & (hrow < GROUP)
-        depths = tl.where(row_ok, tl.load(depth_ptr + tok, mask=row_ok, other=0), 0)
-        start = tl.load(start_ptr)
-        first_tail = start // SPLIT
-        span = tl.where(multi, pid // row_blocks, first_tail + p1 // tok_blocks)
         lo = span * SPLIT
         # the span's kind of program (compared as integers: a comparison of two booleans is no mask)
         tail = (span >= first_tail) & (span < first_tail + n_tail)
@@ -419,9 +413,12 @@ if triton is not None:
         tok = tl.where(active, tok, T)  # an inactive program's rows: none (it stores nothing)
         mrow = (tok < T) & (hrow < GROUP)
         part = span * T * HQ
+        head = kv_head * GROUP + hrow
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
         q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
                     other=0.0)
-        deepest = tl.max(tl.where(mrow, depths, 0), axis=0)
+        deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -448,7 +445,7 @@ if triton is not None:
             m_i = m_new
         # Past the shared blocks only a one-token program has work (a several-token one's spans end
         # before start): its token's keys gathered by position, keys and values loaded together.
-        depth = tl.max(depths, axis=0)  # a one-token program's token's (its rows' depths are all that)
+        depth = tl.load(depth_ptr + one_tok)  # (one_tok < T in every program)
         anc_row = anc_ptr + one_tok * s_anc
         for n0 in range(shared_hi, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
