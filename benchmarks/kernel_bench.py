@@ -507,11 +507,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _pick_shapes(wanted: list[str] | None) -> list[tuple[str, int, int]]:
-    """``LINEAR_SHAPES`` whose label starts with one of ``wanted`` or whose dims read ``NxK`` (all: None)."""
+    """``LINEAR_SHAPES`` whose label starts with one of ``wanted`` (all: None), and any weight named by
+    its dims ``NxK``."""
     first: dict[tuple[int, int], tuple[str, int, int]] = {}  # one label per shape
     for label, n, k in LINEAR_SHAPES:
         if not wanted or any(label.startswith(w) or w == f"{n}x{k}" for w in wanted):
             first.setdefault((n, k), (label, n, k))
+    for w in wanted or []:  # any other weight, by its dims: N x K (out x in features)
+        dims = w.split("x")
+        if len(dims) == 2 and all(d.isdigit() and int(d) > 0 for d in dims):
+            first.setdefault((int(dims[0]), int(dims[1])), (w, int(dims[0]), int(dims[1])))
     return list(first.values())
 
 
