@@ -70,7 +70,8 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"- device: {a.get('device')} ({a.get('dtype')}), git {a.get('git_sha')}",
           f"- workloads: {a.get('workloads')} (hash {a.get('workload_hash')})",
           f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "
-          f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible",
+          f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
+          f"{counts['refused']} refused by the engine",
           f"- exactness: {a.get('exactness')}", ""]
     L += ["## Winner", ""]
     if w is None:
@@ -94,7 +95,8 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                  f"{_fmt(u.get('speedup_vs_ar'))} | {_fmt(u.get('acceptance_length'))} | "
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
-    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study), *_failures(study)]
+    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study), *_refusals(study),
+          *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
 
@@ -229,6 +231,18 @@ def _paths(study: optuna.Study) -> list[str]:
     for path, t in best[1:]:
         margin = (lead.value - t.value) / t.value if t.value else float("nan")
         L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} ahead.")
+    return L + [""]
+
+
+def _refusals(study: optuna.Study) -> list[str]:
+    """Configs the engine cannot run as asked: infeasible, never measured, each with the reason."""
+    refused = results.refused(study)
+    if not refused:
+        return []
+    L = ["## Refused by the engine", "", "The engine cannot run these configs as asked (nothing was measured; "
+         "they are infeasible and never win):", "", "| trial | reason | config |", "|---|---|---|"]
+    L += [f"| {t.number} | {t.user_attrs['refused']} | `{_cfg_short(t.user_attrs.get('config', {}))}` |"
+          for t in refused]
     return L + [""]
 
 

@@ -29,8 +29,14 @@ def ranked(study: optuna.Study) -> list[FrozenTrial]:
     return sorted((t for t in completed(study) if feasible(t)), key=lambda t: -(t.value or 0.0))
 
 
+def refused(study: optuna.Study) -> list[FrozenTrial]:
+    """Completed trials the engine could not run as asked (``Record.refused``): infeasible, unmeasured."""
+    return [t for t in completed(study) if t.user_attrs.get("refused") is not None]
+
+
 def infeasible(study: optuna.Study) -> list[FrozenTrial]:
-    return [t for t in completed(study) if not feasible(t)]
+    """Measured, completed trials that broke a constraint (exactness); refused ones are apart."""
+    return [t for t in completed(study) if not feasible(t) and t.user_attrs.get("refused") is None]
 
 
 def state_counts(study: optuna.Study) -> dict[str, int]:
@@ -39,6 +45,7 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     counts["finished"] = sum(counts_toward_budget(t) for t in trials)
     counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
     counts["infeasible"] = len(infeasible(study))
+    counts["refused"] = len(refused(study))
     return counts
 
 
@@ -123,6 +130,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_interrupted": counts["interrupted"],
         "trials_running": counts["running"],
         "trials_infeasible": counts["infeasible"],
+        "trials_refused": counts["refused"],
     }
     if w is None:
         out["best_trial"] = None

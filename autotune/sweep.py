@@ -358,6 +358,9 @@ class _Driver:
             tqdm.write(f"trial {trial.number} FAIL: {rec.fail_reason}", file=sys.stderr)
             self.study.tell(trial, state=TrialState.FAIL)
             return
+        if rec.refused is not None:
+            self.tell_refused(trial, rec.refused)
+            return
         if rec.pruned:
             trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
             self.study.tell(trial, state=TrialState.PRUNED)
@@ -382,6 +385,21 @@ class _Driver:
                        f"{rec.first_divergence} prompts={rec.inexact_prompts[:4]} "
                        f"verdicts={rec.divergence_verdicts} -> {verdict}", file=sys.stderr)
         self.study.tell(trial, score.value)
+
+    def tell_refused(self, trial: optuna.trial.Trial, reason: str) -> None:
+        """A config the engine cannot run as asked (``draft_path: runtime`` where the runtime cannot
+        run it): a complete, infeasible trial (constraint ``runnable`` 1, value 0), so that TPE learns
+        to avoid the region (a failed trial would teach it nothing) and it never wins. A baseline or
+        reference the engine refuses is a failure: nothing can be compared without it."""
+        trial.set_user_attr("refused", reason)
+        if trial.user_attrs.get("role", "search") != "search":
+            trial.set_user_attr("fail_reason", f"refused by the engine: {reason}")
+            tqdm.write(f"trial {trial.number} FAIL: refused by the engine: {reason}", file=sys.stderr)
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        trial.set_constraint("runnable", 1.0)
+        tqdm.write(f"trial {trial.number} REFUSED: {reason} -> INFEASIBLE", file=sys.stderr)
+        self.study.tell(trial, 0.0)
 
     def score_attrs(self, number: int, rec: Record, score: measure.Score) -> dict[str, Any]:
         is_base = rec.role == "baseline"

@@ -107,6 +107,8 @@ class Tracker:
                 "worker": str(a.get("worker", "")), "feasible": str(_feasible(t))}
         if a.get("fail_reason"):
             tags["fail_reason"] = str(a["fail_reason"])[:4000]
+        if a.get("refused"):
+            tags["refused"] = str(a["refused"])[:4000]
         if a.get("noisy"):
             tags["noisy"] = "true"
         run = self.client.create_run(self.experiment_id, run_name=f"trial-{t.number:04d}-{role_of(t)}", tags=tags,

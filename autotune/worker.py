@@ -78,6 +78,9 @@ class Record:
     config: dict[str, Any]
     ok: bool = True
     fail_reason: str | None = None
+    # the engine cannot run the config as asked (engine.Pair.refusal): nothing measured, the
+    # reason kept; the driver records the trial as infeasible (constraint "runnable")
+    refused: str | None = None
     pruned: bool = False
     device: str = ""
     dtype: str = ""
@@ -191,6 +194,9 @@ class Worker:
         import engine
 
         cfg = engine.EngineConfig.from_dict(job.config, source=f"trial {job.trial}")
+        rec.refused = self.pair.refusal(cfg, cfg.grammar != "off" and self._has_tools)
+        if rec.refused is not None:
+            return
         reference = self.reference(job.max_new_tokens, cfg.to_dict())
         for _ in range(job.warmup):
             self._pass(cfg, job.max_new_tokens)

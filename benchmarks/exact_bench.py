@@ -8,7 +8,8 @@ token for token in the dtype users run (bf16 on the GPU)?
         --random-prompts 8 --prompt-len 64 --max-new-tokens 128 --rollbacks fast replay --md exact27.md
 
 Per set, AR runs once (the reference); then chain and DDTree at every (budget, top_k), on each
-``--paths`` and ``--rollbacks`` entry, each one untimed pass over the prompts, outputs compared with
+``--paths`` (``auto``, the default: the runtime's graphs where they run, else the generic loop) and
+``--rollbacks`` entry, each one untimed pass over the prompts, outputs compared with
 AR's (the first divergence, both runs' top-2 margins there and the verdict: ``engine.diagnose``). ``--eos-configs``
 also runs those configs to each prompt's stop token. ``--oracle P`` adds an ``oracle:P`` draft on
 the same target (the target's own greedy continuation, corrupted per slot with probability P: deep
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 22, 48, 64])
     ap.add_argument("--top-ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 7, 8])
-    ap.add_argument("--paths", nargs="+", choices=["generic", "runtime"], default=["runtime"])
+    ap.add_argument("--paths", nargs="+", choices=["auto", "generic", "runtime"], default=["auto"])
     ap.add_argument("--rollbacks", nargs="+", choices=["fast", "replay"], default=["fast"])
     ap.add_argument("--eos-configs", nargs="*", default=["chain", "ddtree b22 k8", "ddtree b48 k8"],
                     help="configs also run to each prompt's stop token (names as in the table)")

@@ -46,7 +46,7 @@ CONFIGS = [
     {"verify": "chain"},
     {"verify": "ddtree", "budget": 4, "top_k": 2},
     {"verify": "ddtree", "budget": 8, "top_k": 4},
-    {"verify": "chain", "draft_path": "runtime"},
+    {"verify": "chain", "draft_path": "auto"},
     {"verify": "ddtree", "budget": 16, "top_k": 4, "rollback": "replay"},
     {"verify": "ddtree", "budget": 6, "top_k": 3, "proposal_temp": 0.75},
 ]

@@ -97,6 +97,14 @@ class Pair:
             self._grammars[key] = compile_tool_grammar(self._grammar_vocab, tools)
         return self._grammars[key]
 
+    def refusal(self, config: EngineConfig, constrained: bool = False) -> str | None:
+        """Why ``config`` cannot run on this pair as asked (None: it can): ``draft_path="runtime"``
+        where the runtime cannot run it (``engine.runtime.refusal``). ``constrained``: a prompt has
+        a grammar that ``config`` places."""
+        from engine import runtime
+
+        return runtime.refusal(self, config, constrained) if config.draft_path == "runtime" else None
+
     def grammar_of(self, prompt: Sequence[int], config: EngineConfig) -> CompiledGrammar | None:
         """The grammar ``bench`` decodes ``prompt`` under unless told otherwise: the tool-call grammar
         of the prompt's tools (``Pair.encode`` of a chat with tools) where ``config`` places one."""
@@ -105,12 +113,13 @@ class Pair:
     def decode_paths(self, config: EngineConfig, constrained: bool = False) -> tuple[str, str]:
         """(loop, kernels) that ``config`` decodes with on this pair: the loop ``generic``,
         ``static`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
-        run here (the Triton kernels on CUDA only). Configs with equal paths round alike."""
+        run here (the Triton kernels on CUDA only). Configs with equal paths round alike. A config
+        the runtime refuses (``draft_path="runtime"``, ``refusal``) raises ``EngineInputError``."""
         from engine import runtime
         from engine.models import fused
 
         on_cuda = self.target.device.type == "cuda"
-        loop = "graphs" if runtime.supports(self, config, constrained) else "generic"
+        loop = runtime.loop_for(self, config, constrained)
         kernels = "fused" if config.kernels == "fused" and on_cuda and fused.kernels_enabled() else "eager"
         return loop, kernels
 

@@ -8,7 +8,7 @@ from typing import Any
 
 VERIFY_MODES = ("ar", "chain", "ddtree")
 ROLLBACK_MODES = ("replay", "fast")
-DRAFT_PATHS = ("generic", "runtime")
+DRAFT_PATHS = ("auto", "generic", "runtime")
 GRAMMAR_MODES = ("off", "walk", "commit")
 KERNEL_MODES = ("fused", "eager")
 
@@ -30,8 +30,13 @@ class EngineConfig:
     target_feat_ctx: the draft attends to this many most recent committed positions; 0 = all.
     rollback: how recurrent (Gated DeltaNet / conv) state is rebuilt after a step: ``replay``
         re-runs the committed tokens, ``fast`` keeps per-node states; dense targets ignore it.
-    draft_path: ``generic`` (logits to the host, host top-k and tree) or ``runtime``
-        (device buffers, device top-k / tree / walk, one host read per step).
+    draft_path: the decode loop. ``runtime``: device buffers, device top-k / tree / walk, one host
+        read per step, each step captured as CUDA graphs on CUDA and run eagerly elsewhere; a
+        config it cannot run is refused with the reason (``engine.runtime.refusal``: a draft that
+        proposes on the host, ``grammar="walk"`` on a prompt with a grammar, ``rollback="replay"``
+        on a hybrid target). ``generic``: logits to the host, host top-k and tree. ``auto`` (the
+        default): ``runtime`` where it can run with CUDA graphs, else ``generic``; the loop that
+        ran is in ``GenerationStats.loop``.
     block_size: draft block length; ``None`` uses the draft checkpoint's own.
     temperature: 0 = greedy; > 0 samples (every committed token is a target sample).
     seed: sampling seed (position-keyed, so AR and speculative sampling agree token for token).
@@ -54,7 +59,7 @@ class EngineConfig:
     chain_seed: int | None = None
     target_feat_ctx: int = 0
     rollback: str = "fast"
-    draft_path: str = "runtime"
+    draft_path: str = "auto"
     block_size: int | None = None
     temperature: float = 0.0
     seed: int = 0

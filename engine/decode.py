@@ -218,11 +218,9 @@ def finish(out: list[int], stats: GenerationStats, timer: PhaseTimer, t_first: f
 
 
 def _use_static(pair, cfg: EngineConfig, gs: GrammarState | None, static: bool | None) -> bool:
-    """The CUDA-graph runtime where it applies; ``static=True`` also runs its step functions
-    eagerly off CUDA (tests), ``False`` forces the generic loop."""
-    if static is None:
-        return runtime.supports(pair, cfg, gs is not None)
-    return static and runtime.supports(pair, cfg, gs is not None, cuda_only=False)
+    """Whether ``engine.runtime`` decodes (``runtime.loop_for``: ``draft_path``, or ``static`` in
+    tests: True the runtime on any device, False this module's loop); a refused config raises."""
+    return runtime.loop_for(pair, cfg, gs is not None, static) != "generic"
 
 
 @torch.inference_mode()
@@ -233,7 +231,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
     With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
-    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``).
+    ``static`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
     ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
@@ -327,7 +325,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
-    ``static`` (default: where supported) runs the CUDA-graph runtime (``engine.runtime``).
+    ``static`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
     ``record_margins``: ``Generation.margins``, from the verify rows along each accepted path (a
     grammar cut's token: from its masked row)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
@@ -345,7 +343,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     drafter.reset()
     replay = cfg.rollback == "replay" and target.has_recurrent
     timer = PhaseTimer(device)
-    if _use_static(pair, cfg, gs, static) and not replay:
+    if _use_static(pair, cfg, gs, static):  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify,
                                         gs, record_margins)

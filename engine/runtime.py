@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineInputError
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
 from engine.models import tree_kernel
@@ -62,15 +62,45 @@ from engine.tree import Tree
 MIN_BUCKET = 128
 
 
-def supports(pair, cfg: EngineConfig, constrained: bool, cuda_only: bool = True) -> bool:
-    """Whether ``cfg`` on ``pair`` runs on this runtime (by default: only where graphs can be used).
-    ``constrained``: the prompt has a grammar (AR and the ``commit`` placement run here)."""
+def refusal(pair, cfg: EngineConfig, constrained: bool) -> str | None:
+    """Why this runtime cannot run ``cfg`` on ``pair`` (None: it can, on any device). ``constrained``:
+    the prompt has a grammar that ``cfg`` places (AR masks inside its step, ``commit`` advances on
+    committed tokens; ``walk`` masks every tree node on the host)."""
     target = pair.target
-    grammar_ok = not constrained or cfg.verify == "ar" or cfg.grammar == "commit"
-    return (cfg.draft_path == "runtime" and grammar_ok and isinstance(target, (DenseModel, HybridModel))
-            and not (cfg.verify != "ar" and cfg.rollback == "replay" and target.has_recurrent)
-            and (target.device.type == "cuda" or not cuda_only)
-            and (cfg.verify == "ar" or isinstance(pair.drafter, DFlashDrafter)))
+    if not isinstance(target, (DenseModel, HybridModel)):
+        return f"its steps are the static forwards of dense and hybrid targets, not of {type(target).__name__}"
+    if cfg.verify == "ar":
+        return None
+    if not isinstance(pair.drafter, DFlashDrafter):
+        return (f"it proposes on the device with a DFlash draft; this pair's draft "
+                f"({type(pair.drafter).__name__}) proposes on the host")
+    if constrained and cfg.grammar == "walk":
+        return ("it advances a grammar on the committed tokens (grammar='commit'); grammar='walk' masks "
+                "every tree node on the host")
+    if cfg.rollback == "replay" and target.has_recurrent:
+        return ("its steps have fixed shapes; rollback='replay' re-runs a variable number of tokens on a "
+                "hybrid target (rollback='fast' keeps every node's state)")
+    return None
+
+
+def loop_for(pair, cfg: EngineConfig, constrained: bool, static: bool | None = None) -> str:
+    """The decode loop ``cfg`` runs on ``pair`` (``GenerationStats.loop``): ``graphs`` (this runtime,
+    captured: CUDA), ``static`` (this runtime, eager: off CUDA) or ``generic`` (``engine.decode``).
+    ``draft_path="auto"`` takes ``graphs`` where ``refusal`` finds nothing, else ``generic``;
+    ``runtime`` takes this runtime on any device and refuses (``EngineInputError``, with the reason)
+    what it cannot run. ``static`` overrides ``draft_path`` (tests): True as ``runtime``, False
+    ``generic``."""
+    path = cfg.draft_path if static is None else ("runtime" if static else "generic")
+    if path == "generic":
+        return "generic"
+    reason = refusal(pair, cfg, constrained)
+    on_cuda = pair.target.device.type == "cuda"
+    if path == "auto":
+        return "graphs" if reason is None and on_cuda else "generic"
+    if reason is not None:
+        raise EngineInputError(f"draft_path='runtime' cannot run verify={cfg.verify!r} here: {reason}; "
+                               "draft_path='generic' or 'auto' can")
+    return "graphs" if on_cuda else "static"
 
 
 def bucket_for(need: int, limit: int) -> int:
@@ -242,7 +272,7 @@ class StaticDecoder:
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
-        # cfg.draft_path is "runtime" here (``supports``): top-k and tree stay on the device.
+        # This runtime runs (``loop_for``): top-k and tree stay on the device.
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
         return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
 
@@ -415,7 +445,7 @@ class StaticDecoder:
             values = readback.read(item)
             al, leaf, side = values[0], not values[1], bool(values[2])
             new = values[3 : 3 + al]
-            if gs is not None:  # grammar: commit (``supports``): advance on the committed tokens
+            if gs is not None:  # grammar: commit (``refusal``): advance on the committed tokens
                 with timer.phase("commit"):
                     tg = time.perf_counter()
                     root = start

@@ -289,6 +289,11 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
         raise EngineInputError(f"target {pair.target_name!r} has no tokenizer: the server needs one to read text")
     if max_queue < 0:
         raise EngineInputError(f"max_queue must be >= 0, but got {max_queue}")
+    # refused now, not at each request: a request with tools brings a grammar wherever cfg places one
+    reason = pair.refusal(cfg, constrained=cfg.grammar != "off")
+    if reason is not None:
+        raise EngineInputError(f"the engine cannot serve draft_path='runtime' with verify={cfg.verify!r} on this "
+                               f"pair: {reason}; draft_path='generic' or 'auto' can")
     runner = Runner(pair, max_queue)
     created = int(time.time())
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 # sweep takes seconds on a 2-core CPU. Tests assert behaviour, never speed.
 TINY_SPACE = {
     "verify": {"type": "categorical", "choices": ["chain", "ddtree"]},
-    "draft_path": {"type": "categorical", "choices": ["generic", "runtime"]},
+    "draft_path": {"type": "categorical", "choices": ["generic", "auto"]},
     "budget": {"type": "int", "low": 2, "high": 8, "when": {"verify": "ddtree"}},
     "top_k": {"type": "int", "low": 1, "high": 3, "when": {"verify": "ddtree"}},
 }

@@ -31,7 +31,7 @@ from engine.workloads import Prompt
 
 KEY = "test-key-123"
 ENGINE = {"verify": "ddtree", "budget": 8, "top_k": 2, "proposal_temp": 1.0, "chain_seed": None,
-          "target_feat_ctx": 0, "rollback": "fast", "draft_path": "runtime", "block_size": None,
+          "target_feat_ctx": 0, "rollback": "fast", "draft_path": "auto", "block_size": None,
           "temperature": 0.0, "seed": 0}
 MODEL = {"target": "tiny-dense", "draft": "oracle:0.3", "device": "cpu", "dtype": "float32"}
 MESSAGES = [{"role": "user", "content": "Write a haiku about tests."}]
@@ -314,13 +314,17 @@ def test_full_queue_gets_503_with_retry_after_and_a_dropped_stream_frees_the_eng
     (["serve", "{cfg}", "--max-queue", "-1"], "--max-queue: must be >= 0"),
     (["serve", "{flat}"], "needs a 'model' section"),
     (["serve", "{bad}"], "EngineConfig.budget must be >= 1"),
+    # the oracle draft proposes on the host: refused before serving, not at each request
+    (["serve", "{runtime}"], "cannot serve draft_path='runtime' with verify='ddtree' on this pair: it proposes"),
 ])
 def test_serve_bad_input_exits_2(tmp_path, capsys, exported, args, message):
     flat = tmp_path / "flat.yaml"
     flat.write_text(yaml.safe_dump(ENGINE))
     bad = tmp_path / "bad.yaml"
     bad.write_text(export.render(_doc(budget=0), "engine"))
-    argv = [a.format(cfg=exported, flat=flat, bad=bad) for a in args]
+    runtime = tmp_path / "runtime.yaml"
+    runtime.write_text(export.render(_doc(draft_path="runtime"), "engine"))
+    argv = [a.format(cfg=exported, flat=flat, bad=bad, runtime=runtime) for a in args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -349,12 +353,12 @@ MAPPED = ("verify", "budget", "rollback", "proposal_temp", "chain_seed", "target
 
 
 @pytest.mark.parametrize("fields, unmapped", [
-    (dict(budget=22, proposal_temp=0.8, chain_seed=0, target_feat_ctx=4096), ["top_k=2", "draft_path=runtime"]),
+    (dict(budget=22, proposal_temp=0.8, chain_seed=0, target_feat_ctx=4096), ["top_k=2", "draft_path=auto"]),
     (dict(budget=40, proposal_temp=1.0, chain_seed=None, target_feat_ctx=2048), ["top_k=2"]),
     (dict(budget=12, chain_seed=3, target_feat_ctx=128, rollback="replay", block_size=8),
      ["chain_seed=3", "target_feat_ctx=128", "rollback=replay", "block_size=8"]),
-    (dict(verify="chain", rollback="fast", target_feat_ctx=8192), ["draft_path=runtime"]),
-    (dict(verify="ar"), ["draft_path=runtime"]),
+    (dict(verify="chain", rollback="fast", target_feat_ctx=8192), ["draft_path=auto"]),
+    (dict(verify="ar", draft_path="runtime"), ["draft_path=runtime"]),
 ])
 def test_llama_server_export_parses_back_to_the_mapped_values(fields, unmapped):
     doc = _doc(**fields)

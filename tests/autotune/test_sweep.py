@@ -179,6 +179,41 @@ def test_exactness_report_records_without_rejecting(tmp_path):
                 f"{d['tie_bound']:.3g} | mismatch (not reproduced) |") in md
 
 
+def test_a_config_the_engine_refuses_is_infeasible_with_its_reason(tmp_path):
+    """``draft_path: runtime`` with the oracle draft (it proposes on the host): the engine refuses it
+    instead of decoding in another loop. The trial completes unmeasured and infeasible (constraint
+    ``runnable``), its reason in the study, the report, the summary and MLflow; it never wins."""
+    from mlflow import MlflowClient
+
+    from autotune.report import write_report
+
+    space = {"verify": {"type": "categorical", "choices": ["chain"]},
+             "draft_path": {"type": "categorical", "choices": ["generic", "runtime"]}}
+    exp_path = tiny_experiment(tmp_path, space=space, study={"n_trials": 4, "sampler": "grid", "seed": 0},
+                               measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5, "exactness": "report",
+                                        "confirm_top": 2, "confirm_repeats": 2})
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    outcome, text = sweep(exp_path, "memory", tracking=db)
+    s = outcome.study
+    refused = [t for t in s.get_trials() if t.params.get("draft_path") == "runtime"]
+    assert len(refused) == 1
+    bad = refused[0]
+    assert bad.state == TrialState.COMPLETE and bad.value == 0.0
+    assert "proposes on the host" in bad.user_attrs["refused"] and "decode_tps_median" not in bad.user_attrs
+    assert bad.constraints == {"runnable": 1.0} and not results.feasible(bad)
+    assert results.refused(s) == [bad] and results.infeasible(s) == []  # not an exactness failure
+    assert results.winner(s).trial != bad.number
+    assert bad.number not in [c["trial"] for c in s.user_attrs["confirmation"]["candidates"]]
+    assert "trials_refused: 1" in text and "trials_infeasible: 0" in text
+    md = write_report(s, tmp_path / "rep")[0].read_text()
+    assert "## Refused by the engine" in md and f"| {bad.number} | {bad.user_attrs['refused']} |" in md
+    assert "1 refused by the engine" in md and "EXACTNESS FAILURES" not in md
+    client = MlflowClient(db)
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              f"tags.`autotune.trial` = '{bad.number}'")
+    assert runs[0].data.tags["refused"] == bad.user_attrs["refused"] and runs[0].data.tags["feasible"] == "False"
+
+
 def test_engine_failures_become_failed_trials_and_the_sweep_goes_on(tmp_path):
     # a pair loaded without a draft: AR works, every speculative config fails inside the engine
     exp_path = tiny_experiment(tmp_path, model={"target": "tiny-dense", "draft": "none", "device": "cpu"},

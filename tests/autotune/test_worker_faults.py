@@ -52,10 +52,25 @@ def test_exactness_reference_is_ar_decoded_on_the_trials_implementation_paths(tm
     w = _worker(tmp_path, {})
     assert w.ar_config({"verify": "ddtree", "draft_path": "generic", "kernels": "eager", "budget": 9}) == {
         **w.fixed, "verify": "ar", "draft_path": "generic", "kernels": "eager"}
-    for paths in ({"draft_path": "generic", "kernels": "eager"}, {"draft_path": "runtime", "kernels": "fused"}):
+    for paths in ({"draft_path": "generic", "kernels": "eager"}, {"draft_path": "auto", "kernels": "fused"}):
         rec = w.measure(Job(trial=7, role="search", config={"verify": "chain", **paths}, max_new_tokens=8,
                             warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))
         assert rec.ok and rec.exact_match == 1.0
     # on a CPU both AR configs decode in the same loop with the same kernels: one reference
     assert [k[1:] for k in w._reference] == [("generic", "eager")]
-    assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="runtime")) == ("generic", "eager")
+    assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="auto")) == ("generic", "eager")
+    # an explicit runtime runs the runtime's steps eagerly on a CPU: a reference of its own
+    assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="runtime")) == ("static", "eager")
+
+
+def test_a_config_the_engine_cannot_run_is_refused_unmeasured(tmp_path):
+    """``draft_path: runtime`` with a draft that proposes on the host: the record carries the engine's
+    reason and no measurement (the driver makes the trial infeasible); AR on the runtime is measured."""
+    w = _worker(tmp_path, {})
+    rec = w.measure(Job(trial=3, role="search", config={"verify": "chain", "draft_path": "runtime"}, max_new_tokens=8,
+                        warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))
+    assert rec.ok and "proposes on the host" in rec.refused
+    assert rec.decode_tps_runs == [] and rec.exact_match is None and not w._reference
+    rec = w.measure(Job(trial=4, role="search", config={"verify": "ar", "draft_path": "runtime"}, max_new_tokens=8,
+                        warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))
+    assert rec.ok and rec.refused is None and rec.exact_match == 1.0 and set(rec.loops) == {"static"}

@@ -7,7 +7,7 @@ import torch
 import engine
 from engine import EngineConfig
 from engine.decode import generate_ar, generate_speculative
-from engine.runtime import StaticDecoder, bucket_for, supports
+from engine.runtime import StaticDecoder, bucket_for, loop_for, refusal
 from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 
@@ -15,21 +15,40 @@ def test_buckets_are_powers_of_two_capped_at_the_buffer():
     assert bucket_for(1, 4096) == 128 and bucket_for(129, 4096) == 256 and bucket_for(3000, 2500) == 2500
 
 
-def test_supports_unconstrained_runtime_with_a_dflash_draft():
+def test_the_runtime_refuses_what_it_cannot_run_and_auto_falls_back():
+    """``refusal``: a host-side draft, ``walk`` on a prompt with a grammar, replay rollback on a hybrid
+    target. ``loop_for``: ``runtime`` runs eagerly off CUDA and raises the reason where refused;
+    ``auto`` takes the captured runtime on CUDA only, else the generic loop; ``generic`` is generic."""
     dense = pair_for("tiny-dense", "random")
-    assert supports(dense, EngineConfig(verify="ddtree"), False, cuda_only=False)
-    assert not supports(dense, EngineConfig(verify="ddtree"), False)  # CPU: no graphs
-    assert not supports(dense, EngineConfig(verify="ddtree", draft_path="generic"), False, cuda_only=False)
-    # a grammar: AR masks inside its step, `commit` advances on committed tokens; `walk` is generic
-    assert supports(dense, EngineConfig(verify="ar", grammar="walk"), True, cuda_only=False)
-    assert supports(dense, EngineConfig(verify="ddtree", grammar="commit"), True, cuda_only=False)
-    assert not supports(dense, EngineConfig(verify="ddtree", grammar="walk"), True, cuda_only=False)
-    assert not supports(pair_for("tiny-dense", "oracle:0.3"), EngineConfig(verify="chain"), False, cuda_only=False)
+    ddtree = EngineConfig(verify="ddtree", draft_path="runtime")
+    assert refusal(dense, ddtree, False) is None
+    assert loop_for(dense, ddtree, False) == "static"  # CPU: the runtime's steps, eagerly
+    assert loop_for(dense, EngineConfig(verify="ddtree"), False) == "generic"  # auto: no graphs on a CPU
+    assert loop_for(dense, EngineConfig(verify="ddtree", draft_path="generic"), False) == "generic"
+    # a grammar: AR masks inside its step, `commit` advances on committed tokens; `walk` is the generic loop's
+    assert refusal(dense, EngineConfig(verify="ar", grammar="walk"), True) is None
+    assert refusal(dense, EngineConfig(verify="ddtree", grammar="commit"), True) is None
+    assert refusal(dense, EngineConfig(verify="ddtree", grammar="walk"), False) is None  # no grammar to place
+    assert "grammar='walk'" in refusal(dense, EngineConfig(verify="ddtree", grammar="walk"), True)
+    oracle = pair_for("tiny-dense", "oracle:0.3")
+    assert "proposes on the host" in refusal(oracle, EngineConfig(verify="chain"), False)
+    assert refusal(oracle, EngineConfig(verify="ar"), False) is None
+    with pytest.raises(engine.EngineInputError, match="draft_path='runtime' cannot run verify='chain'.*host"):
+        loop_for(oracle, EngineConfig(verify="chain", draft_path="runtime"), False)
+    assert loop_for(oracle, EngineConfig(verify="chain"), False) == "generic"  # auto
     hybrid = pair_for("tiny-hybrid", "random")
-    assert supports(hybrid, EngineConfig(verify="chain"), False, cuda_only=False)
-    assert supports(hybrid, EngineConfig(verify="ar", rollback="replay"), False, cuda_only=False)
+    assert refusal(hybrid, EngineConfig(verify="chain"), False) is None
+    assert refusal(hybrid, EngineConfig(verify="ar", rollback="replay"), False) is None
     # replay re-runs a variable number of tokens: not a fixed-shape step
-    assert not supports(hybrid, EngineConfig(verify="ddtree", rollback="replay"), False, cuda_only=False)
+    assert "rollback='replay'" in refusal(hybrid, EngineConfig(verify="ddtree", rollback="replay"), False)
+    # the decode loops refuse it too, with the reason: nothing falls back silently
+    with pytest.raises(engine.EngineInputError, match="rollback='replay'"):
+        generate_speculative(hybrid, [1, 2, 3], EngineConfig(verify="ddtree", rollback="replay",
+                                                             draft_path="runtime"), 4)
+    gen = generate_speculative(hybrid, [1, 2, 3], EngineConfig(verify="ddtree", rollback="replay"), 4)
+    assert gen.stats.loop == "generic"  # auto
+    assert dense.refusal(ddtree) is None and hybrid.refusal(EngineConfig(verify="chain", rollback="replay")) is None
+    assert "replay" in hybrid.refusal(EngineConfig(verify="chain", rollback="replay", draft_path="runtime"))
 
 
 CONFIGS = [

@@ -13,7 +13,7 @@ from engine.tokenizer import ByteTokenizer
 CONFIGS = [
     EngineConfig(verify="ar"),
     EngineConfig(verify="chain", block_size=6, draft_path="generic"),
-    EngineConfig(verify="ddtree", budget=8, top_k=2, draft_path="runtime"),
+    EngineConfig(verify="ddtree", budget=8, top_k=2, draft_path="auto"),
     EngineConfig(verify="ddtree", budget=5, top_k=3, draft_path="generic", temperature=0.8, seed=3),
 ]
 
