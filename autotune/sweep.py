@@ -421,7 +421,7 @@ class _Driver:
             # and verdict (engine.Divergence), and the count per verdict
             "divergences": rec.divergences, "divergence_verdicts": rec.divergence_verdicts,
             "peak_memory_bytes": rec.peak_memory_bytes,
-            "decode_loops": rec.loops,  # what ran: a runtime config under `walk` decodes in the generic loop
+            "decode_loops": rec.loops,  # what ran: `auto` takes the runtime's graphs or the generic loop
             "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "baseline_trial": number if is_base else (base.number if base else None),
         }

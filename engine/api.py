@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, EngineInputError
-from engine.decode import Workspace, generate
+from engine.decode import generate
 from engine.drafters import Drafter
 from engine.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
+from engine.loop import Workspace
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
 from engine.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
 

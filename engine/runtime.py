@@ -51,6 +51,17 @@ from torch import Tensor
 from engine.config import EngineConfig, EngineInputError
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
+from engine.loop import (
+    UNTIMED,
+    advance_grammar,
+    constrain_logits,
+    finish,
+    grammar_commit,
+    masked_pick,
+    prefill,
+    propose_tree,
+    truncate,
+)
 from engine.models import tree_kernel
 from engine.models.attention import StepKeys, ancestor_table, chain_keys, chain_table
 from engine.models.dense import DenseModel
@@ -267,7 +278,6 @@ class StaticDecoder:
 
     # -- one speculative step, in two graphs ------------------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
-        from engine.decode import UNTIMED, propose_tree
 
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
@@ -321,7 +331,6 @@ class StaticDecoder:
         """The eager prefill (its token masked by the grammar through the host ``bits``; with
         ``feature_layers``, the draft's context K/V of the prompt too), then the root's position
         handed to the device."""
-        from engine.decode import advance_grammar, constrain_logits, prefill
 
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
@@ -347,7 +356,6 @@ class StaticDecoder:
 
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                     on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
-        from engine.decode import advance_grammar, finish  # the decode module imports this one
 
         bits = self._bitmask(gs) if gs is not None else None
         readback = self._readback(1)  # before the prefill: allocation is not timed
@@ -400,7 +408,6 @@ class StaticDecoder:
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
                              gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
-        from engine.decode import finish, grammar_commit, masked_pick, truncate
 
         self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
         self._draft_context()

@@ -211,7 +211,7 @@ def test_peak_memory_and_devices_are_reported():
 @pytest.mark.parametrize("max_depth", [15, 4])
 def test_a_chain_proposal_comes_with_its_ancestor_mask(path, max_depth):
     """The chain's mask is built as a band (not ancestor_mask's loop over depth): the same mask."""
-    from engine.decode import UNTIMED, propose_tree
+    from engine.loop import UNTIMED, propose_tree
     from engine.tree import ancestor_mask
 
     logits = torch.randn(15, 50, generator=torch.Generator().manual_seed(0))
