@@ -24,14 +24,15 @@ Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forwa
 node's delta-rule and conv inputs (one kernel launch per layer for the recurrence), and the commit
 recomputes the accepted path's recurrent state for every layer in one launch and gathers the conv
 window along the path on the device (``fast`` rollback; ``replay`` re-runs a variable number of
-tokens, so it takes the generic loop).
+tokens: this runtime refuses it, ``refusal``).
 
 Grammar-constrained decoding (a prompt with tools): AR masks the logits inside its captured step
 with a bitmask the host fills before each replay; speculative decoding with ``grammar: commit``
 replays the unconstrained step and advances the grammar on the committed tokens read back anyway,
 cutting the step at a refused token (the device position and, on a hybrid, the recurrent state
 are moved back to the cut). ``grammar: walk`` needs the grammar's masks inside the walk, between
-the verify forward and the commit, so it takes the generic loop, as does the oracle draft.
+the verify forward and the commit, on the host: refused, as is a draft that proposes on the host
+(the oracle). ``draft_path="auto"`` takes the generic loop for what is refused here (``loop_for``).
 
 ``record_margins`` (divergence forensics, ``Generation.margins``): the AR step and the verify also
 write the top-2 margins of their logits rows into the workspace's margin buffer, by position, read
@@ -48,20 +49,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from engine import loop
 from engine.config import EngineConfig, EngineInputError
 from engine.drafters import DFlashDrafter
 from engine.grammar import GrammarState, mask_logits, new_bitmask
-from engine.loop import (
-    UNTIMED,
-    advance_grammar,
-    constrain_logits,
-    finish,
-    grammar_commit,
-    masked_pick,
-    prefill,
-    propose_tree,
-    truncate,
-)
 from engine.models import tree_kernel
 from engine.models.attention import StepKeys, ancestor_table, chain_keys, chain_table
 from engine.models.dense import DenseModel
@@ -284,7 +275,7 @@ class StaticDecoder:
                                         self._draft_context(), key_len)
         # This runtime runs (``loop_for``): top-k and tree stay on the device.
         # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
-        return propose_tree(cfg, logits, ws.seq.index_select(0, self.start), UNTIMED, block - 1)
+        return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1)
 
     def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor, record: bool
                 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -334,12 +325,12 @@ class StaticDecoder:
 
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
         t0 = timer.now()
-        constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-        out = [prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain, record)]
+        constrain = (lambda lg: loop.constrain_logits(gs, bits, lg, stats)) if gs is not None else None
+        out = [loop.prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain, record)]
         if feature_layers:  # part of the prompt's processing (prefill time), like the target's K/V
             self.pair.drafter.fill_context(self._draft_context(), self.ws.features, len(prompt))
         if gs is not None:
-            advance_grammar(gs, out[0], stats)
+            loop.advance_grammar(gs, out[0], stats)
         t_first = timer.now()
         stats.prefill_s = t_first - t0
         if on_tokens is not None:
@@ -390,7 +381,7 @@ class StaticDecoder:
             ahead = launch(pos + 1) if gs is None and len(out) + 1 < max_new_tokens else None
             out.append(readback.read(pending)[0])
             if gs is not None:
-                advance_grammar(gs, out[-1], stats)
+                loop.advance_grammar(gs, out[-1], stats)
             pos += 1
             if on_tokens is not None:
                 on_tokens(out[-1:])
@@ -402,7 +393,7 @@ class StaticDecoder:
                 self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(pos)
         self.ws.cache.length = pos
-        gen = finish(out, stats, timer, t_first, t0, t_last)
+        gen = loop.finish(out, stats, timer, t_first, t0, t_last)
         return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
@@ -456,7 +447,7 @@ class StaticDecoder:
                 with timer.phase("commit"):
                     tg = time.perf_counter()
                     root = start
-                    new, cut = grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: masked_pick(
+                    new, cut = loop.grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: loop.masked_pick(
                         gs, bits, lg, int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
                     if cut:
                         al, leaf = len(new), False
@@ -466,7 +457,7 @@ class StaticDecoder:
                 done = gs.done
             start += al
             stats.record_step(al, leaf, side)
-            new, stop = truncate(new, len(out), max_new_tokens, stop_ids)
+            new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)
             done = done or stop
             out.extend(new)
             if on_tokens is not None and new:
@@ -477,7 +468,7 @@ class StaticDecoder:
                 self._ran_ahead()
             pending = ahead if ahead is not None or done else launch(start)
         self.ws.cache.length = start
-        gen = finish(out, stats, timer, t_first, t0, t_last)
+        gen = loop.finish(out, stats, timer, t_first, t0, t_last)
         return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
 
