@@ -146,11 +146,18 @@ class Worker:
         return cls(engine.load(target, draft, device=device, dtype=dtype), workloads, fixed, **kw)
 
     def ar_config(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
-        """AR under the fixed fields and the implementation paths of ``config`` (the loop and the
-        kernels): in bf16 two loops or two kernel sets round differently, so a speculative config
-        is exact when it equals AR decoded the same way."""
+        """AR under the fixed fields and the implementation paths ``config`` decodes with here
+        (``Pair.ar_twin``: the loop it takes, which under ``draft_path="auto"`` may be the generic
+        one, and the kernels): in bf16 two loops or two kernel sets round differently, so a
+        speculative config is exact when it equals AR decoded the same way."""
+        import engine
+
         paths = {k: config[k] for k in ("draft_path", "kernels") if config and k in config}
-        return {**self.fixed, **paths, "verify": "ar"}
+        ar = {**self.fixed, **paths, "verify": "ar"}
+        if config and "draft_path" in config:
+            cfg = engine.EngineConfig.from_dict({**self.fixed, **config}, source="AR reference")
+            ar["draft_path"] = self.pair.ar_twin(cfg, cfg.grammar != "off" and self._has_tools).draft_path
+        return ar
 
     def reference(self, max_new_tokens: int, config: dict[str, Any] | None = None) -> list[list[list[int]]]:
         """The AR outputs (the ground truth for exactness), computed once per length and per way

@@ -124,6 +124,15 @@ class Pair:
         kernels = "fused" if config.kernels == "fused" and on_cuda and fused.kernels_enabled() else "eager"
         return loop, kernels
 
+    def ar_twin(self, config: EngineConfig, constrained: bool = False) -> EngineConfig:
+        """AR decoded the way ``config`` decodes here (its loop and kernels): the reference a
+        speculative config is exact against, since in bf16 two loops round differently. The loop is
+        the one ``config`` takes, not the one it names: under ``draft_path="auto"`` a config the
+        runtime refuses (a host-side draft, a hybrid target's replay rollback) runs the generic
+        loop, and so must its AR, where ``auto`` would give AR the graphs."""
+        loop, _ = self.decode_paths(config, constrained)
+        return config.replace(verify="ar", draft_path="generic" if loop == "generic" else "runtime")
+
     def encode(self, prompt: Any) -> list[int]:
         """A workload prompt (text, or messages + tools through the chat template) -> token ids."""
         if self.tokenizer is None:
@@ -162,7 +171,7 @@ def diagnose(pair: Pair, config: EngineConfig, prompt: Sequence[int], output: Se
     """Why ``output`` (``config``'s tokens for ``prompt``) differs from ``reference`` (AR's), or None
     where they are equal.
 
-    AR (``ar_config``: by default ``config`` with ``verify="ar"``, the loop and kernels it decodes
+    AR (``ar_config``: by default ``Pair.ar_twin(config)``, the loop and kernels it decodes
     with) and ``config`` are decoded again up to the first divergence with ``record_margins`` (both
     deterministic; the reference is tokens only, so AR's margin needs the re-run), under the same
     ``grammar`` and ``ignore_eos`` as the compared outputs. Each run's margin is that of the logits
@@ -171,7 +180,7 @@ def diagnose(pair: Pair, config: EngineConfig, prompt: Sequence[int], output: Se
     position = first_divergence(output, reference)
     if position is None:
         return None
-    ar_config = ar_config or config.replace(verify="ar")
+    ar_config = ar_config or pair.ar_twin(config, grammar is not None and config.grammar != "off")
     n = position + 1
     ar, run = (generate(pair, list(prompt), cfg, n, ignore_eos=ignore_eos, grammar=grammar, record_margins=True)
                for cfg in (ar_config, config))
@@ -200,7 +209,7 @@ def bench(
     ``reference`` (AR outputs for the same prompts) turns on the per-prompt exactness check; a
     prompt that differs gets ``PromptResult.divergence`` (``diagnose``, after the pass: outside the
     measured time and the peak memory; ``ar_config``: the AR config that produced ``reference``,
-    by default ``config`` with ``verify="ar"``).
+    by default ``Pair.ar_twin(config)``).
     ``grammars`` (one per prompt, ``None`` = unconstrained) apply when ``config.grammar != "off"``;
     left out, each prompt that remembers its tools (``Pair.encode`` of a chat with tools) gets its
     tool-call grammar (compiled before the pass, outside the measured time).

@@ -136,7 +136,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         start = cache.length  # position of the root: the last committed token, not yet cached
         with timer.phase("draft"):
             draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-        tree, mask = propose_tree(cfg, draft_logits, seq[start], timer, depth)
+        tree, mask = propose_tree(cfg, draft_logits, seq[start], timer, depth, host=cfg.draft_path == "generic")
 
         with timer.phase("verify"):
             snap = cache.snapshot() if replay else None

@@ -221,13 +221,14 @@ UNTIMED = _Untimed()
 
 
 def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
-                 max_depth: int) -> tuple[Tree, Tensor]:
+                 max_depth: int, host: bool) -> tuple[Tree, Tensor]:
     """topk + tree phases: the tree and its ancestor mask (``ancestor_mask(tree.parents, max_depth)``).
-    generic: logits go to the host, host top-k, heap-built tree, back to the device. runtime:
-    everything stays on the device, and a DDTree on CUDA with the kernels on comes with its mask
+    ``host`` (the generic loop with ``draft_path="generic"``): logits go to the host, host top-k,
+    heap-built tree, back to the device. Otherwise (the runtime, whose captured graphs cannot read
+    the host, whatever ``cfg.draft_path`` says; the generic loop under ``auto``) everything stays on
+    the device, and a DDTree on CUDA with the kernels on comes with its mask
     from one launch (``tree_kernel.build_tree_and_mask``; ~250 tiny launches otherwise)."""
     device = draft_logits.device
-    host = cfg.draft_path == "generic"
     with timer.phase("topk"):
         logits = draft_logits.float().cpu() if host else draft_logits
         if cfg.verify == "chain":

@@ -269,13 +269,14 @@ class StaticDecoder:
 
     # -- one speculative step, in two graphs ------------------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
-
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
-        # This runtime runs (``loop_for``): top-k and tree stay on the device.
-        # A DDTree and its mask come from one kernel launch on CUDA (engine.models.tree_kernel).
-        return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1)
+        # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
+        # draft_path says (tests run this runtime with static=True on any config). A DDTree and its
+        # mask come from one kernel launch on CUDA (engine.models.tree_kernel).
+        return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
+                                 host=False)
 
     def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor, record: bool
                 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -52,6 +52,9 @@ def test_exactness_reference_is_ar_decoded_on_the_trials_implementation_paths(tm
     w = _worker(tmp_path, {})
     assert w.ar_config({"verify": "ddtree", "draft_path": "generic", "kernels": "eager", "budget": 9}) == {
         **w.fixed, "verify": "ar", "draft_path": "generic", "kernels": "eager"}
+    # the loop the trial takes (Pair.ar_twin), not the one it names: `auto` gives this pair's host-side
+    # draft the generic loop, and its AR that loop too (on a GPU `auto` would give AR the graphs)
+    assert w.ar_config({"verify": "chain", "draft_path": "auto"})["draft_path"] == "generic"
     for paths in ({"draft_path": "generic", "kernels": "eager"}, {"draft_path": "auto", "kernels": "fused"}):
         rec = w.measure(Job(trial=7, role="search", config={"verify": "chain", **paths}, max_new_tokens=8,
                             warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))

@@ -51,6 +51,37 @@ def test_the_runtime_refuses_what_it_cannot_run_and_auto_falls_back():
     assert "replay" in hybrid.refusal(EngineConfig(verify="chain", rollback="replay", draft_path="runtime"))
 
 
+def test_the_ar_twin_decodes_as_the_config_does():
+    """The AR a config is exact against runs the loop the config takes (``auto`` falls back to the
+    generic loop for what the runtime refuses), not the one ``auto`` gives AR."""
+    dense, hybrid = pair_for("tiny-dense", "random"), pair_for("tiny-hybrid", "random")
+    twin = dense.ar_twin(EngineConfig(verify="ddtree", budget=9, draft_path="runtime", kernels="eager"))
+    assert (twin.verify, twin.draft_path, twin.budget, twin.kernels) == ("ar", "runtime", 9, "eager")
+    assert dense.decode_paths(twin) == dense.decode_paths(EngineConfig(verify="ddtree", draft_path="runtime"))
+    assert dense.ar_twin(EngineConfig(verify="ddtree")).draft_path == "generic"  # auto, on a CPU
+    replay = EngineConfig(verify="chain", rollback="replay")  # auto: refused by the runtime on a hybrid
+    assert hybrid.decode_paths(replay)[0] == "generic" and hybrid.ar_twin(replay).draft_path == "generic"
+    assert hybrid.ar_twin(replay.replace(rollback="fast", draft_path="runtime")).draft_path == "runtime"
+
+
+def test_the_runtime_keeps_the_tree_on_the_device_whatever_draft_path_says(monkeypatch):
+    """``static=True`` on a ``draft_path="generic"`` config: the runtime's steps never take the
+    host's top-k and tree (a captured graph cannot read the host)."""
+    import engine.loop
+
+    def host_tree(*a, **k):
+        raise AssertionError("the runtime built its tree on the host")
+
+    monkeypatch.setattr(engine.loop, "build_tree_host", host_tree)
+    pair = pair_for("tiny-dense", "random")
+    ids = pair.encode("Trees stay where the graphs are.")
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 24).tokens
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, draft_path="generic")
+    assert generate_speculative(pair, ids, cfg, 24, static=True).tokens == ar
+    with pytest.raises(AssertionError, match="on the host"):  # the generic loop does build it there
+        generate_speculative(pair, ids, cfg, 24, static=False)
+
+
 CONFIGS = [
     dict(verify="chain"),
     dict(verify="ddtree", budget=12, top_k=4),
