@@ -111,14 +111,14 @@ def section_pair(args) -> tuple[str, dict]:
         for name, params in configs:
             for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
-                runs = ref_runs if (name == "ar" and path == "runtime") else _timed(
+                runs = ref_runs if (name == "ar" and path != "generic") else _timed(
                     pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos,
                     ar_config=ar_cfg)
                 tps = [r.decode_tps for r in runs]
                 r0 = runs[-1]
                 steps = max(r0.steps, 1)
                 ph = {k: v / steps for k, v in r0.phase_ms.items()}
-                exact = sum(bool(p.exact) for p in r0.prompts) if name != "ar" or path != "runtime" else len(prompts)
+                exact = sum(bool(p.exact) for p in r0.prompts) if name != "ar" or path == "generic" else len(prompts)
                 divs = [p.divergence for p in r0.prompts if p.divergence is not None]
                 al = sum(r0.accept_lengths) / len(r0.accept_lengths) if r0.accept_lengths else 1.0
                 row = dict(tps=tps, al=al, ms_per_step=1000 * r0.decode_s / steps, phase_ms=ph,
@@ -516,6 +516,19 @@ def section_graphs(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
+def _override_step_attention(block_n: int, warps: int) -> None:
+    """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on key
+    blocks of ``block_n`` and ``warps`` warps."""
+    from engine.models import attention
+
+    engine_launch = attention.step_attention_launch
+
+    def launch(d: int, fp32: bool = False) -> dict[str, int]:
+        return {**engine_launch(d, fp32), "BLOCK_N": block_n, "num_warps": warps}
+
+    attention.step_attention_launch = launch
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile", "graphs"])
@@ -532,8 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="pair: timed generations end at a stop token (a solution's end) instead of running on "
                          "to --max-new-tokens (the warm-up still runs every prompt to full length)")
-    ap.add_argument("--paths", nargs="+", choices=["generic", "runtime"], default=["generic", "runtime"],
+    ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=["generic", "runtime"],
                     help="pair: the draft paths to time (our AR is always timed on the runtime path)")
+    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS",
+                    help="the decode steps' attention launch (key block and warps, e.g. 32x4) instead of "
+                         "step_attention_launch's, for every head_dim: a candidate timed (and its exactness "
+                         "checked) before it becomes the engine's")
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=None,
@@ -563,6 +580,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.models import fused
 
+    if args.step_attention is not None:
+        try:
+            block_n, warps = (int(v) for v in args.step_attention.lower().split("x"))
+            if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8):
+                raise ValueError
+        except ValueError:
+            print(f"--step-attention must be BLOCK_NxWARPS (a power of two >= 16, then 1, 2, 4 or 8 warps), "
+                  f"got {args.step_attention!r}", file=sys.stderr)
+            return 2
+        _override_step_attention(block_n, warps)
     fused.set_kernels(args.kernels == "on")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)

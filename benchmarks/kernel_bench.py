@@ -295,6 +295,10 @@ def _linear_shape(label: str, n: int, k: int, gen: torch.Generator, tiles: list)
 # plans: the tiles tried for each K partition, (BLOCK_N, BLOCK_K, num_warps, num_stages); a BLOCK_K of
 # 32 gives small models' short K (576 for SmolLM2) more parts
 PLAN_TILES = [(bn, bk, 8 if bn == 128 else 4, st) for bn in (32, 64, 128) for bk in (32, 64, 128) for st in (2, 4)]
+# from K 4,096 (the 8B and 27B weights): the tiles their earlier tuning kept, with deeper pipelines
+# (a large weight's launch streams from HBM) and no 32-wide block (too many programs, too short a K step)
+PLAN_TILES_LARGE = ([(64, 128, 4, st) for st in (3, 4, 6)] + [(128, 128, 8, st) for st in (4, 5)]
+                    + [(64, 64, 4, 4), (128, 64, 8, 4)])
 PLAN_SPLITS = (1, 2, 3, 4, 6, 8)
 PLAN_ROW_BLOCKS = (128, 32, 16)  # a verify launch's rows per program at most (LinearConfig.row_block)
 
@@ -348,7 +352,7 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
             raise RuntimeError(f"a wrong product at {m} rows")
         return _time(lambda: lin._kernel_linear(xs[m], pick(), None, cfg))
 
-    for bn, bk, warps, stages in PLAN_TILES:
+    for bn, bk, warps, stages in PLAN_TILES_LARGE if k >= 4096 else PLAN_TILES:
         for split in PLAN_SPLITS:
             if split > 1 and k // split < bk:
                 continue

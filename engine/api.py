@@ -155,9 +155,16 @@ class Pair:
 
 
 def load(target: str, draft: str, device: str = "auto", dtype: str = "auto") -> Pair:
-    """Build or read the target and its drafter once; everything after that is cheap to repeat."""
+    """Build or read the target and its drafter once; everything after that is cheap to repeat.
+    A plans file (``ENGINE_LINEAR_PLANS``) is read here, so that a bad one stops before any work."""
+    from engine.models import linear
+
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    try:
+        linear.file_plans()
+    except ValueError as exc:
+        raise EngineInputError(str(exc)) from None
     model, tokenizer = load_target(target, dev, dt)
     drafter = load_drafter(draft, model, tokenizer, dev, dt)
     pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."))

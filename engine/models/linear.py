@@ -27,6 +27,8 @@ takes ``default_plan``, sized from its shape. The kernel switch is ``engine.mode
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -151,13 +153,72 @@ def default_plan(n: int, k: int) -> LinearPlan:
     return _plan(LinearConfig(64, block_k, split, 4, 4))
 
 
+# A file of measured plans (``kernel_bench.py plans --out FILE``) for weights of your own model or
+# GPU, read once: its plans come before ``TUNED``'s on every GPU (measure on the GPU you run).
+PLANS_ENV = "ENGINE_LINEAR_PLANS"
+_FILE_PLANS: dict[str, dict[tuple[int, int], LinearPlan]] = {}
+_CONFIG_FIELDS = ("block_n", "block_k", "split", "num_warps", "num_stages", "row_block")
+
+
+def load_plans(path: str) -> dict[tuple[int, int], LinearPlan]:
+    """The plans in ``path``, a JSON list as ``kernel_bench.py plans --out`` writes it: one object per
+    weight with ``n`` and ``k`` (its out and in features) and ``step`` and ``verify`` launches (objects
+    with ``LinearConfig``'s fields). Anything else raises ``ValueError`` naming the file, the entry and
+    the rule, so that a mistyped file never decodes on a launch nobody chose."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{PLANS_ENV}: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{PLANS_ENV}: {path!r} is not JSON: {exc}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"{PLANS_ENV}: {path!r} must hold a list of plans (kernel_bench.py plans --out), "
+                         f"got a {type(entries).__name__}")
+    plans: dict[tuple[int, int], LinearPlan] = {}
+    for i, e in enumerate(entries):
+        where = f"{PLANS_ENV}: {path!r} entry {i}"
+        if not isinstance(e, dict) or not all(key in e for key in ("n", "k", "step", "verify")):
+            raise ValueError(f"{where} must be an object with n, k, step and verify")
+        n, k = e["n"], e["k"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, k)):
+            raise ValueError(f"{where}: n and k must be positive integers, got n={n!r} k={k!r}")
+        launches = []
+        for kind in ("step", "verify"):
+            c = e[kind]
+            if not isinstance(c, dict) or set(c) != set(_CONFIG_FIELDS) or not all(
+                    isinstance(c[f], int) and not isinstance(c[f], bool) for f in _CONFIG_FIELDS):
+                raise ValueError(f"{where}: {kind} must be an object of the integers {', '.join(_CONFIG_FIELDS)}, "
+                                 f"got {c!r}")
+            try:
+                launches.append(LinearConfig(**c))
+            except ValueError as exc:
+                raise ValueError(f"{where}: {kind}: {exc}") from None
+        try:
+            plans[(n, k)] = LinearPlan(*launches)
+        except ValueError as exc:
+            raise ValueError(f"{where} ({n} x {k}): {exc}") from None
+    return plans
+
+
+def file_plans() -> dict[tuple[int, int], LinearPlan]:
+    """The plans of the file ``ENGINE_LINEAR_PLANS`` names (none when unset), read once per path."""
+    path = os.environ.get(PLANS_ENV, "")
+    if not path:
+        return {}
+    if path not in _FILE_PLANS:
+        _FILE_PLANS[path] = load_plans(path)
+    return _FILE_PLANS[path]
+
+
 def plan_for(weight: Tensor) -> LinearPlan:
-    """``weight``'s plan on its GPU: the tuned one, else ``default_plan``."""
+    """``weight``'s plan on its GPU: the file's (``ENGINE_LINEAR_PLANS``), else the tuned one, else
+    ``default_plan``."""
     dev = weight.device
     if dev not in _CAPABILITY:  # (a CPU tensor reaches here in Triton's interpreter only: the CPU tests)
         _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
     n, k = weight.shape
-    plan = TUNED.get(_CAPABILITY[dev], {}).get((n, k))
+    plan = file_plans().get((n, k)) or TUNED.get(_CAPABILITY[dev], {}).get((n, k))
     return plan if plan is not None else default_plan(n, k)
 
 

@@ -109,6 +109,58 @@ def test_default_plans_cover_any_weight(n, k):
     assert cfg.split == 1 or -(-n // cfg.block_n) * (cfg.split - 1) < lin.TARGET_PROGRAMS
 
 
+def _plans_file(tmp_path, entries) -> str:
+    import json
+
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+def test_a_plans_file_comes_before_the_tuned_plans(tmp_path, monkeypatch):
+    """``ENGINE_LINEAR_PLANS``: the file ``kernel_bench.py plans --out`` writes (extra fields such as
+    the timings are ignored) gives its weights their plans; every other weight keeps its own."""
+    step = dict(block_n=32, block_k=64, split=3, num_warps=4, num_stages=2, row_block=128)
+    verify = {**step, "block_n": 64, "row_block": 16}
+    path = _plans_file(tmp_path, [{"shape": "mine (96 x 640)", "n": 96, "k": 640, "us": {"1": 2.0},
+                                   "step": step, "verify": verify}])
+    monkeypatch.setenv(lin.PLANS_ENV, path)
+    w, other = torch.zeros(96, 640), torch.zeros(100, 640)
+    assert lin.plan_for(w) == lin.LinearPlan(lin.LinearConfig(**step), lin.LinearConfig(**verify))
+    assert lin.plan_for(other) == lin.default_plan(100, 640)
+    monkeypatch.delenv(lin.PLANS_ENV)
+    assert lin.plan_for(w) == lin.default_plan(96, 640)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{}", "must hold a list of plans"),
+    ("[1]", "entry 0 must be an object with n, k, step and verify"),
+    ('[{"n": 0, "k": 64, "step": {}, "verify": {}}]', "n and k must be positive integers, got n=0"),
+    ('[{"n": 64, "k": 64, "step": {"block_n": 64}, "verify": {}}]', "step must be an object of the integers"),
+    ('[{"n": 64, "k": 64, "step": {"block_n": 48, "block_k": 64, "split": 1, "num_warps": 4, "num_stages": 2, '
+     '"row_block": 128}, "verify": {}}]', "step: LinearConfig.block_n must be a power of two"),
+    ('[{"n": 64, "k": 64, "step": {"block_n": 64, "block_k": 64, "split": 1, "num_warps": 4, "num_stages": 2, '
+     '"row_block": 128}, "verify": {"block_n": 64, "block_k": 64, "split": 2, "num_warps": 4, "num_stages": 2, '
+     '"row_block": 128}}]', r"entry 0 \(64 x 64\): a LinearPlan's step and verify launches must split K alike"),
+    ("[{", "is not JSON"),
+])
+def test_a_bad_plans_file_is_refused_with_the_entry_and_the_rule(tmp_path, content, message):
+    path = tmp_path / "plans.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        lin.load_plans(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        lin.load_plans(str(tmp_path / "missing.json"))
+
+
+def test_engine_load_refuses_a_bad_plans_file_before_any_work(tmp_path, monkeypatch):
+    import engine
+
+    monkeypatch.setenv(lin.PLANS_ENV, _plans_file(tmp_path, {"n": 1}))
+    with pytest.raises(engine.EngineInputError, match="ENGINE_LINEAR_PLANS: .*must hold a list"):
+        engine.load("tiny-dense", "random", device="cpu", dtype="float32")
+
+
 # The plans a row's bits are checked under: default ones (SmolLM2-like narrow and wide weights, an odd
 # K) and one whose step and verify launches differ in tile width, warps and stages (as tuned ones do).
 ROW_PLANS = [
