@@ -516,15 +516,31 @@ def section_graphs(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def _override_step_attention(block_n: int, warps: int) -> None:
-    """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on key
-    blocks of ``block_n`` and ``warps`` warps."""
+STEP_ATTENTION_HELP = ("the decode steps' attention launch (key block and warps, and keys per span: e.g. 32x4 "
+                       "or 32x4x64) instead of step_attention_launch's, for every head_dim: a candidate timed "
+                       "(and its exactness checked) before it becomes the engine's")
+
+
+def override_step_attention(text: str) -> None:
+    """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on the
+    launch ``text`` names: ``BLOCK_NxWARPS`` or ``BLOCK_NxWARPSxSPAN`` (keys per span). Raises
+    ValueError naming the rule and the value."""
     from engine.models import attention
 
+    try:
+        block_n, warps, *span = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        block_n, warps, span = 0, 0, []
+    split = span[0] if len(span) == 1 else None
+    if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or len(span) > 1
+            or (split is not None and (split < block_n or split % block_n))):
+        raise ValueError(f"--step-attention must be BLOCK_NxWARPS[xSPAN] (BLOCK_N a power of two >= 16, then 1, "
+                         f"2, 4 or 8 warps, then keys per span: a multiple of BLOCK_N), got {text!r}")
     engine_launch = attention.step_attention_launch
 
     def launch(d: int, fp32: bool = False) -> dict[str, int]:
-        return {**engine_launch(d, fp32), "BLOCK_N": block_n, "num_warps": warps}
+        own = engine_launch(d, fp32)
+        return {**own, "BLOCK_N": block_n, "num_warps": warps, "SPLIT": split or own["SPLIT"]}
 
     attention.step_attention_launch = launch
 
@@ -547,10 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                          "to --max-new-tokens (the warm-up still runs every prompt to full length)")
     ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=["generic", "runtime"],
                     help="pair: the draft paths to time (our AR is always timed on the runtime path)")
-    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS",
-                    help="the decode steps' attention launch (key block and warps, e.g. 32x4) instead of "
-                         "step_attention_launch's, for every head_dim: a candidate timed (and its exactness "
-                         "checked) before it becomes the engine's")
+    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=None,
@@ -582,14 +595,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.step_attention is not None:
         try:
-            block_n, warps = (int(v) for v in args.step_attention.lower().split("x"))
-            if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8):
-                raise ValueError
-        except ValueError:
-            print(f"--step-attention must be BLOCK_NxWARPS (a power of two >= 16, then 1, 2, 4 or 8 warps), "
-                  f"got {args.step_attention!r}", file=sys.stderr)
+            override_step_attention(args.step_attention)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
             return 2
-        _override_step_attention(block_n, warps)
     fused.set_kernels(args.kernels == "on")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)

@@ -382,9 +382,10 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
 # (label, query heads, K/V heads, head_dim, committed keys, new tokens): SmolLM2 and the 27B shape's
 # attention in an AR step and a DDTree verify (budget 48 and 32)
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 463, 49),
+              ("8B AR", 32, 8, 128, 522, 1), ("8B verify b32", 32, 8, 128, 991, 33),
               ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33)]
-# keys per span (engine.models.attention.SPLIT_KEYS; the first: the engine's) and the step kernel's
-# (key block, warps) (None: step_attention_launch's)
+# keys per span (the mask kernel's SPLIT_KEYS, the step kernel's launch SPLIT; the first: the
+# engine's) and the step kernel's (key block, warps) (None: step_attention_launch's)
 ATTN_SPLITS = (128, 64, 256)
 ATTN_BLOCKS = (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
 
@@ -424,10 +425,9 @@ def bench_attention() -> tuple[list[dict], list[str]]:
                 split_attention.SPLIT_KEYS = split
                 row[f"mask{split}"] = _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))
                 for block in ATTN_BLOCKS:
-                    if block is not None:
-                        split_attention.step_attention_launch = (
-                            lambda dd, fp32=False, b=block: {**saved_launch(dd, fp32), "BLOCK_N": b[0],
-                                                             "num_warps": b[1]})
+                    own = {} if block is None else {"BLOCK_N": block[0], "num_warps": block[1]}
+                    split_attention.step_attention_launch = (
+                        lambda dd, fp32=False, o=own, sp=split: {**saved_launch(dd, fp32), **o, "SPLIT": sp})
                     try:
                         row[f"step{split}_{block}"] = _time(
                             lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))

@@ -123,8 +123,13 @@ class _Graphs:
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
 
     def clear(self) -> None:
-        """Forget every capture (the buffers they read were replaced)."""
+        """Forget every capture (the buffers they read were replaced), and their memory pool: once
+        its last graph is gone PyTorch retires a private pool, and capturing into it again while a
+        tensor it allocated is still alive trips the allocator's assertion (the 27B shape's DDTree
+        after its chain, 2026-12-04); the next capture takes a fresh pool."""
         self._captured.clear()
+        if self.enabled:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
         """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be

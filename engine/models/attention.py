@@ -216,18 +216,18 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     t, hq, d = qc.shape
     hkv = k.shape[1]
     group = hq // hkv
-    n_split = triton.cdiv(keys.key_len, SPLIT_KEYS)
+    launch = step_attention_launch(d, q.dtype == torch.float32)
+    n_split = triton.cdiv(keys.key_len, launch["SPLIT"])
     acc = torch.empty(1, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
     m_l = torch.empty(1, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
-    launch = step_attention_launch(d, q.dtype == torch.float32)
     row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)  # programs of several tokens' rows, per span
     sub = triton.cdiv(group, ATTN_BLOCK_M)  # and programs of one token's rows (see the kernel),
-    n_tail = min(n_split, triton.cdiv(t - 1, SPLIT_KEYS) + 1)  # in the spans the new tokens reach
+    n_tail = min(n_split, triton.cdiv(t - 1, launch["SPLIT"]) + 1)  # in the spans the new tokens reach
     anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
     _step_attention_kernel[(row_blocks * n_split + t * sub * n_tail, hkv)](
         qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, n_tail, row_blocks, t * sub,
         anc.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5,
-        HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32, SPLIT=SPLIT_KEYS, INTERPRET=_INTERPRET,
+        HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32, INTERPRET=_INTERPRET,
         **launch,
     )
     out = torch.empty_like(qc)
@@ -256,15 +256,22 @@ def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
 
 def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     """``attention_launch`` for ``_step_attention_kernel``, which also holds a gathered value block
-    beside the key block: key blocks of 32 from head_dim 128 in half precision (64 spills at 128; at
-    the 27B shape's 256-wide heads 32 beat 16 by 1.4x in an AR step and 1.3x in a verify, 2026-12-03)
-    and of 16 in float32 (a check of the algorithm, not a speed path), no spills on sm_90
-    (benchmarks/kernel_check.py). One launch per head_dim and dtype, whatever the rows: an AR step
-    and a verify reduce their keys in the same blocks."""
+    beside the key block. In half precision: key blocks of 32 and 4 warps at every head_dim, spans
+    of 64 keys up to head_dim 64 and of 128 above. On the H200 (2026-12-04, `kernel_bench.py
+    attention`, us per call): SmolLM2's d64 AR step 6.6 -> 5.9 and its budget-48 verify 10.9 -> 9.0
+    against 64 x 8 warps in spans of 128; the 8B shape's d128 9.8 -> 9.6 and 36.9 -> 26.9, the 27B
+    shape's d256 12.8 -> 12.3 and 37.3 -> 31.6 against 32 x 8 (spans of 64 there cost the verify
+    10-17%); on the pair, the AR step 0.946 -> 0.935 ms and the DDTree-48 verify 1.13 -> 1.09 ms. In
+    float32 (a check of the algorithm, not a speed path): ``attention_launch``'s warps with key
+    blocks of 16 from head_dim 128. No spills on sm_90 (benchmarks/kernel_check.py). One launch per
+    head_dim and dtype, whatever the rows: an AR step and a verify reduce their keys in the same
+    spans (``SPLIT``; the mask kernel's need not match, since no AR step takes it) and blocks."""
     launch = attention_launch(d, fp32)
-    if launch["BLOCK_D"] >= 128:
-        launch["BLOCK_N"] = 16 if fp32 else 32
-    return launch
+    if fp32:
+        if launch["BLOCK_D"] >= 128:
+            launch["BLOCK_N"] = 16
+        return {**launch, "SPLIT": SPLIT_KEYS}
+    return {**launch, "BLOCK_N": 32, "num_warps": 4, "SPLIT": 64 if launch["BLOCK_D"] <= 64 else SPLIT_KEYS}
 
 
 # ------------------------------------------------------------------------------- kernels

@@ -94,15 +94,23 @@ def test_cuda_graph_runtime_equals_generic_and_ar_in_float32(params, target):
     assert again.tokens == ar
 
 
-def test_hybrid_graphs_recapture_when_the_tree_buffers_grow():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hybrid_graphs_recapture_when_the_tree_buffers_grow(dtype):
     """A larger budget reallocates the per-node recurrent buffers: graphs captured on the old ones
-    must not be replayed."""
-    pair = engine.load("tiny-hybrid", "random", device="cuda", dtype="float32")
+    must not be replayed, and the captures after them take a fresh memory pool. The order is
+    exact_bench's, which tripped PyTorch's allocator on the 27B shape: AR, chain on the graphs and
+    on the generic loop (replay), then trees of growing budgets, with each result kept alive."""
+    pair = engine.load("tiny-hybrid", "random", device="cuda", dtype=dtype)
     ids = pair.encode("Buffers grow, graphs follow.")
     ar = engine.generate(pair, ids, EngineConfig(verify="ar"), 64, ignore_eos=True).tokens
-    for budget in (4, 16, 4):
-        cfg = EngineConfig(verify="ddtree", budget=budget, top_k=4, block_size=8)
-        assert engine.generate(pair, ids, cfg, 64, ignore_eos=True).tokens == ar, budget
+    kept = []
+    configs = [EngineConfig(verify="chain", block_size=8),
+               EngineConfig(verify="chain", block_size=8, rollback="replay", draft_path="generic")]
+    configs += [EngineConfig(verify="ddtree", budget=b, top_k=k, block_size=8)
+                for b, k in ((4, 4), (22, 8), (64, 8), (4, 1))]
+    for cfg in configs:
+        kept.append(engine.generate(pair, ids, cfg, 64, ignore_eos=True))
+        assert kept[-1].tokens == ar, cfg
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
