@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_bench import STEP_ATTENTION_HELP, override_step_attention  # noqa: E402
+from gpu_bench import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402
@@ -100,12 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.step_attention is not None:
-        try:
-            override_step_attention(args.step_attention)
-        except ValueError as exc:
-            print(exc, file=sys.stderr)
-            return 2
+    if not apply_step_attention(args.step_attention):
+        return 2
 
     pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
     pairs = [(args.draft, pair)]

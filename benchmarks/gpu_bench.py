@@ -545,6 +545,18 @@ def override_step_attention(text: str) -> None:
     attention.step_attention_launch = launch
 
 
+def apply_step_attention(text: str | None) -> bool:
+    """``--step-attention``'s value applied (nothing when None); False, the rule printed, on a bad one."""
+    if text is None:
+        return True
+    try:
+        override_step_attention(text)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile", "graphs"])
@@ -593,12 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.models import fused
 
-    if args.step_attention is not None:
-        try:
-            override_step_attention(args.step_attention)
-        except ValueError as exc:
-            print(exc, file=sys.stderr)
-            return 2
+    if not apply_step_attention(args.step_attention):
+        return 2
     fused.set_kernels(args.kernels == "on")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
