@@ -97,11 +97,10 @@ def parse_duration(raw: str, flag: str = "--timeout") -> float:
 
 def _check_engine_environment() -> None:
     """The engine's environment variables, before a trial or a server starts."""
-    from engine.config import EngineInputError
-    from engine.models import fused
+    from engine import EngineInputError, check_environment
 
     try:
-        fused.check_environment()
+        check_environment()
     except EngineInputError:
         raise InputError("environment", "ENGINE_KERNELS", "must be 'fused' or 'eager'",
                          os.environ.get("ENGINE_KERNELS")) from None
@@ -138,7 +137,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     workloads = experiment.load_workloads(exp)
 
     from autotune.sweep import SweepOptions, make_executor, run_sweep
-    from engine.config import EngineInputError
+    from engine import EngineInputError
 
     opts = SweepOptions(n_trials=args.n_trials or exp.study.n_trials, storage=storage,
                         study_name=args.study_name or exp.name, tracking_uri=tracking_uri, timeout_s=timeout,
@@ -234,8 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise InputError(args.config, None, "config file not found")
     _check_engine_environment()
-    from engine.config import EngineInputError
-    from engine.server import serve
+    from engine import EngineInputError, serve
 
     try:
         return serve(args.config, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue)

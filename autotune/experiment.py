@@ -325,7 +325,7 @@ def check_executor(where: str, keys: tuple[str, str, str, str], kind: str, worke
 
 
 def _engine_fixed(where: str, raw: dict, space: SearchSpace) -> dict[str, Any]:
-    from engine.config import EngineConfig, EngineInputError
+    from engine import EngineConfig, EngineInputError
 
     clash = sorted(set(raw) & set(space.names))
     if clash:
@@ -342,7 +342,7 @@ def _engine_fixed(where: str, raw: dict, space: SearchSpace) -> dict[str, Any]:
 
 def _check_models(where: str, model: ModelSpec) -> None:
     import engine
-    from engine.config import EngineInputError
+    from engine import EngineInputError
 
     try:
         engine.check_model_spec(model.target, model.draft)
@@ -353,8 +353,7 @@ def _check_models(where: str, model: ModelSpec) -> None:
 
 def load_workloads(exp: Experiment) -> list[Any]:
     """Select the prompts of every workload set (deterministic by seed); refusals are input errors."""
-    from engine.config import EngineInputError
-    from engine.workloads import load_workload
+    from engine import EngineInputError, load_workload
 
     out = []
     for i, spec in enumerate(exp.workload.sets):

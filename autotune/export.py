@@ -51,7 +51,7 @@ def build(study: optuna.Study) -> dict[str, Any]:
     w = results.winner(study)
     if w is None:
         raise InputError("STUDY", None, "has no feasible completed trial to export yet", study.study_name)
-    from engine.config import EngineConfig
+    from engine import EngineConfig
 
     # round-trip through EngineConfig: every field present, and nothing the engine would refuse
     engine_fields = EngineConfig.from_dict(dict(w.config), source=f"trial {w.trial}").to_dict()

@@ -49,7 +49,7 @@ def _fmt(v: Any, nd: int = 2) -> str:
 
 def _cfg_short(cfg: dict[str, Any]) -> str:
     """The path and whatever differs from the engine's defaults (the full config is in the study)."""
-    from engine.config import EngineConfig
+    from engine import EngineConfig
 
     if cfg.get("verify") == "ar":
         return "verify=ar"

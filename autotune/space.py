@@ -247,14 +247,14 @@ def _parse_when(where: str, name: str, raw: Any, earlier: list[Param]) -> tuple:
 
 
 def _engine_fields() -> set[str]:
-    from engine.config import EngineConfig
+    from engine import EngineConfig
 
     return {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def _check_engine_value(where: str, key: str, field: str, value: Any) -> None:
     """Let EngineConfig judge a single value, so the space can never hold what the engine refuses."""
-    from engine.config import EngineConfig, EngineInputError
+    from engine import EngineConfig, EngineInputError
 
     try:
         EngineConfig.from_dict({field: value}, source=where)

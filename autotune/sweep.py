@@ -34,7 +34,7 @@ from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
 from autotune.tracking import open_tracker
 from autotune.worker import Job, Record
-from engine.config import EngineConfig, EngineInputError
+from engine import EngineConfig, EngineInputError
 
 POLL_S = 2.0  # how often a driver with nothing to start looks at the trials other drivers still run
 

@@ -235,7 +235,7 @@ class Worker:
                   diverged: dict[tuple[int, int], list[int]]) -> None:
         """Forensics of each inexact prompt (its first differing output), outside the measured passes."""
         import engine
-        from engine.stats import VERDICTS
+        from engine import VERDICTS
 
         ar_cfg = engine.EngineConfig.from_dict(self.ar_config(cfg.to_dict()), source="AR reference")
         t0 = time.perf_counter()
@@ -255,7 +255,7 @@ class Worker:
               reference: list[list[list[int]]]) -> dict[tuple[int, int], list[int]]:
         """The record's numbers from the passes; returns the first differing output of each inexact
         prompt, keyed by (set, prompt)."""
-        from engine.stats import first_divergence
+        from engine import first_divergence
 
         rec.decode_tps_runs = [_pass_tps(p) for p in passes]
         rec.e2e_tps_runs = [sum(r.new_tokens for r in p) / max(sum(r.total_s for r in p), 1e-12) for p in passes]

@@ -1,13 +1,28 @@
-"""DFlash + DDTree speculative decoding engine: exact, switchable paths, per-phase timing."""
+"""DFlash + DDTree speculative decoding engine: exact, switchable paths, per-phase timing.
+
+The front door: what ``autotune`` (and any other caller) uses; nothing deeper is a contract.
+``serve`` (the OpenAI-compatible server) loads its web stack on first use."""
 
 from engine.api import Pair, bench, diagnose, load
 from engine.config import EngineConfig, EngineInputError
 from engine.decode import generate
 from engine.grammar import CompiledGrammar
+from engine.models.fused import check_environment
+from engine.prompts import Prompt
 from engine.registry import check_model_spec
-from engine.stats import BenchResult, Divergence, Generation, GenerationStats, PromptResult
+from engine.stats import (
+    VERDICTS,
+    BenchResult,
+    Divergence,
+    Generation,
+    GenerationStats,
+    PromptResult,
+    first_divergence,
+)
+from engine.workloads import Workload, load_workload
 
 __all__ = [
+    "VERDICTS",
     "BenchResult",
     "CompiledGrammar",
     "Divergence",
@@ -16,10 +31,24 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "Pair",
+    "Prompt",
     "PromptResult",
+    "Workload",
     "bench",
+    "check_environment",
     "check_model_spec",
     "diagnose",
+    "first_divergence",
     "generate",
     "load",
+    "load_workload",
+    "serve",
 ]
+
+
+def __getattr__(name: str):
+    if name == "serve":  # the web stack (FastAPI, uvicorn) only for a server
+        from engine.server import serve
+
+        return serve
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -88,8 +88,9 @@ def _parse_ids(raw: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import engine
-    from engine.workloads import Prompt
+    from engine.api import load
+    from engine.decode import generate
+    from engine.prompts import Prompt
 
     fields, model = read_config_file(args.config) if args.config else ({}, {})
     for name in _CONFIG_FLAGS:
@@ -105,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or model.get("dtype", "auto")
     if args.max_new_tokens < 1:
         raise EngineInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    pair = engine.load(target, draft, device=device, dtype=dtype)
+    pair = load(target, draft, device=device, dtype=dtype)
     if args.prompt_ids:
         ids = _parse_ids(args.prompt_ids)
         vocab = pair.target.cfg.vocab_size
@@ -116,7 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = pair.encode(prompt)
     else:
         raise EngineInputError("give --prompt TEXT or --prompt-ids 1,2,3")
-    gen = engine.generate(pair, ids, cfg, args.max_new_tokens)
+    gen = generate(pair, ids, cfg, args.max_new_tokens)
     text = pair.tokenizer.decode(gen.tokens) if pair.tokenizer is not None else None
     stats = gen.stats.to_dict()
     if args.json:

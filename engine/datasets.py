@@ -60,7 +60,7 @@ from typing import Any
 
 from engine.assets import default_cache_dir, ensure_asset
 from engine.config import EngineInputError
-from engine.workloads import Prompt, split_of
+from engine.prompts import Prompt, split_of
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 CHAT_MAX_CHARS = 2000

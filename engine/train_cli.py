@@ -131,7 +131,7 @@ def _steps_so_far(training: dict | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
-    import engine
+    from engine.api import load
     from engine.loading import save_draft_folder
 
     values = {k: getattr(args, k) for k in ("n_prompts", "gen_max_new_tokens", "steps", "layers", "block_size",
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
-    pair = engine.load(args.target, "none", device=args.device, dtype="auto")
+    pair = load(args.target, "none", device=args.device, dtype="auto")
     init, init_training = None, None
     if args.init:
         init, init_training = _warm_start(args, pair)

@@ -10,26 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineInputError
+from engine.prompts import Prompt, split_of
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SPLITS = ("train", "eval", "all")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A plain-text prompt, or a chat (messages, optional tools) rendered by the chat template."""
-
-    text: str | None = None
-    messages: tuple[dict[str, Any], ...] | None = None
-    tools: tuple[dict[str, Any], ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        if self.messages is not None:
-            d: dict[str, Any] = {"messages": list(self.messages)}
-            if self.tools:
-                d["tools"] = list(self.tools)
-            return d
-        return {"prompt": self.text}
 
 
 @dataclass(frozen=True)
@@ -81,12 +65,6 @@ def read_jsonl(path: Path) -> list[Prompt]:
     if not prompts:
         raise EngineInputError(f"workload file {str(path)!r} holds no prompts")
     return prompts
-
-
-def split_of(prompt: Prompt) -> str:
-    """A fixed train/eval split by content hash: 80% train, 20% eval, stable across versions."""
-    digest = hashlib.sha256(json.dumps(prompt.to_json(), sort_keys=True).encode()).digest()
-    return "eval" if digest[0] < 52 else "train"
 
 
 def workload_hash(prompts: tuple[Prompt, ...]) -> str:

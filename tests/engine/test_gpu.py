@@ -117,7 +117,7 @@ def test_hybrid_graphs_recapture_when_the_tree_buffers_grow(dtype):
 def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
     """AR with the bitmask inside its captured step, and `commit` on the captured speculative steps."""
     pytest.importorskip("xgrammar")
-    from engine.workloads import Prompt
+    from engine.prompts import Prompt
 
     tools = ({"type": "function", "function": {"name": "n", "description": "note", "parameters": {
         "type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]}}},)

@@ -11,7 +11,7 @@ import engine
 from engine import EngineConfig, EngineInputError
 from engine.assets import is_cached
 from engine.grammar import call_schema, example_call, parse_tool_calls, tool_call_ebnf
-from engine.workloads import Prompt
+from engine.prompts import Prompt
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")

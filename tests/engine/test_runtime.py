@@ -136,7 +136,7 @@ def smollm2():
 
 @pytest.mark.parametrize("verify", ["chain", "ddtree"])
 def test_static_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
-    from engine.workloads import Prompt
+    from engine.prompts import Prompt
 
     ask = {"role": "user", "content": "Write a Python function that adds two numbers."}
     ids = smollm2.encode(Prompt(messages=[ask]))
@@ -253,7 +253,7 @@ def test_grammar_on_the_static_steps_equals_constrained_ar(target):
     """AR masks inside its step (the host fills the bitmask before each replay); ``commit``
     replays the unconstrained step and advances the grammar on the committed tokens."""
     pytest.importorskip("xgrammar")
-    from engine.workloads import Prompt
+    from engine.prompts import Prompt
 
     pair = pair_for(target, "random")
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
@@ -280,7 +280,7 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
     target's own) and the grammar refuses: steps are cut after the device committed them, and the
     position, the new root and (hybrid) the recurrent state are moved back. Output: constrained AR."""
     pytest.importorskip("xgrammar")
-    from engine.workloads import Prompt
+    from engine.prompts import Prompt
 
     pair = pair_for(target, "random")
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))

@@ -13,7 +13,8 @@ from asyncio import BaseEventLoop
 from pathlib import Path
 
 from engine.datasets import HUMANEVAL_TEMPLATE, STDLIB_MAX_CHARS, named_pool, stdlib_prompts, stdlib_rest_prompts
-from engine.workloads import TRAINING_MIX, Prompt, split_of, training_pool
+from engine.prompts import Prompt, split_of
+from engine.workloads import TRAINING_MIX, training_pool
 
 TEMPLATE_HEAD, TEMPLATE_TAIL = HUMANEVAL_TEMPLATE.split("{prompt}")
 
