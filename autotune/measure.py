@@ -1,4 +1,4 @@
-"""The measurement protocol's arithmetic (MEASUREMENT.md), as pure functions.
+"""The measurement protocol's arithmetic (docs/measurement.md), as pure functions.
 
 - value = median − 1.4826·MAD over the measured passes (a conservative score);
 - relative MAD (MAD / median) above ``max_rel_mad`` marks a measurement noisy;

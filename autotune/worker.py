@@ -1,7 +1,7 @@
 """A worker holds one loaded model pair and measures configs on it: a job in, a plain record out.
 
 The worker never touches the Optuna storage or MLflow (the driver owns both). It runs the
-measurement protocol of MEASUREMENT.md for one config:
+measurement protocol of docs/measurement.md for one config:
 
 1. ``warmup`` passes that are not counted;
 2. ``repeats`` measured passes over every workload set (``engine.bench`` resets every cache

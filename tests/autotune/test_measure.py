@@ -1,4 +1,4 @@
-"""The protocol's arithmetic (MEASUREMENT.md), on hand-made numbers."""
+"""The protocol's arithmetic (docs/measurement.md), on hand-made numbers."""
 
 import math
 
