@@ -1,4 +1,4 @@
-"""`autotune sweep|status|best|report|export|serve|dashboard` (ARCHITECTURE.md: a stable contract).
+"""`autotune sweep|status|best|report|export|serve|dashboard` (docs/architecture.md: a stable contract).
 
 Exit status: 0 done; 2 bad input (the message names the file or flag, the key, the rule and the
 value, and nothing was created); 130 after Ctrl-C (the running trial is failed cleanly first).

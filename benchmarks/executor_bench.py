@@ -197,6 +197,19 @@ def spread(values: list[float]) -> str:
 ARGS: argparse.Namespace
 
 
+def _ratios(results: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Trials per hour of one variant over another's, round by round, for the pairs both ran: the
+    warm worker (ray-1, else local) over a process per trial, two actors over one, one over local."""
+    def tph(v: str) -> list[float]:
+        return [x["trials_per_hour"] for x in results[v]]
+
+    warm = "ray-1" if "ray-1" in results else "local"
+    pairs = {"warm_vs_process": (warm, "process"), "ray2_vs_ray1": ("ray-2", "ray-1"),
+             "ray1_vs_local": ("ray-1", "local")}
+    return {name: [a / b for a, b in zip(tph(x), tph(y), strict=True)] for name, (x, y) in pairs.items()
+            if x in results and y in results}
+
+
 def main(argv: list[str] | None = None) -> int:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -268,17 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v}.start_s: {spread(col(v, 'start_s'))}")
         if v == "process":
             print(f"{v}.child_startup_s: {spread(col(v, 'child_startup_s_median'))}")
-    ratios = {}
-    warm = "ray-1" if "ray-1" in results else "local"
-    if warm in results and "process" in results:
-        ratios["warm_vs_process"] = [a / b for a, b in zip(col(warm, "trials_per_hour"),
-                                                          col("process", "trials_per_hour"), strict=True)]
-    if "ray-1" in results and "ray-2" in results:
-        ratios["ray2_vs_ray1"] = [a / b for a, b in zip(col("ray-2", "trials_per_hour"),
-                                                       col("ray-1", "trials_per_hour"), strict=True)]
-    if "ray-1" in results and "local" in results:
-        ratios["ray1_vs_local"] = [a / b for a, b in zip(col("ray-1", "trials_per_hour"),
-                                                        col("local", "trials_per_hour"), strict=True)]
+    ratios = _ratios(results)
     for k, vals in ratios.items():
         print(f"ratio.{k}: {spread(vals)}")
     print(f"all_ok: {all(x['all_ok'] for v in results.values() for x in v)}")

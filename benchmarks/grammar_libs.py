@@ -104,6 +104,35 @@ def _outlines(tok_bytes, stops, vocab, schema):
     return compile_ms, mask, g.advance, g.rollback_state
 
 
+def _replay(r: dict, ids: list[int], mask, advance, rollback) -> list[torch.Tensor]:
+    """Walk a library's matcher along ``ids`` (the reference call, then a stop token), timing each
+    mask, advance and (every 16 tokens) a rollback of 4 re-advanced as a tree walk would; counts
+    the tokens it rejects into ``r``. Returns the masks it gave, in order."""
+    seq = []
+    for j, t in enumerate(ids):
+        t0 = time.perf_counter()
+        m = mask()
+        t1 = time.perf_counter()
+        allowed = bool((int(m[t // 32]) >> (t % 32)) & 1)
+        seq.append(m.clone())
+        r["rejected"] += not allowed
+        r["tokens"] += 1
+        if not allowed or j == len(ids) - 1:
+            break  # a rejected token ends the walk; so does the stop token (allowed is all a stop needs)
+        t2 = time.perf_counter()
+        advance(t)
+        t3 = time.perf_counter()
+        r["mask_us"].append(1e6 * (t1 - t0))
+        r["advance_us"].append(1e6 * (t3 - t2))
+        if j and j % 16 == 0:
+            t4 = time.perf_counter()
+            rollback(4)
+            r["rollback_us"].append(1e6 * (time.perf_counter() - t4))
+            for u in ids[j - 3 : j + 1]:
+                advance(u)
+    return seq
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n-prompts", type=int, default=8)
@@ -136,33 +165,8 @@ def main() -> None:
             except Exception as exc:  # a library refusing a real schema is a finding, not a crash
                 rows[lib]["failed"].append(f"prompt {pi}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            r = rows[lib]
-            r["compile_ms"].append(compile_ms)
-            seq = []
-            for j, t in enumerate(ids):
-                t0 = time.perf_counter()
-                m = mask()
-                t1 = time.perf_counter()
-                allowed = bool((int(m[t // 32]) >> (t % 32)) & 1)
-                seq.append(m.clone())
-                r["rejected"] += not allowed
-                r["tokens"] += 1
-                if not allowed:
-                    break
-                if j == len(ids) - 1:
-                    break  # the stop token: allowed is all a stop needs
-                t2 = time.perf_counter()
-                advance(t)
-                t3 = time.perf_counter()
-                r["mask_us"].append(1e6 * (t1 - t0))
-                r["advance_us"].append(1e6 * (t3 - t2))
-                if j and j % 16 == 0:  # roll back 4 tokens and re-advance them, as a tree walk would
-                    t4 = time.perf_counter()
-                    rollback(4)
-                    r["rollback_us"].append(1e6 * (time.perf_counter() - t4))
-                    for u in ids[j - 3 : j + 1]:
-                        advance(u)
-            masks[lib] = seq
+            rows[lib]["compile_ms"].append(compile_ms)
+            masks[lib] = _replay(rows[lib], ids, mask, advance, rollback)
         libs = [lib for lib in masks if lib in ("xgrammar", "llguidance")]  # same JSON whitespace choice
         if len(libs) == 2:
             a, b = masks[libs[0]], masks[libs[1]]

@@ -72,6 +72,37 @@ def resources(compiled) -> dict[str, int]:
     return res
 
 
+def _attention_cases(dtype: str):
+    """The attention kernels' cases for ``dtype`` (bf16 or fp32) at every head_dim: the mask kernel, the
+    decode steps' kernel on its own launch, and the merge, plain and gated."""
+    p = "*" + dtype
+    for d in HEAD_DIMS:
+        launch = split_attention.attention_launch(d, dtype == "fp32")
+        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+        types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32", T="i32",
+                     S="i32", n_split="i32", row_blocks="i32", skb="i32", skt="i32", skh="i32", svb="i32",
+                     svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
+        yield (f"attention {dtype} head_dim={d}", split_attention._small_attention_kernel, types,
+               dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS, **launch),
+               warps, stages)
+        step_launch = split_attention.step_attention_launch(d, dtype == "fp32")
+        step_warps, step_stages = step_launch.pop("num_warps"), step_launch.pop("num_stages")
+        step = dict(q_ptr=p, k_ptr=p, v_ptr=p, start_ptr="*i64", depth_ptr="*i32", anc_ptr="*i32",
+                    acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", n_tail="i32",
+                    row_blocks="i32", tok_blocks="i32", s_anc="i32", skt="i32", skh="i32", svt="i32",
+                    svh="i32", scale="fp32")
+        yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
+               dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
+               step_warps, step_stages)
+        merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
+                     sgb="i32", sgt="i32", sgh="i32")
+        for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
+            yield (f"attention merge{' gated' if gated else ''} {dtype} head_dim={d}",
+                   split_attention._attention_merge_kernel, merge,
+                   dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated,
+                        LIBDEVICE=split_attention._LIBDEVICE), 4, 3)
+
+
 def cases():
     """(name, kernel, argument types, constexprs, num_warps, num_stages[, aligned arguments]) as the
     wrappers launch them."""
@@ -133,31 +164,7 @@ def cases():
                 label = " + zero-centred head norms" if zc else " + head norms" if norm else ""
                 yield (f"rope + KV write{label} {dtype} d={d} rd={rd}", fused._rope_write_kernel, rope_write,
                        dict(NORM=norm, ZERO_CENTRED=zc, HALF=rd // 2, BLOCK=d), 4, 3)
-        for d in HEAD_DIMS:
-            launch = split_attention.attention_launch(d, dtype == "fp32")
-            warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-            types = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32", T="i32",
-                         S="i32", n_split="i32", row_blocks="i32", skb="i32", skt="i32", skh="i32", svb="i32",
-                         svt="i32", svh="i32", smb="i32", smt="i32", scale="fp32")
-            yield (f"attention {dtype} head_dim={d}", split_attention._small_attention_kernel, types,
-                   dict(HQ=24, GROUP=6, D=d, IEEE=dtype == "fp32", SPLIT=split_attention.SPLIT_KEYS, **launch),
-                   warps, stages)
-            step_launch = split_attention.step_attention_launch(d, dtype == "fp32")
-            step_warps, step_stages = step_launch.pop("num_warps"), step_launch.pop("num_stages")
-            step = dict(q_ptr=p, k_ptr=p, v_ptr=p, start_ptr="*i64", depth_ptr="*i32", anc_ptr="*i32",
-                        acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", n_tail="i32",
-                        row_blocks="i32", tok_blocks="i32", s_anc="i32", skt="i32", skh="i32", svt="i32",
-                        svh="i32", scale="fp32")
-            yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
-                   dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
-                   step_warps, step_stages)
-            merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
-                         sgb="i32", sgt="i32", sgh="i32")
-            for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
-                yield (f"attention merge{' gated' if gated else ''} {dtype} head_dim={d}",
-                       split_attention._attention_merge_kernel, merge,
-                       dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated,
-                            LIBDEVICE=split_attention._LIBDEVICE), 4, 3)
+        yield from _attention_cases(dtype)
         for d in WIDTHS + HEAD_DIMS:
             types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32",
                          other_heads="i32", other_tok="i32", other_head="i32")

@@ -295,6 +295,7 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
         raise EngineInputError(f"the engine cannot serve draft_path='runtime' with verify={cfg.verify!r} on this "
                                f"pair: {reason}; draft_path='generic' or 'auto' can")
     runner = Runner(pair, max_queue)
+    replies = _Replies(pair, cfg, runner, model_name)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -334,20 +335,33 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_body(await json_body(request), ChatBody)
-        return await _respond(body, chat_ids(pair, body), chat=True)
+        return await replies.respond(body, chat_ids(pair, body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await json_body(request), CompletionBody)
-        return await _respond(body, completion_ids(pair, body), chat=False)
+        return await replies.respond(body, completion_ids(pair, body), chat=False)
 
-    async def _respond(body: RequestBody, ids: list[int], chat: bool) -> Response:
-        job = make_job(pair, cfg, body, ids)
-        runner.admit()  # after validation: a bad request never takes a place in the queue
+    return app
+
+
+@dataclass
+class _Replies:
+    """A completion request's reply, whole (JSON) or streamed (server-sent events), for both
+    endpoints: ``chat`` picks the chat or the text-completion shape."""
+
+    pair: Any
+    cfg: EngineConfig
+    runner: Runner
+    model_name: str
+
+    async def respond(self, body: RequestBody, ids: list[int], chat: bool) -> Response:
+        job = make_job(self.pair, self.cfg, body, ids)
+        self.runner.admit()  # after validation: a bad request never takes a place in the queue
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": rid, "created": int(time.time()), "model": model_name}
+        head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if not body.stream:
-            o = await runner.run(job)
+            o = await self.runner.run(job)
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
                           "finish_reason": o.finish_reason, "logprobs": None}
@@ -356,46 +370,45 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                                  "choices": [choice], "usage": _usage(o)})
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_stream(job, head, chat, include_usage), media_type="text/event-stream",
+        return StreamingResponse(self.stream(job, head, chat, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _stream(job: Job, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    @staticmethod
+    def chunk(head: dict[str, Any], chat: bool, delta: str | None, finish: str | None = None) -> dict[str, Any]:
+        """One streamed chunk: a piece of text (``delta``), or the end with its ``finish`` reason."""
+        if chat:
+            d = {} if delta is None else {"content": delta}
+            c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        return {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [c]}
+
+    async def stream(self, job: Job, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
         cancelled = threading.Event()
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str | None, finish: str | None = None) -> dict[str, Any]:
-            if chat:
-                d = {} if delta is None else {"content": delta}
-                c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            else:
-                c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            return {**head, "object": obj, "choices": [c]}
-
-        task = asyncio.ensure_future(runner.run(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
-                                                cancelled))
+        task = asyncio.ensure_future(self.runner.run(job, lambda d: loop.call_soon_threadsafe(queue.put_nowait, d),
+                                                     cancelled))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
             if chat:
-                first = chunk("")
+                first = self.chunk(head, chat, "")
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield _sse(first)
             while (delta := await queue.get()) is not None:
-                yield _sse(chunk(delta))
+                yield _sse(self.chunk(head, chat, delta))
             try:
                 o = await task
             except ApiError as exc:  # the headers are gone: report it in the stream
                 yield _sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code}})
                 return
-            yield _sse(chunk(None, o.finish_reason))
+            yield _sse(self.chunk(head, chat, None, o.finish_reason))
             if include_usage:
-                yield _sse({**head, "object": obj, "choices": [], "usage": _usage(o)})
+                yield _sse({**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
+                            "usage": _usage(o)})
             yield "data: [DONE]\n\n"
         finally:
             cancelled.set()  # the client went away: the engine stops at its next step
-
-    return app
 
 
 def _authorized(header: str | None, key: str) -> bool:

@@ -1,4 +1,4 @@
-"""Train a DFlash draft for a dense target (SpecForge-style recipe, see ALGORITHMS.md).
+"""Train a DFlash draft for a dense target (SpecForge-style recipe, see docs/algorithms.md).
 
 1. Self-distillation data: the frozen target answers train-split prompts itself (batched greedy
    generation), so the draft learns what the target will actually say.
@@ -312,6 +312,30 @@ def draft_loss(draft: DFlashDraft, target: DenseModel, batch: dict[str, Tensor],
     return loss, {"loss": loss_v, "acc1": acc1, "chain_al": chain_al}
 
 
+def _starting_draft(target: DenseModel, cfg: TrainConfig, mask_token_id: int, init: DFlashDraft | None
+                    ) -> DFlashDraft:
+    """A new draft shaped for ``target``, or the warm-start ``init`` in float32 with every weight
+    trainable (its block size and mask token must be the ones asked for)."""
+    if init is None:
+        return new_draft_for(target, cfg, mask_token_id).to(target.device)
+    if init.cfg.block_size != cfg.block_size or init.cfg.mask_token_id != mask_token_id:
+        raise EngineInputError(
+            f"the warm-start draft has block_size {init.cfg.block_size} and mask_token_id "
+            f"{init.cfg.mask_token_id}; training asked for {cfg.block_size} and {mask_token_id}")
+    draft = init.to(device=target.device, dtype=torch.float32).train()
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    return draft
+
+
+def learning_rate(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
+    """Warm-up, then cosine decay over whichever runs out first: the steps or the time budget."""
+    progress = step / cfg.steps
+    if cfg.time_budget_s:
+        progress = max(progress, elapsed_s / cfg.time_budget_s)
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
 def train_draft(
     target: DenseModel,
     sequences: Sequence[Sequence[int]],
@@ -329,16 +353,7 @@ def train_draft(
     device = target.device
     if len(sequences) != len(prompt_lens) or not sequences:
         raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
-    if init is not None:
-        if init.cfg.block_size != cfg.block_size or init.cfg.mask_token_id != mask_token_id:
-            raise EngineInputError(
-                f"the warm-start draft has block_size {init.cfg.block_size} and mask_token_id "
-                f"{init.cfg.mask_token_id}; training asked for {cfg.block_size} and {mask_token_id}")
-        draft = init.to(device=device, dtype=torch.float32).train()
-        for p in draft.parameters():
-            p.requires_grad_(True)
-    else:
-        draft = new_draft_for(target, cfg, mask_token_id).to(device)
+    draft = _starting_draft(target, cfg, mask_token_id, init)
     ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     kept = [(list(s)[: cfg.max_seq_len], p) for s, p in zip(sequences, prompt_lens, strict=True)]
@@ -386,11 +401,7 @@ def train_draft(
         score(0)
     lr = cfg.lr
     for step in range(cfg.steps):
-        # Warm-up, then cosine decay over whichever runs out first: steps or the time budget.
-        progress = step / cfg.steps
-        if cfg.time_budget_s:
-            progress = max(progress, (time.perf_counter() - t0) / cfg.time_budget_s)
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        lr = learning_rate(cfg, step, time.perf_counter() - t0)
         for group in opt.param_groups:
             group["lr"] = lr
         pick = train_idx[torch.randint(0, train_idx.numel(), (cfg.batch_size,), generator=gen, device=device)]

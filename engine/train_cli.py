@@ -129,17 +129,63 @@ def _steps_so_far(training: dict | None) -> int:
     return int(training.get("total_steps", training.get("steps", 0)))
 
 
-def run(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
-    from engine.api import load
-    from engine.loading import save_draft_folder
-
+def _sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The run's sizes: the flags given, else ``--smoke``'s (the architecture's kept for ``--init``),
+    else the architecture's defaults (the rest stay None until the flags' defaults fill them)."""
     values = {k: getattr(args, k) for k in ("n_prompts", "gen_max_new_tokens", "steps", "layers", "block_size",
                                             "num_target_ids", "num_anchors", "batch_size")}
     if args.smoke:
         values.update({k: v for k, v in SMOKE.items() if not (args.init and k in ARCH_DEFAULTS)})
     for k, v in ARCH_DEFAULTS.items():
         values[k] = v if values[k] is None else values[k]
+    return values
+
+
+def _mask_id(args: argparse.Namespace, pair, init) -> int:
+    """The draft's mask token: a warm start's own, else ``--mask-token-id``, else the tokenizer's."""
+    mask_id = args.mask_token_id if args.mask_token_id is not None else getattr(pair.tokenizer, "mask_id", None)
+    if init is not None:
+        mask_id = init.cfg.mask_token_id
+    if mask_id is None or not 0 <= mask_id < pair.target.cfg.vocab_size:
+        raise EngineInputError(f"a mask token id inside the vocabulary is needed (--mask-token-id), got {mask_id}")
+    return mask_id
+
+
+def _sequences(args: argparse.Namespace, pair, cfg: TrainConfig, n_prompts: int
+               ) -> tuple[list[list[int]], list[int], int]:
+    """The self-distilled sequences (prompt + the target's answer) and their prompt lengths: those of
+    ``--data``, then (without it, or with ``--gen-more``) the prompts not answered yet, answered by
+    the target within ``--gen-budget``; saved to ``--save-data``. Also how many were reused."""
+    seqs, plens = [], []
+    for f in args.data or ():
+        more, more_plens = load_sequences(Path(f))
+        seqs.extend(more)
+        plens.extend(more_plens)
+    reused = len(seqs)
+    if not args.data or args.gen_more:
+        prompts = _prompts(args, pair, n_prompts)
+        if args.data:  # answered already: a reused sequence starts with the prompt
+            known = {tuple(sq[:n]) for sq, n in zip(seqs, plens, strict=True)}
+            prompts = [ids for ids in prompts if tuple(ids) not in known]
+            print(f"--gen-more: {len(seqs)} sequences reused, {len(prompts)} prompts not answered yet", flush=True)
+        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
+                                     time_budget_s=args.gen_budget, seed=args.seed)
+        done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
+        if len(done) < len(prompts):
+            print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
+        seqs.extend(p + a for p, a in done)
+        plens.extend(len(p) for p, _ in done)
+    if args.save_data:
+        save_sequences(Path(args.save_data), seqs, plens)
+    return seqs, plens, reused
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    from engine.api import load
+    from engine.loading import save_draft_folder
+
+    values = _sizes(args)
     if args.gen_more and not args.data:
         raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
     out = Path(args.out)
@@ -164,34 +210,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 0:
             raise EngineInputError(f"--{flag.replace('_', '-')} must be >= 0 seconds (0: no limit), "
                                    f"got {getattr(args, flag)}")
-    mask_id = args.mask_token_id if args.mask_token_id is not None else getattr(pair.tokenizer, "mask_id", None)
-    if init is not None:
-        mask_id = init.cfg.mask_token_id
-    if mask_id is None or not 0 <= mask_id < pair.target.cfg.vocab_size:
-        raise EngineInputError(f"a mask token id inside the vocabulary is needed (--mask-token-id), got {mask_id}")
+    mask_id = _mask_id(args, pair, init)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    seqs, plens = [], []
-    for f in args.data or ():
-        more, more_plens = load_sequences(Path(f))
-        seqs.extend(more)
-        plens.extend(more_plens)
-    reused = len(seqs)
-    if not args.data or args.gen_more:
-        prompts = _prompts(args, pair, values["n_prompts"])
-        if args.data:  # answered already: a reused sequence starts with the prompt
-            known = {tuple(sq[:n]) for sq, n in zip(seqs, plens, strict=True)}
-            prompts = [ids for ids in prompts if tuple(ids) not in known]
-            print(f"--gen-more: {len(seqs)} sequences reused, {len(prompts)} prompts not answered yet", flush=True)
-        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
-                                     time_budget_s=args.gen_budget, seed=args.seed)
-        done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
-        if len(done) < len(prompts):
-            print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
-        seqs.extend(p + a for p, a in done)
-        plens.extend(len(p) for p, _ in done)
-    if args.save_data:
-        save_sequences(Path(args.save_data), seqs, plens)
+    seqs, plens, reused = _sequences(args, pair, cfg, values["n_prompts"])
     gen_s = time.perf_counter() - t0
     print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
     deadline = None

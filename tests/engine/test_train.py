@@ -1,6 +1,7 @@
 """Draft training: batched target forward, self-distillation, block masks, a CPU smoke run."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,24 @@ from engine.train import (
     TrainConfig,
     block_batch,
     generate_responses,
+    learning_rate,
     load_sequences,
     sample_anchors,
     save_sequences,
     train_draft,
 )
+
+
+def test_learning_rate_warms_up_then_decays_over_steps_or_time():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, steps=100)
+    assert learning_rate(cfg, 0, 0.0) == pytest.approx(1e-4)  # 1 of 10 warm-up steps
+    assert learning_rate(cfg, 9, 0.0) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(0.09 * math.pi)))  # warm, decaying
+    assert learning_rate(cfg, 50, 0.0) == pytest.approx(0.5e-3)  # half way: half the peak
+    assert learning_rate(cfg, 99, 0.0) < 1e-6
+    timed = TrainConfig(lr=1e-3, warmup_steps=10, steps=100, time_budget_s=60.0)
+    # the time budget half spent at step 20: the schedule follows whichever runs out first
+    assert learning_rate(timed, 20, 30.0) == pytest.approx(0.5e-3)
+    assert learning_rate(timed, 20, 90.0) == pytest.approx(0.0, abs=1e-12)  # past the budget: the floor
 
 
 @pytest.fixture(scope="module")
