@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_bench import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
+from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402

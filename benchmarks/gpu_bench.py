@@ -50,6 +50,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
+
 import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402
 from engine.workloads import load_workload  # noqa: E402
@@ -514,47 +516,6 @@ def section_graphs(args) -> tuple[str, dict]:
         gc.collect()
         torch.cuda.empty_cache()
     return "\n".join(lines), report
-
-
-STEP_ATTENTION_HELP = ("the decode steps' attention launch (key block and warps, and keys per span: e.g. 32x4 "
-                       "or 32x4x64) instead of step_attention_launch's, for every head_dim: a candidate timed "
-                       "(and its exactness checked) before it becomes the engine's")
-
-
-def override_step_attention(text: str) -> None:
-    """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on the
-    launch ``text`` names: ``BLOCK_NxWARPS`` or ``BLOCK_NxWARPSxSPAN`` (keys per span). Raises
-    ValueError naming the rule and the value."""
-    from engine.models import attention
-
-    try:
-        block_n, warps, *span = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        block_n, warps, span = 0, 0, []
-    split = span[0] if len(span) == 1 else None
-    if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8) or len(span) > 1
-            or (split is not None and (split < block_n or split % block_n))):
-        raise ValueError(f"--step-attention must be BLOCK_NxWARPS[xSPAN] (BLOCK_N a power of two >= 16, then 1, "
-                         f"2, 4 or 8 warps, then keys per span: a multiple of BLOCK_N), got {text!r}")
-    engine_launch = attention.step_attention_launch
-
-    def launch(d: int, fp32: bool = False) -> dict[str, int]:
-        own = engine_launch(d, fp32)
-        return {**own, "BLOCK_N": block_n, "num_warps": warps, "SPLIT": split or own["SPLIT"]}
-
-    attention.step_attention_launch = launch
-
-
-def apply_step_attention(text: str | None) -> bool:
-    """``--step-attention``'s value applied (nothing when None); False, the rule printed, on a bad one."""
-    if text is None:
-        return True
-    try:
-        override_step_attention(text)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

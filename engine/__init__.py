@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name == "serve":  # the web stack (FastAPI, uvicorn) only for a server
         from engine.server import serve
 

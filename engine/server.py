@@ -374,14 +374,18 @@ class _Replies:
                                  headers={"Cache-Control": "no-cache"})
 
     @staticmethod
-    def chunk(head: dict[str, Any], chat: bool, delta: str | None, finish: str | None = None) -> dict[str, Any]:
+    def chunk_object(chat: bool) -> str:
+        return "chat.completion.chunk" if chat else "text_completion"
+
+    @classmethod
+    def chunk(cls, head: dict[str, Any], chat: bool, delta: str | None, finish: str | None = None) -> dict[str, Any]:
         """One streamed chunk: a piece of text (``delta``), or the end with its ``finish`` reason."""
         if chat:
             d = {} if delta is None else {"content": delta}
             c = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
         else:
             c = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [c]}
+        return {**head, "object": cls.chunk_object(chat), "choices": [c]}
 
     async def stream(self, job: Job, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
@@ -404,8 +408,7 @@ class _Replies:
                 return
             yield _sse(self.chunk(head, chat, None, o.finish_reason))
             if include_usage:
-                yield _sse({**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
-                            "usage": _usage(o)})
+                yield _sse({**head, "object": self.chunk_object(chat), "choices": [], "usage": _usage(o)})
             yield "data: [DONE]\n\n"
         finally:
             cancelled.set()  # the client went away: the engine stops at its next step

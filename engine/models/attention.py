@@ -263,7 +263,8 @@ def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     shape's d256 12.8 -> 12.3 and 37.3 -> 31.6 against 32 x 8 (spans of 64 there cost the verify
     10-17%); on the pair, the AR step 0.946 -> 0.935 ms and the DDTree-48 verify 1.13 -> 1.09 ms. In
     float32 (a check of the algorithm, not a speed path): ``attention_launch``'s warps with key
-    blocks of 16 from head_dim 128. No spills on sm_90 (benchmarks/kernel_check.py). One launch per
+    blocks of 16 from head_dim 128. At head_dims 128 and 256 the 4 warps spill a little and are still
+    the faster launch (`benchmarks/kernel_check.py`, ``MAY_SPILL``). One launch per
     head_dim and dtype, whatever the rows: an AR step and a verify reduce their keys in the same
     spans (``SPLIT``; the mask kernel's need not match, since no AR step takes it) and blocks."""
     launch = attention_launch(d, fp32)
