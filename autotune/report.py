@@ -107,6 +107,8 @@ def _conclusions(w: results.Winner) -> list[str]:
     out = []
     if w.role == "baseline":
         out.append("**Plain AR decoding won**: no speculative config beat it on this machine and workload.")
+    elif w.positive_vs_ar is None:
+        out.append("No conclusion vs AR: the AR baseline was not re-measured in the confirmation (below).")
     elif w.positive_vs_ar:
         out.append("**Positive conclusion vs AR**: the margin is more than twice the measured spread.")
     else:
@@ -130,7 +132,11 @@ def _confirmation(study: optuna.Study) -> list[str]:
         L.append(f"| {c['trial']} | {sc['median']:.2f} ± {sc['spread']:.2f} | {_fmt(c.get('speedup_vs_ar'))} | "
                  f"{_fmt(c.get('break_even_al'))} | {_fmt(c['trial'] in conf['ties'])} | "
                  f"`{_cfg_short(c['config'])}` |")
-    return L + [""]
+    L.append("")
+    for d in conf.get("dropped", []):
+        what = "the AR baseline: no speedup is confirmed" if d["role"] == "baseline" else "not a candidate"
+        L += [f"- **Trial {d['trial']} ({d['role']}) was dropped from the confirmation** ({what}): {d['reason']}"]
+    return L + ([""] if conf.get("dropped") else [])
 
 
 def _exactness(study: optuna.Study) -> list[str]:

@@ -28,7 +28,7 @@ from optuna.samplers import GridSampler
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from autotune import measure, results
+from autotune import confirm, measure, results
 from autotune import study as st
 from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
@@ -447,65 +447,10 @@ class _Driver:
 
     # ---------------------------------------------------------------- confirmation
     def confirm(self) -> None:
-        """Re-measure the top configs with more repeats; ties within the spread go to the simpler one."""
-        m = self.exp.measure
-        finished = st.n_finished(self.study)
-        done = self.study.user_attrs.get("confirmation")
-        if m.confirm_top == 0 or (done and done.get("finished_trials") == finished):
-            return
-        picks: list[tuple[int, dict[str, Any]]] = []
-        seen: set[str] = set()
-
-        def add(t: Any) -> None:
-            cfg = t.user_attrs.get("config", {})
-            key = repr(sorted(cfg.items()))
-            if key not in seen:
-                seen.add(key)
-                picks.append((t.number, cfg))
-
-        ranked = results.ranked(self.study)
-        for t in [t for t in ranked if st.role_of(t) == "baseline"][:1]:
-            add(t)  # the AR config is always a candidate: speculation has to beat it here too
-        for t in [t for t in ranked if st.role_of(t) == "reference"][:1]:
-            add(t)
-        for t in [t for t in ranked if st.role_of(t) != "baseline"][: m.confirm_top]:
-            add(t)
-        if not picks:
-            return
+        """The confirmation phase (``autotune.confirm``) on this driver's workers."""
         if self.bar is not None:
-            self.bar.set_description(f"{self.study.study_name} confirming {len(picks)}")
-        cands, ar, ref = [], None, None
-        worker: str | None = None  # every candidate on one worker: ratios measured side by side
-        for number, cfg in picks:
-            job = Job(trial=number, role="confirm", config=cfg, max_new_tokens=self.exp.workload.max_new_tokens,
-                      warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
-            rec = self._measure_now(job, worker)
-            worker = worker or (rec.worker if rec.ok else None)
-            if not rec.ok or (m.exactness == "strict" and rec.exact_match is not None and rec.exact_match < 1):
-                continue
-            c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.decode_tps_runs, m.max_rel_mad))
-            cands.append((c, rec))
-            role = st.role_of(self.study.get_trials(deepcopy=False)[number])
-            ar = c if role == "baseline" else ar
-            ref = c if role == "reference" else ref
-        win = measure.choose_winner([c for c, _ in cands])
-        if win is None:
-            return
-        ar_tps = ar.score.median if ar else None
-        conf = {
-            "finished_trials": finished, "repeats": m.confirm_repeats, "worker": worker,
-            "when": st._now(), "winner": win.trial, "ties": [c.trial for c in measure.ties([c for c, _ in cands])],
-            "ar_median_tps": ar_tps, "winner_median_tps": win.score.median, "winner_spread": win.score.spread,
-            "winner_speedup_vs_ar": measure.speedup(win.score.median, ar_tps),
-            "positive_vs_ar": None if ar is None or win is ar else measure.is_positive(win.score, ar.score),
-            "positive_vs_reference": None if ref is None or win is ref else measure.is_positive(win.score, ref.score),
-            "candidates": [{"trial": c.trial, "config": c.config, "score": c.score.to_dict(),
-                            "speedup_vs_ar": measure.speedup(c.score.median, ar_tps),
-                            "break_even_al": measure.break_even_al(r.step_ms, ar_tps) if c is not ar else None,
-                            "exact_match": r.exact_match} for c, r in cands],
-        }
-        self.study.set_user_attr("confirmation", conf)
-        self.tracker.log_confirmation(conf)
+            self.bar.set_description(f"{self.study.study_name} confirming")
+        confirm.run(self.exp, self.study, self._measure_now, self.tracker)
 
     def _measure_now(self, job: Job, worker: str | None) -> Record:
         """One job outside the trial loop (nothing else in flight), on ``worker`` if it is still there."""

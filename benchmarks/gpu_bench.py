@@ -433,7 +433,7 @@ def _graph_breakdown(dec, key: tuple, replays: int) -> dict:
     position is put back before every replay, so each replays the same step."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = dec.graphs._captured[key]
+    graph = dec.graphs.graph(key)
     start = dec.start.clone()
 
     def replay() -> None:
@@ -492,7 +492,7 @@ def section_graphs(args) -> tuple[str, dict]:
                     continue
                 engine.generate(pair, prompt, cfg, args.new_tokens, ignore_eos=True)
                 dec = decoder_for(pair, pair._workspace, graphs=True)
-                for key in list(dec.graphs._captured):
+                for key in dec.graphs.keys():
                     if key[-1] != cfg.kernels or (key[0] == "ar") != (label == "ar"):
                         continue
                     rep = _graph_breakdown(dec, key, args.repeats)

@@ -384,10 +384,10 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 463, 49),
               ("8B AR", 32, 8, 128, 522, 1), ("8B verify b32", 32, 8, 128, 991, 33),
               ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33)]
-# keys per span (the mask kernel's SPLIT_KEYS, the step kernel's launch SPLIT; the first: the
-# engine's) and the step kernel's (key block, warps) (None: step_attention_launch's)
-ATTN_SPLITS = (128, 64, 256)
-ATTN_BLOCKS = (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
+# the step kernel's launch candidates: step_attention_launch's ("engine") with these keys overridden
+# (SPLIT keys per span, BLOCK_N x num_warps)
+ATTN_VARIANTS = [("engine", {}), ("spans 64", {"SPLIT": 64}), ("spans 128", {"SPLIT": 128}),
+                 ("64x4", {"BLOCK_N": 64}), ("32x8", {"num_warps": 8}), ("64x8", {"BLOCK_N": 64, "num_warps": 8})]
 
 
 def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,14 +402,15 @@ def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
 
 
 def bench_attention() -> tuple[list[dict], list[str]]:
-    """The decode attention by keys per span and key block: the step kernel (``step_attention``:
-    every decode step and verify since issue #21) against the mask kernel (``attention``: a verify's
-    before it), each case's keys laid out as the engine lays them out."""
+    """The decode attention by launch: the step kernel (``step_attention``: every decode step and
+    verify since issue #21) on the engine's launch and on each of ``ATTN_VARIANTS``, against the mask
+    kernel (``attention``: a verify's before it, not row-invariant), each case's keys laid out as the
+    engine lays them out. A candidate a case cannot take (SPLIT not a multiple of BLOCK_N): blank."""
     from engine.models import attention as split_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu = torch.Generator().manual_seed(0)
-    saved_split, saved_launch = split_attention.SPLIT_KEYS, split_attention.step_attention_launch
+    saved_launch = split_attention.step_attention_launch
     rows = []
     try:
         for label, hq, hkv, d, start, t in ATTN_CASES:
@@ -420,28 +421,31 @@ def bench_attention() -> tuple[list[dict], list[str]]:
             keys = split_attention.StepKeys(torch.tensor([start], device="cuda"), depths.cuda(),
                                             split_attention.ancestor_table(anc_mask, depths, t).cuda(), start + t)
             mask = keys.dense_mask()
-            row = {"case": f"{label} (T={t}, keys {start + t}, depth {int(depths.max())})"}
-            for split in ATTN_SPLITS:
-                split_attention.SPLIT_KEYS = split
-                row[f"mask{split}"] = _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))
-                for block in ATTN_BLOCKS:
-                    own = {} if block is None else {"BLOCK_N": block[0], "num_warps": block[1]}
-                    split_attention.step_attention_launch = (
-                        lambda dd, fp32=False, o=own, sp=split: {**saved_launch(dd, fp32), **o, "SPLIT": sp})
-                    try:
-                        row[f"step{split}_{block}"] = _time(
-                            lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
-                    except Exception as exc:  # a block that does not fit: said so
-                        print(f"  {label} split {split} (BLOCK_N, warps) {block}: {str(exc).splitlines()[0][:100]}")
-                        row[f"step{split}_{block}"] = float("nan")
+            row = {"case": f"{label} (T={t}, keys {start + t}, depth {int(depths.max())})",
+                   "mask": _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))}
+            want = split_attention.step_attention(q, k, v, keys)
+            for name, own in ATTN_VARIANTS:
+                launch = {**saved_launch(d), **own}
+                if launch["SPLIT"] % launch["BLOCK_N"]:
+                    row[name] = float("nan")
+                    continue
+                split_attention.step_attention_launch = lambda dd, fp32=False, o=own: {**saved_launch(dd, fp32), **o}
+                try:
+                    row[name] = _time(lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
+                    engine_blocks = (saved_launch(d)["SPLIT"], saved_launch(d)["BLOCK_N"])
+                    got = split_attention.step_attention(q, k, v, keys)
+                    if (launch["SPLIT"], launch["BLOCK_N"]) == engine_blocks and not torch.equal(got, want):
+                        print(f"  {label} {name}: bits differ from the engine's launch (same spans and blocks)")
+                except Exception as exc:  # a launch that does not fit: said so
+                    print(f"  {label} {name}: {str(exc).splitlines()[0][:100]}")
+                    row[name] = float("nan")
+                finally:
                     split_attention.step_attention_launch = saved_launch
             print(row, flush=True)
             rows.append(row)
     finally:
-        split_attention.SPLIT_KEYS, split_attention.step_attention_launch = saved_split, saved_launch
-    cols = [(f"mask {s}", f"mask{s}") for s in ATTN_SPLITS] + [
-        (f"step {s}/{'engine' if b is None else f'{b[0]}x{b[1]}w'}", f"step{s}_{b}") for s in ATTN_SPLITS
-        for b in ATTN_BLOCKS]
+        split_attention.step_attention_launch = saved_launch
+    cols = [("mask kernel", "mask")] + [(name, name) for name, _ in ATTN_VARIANTS]
     return rows, _table("case", cols, rows)
 
 

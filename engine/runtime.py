@@ -131,6 +131,27 @@ class _Graphs:
         if self.enabled:
             self._pool = torch.cuda.graph_pool_handle()
 
+    def keys(self) -> list[tuple]:
+        """The keys captured so far, in capture order (``run``'s keys)."""
+        return list(self._captured)
+
+    def graph(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """The graph captured for ``key`` (replayed alone by ``benchmarks/gpu_bench.py graphs``)."""
+        return self._captured[key][0]
+
+    def _abandon(self) -> None:
+        """After a failed capture: PyTorch leaves the caching allocator recording into the pool (every
+        later capture into it raised "beginAllocateToPool: already recording to mempool_id": three
+        trials of the 2026-12-04 sweep after one bad one). End that recording where this PyTorch
+        can, and forget the pool: the next capture takes a fresh one."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(torch.cuda.current_device(), self._pool)
+            except RuntimeError:
+                pass  # the capture's own end had stopped it
+        self.clear()
+
     def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
         """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
         the same static buffers and constants at every call with that key). Every key starts
@@ -148,8 +169,16 @@ class _Graphs:
             for t, s in zip(self.state, saved, strict=True):
                 t.copy_(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = fn(*args)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = fn(*args)
+            except Exception as exc:
+                self._abandon()
+                # PyTorch's error names the invalidated capture; the op that invalidated it is the first
+                first = exc.__context__ if exc.__context__ is not None else exc
+                raise RuntimeError(f"capturing the {key[0]!r} step as a CUDA graph failed: "
+                                   f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''} "
+                                   "(this process can capture again: the graph pool was replaced)") from exc
             self._captured[key] = (graph, out)
         graph, out = self._captured[key]
         graph.replay()

@@ -81,13 +81,14 @@ class StepKeys:
         if "mask" not in self._masks:
             t, key_len, dev = self.depths.shape[0], self.key_len, self.ancestors.device
             start = self.start.reshape(1)
-            mask = (torch.arange(key_len, device=dev)[None, :] < start).expand(t, key_len).clone()
-            anc = self.ancestors.long()
+            committed = torch.arange(key_len, device=dev)[None, :] < start  # [1, key_len]
             visible = torch.arange(self.width, device=dev)[None, :] <= self.depths.long()[:, None]  # [T, W]
-            rows = torch.arange(t, device=dev)[:, None].expand_as(anc)
-            # column start + ancestors[i, j] of row i, for j <= depth_i
-            mask.index_put_((rows[visible], (start + anc)[visible]), torch.ones((), dtype=torch.bool, device=dev))
-            self._masks["mask"] = mask
+            # column start + ancestors[i, j] of row i for j <= depth_i, the rest into a dump column
+            # past the span: fixed shapes and no host read, so a captured step (the runtime's graphs
+            # with the PyTorch forms) can build it (boolean indexing would read a count back)
+            cols = torch.where(visible, start + self.ancestors.long(), key_len)
+            tree = torch.zeros(t, key_len + 1, dtype=torch.bool, device=dev).scatter_(1, cols, True)
+            self._masks["mask"] = tree[:, :key_len] | committed
         return self._masks["mask"]
 
 

@@ -257,3 +257,30 @@ def test_resume_refuses_a_changed_experiment(tmp_path):
                                                                             "when": {"verify": "ddtree"}}})
     with pytest.raises(InputError, match="different experiment"):
         sweep(changed, url, study_name="s")
+
+
+def test_a_confirmation_re_measurement_that_fails_is_said_not_dropped_silently(tmp_path, monkeypatch, capsys):
+    """The AR baseline failing its confirmation re-measurement (on the H200 a poisoned CUDA graph pool
+    did this, 2026-12-04) leaves no confirmed speedup: the confirmation keeps the trial and its
+    reason, the sweep says so, and the report names it beside the winner's missing ratio."""
+    from autotune.report import write_report
+
+    measure = Worker.measure
+
+    def failing_ar_confirm(self, job, on_first_pass=None):
+        rec = measure(self, job, on_first_pass)
+        if job.role == "confirm" and job.config.get("verify") == "ar":
+            rec.ok, rec.fail_reason = False, "RuntimeError: capturing the 'ar' step as a CUDA graph failed"
+        return rec
+
+    monkeypatch.setattr(Worker, "measure", failing_ar_confirm)
+    outcome, _ = sweep(tiny_experiment(tmp_path), "memory")
+    conf = outcome.study.user_attrs["confirmation"]
+    assert conf["dropped"] == [{"trial": 0, "role": "baseline",
+                                "reason": "RuntimeError: capturing the 'ar' step as a CUDA graph failed"}]
+    assert conf["ar_median_tps"] is None and 0 not in [c["trial"] for c in conf["candidates"]]
+    assert "confirmation: trial 0 (baseline) dropped: RuntimeError: capturing" in capsys.readouterr().err
+    md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
+    assert ("**Trial 0 (baseline) was dropped from the confirmation** (the AR baseline: no speedup is "
+            "confirmed): RuntimeError: capturing the 'ar' step") in md
+    assert "No conclusion vs AR: the AR baseline was not re-measured" in md and "treat as a tie" not in md

@@ -64,3 +64,24 @@ def test_exact_bench_reports_a_divergence_with_its_margins_and_verdict(tmp_path,
     assert div["verdict"] == "mismatch" and div["reproduced"] is False
     assert div["ar_margin"] >= 0 and div["run_margin"] >= 0
     assert "p0 div 3: mismatch" in rows[0]["text"]
+
+
+
+def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch, capsys):
+    """``--step-attention``: every field of BLOCK_NxWARPS[xSPAN] reaches the launch; a bad value is
+    refused with the rule and the value, and exact_bench exits 2 before loading anything."""
+    import sys
+
+    from engine.models import attention
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    monkeypatch.setattr(attention, "step_attention_launch", attention.step_attention_launch)
+    import step_attention
+
+    step_attention.override_step_attention("64x8x128")
+    launch = attention.step_attention_launch(64)
+    assert (launch["BLOCK_N"], launch["num_warps"], launch["SPLIT"]) == (64, 8, 128)
+    for bad in ("32x4x48", "32x3", "16x4x64x2", "wide"):
+        assert not step_attention.apply_step_attention(bad)
+        assert f"got {bad!r}" in capsys.readouterr().err
+    assert _exact_bench().main(["--step-attention", "32x4x48", "--device", "cpu"]) == 2

@@ -3,9 +3,10 @@ functions the CUDA graphs capture. Output must equal AR and the generic loop tok
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine
-from engine import EngineConfig
+from engine import EngineConfig, runtime
 from engine.decode import generate_ar, generate_speculative
 from engine.runtime import StaticDecoder, bucket_for, loop_for, refusal
 from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
@@ -104,6 +105,53 @@ def test_static_steps_equal_ar_and_the_generic_loop(params, target):
     assert static.tokens == generic.tokens == ar
     assert static.stats.accept_lengths == generic.stats.accept_lengths
     assert (static.stats.loop, generic.stats.loop) == ("static", "generic")  # what ran is recorded
+
+
+class _NoHostRead(TorchDispatchMode):
+    """Raises on an op that reads a device value back to the host (a count, a scalar) or makes a
+    shape from one: under CUDA graph capture such an op invalidates the capture
+    (cudaErrorStreamCaptureInvalidated; the flagship sweep's runtime + eager trials, 2026-12-04)."""
+
+    READS = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique2", "unique_consecutive",
+             "unique_dim", "bincount", "repeat_interleave", "nonzero_static_fallback"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        # repeat_interleave reads its repeats' sum only when they are a tensor and no output_size is given
+        sums = name != "repeat_interleave" or (func._overloadname != "self_int"
+                                               and not (kwargs or {}).get("output_size"))
+        # indexing by a boolean mask counts its True entries first (x[mask], x[mask] = v)
+        masked = name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        if (name in self.READS and sums) or masked:
+            raise AssertionError(f"{func} reads a device value on the host inside a captured step")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+@pytest.mark.parametrize("verify", ["ar", "chain", "ddtree"])
+def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch, target, verify):
+    """What the runtime captures (every function ``_Graphs.run`` is given) has no op that reads a
+    device value on the host, with the PyTorch forms too (``kernels: eager`` on CUDA, the forms
+    these CPU runs take): a captured step can hold it. The step attention's mask was built by
+    boolean indexing (a count read back): every runtime + eager trial of the 2026-12-04 sweep failed
+    in capture."""
+    pair = pair_for(target, "random")
+    original = runtime._Graphs.run
+    calls = []
+
+    def checked(graphs, key, fn, *args):
+        def guarded(*a):
+            with _NoHostRead():
+                return fn(*a)
+        calls.append(key[0])
+        return original(graphs, key, guarded, *args)
+
+    monkeypatch.setattr(runtime._Graphs, "run", checked)
+    cfg = EngineConfig(verify=verify, budget=12, top_k=4, draft_path="runtime", kernels="eager")
+    gen = engine.generate(pair, pair.encode("Nothing read back inside a step."), cfg, 24, ignore_eos=True)
+    assert gen.stats.loop == "static" and len(gen.tokens) == 24
+    assert set(calls) == ({"ar"} if verify == "ar" else {"propose", "verify"})
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
@@ -325,3 +373,18 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
     expect[picked_masked] = masked[picked_masked]
     assert_margins_equal(gen, expect)
     assert masked[picked_masked[1:], 1].isinf().any() and not torch.equal(expect, masked)
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+@pytest.mark.parametrize("static", [False, True])
+def test_ddtree_with_top_k_1_decodes_as_chain(target, static):
+    """Chain is DDTree's degenerate case: top_k 1 with a budget past the draft's depth proposes the
+    chain's tree every step, so both loops accept the same lengths and decode the same tokens."""
+    pair = pair_for(target, "oracle:0.6" if not static else "random")
+    ids = pair.encode("One path is a tree too.")
+    chain = generate_speculative(pair, ids, EngineConfig(verify="chain"), 40, static=static)
+    tree = generate_speculative(pair, ids, EngineConfig(verify="ddtree", top_k=1, budget=64), 40, static=static)
+    assert tree.tokens == chain.tokens
+    assert tree.stats.accept_lengths == chain.stats.accept_lengths
+    if not static:  # the oracle's paths are accepted deep (the runtime refuses a host-side draft: random there)
+        assert chain.stats.acceptance_length > 1.5

@@ -141,3 +141,17 @@ def test_chain_tree_is_one_path():
     mask = ancestor_mask(tree.parents, 3)
     assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
 
+
+
+@pytest.mark.parametrize("budget", [3, 15, 40])
+def test_ddtree_with_top_k_1_is_the_chain(budget):
+    """top_k 1: every builder's tree is the chain of the draft's top-1 tokens, cut at the budget (the
+    exactness grid's DDTree k1 rows accept exactly what chain accepts once budget >= the depth)."""
+    depth = 15
+    top_lp, top_ids = _proposals(depth, 1, seed=7)
+    root = torch.tensor(3)
+    chain = chain_tree(root, top_ids[:, 0][: min(budget, depth)])
+    for tree in (build_tree_host(top_lp, top_ids, int(root), budget, None),
+                 build_tree_device(top_lp, top_ids, root, budget, None)):
+        for field in ("tokens", "parents", "depths", "ranks"):
+            assert getattr(tree, field).tolist() == getattr(chain, field).tolist(), (budget, field)
