@@ -113,7 +113,7 @@ class Pair:
 
     def decode_paths(self, config: EngineConfig, constrained: bool = False) -> tuple[str, str]:
         """(loop, kernels) that ``config`` decodes with on this pair: the loop ``generic``,
-        ``static`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
+        ``runtime`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
         run here (the Triton kernels on CUDA only). Configs with equal paths round alike. A config
         the runtime refuses (``draft_path="runtime"``, ``refusal``) raises ``EngineInputError``."""
         from engine import runtime

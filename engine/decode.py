@@ -33,26 +33,26 @@ from engine.stats import Generation, GenerationStats
 from engine.tree import walk_device, walk_host
 
 
-def _use_static(pair, cfg: EngineConfig, gs: GrammarState | None, static: bool | None) -> bool:
-    """Whether ``engine.runtime`` decodes (``runtime.loop_for``: ``draft_path``, or ``static`` in
-    tests: True the runtime on any device, False this module's loop); a refused config raises."""
-    return runtime.loop_for(pair, cfg, gs is not None, static) != "generic"
+def _use_runtime(pair, cfg: EngineConfig, gs: GrammarState | None, use_runtime: bool | None) -> bool:
+    """Whether ``engine.runtime`` decodes (``runtime.loop_for``: ``draft_path``, or ``use_runtime``
+    in tests: True the runtime on any device, False this module's loop); a refused config raises."""
+    return runtime.loop_for(pair, cfg, gs is not None, use_runtime) != "generic"
 
 
 @torch.inference_mode()
 def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                 stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                gs: GrammarState | None = None, static: bool | None = None,
+                gs: GrammarState | None = None, use_runtime: bool | None = None,
                 record_margins: bool = False) -> Generation:
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
     With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
-    ``static`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
+    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
     ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
-    if _use_static(pair, cfg, gs, static):
+    if _use_runtime(pair, cfg, gs, use_runtime):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
         return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
     margins = ws.margin_buffer() if record_margins else None  # before the prefill: allocation is not timed
@@ -91,12 +91,12 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
 @torch.inference_mode()
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                          stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
-                         gs: GrammarState | None = None, static: bool | None = None,
+                         gs: GrammarState | None = None, use_runtime: bool | None = None,
                          record_margins: bool = False) -> Generation:
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
-    ``static`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
+    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
     ``record_margins``: ``Generation.margins``, from the verify rows along each accepted path (a
     grammar cut's token: from its masked row)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
@@ -114,7 +114,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     drafter.reset()
     replay = cfg.rollback == "replay" and target.has_recurrent
     timer = PhaseTimer(device)
-    if _use_static(pair, cfg, gs, static):  # (never with replay rollback on a hybrid target)
+    if _use_runtime(pair, cfg, gs, use_runtime):  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify,
                                         gs, record_margins)

@@ -85,14 +85,14 @@ def refusal(pair, cfg: EngineConfig, constrained: bool) -> str | None:
     return None
 
 
-def loop_for(pair, cfg: EngineConfig, constrained: bool, static: bool | None = None) -> str:
+def loop_for(pair, cfg: EngineConfig, constrained: bool, use_runtime: bool | None = None) -> str:
     """The decode loop ``cfg`` runs on ``pair`` (``GenerationStats.loop``): ``graphs`` (this runtime,
-    captured: CUDA), ``static`` (this runtime, eager: off CUDA) or ``generic`` (``engine.decode``).
+    captured: CUDA), ``runtime`` (this runtime, eager: off CUDA) or ``generic`` (``engine.decode``).
     ``draft_path="auto"`` takes ``graphs`` where ``refusal`` finds nothing, else ``generic``;
     ``runtime`` takes this runtime on any device and refuses (``EngineInputError``, with the reason)
-    what it cannot run. ``static`` overrides ``draft_path`` (tests): True as ``runtime``, False
+    what it cannot run. ``use_runtime`` overrides ``draft_path`` (tests): True as ``runtime``, False
     ``generic``."""
-    path = cfg.draft_path if static is None else ("runtime" if static else "generic")
+    path = cfg.draft_path if use_runtime is None else ("runtime" if use_runtime else "generic")
     if path == "generic":
         return "generic"
     reason = refusal(pair, cfg, constrained)
@@ -102,7 +102,7 @@ def loop_for(pair, cfg: EngineConfig, constrained: bool, static: bool | None = N
     if reason is not None:
         raise EngineInputError(f"draft_path='runtime' cannot run verify={cfg.verify!r} here: {reason}; "
                                "draft_path='generic' or 'auto' can")
-    return "graphs" if on_cuda else "static"
+    return "graphs" if on_cuda else "runtime"
 
 
 def bucket_for(need: int, limit: int) -> int:
@@ -213,7 +213,7 @@ class _Readback:
         return buf.tolist()
 
 
-class StaticDecoder:
+class RuntimeDecoder:
     """Buffers and graphs of one workspace; rebuilt when the pair's workspace is reallocated."""
 
     def __init__(self, pair, ws, graphs: bool) -> None:
@@ -307,7 +307,7 @@ class StaticDecoder:
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
-        # draft_path says (tests run this runtime with static=True on any config). A DDTree and its
+        # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
         # mask come from one kernel launch on CUDA (engine.models.tree_kernel).
         return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
                                  host=False)
@@ -358,7 +358,7 @@ class StaticDecoder:
         ``feature_layers``, the draft's context K/V of the prompt too), then the root's position
         handed to the device."""
 
-        stats = GenerationStats(loop="graphs" if self.graphs.enabled else "static")
+        stats = GenerationStats(loop="graphs" if self.graphs.enabled else "runtime")
         t0 = timer.now()
         constrain = (lambda lg: loop.constrain_logits(gs, bits, lg, stats)) if gs is not None else None
         out = [loop.prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain, record)]
@@ -507,10 +507,10 @@ class StaticDecoder:
         return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
 
 
-def decoder_for(pair, ws, graphs: bool) -> StaticDecoder:
+def decoder_for(pair, ws, graphs: bool) -> RuntimeDecoder:
     """The pair's decoder for this workspace (graphs are tied to its buffers)."""
-    dec = getattr(pair, "_static_decoder", None)
+    dec = getattr(pair, "_runtime_decoder", None)
     if dec is None or dec.ws is not ws or dec.graphs.enabled != graphs:
-        dec = StaticDecoder(pair, ws, graphs)
-        pair._static_decoder = dec
+        dec = RuntimeDecoder(pair, ws, graphs)
+        pair._runtime_decoder = dec
     return dec

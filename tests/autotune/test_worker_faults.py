@@ -63,7 +63,7 @@ def test_exactness_reference_is_ar_decoded_on_the_trials_implementation_paths(tm
     assert [k[1:] for k in w._reference] == [("generic", "eager")]
     assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="auto")) == ("generic", "eager")
     # an explicit runtime runs the runtime's steps eagerly on a CPU: a reference of its own
-    assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="runtime")) == ("static", "eager")
+    assert w.pair.decode_paths(engine.EngineConfig(verify="ar", draft_path="runtime")) == ("runtime", "eager")
 
 
 def test_a_config_the_engine_cannot_run_is_refused_unmeasured(tmp_path):
@@ -76,4 +76,4 @@ def test_a_config_the_engine_cannot_run_is_refused_unmeasured(tmp_path):
     assert rec.decode_tps_runs == [] and rec.exact_match is None and not w._reference
     rec = w.measure(Job(trial=4, role="search", config={"verify": "ar", "draft_path": "runtime"}, max_new_tokens=8,
                         warmup=0, repeats=1, max_rel_mad=0.9, remeasure_if_noisy=False))
-    assert rec.ok and rec.refused is None and rec.exact_match == 1.0 and set(rec.loops) == {"static"}
+    assert rec.ok and rec.refused is None and rec.exact_match == 1.0 and set(rec.loops) == {"runtime"}

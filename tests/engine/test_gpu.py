@@ -80,13 +80,13 @@ def test_cuda_graph_runtime_equals_generic_and_ar_in_float32(params, target):
                                  ignore_eos=True).tokens
     ar = engine.generate(pair, ids, EngineConfig(verify="ar", **temp), 200, ignore_eos=True).tokens
     assert ar == ar_generic
-    spans = {k[1] for k in pair._static_decoder.graphs.keys() if k[0] == "ar"}
+    spans = {k[1] for k in pair._runtime_decoder.graphs.keys() if k[0] == "ar"}
     assert 128 in spans and len(spans) >= 2  # the second bucket is capped at the cache's capacity
     generic = engine.generate(pair, ids, EngineConfig(**params, draft_path="generic"), 200, ignore_eos=True)
     runtime = engine.generate(pair, ids, EngineConfig(**params), 200, ignore_eos=True)
     assert runtime.tokens == generic.tokens == ar
     assert runtime.stats.accept_lengths == generic.stats.accept_lengths
-    captured = pair._static_decoder.graphs.keys()
+    captured = pair._runtime_decoder.graphs.keys()
     for kind in ("propose", "verify"):
         spans = {k[1] for k in captured if k[0] == kind}
         assert 128 in spans and len(spans) >= 2, (kind, spans)
@@ -161,4 +161,4 @@ def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
         assert got.tokens == want, params
         assert got.stats.loop == "graphs", params
         if params["verify"] == "ar":  # the bitmask is read inside the captured AR step
-            assert any(k[0] == "ar" and k[2] for k in pair._static_decoder.graphs.keys())
+            assert any(k[0] == "ar" and k[2] for k in pair._runtime_decoder.graphs.keys())

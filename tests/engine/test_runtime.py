@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import engine
 from engine import EngineConfig, runtime
 from engine.decode import generate_ar, generate_speculative
-from engine.runtime import StaticDecoder, bucket_for, loop_for, refusal
+from engine.runtime import RuntimeDecoder, bucket_for, loop_for, refusal
 from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 
@@ -23,7 +23,7 @@ def test_the_runtime_refuses_what_it_cannot_run_and_auto_falls_back():
     dense = pair_for("tiny-dense", "random")
     ddtree = EngineConfig(verify="ddtree", draft_path="runtime")
     assert refusal(dense, ddtree, False) is None
-    assert loop_for(dense, ddtree, False) == "static"  # CPU: the runtime's steps, eagerly
+    assert loop_for(dense, ddtree, False) == "runtime"  # CPU: the runtime's steps, eagerly
     assert loop_for(dense, EngineConfig(verify="ddtree"), False) == "generic"  # auto: no graphs on a CPU
     assert loop_for(dense, EngineConfig(verify="ddtree", draft_path="generic"), False) == "generic"
     # a grammar: AR masks inside its step, `commit` advances on committed tokens; `walk` is the generic loop's
@@ -66,7 +66,7 @@ def test_the_ar_twin_decodes_as_the_config_does():
 
 
 def test_the_runtime_keeps_the_tree_on_the_device_whatever_draft_path_says(monkeypatch):
-    """``static=True`` on a ``draft_path="generic"`` config: the runtime's steps never take the
+    """``use_runtime=True`` on a ``draft_path="generic"`` config: the runtime's steps never take the
     host's top-k and tree (a captured graph cannot read the host)."""
     import engine.loop
 
@@ -78,9 +78,9 @@ def test_the_runtime_keeps_the_tree_on_the_device_whatever_draft_path_says(monke
     ids = pair.encode("Trees stay where the graphs are.")
     ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 24).tokens
     cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, draft_path="generic")
-    assert generate_speculative(pair, ids, cfg, 24, static=True).tokens == ar
+    assert generate_speculative(pair, ids, cfg, 24, use_runtime=True).tokens == ar
     with pytest.raises(AssertionError, match="on the host"):  # the generic loop does build it there
-        generate_speculative(pair, ids, cfg, 24, static=False)
+        generate_speculative(pair, ids, cfg, 24, use_runtime=False)
 
 
 CONFIGS = [
@@ -93,18 +93,18 @@ CONFIGS = [
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 @pytest.mark.parametrize("params", CONFIGS, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
-def test_static_steps_equal_ar_and_the_generic_loop(params, target):
+def test_runtime_steps_equal_ar_and_the_generic_loop(params, target):
     pair = pair_for(target, "random")
-    ids = pair.encode("The static runtime must not change a single token.")
+    ids = pair.encode("The runtime must not change a single token.")
     temp = dict(temperature=params.get("temperature", 0.0), seed=params.get("seed", 0))
     ar = generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 40).tokens
-    assert generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 40, static=True).tokens == ar
+    assert generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 40, use_runtime=True).tokens == ar
     cfg = EngineConfig(**params)
-    generic = generate_speculative(pair, ids, cfg, 40, static=False)
-    static = generate_speculative(pair, ids, cfg, 40, static=True)
-    assert static.tokens == generic.tokens == ar
-    assert static.stats.accept_lengths == generic.stats.accept_lengths
-    assert (static.stats.loop, generic.stats.loop) == ("static", "generic")  # what ran is recorded
+    generic = generate_speculative(pair, ids, cfg, 40, use_runtime=False)
+    on_runtime = generate_speculative(pair, ids, cfg, 40, use_runtime=True)
+    assert on_runtime.tokens == generic.tokens == ar
+    assert on_runtime.stats.accept_lengths == generic.stats.accept_lengths
+    assert (on_runtime.stats.loop, generic.stats.loop) == ("runtime", "generic")  # what ran is recorded
 
 
 class _NoHostRead(TorchDispatchMode):
@@ -150,12 +150,12 @@ def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch
     monkeypatch.setattr(runtime._Graphs, "run", checked)
     cfg = EngineConfig(verify=verify, budget=12, top_k=4, draft_path="runtime", kernels="eager")
     gen = engine.generate(pair, pair.encode("Nothing read back inside a step."), cfg, 24, ignore_eos=True)
-    assert gen.stats.loop == "static" and len(gen.tokens) == 24
+    assert gen.stats.loop == "runtime" and len(gen.tokens) == 24
     assert set(calls) == ({"ar"} if verify == "ar" else {"propose", "verify"})
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
-def test_a_stop_token_ends_the_static_loops_as_the_generic_ones_and_the_step_launched_ahead_leaks_nothing(target):
+def test_a_stop_token_ends_the_runtime_loops_as_the_generic_ones_and_the_step_launched_ahead_leaks_nothing(target):
     """The runtime launches each step before reading the last one: at a stop token that step is
     not part of the generation (not counted, not timed), and the next generation is unaffected."""
     pair = pair_for(target, "random")
@@ -165,16 +165,16 @@ def test_a_stop_token_ends_the_static_loops_as_the_generic_ones_and_the_step_lau
     cut = free[: free.index(stop[0]) + 1]
     for cfg in (EngineConfig(verify="ar"), EngineConfig(verify="chain"), EngineConfig(verify="ddtree", budget=8)):
         run = generate_ar if cfg.verify == "ar" else generate_speculative
-        generic = run(pair, ids, cfg, 40, stop, static=False)
-        static = run(pair, ids, cfg, 40, stop, static=True)
-        assert static.tokens == generic.tokens == cut
-        assert static.stats.steps == generic.stats.steps
+        generic = run(pair, ids, cfg, 40, stop, use_runtime=False)
+        on_runtime = run(pair, ids, cfg, 40, stop, use_runtime=True)
+        assert on_runtime.tokens == generic.tokens == cut
+        assert on_runtime.stats.steps == generic.stats.steps
         cache = pair._workspace.cache
         if target == "tiny-hybrid":  # the step launched ahead moved the recurrent state on: no continuing
             assert cache.ahead
             with pytest.raises(RuntimeError, match="advanced past the .* committed tokens"):
                 pair.target(torch.tensor(cut[-1:]), cache, cache.length)
-        assert run(pair, ids, cfg, 40, static=True).tokens == free  # the same workspace, again
+        assert run(pair, ids, cfg, 40, use_runtime=True).tokens == free  # the same workspace, again
 
 
 @pytest.fixture(scope="module")
@@ -183,14 +183,14 @@ def smollm2():
 
 
 @pytest.mark.parametrize("verify", ["chain", "ddtree"])
-def test_static_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
+def test_runtime_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
     from engine.prompts import Prompt
 
     ask = {"role": "user", "content": "Write a Python function that adds two numbers."}
     ids = smollm2.encode(Prompt(messages=[ask]))
     ar = engine.generate(smollm2, ids, EngineConfig(verify="ar", draft_path="generic"), 32, ignore_eos=True).tokens
     cfg = EngineConfig(verify=verify, budget=16, top_k=4)
-    gen = generate_speculative(smollm2, ids, cfg, 32, static=True)
+    gen = generate_speculative(smollm2, ids, cfg, 32, use_runtime=True)
     assert gen.tokens == ar
     assert max(gen.stats.accept_lengths) > 1  # the compaction of several accepted nodes is exercised
 
@@ -214,7 +214,7 @@ def _peeking(pair, prompt_len: int, truth: list[int], side_every: int = 3):
     return real, propose
 
 
-def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
+def test_hybrid_runtime_steps_accept_through_side_branches_and_stay_exact():
     """The device commit of recurrent state (accepted node's state, conv window along its path)
     under real acceptance: the oracle's proposals through a DFlash-shaped step are not available
     to the runtime, so a random draft is made to accept by proposing the target's own tokens."""
@@ -227,7 +227,7 @@ def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
     drafter.propose_static = peeking
     try:
         gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=12, top_k=3, chain_seed=0), 48,
-                                   static=True)
+                                   use_runtime=True)
     finally:
         drafter.propose_static = real
     assert gen.tokens == ar
@@ -235,32 +235,32 @@ def test_hybrid_static_steps_accept_through_side_branches_and_stay_exact():
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
-def test_margins_of_the_static_steps_equal_the_generic_loops_and_a_direct_forward(target):
+def test_margins_of_the_runtime_steps_equal_the_generic_loops_and_a_direct_forward(target):
     """record_margins on the runtime: the AR step writes its row's margin at its token's position,
     the verify all its rows', moved along the accepted path (several nodes, side branches) as the
     K/V are; a step launched ahead writes past the committed tokens only. The same numbers as the
     generic loops and as one plain forward (float32)."""
     pair = pair_for(target, "random")
     ids = pair.encode("Margins move with the accepted path.")
-    generic_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, static=False, record_margins=True)
+    generic_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, use_runtime=False, record_margins=True)
     want = direct_margins(pair, ids, generic_ar.tokens)
     assert_margins_equal(generic_ar, want)
-    static_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, static=True, record_margins=True)
-    assert static_ar.tokens == generic_ar.tokens and static_ar.stats.loop == "static"
-    assert_margins_equal(static_ar, want)
+    runtime_ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 48, use_runtime=True, record_margins=True)
+    assert runtime_ar.tokens == generic_ar.tokens and runtime_ar.stats.loop == "runtime"
+    assert_margins_equal(runtime_ar, want)
     cfg = EngineConfig(verify="ddtree", budget=12, top_k=3, chain_seed=0)
     drafter = pair.drafter
     real, peeking = _peeking(pair, len(ids), generic_ar.tokens)
     drafter.propose_static = peeking
     try:
-        spec = generate_speculative(pair, ids, cfg, 48, static=True, record_margins=True)
+        spec = generate_speculative(pair, ids, cfg, 48, use_runtime=True, record_margins=True)
     finally:
         drafter.propose_static = real
     assert spec.tokens == generic_ar.tokens
     assert max(spec.stats.accept_lengths) >= 4 and spec.stats.side_branch_steps > 0
     assert_margins_equal(spec, want)
     # off: the verify graph of the same key without the margins, and no margins on the generation
-    assert generate_speculative(pair, ids, cfg, 48, static=True).margins is None
+    assert generate_speculative(pair, ids, cfg, 48, use_runtime=True).margins is None
 
 
 def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
@@ -274,14 +274,14 @@ def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatc
     pair = pair_for("tiny-dense", "random")
     ids = pair.encode("Keys say what a graph does.")
     cfg = EngineConfig(verify="ddtree", budget=6, top_k=2)
-    on = generate_speculative(pair, ids, cfg, 12, static=True, record_margins=True)
+    on = generate_speculative(pair, ids, cfg, 12, use_runtime=True, record_margins=True)
     ws = pair._workspace
     with torch.inference_mode():  # (the buffer is an inference tensor, as the decode loops make it)
         ws.margins.fill_(float("nan"))
-    assert generate_speculative(pair, ids, cfg, 12, static=True).tokens == on.tokens
-    assert generate_ar(pair, ids, EngineConfig(verify="ar"), 12, static=True).tokens == on.tokens
+    assert generate_speculative(pair, ids, cfg, 12, use_runtime=True).tokens == on.tokens
+    assert generate_ar(pair, ids, EngineConfig(verify="ar"), 12, use_runtime=True).tokens == on.tokens
     assert pair._workspace is ws and ws.margins.isnan().all()  # nothing written without them
-    ar_on = generate_ar(pair, ids, EngineConfig(verify="ar"), 12, static=True, record_margins=True)
+    ar_on = generate_ar(pair, ids, EngineConfig(verify="ar"), 12, use_runtime=True, record_margins=True)
     assert not ws.margins[len(ids) : len(ids) + 12].isnan().any()
     assert ar_on.margins == pytest.approx(on.margins, abs=1e-4)
     assert {k[-2] for k in keys if k[0] == "verify"} == {True, False}  # (..., record, kernels)
@@ -297,7 +297,7 @@ GRAMMAR_NEW = 96  # the call's fixed prefix is ~45 byte tokens; free text follow
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
-def test_grammar_on_the_static_steps_equals_constrained_ar(target):
+def test_grammar_on_the_runtime_steps_equals_constrained_ar(target):
     """AR masks inside its step (the host fills the bitmask before each replay); ``commit``
     replays the unconstrained step and advances the grammar on the committed tokens."""
     pytest.importorskip("xgrammar")
@@ -307,9 +307,9 @@ def test_grammar_on_the_static_steps_equals_constrained_ar(target):
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
     g = pair.grammar_for(TOOLS)
     want = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(),
-                       static=False, record_margins=True)
-    got = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(), static=True,
-                      record_margins=True)
+                       use_runtime=False, record_margins=True)
+    got = generate_ar(pair, ids, EngineConfig(verify="ar", grammar="commit"), GRAMMAR_NEW, gs=g.state(),
+                      use_runtime=True, record_margins=True)
     assert got.tokens == want.tokens and got.stats.grammar_ms > 0
     # the margins of the masked rows, the step's as the generic loop's (infinite where one token is allowed)
     assert_margins_equal(got, torch.tensor([want.top_logits, want.margins]).T)
@@ -318,7 +318,7 @@ def test_grammar_on_the_static_steps_equals_constrained_ar(target):
     assert text.startswith("<tool_call>\n{")
     for params in (dict(verify="chain"), dict(verify="ddtree", budget=8, top_k=3, chain_seed=0)):
         cfg = EngineConfig(**params, grammar="commit")
-        gen = generate_speculative(pair, ids, cfg, GRAMMAR_NEW, gs=g.state(), static=True)
+        gen = generate_speculative(pair, ids, cfg, GRAMMAR_NEW, gs=g.state(), use_runtime=True)
         assert gen.tokens == want.tokens, params
 
 
@@ -350,16 +350,16 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
             last, _ = target(torch.tensor([tok]), cache, cache.length, last_only=True)
         return fake
 
-    def spy(self, start, kept, token, path, _cut=StaticDecoder._cut):
+    def spy(self, start, kept, token, path, _cut=RuntimeDecoder._cut):
         committed_more.append(int(self.start) - start > kept)
         cut_at.append(start + kept - len(ids))  # the re-picked token's index among the new tokens
         return _cut(self, start, kept, token, path)
 
-    monkeypatch.setattr(StaticDecoder, "_cut", spy)
+    monkeypatch.setattr(RuntimeDecoder, "_cut", spy)
     pair.drafter.propose_static = unconstrained_oracle
     try:
         gen = generate_speculative(pair, ids, EngineConfig(verify="ddtree", budget=8, top_k=2, grammar="commit"),
-                                   GRAMMAR_NEW, gs=g.state(), static=True, record_margins=True)
+                                   GRAMMAR_NEW, gs=g.state(), use_runtime=True, record_margins=True)
     finally:
         pair.drafter.propose_static = real
     assert gen.tokens == want.tokens
@@ -376,15 +376,16 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
-@pytest.mark.parametrize("static", [False, True])
-def test_ddtree_with_top_k_1_decodes_as_chain(target, static):
+@pytest.mark.parametrize("use_runtime", [False, True])
+def test_ddtree_with_top_k_1_decodes_as_chain(target, use_runtime):
     """Chain is DDTree's degenerate case: top_k 1 with a budget past the draft's depth proposes the
     chain's tree every step, so both loops accept the same lengths and decode the same tokens."""
-    pair = pair_for(target, "oracle:0.6" if not static else "random")
+    pair = pair_for(target, "oracle:0.6" if not use_runtime else "random")
     ids = pair.encode("One path is a tree too.")
-    chain = generate_speculative(pair, ids, EngineConfig(verify="chain"), 40, static=static)
-    tree = generate_speculative(pair, ids, EngineConfig(verify="ddtree", top_k=1, budget=64), 40, static=static)
+    chain = generate_speculative(pair, ids, EngineConfig(verify="chain"), 40, use_runtime=use_runtime)
+    tree = generate_speculative(pair, ids, EngineConfig(verify="ddtree", top_k=1, budget=64), 40,
+                                use_runtime=use_runtime)
     assert tree.tokens == chain.tokens
     assert tree.stats.accept_lengths == chain.stats.accept_lengths
-    if not static:  # the oracle's paths are accepted deep (the runtime refuses a host-side draft: random there)
+    if not use_runtime:  # the oracle's paths are accepted deep (the runtime refuses a host-side draft: random there)
         assert chain.stats.acceptance_length > 1.5
