@@ -50,16 +50,16 @@ def load_target_folder(path: Path, device: Device, dtype: torch.dtype) -> DenseM
     files = _weight_files(folder)
     if model_type in HYBRID_TYPES:
         # Imported here so dense loading works whether or not the hybrid model is installed.
-        from engine.models import hybrid
+        from engine.models import hybrid, hybrid_config
 
         try:
-            hcfg = hybrid.hybrid_config_from_hf(cfg)
+            hcfg = hybrid_config.hybrid_config_from_hf(cfg)
         except (KeyError, TypeError, ValueError) as exc:  # EngineInputError is a ValueError
             raise EngineInputError(f"{cfg_path}: not a valid {model_type} config: {exc}") from None
         model: nn.Module = _build(hybrid.HybridModel, hcfg, device, dtype)
         with _open_safetensors(files) as source:
             # hybrid_state_dict_from_hf takes the whole state dict (it may drop or alias tensors).
-            state = hybrid.hybrid_state_dict_from_hf({name: read() for name, read in source.items()})
+            state = hybrid_config.hybrid_state_dict_from_hf({name: read() for name, read in source.items()})
         _load_state(model, {name: (lambda t=t: t) for name, t in state.items()}, str(folder))
     else:
         model = _build(DenseModel, _dense_config_from_hf(cfg, model_type, cfg_path), device, dtype)

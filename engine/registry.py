@@ -81,7 +81,8 @@ def _tiny_dense() -> tuple[nn.Module, object]:
 
 
 def _tiny_hybrid() -> tuple[nn.Module, object]:
-    from engine.models.hybrid import HybridConfig, HybridModel
+    from engine.models.hybrid import HybridModel
+    from engine.models.hybrid_config import HybridConfig
 
     tok = ByteTokenizer(272)
     cfg = HybridConfig(
@@ -142,7 +143,8 @@ def _qwen3_8b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module
 
 
 def _qwen35_27b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
-    from engine.models.hybrid import HybridConfig, HybridModel
+    from engine.models.hybrid import HybridModel
+    from engine.models.hybrid_config import HybridConfig
 
     cfg = HybridConfig(
         vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,

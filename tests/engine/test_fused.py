@@ -194,7 +194,7 @@ def test_autograd_takes_the_pytorch_forms():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hk,dk,hv,dv", [(2, 16, 4, 8), (1, 12, 3, 20)])  # GQA-like groups; odd widths
 def test_gdn_inputs(dtype, hk, dk, hv, dv):
-    from engine.models.hybrid import conv_window_index
+    from engine.models.hybrid_cache import conv_window_index
 
     kernel, t = 4, 9
     c = 2 * hk * dk + hv * dv
