@@ -168,7 +168,7 @@ def _divergences(trials: list[FrozenTrial]) -> list[str]:
          "target's logits row that picked it, in the AR run and in the config's run (float32, from each run's own "
          "logits). A **numeric tie**: the smaller margin is within the tie bound (4 units in the last place of the "
          "model's dtype at the top logit), so rounding alone can swap the two tokens; a **mismatch** is not "
-         "explained by rounding (`engine.stats.tie_bound`). *not reproduced*: re-decoding did not give the "
+         "explained by rounding (`engine.decoding.stats.tie_bound`). *not reproduced*: re-decoding did not give the "
          "compared tokens again.", "",
          "| trial | prompt | position | AR margin | run margin | tie bound | verdict |",
          "|---|---|---|---|---|---|---|"]

@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.assets import ASSETS  # noqa: E402
+from engine.data.assets import ASSETS  # noqa: E402
 
 LIMIT = 64 * 2**20
 # Packages the GPU image lacks (KINDS.md lists what it has), at the versions installed here.

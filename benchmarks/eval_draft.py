@@ -20,7 +20,7 @@ import torch
 
 import engine
 from engine import EngineConfig
-from engine.workloads import load_workload
+from engine.data.workloads import load_workload
 
 
 def main(argv: list[str] | None = None) -> int:

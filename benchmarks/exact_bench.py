@@ -37,8 +37,8 @@ from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E4
 import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402
 from engine.api import Pair  # noqa: E402
+from engine.data.workloads import load_workload  # noqa: E402
 from engine.registry import load_drafter  # noqa: E402
-from engine.workloads import load_workload  # noqa: E402
 
 
 def _prompt_sets(pair, args) -> dict[str, list[list[int]]]:

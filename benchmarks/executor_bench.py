@@ -57,7 +57,7 @@ t0 = time.perf_counter()
 import torch
 torch.set_num_threads(1)
 from autotune.worker import Job, Worker
-from engine.workloads import load_workload
+from engine.data.workloads import load_workload
 a = json.loads(sys.argv[1])
 wl = [load_workload(a["prompts"], a["base"], a["n_prompts"], 0)]
 w = Worker.load(a["target"], a["draft"], a["device"], a["dtype"], wl, {})
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.workloads import load_workload
+    from engine.data.workloads import load_workload
 
     torch.set_num_threads(1)  # the local worker gets one thread, like each actor and each child process
     workloads = (load_workload(args.prompts, REPO, args.n_prompts, 0),)

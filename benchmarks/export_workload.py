@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.workloads import TRAINING_MIX, load_workload, training_prompts
+from engine.data.workloads import TRAINING_MIX, load_workload, training_prompts
 
 
 def main(argv: list[str] | None = None) -> int:

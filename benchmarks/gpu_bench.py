@@ -54,7 +54,7 @@ from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E4
 
 import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402
-from engine.workloads import load_workload  # noqa: E402
+from engine.data.workloads import load_workload  # noqa: E402
 
 
 def _env() -> dict:
@@ -475,7 +475,7 @@ def _graph_breakdown(dec, key: tuple, replays: int) -> dict:
 def section_graphs(args) -> tuple[str, dict]:
     """Each captured step graph alone (AR; DDTree's propose and verify): wall time, kernel count and
     kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
-    from engine.runtime import decoder_for
+    from engine.decoding.runtime import decoder_for
 
     targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
     lines = ["| target | config | graph | wall us (launch hidden) | wall us (idle GPU) | kernels | kernel us (sum) "

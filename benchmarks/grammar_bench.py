@@ -16,7 +16,7 @@ from pathlib import Path
 
 import engine
 from engine import EngineConfig
-from engine.workloads import load_workload
+from engine.data.workloads import load_workload
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 import engine
-from engine.grammar import call_schema, example_call, vocab_bytes
-from engine.workloads import load_workload
+from engine.data.workloads import load_workload
+from engine.decoding.grammar import call_schema, example_call, vocab_bytes
 
 
 def _xgrammar(tok_bytes, stops, vocab, schema):

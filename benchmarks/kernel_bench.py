@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
-from engine.tree import build_tree_host  # noqa: E402
 
 HK, HV, DK, DV = 16, 48, 128, 128  # qwen35-27b-shape's linear attention heads
 LAUNCHES = 48  # the 27B shape has 48 Gated DeltaNet layers
@@ -118,7 +118,7 @@ TREE_WARPS = (None, 8, 4, 2, 16)  # warps per program of the DDTree kernel; None
 def bench_tree() -> tuple[list[dict], list[str]]:
     """The DDTree kernel (L = 15, k = 8: SmolLM2's draft) per budget, by warp count; tie-free random
     log-probs, and log-probs in steps of 1/8 (bf16 draft logits repeat values: exact ties)."""
-    from engine.models import tree_kernel
+    from engine.decoding import tree_kernel
 
     gen = torch.Generator().manual_seed(0)
     lp = (-torch.cumsum(torch.rand(15, 8, generator=gen) + 1e-3, dim=1)).cuda()

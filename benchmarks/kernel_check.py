@@ -22,8 +22,9 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.decoding import tree_kernel  # noqa: E402
 from engine.models import attention as split_attention  # noqa: E402
-from engine.models import delta_rule, fused, topk, tree_kernel  # noqa: E402
+from engine.models import delta_rule, fused, topk  # noqa: E402
 from engine.models import linear as rows_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

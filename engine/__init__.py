@@ -5,12 +5,11 @@ The front door: what ``autotune`` (and any other caller) uses; nothing deeper is
 
 from engine.api import Pair, bench, diagnose, load
 from engine.config import EngineConfig, EngineInputError
-from engine.decode import generate
-from engine.grammar import CompiledGrammar
-from engine.models.fused import check_environment
-from engine.prompts import Prompt
-from engine.registry import check_model_spec
-from engine.stats import (
+from engine.data.prompts import Prompt
+from engine.data.workloads import Workload, load_workload
+from engine.decoding.decode import generate
+from engine.decoding.grammar import CompiledGrammar
+from engine.decoding.stats import (
     VERDICTS,
     BenchResult,
     Divergence,
@@ -19,7 +18,8 @@ from engine.stats import (
     PromptResult,
     first_divergence,
 )
-from engine.workloads import Workload, load_workload
+from engine.models.fused import check_environment
+from engine.registry import check_model_spec
 
 __all__ = [
     "VERDICTS",
@@ -48,7 +48,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name == "serve":  # the web stack (FastAPI, uvicorn) only for a server
-        from engine.server import serve
+        from engine.serving.server import serve
 
         return serve
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

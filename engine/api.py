@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, EngineInputError
-from engine.decode import generate
-from engine.drafters import Drafter
-from engine.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
-from engine.loop import Workspace
+from engine.decoding.decode import generate
+from engine.decoding.drafters import Drafter
+from engine.decoding.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
+from engine.decoding.loop import Workspace
+from engine.decoding.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
-from engine.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
 
 
 class PromptIds(list):
@@ -100,9 +100,9 @@ class Pair:
 
     def refusal(self, config: EngineConfig, constrained: bool = False) -> str | None:
         """Why ``config`` cannot run on this pair as asked (None: it can): ``draft_path="runtime"``
-        where the runtime cannot run it (``engine.runtime.refusal``). ``constrained``: a prompt has
+        where the runtime cannot run it (``engine.decoding.runtime.refusal``). ``constrained``: a prompt has
         a grammar that ``config`` places."""
-        from engine import runtime
+        from engine.decoding import runtime
 
         return runtime.refusal(self, config, constrained) if config.draft_path == "runtime" else None
 
@@ -116,7 +116,7 @@ class Pair:
         ``runtime`` or ``graphs`` (GenerationStats.loop), the kernels ``fused`` or ``eager`` as they
         run here (the Triton kernels on CUDA only). Configs with equal paths round alike. A config
         the runtime refuses (``draft_path="runtime"``, ``refusal``) raises ``EngineInputError``."""
-        from engine import runtime
+        from engine.decoding import runtime
         from engine.models import fused
 
         on_cuda = self.target.device.type == "cuda"

@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
-from engine import train_cli
 from engine.config import EngineConfig, EngineInputError
 from engine.models import fused
+from engine.training import train_cli
 
 # Flags that map one-to-one onto EngineConfig fields.
 _CONFIG_FLAGS = {
@@ -89,8 +89,8 @@ def _parse_ids(raw: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.api import load
-    from engine.decode import generate
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
+    from engine.decoding.decode import generate
 
     fields, model = read_config_file(args.config) if args.config else ({}, {})
     for name in _CONFIG_FLAGS:
@@ -137,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_assets(args: argparse.Namespace) -> int:
-    from engine.assets import ASSETS, asset_status, ensure_asset, local_wheels, resolve_spec
+    from engine.data.assets import ASSETS, asset_status, ensure_asset, local_wheels, resolve_spec
 
     cache = Path(args.cache).expanduser() if args.cache else None
     if args.assets_command == "list":

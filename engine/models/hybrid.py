@@ -25,6 +25,7 @@ from engine.models.common import (
     RMSNorm,
     StepKeys,
     SwiGLU,
+    TargetModel,
     VerifyTree,
     attention,
     attention_layout,
@@ -157,34 +158,18 @@ class HybridBlock(nn.Module):
         return x, self.mlp(h)
 
 
-class HybridModel(nn.Module):
+class HybridModel(TargetModel):
     """Parameter names follow HF (``model.`` / ``model.language_model.`` stripped)."""
 
     has_recurrent = True
 
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         kinds = cfg.layer_types
-        self.layers = nn.ModuleList(
-            HybridBlock(cfg, kind, kinds[:i].count(kind)) for i, kind in enumerate(kinds)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
-        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
+        super().__init__(cfg, lambda: nn.ModuleList(HybridBlock(cfg, kind, kinds[:i].count(kind))
+                                                    for i, kind in enumerate(kinds)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True),
+                         rope_inv_freq(cfg.rotary_dim, cfg.rope_theta))
         self._chains: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # _chain_indices
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def new_cache(self, max_len: int, max_tree: int = 0) -> HybridCache:
         """max_tree: tree nodes to allocate per-node state for now (0: on the first tree forward)."""

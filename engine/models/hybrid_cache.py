@@ -46,7 +46,7 @@ class HybridCache(KVCache):
         self.keep_previous = False
         self.rec_prev: Tensor | None = None
         self._tree: tuple[int, int] | None = None  # (start, size) of the tree forward commit_path may use
-        # True when a step launched ahead (engine.runtime) left the state past ``length``: the
+        # True when a step launched ahead (engine.decoding.runtime) left the state past ``length``: the
         # K/V past ``length`` are ignored, but a recurrent state cannot be taken back
         self.ahead = False
         self.reserve_tree(max_tree)

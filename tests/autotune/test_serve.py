@@ -27,7 +27,7 @@ import engine
 from autotune import export
 from autotune.cli import main
 from engine import EngineConfig
-from engine.prompts import Prompt
+from engine.data.prompts import Prompt
 
 KEY = "test-key-123"
 ENGINE = {"verify": "ddtree", "budget": 8, "top_k": 2, "proposal_temp": 1.0, "chain_seed": None,

@@ -5,7 +5,7 @@ from functools import cache
 import torch
 
 import engine
-from engine.sampling import top_margins
+from engine.decoding.sampling import top_margins
 
 
 @cache

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import assets
-from engine.assets import ASSETS, MARKER, JsonArrayReader, asset_dir, ensure_asset, is_cached
 from engine.cli import main
 from engine.config import EngineInputError
+from engine.data import assets
+from engine.data.assets import ASSETS, MARKER, JsonArrayReader, asset_dir, ensure_asset, is_cached
 
 
 def make_wheel(folder: Path, spec: assets.AssetSpec, members: dict[str, bytes]) -> tuple[Path, str]:

@@ -3,9 +3,9 @@
 import torch
 
 import engine
+from engine.decoding.tree import ancestor_mask
 from engine.models.common import VerifyTree
 from engine.models.dense import KVCache
-from engine.tree import ancestor_mask
 
 
 def test_commit_path_moves_accepted_slots_and_sets_length():

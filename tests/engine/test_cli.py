@@ -7,9 +7,9 @@ import sys
 import pytest
 import yaml
 
+from engine.data.tokenizer import ByteTokenizer
 from engine.loading import save_draft_folder
 from engine.registry import random_draft_for
-from engine.tokenizer import ByteTokenizer
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -156,7 +156,7 @@ def test_bench_reports_exactness_and_phases():
     want = direct_margins(pair, prompts[1], ref.outputs[1][:6])[5].tolist()
     assert res2.prompts[0].divergence is None and div.position == 5 and not div.reproduced
     assert div.ar_margin == pytest.approx(want[1], abs=1e-4) and div.run_margin == pytest.approx(want[1], abs=1e-4)
-    assert div.tie_bound == 4 * engine.stats.ulp(torch.float32, want[0]) and div.verdict == "mismatch"
+    assert div.tie_bound == 4 * engine.decoding.stats.ulp(torch.float32, want[0]) and div.verdict == "mismatch"
 
 
 def test_a_real_divergence_is_diagnosed_at_its_position_with_both_margins():
@@ -211,8 +211,8 @@ def test_peak_memory_and_devices_are_reported():
 @pytest.mark.parametrize("max_depth", [15, 4])
 def test_a_chain_proposal_comes_with_its_ancestor_mask(host, max_depth):
     """The chain's mask is built as a band (not ancestor_mask's loop over depth): the same mask."""
-    from engine.loop import UNTIMED, propose_tree
-    from engine.tree import ancestor_mask
+    from engine.decoding.loop import UNTIMED, propose_tree
+    from engine.decoding.tree import ancestor_mask
 
     logits = torch.randn(15, 50, generator=torch.Generator().manual_seed(0))
     tree, mask = propose_tree(EngineConfig(verify="chain"), logits, torch.tensor([7]), UNTIMED, max_depth, host)

@@ -107,7 +107,7 @@ def test_kernel_is_bit_identical_for_tree_and_chain_forwards():
 
 
 def test_torch_and_triton_agree_on_a_real_tree():
-    from engine.tree import build_tree_host
+    from engine.decoding.tree import build_tree_host
 
     gen = torch.Generator().manual_seed(0)
     lp, ids = torch.topk(torch.log_softmax(torch.randn(15, 50, generator=gen), -1), 4, dim=-1)

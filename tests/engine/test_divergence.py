@@ -1,11 +1,11 @@
-"""Divergence forensics' arithmetic (engine/stats.py) on constructed numbers: units in the last
+"""Divergence forensics' arithmetic (engine/decoding/stats.py) on constructed numbers: units in the last
 place, the tie bound, the verdict, the first divergence."""
 
 import numpy as np
 import pytest
 import torch
 
-from engine.stats import TIE_ULPS, Divergence, first_divergence, tie_bound, ulp
+from engine.decoding.stats import TIE_ULPS, Divergence, first_divergence, tie_bound, ulp
 
 
 def _next_up(x: float, dtype: torch.dtype) -> float:

@@ -131,7 +131,7 @@ def test_a_failed_capture_names_its_op_and_the_next_capture_works():
     """A step that cannot be captured (here it reads a count back) raises a RuntimeError naming the
     step and the first error, and leaves the allocator able to capture again (it once kept recording
     into the failed capture's pool: every later capture in the process failed)."""
-    from engine.runtime import _Graphs
+    from engine.decoding.runtime import _Graphs
 
     x = torch.arange(8, device="cuda", dtype=torch.float32)
     graphs = _Graphs(True, [])
@@ -147,7 +147,7 @@ def test_a_failed_capture_names_its_op_and_the_next_capture_works():
 def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
     """AR with the bitmask inside its captured step, and `commit` on the captured speculative steps."""
     pytest.importorskip("xgrammar")
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
 
     tools = ({"type": "function", "function": {"name": "n", "description": "note", "parameters": {
         "type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]}}},)

@@ -9,9 +9,9 @@ from engine_pairs import pair_for
 
 import engine
 from engine import EngineConfig, EngineInputError
-from engine.assets import is_cached
-from engine.grammar import call_schema, example_call, parse_tool_calls, tool_call_ebnf
-from engine.prompts import Prompt
+from engine.data.assets import is_cached
+from engine.data.prompts import Prompt
+from engine.decoding.grammar import call_schema, example_call, parse_tool_calls, tool_call_ebnf
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")

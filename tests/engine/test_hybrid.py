@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import EngineInputError
+from engine.decoding.tree import ancestor_mask, build_tree_host
 from engine.models.common import VerifyTree
 from engine.models.hybrid import HybridModel
 from engine.models.hybrid_cache import HybridCache
 from engine.models.hybrid_config import HybridConfig, hybrid_config_from_hf, hybrid_state_dict_from_hf
-from engine.tree import ancestor_mask, build_tree_host
 
 transformers = pytest.importorskip("transformers")
 

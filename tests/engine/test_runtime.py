@@ -1,4 +1,4 @@
-"""The dedicated runtime's step functions (engine/runtime.py), run eagerly on the CPU: the same
+"""The dedicated runtime's step functions (engine/decoding/runtime.py), run eagerly on the CPU: the same
 functions the CUDA graphs capture. Output must equal AR and the generic loop token for token."""
 
 import pytest
@@ -6,9 +6,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine
-from engine import EngineConfig, runtime
-from engine.decode import generate_ar, generate_speculative
-from engine.runtime import RuntimeDecoder, bucket_for, loop_for, refusal
+from engine import EngineConfig
+from engine.decoding import runtime
+from engine.decoding.decode import generate_ar, generate_speculative
+from engine.decoding.runtime import RuntimeDecoder, bucket_for, loop_for, refusal
 from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 
@@ -68,12 +69,12 @@ def test_the_ar_twin_decodes_as_the_config_does():
 def test_the_runtime_keeps_the_tree_on_the_device_whatever_draft_path_says(monkeypatch):
     """``use_runtime=True`` on a ``draft_path="generic"`` config: the runtime's steps never take the
     host's top-k and tree (a captured graph cannot read the host)."""
-    import engine.loop
+    import engine.decoding.loop
 
     def host_tree(*a, **k):
         raise AssertionError("the runtime built its tree on the host")
 
-    monkeypatch.setattr(engine.loop, "build_tree_host", host_tree)
+    monkeypatch.setattr(engine.decoding.loop, "build_tree_host", host_tree)
     pair = pair_for("tiny-dense", "random")
     ids = pair.encode("Trees stay where the graphs are.")
     ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 24).tokens
@@ -184,7 +185,7 @@ def smollm2():
 
 @pytest.mark.parametrize("verify", ["chain", "ddtree"])
 def test_runtime_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
 
     ask = {"role": "user", "content": "Write a Python function that adds two numbers."}
     ids = smollm2.encode(Prompt(messages=[ask]))
@@ -266,7 +267,7 @@ def test_margins_of_the_runtime_steps_equal_the_generic_loops_and_a_direct_forwa
 def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
     """The margins change what a captured step does, so they are part of its graph key; a step
     without them leaves the margin buffer alone (no extra work in the graphs that time decoding)."""
-    from engine.runtime import _Graphs
+    from engine.decoding.runtime import _Graphs
 
     keys = []
     run = _Graphs.run
@@ -301,7 +302,7 @@ def test_grammar_on_the_runtime_steps_equals_constrained_ar(target):
     """AR masks inside its step (the host fills the bitmask before each replay); ``commit``
     replays the unconstrained step and advances the grammar on the committed tokens."""
     pytest.importorskip("xgrammar")
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
 
     pair = pair_for(target, "random")
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))
@@ -328,7 +329,7 @@ def test_grammar_cuts_after_the_device_commit_are_moved_back(target, monkeypatch
     target's own) and the grammar refuses: steps are cut after the device committed them, and the
     position, the new root and (hybrid) the recurrent state are moved back. Output: constrained AR."""
     pytest.importorskip("xgrammar")
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
 
     pair = pair_for(target, "random")
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Turn on the hall light."},), tools=TOOLS))

@@ -7,8 +7,8 @@ import pytest
 
 import engine
 from engine import EngineConfig
-from engine.server import TextStream
-from engine.tokenizer import ByteTokenizer
+from engine.data.tokenizer import ByteTokenizer
+from engine.serving.server import TextStream
 
 CONFIGS = [
     EngineConfig(verify="ar"),

@@ -36,7 +36,7 @@ def test_pair_loads_with_matching_shapes(pair):
 
 @pytest.mark.parametrize("path", ["generic", "runtime"])
 def test_chain_and_ddtree_equal_ar_in_float32(pair, path):
-    from engine.prompts import Prompt
+    from engine.data.prompts import Prompt
 
     ids = pair.encode(Prompt(messages=({"role": "user", "content": "Write a Python function that adds two numbers."},)))
     ar = engine.generate(pair, ids, EngineConfig(verify="ar"), 32, ignore_eos=True)

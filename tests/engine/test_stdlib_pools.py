@@ -1,4 +1,4 @@
-"""The standard-library training pools (engine.datasets): ``stdlib`` (functions posed like HumanEval)
+"""The standard-library training pools (engine.data.datasets): ``stdlib`` (functions posed like HumanEval)
 and ``stdlib-rest`` (the functions it leaves out), cut from a synthetic library and from the
 running interpreter's."""
 
@@ -12,9 +12,9 @@ import textwrap
 from asyncio import BaseEventLoop
 from pathlib import Path
 
-from engine.datasets import HUMANEVAL_TEMPLATE, STDLIB_MAX_CHARS, named_pool, stdlib_prompts, stdlib_rest_prompts
-from engine.prompts import Prompt, split_of
-from engine.workloads import TRAINING_MIX, training_pool
+from engine.data.datasets import HUMANEVAL_TEMPLATE, STDLIB_MAX_CHARS, named_pool, stdlib_prompts, stdlib_rest_prompts
+from engine.data.prompts import Prompt, split_of
+from engine.data.workloads import TRAINING_MIX, training_pool
 
 TEMPLATE_HEAD, TEMPLATE_TAIL = HUMANEVAL_TEMPLATE.split("{prompt}")
 

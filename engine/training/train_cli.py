@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineInputError
-from engine.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
+from engine.training.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
 
 ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
 SAVE_MARGIN_S = 15.0  # --wall-budget: seconds kept for writing the checkpoint after training
@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
-    from engine.workloads import load_workload
+    from engine.data.workloads import load_workload
 
     if args.prompts:
         prompts = []
@@ -82,7 +82,7 @@ def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
             prompts.extend(load_workload(f, Path.cwd(), n_prompts=10**9, seed=args.seed, split="all").prompts)
         prompts = prompts[:n]
     else:
-        from engine.workloads import TRAINING_MIX, training_prompts
+        from engine.data.workloads import TRAINING_MIX, training_prompts
 
         prompts = training_prompts(TRAINING_MIX, n, args.seed)
     encoded = [pair.encode(p) for p in prompts]

@@ -1,5 +1,5 @@
 """A prompt (plain text, or a chat with tools) and its fixed train/eval split: what the workloads
-(``engine.workloads``) select from and the data assets (``engine.datasets``) build, so that neither
+(``engine.data.workloads``) select from and the data assets (``engine.data.datasets``) build, so that neither
 imports the other for it."""
 
 from __future__ import annotations

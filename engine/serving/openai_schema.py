@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.config import EngineConfig, EngineInputError
-from engine.prompts import Prompt
+from engine.data.prompts import Prompt
 
 DEFAULT_MAX_TOKENS = 512  # when a request gives none (and the context leaves room)
 MAX_STOP_STRINGS = 4

@@ -1,7 +1,7 @@
 """What both decode loops share, and neither owns: the workspace a generation decodes in, the phase
 timer, the prompt's prefill and a generation's finish, the draft's tree proposal (host or device) and
-the grammar's glue (masking, advancing, the commit placement's cut). ``engine.decode`` (the generic
-loop) and ``engine.runtime`` (the device-resident one) import it; it imports neither.
+the grammar's glue (masking, advancing, the commit placement's cut). ``engine.decoding.decode`` (the generic
+loop) and ``engine.decoding.runtime`` (the device-resident one) import it; it imports neither.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
-from engine.grammar import GrammarState, mask_logits
-from engine.models import topk, tree_kernel
-from engine.sampling import select_tokens, top_margins
-from engine.stats import PHASES, Generation, GenerationStats
-from engine.tree import Tree, ancestor_mask, build_tree_host, chain_tree
+from engine.decoding import tree_kernel
+from engine.decoding.grammar import GrammarState, mask_logits
+from engine.decoding.sampling import select_tokens, top_margins
+from engine.decoding.stats import PHASES, Generation, GenerationStats
+from engine.decoding.tree import Tree, ancestor_mask, build_tree_host, chain_tree
+from engine.models import topk
 
 
 class PhaseTimer:
@@ -197,6 +198,29 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
         ws.margin_buffer()[n : n + 1] = top_margins(logits)
     seq[n : n + 1] = select_tokens(logits, torch.tensor([n], device=seq.device), cfg.temperature, cfg.seed)
     return int(seq[n])
+
+
+def begin(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
+          stats: GenerationStats, timer: PhaseTimer, gs: GrammarState | None, bits: Tensor | None,
+          on_tokens: OnTokens | None, stop_ids: Sequence[int], max_new_tokens: int, record_margins: bool,
+          after_prefill: Callable[[], None] | None = None) -> tuple[list[int], float, float, bool]:
+    """A generation's start, as every loop takes it: the prompt's prefill (its token masked by the
+    grammar ``gs`` through ``bits``), ``after_prefill`` (more of the prompt's processing, timed as
+    prefill), the grammar advanced on the first token, which goes to ``on_tokens``.
+    Returns (the tokens so far, t0, the first token's time, whether the generation is done)."""
+    t0 = timer.now()
+    constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
+    out = [prefill(pair, ws, prompt, cfg, feature_layers, constrain, record_margins)]
+    if after_prefill is not None:
+        after_prefill()
+    if gs is not None:
+        advance_grammar(gs, out[0], stats)
+    t_first = timer.now()
+    stats.prefill_s = t_first - t0
+    if on_tokens is not None:
+        on_tokens(out[:])
+    done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
+    return out, t0, t_first, done
 
 
 def finish(out: list[int], stats: GenerationStats, timer: PhaseTimer, t_first: float, t0: float,

@@ -44,7 +44,7 @@ def vocab_bytes(tokenizer: Any) -> list[bytes | None]:
     GGUF byte-level BPE tokens are spelled in GPT-2's byte -> unicode map; the byte tokenizer of
     the tiny presets is bytes 0..255 plus specials.
     """
-    from engine.tokenizer import ByteTokenizer, GGUFTokenizer, _byte_tables
+    from engine.data.tokenizer import ByteTokenizer, GGUFTokenizer, _byte_tables
 
     if isinstance(tokenizer, ByteTokenizer):
         return [bytes([i]) if i < 256 else None for i in range(tokenizer.vocab_size)]

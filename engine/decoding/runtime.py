@@ -49,17 +49,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from engine import loop
 from engine.config import EngineConfig, EngineInputError
-from engine.drafters import DFlashDrafter
-from engine.grammar import GrammarState, mask_logits, new_bitmask
-from engine.models import tree_kernel
+from engine.decoding import loop, tree_kernel
+from engine.decoding.drafters import DFlashDrafter
+from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
+from engine.decoding.sampling import select_tokens, top_margins
+from engine.decoding.stats import Generation, GenerationStats
+from engine.decoding.tree import Tree
 from engine.models.attention import StepKeys, ancestor_table, chain_keys, chain_table
 from engine.models.dense import DenseModel
 from engine.models.hybrid import HybridModel
-from engine.sampling import select_tokens, top_margins
-from engine.stats import Generation, GenerationStats
-from engine.tree import Tree
 
 MIN_BUCKET = 128
 
@@ -87,7 +86,7 @@ def refusal(pair, cfg: EngineConfig, constrained: bool) -> str | None:
 
 def loop_for(pair, cfg: EngineConfig, constrained: bool, use_runtime: bool | None = None) -> str:
     """The decode loop ``cfg`` runs on ``pair`` (``GenerationStats.loop``): ``graphs`` (this runtime,
-    captured: CUDA), ``runtime`` (this runtime, eager: off CUDA) or ``generic`` (``engine.decode``).
+    captured: CUDA), ``runtime`` (this runtime, eager: off CUDA) or ``generic`` (``engine.decoding.decode``).
     ``draft_path="auto"`` takes ``graphs`` where ``refusal`` finds nothing, else ``generic``;
     ``runtime`` takes this runtime on any device and refuses (``EngineInputError``, with the reason)
     what it cannot run. ``use_runtime`` overrides ``draft_path`` (tests): True as ``runtime``, False
@@ -308,7 +307,7 @@ class RuntimeDecoder:
                                         self._draft_context(), key_len)
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
         # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
-        # mask come from one kernel launch on CUDA (engine.models.tree_kernel).
+        # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
         return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
                                  host=False)
 
@@ -352,26 +351,18 @@ class RuntimeDecoder:
             self.ws.cache.recommit_recurrent(path, torch.tensor([kept], device=self.device))
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
-               timer, gs: GrammarState | None, bits: Tensor | None, record: bool
-               ) -> tuple[GenerationStats, list[int], float, float]:
-        """The eager prefill (its token masked by the grammar through the host ``bits``; with
-        ``feature_layers``, the draft's context K/V of the prompt too), then the root's position
-        handed to the device."""
-
+               timer, gs: GrammarState | None, bits: Tensor | None, record: bool, stop_ids: Sequence[int],
+               max_new_tokens: int) -> tuple[GenerationStats, list[int], float, float, bool]:
+        """The eager prefill (``loop.begin``; with ``feature_layers``, the draft's context K/V of the
+        prompt too, timed as prefill like the target's K/V), then the root's position handed to the
+        device."""
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "runtime")
-        t0 = timer.now()
-        constrain = (lambda lg: loop.constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-        out = [loop.prefill(self.pair, self.ws, prompt, cfg, feature_layers, constrain, record)]
-        if feature_layers:  # part of the prompt's processing (prefill time), like the target's K/V
-            self.pair.drafter.fill_context(self._draft_context(), self.ws.features, len(prompt))
-        if gs is not None:
-            loop.advance_grammar(gs, out[0], stats)
-        t_first = timer.now()
-        stats.prefill_s = t_first - t0
-        if on_tokens is not None:
-            on_tokens(out[:])
+        draft_context = (lambda: self.pair.drafter.fill_context(self._draft_context(), self.ws.features,
+                                                                len(prompt))) if feature_layers else None
+        out, t0, t_first, done = loop.begin(self.pair, self.ws, prompt, cfg, feature_layers, stats, timer, gs, bits,
+                                            on_tokens, stop_ids, max_new_tokens, record, draft_context)
         self.start.fill_(len(prompt))
-        return stats, out, t0, t_first
+        return stats, out, t0, t_first, done
 
     def _bucket(self, need: int) -> int:
         # A span past the buffers would gather cos/sin and write K/V out of bounds on the device:
@@ -387,10 +378,9 @@ class RuntimeDecoder:
         readback = self._readback(1)  # before the prefill: allocation is not timed
         if record_margins:  # allocated before the prefill and any capture: captured steps write into it
             self.ws.margin_buffer()
-        stats, out, t0, t_first = self._begin(prompt, cfg, (), on_tokens, timer, gs,
-                                              bits[0] if bits else None, record_margins)
+        stats, out, t0, t_first, done = self._begin(prompt, cfg, (), on_tokens, timer, gs, bits[0] if bits else None,
+                                                    record_margins, stop_ids, max_new_tokens)
         pos = len(prompt)
-        done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         # after (kind, key span): see _Graphs.run
         key = (gs is not None, record_margins, cfg.temperature, cfg.seed, cfg.kernels)
 
@@ -440,15 +430,14 @@ class RuntimeDecoder:
         readback = self._readback(3 + n_verify)
         margins = self.ws.margin_buffer() if record_margins else None
         bits = new_bitmask(1, gs.words) if gs is not None else None
-        stats, out, t0, t_first = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer, gs,
-                                              bits, record_margins)
+        stats, out, t0, t_first, done = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer,
+                                                    gs, bits, record_margins, stop_ids, max_new_tokens)
         # A grammar may cut a step after its commit: the replaced recurrent state is kept, set after
         # the prefill (its reset clears it); a verify that keeps it is another graph.
         keep = self.recurrent and gs is not None
         if self.recurrent:
             self.ws.cache.keep_previous = keep
         start = len(prompt)
-        done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block, cfg.kernels)
 

@@ -1,6 +1,6 @@
 """DDTree's tree and ancestor mask in one Triton launch (the CUDA-graph ``runtime`` path).
 
-``engine.tree.build_tree_device`` runs a Python loop over the draft depths with about a dozen tensor
+``engine.decoding.tree.build_tree_device`` runs a Python loop over the draft depths with about a dozen tensor
 ops per depth, and ``ancestor_mask`` another five per depth: about 250 tiny launches per DDTree step,
 which inside a CUDA graph still cost a few microseconds each (the step's draft phase took 1.21 ms on
 an H200 against 0.49 ms for a chain step). ``build_tree_kernel`` computes the same tree and mask in
@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.models import fused
-from engine.tree import (
+from engine.decoding.tree import (
     _DEPTH_TIE,
     _FORCED_KEY,
     Tree,
@@ -32,6 +31,7 @@ from engine.tree import (
     effective_chain_seed,
     walk_device,
 )
+from engine.models import fused
 
 try:
     import triton

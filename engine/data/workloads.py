@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineInputError
-from engine.prompts import Prompt, split_of
+from engine.data.prompts import Prompt, split_of
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SPLITS = ("train", "eval", "all")
@@ -76,7 +76,7 @@ def workload_hash(prompts: tuple[Prompt, ...]) -> str:
 
 
 def _named(spec: str, cache_dir: Path | None = None) -> tuple[Prompt, ...]:
-    from engine.datasets import named_pool  # the data assets are only touched for named sets
+    from engine.data.datasets import named_pool  # the data assets are only touched for named sets
 
     return named_pool(spec, cache_dir)
 
@@ -115,12 +115,12 @@ def training_pool(name: str, cache_dir: Path | None = None) -> list[Prompt]:
     """Train-split prompts of one training set.
 
     ``code`` is HumanEval's train split (only ~130 of its 164 problems) plus the train-split ShareGPT
-    first turns that ask for or about code (``engine.datasets.is_code_like``); BFCL's python questions
+    first turns that ask for or about code (``engine.data.datasets.is_code_like``); BFCL's python questions
     are agent traffic and stay in ``agent``. ``stdlib`` (standard-library functions posed like HumanEval),
     ``stdlib-rest`` (the library's other functions) and ``chat-turns`` (later ShareGPT turns, none from a
     conversation whose first turn is eval) are no workloads (``NAMED_WORKLOADS``): they exist to train on.
     """
-    from engine.datasets import is_code_like
+    from engine.data.datasets import is_code_like
 
     if name not in TRAINING_SETS:
         raise EngineInputError(f"unknown training set {name!r}; known: {list(TRAINING_SETS)}")

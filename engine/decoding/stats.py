@@ -24,7 +24,7 @@ class GenerationStats:
     correction_tokens: int = 0  # steps that ended on a mismatch
     side_branch_steps: int = 0  # steps whose accepted path used a draft token below rank 0
     grammar_ms: float = 0.0  # host time in grammar calls (masks, advances, rollbacks), also inside phase_ms
-    # Which loop decoded: "generic" (engine.decode), "runtime" (the runtime's steps, eager) or "graphs"
+    # Which loop decoded: "generic" (engine.decoding.decode), "runtime" (the runtime's steps, eager) or "graphs"
     # (the runtime's steps as CUDA graphs). A config asks for a draft path; this is what ran.
     loop: str = "generic"
     prefill_s: float = 0.0

@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from engine.config import EngineConfig, EngineInputError
-from engine.decode import generate
-from engine.openai_schema import (
+from engine.decoding.decode import generate
+from engine.serving.openai_schema import (
     ApiError,
     ChatBody,
     CompletionBody,

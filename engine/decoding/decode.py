@@ -10,31 +10,31 @@ from collections.abc import Sequence
 
 import torch
 
-from engine import runtime
 from engine.config import EngineConfig, EngineInputError
-from engine.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
-from engine.loop import (
+from engine.decoding import runtime
+from engine.decoding.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
+from engine.decoding.loop import (
     OnTokens,
     PhaseTimer,
     advance_grammar,
+    begin,
     constrain_logits,
     finish,
     grammar_commit,
     masked_pick,
-    prefill,
     propose_tree,
     tree_bitmask,
     truncate,
 )
+from engine.decoding.sampling import select_tokens, top_margins
+from engine.decoding.stats import Generation, GenerationStats
+from engine.decoding.tree import walk_device, walk_host
 from engine.models import fused
 from engine.models.common import VerifyTree
-from engine.sampling import select_tokens, top_margins
-from engine.stats import Generation, GenerationStats
-from engine.tree import walk_device, walk_host
 
 
 def _use_runtime(pair, cfg: EngineConfig, gs: GrammarState | None, use_runtime: bool | None) -> bool:
-    """Whether ``engine.runtime`` decodes (``runtime.loop_for``: ``draft_path``, or ``use_runtime``
+    """Whether ``engine.decoding.runtime`` decodes (``runtime.loop_for``: ``draft_path``, or ``use_runtime``
     in tests: True the runtime on any device, False this module's loop); a refused config raises."""
     return runtime.loop_for(pair, cfg, gs is not None, use_runtime) != "generic"
 
@@ -47,7 +47,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
     With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
-    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
+    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.decoding.runtime``).
     ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
@@ -56,18 +56,10 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
         return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
     margins = ws.margin_buffer() if record_margins else None  # before the prefill: allocation is not timed
-    t0 = timer.now()
     bits = new_bitmask(1, gs.words) if gs is not None else None
-    constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, (), constrain, record_margins)]
+    out, t0, t_first, done = begin(pair, ws, prompt, cfg, (), stats, timer, gs, bits, on_tokens, stop_ids,
+                                   max_new_tokens, record_margins)
     tok = ws.seq[len(prompt)]
-    if gs is not None:
-        advance_grammar(gs, out[0], stats)
-    t_first = timer.now()
-    stats.prefill_s = t_first - t0
-    if on_tokens is not None:
-        on_tokens(out[:])
-    done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
     while not done:
         pos = ws.cache.length
         with timer.phase("verify"):
@@ -96,7 +88,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
-    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.runtime``).
+    ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.decoding.runtime``).
     ``record_margins``: ``Generation.margins``, from the verify rows along each accepted path (a
     grammar cut's token: from its masked row)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
@@ -107,7 +99,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
-    # room past the last root for a step launched ahead (engine.runtime): its block and its tree
+    # room past the last root for a step launched ahead (engine.decoding.runtime): its block and its tree
     ws = pair.workspace(n + max_new_tokens + n_verify + 2 * block + 1, feature_dim=feat_dim)
     cache, seq, feats = ws.cache, ws.seq, ws.features
     device = seq.device
@@ -121,16 +113,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     margins = ws.margin_buffer() if record_margins else None
-    t0 = timer.now()
-    constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, drafter.feature_layers, constrain, record_margins)]
-    if gs is not None:
-        advance_grammar(gs, out[0], stats)
-    t_first = timer.now()
-    stats.prefill_s = t_first - t0
-    if on_tokens is not None:
-        on_tokens(out[:])
-    done = out[0] in stop_ids or max_new_tokens <= 1 or (gs is not None and gs.done)
+    out, t0, t_first, done = begin(pair, ws, prompt, cfg, drafter.feature_layers, stats, timer, gs, bits, on_tokens,
+                                   stop_ids, max_new_tokens, record_margins)
 
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached

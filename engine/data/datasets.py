@@ -1,7 +1,7 @@
 """Prompt pools built from the data assets: HumanEval (code), ShareGPT (chat), BFCL (agent traffic), and
 two training-only pools: later ShareGPT turns and the running interpreter's standard library.
 
-Every pool is a deterministic list (file order, duplicates dropped); engine.workloads splits it into
+Every pool is a deterministic list (file order, duplicates dropped); engine.data.workloads splits it into
 train/eval by content hash and samples from it by seed.
 
 - ``humaneval``: the 164 problems. Each ``prompt`` field (a signature + docstring to complete) is
@@ -58,9 +58,9 @@ from importlib.util import decode_source
 from pathlib import Path
 from typing import Any
 
-from engine.assets import default_cache_dir, ensure_asset
 from engine.config import EngineInputError
-from engine.prompts import Prompt, split_of
+from engine.data.assets import default_cache_dir, ensure_asset
+from engine.data.prompts import Prompt, split_of
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
 CHAT_MAX_CHARS = 2000

@@ -1,0 +1,39 @@
+# Sourced by benchmarks/runbook.sh and the lent machine's call scripts (common.sh): one log under $OUT,
+# named sections with their own time limits that never end the run, and a summary line per section.
+#   source benchmarks/device/sections.sh NAME
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+LOG="$OUT/$1.log"
+START=$(date +%s)
+SUMMARY=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# section NAME SECONDS CMD...: run CMD with a time limit, its output into the log (and stdout)
+# SKIP="name ..." skips those sections (a re-run of a call that already has them).
+section() {
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    say "=== $name: skipped (SKIP)"
+    SUMMARY+=("$name: skipped")
+    LAST_RC=0
+    return 0
+  fi
+  t0=$(date +%s)
+  say "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
+  set -o pipefail
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=$?
+  set +o pipefail
+  SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - t0 ))s")
+  LAST_RC=$rc
+  return 0
+}
+
+summary() {
+  say "=== summary (+$(( $(date +%s) - START ))s)"
+  for line in "${SUMMARY[@]}"; do say "$line"; done
+}

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server (``server``) and its request and response schema
+(``openai_schema``)."""
