@@ -45,9 +45,12 @@ def picks(study: optuna.Study, confirm_top: int) -> list[tuple[int, dict[str, An
     return out
 
 
-def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: Any) -> None:
+def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: Any,
+        on_start: Callable[[int], None] | None = None) -> None:
     """Re-measure ``picks`` and record the winner (the study's ``confirmation``); nothing when the
-    phase is off or already ran over this many finished trials."""
+    phase is off or already ran over this many finished trials. ``on_start(n)``: the phase starts
+    with n configs (a progress bar's label). If every re-measurement is dropped, the study's
+    ``confirmation_failed`` keeps the reasons (the report names them)."""
     m = exp.measure
     finished = st.n_finished(study)
     done = study.user_attrs.get("confirmation")
@@ -56,6 +59,8 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
     chosen = picks(study, m.confirm_top)
     if not chosen:
         return
+    if on_start is not None:
+        on_start(len(chosen))
     cands, ar, ref = [], None, None
     dropped: list[dict[str, Any]] = []  # re-measurements that failed or lost exactness: said, never silent
     worker: str | None = None  # every candidate on one worker: ratios measured side by side
@@ -78,6 +83,8 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
         tqdm.write(f"confirmation: trial {d['trial']} ({d['role']}) dropped: {d['reason']}", file=sys.stderr)
     win = measure.choose_winner([c for c, _ in cands])
     if win is None:
+        study.set_user_attr("confirmation_failed", {"finished_trials": finished, "when": st._now(),
+                                                    "dropped": dropped})
         return
     ar_tps = ar.score.median if ar else None
     conf = {

@@ -121,6 +121,12 @@ def _conclusions(w: results.Winner) -> list[str]:
 
 def _confirmation(study: optuna.Study) -> list[str]:
     conf = study.user_attrs.get("confirmation")
+    failed = study.user_attrs.get("confirmation_failed")
+    if failed and (not conf or failed["finished_trials"] > conf["finished_trials"]):
+        L = ["## Confirmation", "", f"**Every re-measurement failed** after {failed['finished_trials']} trials: "
+             "nothing is confirmed.", ""]
+        L += [f"- Trial {d['trial']} ({d['role']}): {d['reason']}" for d in failed["dropped"]]
+        return L + [""]
     if not conf:
         return []
     L = ["## Confirmation", "", f"The top configs re-measured with {conf['repeats']} repeats after "

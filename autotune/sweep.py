@@ -448,9 +448,9 @@ class _Driver:
     # ---------------------------------------------------------------- confirmation
     def confirm(self) -> None:
         """The confirmation phase (``autotune.confirm``) on this driver's workers."""
-        if self.bar is not None:
-            self.bar.set_description(f"{self.study.study_name} confirming")
-        confirm.run(self.exp, self.study, self._measure_now, self.tracker)
+        bar = self.bar
+        label = (lambda n: bar.set_description(f"{self.study.study_name} confirming {n}")) if bar else None
+        confirm.run(self.exp, self.study, self._measure_now, self.tracker, label)
 
     def _measure_now(self, job: Job, worker: str | None) -> Record:
         """One job outside the trial loop (nothing else in flight), on ``worker`` if it is still there."""

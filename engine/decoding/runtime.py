@@ -141,14 +141,23 @@ class _Graphs:
     def _abandon(self) -> None:
         """After a failed capture: PyTorch leaves the caching allocator recording into the pool (every
         later capture into it raised "beginAllocateToPool: already recording to mempool_id": three
-        trials of the 2026-12-04 sweep after one bad one). End that recording where this PyTorch
+        trials of the 2026-12-04 sweep after one bad one), and the failed graph never gives back its
+        hold on the pool (its reset releases only a finished capture's), so the pool's memory would
+        stay reserved for the process. End that recording and release that hold where this PyTorch
         can, and forget the pool: the next capture takes a fresh one."""
+        device = torch.cuda.current_device()
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        release = getattr(torch._C, "_cuda_releasePool", None)
         if end is not None:
             try:
-                end(torch.cuda.current_device(), self._pool)
+                end(device, self._pool)
             except RuntimeError:
-                pass  # the capture's own end had stopped it
+                release = None  # the capture's own end had stopped it, and holds nothing more
+        if release is not None:
+            try:
+                release(device, self._pool)
+            except RuntimeError:
+                pass
         self.clear()
 
     def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
@@ -169,7 +178,9 @@ class _Graphs:
                 t.copy_(s)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                # the outer stream context puts this thread's stream back if the capture fails: the
+                # graph context enters its capture stream and, when capture_end raises, never leaves it
+                with torch.cuda.stream(torch.cuda.current_stream()), torch.cuda.graph(graph, pool=self._pool):
                     out = fn(*args)
             except Exception as exc:
                 self._abandon()

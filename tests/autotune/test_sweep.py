@@ -284,3 +284,26 @@ def test_a_confirmation_re_measurement_that_fails_is_said_not_dropped_silently(t
     assert ("**Trial 0 (baseline) was dropped from the confirmation** (the AR baseline: no speedup is "
             "confirmed): RuntimeError: capturing the 'ar' step") in md
     assert "No conclusion vs AR: the AR baseline was not re-measured" in md and "treat as a tie" not in md
+
+
+def test_a_confirmation_where_every_re_measurement_fails_is_reported_with_the_reasons(tmp_path, monkeypatch):
+    """Nothing re-measured (a worker whose every capture fails): no winner is confirmed, and the
+    study and the report keep each dropped trial's reason rather than only "did not run"."""
+    from autotune.report import write_report
+
+    measure = Worker.measure
+
+    def failing_confirm(self, job, on_first_pass=None):
+        rec = measure(self, job, on_first_pass)
+        if job.role == "confirm":
+            rec.ok, rec.fail_reason = False, f"RuntimeError: capture failed on trial {job.trial}"
+        return rec
+
+    monkeypatch.setattr(Worker, "measure", failing_confirm)
+    outcome, _ = sweep(tiny_experiment(tmp_path), "memory")
+    attrs = outcome.study.user_attrs
+    assert "confirmation" not in attrs and attrs["confirmation_failed"]["dropped"]
+    assert {d["trial"] for d in attrs["confirmation_failed"]["dropped"]} >= {0, 1}
+    md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
+    assert "**Every re-measurement failed** after 5 trials" in md
+    assert "- Trial 0 (baseline): RuntimeError: capture failed on trial 0" in md
