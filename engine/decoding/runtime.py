@@ -382,6 +382,22 @@ class RuntimeDecoder:
             raise RuntimeError(f"a step needs {need} key slots, but the workspace has {self.ws.max_len}")
         return bucket_for(need, self.ws.max_len)
 
+    def _next(self, done: bool, ahead, mark, timer, launch: Callable[[int], object], position: int):
+        """The step to read next: the one launched ahead, or one launched now at ``position``; none
+        when the generation is done, and then a step launched ahead is not part of it (neither
+        counted nor timed)."""
+        if done and ahead is not None:
+            timer.rollback(mark)
+            self._ran_ahead()
+        return ahead if ahead is not None or done else launch(position)
+
+    def _finish(self, out: list[int], stats: GenerationStats, timer, t_first: float, t0: float,
+                t_last: float | None, length: int, n_prompt: int, record_margins: bool) -> Generation:
+        """``loop.finish`` with the cache's committed length on the host, and the margins if asked."""
+        self.ws.cache.length = length
+        gen = loop.finish(out, stats, timer, t_first, t0, t_last)
+        return self.ws.attach_margins(gen, n_prompt) if record_margins else gen
+
     def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                     on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
 
@@ -424,13 +440,8 @@ class RuntimeDecoder:
             stats.steps += 1
             t_last = time.perf_counter()
             done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
-            if done and ahead is not None:  # a stop token: the step launched ahead is not part of it
-                timer.rollback(mark)
-                self._ran_ahead()
-            pending = ahead if ahead is not None or done else launch(pos)
-        self.ws.cache.length = pos
-        gen = loop.finish(out, stats, timer, t_first, t0, t_last)
-        return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
+            pending = self._next(done, ahead, mark, timer, launch, pos)
+        return self._finish(out, stats, timer, t_first, t0, t_last, pos, len(prompt), record_margins)
 
     def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                              stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
@@ -498,13 +509,8 @@ class RuntimeDecoder:
             if on_tokens is not None and new:
                 on_tokens(list(new))
             t_last = time.perf_counter()
-            if done and ahead is not None:  # the step launched ahead is not part of the generation
-                timer.rollback(mark)
-                self._ran_ahead()
-            pending = ahead if ahead is not None or done else launch(start)
-        self.ws.cache.length = start
-        gen = loop.finish(out, stats, timer, t_first, t0, t_last)
-        return self.ws.attach_margins(gen, len(prompt)) if record_margins else gen
+            pending = self._next(done, ahead, mark, timer, launch, start)
+        return self._finish(out, stats, timer, t_first, t0, t_last, start, len(prompt), record_margins)
 
 
 def decoder_for(pair, ws, graphs: bool) -> RuntimeDecoder:
