@@ -22,3 +22,9 @@ class InputError(ValueError):
         location = f"{where}: {key}" if key else where
         got = "" if value is _MISSING else f", but got {value!r}"
         super().__init__(f"{location}: {rule}{got}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles with its fields (one raised in a Ray actor reaches the driver as itself)."""
+        args = (self.where, self.key, self.rule) if self.value is _MISSING else (self.where, self.key, self.rule,
+                                                                                  self.value)
+        return (type(self), args)

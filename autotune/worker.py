@@ -16,17 +16,6 @@ measurement protocol of docs/measurement.md for one config:
 Each record also carries the worker's utilisation during the job (NVML GPU utilisation on a GPU,
 process CPU time over wall time on a CPU) and whether the engine error it hit leaves the device
 unusable (then the Ray executor restarts the worker process).
-
-Test-only fault injection: ``Worker(..., faults={trial_number: kind})`` makes the job of that
-trial misbehave the way bad configs do, before anything is measured:
-
-- ``crash``: the worker process dies at once (``os._exit``), like a segfault or the kernel OOM killer;
-- ``hang``: the job never returns (only a per-trial timeout gets the worker back);
-- ``oom``: the engine raises ``torch.OutOfMemoryError``: the trial fails, the worker goes on;
-- ``device``: a CUDA-style error that leaves the device unusable: the trial fails with the reason
-  and the record says ``device_unusable`` so the executor restarts the worker.
-
-Nothing outside tests and benchmarks passes ``faults``.
 """
 
 from __future__ import annotations
@@ -46,9 +35,6 @@ from autotune import measure
 
 # Called after the first measured pass with the per-prompt decode TPS; returns True to prune.
 PassCallback = Callable[[list[float]], bool]
-# Test-only: rewrites a config's outputs before the exactness check (see tests/autotune).
-OutputHook = Callable[[dict[str, Any], list[list[int]]], list[list[int]]]
-FAULTS = ("crash", "hang", "oom", "device")
 MAX_DIAGNOSED = 20  # inexact prompts given divergence forensics per trial (two short generations each)
 # Messages of errors after which a CUDA context cannot be trusted (the process must go).
 _DEVICE_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
@@ -119,13 +105,8 @@ class Record:
 class Worker:
     """Owns a loaded ``engine.Pair`` and the encoded prompts; measures one config per call."""
 
-    def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any],
-                 *, output_hook: OutputHook | None = None, faults: dict[int, str] | None = None) -> None:
-        bad = {k: v for k, v in (faults or {}).items() if v not in FAULTS}
-        if bad:
-            raise ValueError(f"fault kinds must be one of {FAULTS}, but got {bad}")
+    def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any]) -> None:
         self.pair = pair
-        self.faults = dict(faults or {})
         self._engine_s = 0.0  # seconds inside the engine during the current job
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.fixed = dict(fixed)
@@ -136,7 +117,6 @@ class Worker:
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
-        self._output_hook = output_hook
 
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
@@ -180,8 +160,6 @@ class Worker:
         t0 = time.perf_counter()
         with _Utilisation(self.pair.device) as util:
             try:
-                if job.role != "confirm" and job.trial in self.faults:
-                    _inject(self.faults[job.trial], job.trial)
                 self._measure(job, rec, on_first_pass)
             except KeyboardInterrupt:
                 raise
@@ -218,7 +196,7 @@ class Worker:
             if first.noisy:
                 rec.remeasured = True
                 passes += [self._pass(cfg, job.max_new_tokens) for _ in range(job.repeats)]
-        diverged = self._fill(rec, cfg.to_dict(), passes, reference)
+        diverged = self._fill(rec, passes, reference)
         if not rec.pruned:  # a pruned trial records no exactness (sweep.tell)
             self._diagnose(rec, cfg, reference, diverged)
 
@@ -251,7 +229,7 @@ class Worker:
             counts = Counter(d["verdict"] for d in rec.divergences)
             rec.divergence_verdicts = {v: counts[v] for v in VERDICTS}
 
-    def _fill(self, rec: Record, config: dict[str, Any], passes: list[list[Any]],
+    def _fill(self, rec: Record, passes: list[list[Any]],
               reference: list[list[list[int]]]) -> dict[tuple[int, int], list[int]]:
         """The record's numbers from the passes; returns the first differing output of each inexact
         prompt, keyed by (set, prompt)."""
@@ -280,8 +258,7 @@ class Worker:
         diverged: dict[tuple[int, int], list[int]] = {}
         for p in passes:
             for j, ((name, _), r, ref) in enumerate(zip(self.sets, p, reference, strict=True)):
-                outputs = self._output_hook(config, r.outputs) if self._output_hook else r.outputs
-                for i, (out, want) in enumerate(zip(outputs, ref, strict=True)):
+                for i, (out, want) in enumerate(zip(r.outputs, ref, strict=True)):
                     checked += 1
                     div = first_divergence(out, want)
                     if div is None:
@@ -312,20 +289,6 @@ def device_unusable(exc: BaseException) -> bool:
     """Whether an engine error leaves the accelerator in a state no later trial can trust."""
     text = f"{type(exc).__name__}: {exc}"
     return type(exc).__name__ == "AcceleratorError" or any(m.lower() in text.lower() for m in _DEVICE_FATAL)
-
-
-def _inject(kind: str, trial: int) -> None:
-    """The test-only fault hook (see the module docstring)."""
-    if kind == "crash":
-        os._exit(77)
-    if kind == "hang":
-        while True:
-            time.sleep(3600)
-    if kind == "oom":
-        import torch
-
-        raise torch.OutOfMemoryError(f"injected out-of-memory fault on trial {trial}")
-    raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected fault on trial {trial})")
 
 
 def _free_device_memory(device: str) -> None:

@@ -3,6 +3,7 @@
     python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
     python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
+    python benchmarks/kernel_bench.py tree --old old.py     # also another version of tree_kernel.py
     python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
     python benchmarks/kernel_bench.py attention             # decode attention by keys per span and block
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
@@ -115,9 +116,11 @@ TREE_BUDGETS = (8, 16, 22, 32, 48, 64)
 TREE_WARPS = (None, 8, 4, 2, 16)  # warps per program of the DDTree kernel; None: its own (kernel_warps)
 
 
-def bench_tree() -> tuple[list[dict], list[str]]:
+def bench_tree(old_module=None) -> tuple[list[dict], list[str]]:
     """The DDTree kernel (L = 15, k = 8: SmolLM2's draft) per budget, by warp count; tie-free random
-    log-probs, and log-probs in steps of 1/8 (bf16 draft logits repeat values: exact ties)."""
+    log-probs, and log-probs in steps of 1/8 (bf16 draft logits repeat values: exact ties).
+    ``old_module``: another copy of ``tree_kernel.py`` (``--old``) timed first, its trees checked
+    equal to this one's."""
     from engine.decoding import tree_kernel
 
     gen = torch.Generator().manual_seed(0)
@@ -127,10 +130,22 @@ def bench_tree() -> tuple[list[dict], list[str]]:
     root = torch.tensor([5], device="cuda")
     own = tree_kernel.kernel_warps
     rows = []
+    if old_module is not None:
+        for label, x in (("", lp), (", exact ties", tied)):
+            row = {"config": f"--old (its own warps){label}"}
+            for b in TREE_BUDGETS:
+                new_tree, new_mask = tree_kernel.build_tree_kernel(x, ids, root, b, None)
+                old_tree, old_mask = old_module.build_tree_kernel(x, ids, root, b, None)
+                fields = ("tokens", "parents", "depths", "ranks")
+                if not (all(torch.equal(getattr(new_tree, f), getattr(old_tree, f)) for f in fields)
+                        and torch.equal(new_mask, old_mask)):
+                    raise SystemExit(f"tree: --old builds another tree at budget {b}{label}")
+                row[f"b{b}"] = _time(lambda b=b, x=x: old_module.build_tree_kernel(x, ids, root, b, None))
+            rows.append(row)
     try:
         for warps in TREE_WARPS:
             tree_kernel.kernel_warps = own if warps is None else (lambda budget, w=warps: w)
-            name = f"warps={warps}" if warps else "its own (4 up to budget 32, 8 beyond)"
+            name = f"warps={warps}" if warps else "its own (kernel_warps)"
             for label, x in (("", lp), (", exact ties", tied)):
                 if label and warps is not None:
                     continue
@@ -458,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
-    ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config)")
+    ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config); "
+                                  "tree: another copy of engine/decoding/tree_kernel.py")
     ap.add_argument("--md", help="write the table here")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -466,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_bench needs CUDA", file=sys.stderr)
         return 2
     if args.kernel == "tree":
-        return _report(args, *bench_tree())
+        return _report(args, *bench_tree(_load_module("old_tree_kernel", args.old) if args.old else None))
     if args.kernel == "blas":
         return _report(args, *bench_blas())
     if args.kernel == "attention":
@@ -496,9 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     default = delta_rule.kernel_config
     rows = []
     if args.old:
-        spec = importlib.util.spec_from_file_location("old_delta_rule", args.old)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+        old = _load_module("old_delta_rule", args.old)
         rows.append({"config": f"{Path(args.old).name} (its own)", **bench_delta(old)})
     rows.append({"config": f"default {default(DK, DV)[1:]}", **bench_delta(delta_rule)})
     try:
@@ -512,6 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['stored']} | {r['prefill512']:.1f} | "
               f"{r['commit']:.1f} |" for r in rows]
     return _report(args, rows, lines)
+
+
+def _load_module(name: str, path: str):
+    """A module from a file (another copy of an engine module, ``--old``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _pick_shapes(wanted: list[str] | None) -> list[tuple[str, int, int]]:

@@ -13,7 +13,7 @@ class LocalExecutor(Executor):
     """Runs each job synchronously inside :meth:`wait`, one at a time.
 
     ``worker_factory`` builds the worker on :meth:`start` (so a bad model fails there, not at
-    construction); tests pass their own factory to install a worker hook.
+    construction); tests pass one that builds a test double of the worker.
     """
 
     def __init__(self, worker_factory: Callable[[], Worker]) -> None:

@@ -23,8 +23,12 @@ How it behaves (the driver keeps the study and MLflow; actors only measure):
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,8 @@ from autotune.errors import InputError
 from autotune.executors.base import Executor
 from autotune.worker import Job, PassCallback, Record, Worker
 
+DEFAULT_WORKER = "autotune.worker:Worker"
+_WORKER_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 RESTART_ATTEMPTS = 40  # calls to a restarting actor that may bounce before the slot is given up
 _RETRY_PAUSE_S = 0.25
 
@@ -48,7 +54,11 @@ def default_temp_dir() -> Path:
 class WorkerSpec:
     """What an actor needs to measure: the model pair, the prompts and the fixed engine fields.
 
-    ``faults`` is the worker's test-only fault hook (see :mod:`autotune.worker`)."""
+    ``worker`` names what wraps the loaded pair in each actor, as ``"module:callable"`` (a string,
+    so the spec pickles to actors on any host): a :class:`~autotune.worker.Worker` subclass or a
+    function returning a Worker, called as ``worker(pair, workloads, fixed, **worker_kwargs)``.
+    The driver checks it on construction and every actor imports it, so its module must be
+    importable on every host (as ``autotune`` is). ``worker_kwargs`` are plain data."""
 
     target: str
     draft: str
@@ -56,10 +66,49 @@ class WorkerSpec:
     dtype: str
     workloads: tuple[Any, ...]
     fixed: dict[str, Any] = field(default_factory=dict)
-    faults: dict[int, str] = field(default_factory=dict)
+    worker: str = DEFAULT_WORKER
+    worker_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        factory = load_worker(self.worker)
+        kwargs = self.worker_kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise InputError("WorkerSpec", "worker_kwargs", "must be a dict of keyword arguments (str keys) for "
+                             f"{self.worker}", kwargs)
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):  # no signature to check (a builtin): the actor's call says
+            return
+        try:
+            signature.bind(None, (), {}, **kwargs)
+        except TypeError as exc:
+            raise InputError("WorkerSpec", "worker_kwargs", f"must be keyword arguments that {self.worker}(pair, "
+                             f"workloads, fixed, **worker_kwargs) accepts ({exc})", kwargs) from None
 
     def model_key(self) -> tuple[str, str, str, str]:
         return (self.target, self.draft, self.device, self.dtype)
+
+
+def load_worker(ref: str) -> Callable[..., Worker]:
+    """The callable ``ref`` (``"module:name"``, ``name`` may be dotted) names; an :class:`InputError`
+    naming the value and the rule when it is malformed, does not import, or is not a Worker factory."""
+    rule = ("must be 'module:callable' naming a Worker subclass or a function returning a Worker, "
+            "importable where the actors run")
+    if not isinstance(ref, str) or not _WORKER_REF.fullmatch(ref):
+        raise InputError("WorkerSpec", "worker", rule, ref)
+    module_name, _, attr = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or the module itself failing: either way the value is unusable
+        raise InputError("WorkerSpec", "worker", f"{rule}; importing {module_name!r} failed "
+                         f"({type(exc).__name__}: {exc})", ref) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise InputError("WorkerSpec", "worker", f"{rule}; {module_name!r} has no {attr!r}", ref)
+        obj = getattr(obj, part)
+    if (isinstance(obj, type) and not issubclass(obj, Worker)) or not callable(obj):
+        raise InputError("WorkerSpec", "worker", f"{rule}; it names {obj!r}", ref)
+    return obj
 
 
 class _Measurer:
@@ -86,7 +135,7 @@ class _Measurer:
             self.loads += 1
         else:
             pair = self.worker.pair
-        self.worker = Worker(pair, spec.workloads, spec.fixed, faults=spec.faults)
+        self.worker = load_worker(spec.worker)(pair, spec.workloads, spec.fixed, **spec.worker_kwargs)
         self.spec = spec
         return self.worker.id
 

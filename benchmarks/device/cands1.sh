@@ -10,6 +10,8 @@
 #   large_attn_C   the same with the decode steps' attention on each LARGE_ATTN candidate
 #                  (`gpu_bench.py --step-attention`, e.g. LARGE_ATTN="32x4x128x2")
 #   attention      `kernel_bench.py attention` (the step kernel by span, key block and warps)
+#   tree           `kernel_bench.py tree` (the DDTree kernel by budget and warps; OLD_TREE: another copy
+#                  of engine/decoding/tree_kernel.py timed first, its trees checked equal)
 #   exact_8b       exactness on the 8B shape (EXACT8_ARGS: its budgets and top_ks)
 #   exact_27b      exactness on the 27B hybrid shape, both rollbacks (EXACT27_ARGS)
 source benchmarks/device/common.sh cands1
@@ -30,6 +32,8 @@ for cand in ${LARGE_ATTN:-}; do
     --step-attention "$cand" --md "$OUT/large_attn_$cand.md" --out "$OUT/large_attn_$cand.json"
 done
 section attention 120 python3 benchmarks/kernel_bench.py attention --md "$OUT/attention.md" --out "$OUT/attention.json"
+section tree 90 python3 benchmarks/kernel_bench.py tree ${OLD_TREE:+--old "$OLD_TREE"} --md "$OUT/tree.md" \
+  --out "$OUT/tree.json"
 section exact_8b ${EXACT8_LIMIT:-170} python3 benchmarks/exact_bench.py --target qwen3-8b-shape \
   --draft qwen3-8b-shape-dflash --random-prompts 8 --prompt-len 64 --max-new-tokens 128 \
   ${EXACT8_ARGS:---budgets 8 22 48 64 --top-ks 1 8 --oracle 0.3 --oracle-configs chain "ddtree b22 k8"} \

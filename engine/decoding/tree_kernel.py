@@ -7,12 +7,13 @@ an H200 against 0.49 ms for a chain step). ``build_tree_kernel`` computes the sa
 a single launch of one program; ``build_tree_and_mask`` picks it on CUDA with the kernels enabled and
 falls back to the tensor-op forms (the reference the kernel is tested against) otherwise.
 
-Selection inside one program, in registers: per depth the candidates (kept parent, rank) are one
-vector of float64 keys packed into sortable int64 with their index in the low bits, sorted (Triton's
-bitonic ``tl.sort``); the best ``budget`` are kept, their scores recomputed by the same float64 add,
-and merged into a running sorted list of the best entries over all depths. No global memory round
-trip per depth (the ranking kernel this replaced ranked candidates pairwise through global memory:
-103 against 68 us at budget 48 on an H200). Exact key ties go to the lower candidate (or entry)
+Selection inside one program, in registers: per depth the candidates (kept parent, rank) that can
+be among the best ``budget`` (``candidate_count``) are one vector of float64 keys packed into sortable
+int64 with their index in the low bits, sorted (Triton's bitonic ``tl.sort``); the best ``budget`` are
+kept, their scores recomputed by the same float64 add, and merged into a running sorted list of the
+best entries over all depths (one bitonic merge, log2 of the list's size in stages). No global memory
+round trip per depth (the ranking kernel this replaced ranked candidates pairwise through global
+memory: 103 against 68 us at budget 48 on an H200). Exact key ties go to the lower candidate (or entry)
 index, as do keys within 2**-39 of each other (the packed index takes the key's low 13 bits);
 ``torch.topk`` leaves tie order unspecified: only there can a tree differ from ``build_tree_device``'s.
 """
@@ -48,17 +49,22 @@ MAX_BUDGET = 256
 # low bits of the packed sort keys: keys closer than 2**-39 relative order by index, as exact ties.
 INDEX_BITS = 13
 MASK_BLOCK = 1024  # mask bytes zeroed per step
-# Warps per program: 4 up to budget 32, 8 beyond (H200, budget 8-32: 27-42 us with 4, 30-42 with 8;
-# 48: 87 against 68). A depth's candidates are P_PAD x K_PAD packed int64 values sorted across the
-# program (at budget 256 and k 16, 4,096 of them: 212 registers a thread on sm_90 with no spills,
-# benchmarks/kernel_check.py). The tree does not depend on the warp count.
+# Warps per program: 4 up to budget 64, 8 up to 128, 16 beyond (H200, k 8, 2026-12-04: budget 22 20.0 us
+# with 4, 21.5 with 8; 48: 28.9 against 31.7; 64: 29.0 against 31.8; 16 warps 27-41 us: slower).
+# A depth's candidates are C_PAD packed int64 values sorted across the program
+# (benchmarks/kernel_check.py: registers and spills on sm_90; 8 warps use a stack frame at budget 256,
+# k 16). The tree does not depend on the warp count.
 NUM_WARPS = 8
 NUM_WARPS_SMALL = 4  # budgets <= SMALL_BUDGET
-SMALL_BUDGET = 32
+SMALL_BUDGET = 64
+NUM_WARPS_LARGE = 16  # budgets > LARGE_BUDGET
+LARGE_BUDGET = 128
 
 
 def kernel_warps(budget: int) -> int:
-    return NUM_WARPS_SMALL if budget <= SMALL_BUDGET else NUM_WARPS
+    if budget <= SMALL_BUDGET:
+        return NUM_WARPS_SMALL
+    return NUM_WARPS if budget <= LARGE_BUDGET else NUM_WARPS_LARGE
 
 
 def tree_sizes(depth: int, k: int, budget: int) -> tuple[list[int], int]:
@@ -75,10 +81,31 @@ def kernel_supports(depth: int, k: int, budget: int) -> bool:
     return 1 <= depth <= MAX_DEPTH and 1 <= k <= MAX_TOP_K and 1 <= budget <= MAX_BUDGET
 
 
+def candidate_count(k: int, budget: int) -> int:
+    """How many candidates (parent slot p, rank r) a depth sorts: those that can end up in the tree,
+    rank r's parents 0..min(budget - 1, budget // (r + 2)).
+
+    Why no other can: the parents sit in key order (slot 0 first) and each one's top-k log-probs
+    descend, so for p >= 1 every (p', r') with 1 <= p' <= p and r' <= r scores at least (p, r)'s
+    (float64 addition is monotone; an exact tie goes to the lower index p' * k + r', as in the sort;
+    parents whose keys lie within 2**-39 of each other sit in index order, the sort's own tolerance):
+    p * (r + 1) - 1 candidates besides (p, r) itself. Their parents, slots 1..p one depth up, rank
+    ahead of them all (a child's key is its parent's plus a log-prob <= 0, less one more depth
+    tie-break). Slot 0 (the chain seed's forced entry at the depths it covers, whose score is any) is
+    left out of both counts. So p * (r + 2) - 1 entries of the tree rank ahead of (p, r), and with
+    p * (r + 2) > budget it is not among the tree's at most ``budget`` nodes; nor is any descendant
+    (each ranks behind its parent). A depth may then keep fewer than its m entries: the rest are not
+    in the tree, and their slots are left out as parents. Budget 48 at k 8: 94 candidates sorted
+    instead of the 384 of the full grid (512 padded)."""
+    return sum(min(budget - 1, budget // (r + 2)) + 1 for r in range(k))
+
+
 def kernel_launch(depth: int, k: int, budget: int) -> dict[str, int]:
     """The constexprs of one launch (powers of two covering the sizes)."""
-    return dict(LOW=(1 << INDEX_BITS) - 1, P_PAD=max(16, triton.next_power_of_2(budget)),
-                K_PAD=max(2, triton.next_power_of_2(k)), BLOCK_M=MASK_BLOCK)
+    p_pad = max(16, triton.next_power_of_2(budget))
+    return dict(LOW=(1 << INDEX_BITS) - 1, P_PAD=p_pad, LOG_P=p_pad.bit_length() - 1,
+                K_PAD=max(2, triton.next_power_of_2(k)),
+                C_PAD=max(p_pad, triton.next_power_of_2(candidate_count(k, budget))), BLOCK_M=MASK_BLOCK)
 
 
 def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
@@ -264,13 +291,28 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, ROWS) == 0)[:, None], grid, 0), axis=0)
 
     @triton.jit
+    def _merge_ascending(up, down, N: tl.constexpr, LOG_N: tl.constexpr):
+        # The N largest of ``up`` (ascending) and ``down`` (descending), ascending: their elementwise
+        # maximum holds exactly those and is bitonic (falling, then rising), so log2(N) half-cleaners
+        # sort it (a full sort of the 2N would take ~(log2 2N)^2 / 2 such stages).
+        x = tl.maximum(up, down)
+        for s in tl.static_range(LOG_N):
+            y = tl.reshape(x, [1 << s, 2, N >> (s + 1)])  # the pairs half a block apart
+            side = tl.arange(0, 2)[None, :, None]
+            a = tl.sum(tl.where(side == 0, y, 0), axis=1)[:, None, :]
+            b = tl.sum(tl.where(side == 1, y, 0), axis=1)[:, None, :]
+            x = tl.reshape(tl.where(side == 0, tl.minimum(a, b), tl.maximum(a, b)), [N])
+        return x
+
+    @triton.jit
     def _tree_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
                           epar_ptr, erank_ptr, edep_ptr, efinal_ptr, L, K, B, N, CHAIN,
                           FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr, LOW: tl.constexpr,
-                          P_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                          P_PAD: tl.constexpr, LOG_P: tl.constexpr, K_PAD: tl.constexpr, C_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
         # Entries: 0 the root, then depth 1's kept candidates in key order, depth 2's, ... (as
         # build_tree_device concatenates them). Per depth everything stays in registers: the parents'
-        # scores in their kept order, the [P_PAD, K_PAD] candidates packed and sorted, the best B of
+        # scores in their kept order, the candidates that can be kept packed and sorted, the best B of
         # them kept; across depths the best entries so far as one sorted packed list.
         forced_key = tl.full([], FORCED_KEY, tl.float64)  # float64 constants: a Python float is fp32
         depth_tie = tl.full([], DEPTH_TIE, tl.float64)
@@ -283,23 +325,39 @@ if triton is not None:
         tl.store(efinal_ptr, 0)
         ps = tl.arange(0, P_PAD)
         rs = tl.arange(0, K_PAD)
-        cand = ps[:, None] * K + rs[None, :]  # candidate (parent slot p, rank r) is p * K + r
+        # The candidates (parent slot p, rank r) that can end up in the tree (candidate_count): rank
+        # r's parents 0..min(B - 1, B // (r + 2)), rank-major. cp, cr: each candidate's slot and rank;
+        # the sort key's index stays p * K + r, so ties order as over the full grid.
+        cs = tl.arange(0, C_PAD)
+        cp = tl.zeros([C_PAD], tl.int32)
+        cr = tl.zeros([C_PAD], tl.int32)
+        first = tl.zeros([], tl.int32)  # rank r's first candidate
+        for r_loop in range(0, K):
+            r_now = tl.zeros([], tl.int32) + r_loop
+            after = first + tl.minimum(B - 1, B // (r_now + 2)) + 1
+            here = (cs >= first) & (cs < after)
+            cp = tl.where(here, cs - first, cp)
+            cr = tl.where(here, r_now, cr)
+            first = after
+        c_ok = cs < first
+        cand = cp * K + cr
         pscore = tl.zeros([P_PAD], tl.float64)  # the root's score: 0
-        best = tl.zeros([P_PAD], tl.int64) + sent
-        p_count = tl.full([], 1, tl.int32)
+        best = tl.zeros([P_PAD], tl.int64) + sent  # ascending (all equal here)
+        p_count = tl.full([], 1, tl.int32)  # the previous depth's entries (build_tree_device's m)
+        p_live = tl.full([], 1, tl.int32)  # of those, the ones the candidates above could fill
         p_off = tl.full([], 0, tl.int32)
         off = tl.full([], 1, tl.int32)
         for d_loop in range(0, L):
             d = tl.zeros([], tl.int32) + d_loop  # a tensor also in the interpreter (whose loop index is an int)
             m = tl.minimum(B, p_count * K)
             lp_d = tl.load(lp_ptr + d * K + rs, mask=rs < K, other=0.0).to(tl.float64)
-            score = pscore[:, None] + lp_d[None, :]  # as build_tree_device: the parent's score + lp, float64
-            forced = (ps[:, None] == 0) & (rs[None, :] == 0) & (d < CHAIN)  # the chain seed's rank-0 path
+            # as build_tree_device: the parent's score + lp, float64
+            score = tl.gather(pscore, cp, 0) + tl.gather(lp_d, cr, 0)
+            forced = (cp == 0) & (cr == 0) & (d < CHAIN)  # the chain seed's rank-0 path
             key = tl.where(forced, forced_key - d, score - d.to(tl.float64) * depth_tie)
-            valid = (ps[:, None] < p_count) & (rs[None, :] < K)
-            packed = tl.where(valid, _packed(key, cand, LOW), sent)
-            top = _first(tl.sort(tl.reshape(packed, [P_PAD * K_PAD]), descending=True), K_PAD, P_PAD)
-            keep = ps < m
+            packed = tl.where(c_ok & (cp < p_live), _packed(key, cand, LOW), sent)
+            top = _first(tl.sort(packed, descending=True), C_PAD // P_PAD, P_PAD)
+            keep = (ps < m) & (top != sent)
             i = LOW - (top & LOW)
             p = tl.where(keep, i // K, 0)
             r = tl.where(keep, i % K, 0)
@@ -307,20 +365,21 @@ if triton is not None:
             tl.store(epar_ptr + e, p_off + p, mask=keep)
             tl.store(erank_ptr + e, r, mask=keep)
             tl.store(edep_ptr + e, d + 1 + ps * 0, mask=keep)
-            entry = tl.where(keep, (top & ~LOW) | (LOW - e), sent)
-            best = _first(tl.sort(tl.reshape(tl.join(best, entry), [2 * P_PAD]), descending=True), 2, P_PAD)
+            entry = tl.where(keep, (top & ~LOW) | (LOW - e), sent)  # descending, as top
+            best = _merge_ascending(best, entry, P_PAD, LOG_P)
             # the kept entries' scores, by the same float64 add as their candidates'
-            pscore = tl.where(keep, tl.gather(pscore, p, 0)
-                              + tl.load(lp_ptr + d * K + r, mask=keep, other=0.0).to(tl.float64), 0.0)
+            pscore = tl.where(keep, tl.gather(pscore, p, 0) + tl.gather(lp_d, r, 0), 0.0)
             p_off = off
-            off += m
+            off += m  # entry indices as build_tree_device's (ties between depths order by them)
             p_count = m
+            p_live = tl.sum(keep.to(tl.int32), 0)
 
-        # The best N entries are the tree, in order: node n + 1 is best[n].
-        chosen = ps < N
+        # The best N entries are the tree, in order: node n + 1 is best[n] (descending).
+        best = tl.flip(best, 0)
+        chosen = (ps < N) & (best != sent)  # (always N of them: never an entry index past the scratch)
         en = LOW - (best & LOW)
         tl.store(efinal_ptr + en, ps + 1, mask=chosen)
-        tl.debug_barrier()  # the entries' records and final indices, before any thread reads them
+        tl.debug_barrier()  # the entries' records and final indices (and the zeroed mask), before any reads
         fdep = tl.load(edep_ptr + en, mask=chosen, other=1)
         fr = tl.load(erank_ptr + en, mask=chosen, other=0)
         par = tl.load(efinal_ptr + tl.load(epar_ptr + en, mask=chosen, other=0), mask=chosen, other=0)
@@ -334,11 +393,12 @@ if triton is not None:
         tl.store(par_ptr, tl.full([], -1, tl.int64))
         tl.store(dep_ptr, tl.zeros([], tl.int64))
         tl.store(rank_ptr, tl.zeros([], tl.int64))
-        tl.debug_barrier()
-        # Ancestor mask: each node marks itself, then walks up its at most L ancestors.
-        nodes = tl.arange(0, 2 * P_PAD)
-        cur = tl.where(nodes < n1, nodes, -1)
+        # Ancestor mask: the root marks itself; node n + 1 marks itself, then walks up its at most L
+        # ancestors, its parents read from registers (par[n]: node n + 1's).
+        tl.store(mask_ptr, tl.full([], 1, tl.int1))
+        cur = tl.where(chosen, dst, -1)
         for _ in range(0, L + 1):
             live = cur >= 0
-            tl.store(mask_ptr + nodes * n1 + cur, tl.full([2 * P_PAD], 1, tl.int1), mask=live)
-            cur = tl.where(live, tl.load(par_ptr + cur, mask=live, other=-1).to(tl.int32), -1)
+            tl.store(mask_ptr + dst * n1 + cur, tl.full([P_PAD], 1, tl.int1), mask=live)
+            up = tl.gather(par, tl.maximum(cur - 1, 0), 0)
+            cur = tl.where(live & (cur > 0), up, -1)

@@ -6,12 +6,15 @@ own actors. Tests assert behaviour (trial states, reasons, worker ids, load coun
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 from pathlib import Path
 
 import optuna
 import pytest
 from autotune_helpers import run_autotune, tiny_experiment
+from faulty_worker import SPEC_NAME
 from optuna.trial import TrialState
 
 from autotune import experiment
@@ -27,12 +30,16 @@ from autotune.executors.ray_executor import RayExecutor, WorkerSpec, default_tem
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    """A private 2-CPU cluster (the CI machine's size); executors join it instead of starting one."""
+    """A private 2-CPU cluster (the CI machine's size); executors join it instead of starting one.
+    Its actors can import ``faulty_worker`` (this folder on their PYTHONPATH), the test double
+    ``_spec(..., faults=...)`` names."""
     if ray.is_initialized():
         ray.shutdown()
     default_temp_dir().mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(default_temp_dir()), log_to_driver=False,
-             logging_level="ERROR", object_store_memory=128 * 1024**2)
+             logging_level="ERROR", object_store_memory=128 * 1024**2,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
 
@@ -46,10 +53,12 @@ def _exp(folder: Path, n_trials: int = 6, **sections):
 
 
 def _spec(exp, workloads, faults=None, **model) -> WorkerSpec:
+    """The experiment's spec; with ``faults``, its actors measure on the fault-injecting test double."""
     m = {"target": exp.model.target, "draft": exp.model.draft, "device": exp.model.device, "dtype": exp.model.dtype,
          **model}
+    worker = {"worker": SPEC_NAME, "worker_kwargs": {"faults": dict(faults)}} if faults else {}
     return WorkerSpec(m["target"], m["draft"], m["device"], m["dtype"], tuple(workloads), dict(exp.fixed_engine),
-                      faults=dict(faults or {}))
+                      **worker)
 
 
 def _job(trial: int, verify: str = "chain") -> Job:
@@ -209,6 +218,22 @@ def test_cli_sweep_on_its_own_local_cluster_logs_utilisation(tmp_path):
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                               filter_string="tags.`autotune.trial` = '0'")
     assert runs and runs[0].data.metrics["util_percent"] > 0 and "trial_wall_s" in runs[0].data.metrics
+
+
+def test_a_worker_the_actors_cannot_import_fails_the_start_naming_it(tmp_path, monkeypatch):
+    """The driver imports the worker's module (so the spec is accepted), the actors cannot: the
+    actor's refusal reaches the driver as the same InputError, naming the value and the rule."""
+    (tmp_path / "driver_only_worker.py").write_text("from autotune.worker import Worker as DriverOnly\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exp, workloads = _exp(tmp_path / "exp")
+    ex = RayExecutor(dataclasses.replace(_spec(exp, workloads), worker="driver_only_worker:DriverOnly"), workers=1)
+    try:
+        with pytest.raises(InputError, match=r"^WorkerSpec: worker: must be 'module:callable' .*importing "
+                                             r"'driver_only_worker' failed \(ModuleNotFoundError.*but got "
+                                             r"'driver_only_worker:DriverOnly'$"):
+            ex.start()
+    finally:
+        ex.close()
 
 
 def test_more_cpu_workers_than_cpus_is_refused(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 from autotune_helpers import TINY_SPACE, tiny_experiment
+from faulty_worker import FaultyWorker
 from optuna.trial import TrialState
 
 from autotune import experiment, results
@@ -28,9 +29,9 @@ def sweep(exp_path: Path, storage: str, n_trials: int | None = None, study_name:
     workloads = experiment.load_workloads(exp)
     executor = None
     if output_hook is not None:
-        executor = LocalExecutor(lambda: Worker.load(exp.model.target, exp.model.draft, exp.model.device,
-                                                     exp.model.dtype, workloads, exp.fixed_engine,
-                                                     output_hook=output_hook))
+        executor = LocalExecutor(lambda: FaultyWorker.load(exp.model.target, exp.model.draft, exp.model.device,
+                                                           exp.model.dtype, workloads, exp.fixed_engine,
+                                                           output_hook=output_hook))
     opts = SweepOptions(n_trials=n_trials or exp.study.n_trials, storage=st.parse_storage(storage),
                         study_name=study_name or exp.name, tracking_uri=tracking, progress=False)
     out = io.StringIO()
@@ -104,7 +105,7 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
 
 
 def _corrupt_chain(config, outputs):
-    """Test-only worker hook: pretend the chain path changed the last token of every output."""
+    """FaultyWorker's output hook: pretend the chain path changed the last token of every output."""
     if config.get("verify") != "chain":
         return outputs
     return [out[:-1] + [(out[-1] + 1) % 256] for out in outputs]

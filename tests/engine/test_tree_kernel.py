@@ -44,6 +44,54 @@ def test_tree_kernel_equals_the_device_builder_and_its_mask(depth, k, budget, ch
     assert mask.dtype == torch.bool and torch.equal(mask.cpu(), ancestor_mask(ref.parents, depth).cpu())
 
 
+def _mixed_proposals(seed: int) -> tuple[torch.Tensor, int, int | None]:
+    """Log-probs whose rows fall steeply or stay nearly flat across ranks (row by row at random), so
+    that a tree's nodes reach far along a depth's parents or its ranks; a budget and chain seed."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, k = int(torch.randint(2, 7, (1,), generator=gen)), int(torch.randint(2, 9, (1,), generator=gen))
+    scales = torch.tensor([1e-3, 0.1, 1.0, 10.0])[torch.randint(0, 4, (depth, 1), generator=gen)]
+    offset = torch.tensor([0.0, 1e-3, 1.0])[int(torch.randint(0, 3, (1,), generator=gen))]
+    lp = -torch.cumsum(scales * torch.rand(depth, k, generator=gen), 1) - offset * torch.rand(depth, 1, generator=gen)
+    budget = int(torch.randint(2, 65, (1,), generator=gen))
+    return lp, budget, [None, 0, 1, 2][int(torch.randint(0, 4, (1,), generator=gen))]
+
+
+def test_every_tree_node_is_among_the_candidates_the_kernel_sorts():
+    """``candidate_count``'s bound, on the reference builder: a node whose parent sits in slot p >= 1
+    of its depth (tree nodes of one depth sit in key order) and that is its parent's rank-r child has
+    p * (r + 2) <= budget. Random trees reach within 0.8 of the bound (it is not loose by a rank)."""
+    from engine.decoding.tree import build_tree_host
+
+    closest = 0.0
+    for seed in range(1500):
+        lp, budget, chain_seed = _mixed_proposals(seed)
+        tree = build_tree_host(lp, torch.zeros_like(lp, dtype=torch.long), 0, budget, chain_seed)
+        parents, depths, ranks = tree.parents.tolist(), tree.depths.tolist(), tree.ranks.tolist()
+        for node in range(1, len(parents)):
+            parent = parents[node]
+            slot = sum(1 for j in range(1, parent) if depths[j] == depths[parent])  # (the root: none)
+            if slot:
+                assert slot * (ranks[node] + 2) <= budget, (seed, node)
+                closest = max(closest, slot * (ranks[node] + 2) / budget)
+    assert closest > 0.8
+
+
+@pytest.mark.parametrize("seed", [654, 626, 969, 1409, 605, 919, 1342, 261])  # the closest to the bound
+def test_tree_kernel_equals_the_device_builder_on_steep_and_flat_ranks(seed):
+    """The kernel sorts ``candidate_count`` candidates a depth, not the full parents x ranks grid: the
+    same trees as the reference where nodes reach far along the parents or the ranks."""
+    from engine.decoding.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree_kernel import build_tree_kernel
+
+    lp, budget, chain_seed = _mixed_proposals(seed)
+    ids = torch.randint(0, 1000, lp.shape, generator=torch.Generator().manual_seed(seed))
+    root = torch.tensor([5], device=DEVICE)
+    ref = build_tree_device(lp.to(DEVICE), ids.to(DEVICE), root, budget, chain_seed)
+    tree, mask = build_tree_kernel(lp.to(DEVICE), ids.to(DEVICE), root, budget, chain_seed)
+    _assert_same_tree(tree, ref)
+    assert torch.equal(mask.cpu(), ancestor_mask(ref.parents, lp.shape[0]).cpu())
+
+
 @pytest.mark.parametrize("depth,k,budget,chain_seed", [(4, 3, 10, 0), (7, 4, 22, None), (5, 8, 40, 2)])
 def test_tree_kernel_equals_the_host_builder(depth, k, budget, chain_seed):
     from engine.decoding.tree import build_tree_host
