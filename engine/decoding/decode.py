@@ -54,7 +54,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     timer = PhaseTimer(ws.seq.device)
     if _use_runtime(pair, cfg, gs, use_runtime):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
-        return dec.generate_ar(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
+        return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
     margins = ws.margin_buffer() if record_margins else None  # before the prefill: allocation is not timed
     bits = new_bitmask(1, gs.words) if gs is not None else None
     out, t0, t_first, done = begin(pair, ws, prompt, cfg, (), stats, timer, gs, bits, on_tokens, stop_ids,
@@ -108,8 +108,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     timer = PhaseTimer(device)
     if _use_runtime(pair, cfg, gs, use_runtime):  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
-        return dec.generate_speculative(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, block, n_verify,
-                                        gs, record_margins)
+        return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins, block,
+                            n_verify)
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     margins = ws.margin_buffer() if record_margins else None

@@ -8,7 +8,8 @@ replayed:
 - ``propose`` (the DFlash draft over its own context K/V cache, top-k, device tree build) and ``verify`` (tree
   forward writing K/V at device-held slots, posterior, walk, KV/feature/token compaction, the
   position advanced on the device) are two graphs per key-span bucket;
-- an AR step (one token) is one graph per bucket;
+- an AR step is the same step over the root alone (no draft): one graph per bucket
+  (``RuntimeDecoder._step``; one loop, ``RuntimeDecoder.generate``, runs AR and speculation);
 - the host reads one small packed tensor per step: accept length, flags and the new tokens; the
   next step is launched before that read (its position and inputs are on the device already), so
   the host's reading and reporting overlaps the GPU's next step.
@@ -43,6 +44,7 @@ once after the generation; those steps are other graphs (keyed by it), so withou
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -297,21 +299,7 @@ class RuntimeDecoder:
             self.graphs.clear()
             self._tree_buffers = self._tree_buffer_ids()
 
-    # -- one AR step: token at `start` in, its successor written at start + 1 -------------------
-    def _ar_step(self, key_len: int, cfg: EngineConfig, constrained: bool, record: bool) -> Tensor:
-        s, ws = self.start, self.ws
-        tok = ws.seq.index_select(0, s)
-        logits, _ = self.pair.target.forward_static(tok, s, s, self._chain_keys(1, key_len), ws.cache)
-        if constrained:  # the bitmask the host filled for this step
-            logits = mask_logits(logits, self._bits[1])
-        nxt = select_tokens(logits, s + 1, cfg.temperature, cfg.seed)
-        ws.seq.index_copy_(0, s + 1, nxt)
-        if record:  # (record_margins) the row that picked the token at s + 1
-            ws.margins.index_copy_(0, s + 1, top_margins(logits))
-        s.add_(1)
-        return nxt
-
-    # -- one speculative step, in two graphs ------------------------------------------------------
+    # -- the draft: a speculative step's first graph -----------------------------------------------
     def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
@@ -322,20 +310,41 @@ class RuntimeDecoder:
         return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
                                  host=False)
 
-    def _verify(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree, anc: Tensor, record: bool
-                ) -> tuple[Tensor, Tensor, Tensor]:
+    # -- the step: AR, chain and DDTree alike ------------------------------------------------------
+    def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
+              record: bool, constrained: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The target over the root (the last committed token, at ``start``) and the drafted nodes
+        after it, the target's pick at each, the walk and the commit; the root's position advances
+        on the device by the committed count. AR is the degenerate case, ``tree=None``: the root
+        alone, no draft, whose pick is committed as is (its walk accepts the root and nothing after
+        it, so the walk's launch, the K/V move and the features are left out). ``constrained`` (AR
+        with a grammar): the logits masked by the bitmask the host filled for this step.
+
+        Returns the step's packed result for the host (AR: the new token; a tree: AL, flags and
+        tokens, ``tree_kernel.walk_and_advance``), the logits and the accepted path (AR: None)."""
         s, ws, target = self.start, self.ws, self.pair.target
-        t = tree.tokens.numel()
-        positions, slots = s + tree.depths, s + self._arange(t)
-        if cfg.verify == "chain":
-            keys = self._chain_keys(t, key_len)
-        else:  # each node's ancestors by depth (its depth bounded by the draft's block)
+        if tree is None:
+            tokens, t, positions, slots = ws.seq.index_select(0, s), 1, s, s
+        else:
+            tokens, t = tree.tokens, tree.tokens.numel()
+            positions, slots = s + tree.depths, s + self._arange(t)
+        if tree is not None and cfg.verify != "chain":  # each node's ancestors by depth (depth < block)
             depths = tree.depths.to(torch.int32)
             keys = StepKeys(s, depths, ancestor_table(anc, depths, block), key_len)
-        logits, f = target.forward_static(tree.tokens, positions, slots, keys, ws.cache,
-                                          self.pair.drafter.feature_layers,
-                                          parents=tree.parents if self.recurrent else None)
+        else:  # t tokens in a row from the root: an AR step, a chain
+            keys = self._chain_keys(t, key_len)
+        logits, f = target.forward_static(tokens, positions, slots, keys, ws.cache,
+                                          self.pair.drafter.feature_layers if tree is not None else (),
+                                          parents=tree.parents if self.recurrent and tree is not None else None)
+        if constrained:
+            logits = mask_logits(logits, self._bits[1])
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
+        if tree is None:
+            ws.seq.index_copy_(0, s + 1, posterior)
+            if record:  # (record_margins) the row that picked the token at s + 1
+                ws.margins.index_copy_(0, s + 1, top_margins(logits))
+            s.add_(1)
+            return posterior, logits, None
         # The walk, then the commit on the device: the committed tokens land after the root and the
         # root's position advances by AL (one launch with the kernels on), the accepted nodes' K/V
         # and features move to slots start..start+AL-1 (slots past AL may receive other nodes: they
@@ -398,111 +407,92 @@ class RuntimeDecoder:
         gen = loop.finish(out, stats, timer, t_first, t0, t_last)
         return self.ws.attach_margins(gen, n_prompt) if record_margins else gen
 
-    def generate_ar(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
-                    on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
-
-        bits = self._bitmask(gs) if gs is not None else None
-        readback = self._readback(1)  # before the prefill: allocation is not timed
-        if record_margins:  # allocated before the prefill and any capture: captured steps write into it
-            self.ws.margin_buffer()
-        stats, out, t0, t_first, done = self._begin(prompt, cfg, (), on_tokens, timer, gs, bits[0] if bits else None,
+    def generate(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
+                 on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False, block: int = 1,
+                 n_verify: int = 1) -> Generation:
+        """One loop for AR (``cfg.verify == "ar"``: each step the root alone) and speculative
+        decoding (each step a ``propose`` graph, the draft's ``block`` and a tree of ``n_verify``
+        nodes at most, then the step over it). A grammar state ``gs``: AR masks each step's logits
+        (the host fills the step's bitmask before its replay); speculation replays the unconstrained
+        step and commits under the grammar (``grammar: commit``), cutting the step at a refused token."""
+        speculative = cfg.verify != "ar"
+        ar_mask = gs is not None and not speculative
+        if speculative:  # before the prefill: allocation is not timed
+            self.reserve_tree(n_verify)
+            self._draft_context()
+        readback = self._readback(3 + n_verify if speculative else 1)
+        margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
+        bits = self._bitmask(gs) if ar_mask else None
+        host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
+        feature_layers = self.pair.drafter.feature_layers if speculative else ()
+        stats, out, t0, t_first, done = self._begin(prompt, cfg, feature_layers, on_tokens, timer, gs, host_bits,
                                                     record_margins, stop_ids, max_new_tokens)
-        pos = len(prompt)
-        # after (kind, key span): see _Graphs.run
-        key = (gs is not None, record_margins, cfg.temperature, cfg.seed, cfg.kernels)
+        # A grammar may cut a speculative step after its commit: the replaced recurrent state is kept,
+        # set after the prefill (its reset clears it); a step that keeps it is another graph.
+        keep = self.recurrent and gs is not None and speculative
+        if self.recurrent:
+            self.ws.cache.keep_previous = keep
+        start = len(prompt)
+        reach = max(n_verify, block) if speculative else 1  # key slots past the root a step may touch
+        # after (kind, key span): see _Graphs.run; an AR step depends on none of the draft's fields
+        key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
+               cfg.temperature, cfg.seed, block) if speculative else (cfg.temperature, cfg.seed)
+        step_key = (*key, keep, ar_mask, record_margins, cfg.kernels)  # (the kernel switch last: gpu_bench graphs)
 
-        def launch(p: int) -> tuple[Tensor, object]:  # the step whose input token sits at position p
-            key_len = self._bucket(p + 1)
+        def launch(root: int) -> tuple[tuple[Tensor, object], Tree | None, Tensor, Tensor | None]:
+            # ``root``: the root's position, or an upper bound of it (the key span covers it)
+            key_len = self._bucket(root + reach)
+            tree = anc = None
+            if speculative:
+                with timer.phase("draft"):
+                    tree, anc = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
+                                                block)
             with timer.phase("verify"):
-                if bits is not None:  # this step's mask, copied in before the replay reads it
+                if ar_mask:  # this step's mask, copied in before the replay reads it
                     tg = time.perf_counter()
                     gs.fill(bits[0], 0)
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                     bits[1].copy_(bits[0], non_blocking=True)
-                nxt = self.graphs.run(("ar", key_len, *key), self._ar_step, key_len, cfg, gs is not None,
-                                      record_margins)
-                return readback.push(nxt)
-
-        pending = None if done else launch(pos)
-        t_last = None
-        while not done:
-            # The next step reads its input token on the device: launched before this one is read,
-            # it runs while the host reads and reports this token (not with a grammar, whose mask
-            # for the next step needs this token, nor past max_new_tokens).
-            mark = timer.checkpoint()
-            ahead = launch(pos + 1) if gs is None and len(out) + 1 < max_new_tokens else None
-            out.append(readback.read(pending)[0])
-            if gs is not None:
-                loop.advance_grammar(gs, out[-1], stats)
-            pos += 1
-            if on_tokens is not None:
-                on_tokens(out[-1:])
-            stats.steps += 1
-            t_last = time.perf_counter()
-            done = out[-1] in stop_ids or len(out) >= max_new_tokens or (gs is not None and gs.done)
-            pending = self._next(done, ahead, mark, timer, launch, pos)
-        return self._finish(out, stats, timer, t_first, t0, t_last, pos, len(prompt), record_margins)
-
-    def generate_speculative(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
-                             stop_ids: Sequence[int], on_tokens, timer, block: int, n_verify: int,
-                             gs: GrammarState | None = None, record_margins: bool = False) -> Generation:
-
-        self.reserve_tree(n_verify)  # before the prefill: allocation is not timed
-        self._draft_context()
-        readback = self._readback(3 + n_verify)
-        margins = self.ws.margin_buffer() if record_margins else None
-        bits = new_bitmask(1, gs.words) if gs is not None else None
-        stats, out, t0, t_first, done = self._begin(prompt, cfg, self.pair.drafter.feature_layers, on_tokens, timer,
-                                                    gs, bits, record_margins, stop_ids, max_new_tokens)
-        # A grammar may cut a step after its commit: the replaced recurrent state is kept, set after
-        # the prefill (its reset clears it); a verify that keeps it is another graph.
-        keep = self.recurrent and gs is not None
-        if self.recurrent:
-            self.ws.cache.keep_previous = keep
-        start = len(prompt)
-        key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
-               cfg.temperature, cfg.seed, block, cfg.kernels)
-
-        def launch(root: int) -> tuple[tuple[Tensor, object], Tree, Tensor, Tensor]:
-            # ``root``: the root's position, or an upper bound of it (the key span covers it)
-            key_len = self._bucket(root + max(n_verify, block))  # the verify's slots and the draft block's
-            with timer.phase("draft"):
-                tree, anc = self.graphs.run(("propose", key_len, *key), self._propose, key_len, cfg, block)
-            with timer.phase("verify"):
-                # (the kernel switch stays the key's last entry: gpu_bench graphs selects by it)
-                packed, logits, path = self.graphs.run(
-                    ("verify", key_len, *key[:-1], keep, record_margins, cfg.kernels),
-                    self._verify, key_len, cfg, block, tree, anc, record_margins)
+                packed, logits, path = self.graphs.run(("verify" if speculative else "ar", key_len, *step_key),
+                                                       self._step, key_len, cfg, block, tree, anc, record_margins,
+                                                       ar_mask)
                 return readback.push(packed), tree, logits, path  # the step's one host read, when read
 
         pending = None if done else launch(start)
         t_last = None
         while not done:
             # The next step starts from the device's position: launched before this one is read (its
-            # key span covering the furthest root, `block` tokens on), it runs while the host reads
-            # and reports this one. Not with a grammar (a cut moves the position back), nor where
+            # key span covering the furthest root), it runs while the host reads and reports this
+            # one. Not with a grammar (its next mask, or a cut, needs this step's tokens), nor where
             # this step surely ends the generation; where it may (a stop token, max_new_tokens), the
             # step launched ahead is discarded, neither counted nor timed.
             mark = timer.checkpoint()
-            ahead = launch(start + block) if gs is None and len(out) + 1 < max_new_tokens else None
+            ahead = launch(start + (block if speculative else 1)) if gs is None and len(out) + 1 < max_new_tokens \
+                else None
             item, tree, logits, path = pending
             values = readback.read(item)
-            al, leaf, side = values[0], not values[1], bool(values[2])
-            new = values[3 : 3 + al]
-            if gs is not None:  # grammar: commit (``refusal``): advance on the committed tokens
-                with timer.phase("commit"):
+            if speculative:
+                al, leaf, side, new = values[0], not values[1], bool(values[2]), values[3 : 3 + values[0]]
+            else:
+                al, new = 1, values
+            if gs is not None:  # (AR: the grammar's advance is host work outside the step's phases)
+                with timer.phase("commit") if speculative else contextlib.nullcontext():
                     tg = time.perf_counter()
                     root = start
+                    # AR: a token picked from masked logits, never refused
                     new, cut = loop.grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: loop.masked_pick(
-                        gs, bits, lg, int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
-                    if cut:
+                        gs, host_bits, lg, int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
+                    if cut and speculative:
                         al, leaf = len(new), False
                         side = bool((tree.ranks.index_select(0, path[:al]) > 0).any())
                         self._cut(start, al, new[-1], path)  # the device committed more: back to the cut
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                 done = gs.done
             start += al
-            stats.record_step(al, leaf, side)
+            if speculative:
+                stats.record_step(al, leaf, side)
+            else:
+                stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)
             done = done or stop
             out.extend(new)

@@ -264,6 +264,34 @@ def test_margins_of_the_runtime_steps_equal_the_generic_loops_and_a_direct_forwa
     assert generate_speculative(pair, ids, cfg, 48, use_runtime=True).margins is None
 
 
+def test_ar_chain_and_ddtree_run_one_step_function(monkeypatch):
+    """AR is the degenerate case of the runtime's one step: the root alone, no draft. AR, chain and
+    DDTree go through ``RuntimeDecoder._step`` in ``RuntimeDecoder.generate``, AR without a tree."""
+    from engine.decoding.runtime import RuntimeDecoder
+
+    calls: list[tuple[str, bool]] = []
+    step = RuntimeDecoder._step
+
+    def spy(self, key_len, cfg, block, tree, anc, record, constrained):
+        calls.append((cfg.verify, tree is None))
+        return step(self, key_len, cfg, block, tree, anc, record, constrained)
+
+    monkeypatch.setattr(RuntimeDecoder, "_step", spy)
+    assert not hasattr(RuntimeDecoder, "_ar_step") and not hasattr(RuntimeDecoder, "_verify")
+    pair = pair_for("tiny-dense", "random")
+    ids = pair.encode("One step for every mode.")
+    outputs = {}
+    for verify in ("ar", "chain", "ddtree"):
+        calls.clear()
+        gen = (generate_ar if verify == "ar" else generate_speculative)(
+            pair, ids, EngineConfig(verify=verify, budget=6, top_k=2), 16, use_runtime=True)
+        outputs[verify] = gen.tokens
+        assert calls and {c[0] for c in calls} == {verify}
+        assert all(no_tree == (verify == "ar") for _, no_tree in calls)
+        assert len(calls) >= gen.stats.steps  # (plus a step launched ahead, dropped at the end)
+    assert outputs["chain"] == outputs["ar"] == outputs["ddtree"]
+
+
 def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
     """The margins change what a captured step does, so they are part of its graph key; a step
     without them leaves the margin buffer alone (no extra work in the graphs that time decoding)."""
@@ -285,8 +313,9 @@ def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatc
     ar_on = generate_ar(pair, ids, EngineConfig(verify="ar"), 12, use_runtime=True, record_margins=True)
     assert not ws.margins[len(ids) : len(ids) + 12].isnan().any()
     assert ar_on.margins == pytest.approx(on.margins, abs=1e-4)
-    assert {k[-2] for k in keys if k[0] == "verify"} == {True, False}  # (..., record, kernels)
-    assert {k[3] for k in keys if k[0] == "ar"} == {True, False}  # ("ar", span, grammar, record, ...)
+    # one step function, one key layout: (kind, span, ..., record, kernels) for AR and verify alike
+    assert {k[-2] for k in keys if k[0] == "verify"} == {True, False}
+    assert {k[-2] for k in keys if k[0] == "ar"} == {True, False}
 
 
 # --- grammar-constrained decoding on the runtime ---------------------------------------------------
