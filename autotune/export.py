@@ -21,7 +21,7 @@ FORMATS = ("engine", "llama-server", "json")
 
 
 def provenance(study: optuna.Study, w: results.Winner) -> dict[str, Any]:
-    a = study.user_attrs
+    a, f = study.user_attrs, w.figures(4)
     return {
         "study": study.study_name,
         "trial": w.trial,
@@ -33,13 +33,13 @@ def provenance(study: optuna.Study, w: results.Winner) -> dict[str, Any]:
         "dtype": a.get("dtype"),
         "workload_hash": w.workload_hash or a.get("workload_hash"),
         "workloads": a.get("workloads"),
-        "decode_tps": round(w.median_tps, 4),
-        "decode_tps_spread": round(w.spread, 4),
-        "decode_tps_conservative": round(w.value, 4),
-        "speedup_vs_ar": None if w.speedup_vs_ar is None else round(w.speedup_vs_ar, 4),
-        "ar_decode_tps": None if w.ar_median_tps is None else round(w.ar_median_tps, 4),
+        "decode_tps": f["decode_tps"],
+        "decode_tps_spread": f["spread"],
+        "decode_tps_conservative": f["value"],
+        "speedup_vs_ar": f["speedup_vs_ar"],
+        "ar_decode_tps": f["ar_decode_tps"],
         "positive_vs_ar": w.positive_vs_ar,
-        "acceptance_length": w.acceptance_length,
+        "acceptance_length": w.acceptance_length,  # (unrounded, as exported files have had it)
         "break_even_al": w.break_even_al,
         "exact_match": w.exact_match,
         "exported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -68,6 +68,16 @@ class Winner:
     device: str
     workload_hash: str
 
+    def figures(self, digits: int) -> dict[str, float | None]:
+        """The measured figures rounded to ``digits`` (None where not measured), under one set of
+        names: what ``summary`` and ``export.provenance`` print under theirs."""
+        def r(v: float | None) -> float | None:
+            return None if v is None else round(v, digits)
+
+        return {"decode_tps": r(self.median_tps), "spread": r(self.spread), "value": r(self.value),
+                "speedup_vs_ar": r(self.speedup_vs_ar), "ar_decode_tps": r(self.ar_median_tps),
+                "acceptance_length": r(self.acceptance_length), "break_even_al": r(self.break_even_al)}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -135,18 +145,19 @@ def summary(study: optuna.Study) -> dict[str, Any]:
     if w is None:
         out["best_trial"] = None
         return out
+    f = w.figures(3)
     out.update({
         "best_trial": w.trial,
         "best_role": w.role,
         "best_path": path_of(w.config),
         "best_confirmed": w.confirmed,
-        "best_decode_tps": round(w.median_tps, 3),
-        "best_spread": round(w.spread, 3),
-        "best_value": round(w.value, 3),
-        "best_speedup_vs_ar": None if w.speedup_vs_ar is None else round(w.speedup_vs_ar, 3),
-        "ar_decode_tps": None if w.ar_median_tps is None else round(w.ar_median_tps, 3),
-        "best_acceptance_length": None if w.acceptance_length is None else round(w.acceptance_length, 3),
-        "best_break_even_al": None if w.break_even_al is None else round(w.break_even_al, 3),
+        "best_decode_tps": f["decode_tps"],
+        "best_spread": f["spread"],
+        "best_value": f["value"],
+        "best_speedup_vs_ar": f["speedup_vs_ar"],
+        "ar_decode_tps": f["ar_decode_tps"],
+        "best_acceptance_length": f["acceptance_length"],
+        "best_break_even_al": f["break_even_al"],
         "positive_vs_ar": w.positive_vs_ar,
         "positive_vs_reference": w.positive_vs_reference,
         "device": w.device,

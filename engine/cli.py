@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from engine.config import EngineConfig, EngineInputError
+from engine.files import read_mapping
 from engine.models import fused
 from engine.training import train_cli
 
@@ -25,15 +24,7 @@ _CONFIG_FLAGS = {
 def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Returns (EngineConfig fields, model section). Accepts a flat mapping of EngineConfig fields
     or the exported form ``{engine: {...}, model: {...}, provenance: {...}}``."""
-    p = Path(path)
-    if not p.is_file():
-        raise EngineInputError(f"config file {path!r} not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise EngineInputError(f"config file {path!r} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise EngineInputError(f"config file {path!r}: expected a mapping, got {type(data).__name__}")
+    data = read_mapping(path, "yaml", f"config file {path!r}")
     if "engine" in data:
         unknown = sorted(set(data) - {"engine", "model", "provenance", "workload", "measured"})
         if unknown:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
+from engine.files import read_mapping
 from engine.models.common import rope_inv_freq, unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
@@ -365,13 +366,7 @@ def _folder(path: Path, what: str) -> Path:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EngineInputError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise EngineInputError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_mapping(path, "json")
 
 
 def _weight_files(folder: Path) -> list[Path]:

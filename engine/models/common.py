@@ -187,6 +187,47 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def forward(self, tokens: Tensor, cache, start: int, tree: VerifyTree | None = None,
+                feature_layers: Sequence[int] = (), last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+        """tokens [T] at positions start.. (or start + tree depths), positions known on the host (a
+        prefill, the generic loop); K/V land in slots start..start+T-1. ``forward_static`` is the
+        same layers with the positions, slots and key layout held on the device (the runtime).
+
+        Returns logits [T, V] (or [1, V] with last_only) and the outputs of ``feature_layers``
+        concatenated on the feature axis, [T, len * H] (None when no layers are asked). Without a
+        tree the tokens are committed (cache.length = start + T); with a tree the caller commits the
+        accepted path (``cache.commit_path``, or on a hybrid restore + replay)."""
+        t = tokens.shape[0]
+        self._begin(cache, start, tree, t)
+        positions = new_positions(start, tree, t, tokens.device)
+        mask = attention_layout(start, tree, t, tokens.device)
+        logits, features = self._forward(tokens, positions, cache, start, mask, tree, feature_layers, last_only)
+        if tree is None:
+            cache.length = start + t
+        return logits, features
+
+    def _begin(self, cache, start: int, tree: VerifyTree | None, t: int) -> None:
+        """Checks or prepares the cache before a host-position forward (the hybrid's recurrent state)."""
+
+    def _forward(self, tokens: Tensor, positions: Tensor, cache, start: int, mask: Tensor | StepKeys,
+                 tree: VerifyTree | None, feature_layers: Sequence[int], last_only: bool
+                 ) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def _stack(self, x: Tensor, layer_call: Callable[[nn.Module, int, Tensor, Tensor | None], tuple[Tensor, Tensor]],
+               feature_layers: Sequence[int], last_only: bool) -> tuple[Tensor, Tensor | None]:
+        """Every layer over ``x`` (``layer_call(layer, i, x, delta)``: a layer's input is ``x + delta``,
+        the previous MLP's output, added in its first norm), the outputs of ``feature_layers``, the logits."""
+        wanted = set(feature_layers)
+        feats, delta = [], None
+        for i, layer in enumerate(self.layers):
+            x, delta = layer_call(layer, i, x, delta)
+            if i in wanted:
+                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
+        # Layer order: target_layer_ids are ascending, as the draft's fc expects.
+        features = torch.cat(feats, -1) if feats else None
+        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose product takes ``engine.models.linear``: a
@@ -198,6 +239,29 @@ class Linear(nn.Linear):
         if not self.row_invariant:
             return F.linear(x, self.weight, self.bias)
         return rows_linear.linear(x, self.weight, self.bias)
+
+
+class AttentionProjections(nn.Module):
+    """Grouped-query attention's weights under the names HF checkpoints use: the q, k and v
+    projections (one ``qkv_proj`` GEMM for inference, ``FUSED``), the output projection (``out``:
+    the target's row-invariant ``Linear``, the draft's ``nn.Linear``: the draft only proposes) and
+    the per-head q and k norms (``qk_norm``; None without; ``zero_centred`` as Qwen3.5's). ``gated``:
+    q_proj also yields each head's output gate (Qwen3.5: twice the width). The dense target's, the
+    hybrid's and the draft's attention differ in what they do with them, not in what they hold."""
+
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, hidden: int, n_heads: int, n_kv: int, head_dim: int, bias: bool, eps: float,
+                 qk_norm: bool, out: type[nn.Linear] = nn.Linear, out_bias: bool = False, gated: bool = False,
+                 zero_centred: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim * (2 if gated else 1), bias=bias)
+        self.k_proj = nn.Linear(hidden, n_kv * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, n_kv * head_dim, bias=bias)
+        self.o_proj = out(n_heads * head_dim, hidden, bias=out_bias)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centred=zero_centred) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, zero_centred=zero_centred) if qk_norm else None
 
 
 class FusedLinear(nn.Module):

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models.common import (
+    AttentionProjections,
     Linear,
     RMSNorm,
     StepKeys,
@@ -19,10 +20,7 @@ from engine.models.common import (
     VerifyTree,
     apply_rope,
     attention,
-    attention_layout,
-    final_norm,
     head_norms,
-    new_positions,
     project,
     rope_cos_sin,
     rope_inv_freq,
@@ -96,19 +94,10 @@ class KVCache:
         self.length = int(snap)  # type: ignore[arg-type]
 
 
-class DenseAttention(nn.Module):
-    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-
+class DenseAttention(AttentionProjections):
     def __init__(self, cfg: DenseConfig) -> None:
-        super().__init__()
-        d = cfg.dim_per_head
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.n_heads * d, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head,
+                         cfg.attention_bias, cfg.rms_norm_eps, cfg.qk_norm, out=Linear)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int,
                 mask: Tensor | StepKeys) -> Tensor:
@@ -154,30 +143,10 @@ class DenseModel(TargetModel):
         c = self.cfg
         return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.dim_per_head, self.device, self.dtype)
 
-    def forward(
-        self,
-        tokens: Tensor,
-        cache: KVCache,
-        start: int,
-        tree: VerifyTree | None = None,
-        feature_layers: Sequence[int] = (),
-        last_only: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """tokens: [T] at positions start.. (or start + tree depths); K/V land in slots start..start+T-1.
-
-        Returns logits [T, V] (or [1, V] with last_only) and the outputs of ``feature_layers``
-        concatenated on the feature axis, [T, len * H] (None when no layers are asked).
-        Without a tree the tokens are committed (cache.length = start + T); with a tree the
-        caller commits the accepted path with ``cache.commit_path``.
-        """
-        t = tokens.shape[0]
-        x = self.embed_tokens(tokens)
-        positions = new_positions(start, tree, t, x.device)
-        mask = attention_layout(start, tree, t, x.device)
-        logits, features = self._run(x, positions, cache, start, mask, feature_layers, last_only)
-        if tree is None:
-            cache.length = start + t
-        return logits, features
+    def _forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, start: int, mask: Tensor | StepKeys,
+                 tree: VerifyTree | None, feature_layers: Sequence[int], last_only: bool
+                 ) -> tuple[Tensor, Tensor | None]:
+        return self._run(self.embed_tokens(tokens), positions, cache, start, mask, feature_layers, last_only)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, keys: StepKeys, cache: KVCache,
                        feature_layers: Sequence[int] = (), parents: Tensor | None = None
@@ -195,15 +164,8 @@ class DenseModel(TargetModel):
              feature_layers: Sequence[int], last_only: bool, rope: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor | None]:
         cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, x.dtype)
-        wanted = set(feature_layers)
-        feats, delta = [], None
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, cache, i, start, mask)
-            if i in wanted:
-                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
-        # Layer order: target_layer_ids are ascending, as the draft's fc expects.
-        features = torch.cat(feats, -1) if feats else None
-        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features
+        return self._stack(x, lambda layer, i, h, delta: layer(h, delta, cos, sin, cache, i, start, mask),
+                           feature_layers, last_only)
 
 
 class _SlotWriter:

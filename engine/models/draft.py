@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from engine.models import fused
 from engine.models.common import (
+    AttentionProjections,
     RMSNorm,
     SwiGLU,
     apply_rope,
@@ -59,20 +60,11 @@ def default_target_layer_ids(n_target_layers: int, n_ids: int = 5) -> tuple[int,
     return tuple(sorted({round(lo + i * (hi - lo) / (n_ids - 1)) for i in range(n_ids)}))
 
 
-class DraftAttention(nn.Module):
-    # Fused for inference (``DFlashDrafter``): checkpoints and training keep the three parts.
-    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-
+class DraftAttention(AttentionProjections):
+    # q/k/v fused for inference (``DFlashDrafter``): checkpoints and training keep the three parts.
     def __init__(self, cfg: DFlashConfig) -> None:
-        super().__init__()
-        d = cfg.dim_per_head
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head,
+                         cfg.attention_bias, cfg.rms_norm_eps, qk_norm=True, out_bias=cfg.attention_bias)
 
     def forward(self, h: Tensor, ctx: Tensor | None, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor | None,
                 sin_k: Tensor | None, mask: Tensor | None, ctx_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:

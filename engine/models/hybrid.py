@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from engine.models import fused
 from engine.models.common import (
+    AttentionProjections,
     Linear,
     RMSNorm,
     StepKeys,
@@ -28,10 +29,7 @@ from engine.models.common import (
     TargetModel,
     VerifyTree,
     attention,
-    attention_layout,
-    final_norm,
     head_norms,
-    new_positions,
     project,
     rope_cos_sin,
     rope_inv_freq,
@@ -110,21 +108,13 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z.view(t, self.hv, self.dv)).reshape(t, -1))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(AttentionProjections):
     """Full attention with q/k norm, partial RoPE and a sigmoid output gate (from q_proj)."""
 
-    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-
     def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__()
-        d, bias = cfg.head_dim, cfg.attention_bias
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * d * 2, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * d, bias=bias)
-        self.o_proj = Linear(self.n_heads * d, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=True)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.attention_bias, cfg.rms_norm_eps, qk_norm=True, out=Linear, out_bias=cfg.attention_bias,
+                         gated=True, zero_centred=True)
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t = x.shape[0]
@@ -175,28 +165,18 @@ class HybridModel(TargetModel):
         """max_tree: tree nodes to allocate per-node state for now (0: on the first tree forward)."""
         return HybridCache(self.cfg, max_len, self.device, self.dtype, max_tree)
 
-    def forward(
-        self,
-        tokens: Tensor,
-        cache: HybridCache,
-        start: int,
-        tree: VerifyTree | None = None,
-        feature_layers: Sequence[int] = (),
-        last_only: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """As ``DenseModel.forward``. The recurrent state must hold exactly ``start`` tokens
-        (``start == 0`` starts a new sequence). Without a tree the tokens are committed; with a tree
-        the committed state is left alone and ``cache.commit_path`` (or restore + replay) follows."""
-        t = tokens.shape[0]
+    def _begin(self, cache: HybridCache, start: int, tree: VerifyTree | None, t: int) -> None:
+        """The recurrent state must hold exactly ``start`` tokens (``start == 0`` starts a new
+        sequence). With a tree the committed state is left alone (``HybridCache.begin``)."""
         cache.begin(start, None if tree is None else t)
-        positions = new_positions(start, tree, t, tokens.device)
-        parents = torch.arange(t, device=tokens.device) - 1 if tree is None else tree.parents.to(tokens.device)
-        mask = attention_layout(start, tree, t, tokens.device)
-        logits, features = self._run(tokens, positions, cache, cache, start, mask, parents, tree is not None,
-                                     feature_layers, last_only)
-        if tree is None:
-            cache.length = start + t
-        return logits, features
+
+    def _forward(self, tokens: Tensor, positions: Tensor, cache: HybridCache, start: int, mask: Tensor | StepKeys,
+                 tree: VerifyTree | None, feature_layers: Sequence[int], last_only: bool
+                 ) -> tuple[Tensor, Tensor | None]:
+        parents = torch.arange(tokens.shape[0], device=tokens.device) - 1 if tree is None \
+            else tree.parents.to(tokens.device)
+        return self._run(tokens, positions, cache, cache, start, mask, parents, tree is not None, feature_layers,
+                         last_only)
 
     def forward_static(self, tokens: Tensor, positions: Tensor, slots: Tensor, keys: StepKeys, cache: HybridCache,
                        feature_layers: Sequence[int] = (), parents: Tensor | None = None
@@ -233,11 +213,4 @@ class HybridModel(TargetModel):
             conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,
                   parents=parents32, tree=tree, restarts=restart_flags(parents32) if tree else None)
-        wanted = set(feature_layers)
-        feats, delta = [], None
-        for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, p)
-            if i in wanted:
-                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
-        features = torch.cat(feats, -1) if feats else None
-        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features
+        return self._stack(x, lambda layer, i, h, delta: layer(h, delta, p), feature_layers, last_only)
