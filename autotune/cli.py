@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("study")
     s.add_argument("--storage", default=DEFAULT_STORAGE)
     s.add_argument("--format", default="engine", choices=("engine", "llama-server", "json"))
-    s.add_argument("--out", help="file (default: standard output)")
+    s.add_argument("--out", help="file (default: standard output); an existing one only with --force, never a database")
+    s.add_argument("--force", action="store_true", help="replace an existing --out file")
 
     s = sub.add_parser("serve", help="serve an exported config behind an OpenAI-compatible API (docs/serving.md)")
     s.add_argument("config", help="engine config YAML (`autotune export --format engine`)")
@@ -208,11 +209,34 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The first bytes of files autotune never writes over, whatever --force says: a study or an MLflow
+# store (SQLite), a journal storage line.
+_PRECIOUS = ((b"SQLite format 3\x00", "an SQLite database (a study or an MLflow store)"),)
+
+
+def _check_new_file(out: Path, force: bool) -> None:
+    """``--out`` names a file this command may write: its folder exists, it is not a folder, an
+    existing file only with ``--force``, and never a database."""
+    if out.is_dir():
+        raise InputError("--out", None, "must name a file, not a folder", str(out))
+    if not out.resolve().parent.is_dir():
+        raise InputError("--out", None, "the folder of the output file must exist", str(out))
+    if not out.exists():
+        return
+    with out.open("rb") as fh:
+        head = fh.read(16)
+    for magic, what in _PRECIOUS:
+        if head.startswith(magic):
+            raise InputError("--out", None, f"names {what}; it is never overwritten (choose another file)", str(out))
+    if not force:
+        raise InputError("--out", None, "names an existing file: add --force to replace it", str(out))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from autotune import export, study
 
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise InputError("--out", None, "the folder of the output file must exist", args.out)
+    if args.out:
+        _check_new_file(Path(args.out), args.force)
     s = study.load_existing(_open(args), args.study)
     text = export.render(export.build(s), args.format)
     if args.out:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 _MISSING = object()
+PREVIEW_CHARS = 200  # of a value quoted in a message: whatever a file holds, messages stay small
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= PREVIEW_CHARS else f"{text[:PREVIEW_CHARS]}... ({len(text):,} characters)"
 
 
 class InputError(ValueError):
@@ -20,7 +26,7 @@ class InputError(ValueError):
         self.rule = rule
         self.value = value
         location = f"{where}: {key}" if key else where
-        got = "" if value is _MISSING else f", but got {value!r}"
+        got = "" if value is _MISSING else f", but got {_preview(value)}"
         super().__init__(f"{location}: {rule}{got}")
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from autotune.errors import _MISSING, InputError
+from autotune.files import read_jsonl_lines, read_yaml_file
 from autotune.space import SearchSpace, load_space
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
@@ -175,10 +174,7 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
     where = str(path)
     if not path.is_file():
         raise InputError(where, None, "experiment file must exist", str(path))
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InputError(where, None, f"must be valid YAML ({exc})") from None
+    raw = read_yaml_file(path)
     top = _Section(where, "", raw, {"name", "model", "workload", "search_space", "objective", "measure",
                                     "study", "executor", "engine"})
     name = top.get("name", str)
@@ -254,18 +250,16 @@ def _workload(where: str, raw: dict, base: Path) -> WorkloadSpec:
 
 def _check_jsonl(file: Path) -> None:
     """Catch a broken line with its number here; the engine's loader does the full parse."""
-    lines = [(n, line) for n, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    lines = read_jsonl_lines(file)
     if not lines:
         raise InputError(str(file), None, "JSONL workload must hold at least one prompt line")
-    for n, line in lines:
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{file}:{n}", None, f"each line must be a JSON object ({exc.msg})", line[:80]) from None
+    for n, obj, start in lines:
         if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str)
                                              or isinstance(obj.get("messages"), list)):
-            raise InputError(f"{file}:{n}", None, 'each line needs {"prompt": str} or {"messages": [...]}',
-                             line[:80])
+            raise InputError(f"{file}:{n}", None, 'each line needs {"prompt": str} or {"messages": [...]}', start)
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise InputError(f"{file}:{n}", "tools", "must be a list of tool objects", tools)
 
 
 def _measure(where: str, raw: dict) -> MeasureSpec:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-import yaml
 from optuna.distributions import (
     BaseDistribution,
     CategoricalDistribution,
@@ -30,6 +29,7 @@ from optuna.distributions import (
 )
 
 from autotune.errors import InputError
+from autotune.files import read_yaml_file
 
 TYPES = ("categorical", "int", "float")
 _KEYS = {
@@ -62,6 +62,16 @@ class Param:
         if self.type == "int":
             return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
         return FloatDistribution(float(self.low), float(self.high), log=self.log, step=self.step)
+
+    def grid_count(self) -> int | None:
+        """How many values ``grid_values`` lists, counted without listing them (None: continuous)."""
+        if self.type == "categorical":
+            return len(self.choices)
+        if self.type == "int":
+            return (int(self.high) - int(self.low)) // int(self.step or 1) + 1
+        if self.step is None:
+            return None
+        return int(round((self.high - self.low) / self.step)) + 1
 
     def grid_values(self) -> list[Any] | None:
         """Every value of this parameter, or None when it is continuous."""
@@ -107,24 +117,23 @@ class SearchSpace:
 
     def grid(self) -> dict[str, list[Any]]:
         """The full grid for GridSampler; refuses continuous or oversized spaces."""
-        grid: dict[str, list[Any]] = {}
         size = 1
-        for p in self.params:
-            values = p.grid_values()
-            if values is None:
+        for p in self.params:  # the size first, by arithmetic: a tiny step must not build a huge list
+            count = p.grid_count()
+            if count is None:
                 raise InputError(
                     str(self.path), p.name,
                     "sampler `grid` needs every parameter to be categorical, int, or float with `step`",
                     {"type": p.type, "low": p.low, "high": p.high},
                 )
-            grid[p.name] = values
-            size *= len(values)
-        if size > GRID_LIMIT:
-            raise InputError(
-                str(self.path), None,
-                f"sampler `grid` is for small spaces (at most {GRID_LIMIT} points); use tpe", size,
-            )
-        return grid
+            size *= count
+            if size > GRID_LIMIT:
+                raise InputError(
+                    str(self.path), None,
+                    f"sampler `grid` is for small spaces (at most {GRID_LIMIT} points; {p.name!r} alone or "
+                    f"with the parameters before it already makes more); use tpe", size,
+                )
+        return {p.name: p.grid_values() for p in self.params}
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -146,10 +155,7 @@ def load_space(path: Path) -> SearchSpace:
     where = str(path)
     if not path.is_file():
         raise InputError(where, None, "search-space file must exist", str(path))
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise InputError(where, None, f"must be valid YAML ({exc})") from None
+    raw = read_yaml_file(path)
     if not isinstance(raw, dict) or not raw:
         raise InputError(where, None, "must be a non-empty mapping of parameter name -> spec", raw)
     params: list[Param] = []
@@ -212,6 +218,9 @@ def _parse_range(where: str, name: str, kind: str, spec: dict, when: tuple) -> P
         raise InputError(where, name, f"`low <= high` must hold, but got low={low}, high={high}")
     if step is not None and step <= 0:
         raise InputError(where, f"{name}.step", "must be > 0", step)
+    if step is not None and low < high and step > high - low:
+        raise InputError(where, f"{name}.step", f"must be at most high - low = {high - low} (a larger step leaves "
+                         f"the single value {low}: give `low` and `high` equal to mean that)", step)
     if log and step not in (None, 1):
         raise InputError(where, f"{name}.log", "`log: true` cannot be combined with `step`", step)
     if log and low <= 0:

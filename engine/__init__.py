@@ -18,6 +18,7 @@ from engine.decoding.stats import (
     PromptResult,
     first_divergence,
 )
+from engine.files import MAX_WORKLOAD_BYTES, FileRefused, parse_json, preview, read_text, read_yaml
 from engine.models.fused import check_environment
 from engine.registry import check_model_spec
 
@@ -28,6 +29,8 @@ __all__ = [
     "Divergence",
     "EngineConfig",
     "EngineInputError",
+    "FileRefused",
+    "MAX_WORKLOAD_BYTES",
     "Generation",
     "GenerationStats",
     "Pair",
@@ -42,6 +45,10 @@ __all__ = [
     "generate",
     "load",
     "load_workload",
+    "parse_json",
+    "preview",
+    "read_text",
+    "read_yaml",
     "serve",
 ]
 

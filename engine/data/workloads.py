@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.config import EngineInputError
 from engine.data.prompts import Prompt, split_of
+from engine.files import MAX_WORKLOAD_BYTES, parse_json, read_text
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SPLITS = ("train", "eval", "all")
@@ -50,18 +51,16 @@ def _prompt_from_record(rec: Any, where: str) -> Prompt:
 
 
 def read_jsonl(path: Path) -> list[Prompt]:
+    """A workload file's prompts, one JSON object a line (``engine.files``: bounded, UTF-8, nesting
+    bounded; a broken line refused with its number)."""
     if not path.is_file():
         raise EngineInputError(f"workload file {str(path)!r} not found")
     prompts = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EngineInputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            prompts.append(_prompt_from_record(rec, f"{path}:{lineno}"))
+    for lineno, line in enumerate(read_text(path, max_bytes=MAX_WORKLOAD_BYTES).splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = parse_json(line, f"{path}:{lineno}")
+        prompts.append(_prompt_from_record(rec, f"{path}:{lineno}"))
     if not prompts:
         raise EngineInputError(f"workload file {str(path)!r} holds no prompts")
     return prompts

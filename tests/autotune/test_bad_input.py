@@ -47,6 +47,22 @@ def _bad_jsonl(d: Path) -> list[str]:
     return ["sweep", str(p)]
 
 
+def _file_bytes(name: str, make: Callable[[bytes], bytes]) -> Case:
+    """The tiny experiment with one of its files (``tiny.yaml``, ``space.yaml``, ``prompts.jsonl``)
+    rewritten from its bytes."""
+    def build(d: Path) -> list[str]:
+        p = tiny_experiment(d / "exp")
+        f = d / "exp" / name
+        f.write_bytes(make(f.read_bytes()))
+        return ["sweep", str(p)]
+    return build
+
+
+# 2 KB of nested aliases: 9**9 values once expanded
+ALIAS_BOMB = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n' + "".join(
+    f"{c}: &{c} [" + ",".join([f"*{b}"] * 9) + "]\n" for b, c in zip("abcdefgh", "bcdefghi", strict=True))
+
+
 def _with_exp(*extra: str) -> Case:
     return lambda d: ["sweep", str(tiny_experiment(d / "exp")), *extra]
 
@@ -106,6 +122,37 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "serve missing config": (lambda d: ["serve", "x.yaml"], ["x.yaml", "config file not found"]),
     "dashboard without db": (lambda d: ["dashboard"], ["--tracking-uri", "no MLflow database"]),
     "unknown command": (lambda d: ["tune"], ["invalid choice", "'tune'"]),
+    # hostile or broken files (issue #23): bounded, strict, unambiguous
+    "yaml alias bomb": (_file_bytes("tiny.yaml", lambda b: b + ALIAS_BOMB.encode().replace(b"a:", b"z:", 1)),
+                        ["tiny.yaml", "aliases expand to more than 100,000 values"]),
+    "yaml alias cycle": (_file_bytes("space.yaml", lambda b: b + b"loop: &l [1, *l]\n"),
+                         ["space.yaml", "aliases expand"]),
+    "duplicate experiment key": (_file_bytes("tiny.yaml", lambda b: b + b"name: other\n"),
+                                 ["tiny.yaml", "the key 'name' is given twice (first on line 1)"]),
+    "duplicate space key": (_file_bytes("space.yaml", lambda b: b + b"verify: {type: categorical, choices: [ar]}\n"),
+                            ["space.yaml", "the key 'verify' is given twice"]),
+    "experiment in latin-1": (_file_bytes("tiny.yaml", lambda b: b"# caf\xe9\n" + b),
+                              ["tiny.yaml", "is not UTF-8 (byte 0xe9 at offset 5)", "save it as UTF-8"]),
+    "experiment in utf-16": (_file_bytes("tiny.yaml", lambda b: b.decode().encode("utf-16")),
+                             ["tiny.yaml", "is UTF-16"]),
+    "space in utf-16 without a mark": (_file_bytes("space.yaml", lambda b: b.decode().encode("utf-16-le")),
+                                       ["space.yaml", "NUL character"]),
+    "oversized experiment": (_file_bytes("tiny.yaml", lambda b: b + b"#" * (1 << 20) + b"\n"),
+                             ["tiny.yaml", "bytes; files of at most 1,048,576 bytes are read"]),
+    "workload in latin-1": (_file_bytes("prompts.jsonl", lambda b: b'{"prompt": "na\xefve"}\n' + b),
+                            ["prompts.jsonl", "not UTF-8"]),
+    "deeply nested workload line": (_file_bytes("prompts.jsonl", lambda b: b'{"prompt": "x", "n": '
+                                                + b"[" * 100_000 + b"]" * 100_000 + b"}\n" + b),
+                                    ["prompts.jsonl:1", "nested more than 64 deep"]),
+    "tools not a list": (_file_bytes("prompts.jsonl", lambda b: b'{"prompt": "x", "tools": "notalist"}\n' + b),
+                         ["prompts.jsonl:1", "tools", "list of tool objects", "'notalist'"]),
+    "grid over a tiny float step": (_exp(space={**TINY_SPACE, "proposal_temp": {"type": "float", "low": 0.5,
+                                                                                "high": 1.0, "step": 1e-12}},
+                                         study={"sampler": "grid"}), ["sampler `grid`", "at most", "use tpe"]),
+    "step past the range": (_space(budget={"type": "int", "low": 2, "high": 8, "step": 16}),
+                            ["budget.step", "at most high - low = 6", "16"]),
+    "a huge value is previewed": (_edit(lambda e: e["workload"].update(n_prompts="x" * 100_000)),
+                                  ["workload.n_prompts", "... (100,002 characters)"]),
 }
 
 
@@ -122,6 +169,7 @@ def test_bad_input_exits_2_names_the_problem_and_creates_nothing(name, in_tmp, c
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("autotune: error: ")
+    assert len(err) < 4096, f"{len(err)} characters"  # whatever the input, the message stays small
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in {err!r}"
     assert _created(in_tmp) == []

@@ -120,6 +120,33 @@ def test_export_engine_round_trip(swept, capsys):
     assert got["tokens"] == ar["tokens"]  # and the exported config is exact on a prompt it never saw
 
 
+def test_export_never_overwrites_a_store_and_replaces_a_file_only_with_force(swept, capsys):
+    """``--out`` naming the study database or the MLflow store is refused even with --force; a
+    folder is refused; an existing file is replaced only with --force (issue #23: nothing destroyed)."""
+    def export_to(*args: str) -> tuple[int, str]:
+        here = os.getcwd()
+        os.chdir(swept)
+        try:
+            code = main(["export", "tiny", "--out", *args])
+        finally:
+            os.chdir(here)
+        return code, capsys.readouterr().err
+
+    stores = {name: (swept / name).read_bytes() for name in ("autotune.db", "mlflow.db")}
+    for name in stores:
+        code, err = export_to(name, "--force")
+        assert code == 2 and "SQLite database" in err and "never overwritten" in err and len(err) < 1000
+    assert {name: (swept / name).read_bytes() for name in stores} == stores
+    code, err = export_to("exp")
+    assert code == 2 and "not a folder" in err
+    (swept / "mine.yaml").write_text("keep me\n")
+    code, err = export_to("mine.yaml")
+    assert code == 2 and "--force" in err
+    assert (swept / "mine.yaml").read_text() == "keep me\n"
+    code, _ = export_to("mine.yaml", "--force")
+    assert code == 0 and yaml.safe_load((swept / "mine.yaml").read_text())["provenance"]["study"] == "tiny"
+
+
 def test_export_json_and_llama_server(swept, capsys):
     code, out = _cli(swept, ["export", "tiny", "--format", "json"], capsys)
     assert code == 0 and json.loads(out)["provenance"]["study"] == "tiny"

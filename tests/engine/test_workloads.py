@@ -145,7 +145,7 @@ def test_jsonl_workload_and_errors(tmp_path):
         {"prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}], "tools": [{"a": 1}]}]
     assert w.hash == load_workload(str(good), tmp_path, 5, seed=3).hash
     cases = {
-        '{"prompt": "a"}\nnot json\n': "w2.jsonl:2: not valid JSON",
+        '{"prompt": "a"}\nnot json\n': "w2.jsonl:2: is not valid JSON",
         '{"prompt": "a", "extra": 1}\n': "unknown key",
         '{"prompt": ""}\n': "non-empty string",
         '{"messages": [{"role": "robot", "content": "x"}]}\n': "messages\\[0\\] needs a role",
