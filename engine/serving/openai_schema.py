@@ -5,7 +5,6 @@ Every refusal is an ``ApiError`` whose message names the field, the rule and the
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.config import EngineConfig, EngineInputError
 from engine.data.prompts import Prompt
+from engine.files import FileRefused, parse_json, preview
 
 DEFAULT_MAX_TOKENS = 512  # when a request gives none (and the context leaves room)
 MAX_STOP_STRINGS = 4
@@ -31,7 +31,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def response(self) -> JSONResponse:
-        kind = {401: "authentication_error", 503: "server_overloaded"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 500: "server_error", 503: "server_overloaded"}.get(
+            self.status, "invalid_request_error")
         body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
@@ -83,16 +84,18 @@ def parse_body(body: Any, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
-        got = f", but got {err['input']!r}" if "input" in err and err["type"] != "missing" else ""
+        got = f", but got {preview(err['input'])}" if "input" in err and err["type"] != "missing" else ""
         raise bad_request(f"{where}: {err['msg'].lower()}{got}", param=where) from None
 
 
 async def json_body(request: Request) -> Any:
     raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    try:  # nesting bounded (``engine.files``): a deeply nested body is a 400, not a RecursionError's 500
+        data = parse_json(raw.decode("utf-8"), "the request body")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not UTF-8 (byte at offset {exc.start})", code="invalid_json") from None
+    except FileRefused as exc:
+        raise bad_request(f"the request body {exc.rule}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, but got {type(data).__name__}")
     return data
@@ -107,10 +110,11 @@ def text_content(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request(f"{where}[{i}]: only text parts ({{'type': 'text', 'text': ...}}) are "
-                                  f"supported, but got {part!r}", param=where)
+                                  f"supported, but got {preview(part)}", param=where)
             parts.append(part["text"])
         return "".join(parts)
-    raise bad_request(f"{where}: must be a string, null or a list of text parts, but got {content!r}", param=where)
+    raise bad_request(f"{where}: must be a string, null or a list of text parts, but got {preview(content)}",
+                      param=where)
 
 
 def stop_strings(stop: Any) -> list[str]:
@@ -118,7 +122,7 @@ def stop_strings(stop: Any) -> list[str]:
     if stops is None:
         return []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request(f"stop: must be a non-empty string or a list of them, but got {stop!r}", param="stop")
+        raise bad_request(f"stop: must be a non-empty string or a list of them, but got {preview(stop)}", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings, but got {len(stops)}", param="stop")
     return stops
@@ -191,7 +195,8 @@ def chat_ids(pair: Any, body: ChatBody) -> list[int]:
 def completion_ids(pair: Any, body: CompletionBody) -> list[int]:
     for name in ("echo", "logprobs", "suffix"):
         if getattr(body, name):
-            raise bad_request(f"{name}: not supported by this server, but got {getattr(body, name)!r}", param=name)
+            raise bad_request(f"{name}: not supported by this server, but got {preview(getattr(body, name))}",
+                              param=name)
     if body.best_of not in (None, 1):
         raise bad_request(f"best_of: only 1 is supported, but got {body.best_of}", param="best_of")
     p = body.prompt
@@ -208,5 +213,5 @@ def completion_ids(pair: Any, body: CompletionBody) -> list[int]:
         if bad:
             raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
         return list(p)
-    raise bad_request(f"prompt: must be a string, a one-string list or a list of token ids, but got {p!r}",
+    raise bad_request(f"prompt: must be a string, a one-string list or a list of token ids, but got {preview(p)}",
                       param="prompt")

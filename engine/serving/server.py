@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import socket
 import sys
 import threading
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding.decode import generate
+from engine.files import preview
 from engine.serving.openai_schema import (
     ApiError,
     ChatBody,
@@ -45,6 +47,7 @@ from engine.serving.openai_schema import (
 )
 
 DEFAULT_MAX_QUEUE = 32  # waiting requests beyond the one running
+log = logging.getLogger("engine.serving")
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")  # metric labels
 
 
@@ -316,7 +319,12 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
             response: Response = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception as exc:  # a bug, not the client's body: still answered in JSON and counted
+                log.exception("unhandled error on %s %s", request.method, request.url.path)
+                response = ApiError(500, f"internal server error ({type(exc).__name__}); the server keeps running",
+                                    code="internal_error").response()
         path = request.url.path
         runner.metrics.count_request(path if path in ENDPOINTS else "other", response.status_code)
         return response
@@ -356,6 +364,9 @@ class _Replies:
     model_name: str
 
     async def respond(self, body: RequestBody, ids: list[int], chat: bool) -> Response:
+        if body.model is not None and body.model != self.model_name:  # as OpenAI's API answers
+            raise ApiError(404, f"the model {preview(body.model)} does not exist: this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
         job = make_job(self.pair, self.cfg, body, ids)
         self.runner.admit()  # after validation: a bad request never takes a place in the queue
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -123,7 +123,7 @@ def pair():
 
 
 def _chat(client, stream: bool, **kw):
-    args = {"model": "tiny-dense", "messages": MESSAGES, "max_tokens": 40, "temperature": 0} | kw
+    args = {"model": M, "messages": MESSAGES, "max_tokens": 40, "temperature": 0} | kw
     if not stream:
         r = client.chat.completions.create(**args)
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
@@ -165,28 +165,30 @@ def test_tools_go_through_the_chat_template_and_sampling_is_seeded(server):
 
 def test_completions_and_stop_strings(server):
     client = server.client()
-    plain = client.completions.create(model="m", prompt="def add(a, b):", max_tokens=30, temperature=0)
+    plain = client.completions.create(model=M, prompt="def add(a, b):", max_tokens=30, temperature=0)
     text = plain.choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="def add(a, b):", max_tokens=30, temperature=0, stream=True) if c.choices)
+        model=M, prompt="def add(a, b):", max_tokens=30, temperature=0, stream=True) if c.choices)
     assert text and text == streamed and plain.usage.completion_tokens == 30
-    ids = client.completions.create(model="m", prompt=[100, 101, 102], max_tokens=3)  # token ids work too
+    ids = client.completions.create(model=M, prompt=[100, 101, 102], max_tokens=3)  # token ids work too
     assert ids.usage.prompt_tokens == 3
     stop = text[5:8]
     assert stop not in text[:5] + stop[:-1]
-    cut = client.completions.create(model="m", prompt="def add(a, b):", max_tokens=30, temperature=0, stop=[stop])
+    cut = client.completions.create(model=M, prompt="def add(a, b):", max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     cut_stream = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="def add(a, b):", max_tokens=30, temperature=0, stop=[stop], stream=True) if c.choices)
+        model=M, prompt="def add(a, b):", max_tokens=30, temperature=0, stop=[stop], stream=True) if c.choices)
     assert cut_stream == cut.choices[0].text
 
 
-GOOD = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+M = "tiny-dense"  # the served model's id (its target preset)
+NESTED_HEAD = '{"model": "tiny-dense", "x": '
+GOOD = {"model": M, "messages": MESSAGES, "max_tokens": 2}
 BAD = {
-    "malformed JSON": ("/v1/chat/completions", '{"model": "m", "messages": [', "not valid JSON"),
+    "malformed JSON": ("/v1/chat/completions", '{"model": M, "messages": [', "not valid JSON"),
     "body not an object": ("/v1/chat/completions", "[1, 2]", "must be a JSON object"),
     "messages not a list": ("/v1/chat/completions", {**GOOD, "messages": "hi"}, "messages: input should be"),
-    "no messages": ("/v1/chat/completions", {"model": "m"}, "messages: field required"),
+    "no messages": ("/v1/chat/completions", {"model": M}, "messages: field required"),
     "unknown role": ("/v1/chat/completions", {**GOOD, "messages": [{"role": "robot", "content": "x"}]},
                      "messages.0.role"),
     "content wrong type": ("/v1/chat/completions", {**GOOD, "messages": [{"role": "user", "content": 5}]},
@@ -194,9 +196,9 @@ BAD = {
     "max_tokens a string": ("/v1/chat/completions", {**GOOD, "max_tokens": "5"}, "max_tokens: input should be"),
     "max_tokens a float": ("/v1/chat/completions", {**GOOD, "max_tokens": 2.5}, "max_tokens"),
     "max_tokens negative": ("/v1/chat/completions", {**GOOD, "max_tokens": -3}, "max_tokens: must be >= 1"),
-    "max_tokens zero": ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "must be >= 1"),
+    "max_tokens zero": ("/v1/completions", {"model": M, "prompt": "x", "max_tokens": 0}, "must be >= 1"),
     "max_tokens huge": ("/v1/chat/completions", {**GOOD, "max_tokens": 10**12}, "exceeds the model's context"),
-    "prompt longer than the context": ("/v1/completions", {"model": "m", "prompt": "x" * 5000, "max_tokens": 1},
+    "prompt longer than the context": ("/v1/completions", {"model": M, "prompt": "x" * 5000, "max_tokens": 1},
                                        "the prompt has 5000 tokens, but the model's context holds 4096"),
     "temperature a string": ("/v1/chat/completions", {**GOOD, "temperature": "hot"}, "temperature"),
     "temperature negative": ("/v1/chat/completions", {**GOOD, "temperature": -1}, "between 0 and 2"),
@@ -204,8 +206,11 @@ BAD = {
     "stream not a bool": ("/v1/chat/completions", {**GOOD, "stream": "yes"}, "stream"),
     "stop wrong type": ("/v1/chat/completions", {**GOOD, "stop": [1]}, "stop: must be"),
     "n > 1": ("/v1/chat/completions", {**GOOD, "n": 2}, "only n=1"),
-    "prompt wrong type": ("/v1/completions", {"model": "m", "prompt": {"a": 1}}, "prompt: must be"),
-    "token id out of vocabulary": ("/v1/completions", {"model": "m", "prompt": [99999]}, "outside the vocabulary"),
+    "prompt wrong type": ("/v1/completions", {"model": M, "prompt": {"a": 1}}, "prompt: must be"),
+    "token id out of vocabulary": ("/v1/completions", {"model": M, "prompt": [99999]}, "outside the vocabulary"),
+    "deeply nested body": ("/v1/chat/completions", NESTED_HEAD + "[" * 50_000 + "]" * 50_000 + "}",
+                           "nested more than 64 deep"),
+    "huge wrong-typed value": ("/v1/chat/completions", {**GOOD, "stop": [["s"] * 50_000]}, "characters)"),
 }
 
 
@@ -214,12 +219,17 @@ def test_bad_requests_get_400_with_a_message_and_the_server_keeps_answering(serv
         status, _, got = server.raw("POST", path, body if isinstance(body, str) else json.dumps(body))
         assert status == 400, (name, status, got)
         assert message in got["error"]["message"], (name, got)
+        assert len(json.dumps(got)) < 2048, (name, len(json.dumps(got)))  # whatever the body, a small answer
         assert got["error"]["type"] == "invalid_request_error"
         status, _, ok = server.raw("POST", "/v1/chat/completions", json.dumps(GOOD))
         assert status == 200 and ok["usage"]["completion_tokens"] == 2, name
     assert server.raw("GET", "/v1/nothing-here")[0] == 404
+    status, _, got = server.raw("POST", "/v1/chat/completions", json.dumps({**GOOD, "model": "gpt-4o"}))
+    assert status == 404 and got["error"]["code"] == "model_not_found" and "'tiny-dense'" in got["error"]["message"]
+    assert server.raw("POST", "/v1/chat/completions", json.dumps({k: v for k, v in GOOD.items() if k != "model"}))[0] \
+        == 200  # (no model named: the served one)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the client sees them as errors too
-        server.client().chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1)
+        server.client().chat.completions.create(model=M, messages=MESSAGES, max_tokens=-1)
 
 
 def test_api_key_is_enforced(server):
@@ -239,11 +249,11 @@ def test_200_sequential_then_20_concurrent_requests(server):
     client = server.client()
     for i in range(200):
         if i % 2:
-            r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"n{i}"}],
+            r = client.chat.completions.create(model=M, messages=[{"role": "user", "content": f"n{i}"}],
                                                max_tokens=3)
             assert r.choices[0].message.content is not None
         else:
-            r = client.completions.create(model="m", prompt=f"n{i}", max_tokens=3)
+            r = client.completions.create(model=M, prompt=f"n{i}", max_tokens=3)
         # the random tiny model may say its stop token early
         assert 1 <= r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("stop", "length")
 
@@ -267,6 +277,7 @@ def test_metrics_in_prometheus_text(server):
             values[name] = float(value)
     assert values['autotune_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert values['autotune_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
+    assert values['autotune_requests_total{endpoint="/v1/chat/completions",status="404"}'] >= 1
     assert values["autotune_completion_tokens_total"] > 0 and values["autotune_prompt_tokens_total"] > 0
     assert values["autotune_acceptance_length"] > 1.0  # the oracle draft is mostly right
     assert values["autotune_decode_tokens_per_second"] > 0
@@ -279,14 +290,14 @@ def test_full_queue_gets_503_with_retry_after_and_a_dropped_stream_frees_the_eng
     try:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
         # the tiny model's greedy continuation of "aaaa" runs 4000 tokens without a stop token (~40 s)
-        body = {"model": "m", "prompt": "aaaa", "max_tokens": 4000, "stream": True}
+        body = {"model": M, "prompt": "aaaa", "max_tokens": 4000, "stream": True}
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")  # generating now
         status, headers, got = s.raw("POST", "/v1/chat/completions", json.dumps(GOOD))
         assert status == 503 and headers["retry-after"] == "1" and got["error"]["code"] == "queue_full"
         with pytest.raises(openai.APIStatusError) as err:
-            s.client().chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            s.client().chat.completions.create(model=M, messages=MESSAGES, max_tokens=2)
         assert err.value.status_code == 503
         conn.close()  # the client goes away mid-stream: the engine stops at its next step
         deadline = time.monotonic() + 10
@@ -381,3 +392,43 @@ def test_llama_server_export_parses_back_to_the_mapped_values(fields, unmapped):
     argv = shlex.split(text.splitlines()[-1])  # valid sh; quoting survives paths with spaces
     assert argv[:2] == ["dflash_server", "/models/my target.gguf"] and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert ("--draft" in argv) == (cfg["verify"] != "ar")
+
+
+def _asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request straight through the ASGI app (no socket): its status and JSON body."""
+    import asyncio
+
+    sent: list[dict] = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+             "raw_path": path.encode(), "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(text) if text.startswith(b"{") else {"text": text.decode()}
+
+
+def test_a_server_bug_is_a_500_in_json_and_counted(pair, monkeypatch):
+    """An exception the server did not expect (here: planted in the job builder) answers 500 with an
+    OpenAI-style body and shows in /metrics; the next request is served."""
+    from engine.serving import server as srv
+
+    app = srv.create_app(pair, EngineConfig(verify="ar"), "tiny-dense")
+    real = srv.make_job
+    monkeypatch.setattr(srv, "make_job", lambda *a: (_ for _ in ()).throw(RuntimeError("planted")))
+    status, got = _asgi(app, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+    assert status == 500 and got["error"]["type"] == "server_error" and "RuntimeError" in got["error"]["message"]
+    monkeypatch.setattr(srv, "make_job", real)
+    status, _ = _asgi(app, "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode())
+    assert status == 200
+    _, metrics = _asgi(app, "GET", "/metrics")
+    assert 'autotune_requests_total{endpoint="/v1/completions",status="500"} 1' in metrics["text"]
+    app.state.runner.close()
