@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
-from engine.files import read_mapping
+from engine.files import preview, read_mapping
 from engine.models.common import rope_inv_freq, unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
@@ -259,8 +259,12 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[De
         raise EngineInputError(f"GGUF file {path} does not exist")
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise EngineInputError(f"{path}: not a readable GGUF file: {exc}") from None
+    except MemoryError:
+        raise EngineInputError(f"{path}: not a readable GGUF file: its header asks for more memory than there "
+                               "is (a corrupt count)") from None
+    except Exception as exc:  # a truncated or corrupt header fails in the reader in many ways (IndexError, ...)
+        raise EngineInputError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
+                               f"{preview(str(exc))})") from None
     meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
     tensors = {t.name: t for t in reader.tensors}
     arch = meta.get("general.architecture")
@@ -344,6 +348,9 @@ def _gguf_tensor(t: Any, heads: int | None, where: Path) -> Tensor:
     except NotImplementedError as exc:
         raise EngineInputError(f"{where}: tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
                                f"dequantised: {exc}") from None
+    except Exception as exc:  # data cut short or of a size its type cannot hold: a corrupt file
+        raise EngineInputError(f"{where}: tensor {t.name!r} cannot be read ({type(exc).__name__}: "
+                               f"{preview(str(exc))}): the file is corrupt") from None
     w = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     if heads:
         # Inverse of llama.cpp's permute(w, n) = w.reshape(n, 2, d/2, ...).swapaxes(1, 2).reshape(w.shape):
@@ -377,7 +384,13 @@ def _weight_files(folder: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise EngineInputError(f"{index}: 'weight_map' must be a non-empty mapping of tensor -> file")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        names = sorted({str(v) for v in weight_map.values()})
+        inside = folder.resolve()
+        outside = [n for n in names if not (folder / n).resolve().is_relative_to(inside)]
+        if outside:  # a shard is read from the model folder only, never through ../ or an absolute path
+            raise EngineInputError(f"{index}: weight_map names shard file(s) outside the model folder: "
+                                   f"{_few(outside)}")
+        files = [folder / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise EngineInputError(f"{index}: shard file(s) {missing} listed in weight_map do not exist")
@@ -425,6 +438,10 @@ def _load_state(model: nn.Module, source: TensorSource, where: str) -> None:
                 raise EngineInputError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, but the "
                                        f"model expects {list(dest.shape)}")
             dest.copy_(tensor)
+            if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
+                bad = int((~torch.isfinite(dest)).sum())
+                raise EngineInputError(f"{where}: tensor {name!r} holds {bad:,} non-finite values (NaN or inf) of "
+                                       f"{dest.numel():,}: the weights are corrupt")
 
 
 def _few(names: list[str], n: int = 8) -> str:
@@ -433,7 +450,10 @@ def _few(names: list[str], n: int = 8) -> str:
 
 
 def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -> nn.Module:
-    """Construct directly in dtype on device: no full-precision CPU copy of a large model."""
+    """Construct directly in dtype on device: no full-precision CPU copy of a large model. A config
+    whose weights cannot fit in the device's free memory is refused first, with the numbers (a
+    corrupt or mistyped size would otherwise ask the allocator for terabytes)."""
+    _check_fits(cls, cfg, device, dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -441,6 +461,32 @@ def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -
             return cls(cfg)
     finally:
         torch.set_default_dtype(previous)
+
+
+def _check_fits(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -> None:
+    with torch.device("meta"):  # shapes only: nothing allocated
+        meta = cls(cfg)
+    need = sum(p.numel() for p in meta.parameters()) * torch.empty((), dtype=dtype).element_size()
+    free = free_memory(torch.device(device))
+    if free is not None and need > free:
+        raise EngineInputError(f"{cls.__name__} with this config needs {need / 2**30:,.1f} GiB for its weights "
+                               f"in {dtype}, but {device} has {free / 2**30:,.1f} GiB free (hidden_size "
+                               f"{getattr(cfg, 'hidden_size', '?')}, {getattr(cfg, 'num_hidden_layers', '?')} "
+                               f"layers, vocabulary {getattr(cfg, 'vocab_size', '?')})")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` (a GPU's, or the host's available memory), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":  # Linux's MemAvailable: free memory plus what the page cache would give back
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
 
 
 def _finish(model: nn.Module) -> Any:

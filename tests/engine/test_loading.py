@@ -249,6 +249,98 @@ def test_gguf_bad_inputs(tmp_path):
         load_target_gguf(tmp_path / "gpt2.gguf", "cpu", torch.float32)
 
 
+def _mutations(data: bytes, seed: int, n: int, header: int) -> list[tuple[str, bytes]]:
+    """Corrupt copies of a checkpoint file: cut short, a byte flipped within its first ``header``
+    bytes, and (for GGUF's tensor and key counts at bytes 8..24) counts grown."""
+    rng = np.random.default_rng(seed)
+    out = [(f"cut at {k}", data[:k]) for k in sorted(set(rng.integers(0, len(data), n).tolist()))]
+    for k in rng.integers(0, min(header, len(data)), n).tolist():
+        b = bytearray(data)
+        b[k] ^= 1 << int(rng.integers(0, 8))
+        out.append((f"bit flipped at {k}", bytes(b)))
+    return out
+
+
+def _loads_or_refuses(load, path, what: str) -> bool:
+    """``load(path)`` either loads finite weights or raises EngineInputError naming the file; True if loaded."""
+    try:
+        model = load(path)
+    except EngineInputError as exc:
+        assert str(path.name) in str(exc) or str(path.parent.name) in str(exc), (what, str(exc)[:300])
+        assert len(str(exc)) < 2000, (what, len(str(exc)))
+        return False
+    model = model[0] if isinstance(model, tuple) else model
+    assert all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point()), what
+    return True
+
+
+def test_corrupt_gguf_files_load_or_are_refused_never_a_traceback_nor_nan(tmp_path):
+    """Issue #23: truncated, bit-flipped and grown-count GGUF files: a clear refusal or a model of
+    finite weights, never another exception and never NaN decoded silently."""
+    good = tmp_path / "good.gguf"
+    _write_gguf(good, _hf_model("llama", seed=3), "llama", gguf.GGMLQuantizationType.Q8_0)
+    data = good.read_bytes()
+    cases = _mutations(data, seed=0, n=12, header=2048)
+    for field in (8, 16):  # tensor count, key count: grown far past the file
+        b = bytearray(data)
+        b[field : field + 8] = (2**40).to_bytes(8, "little")
+        cases.append((f"count at {field} grown", bytes(b)))
+    nan = bytearray(data)
+    nan[-64:] = np.full(16, np.nan, np.float32).tobytes()  # the last tensor's data (F32 norms) made NaN
+    cases.append(("NaN weights", bytes(nan)))
+    refused = 0
+    for what, blob in cases:
+        path = tmp_path / "bad.gguf"
+        path.write_bytes(blob)
+        refused += not _loads_or_refuses(lambda q: load_target_gguf(q, "cpu", torch.float32), path, what)
+    assert refused >= len(cases) // 2
+
+
+def test_corrupt_safetensors_load_or_are_refused(tmp_path, llama_folder):
+    """The same for a safetensors file: its header (8-byte length, then JSON) cut, flipped or grown."""
+    weights = llama_folder / "model.safetensors"
+    data = weights.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    cases = _mutations(data, seed=1, n=10, header=header)
+    cases.append(("header length grown", (2**40).to_bytes(8, "little") + data[8:]))
+    refused = 0
+    for what, blob in cases:
+        weights.write_bytes(blob)
+        refused += not _loads_or_refuses(lambda q: load_target_folder(q, "cpu", torch.float32), llama_folder, what)
+    assert refused >= len(cases) // 2
+
+
+def test_non_finite_weights_are_refused_by_name(llama_folder):
+    path = llama_folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.2.self_attn.o_proj.weight"][3, :5] = float("nan")
+    save_file(tensors, path)
+    with pytest.raises(EngineInputError, match=r"'layers.2.self_attn.o_proj.weight' holds 5 non-finite values"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+
+
+def test_shard_paths_stay_inside_the_model_folder(tmp_path):
+    folder = tmp_path / "model"
+    _hf_model("llama", seed=1).save_pretrained(folder, max_shard_size="40KB")
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    first = next(iter(doc["weight_map"]))
+    shard = folder / doc["weight_map"][first]
+    (tmp_path / "elsewhere.safetensors").write_bytes(shard.read_bytes())
+    for evil in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
+        doc["weight_map"][first] = evil
+        index.write_text(json.dumps(doc))
+        with pytest.raises(EngineInputError, match="outside the model folder"):
+            load_target_folder(folder, "cpu", torch.float32)
+
+
+def test_a_config_too_large_for_memory_is_refused_before_allocating(llama_folder):
+    _edit_config(llama_folder, hidden_size=10_000_000, intermediate_size=40_000_000)
+    with pytest.raises(EngineInputError, match=r"DenseModel with this config needs [\d,.]+ GiB .* GiB free "
+                                               r"\(hidden_size 10000000"):
+        load_target_folder(llama_folder, "cpu", torch.float32)
+
+
 # ---------------------------------------------------------------------------------------- drafts
 
 def _tiny_target() -> DenseModel:
