@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from autotune import confirm, measure, results
 from autotune import study as st
+from autotune.errors import InputError
 from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
 from autotune.tracking import open_tracker
@@ -72,10 +73,25 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
         try:
             with ctrl_c.measuring():
                 workers = executor.start()
+            _check_fits(exp, executor.describe())
         except BaseException:
             executor.close()
             raise
         return _sweep(exp, opts, workloads, executor, workers, ctrl_c, out)
+
+
+def _check_fits(exp: Experiment, described: dict[str, Any]) -> None:
+    """The workload fits the loaded target's context (its longest prompt plus ``max_new_tokens``, and
+    a draft block's slack): checked after the model loads and before the study or MLflow is opened,
+    so a sweep whose every trial would fail allocating is refused instead (exit 2)."""
+    ctx, longest = described.get("context"), described.get("longest_prompt")
+    if not ctx or longest is None:
+        return
+    need = longest + exp.workload.max_new_tokens
+    if need > ctx:
+        raise InputError(str(exp.path), "workload.max_new_tokens",
+                         f"the longest prompt ({longest:,} tokens) plus max_new_tokens must fit the target's context "
+                         f"of {ctx:,} tokens ({need:,} do not)", exp.workload.max_new_tokens)
 
 
 def make_executor(exp: Experiment, workloads: list[Any], kind: str = "local", workers: int | None = None,
@@ -127,6 +143,12 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
                   "worker_restarts": device.get("restarts", 0),
                   "mlflow_parent_run": getattr(tracker, "parent", None) or "none",
                   "elapsed_s": round(time.monotonic() - started, 1), "exit": "interrupted" if code else "done"})
+    if code == 0 and facts.get("trials_complete") == 0 and facts.get("trials_failed", 0) > 0:
+        # nothing measured at all: not "done" (a config every trial of which fails, a broken machine)
+        reason = next((t.user_attrs.get("fail_reason") for t in study.trials
+                       if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("fail_reason")), "unknown")
+        code = 1
+        facts["exit"] = f"failed: every trial failed; the first: {str(reason)[:300]}"
     print(results.format_summary(facts), file=out, flush=True)
     return SweepOutcome(study=study, exit_code=code, facts=facts)
 

@@ -118,6 +118,13 @@ class Worker:
         # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
 
+    def limits(self) -> dict[str, int | None]:
+        """What a sweep checks before it creates anything: the target's context (tokens; None when
+        unknown) and the longest prompt of the workloads, in tokens."""
+        cfg = getattr(self.pair.target, "cfg", None)
+        return {"context": getattr(cfg, "max_position_embeddings", None),
+                "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0)}
+
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
              fixed: dict[str, Any], **kw: Any) -> Worker:

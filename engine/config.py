@@ -11,6 +11,15 @@ ROLLBACK_MODES = ("replay", "fast")
 DRAFT_PATHS = ("auto", "generic", "runtime")
 GRAMMAR_MODES = ("off", "walk", "commit")
 KERNEL_MODES = ("fused", "eager")
+# Upper bounds: what one step can run. A verify's budget + 1 rows stay within the few-row linear
+# kernel's reach (engine.models.linear.MAX_ROWS = 1024); the rest bound what no draft or search
+# space needs, so that a typo (1e30) is refused here rather than failing every trial allocating.
+MAX_BUDGET = 1023
+MAX_TOP_K = 256
+MAX_BLOCK_SIZE = 256
+MAX_CHAIN_SEED = 1024
+MAX_TARGET_FEAT_CTX = 1 << 20
+MAX_SEED = 2**63 - 1
 
 
 class EngineInputError(ValueError):
@@ -72,14 +81,14 @@ class EngineConfig:
         _choice("draft_path", self.draft_path, DRAFT_PATHS)
         _choice("grammar", self.grammar, GRAMMAR_MODES)
         _choice("kernels", self.kernels, KERNEL_MODES)
-        _int_at_least("budget", self.budget, 1)
-        _int_at_least("top_k", self.top_k, 1)
-        _int_at_least("target_feat_ctx", self.target_feat_ctx, 0)
-        _int_at_least("seed", self.seed, 0)
+        _int_at_least("budget", self.budget, 1, MAX_BUDGET)
+        _int_at_least("top_k", self.top_k, 1, MAX_TOP_K)
+        _int_at_least("target_feat_ctx", self.target_feat_ctx, 0, MAX_TARGET_FEAT_CTX)
+        _int_at_least("seed", self.seed, 0, MAX_SEED)
         if self.chain_seed is not None:
-            _int_at_least("chain_seed", self.chain_seed, 0)
+            _int_at_least("chain_seed", self.chain_seed, 0, MAX_CHAIN_SEED)
         if self.block_size is not None:
-            _int_at_least("block_size", self.block_size, 2)
+            _int_at_least("block_size", self.block_size, 2, MAX_BLOCK_SIZE)
         _float_in("proposal_temp", self.proposal_temp, low=0.0, low_open=True)
         _float_in("temperature", self.temperature, low=0.0, low_open=False)
 
@@ -111,11 +120,13 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise EngineInputError(f"EngineConfig.{name} must be one of {list(choices)}, but got {value!r}")
 
 
-def _int_at_least(name: str, value: object, low: int) -> None:
+def _int_at_least(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise EngineInputError(f"EngineConfig.{name} must be an integer, but got {value!r}")
+        raise EngineInputError(f"EngineConfig.{name} must be an integer, but got {str(value)[:100]!r}")
     if value < low:
         raise EngineInputError(f"EngineConfig.{name} must be >= {low}, but got {value}")
+    if value > high:
+        raise EngineInputError(f"EngineConfig.{name} must be <= {high:,}, but got {value:.3g}")
 
 
 def _float_in(name: str, value: object, *, low: float, low_open: bool) -> None:

@@ -63,4 +63,5 @@ class LocalExecutor(Executor):
     def describe(self) -> dict[str, Any]:
         if self._worker is None:
             return {}
-        return {"device": self._worker.pair.device, "dtype": self._worker.pair.dtype, "workers": [self._worker.id]}
+        return {"device": self._worker.pair.device, "dtype": self._worker.pair.dtype, "workers": [self._worker.id],
+                **self._worker.limits()}

@@ -149,7 +149,8 @@ class _Measurer:
     def facts(self) -> dict[str, Any]:
         pair = self.worker.pair if self.worker is not None else None
         return {"worker": self.worker.id if self.worker else None, "loads": self.loads,
-                "device": getattr(pair, "device", None), "dtype": getattr(pair, "dtype", None)}
+                "device": getattr(pair, "device", None), "dtype": getattr(pair, "dtype", None),
+                **(self.worker.limits() if self.worker is not None else {})}
 
 
 @dataclass
@@ -376,7 +377,8 @@ class RayExecutor(Executor):
         device = self._facts.get("device") or ("cuda" if self._gpu else "cpu")
         return {"device": device, "dtype": self._facts.get("dtype") or self.spec.dtype,
                 "workers": [s.worker_id for s in self._slots],
-                "executor": "ray", "restarts": sum(s.restarts for s in self._slots)}
+                "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
+                "context": self._facts.get("context"), "longest_prompt": self._facts.get("longest_prompt")}
 
     def facts(self) -> list[dict[str, Any]]:
         """Per actor: worker id and model loads (tests and benchmarks read this)."""

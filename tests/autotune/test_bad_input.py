@@ -151,6 +151,11 @@ CASES: dict[str, tuple[Case, list[str]]] = {
                                          study={"sampler": "grid"}), ["sampler `grid`", "at most", "use tpe"]),
     "step past the range": (_space(budget={"type": "int", "low": 2, "high": 8, "step": 16}),
                             ["budget.step", "at most high - low = 6", "16"]),
+    "a range past the engine's bound": (_space(budget={"type": "int", "low": 4, "high": 10**30, "log": True}),
+                                        ["budget.high", "engine refuses", "<= 1,023"]),
+    "max_new_tokens past the context": (_exp(workload={"sets": ["prompts.jsonl"], "n_prompts": 2,
+                                                       "max_new_tokens": 10**9}),
+                                        ["workload.max_new_tokens", "must fit the target's context of 4,096 tokens"]),
     "a huge value is previewed": (_edit(lambda e: e["workload"].update(n_prompts="x" * 100_000)),
                                   ["workload.n_prompts", "... (100,002 characters)"]),
 }

@@ -24,14 +24,14 @@ PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 def sweep(exp_path: Path, storage: str, n_trials: int | None = None, study_name: str | None = None,
-          tracking: str | None = None, output_hook=None):
+          tracking: str | None = None, output_hook=None, faults=None):
     exp = experiment.load(exp_path)
     workloads = experiment.load_workloads(exp)
     executor = None
-    if output_hook is not None:
+    if output_hook is not None or faults is not None:
         executor = LocalExecutor(lambda: FaultyWorker.load(exp.model.target, exp.model.draft, exp.model.device,
                                                            exp.model.dtype, workloads, exp.fixed_engine,
-                                                           output_hook=output_hook))
+                                                           output_hook=output_hook, faults=faults))
     opts = SweepOptions(n_trials=n_trials or exp.study.n_trials, storage=st.parse_storage(storage),
                         study_name=study_name or exp.name, tracking_uri=tracking, progress=False)
     out = io.StringIO()
@@ -102,6 +102,14 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
     trials = more.study.get_trials()
     assert st.n_finished(more.study) == 7 and len(trials) == 7
     assert sum(st.role_of(t) == "reference" for t in trials) == 1
+
+
+def test_a_sweep_whose_every_trial_fails_exits_1_with_the_first_reason(tmp_path):
+    """Nothing measured is not "done": exit 1 and the first failure's reason (issue #23)."""
+    outcome, text = sweep(tiny_experiment(tmp_path), "memory", n_trials=3, faults={i: "oom" for i in range(10)})
+    assert outcome.exit_code == 1
+    assert outcome.facts["trials_complete"] == 0 and outcome.facts["trials_failed"] == 3
+    assert "exit: failed: every trial failed; the first: OutOfMemoryError: injected" in text
 
 
 def _corrupt_chain(config, outputs):
