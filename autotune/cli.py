@@ -120,6 +120,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.study_name is not None and not _NAME_RE.match(args.study_name):
         raise InputError("--study-name", None, "must match [A-Za-z0-9][A-Za-z0-9_.-]*", args.study_name)
     exp = experiment.load(args.experiment)
+    study.reach_storage(storage)  # servers answer before the model loads (a few seconds at most)
+    tracking.reach_tracking_uri(tracking_uri)
     kind = args.executor or exp.executor.kind
     workers = args.workers if args.workers is not None else exp.executor.workers
     if workers is not None and workers < 1:

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,48 @@ def parse_storage(url: str, flag: str = "--storage") -> StorageSpec:
     except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError, ImportError) as exc:
         raise InputError(flag, None, f"must be a storage URL this installation can open ({exc})", url) from None
     return StorageSpec(url, "rdb")
+
+
+REACH_TIMEOUT_S = 5.0  # a storage or tracking server must answer this fast before a model loads
+
+
+def reach_storage(spec: StorageSpec, flag: str = "--storage", timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A database storage (PostgreSQL, MySQL) answers within ``timeout_s``: checked before the model
+    loads, so an unreachable server is a message in seconds, not a traceback after the loading."""
+    if spec.kind != "rdb" or spec.url.startswith("sqlite"):
+        return
+    import sqlalchemy
+
+    def connect() -> None:
+        engine = sqlalchemy.create_engine(spec.url, poolclass=sqlalchemy.pool.NullPool)
+        try:
+            engine.connect().close()
+        finally:
+            engine.dispose()
+
+    error = answer_within(connect, timeout_s)
+    if error is not None:
+        raise InputError(flag, None, f"the storage does not answer ({error})", spec.url)
+
+
+def answer_within(fn: Callable[[], None], timeout_s: float) -> str | None:
+    """Runs ``fn`` in a daemon thread; None when it returned in time, else why not (bounded text)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except Exception as exc:  # any driver's error: reported, not raised
+            outcome.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not outcome:
+        return f"no answer within {timeout_s:g} s"
+    exc = outcome[0]
+    return None if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def _check_parent(flag: str, url: str, path: Path) -> None:

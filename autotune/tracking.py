@@ -41,6 +41,30 @@ def check_tracking_uri(uri: str) -> str | None:
     return uri
 
 
+def reach_tracking_uri(uri: str | None, timeout_s: float | None = None) -> None:
+    """An ``http(s)://`` tracking server answers within the timeout (any HTTP status counts as an
+    answer): checked before the model loads, so a server that is down or silent is a message in
+    seconds, not a hang with the study already created."""
+    if uri is None or not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    from autotune.study import REACH_TIMEOUT_S, answer_within
+
+    limit = REACH_TIMEOUT_S if timeout_s is None else timeout_s
+
+    def ask() -> None:
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=limit).close()  # noqa: S310 (the user's URI)
+        except urllib.error.HTTPError:
+            pass  # it answered
+
+    error = answer_within(ask, limit + 1.0)
+    if error is not None:
+        raise InputError("--tracking-uri", None, f"the MLflow server does not answer ({error})", uri)
+
+
 class Tracker:
     """Logs to MLflow. All methods are cheap no-ops on :class:`NullTracker`."""
 

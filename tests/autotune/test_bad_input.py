@@ -156,6 +156,10 @@ CASES: dict[str, tuple[Case, list[str]]] = {
     "max_new_tokens past the context": (_exp(workload={"sets": ["prompts.jsonl"], "n_prompts": 2,
                                                        "max_new_tokens": 10**9}),
                                         ["workload.max_new_tokens", "must fit the target's context of 4,096 tokens"]),
+    "postgres not answering": (_with_exp("--storage", "postgresql+psycopg://postgres@127.0.0.1:1/postgres"),
+                               ["--storage", "the storage does not answer", "OperationalError"]),
+    "mlflow server down": (_with_exp("--tracking-uri", "http://127.0.0.1:1"),
+                           ["--tracking-uri", "the MLflow server does not answer"]),
     "a huge value is previewed": (_edit(lambda e: e["workload"].update(n_prompts="x" * 100_000)),
                                   ["workload.n_prompts", "... (100,002 characters)"]),
 }
@@ -185,3 +189,27 @@ def test_bad_input_through_the_real_entry_point(tmp_path):
     assert proc.returncode == 2
     assert "--trial-timeout" in proc.stderr and "only applies with --executor ray" in proc.stderr
     assert _created(tmp_path) == []
+
+
+def test_a_silent_mlflow_server_is_refused_in_seconds_before_the_model_loads(in_tmp, capsys):
+    """A tracking server that accepts the connection and never answers: refused after the timeout,
+    with nothing created (it used to hang for minutes with the study already made)."""
+    import socket
+    import time
+
+    from autotune import study
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        started = time.monotonic()
+        code = main(["sweep", str(tiny_experiment(in_tmp / "exp")), "--tracking-uri", url])
+        took = time.monotonic() - started
+    finally:
+        listener.close()
+    err = capsys.readouterr().err
+    assert code == 2 and "the MLflow server does not answer" in err and "timed out" in err
+    assert took < study.REACH_TIMEOUT_S + 5
+    assert _created(in_tmp) == []
