@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import yaml
 from autotune_helpers import TINY_SPACE, run_autotune, tiny_experiment
 
+import engine  # noqa: F401  (imported before any refusal is timed: its time is the refusal's own)
 from autotune.cli import main
 
 # name -> (build argv inside the folder, fragments the message must contain)
@@ -174,11 +176,14 @@ def _created(folder: Path) -> list[str]:
 def test_bad_input_exits_2_names_the_problem_and_creates_nothing(name, in_tmp, capsys):
     build, fragments = CASES[name]
     argv = build(in_tmp)
+    started = time.monotonic()
     code = main(argv)
+    took = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("autotune: error: ")
     assert len(err) < 4096, f"{len(err)} characters"  # whatever the input, the message stays small
+    assert took < 10, f"{took:.1f} s"  # a refusal never hangs (an alias bomb, a huge grid, a silent server)
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in {err!r}"
     assert _created(in_tmp) == []
