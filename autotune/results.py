@@ -43,6 +43,8 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     trials = study.get_trials(deepcopy=False)
     counts = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState}
     counts["finished"] = sum(counts_toward_budget(t) for t in trials)
+    counts["baselines"] = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+                              and role_of(t) == "baseline" for t in trials)
     counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
     counts["infeasible"] = len(infeasible(study))
     counts["refused"] = len(refused(study))
@@ -134,6 +136,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
     out: dict[str, Any] = {
         "study": study.study_name,
         "trials_finished": counts["finished"],
+        "baselines": counts["baselines"],
         "trials_complete": counts["complete"],
         "trials_pruned": counts["pruned"],
         "trials_failed": counts["fail"],

@@ -335,8 +335,10 @@ def enqueue(study: optuna.Study, role: str, params: dict[str, Any] | None = None
 
 
 def counts_toward_budget(t: FrozenTrial) -> bool:
-    """Every finished measurement counts; an interrupted trial does not (its retry will)."""
-    return t.state in FINISHED and not t.user_attrs.get("interrupted")
+    """``n_trials`` counts configs measured: finished search and reference trials. AR baselines are
+    the yardstick, not the search (reported beside it, ``results.state_counts``), and an interrupted
+    trial does not count (its retry will)."""
+    return t.state in FINISHED and not t.user_attrs.get("interrupted") and role_of(t) != "baseline"
 
 
 def n_finished(study: optuna.Study) -> int:
@@ -350,7 +352,8 @@ def budget_state(study: optuna.Study) -> tuple[int, int]:
     COMPLETE by the second counts in neither, and a driver would start one trial too many.
     """
     trials = study.get_trials(deepcopy=False)
-    return sum(counts_toward_budget(t) for t in trials), sum(t.state == TrialState.RUNNING for t in trials)
+    return (sum(counts_toward_budget(t) for t in trials),
+            sum(t.state == TrialState.RUNNING and role_of(t) != "baseline" for t in trials))
 
 
 class BudgetLock:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 from autotune_helpers import env, tiny_experiment
@@ -54,7 +55,10 @@ def test_mlflow_parent_and_nested_runs(swept):
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.data.tags["autotune.study"] == "tiny"
     children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(int(r.data.tags["autotune.trial"]) for r in children) == list(range(N))
+    # a run per trial: the N configs (n_trials) and the AR baselines beside them
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{swept / 'autotune.db'}")
+    assert sorted(int(r.data.tags["autotune.trial"]) for r in children) == [t.number for t in study.trials]
+    assert len(children) > N
     by_role = {r.data.tags["autotune.role"] for r in children}
     assert by_role == {"baseline", "reference", "search"}
     for run in children:

@@ -88,7 +88,8 @@ def test_sweep_dispatches_across_two_warm_workers(tmp_path):
     ex = RayExecutor(_spec(exp, workloads), workers=2)
     outcome, text = _sweep(exp, workloads, ex, 8)
     trials = outcome.study.get_trials()
-    assert outcome.exit_code == 0 and len(trials) == 8
+    baselines = sum(st.role_of(t) == "baseline" for t in trials)  # beside the n_trials configs
+    assert outcome.exit_code == 0 and st.n_finished(outcome.study) == 8 and len(trials) == 8 + baselines
     assert all(t.state == TrialState.COMPLETE for t in trials)
     workers = {t.user_attrs["worker"] for t in trials}
     assert len(workers) == 2 and all(w != st.me() for w in workers)  # measured in the actors, not the driver
@@ -147,7 +148,7 @@ def test_crash_fails_the_trial_and_retries_its_params_once(tmp_path):
     assert [t.user_attrs["retry_of"] for t in retries] == [3]
     assert retries[0].state == TrialState.COMPLETE and retries[0].params == crashed.params
     assert st.role_of(retries[0]) == st.role_of(crashed)
-    assert st.n_finished(outcome.study) == 6 and len(trials) == 7
+    assert st.n_finished(outcome.study) == 6 and len(trials) == 7 + sum(st.role_of(t) == "baseline" for t in trials)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert "worker_restarts: 1" in text
 
@@ -195,7 +196,7 @@ def test_fault_injected_sweep_records_every_fault_and_leaves_nothing_running(tmp
     # only the crash is retried (the others are verdicts on the config); everything else completed
     assert [t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs] == [4]
     assert {t.number for t in trials if t.state == TrialState.FAIL} == set(faults)
-    assert len(trials) == 21 and "worker_restarts: 3" in text
+    assert len(trials) == 21 + sum(st.role_of(t) == "baseline" for t in trials) and "worker_restarts: 3" in text
 
 
 def test_cli_sweep_on_its_own_local_cluster_logs_utilisation(tmp_path):

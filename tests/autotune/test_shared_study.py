@@ -57,11 +57,12 @@ def test_two_drivers_finish_exactly_n_trials_without_duplicates(pg_url, tmp_path
         assert "exit: done" in out
     trials = optuna.load_study(study_name="shared", storage=pg_url).get_trials()
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert sum(st.counts_toward_budget(t) for t in trials) == N == len(trials)  # nothing lost, nothing extra
-    assert sorted(t.number for t in trials) == list(range(N))
+    # nothing lost, nothing extra: N configs measured (n_trials), and each driver's AR baseline beside them
+    assert sum(st.counts_toward_budget(t) for t in trials) == N == len(trials) - 2
+    assert sorted(t.number for t in trials) == list(range(N + 2))
     by_driver = {t.user_attrs["driver"] for t in trials}
     assert len(by_driver) == 2  # both measured
     for d in by_driver:  # each driver's worker measured its own AR baseline; one reference in the study
         assert sum(st.role_of(t) == "baseline" and t.user_attrs["driver"] == d for t in trials) == 1
     assert sum(st.role_of(t) == "reference" for t in trials) == 1
-    assert sum(st.role_of(t) == "search" for t in trials) == N - 3
+    assert sum(st.role_of(t) == "search" for t in trials) == N - 1

@@ -71,9 +71,10 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
     outcome, text = sweep(exp_path, url, study_name=name)
     assert outcome.exit_code == 0
     trials = outcome.study.get_trials()
-    assert len(trials) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
-    assert [st.role_of(t) for t in trials[:2]] == ["baseline", "reference"]
-    assert {st.role_of(t) for t in trials[2:]} == {"search"}
+    # n_trials (5) counts the configs measured; the AR baselines (first, then after every 4) come beside
+    roles = [st.role_of(t) for t in trials]
+    assert roles == ["baseline", "reference", "search", "search", "search", "baseline", "search"]
+    assert st.n_finished(outcome.study) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
     assert trials[0].user_attrs["config"]["verify"] == "ar"
     assert st.REFERENCE.items() <= trials[1].user_attrs["config"].items()
     for t in trials:
@@ -86,21 +87,25 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
     assert trials[0].user_attrs["speedup_vs_ar"] == 1.0
     for t in trials[1:]:
         a = t.user_attrs
-        assert a["baseline_trial"] == 0
+        if st.role_of(t) == "baseline":
+            continue
+        assert a["baseline_trial"] == max(b.number for b in trials[: t.number] if st.role_of(b) == "baseline")
         assert a["break_even_al"] == pytest.approx(a["step_ms"] * a["ar_decode_tps"] / 1000)
         assert 0 <= a["oracle_gate_fraction"] <= 1
         assert a["per_set"]["prompts"]["oracle_gate"]["ideal_tps"] > 0
     conf = outcome.study.user_attrs["confirmation"]
     assert conf["winner"] in [c["trial"] for c in conf["candidates"]]
-    assert 0 in [c["trial"] for c in conf["candidates"]]  # AR always competes in the confirmation
-    assert "trials_finished: 5" in text and f"best_trial: {conf['winner']}" in text
+    # AR (a baseline) always competes in the confirmation
+    assert any(st.role_of(trials[c["trial"]]) == "baseline" for c in conf["candidates"])
+    assert "trials_finished: 5\nbaselines: 2\n" in text and f"best_trial: {conf['winner']}" in text
     if url == "memory":
         return
     again, _ = sweep(exp_path, url, study_name=name)  # same command: resumes, nothing left to do
-    assert len(again.study.get_trials()) == 5
+    assert len(again.study.get_trials()) == 7
     more, _ = sweep(exp_path, url, n_trials=7, study_name=name)
     trials = more.study.get_trials()
-    assert st.n_finished(more.study) == 7 and len(trials) == 7
+    assert st.n_finished(more.study) == 7
+    assert len(trials) == 7 + sum(st.role_of(t) == "baseline" for t in trials)
     assert sum(st.role_of(t) == "reference" for t in trials) == 1
 
 
@@ -108,7 +113,7 @@ def test_a_sweep_whose_every_trial_fails_exits_1_with_the_first_reason(tmp_path)
     """Nothing measured is not "done": exit 1 and the first failure's reason (issue #23)."""
     outcome, text = sweep(tiny_experiment(tmp_path), "memory", n_trials=3, faults={i: "oom" for i in range(10)})
     assert outcome.exit_code == 1
-    assert outcome.facts["trials_complete"] == 0 and outcome.facts["trials_failed"] == 3
+    assert outcome.facts["trials_complete"] == 0 and outcome.facts["trials_failed"] == 4  # the baseline too
     assert "exit: failed: every trial failed; the first: OutOfMemoryError: injected" in text
 
 
@@ -229,12 +234,12 @@ def test_engine_failures_become_failed_trials_and_the_sweep_goes_on(tmp_path):
                                study={"n_trials": 4, "sampler": "random", "seed": 0})
     outcome, text = sweep(exp_path, "memory")
     trials = outcome.study.get_trials()
-    assert outcome.exit_code == 0 and len(trials) == 4
-    assert trials[0].state == TrialState.COMPLETE
+    assert outcome.exit_code == 0 and len(trials) == 5  # 4 configs and the baseline (n_trials counts configs)
+    assert trials[0].state == TrialState.COMPLETE and st.role_of(trials[0]) == "baseline"
     for t in trials[1:]:
         assert t.state == TrialState.FAIL
         assert "needs a draft" in t.user_attrs["fail_reason"]
-    assert "trials_failed: 3" in text and "best_role: baseline" in text
+    assert "trials_failed: 4" in text and "best_role: baseline" in text
 
 
 @pytest.mark.parametrize("sampler,pruner", [("gp", "none"), ("random", "wilcoxon"), ("tpe", "wilcoxon")])
@@ -242,7 +247,8 @@ def test_other_samplers_and_the_wilcoxon_pruner(tmp_path, sampler, pruner):
     exp_path = tiny_experiment(tmp_path, study={"n_trials": 5, "sampler": sampler, "pruner": pruner, "seed": 1})
     outcome, _ = sweep(exp_path, "memory")
     trials = outcome.study.get_trials()
-    assert len(trials) == 5 and {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert st.n_finished(outcome.study) == 5 and len(trials) == 5 + sum(st.role_of(t) == "baseline" for t in trials)
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
     for t in trials:  # per-prompt TPS are the pruner's steps
         assert sorted(t.intermediate_values) == [0, 1]
 
@@ -253,9 +259,10 @@ def test_baseline_is_remeasured_every_n_trials(tmp_path):
                                study={"n_trials": 6, "sampler": "random", "seed": 0})
     outcome, _ = sweep(exp_path, "memory")
     roles = [st.role_of(t) for t in outcome.study.get_trials()]
-    assert roles == ["baseline", "reference", "search", "baseline", "search", "search"]
-    last = outcome.study.get_trials()[5]
-    assert last.user_attrs["baseline_trial"] == 3  # the nearest AR measurement, not the first one
+    # 6 configs (n_trials), an AR baseline before them and after every 2
+    assert roles == ["baseline", "reference", "search", "baseline", "search", "search", "baseline", "search", "search"]
+    last = outcome.study.get_trials()[8]
+    assert last.user_attrs["baseline_trial"] == 6  # the nearest AR measurement, not the first one
     assert "confirmation" not in outcome.study.user_attrs  # confirm_top: 0 turns the phase off
 
 
@@ -285,12 +292,14 @@ def test_a_confirmation_re_measurement_that_fails_is_said_not_dropped_silently(t
     monkeypatch.setattr(Worker, "measure", failing_ar_confirm)
     outcome, _ = sweep(tiny_experiment(tmp_path), "memory")
     conf = outcome.study.user_attrs["confirmation"]
-    assert conf["dropped"] == [{"trial": 0, "role": "baseline",
+    ar = conf["dropped"][0]["trial"]  # the baseline the confirmation re-measures (one of the AR trials)
+    assert st.role_of(outcome.study.trials[ar]) == "baseline"
+    assert conf["dropped"] == [{"trial": ar, "role": "baseline",
                                 "reason": "RuntimeError: capturing the 'ar' step as a CUDA graph failed"}]
-    assert conf["ar_median_tps"] is None and 0 not in [c["trial"] for c in conf["candidates"]]
-    assert "confirmation: trial 0 (baseline) dropped: RuntimeError: capturing" in capsys.readouterr().err
+    assert conf["ar_median_tps"] is None and ar not in [c["trial"] for c in conf["candidates"]]
+    assert f"confirmation: trial {ar} (baseline) dropped: RuntimeError: capturing" in capsys.readouterr().err
     md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
-    assert ("**Trial 0 (baseline) was dropped from the confirmation** (the AR baseline: no speedup is "
+    assert (f"**Trial {ar} (baseline) was dropped from the confirmation** (the AR baseline: no speedup is "
             "confirmed): RuntimeError: capturing the 'ar' step") in md
     assert "No conclusion vs AR: the AR baseline was not re-measured" in md and "treat as a tie" not in md
 
@@ -312,7 +321,8 @@ def test_a_confirmation_where_every_re_measurement_fails_is_reported_with_the_re
     outcome, _ = sweep(tiny_experiment(tmp_path), "memory")
     attrs = outcome.study.user_attrs
     assert "confirmation" not in attrs and attrs["confirmation_failed"]["dropped"]
-    assert {d["trial"] for d in attrs["confirmation_failed"]["dropped"]} >= {0, 1}
+    ar = next(d["trial"] for d in attrs["confirmation_failed"]["dropped"] if d["role"] == "baseline")
+    assert {d["trial"] for d in attrs["confirmation_failed"]["dropped"]} >= {ar, 1}
     md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
     assert "**Every re-measurement failed** after 5 trials" in md
-    assert "- Trial 0 (baseline): RuntimeError: capture failed on trial 0" in md
+    assert f"- Trial {ar} (baseline): RuntimeError: capture failed on trial {ar}" in md
