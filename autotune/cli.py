@@ -212,7 +212,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 # The first bytes of files autotune never writes over, whatever --force says: a study or an MLflow
-# store (SQLite), a journal storage line.
+# store (SQLite).
 _PRECIOUS = ((b"SQLite format 3\x00", "an SQLite database (a study or an MLflow store)"),)
 
 

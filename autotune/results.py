@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.study import counts_toward_budget, role_of
+from autotune.study import FINISHED, counts_toward_budget, role_of
 
 
 def feasible(t: FrozenTrial) -> bool:
@@ -43,8 +43,7 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     trials = study.get_trials(deepcopy=False)
     counts = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState}
     counts["finished"] = sum(counts_toward_budget(t) for t in trials)
-    counts["baselines"] = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-                              and role_of(t) == "baseline" for t in trials)
+    counts["baselines"] = sum(t.state in FINISHED and role_of(t) == "baseline" for t in trials)
     counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
     counts["infeasible"] = len(infeasible(study))
     counts["refused"] = len(refused(study))

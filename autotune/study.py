@@ -123,7 +123,10 @@ def answer_within(fn: Callable[[], None], timeout_s: float) -> str | None:
     if not outcome:
         return f"no answer within {timeout_s:g} s"
     exc = outcome[0]
-    return None if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if exc is None:
+        return None
+    first_line = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:200]}"
 
 
 def _check_parent(flag: str, url: str, path: Path) -> None:

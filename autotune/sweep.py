@@ -81,9 +81,9 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
 
 
 def _check_fits(exp: Experiment, described: dict[str, Any]) -> None:
-    """The workload fits the loaded target's context (its longest prompt plus ``max_new_tokens``, and
-    a draft block's slack): checked after the model loads and before the study or MLflow is opened,
-    so a sweep whose every trial would fail allocating is refused instead (exit 2)."""
+    """The workload fits the loaded target's context (its longest prompt plus ``max_new_tokens``):
+    checked after the model loads and before the study or MLflow is opened, so a sweep whose every
+    trial would fail allocating is refused instead (exit 2)."""
     ctx, longest = described.get("context"), described.get("longest_prompt")
     if not ctx or longest is None:
         return
@@ -146,7 +146,7 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     if code == 0 and facts.get("trials_complete") == 0 and facts.get("trials_failed", 0) > 0:
         # nothing measured at all: not "done" (a config every trial of which fails, a broken machine)
         reason = next((t.user_attrs.get("fail_reason") for t in study.trials
-                       if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("fail_reason")), "unknown")
+                       if t.state == TrialState.FAIL and t.user_attrs.get("fail_reason")), "unknown")
         code = 1
         facts["exit"] = f"failed: every trial failed; the first: {str(reason)[:300]}"
     print(results.format_summary(facts), file=out, flush=True)

@@ -10,8 +10,9 @@ safetensors index):
 - **strict UTF-8**: another encoding (UTF-16 from a Windows editor, Latin-1) is refused naming the
   byte and its offset, not decoded into garbage; a UTF-8 byte-order mark is allowed;
 - **YAML without surprises**: a key given twice in one mapping is refused (PyYAML keeps the last one
-  silently), and so is a document with more than ``MAX_ALIASES`` aliases (a few kilobytes of nested
-  aliases, a "billion laughs", expand into gigabytes for whatever walks the result);
+  silently), and so is a document with more than ``MAX_ALIASES`` aliases or whose aliases expand past
+  ``MAX_EXPANDED_NODES`` values, or hold themselves (a few kilobytes of nested aliases, a "billion
+  laughs", expand into gigabytes for whatever walks the result);
 - **JSON nested no deeper than** ``MAX_JSON_DEPTH`` (Python's parser recurses: deeper input raises
   ``RecursionError``, a traceback instead of a message).
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.config import EngineInputError
 from engine.data.prompts import Prompt, split_of
-from engine.files import MAX_WORKLOAD_BYTES, parse_json, read_text
+from engine.files import MAX_WORKLOAD_BYTES, parse_json, preview, read_text
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SPLITS = ("train", "eval", "all")
@@ -34,14 +34,15 @@ def _prompt_from_record(rec: Any, where: str) -> Prompt:
         if "messages" in rec:
             raise EngineInputError(f"{where}: give either 'prompt' or 'messages', not both")
         if not isinstance(rec["prompt"], str) or not rec["prompt"]:
-            raise EngineInputError(f"{where}: 'prompt' must be a non-empty string, got {rec['prompt']!r}")
+            raise EngineInputError(f"{where}: 'prompt' must be a non-empty string, got {preview(rec['prompt'])}")
         return Prompt(text=rec["prompt"])
     msgs = rec.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise EngineInputError(f"{where}: needs 'prompt' (string) or 'messages' (non-empty list)")
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise EngineInputError(f"{where}: messages[{j}] needs a role of system|user|assistant|tool, got {m!r}")
+            raise EngineInputError(f"{where}: messages[{j}] needs a role of system|user|assistant|tool, "
+                                   f"got {preview(m)}")
         if not isinstance(m.get("content", ""), (str, type(None))):
             raise EngineInputError(f"{where}: messages[{j}].content must be a string")
     tools = rec.get("tools")
