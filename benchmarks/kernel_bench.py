@@ -1,7 +1,7 @@
 """Time single Triton kernels by launch configuration on the GPU, against what they replace.
 
     python benchmarks/kernel_bench.py delta                 # the tree delta rule, 27B-shape GDN heads
-    python benchmarks/kernel_bench.py delta --old old.py    # also another version of delta_rule.py
+    python benchmarks/kernel_bench.py delta --old a.py b.py # also other versions of delta_rule.py
     python benchmarks/kernel_bench.py tree                  # the DDTree kernel by launch configuration
     python benchmarks/kernel_bench.py tree --old old.py     # also another version of tree_kernel.py
     python benchmarks/kernel_bench.py blas                  # one-row products of the large presets
@@ -316,17 +316,25 @@ PLAN_TILES_LARGE = ([(64, 128, 4, st) for st in (3, 4, 6)] + [(128, 128, 8, st) 
                     + [(64, 64, 4, 4), (128, 64, 8, 4)])
 PLAN_SPLITS = (1, 2, 3, 4, 6, 8)
 PLAN_ROW_BLOCKS = (128, 32, 16)  # a verify launch's rows per program at most (LinearConfig.row_block)
+# --keep-step: the verify tiles tried under the engine's step launch's K partition (the AR step kept as
+# it is): wider tiles read the rows' block once for more columns (a 33-row verify re-reads it per tile
+# from L2), 4 or 8 warps, shallow to deep pipelines
+PLAN_VERIFY_TILES = ([(64, w, st) for w in (4, 8) for st in (2, 3, 4, 6, 8)]
+                     + [(128, w, st) for w in (4, 8) for st in (2, 3, 4, 5)] + [(256, 8, st) for st in (2, 3)])
 
 
-def bench_plans(shapes: list[tuple[str, int, int]], rows: list[int]) -> tuple[list[dict], list[str]]:
+def bench_plans(shapes: list[tuple[str, int, int]], rows: list[int], keep_step: bool = False
+                ) -> tuple[list[dict], list[str]]:
     """A ``LinearPlan`` per weight, measured: for every K partition (split, BLOCK_K) the fastest
     step tile (summed over the row counts up to ``STEP_ROWS`` in ``rows``) and the fastest verify
-    tile (over the larger ones); the partition with the least total wins. cuBLAS at the same row
-    counts beside it. Prints the winners as ``linear.TUNED`` entries."""
+    tile (over the larger ones); the partition with the least total wins. ``keep_step``: the
+    engine's step launch stays (an AR step at the roofline is not traded away) and only verify tiles
+    of its K partition are tried (``PLAN_VERIFY_TILES``), the engine's own verify launch among them.
+    cuBLAS at the same row counts beside it. Prints the winners as ``linear.TUNED`` entries."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out, entries = [], []
     for label, n, k in shapes:
-        row = _plan_shape(label, n, k, rows, gen)
+        row = _plan_shape(label, n, k, rows, gen, keep_step)
         out.append(row)
         st, ve = row["step"], row["verify"]
         entries.append(f"        ({n}, {k}): _plan(_C{_cfg_tuple(st)}, _C{_cfg_tuple(ve)}),  # {label}")
@@ -344,7 +352,7 @@ def _cfg_tuple(cfg: dict) -> tuple[int, ...]:
     return tuple(cfg[f] for f in ("block_n", "block_k", "split", "num_warps", "num_stages", "row_block"))
 
 
-def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generator) -> dict:
+def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generator, keep_step: bool = False) -> dict:
     import torch.nn.functional as F
 
     from engine.models import linear as lin
@@ -360,6 +368,7 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
     cublas = {m: _time(lambda m=m: F.linear(xs[m], pick())) for m in rows}
     kinds = {"step": [m for m in rows if m <= lin.STEP_ROWS], "verify": [m for m in rows if m > lin.STEP_ROWS]}
     parts: dict[tuple[int, int], dict] = {}  # (split, block_k) -> kind -> (us summed, config, us by rows)
+    tried: list[dict] = []  # every launch timed: its config, kind and us by rows
 
     def timed(cfg: lin.LinearConfig, m: int) -> float:
         got = lin._kernel_linear(xs[m], ws[0], None, cfg).float()
@@ -367,21 +376,23 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
             raise RuntimeError(f"a wrong product at {m} rows")
         return _time(lambda: lin._kernel_linear(xs[m], pick(), None, cfg))
 
-    for bn, bk, warps, stages in PLAN_TILES_LARGE if k >= 4096 else PLAN_TILES:
-        for split in PLAN_SPLITS:
-            if split > 1 and k // split < bk:
-                continue
-            best = parts.setdefault((split, bk), {})
-            for kind, ms in kinds.items():
-                for row_block in (PLAN_ROW_BLOCKS if kind == "verify" else (lin.ROW_BLOCK,)):
-                    cfg = lin.LinearConfig(bn, bk, split, warps, stages, row_block)
-                    try:
-                        us = {m: timed(cfg, m) for m in ms}
-                    except Exception as exc:  # a tile that does not fit (shared memory): skipped, said so
-                        print(f"  {label} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
-                        continue
-                    if ms and (kind not in best or sum(us.values()) < best[kind][0]):
-                        best[kind] = (sum(us.values()), cfg, us)
+    def consider(kind: str, cfg: lin.LinearConfig) -> None:
+        ms = kinds[kind]
+        best = parts.setdefault((cfg.split, cfg.block_k), {})
+        try:
+            us = {m: timed(cfg, m) for m in ms}
+        except Exception as exc:  # a tile that does not fit (shared memory): skipped, said so
+            print(f"  {label} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
+            return
+        tried.append({"kind": kind, "config": _cfg_tuple(cfg.__dict__), "us": us})
+        if keep_step:
+            print(f"  {label} {kind} {_cfg_tuple(cfg.__dict__)}: "
+                  + ", ".join(f"{m} rows {u:.1f} us" for m, u in us.items()), flush=True)
+        if ms and (kind not in best or sum(us.values()) < best[kind][0]):
+            best[kind] = (sum(us.values()), cfg, us)
+
+    for kind, cfg in _plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, list(kinds)):
+        consider(kind, cfg)
     needed = [kind for kind, ms in kinds.items() if ms]
     ranked = sorted((sum(p[kind][0] for kind in needed), key, p) for key, p in parts.items()
                     if all(kind in p for kind in needed))
@@ -391,7 +402,32 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
     us = {m: u for kind in needed for m, u in best[kind][2].items()}
     return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, "us": us, "total": total,
             "step": step.__dict__, "verify": verify.__dict__,
-            "runners_up": [{"split": key[0], "block_k": key[1], "total": t} for t, key, _ in ranked[1:4]]}
+            "runners_up": [{"split": key[0], "block_k": key[1], "total": t} for t, key, _ in ranked[1:4]],
+            "tried": tried}
+
+
+def _plan_candidates(engine, k: int, kinds: list[str]):
+    """The (kind, launch) pairs a plan search times: with the engine's plan (``--keep-step``) its
+    step launch, its verify launch, then ``PLAN_VERIFY_TILES`` under its K partition; else every
+    tile of ``PLAN_TILES`` (``PLAN_TILES_LARGE`` from K 4,096) at every split."""
+    from engine.models import linear as lin
+
+    if engine is not None:
+        yield "step", engine.step
+        yield "verify", engine.verify
+        for bn, warps, stages in PLAN_VERIFY_TILES:
+            for row_block in PLAN_ROW_BLOCKS:
+                cfg = lin.LinearConfig(bn, engine.step.block_k, engine.step.split, warps, stages, row_block)
+                if cfg != engine.verify:
+                    yield "verify", cfg
+        return
+    for bn, bk, warps, stages in PLAN_TILES_LARGE if k >= 4096 else PLAN_TILES:
+        for split in PLAN_SPLITS:
+            if split > 1 and k // split < bk:
+                continue
+            for kind in kinds:
+                for row_block in (PLAN_ROW_BLOCKS if kind == "verify" else (lin.ROW_BLOCK,)):
+                    yield kind, lin.LinearConfig(bn, bk, split, warps, stages, row_block)
 
 
 # (label, query heads, K/V heads, head_dim, committed keys, new tokens): SmolLM2 and the 27B shape's
@@ -470,11 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", help="linear, plans: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
                     help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
+    ap.add_argument("--keep-step", action="store_true",
+                    help="plans: keep the engine's step launch per weight; try only verify tiles of its K partition")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
     ap.add_argument("--configs", nargs="+", default=["32,4", "32,8", "16,4", "16,2", "64,8", "128,8"],
                     help="delta: BLOCK_V,num_warps pairs to time (BLOCK_V a power of two <= DV)")
-    ap.add_argument("--old", help="delta: another copy of engine/models/delta_rule.py to time beside (its own config); "
-                                  "tree: another copy of engine/decoding/tree_kernel.py")
+    ap.add_argument("--old", nargs="+", help="delta: other copies of engine/models/delta_rule.py to time beside "
+                                             "(each its own config); tree: a copy of engine/decoding/tree_kernel.py")
     ap.add_argument("--md", help="write the table here")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
@@ -482,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_bench needs CUDA", file=sys.stderr)
         return 2
     if args.kernel == "tree":
-        return _report(args, *bench_tree(_load_module("old_tree_kernel", args.old) if args.old else None))
+        return _report(args, *bench_tree(_load_module("old_tree_kernel", args.old[0]) if args.old else None))
     if args.kernel == "blas":
         return _report(args, *bench_blas())
     if args.kernel == "attention":
@@ -493,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plans: --shapes {args.shapes} must match a weight of {[s[0] for s in LINEAR_SHAPES]} and "
                   f"--rows {args.rows} lie in 1..1024", file=sys.stderr)
             return 2
-        return _report(args, *bench_plans(shapes, args.rows))
+        return _report(args, *bench_plans(shapes, args.rows, args.keep_step))
     if args.kernel == "linear":
         shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))
@@ -511,9 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((block_v, warps))
     default = delta_rule.kernel_config
     rows = []
-    if args.old:
-        old = _load_module("old_delta_rule", args.old)
-        rows.append({"config": f"{Path(args.old).name} (its own)", **bench_delta(old)})
+    for i, path in enumerate(args.old or []):
+        old = _load_module(f"old_delta_rule_{i}", path)
+        rows.append({"config": f"{Path(path).name} (its own)", **bench_delta(old)})
     rows.append({"config": f"default {default(DK, DV)[1:]}", **bench_delta(delta_rule)})
     try:
         for block_v, warps in configs:

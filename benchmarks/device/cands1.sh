@@ -4,11 +4,14 @@
 #   gpu_tests      the decode loops' GPU tests (bf16 outputs equal to AR on every path; GPU_TESTS: other
 #                  test files)
 #   plans_large    `kernel_bench.py plans` for LARGE_SHAPES (the 27B shape's weights by default) at 1
-#                  and 33 rows, kept in /root/stash/plans_large.json
+#                  and 33 rows, kept in /root/stash/plans_large.json (PLANS_ARGS: more flags, e.g.
+#                  --keep-step: the engine's step launches kept, only verify tiles tried)
 #   large_new      the 8B/27B shapes' AR against the roofline and verify@32, with the engine's plans
 #   large_plans    the same with plans_large's (ENGINE_LINEAR_PLANS), on the same machine
 #   large_attn_C   the same with the decode steps' attention on each LARGE_ATTN candidate
 #                  (`gpu_bench.py --step-attention`, e.g. LARGE_ATTN="32x4x128x2")
+#   graphs_27b     the 27B shape's AR step and budget-32 verify graphs, kernels by name (GRAPHS27=1;
+#                  with plans_large's file where one was made)
 #   attention      `kernel_bench.py attention` (the step kernel by span, key block and warps)
 #   tree           `kernel_bench.py tree` (the DDTree kernel by budget and warps; OLD_TREE: another copy
 #                  of engine/decoding/tree_kernel.py timed first, its trees checked equal)
@@ -19,7 +22,7 @@ cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /ro
 section gpu_tests ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs \
   ${GPU_TESTS:-tests/engine/test_gpu.py tests/engine/test_hybrid.py}
 section plans_large ${PLANS_LIMIT:-200} python3 benchmarks/kernel_bench.py plans \
-  --shapes ${LARGE_SHAPES:-27B} --rows 1 33 --md "$OUT/plans_large.md" --out "$OUT/plans_large.json"
+  --shapes ${LARGE_SHAPES:-27B} --rows 1 33 ${PLANS_ARGS:-} --md "$OUT/plans_large.md" --out "$OUT/plans_large.json"
 [ -f "$OUT/plans_large.json" ] && cp "$OUT/plans_large.json" /root/stash/plans_large.json
 section large_new 100 python3 benchmarks/gpu_bench.py large --budgets 32 --repeats 3 --new-tokens 24 \
   --md "$OUT/large_new.md" --out "$OUT/large_new.json"
@@ -31,6 +34,11 @@ for cand in ${LARGE_ATTN:-}; do
   section "large_attn_$cand" 100 python3 benchmarks/gpu_bench.py large --budgets 32 --repeats 3 --new-tokens 24 \
     --step-attention "$cand" --md "$OUT/large_attn_$cand.md" --out "$OUT/large_attn_$cand.json"
 done
+if [ -n "${GRAPHS27:-}" ]; then
+  plans=""; [ -f /root/stash/plans_large.json ] && plans=ENGINE_LINEAR_PLANS=/root/stash/plans_large.json
+  section graphs_27b ${GRAPHS_LIMIT:-150} env $plans python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
+    --budgets 32 --new-tokens 8 --repeats 10 --out "$OUT/graphs_27b.json"
+fi
 section attention 120 python3 benchmarks/kernel_bench.py attention --md "$OUT/attention.md" --out "$OUT/attention.json"
 section tree 90 python3 benchmarks/kernel_bench.py tree ${OLD_TREE:+--old "$OLD_TREE"} --md "$OUT/tree.md" \
   --out "$OUT/tree.json"

@@ -121,12 +121,14 @@ TUNED: dict[tuple[int, int], dict[tuple[int, int], LinearPlan]] = {
         (34816, 5120): _plan(_C(64, 128, 1, 4, 3), _C(64, 128, 1, 4, 6)),
         (5120, 17408): _plan(_C(64, 128, 3, 4, 4), _C(128, 128, 3, 8, 5)),
         (248320, 5120): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 4)),
-        # 8B: qkv 15.2/16.0 (17.3/17.0), o_proj 11.8 (12.5), gate_up 47.8 (49.4), down 27.1 (29.4),
-        # lm_head 277/293 (297/307)
-        (6144, 4096): _plan(_C(64, 128, 1, 4, 6), _C(64, 128, 1, 4, 6)),
-        (4096, 4096): _plan(_C(64, 128, 1, 4, 6)),
-        (24576, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
-        (4096, 12288): _plan(_C(64, 128, 4, 4, 4)),
+        # 8B: qkv 15.0/16.3 (16.8/16.4), o_proj 12.1/15.1 (12.7/13.6), gate_up 48.0/52.2 (49.8/51.4), down
+        # 27.5/30.1 (29.0/29.2), lm_head 277/292 (297/307): the step launches of 2026-12-02, the verify
+        # tiles measured under their K partitions on 2026-12-04 (`kernel_bench.py plans --keep-step`;
+        # the 8B verify@32 went from 1.25x to 1.19x an AR step, the 27B's tiles stayed the fastest)
+        (6144, 4096): _plan(_C(64, 128, 1, 4, 6), _C(64, 128, 1, 4, 8)),
+        (4096, 4096): _plan(_C(64, 128, 1, 4, 6), _C(64, 128, 1, 8, 4, 32)),
+        (24576, 4096): _plan(_C(64, 128, 1, 4, 3), _C(64, 128, 1, 4, 2)),
+        (4096, 12288): _plan(_C(64, 128, 4, 4, 4), _C(64, 128, 4, 4, 3)),
         (151936, 4096): _plan(_C(64, 128, 1, 4, 3), _C(128, 128, 1, 8, 5)),
         # 27B out-projections (GDN out_proj, attention o_proj): 18.7/21.1 us (cuBLAS 17.9/18.6), the
         # fastest tiles under one K partition (on cuBLAS before issue #21); 2026-12-04
