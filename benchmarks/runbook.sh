@@ -106,12 +106,12 @@ wanted assets && stage assets 1200 $PY -m engine assets fetch --only smollm2 hum
   ${WHEELS:+--wheel-dir "$WHEELS"}
 if wanted kernels; then
   stage kernel_check 900 $PY benchmarks/kernel_check.py
-  stage kernel_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/test_delta_rule.py \
-    tests/engine/test_linear.py tests/engine/test_fused.py tests/engine/test_attention.py \
-    tests/engine/test_tree_kernel.py tests/engine/test_topk.py
+  stage kernel_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_delta_rule.py \
+    tests/engine/models/test_linear.py tests/engine/models/test_fused.py tests/engine/models/test_attention.py \
+    tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_topk.py
 fi
 wanted gpu-tests && stage gpu_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
-  tests/engine/test_hybrid.py
+  tests/engine/models/test_hybrid.py
 wanted pair && stage pair 3600 $PY benchmarks/gpu_bench.py pair --sets humaneval chat agent \
   --n-prompts "$(size 4 24)" --max-new-tokens "$(size 64 128)" --repeats "$(size 1 3)" --paths runtime \
   --budget 48 --md "$OUT_DIR/pair.md"

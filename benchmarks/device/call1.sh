@@ -10,8 +10,8 @@ cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /ro
 rm -f /root/stash/kernels_failed
 # Cold compiles: 158 kernel configurations took over 45 s, the kernel tests over 120 s (2026-12-01 evening).
 section kernel_check 150 python3 benchmarks/kernel_check.py
-section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/test_delta_rule.py \
-  tests/engine/test_linear.py tests/engine/test_fused.py tests/engine/test_attention.py tests/engine/test_tree_kernel.py tests/engine/test_topk.py
+section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs -x tests/engine/models/test_delta_rule.py \
+  tests/engine/models/test_linear.py tests/engine/models/test_fused.py tests/engine/models/test_attention.py tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_topk.py
 if [ "$LAST_RC" = 124 ] || [ "$LAST_RC" = 137 ]; then
   say "the kernel tests ran out of time (not a failure): the Triton kernels stay on"
 elif [ "$LAST_RC" != 0 ]; then
@@ -19,7 +19,7 @@ elif [ "$LAST_RC" != 0 ]; then
   export ENGINE_KERNELS=eager
   say "the Triton kernels failed on this GPU: ENGINE_KERNELS=eager from here on (and in calls 2 and 3)"
 fi
-section gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py tests/engine/test_hybrid.py
+section gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py tests/engine/models/test_hybrid.py
 # The kernels alone, by launch configuration (OLD_DELTA=path: another delta_rule.py timed beside).
 section kernel_bench 60 python3 benchmarks/kernel_bench.py delta ${OLD_DELTA:+--old "$OLD_DELTA"} \
   --md "$OUT/kernel_delta.md"

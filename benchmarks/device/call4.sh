@@ -6,8 +6,8 @@ source benchmarks/device/common.sh call4
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 rm -f /root/stash/kernels_failed
 section kernel_check 150 python3 benchmarks/kernel_check.py  # cold compiles: see call1.sh
-section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_delta_rule.py \
-  tests/engine/test_fused.py tests/engine/test_attention.py tests/engine/test_tree_kernel.py tests/engine/test_topk.py
+section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_delta_rule.py \
+  tests/engine/models/test_fused.py tests/engine/models/test_attention.py tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_topk.py
 # a timeout (124, 137) is not a kernel failure: the kernels stay on
 if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != 124 ] && [ "$LAST_RC" != 137 ]; then
   touch /root/stash/kernels_failed

@@ -20,7 +20,7 @@
 source benchmarks/device/common.sh cands1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
 section gpu_tests ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs \
-  ${GPU_TESTS:-tests/engine/test_gpu.py tests/engine/test_hybrid.py}
+  ${GPU_TESTS:-tests/engine/test_gpu.py tests/engine/models/test_hybrid.py}
 section plans_large ${PLANS_LIMIT:-200} python3 benchmarks/kernel_bench.py plans \
   --shapes ${LARGE_SHAPES:-27B} --rows 1 33 ${PLANS_ARGS:-} --md "$OUT/plans_large.md" --out "$OUT/plans_large.json"
 [ -f "$OUT/plans_large.json" ] && cp "$OUT/plans_large.json" /root/stash/plans_large.json

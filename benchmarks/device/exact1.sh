@@ -6,8 +6,8 @@
 # both rollbacks) shapes with random weights, their random drafts and oracle drafts (no asset needed).
 source benchmarks/device/common.sh exact1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
-section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_linear.py \
-  tests/engine/test_attention.py tests/engine/test_gpu.py tests/engine/test_hybrid.py
+section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_linear.py \
+  tests/engine/models/test_attention.py tests/engine/test_gpu.py tests/engine/models/test_hybrid.py
 section exact_smol_shape 200 python3 benchmarks/exact_bench.py --target smollm2-135m-shape \
   --draft engine/checkpoints/smollm2-135m-dflash --random-prompts 8 --prompt-len 64 --max-new-tokens 128 \
   --budgets 8 22 48 64 --top-ks 1 2 4 8 --eos-configs --md "$OUT/exact_smol_shape.md" --out "$OUT/exact_smol_shape.json"

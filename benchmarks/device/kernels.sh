@@ -24,7 +24,7 @@ if [ -n "${LARGE:-}" ]; then
 fi
 if [ -n "${TESTS:-}" ]; then
   section tests 240 python3 -m pytest -q -p no:cacheprovider -rs \
-    ${TEST_FILES:-tests/engine/test_delta_rule.py tests/engine/test_linear.py tests/engine/test_gpu.py}
+    ${TEST_FILES:-tests/engine/models/test_delta_rule.py tests/engine/models/test_linear.py tests/engine/test_gpu.py}
 fi
 if [ -n "${GRAPHS:-}" ]; then
   section graphs_27b 150 python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape --budgets 32 \

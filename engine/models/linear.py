@@ -16,7 +16,7 @@ its row count, warps or stages: every weight has one ``LinearPlan`` whose two la
 to 16 rows: an AR step, a chain, a draft block; ``verify`` beyond) share that partition, and every
 row count from 1 to ``MAX_ROWS`` takes it. cuBLAS picks its kernels by row count, so it would round
 a verify's rows otherwise than an AR step's; it takes only what no step reaches (longer prefills,
-float32, CPU tensors). ``tests/engine/test_linear.py`` checks a row's bits across 1, 7, 17, 33 and 65
+float32, CPU tensors). ``tests/engine/models/test_linear.py`` checks a row's bits across 1, 7, 17, 33 and 65
 rows on the GPU for every plan, and in Triton's interpreter (whose dot runs as an explicit
 sequential sum, the order the GPU's matrix unit keeps) on the CPU.
 

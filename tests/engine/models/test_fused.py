@@ -300,6 +300,6 @@ def test_engine_kernels_environment_variable_sets_the_process_default():
 
 def test_autotune_refuses_a_bad_engine_kernels_value():
     pytest.importorskip("optuna")  # the GPU machine runs the engine's tests without autotune's stack
-    quickstart = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.yaml"
+    quickstart = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.yaml"
     sweep = _with_kernels_env("off", "-m", "autotune", "sweep", str(quickstart))
     assert sweep.returncode == 2 and "environment: ENGINE_KERNELS: must be 'fused' or 'eager'" in sweep.stderr

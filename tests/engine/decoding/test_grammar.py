@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from engine_pairs import pair_for
+from tests.engine.engine_pairs import pair_for
 
 import engine
 from engine import EngineConfig, EngineInputError

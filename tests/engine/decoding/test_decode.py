@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from engine_pairs import assert_margins_equal, direct_margins, pair_for
+from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 import engine
 from engine import EngineConfig

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.models import fused
-from tests.engine.test_fused import DEVICE, _r, kernels_on  # noqa: F401  (kernels_on: autouse)
+from tests.engine.models.test_fused import DEVICE, _r, kernels_on  # noqa: F401  (kernels_on: autouse)
 
 pytest.importorskip("triton")
 

@@ -258,7 +258,7 @@ def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path)
         load_sequences(bad)
 
 
-QUICKSTART = str(Path(__file__).resolve().parents[2] / "experiments" / "prompts" / "quickstart.jsonl")
+QUICKSTART = str(Path(__file__).resolve().parents[3] / "experiments" / "prompts" / "quickstart.jsonl")
 
 
 def _step0_loss(log: str) -> float:

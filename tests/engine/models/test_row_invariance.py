@@ -13,7 +13,7 @@ import torch
 
 from engine.models import fused, topk
 from engine.models.delta_rule import tree_delta_rule
-from tests.engine.test_fused import DEVICE, _r, kernels_on  # noqa: F401  (kernels_on: autouse)
+from tests.engine.models.test_fused import DEVICE, _r, kernels_on  # noqa: F401  (kernels_on: autouse)
 
 pytest.importorskip("triton")
 

@@ -8,7 +8,7 @@ import torch
 
 from engine.models import attention as split_attention
 from engine.models import fused
-from tests.engine.test_fused import DEVICE, DTYPES, TOL, _r, _rel, kernels_on  # noqa: F401  (kernels_on: autouse)
+from tests.engine.models.test_fused import DEVICE, DTYPES, TOL, _r, _rel, kernels_on  # noqa: F401  (kernels_on: autouse)
 
 pytest.importorskip("triton")
 
