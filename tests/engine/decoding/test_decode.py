@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
-from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 import engine
 from engine import EngineConfig
+from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
 PROMPTS = ["Hello there, how are you today?", "def add(a, b):\n    return"]
 MAX_NEW = 40

@@ -5,13 +5,13 @@ import json
 
 import pytest
 import torch
-from tests.engine.engine_pairs import pair_for
 
 import engine
 from engine import EngineConfig, EngineInputError
 from engine.data.assets import is_cached
 from engine.data.prompts import Prompt
 from engine.decoding.grammar import call_schema, example_call, parse_tool_calls, tool_call_ebnf
+from tests.engine.engine_pairs import pair_for
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
