@@ -8,16 +8,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig, EngineInputError
+from engine.config import (
+    DRAFT_PATHS,
+    KERNEL_MODES,
+    ROLLBACK_MODES,
+    VERIFY_MODES,
+    EngineConfig,
+    EngineInputError,
+)
 from engine.files import read_mapping
 from engine.models import fused
 from engine.training import train_cli
 
-# Flags that map one-to-one onto EngineConfig fields.
-_CONFIG_FLAGS = {
-    "verify": str, "budget": int, "top_k": int, "proposal_temp": float, "chain_seed": int,
-    "target_feat_ctx": int, "rollback": str, "draft_path": str, "block_size": int,
-    "temperature": float, "seed": int, "kernels": str,
+# Flags that map one-to-one onto EngineConfig fields: (type, choices, help). The choices are
+# EngineConfig's own, so argparse refuses what the config would refuse, with the list beside.
+_CONFIG_FLAGS: dict[str, tuple[type, tuple[str, ...] | None, str]] = {
+    "verify": (str, VERIFY_MODES, "ar: plain decoding; chain: the draft block verified as one chain; ddtree: a "
+                                  "draft tree verified in one target forward (default ddtree)"),
+    "budget": (int, None, "ddtree: tree nodes verified a step, the root excluded (default 22)"),
+    "top_k": (int, None, "ddtree: tokens kept per draft depth (default 8)"),
+    "proposal_temp": (float, None, "temperature on the draft's log-probs before top-k and tree scoring (default 1)"),
+    "chain_seed": (int, None, "ddtree: depths of the draft's top-1 chain put in the tree first (default: all)"),
+    "target_feat_ctx": (int, None, "committed positions the draft attends to, most recent first; 0 = all"),
+    "rollback": (str, ROLLBACK_MODES, "hybrid targets' recurrent state after a step: replay re-runs the "
+                                      "committed tokens, fast keeps per-node states (default fast)"),
+    "draft_path": (str, DRAFT_PATHS, "the decode loop: runtime keeps a step on the device (CUDA graphs on "
+                                     "CUDA), generic reads logits back; auto picks runtime where it runs"),
+    "block_size": (int, None, "draft block length (default: the draft checkpoint's)"),
+    "temperature": (float, None, "0 = greedy (default); above 0 samples, every token a target sample"),
+    "seed": (int, None, "sampling seed, keyed by position: AR and speculative samples agree (default 0)"),
+    "kernels": (str, KERNEL_MODES, "fused: the Triton kernels on CUDA; eager: the PyTorch forms (default fused)"),
 }
 
 
@@ -46,13 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn in the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    for name, typ in _CONFIG_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
-    g.add_argument("--device", default=None, help="cpu | cuda | auto")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | auto")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    for name, (typ, choices, text) in _CONFIG_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None, choices=choices, help=text)
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the config's, else auto)")
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "auto"),
+                   help="default: the config's, else auto (bfloat16 on CUDA, float32 on the CPU)")
     g.add_argument("--config", help="YAML of EngineConfig fields (as `autotune export --format engine` writes)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    out.add_argument("--stream", action="store_true",
+                     help="print the text as it is committed, step by step (the statistics follow it)")
     train_cli.add_parser(sub)
     a = sub.add_parser("assets", help="fetch or list the data assets (model GGUF, HumanEval, ShareGPT, BFCL)")
     asub = a.add_subparsers(dest="assets_command", required=True)
@@ -76,6 +100,31 @@ def _parse_ids(raw: str) -> list[int]:
     if not ids or any(i < 0 for i in ids):
         raise EngineInputError(f"--prompt-ids must be non-empty, non-negative integers, got {raw!r}")
     return ids
+
+
+class _Printer:
+    """``--stream``: each step's committed tokens printed as they come, as text (through the
+    server's ``TextStream``: never half a character, the stop token left out) or, without a
+    tokenizer, as comma-separated ids."""
+
+    def __init__(self, pair) -> None:
+        from engine.serving.text import TextStream
+
+        self._text = TextStream(pair.tokenizer.decode, (), ()) if pair.tokenizer is not None else None
+        self._first = True
+
+    def push(self, ids: list[int]) -> None:
+        if self._text is not None:
+            piece = self._text.push(ids)
+        else:
+            piece = ("" if self._first else ",") + ",".join(map(str, ids))
+            self._first = self._first and not ids
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        sys.stdout.write((self._text.finish() if self._text is not None else "") + "\n")
+        sys.stdout.flush()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -108,13 +157,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = pair.encode(prompt)
     else:
         raise EngineInputError("give --prompt TEXT or --prompt-ids 1,2,3")
-    gen = generate(pair, ids, cfg, args.max_new_tokens)
+    stream = _Printer(pair) if args.stream else None
+    gen = generate(pair, ids, cfg, args.max_new_tokens, on_tokens=stream.push if stream else None)
     text = pair.tokenizer.decode(gen.tokens) if pair.tokenizer is not None else None
     stats = gen.stats.to_dict()
     if args.json:
         print(json.dumps({"tokens": gen.tokens, "text": text, "config": cfg.to_dict(), "stats": stats}))
         return 0
-    if text is not None:
+    if stream is not None:
+        stream.finish()
+    elif text is not None:
         print(text)
     else:
         print(",".join(map(str, gen.tokens)))

@@ -68,6 +68,8 @@ class ChatMessage(BaseModel):
 class ChatBody(RequestBody):
     messages: list[ChatMessage]
     tools: list[dict[str, Any]] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionBody(RequestBody):
@@ -177,6 +179,12 @@ def make_job(pair: Any, base: EngineConfig, body: RequestBody, ids: list[int]) -
 
 
 def chat_ids(pair: Any, body: ChatBody) -> list[int]:
+    # Refused, not ignored: a client that asks for log-probs must not get ``logprobs: null`` and
+    # take it for an answer (docs/serving.md).
+    for name in ("logprobs", "top_logprobs"):
+        if getattr(body, name) not in (None, False):
+            raise bad_request(f"{name}: not supported by this server, but got {preview(getattr(body, name))}",
+                              param=name)
     if not body.messages:
         raise bad_request("messages: must hold at least one message", param="messages")
     messages = []

@@ -26,9 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="JSONL prompt files; default: train split of code (HumanEval + code-like chat), chat, agent, "
                         "stdlib (standard-library functions posed like HumanEval), chat-turns (later chat turns) "
                         "and stdlib-rest (the standard library's other functions)")
-    t.add_argument("--n-prompts", type=int, default=3000)
-    t.add_argument("--gen-max-new-tokens", type=int, default=256)
-    t.add_argument("--gen-batch-size", type=int, default=128)
+    t.add_argument("--n-prompts", type=int, default=3000, help="prompts to self-distil at most (default 3000)")
+    t.add_argument("--gen-max-new-tokens", type=int, default=256,
+                   help="tokens the target answers each prompt with at most (default 256)")
+    t.add_argument("--gen-batch-size", type=int, default=128, help="prompts answered together (default 128)")
     t.add_argument("--gen-budget", type=float, default=0.0,
                    help="seconds of self-distillation at most: no new batch starts after it, the prompts not "
                         "answered are left out (0: no limit)")
@@ -41,12 +42,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"block size (default {ARCH_DEFAULTS['block_size']})")
     t.add_argument("--num-target-ids", type=int, default=None,
                    help=f"target layers the draft reads (default {ARCH_DEFAULTS['num_target_ids']})")
-    t.add_argument("--num-anchors", type=int, default=32)
-    t.add_argument("--gamma", type=float, default=7.0)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--steps", type=int, default=600)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--max-seq-len", type=int, default=640)
+    t.add_argument("--num-anchors", type=int, default=32,
+                   help="blocks drawn per sequence per step, each starting at a random position (default 32)")
+    t.add_argument("--gamma", type=float, default=7.0,
+                   help="loss weight of block position k: exp(-(k-1)/gamma), early positions count more (default 7)")
+    t.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate (default 6e-4)")
+    t.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    t.add_argument("--max-seq-len", type=int, default=640,
+                   help="tokens of a training sequence at most, prompt and answer (default 640)")
     t.add_argument("--time-budget", type=float, default=0.0, help="seconds of training at most (0: no limit)")
     t.add_argument("--wall-budget", type=float, default=0.0,
                    help="seconds for the whole command (data, features, training, saving): the training budget "
@@ -59,8 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where the target features of every training position live: on the GPU, in host "
                         "memory (a batch copied each step: for GPUs too small to hold them), or auto "
                         "(the GPU when they fit in 70%% of its free memory)")
-    t.add_argument("--mask-token-id", type=int, default=None)
-    t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="the id the draft's masked block positions carry (default: the tokenizer's mask token)")
+    t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved weights (default bfloat16)")
     t.add_argument("--data", nargs="+", metavar="FILE",
                    help="reuse self-distilled sequences from these JSONL files (.jsonl, .jsonl.gz, .jsonl.xz)")
     t.add_argument("--gen-more", action="store_true",
@@ -68,8 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(within --gen-budget), and train on both")
     t.add_argument("--save-data",
                    help="write the training sequences (reused and new) to this JSONL file (.gz/.xz: compressed)")
-    t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initial weights")
     t.add_argument("--smoke", action="store_true", help="a few steps on a few prompts (CPU check)")
 
 

@@ -75,9 +75,9 @@ def _bad_cases(tmp):
         (["--target", "tiny-dense", "--draft", "oracle:1.5"], "0 <= P <= 1"),
         (["--target", "tiny-dense", "--draft", "random", "--budget", "0"], "budget must be >= 1"),
         (["--target", "tiny-dense", "--draft", "random", "--top-k", "0"], "top_k must be >= 1"),
-        (["--target", "tiny-dense", "--draft", "random", "--verify", "beam"], "verify must be one of"),
-        (["--target", "tiny-dense", "--draft", "random", "--rollback", "undo"], "rollback must be one of"),
-        (["--target", "tiny-dense", "--draft", "random", "--draft-path", "fast"], "draft_path must be one of"),
+        (["--target", "tiny-dense", "--draft", "random", "--verify", "beam"], "--verify: invalid choice: 'beam'"),
+        (["--target", "tiny-dense", "--draft", "random", "--rollback", "undo"], "--rollback: invalid choice: 'undo'"),
+        (["--target", "tiny-dense", "--draft", "random", "--draft-path", "fast"], "--draft-path: invalid choice: 'fast'"),
         (["--target", "tiny-dense", "--draft", "random", "--device", "tpu"], "device must be"),
         (["--target", "tiny-dense", "--draft", "random", "--prompt-ids", "1,x"], "--prompt-ids"),
         (["--target", "tiny-dense", "--draft", "random", "--prompt-ids", "99999"], "outside the vocabulary"),
@@ -111,3 +111,60 @@ def test_draft_shaped_for_another_target_is_refused(mismatched_drafts):
     assert r.returncode == 2 and "96" in r.stderr and "64" in r.stderr
     r = run("generate", "--target", "tiny-dense", "--draft", str(mismatched_drafts / "vocab"), "--prompt", "hi")
     assert r.returncode == 2 and "300" in r.stderr and "272" in r.stderr
+
+
+class _Writes:
+    """A stdout that keeps each write apart (what `--stream` hands out, piece by piece)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_stream_prints_each_step_as_it_commits_and_the_same_text(monkeypatch):
+    from engine import cli
+
+    args = ["generate", "--target", "tiny-dense", "--draft", "oracle:0.3", "--prompt", "Hello", "--max-new-tokens",
+            "32", "--device", "cpu", "--verify", "ddtree", "--budget", "4", "--top-k", "2", "--draft-path", "generic"]
+    plain, streamed = _Writes(), _Writes()
+    monkeypatch.setattr(sys, "stdout", plain)
+    assert cli.main(args) == 0
+    monkeypatch.setattr(sys, "stdout", streamed)
+    assert cli.main([*args, "--stream"]) == 0
+    text = "".join(plain.pieces).split("\n---\n")[0]
+    pieces = "".join(streamed.pieces).split("\n---\n")[0]
+    assert pieces == text  # one code path: the streamed answer is the whole one
+    before_stats = streamed.pieces[:next(i for i, p in enumerate(streamed.pieces) if "---" in p)]
+    assert len([p for p in before_stats if p]) >= 3  # several steps' pieces, not one print at the end
+    assert "acceptance_length:" in "".join(streamed.pieces)
+
+
+def test_stream_and_json_exclude_each_other_and_choices_are_listed():
+    r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--stream", "--json")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--verify", "tree")
+    assert r.returncode == 2 and "'ar', 'chain', 'ddtree'" in r.stderr and len(r.stderr) < 2000
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    import argparse
+
+    from engine.cli import _parser
+
+    def walk(parser: argparse.ArgumentParser, where: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{where} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield where, action
+
+    silent = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in walk(_parser(), "engine")
+              if not a.help]
+    assert silent == []

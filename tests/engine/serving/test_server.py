@@ -8,7 +8,7 @@ import pytest
 import engine
 from engine import EngineConfig
 from engine.data.tokenizer import ByteTokenizer
-from engine.serving.server import TextStream
+from engine.serving.text import TextStream
 
 CONFIGS = [
     EngineConfig(verify="ar"),
