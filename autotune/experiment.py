@@ -25,6 +25,7 @@ EXACTNESS = ("strict", "report")
 OBJECTIVES = ("decode_tps",)  # docs/measurement.md: end-to-end tok/s is logged, never the objective
 EXECUTORS = ("local", "ray")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_BASELINE_AGE_S = 365 * 24 * 3600  # measure.baseline_max_age at most: a year, in seconds
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -52,6 +53,9 @@ class MeasureSpec:
     max_rel_mad: float = 0.10
     exactness: str = "strict"
     baseline_every: int = 10  # re-measure the AR baseline after this many other trials
+    # seconds: a worker that starts without a baseline (a restarted driver, a restarted Ray actor)
+    # reuses one of the study's measured under the same identity at most this long ago; 0: never
+    baseline_max_age: float = 6 * 3600.0
     confirm_top: int = 3  # configs re-measured in the confirmation phase
     confirm_repeats: int = 5
 
@@ -264,13 +268,17 @@ def _check_jsonl(file: Path) -> None:
 
 def _measure(where: str, raw: dict) -> MeasureSpec:
     s = _Section(where, "measure", raw, {"warmup", "repeats", "max_rel_mad", "exactness", "baseline_every",
-                                         "confirm_top", "confirm_repeats"})
+                                         "baseline_max_age", "confirm_top", "confirm_repeats"})
     rel = s.get("max_rel_mad", (int, float), 0.10)
     if not 0 < rel < 1:
         raise InputError(where, "measure.max_rel_mad", "must be > 0 and < 1", rel)
+    max_age = s.get("baseline_max_age", (int, float), MeasureSpec.baseline_max_age)
+    if not 0 <= max_age <= MAX_BASELINE_AGE_S:  # NaN fails this too
+        raise InputError(where, "measure.baseline_max_age", f"must be seconds from 0 (a restart never reuses a "
+                         f"baseline) to {MAX_BASELINE_AGE_S:,} (a year)", max_age)
     return MeasureSpec(warmup=s.integer("warmup", 1), repeats=s.integer("repeats", 3, low=1),
                        max_rel_mad=float(rel), exactness=s.choice("exactness", EXACTNESS, "strict"),
-                       baseline_every=s.integer("baseline_every", 10, low=1),
+                       baseline_every=s.integer("baseline_every", 10, low=1), baseline_max_age=float(max_age),
                        confirm_top=s.integer("confirm_top", 3), confirm_repeats=s.integer("confirm_repeats", 5, low=1))
 
 

@@ -1,13 +1,15 @@
 """A study → report.md and PNG plots (matplotlib, Agg backend: no display needed).
 
 Sections: the winner and whether it is a positive conclusion, exactness failures (loudly, with each
-divergence's top-2 logit margins and verdict: numeric tie or mismatch), top
-trials with spread, speedup vs AR, break-even AL and oracle gate per workload, the per-phase
-breakdown (and what the phases do not account for), which path won and by how much, failures.
+divergence's top-2 logit margins and verdict: numeric tie or mismatch), top trials with spread,
+speedup vs AR and the baseline each speedup used (and which ones a restart reused), break-even AL
+and oracle gate per workload, the per-phase breakdown (and what the phases do not account for),
+which path won and by how much, failures.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import optuna  # noqa: E402
 from optuna.trial import FrozenTrial, TrialState  # noqa: E402
 
 from autotune import results  # noqa: E402
+from autotune import study as st  # noqa: E402
 from autotune.study import role_of  # noqa: E402
 
 PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
@@ -79,20 +82,24 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
     else:
         conf = ("confirmed by re-measurement" if w.confirmed
                 else "**not confirmed** (the confirmation phase did not run)")
+        base = results.winner_baseline(study, w)
         L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
               f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** decode-only "
               f"(conservative {w.value:.2f}), speedup vs AR {_fmt(w.speedup_vs_ar)}x "
-              f"(AR {_fmt(w.ar_median_tps)} tok/s).", "", f"`{_cfg_short(w.config)}`", ""]
+              f"(AR {_fmt(w.ar_median_tps)} tok/s{f'; baseline: {base}' if base else ''}).", "",
+              f"`{_cfg_short(w.config)}`", ""]
         L += _conclusions(w)
     L += _confirmation(study)
     L += _exactness(study)
-    L += ["## Top trials", "", "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | AL | "
-          "break-even AL | exact | noisy | config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L += ["## Top trials", "", "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | "
+          "AR baseline | AL | break-even AL | exact | noisy | config |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in ranked[:top]:
         u = t.user_attrs
+        base = _fmt(u.get("baseline_trial")) + (" (reused)" if u.get("baseline_reused") else "")
         L.append(f"| {t.number} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
                  f"{_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
-                 f"{_fmt(u.get('speedup_vs_ar'))} | {_fmt(u.get('acceptance_length'))} | "
+                 f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
     L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study), *_refusals(study),
@@ -186,15 +193,24 @@ def _divergences(trials: list[FrozenTrial]) -> list[str]:
 
 
 def _baselines(study: optuna.Study) -> list[str]:
-    base = [t for t in results.completed(study) if role_of(t) == "baseline"]
+    trials = results.completed(study)
+    base = [t for t in trials if role_of(t) == "baseline"]
+    users = Counter(t.user_attrs.get("baseline_trial") for t in trials if role_of(t) != "baseline")
     L = ["## Speedup vs AR", "", "Speedups are median ratios against the nearest AR baseline on the same worker "
-         "and prompt set. AR baselines measured:", "", "| trial | worker | AR tok/s (median ± spread) | drift vs "
-         "previous |", "|---|---|---|---|"]
+         "and prompt set. A worker that starts without one (after a restart) reuses the study's latest baseline "
+         "measured under the same identity (machine, models, prompts, settings, code) within "
+         "`measure.baseline_max_age`. AR baselines measured:", "",
+         "| trial | worker | AR tok/s (median ± spread) | drift vs previous | speedups using it |",
+         "|---|---|---|---|---|"]
     for t in base:
         u = t.user_attrs
         L.append(f"| {t.number} | {u.get('worker')} | {_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} "
-                 f"| {_fmt(u.get('ar_drift'), 3)} |")
-    return L + [""]
+                 f"| {_fmt(u.get('ar_drift'), 3)} | {users[t.number]} |")
+    L.append("")
+    for r in st.baseline_reuses(study):
+        age = "" if r.get("age_s") is None else f", measured {r['age_s'] / 60:.0f} min before"
+        L.append(f"- baseline: trial {r['trial']}, reused by the restart at {r['at']} (worker {r['worker']}{age})")
+    return L + ([""] if L[-1] else [])
 
 
 def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:

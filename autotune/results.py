@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.study import FINISHED, counts_toward_budget, role_of
+from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
 
 
 def feasible(t: FrozenTrial) -> bool:
@@ -44,6 +44,7 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     counts = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState}
     counts["finished"] = sum(counts_toward_budget(t) for t in trials)
     counts["baselines"] = sum(t.state in FINISHED and role_of(t) == "baseline" for t in trials)
+    counts["baselines_reused"] = len(baseline_reuses(study))  # workers that took a baseline instead of measuring
     counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
     counts["infeasible"] = len(infeasible(study))
     counts["refused"] = len(refused(study))
@@ -113,6 +114,30 @@ def winner(study: optuna.Study) -> Winner | None:
     )
 
 
+def baseline_used(study: optuna.Study, t: FrozenTrial) -> str | None:
+    """The AR baseline ``t``'s speedup divides by, in words: ``trial N``, and when ``t``'s worker
+    reused it (a restart), ``trial N, reused by the restart at WHEN``. None: no speedup."""
+    number = t.user_attrs.get("baseline_trial")
+    if number is None:
+        return None
+    if not t.user_attrs.get("baseline_reused"):
+        return f"trial {number}"
+    reuse = baseline_reuse(study, t.user_attrs.get("worker", ""))
+    return f"trial {number}, reused by the restart at {reuse['at'] if reuse else '?'}"
+
+
+def winner_baseline(study: optuna.Study, w: Winner) -> str | None:
+    """The AR measurement the winner's speedup divides by: in a confirmation, the re-measurement of
+    the baseline trial it picked; otherwise the winner's own baseline (:func:`baseline_used`)."""
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    if not w.confirmed:
+        return baseline_used(study, by_number[w.trial]) if w.trial in by_number else None
+    conf = study.user_attrs.get("confirmation") or {}
+    ar = next((c["trial"] for c in conf.get("candidates", [])
+               if c["trial"] in by_number and role_of(by_number[c["trial"]]) == "baseline"), None)
+    return None if ar is None else f"trial {ar}, re-measured in the confirmation"
+
+
 def path_of(config: dict[str, Any]) -> str:
     """The implementation path a config takes (what a tuner must not confuse with parameters)."""
     verify = config.get("verify", "?")
@@ -136,6 +161,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "study": study.study_name,
         "trials_finished": counts["finished"],
         "baselines": counts["baselines"],
+        "baselines_reused": counts["baselines_reused"],
         "trials_complete": counts["complete"],
         "trials_pruned": counts["pruned"],
         "trials_failed": counts["fail"],
@@ -158,6 +184,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "best_value": f["value"],
         "best_speedup_vs_ar": f["speedup_vs_ar"],
         "ar_decode_tps": f["ar_decode_tps"],
+        "ar_baseline": winner_baseline(study, w),
         "best_acceptance_length": f["acceptance_length"],
         "best_break_even_al": f["break_even_al"],
         "positive_vs_ar": w.positive_vs_ar,

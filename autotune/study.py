@@ -8,7 +8,11 @@ Storage URLs:
 
 Resume: the same command finds the study by name. A RUNNING trial whose driver is gone (same
 host and its pid is dead, or no heartbeat for ``STALE_AFTER_S``) is marked FAIL with a
-``fail_reason`` and ``interrupted: true``; its params are retried once.
+``fail_reason`` and ``interrupted: true``; its params are retried once (an interrupted AR baseline
+is not: the worker that replaces it measures or reuses its own). A worker that starts without an
+AR baseline (a restarted driver's, a restarted Ray actor's) reuses the study's most recent one
+measured under the same identity within ``measure.baseline_max_age`` (:func:`reusable_baseline`),
+recorded as the study attribute ``baseline_reuse:WORKER``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ ROLES = ("baseline", "reference", "search")
 REFERENCE = {"verify": "ddtree", "budget": 22, "top_k": 8, "proposal_temp": 1.0, "chain_seed": None,
              "rollback": "fast"}
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+REUSE_PREFIX = "baseline_reuse:"  # + worker id: the study attribute saying which baseline that worker reuses
 
 
 @dataclass(frozen=True)
@@ -296,9 +301,12 @@ def is_stale(trial: FrozenTrial, now: dt.datetime | None = None) -> bool:
     last = dt.datetime.fromisoformat(beat) if beat else trial.datetime_start
     if last is None:
         return True
-    if last.tzinfo is None:  # Optuna stores naive local datetimes
-        last = last.astimezone(dt.UTC)
-    return (now - last).total_seconds() > STALE_AFTER_S
+    return (now - _aware(last)).total_seconds() > STALE_AFTER_S
+
+
+def _aware(when: dt.datetime) -> dt.datetime:
+    """Optuna stores naive local datetimes; comparisons here are in UTC."""
+    return when.astimezone(dt.UTC) if when.tzinfo is None else when
 
 
 def fail_trial(study: optuna.Study, trial_number: int, reason: str, interrupted: bool) -> None:
@@ -326,11 +334,13 @@ def recover_stale(study: optuna.Study) -> list[int]:
 
 
 def pending_retries(study: optuna.Study) -> list[FrozenTrial]:
-    """Interrupted trials whose params were not retried yet (a retry is never retried again)."""
+    """Interrupted trials whose params were not retried yet (a retry is never retried again). An
+    interrupted baseline is not retried: its worker is gone, and the one that replaces it measures
+    or reuses its own (a retry would be a second baseline right after that one)."""
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get("retry_of") for t in trials}
     return [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("interrupted")
-            and "retry_of" not in t.user_attrs and t.number not in retried]
+            and "retry_of" not in t.user_attrs and t.number not in retried and role_of(t) != "baseline"]
 
 
 def enqueue(study: optuna.Study, role: str, params: dict[str, Any] | None = None, **attrs: Any) -> None:
@@ -414,15 +424,59 @@ def role_of(t: FrozenTrial) -> str:
 
 
 def needs_baseline(study: optuna.Study, worker: str, every: int) -> bool:
-    """No baseline attempt on this worker yet, or ``every`` other trials since the last one."""
+    """No baseline attempt on this worker yet and none reused, or ``every`` other trials since the
+    last one (a reused baseline counts as the worker's first)."""
     trials = study.get_trials(deepcopy=False)
     if any(t.state == TrialState.WAITING and role_of(t) == "baseline" for t in trials):
         return False
     mine = [t for t in trials if t.user_attrs.get("worker") == worker and t.state in FINISHED]
     last = max((t.number for t in mine if role_of(t) == "baseline"), default=None)
     if last is None:
+        reuse = baseline_reuse(study, worker)
+        last = reuse["trial"] if reuse else None
+    if last is None:
         return True
     return sum(t.number > last and counts_toward_budget(t) for t in mine) >= every
+
+
+def reusable_baseline(study: optuna.Study, worker: str, identity: dict[str, Any] | None, max_age_s: float,
+                      now: dt.datetime | None = None) -> FrozenTrial | None:
+    """The baseline ``worker`` may take instead of measuring AR: the most recently finished COMPLETE,
+    not noisy baseline of the study whose ``identity`` attribute equals ``identity`` and that
+    finished at most ``max_age_s`` before ``now``. None when nothing fits, the identity is unknown,
+    or the worker already has a baseline: its periodic re-measurement measures AR again (drift)."""
+    if not identity or max_age_s <= 0:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    if baseline_reuse(study, worker) or any(role_of(t) == "baseline" and t.user_attrs.get("worker") == worker
+                                            for t in trials):
+        return None
+    now = now or dt.datetime.now(dt.UTC)
+    fits = [t for t in trials if t.state == TrialState.COMPLETE and role_of(t) == "baseline"
+            and not t.user_attrs.get("noisy") and t.user_attrs.get("identity") == identity
+            and t.datetime_complete is not None
+            and (now - _aware(t.datetime_complete)).total_seconds() <= max_age_s]
+    return max(fits, key=lambda t: _aware(t.datetime_complete), default=None)
+
+
+def reuse_baseline(study: optuna.Study, worker: str, baseline: FrozenTrial) -> dict[str, Any]:
+    """Record that ``worker`` reuses ``baseline`` (one attribute per worker: drivers sharing a study
+    never write the same key); returns the record."""
+    finished = _aware(baseline.datetime_complete) if baseline.datetime_complete else None
+    record = {"trial": baseline.number, "worker": worker, "driver": me(), "at": _now(),
+              "age_s": round((dt.datetime.now(dt.UTC) - finished).total_seconds()) if finished else None}
+    study.set_user_attr(REUSE_PREFIX + worker, record)
+    return record
+
+
+def baseline_reuse(study: optuna.Study, worker: str) -> dict[str, Any] | None:
+    """The baseline ``worker`` reuses (``reuse_baseline``'s record), if any."""
+    return study.user_attrs.get(REUSE_PREFIX + worker)
+
+
+def baseline_reuses(study: optuna.Study) -> list[dict[str, Any]]:
+    """Every reuse in the study, oldest first."""
+    return sorted((v for k, v in study.user_attrs.items() if k.startswith(REUSE_PREFIX)), key=lambda r: r["at"])
 
 
 def has_role(study: optuna.Study, role: str) -> bool:
@@ -431,9 +485,12 @@ def has_role(study: optuna.Study, role: str) -> bool:
 
 
 def nearest_baseline(study: optuna.Study, number: int, worker: str, workload_hash: str) -> FrozenTrial | None:
-    """The AR measurement closest in trial order on the same worker and prompt set."""
+    """The AR measurement closest in trial order on the same worker (or the one it reuses) and
+    prompt set."""
+    reuse = baseline_reuse(study, worker)
+    reused = reuse["trial"] if reuse else None
     candidates = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                  if role_of(t) == "baseline" and t.user_attrs.get("worker") == worker
+                  if role_of(t) == "baseline" and (t.user_attrs.get("worker") == worker or t.number == reused)
                   and t.user_attrs.get("workload_hash") == workload_hash and t.number != number]
     return min(candidates, key=lambda t: (abs(t.number - number), -t.number), default=None)
 

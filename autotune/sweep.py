@@ -2,7 +2,9 @@
 
 The driver is the only writer to the Optuna storage and to MLflow. Trial order per worker:
 the AR baseline first (and again every ``baseline_every`` trials), retries of interrupted trials,
-the reference config once per study, then the sampler's suggestions.
+the reference config once per study, then the sampler's suggestions. A worker that starts without
+a baseline (after a restart) first looks for one to reuse: measured in this study under the same
+identity (:meth:`_Driver.identity`) at most ``measure.baseline_max_age`` ago.
 
 With several workers (the Ray executor) the driver keeps one job on every idle worker and tells
 each record as it comes back. With several drivers on one study (PostgreSQL), "is budget left?
@@ -13,6 +15,7 @@ budget counts every driver's running trials, so together they finish exactly ``n
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -241,6 +244,7 @@ class _Driver:
         self.inflight: dict[int, _InFlight] = {}  # trial number -> the job measuring it
         self.popped: optuna.trial.Trial | None = None  # asked, not yet submitted (an interrupt may land here)
         self.bar: tqdm | None = None
+        self._identities: dict[str, dict[str, Any] | None] = {}  # worker -> identity (fixed per process)
 
     # ---------------------------------------------------------------- the loop
     def loop(self, started: float) -> None:
@@ -308,7 +312,7 @@ class _Driver:
         """Queue what must run before the sampler's next suggestion (lazily, one at a time)."""
         if self._waiting():
             return
-        if st.needs_baseline(self.study, worker, self.exp.measure.baseline_every):
+        if st.needs_baseline(self.study, worker, self.exp.measure.baseline_every) and not self._reuse_baseline(worker):
             st.enqueue(self.study, "baseline", driver=st.me(), worker=worker)
         elif retries := st.pending_retries(self.study):
             t = retries[0]
@@ -316,23 +320,61 @@ class _Driver:
         elif not st.has_role(self.study, "reference"):
             st.enqueue(self.study, "reference", driver=st.me(), worker=worker)
 
-    def config_for(self, trial: optuna.trial.Trial, role: str) -> dict[str, Any]:
+    def _reuse_baseline(self, worker: str) -> bool:
+        """A worker without a baseline of its own takes a recent one measured under its identity
+        (``st.reusable_baseline``) instead of measuring AR again; True when it did."""
+        found = st.reusable_baseline(self.study, worker, self.identity(worker), self.exp.measure.baseline_max_age)
+        if found is None:
+            return False
+        reuse = st.reuse_baseline(self.study, worker, found)
+        age = "" if reuse["age_s"] is None else f", measured {reuse['age_s'] / 60:.0f} min ago"
+        tqdm.write(f"baseline: trial {found.number} reused by worker {worker} (same machine, code, models, prompts "
+                   f"and settings{age})", file=sys.stderr)
+        return True
+
+    def identity(self, worker: str) -> dict[str, Any] | None:
+        """What an AR baseline measured on ``worker`` depends on: the models, the prompts actually
+        used (their hash), ``max_new_tokens``, the measurement settings, the AR config with every
+        field resolved, and the worker's environment (``Worker.environment``: host, accelerator,
+        device, dtype, threads, torch, the measuring code, AR's loop and kernels). Recorded on each
+        baseline as ``identity``; a baseline is reused only under an equal one. None when the
+        executor cannot describe the worker."""
+        if worker not in self._identities:
+            env = self.executor.environment(worker)
+            m = self.exp.measure
+            identity = None if not env else {
+                "target": self.exp.model.target, "draft": self.exp.model.draft, "workload_hash": self.wl_hash,
+                "max_new_tokens": self.exp.workload.max_new_tokens, "warmup": m.warmup, "repeats": m.repeats,
+                "max_rel_mad": m.max_rel_mad, "ar_config": self._full(self.config_for(None, "baseline"), "AR baseline"),
+                **env}
+            # stored as JSON (lists for tuples): compared in the form a storage gives back
+            self._identities[worker] = None if identity is None else json.loads(json.dumps(identity, sort_keys=True))
+        return self._identities[worker]
+
+    def config_for(self, trial: optuna.trial.Trial | None, role: str) -> dict[str, Any]:
         fixed = self.exp.fixed_engine
         if role == "baseline":
             return {**fixed, "verify": "ar"}
         if role == "reference":
             return {**st.REFERENCE, **fixed}
+        assert trial is not None  # a search trial's config is the sampler's suggestion
         return {**fixed, **self.exp.search_space.suggest(trial)}
+
+    @staticmethod
+    def _full(config: dict[str, Any], source: str) -> dict[str, Any]:
+        """Every field, defaults included: provenance, paths, dedup and identities need the full config."""
+        try:
+            return EngineConfig.from_dict(config, source=source).to_dict()
+        except EngineInputError:
+            return config  # the worker turns the engine's refusal into the trial's fail_reason
 
     def start_trial(self, trial: optuna.trial.Trial, worker: str) -> None:
         role = trial.user_attrs.get("role", "search")
-        config = self.config_for(trial, role)
-        try:  # record every field, defaults included: provenance, paths and dedup need the full config
-            config = EngineConfig.from_dict(config, source=f"trial {trial.number}").to_dict()
-        except EngineInputError:
-            pass  # the worker turns the engine's refusal into this trial's fail_reason
-        for key, value in {"role": role, "driver": st.me(), "worker": worker, "workload_hash": self.wl_hash,
-                           "config": config}.items():
+        config = self._full(self.config_for(trial, role), f"trial {trial.number}")
+        attrs = {"role": role, "driver": st.me(), "worker": worker, "workload_hash": self.wl_hash, "config": config}
+        if role == "baseline" and (identity := self.identity(worker)) is not None:
+            attrs["identity"] = identity  # what a later worker's baseline must equal to reuse this one
+        for key, value in attrs.items():
             trial.set_user_attr(key, value)
         m = self.exp.measure
         job = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
@@ -446,6 +488,8 @@ class _Driver:
             "decode_loops": rec.loops,  # what ran: `auto` takes the runtime's graphs or the generic loop
             "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "baseline_trial": number if is_base else (base.number if base else None),
+            # the baseline was measured by another worker and reused by this one (after a restart)
+            "baseline_reused": not is_base and base is not None and base.user_attrs.get("worker") != rec.worker,
         }
         if is_base:
             prev_tps = base.user_attrs.get("decode_tps_median") if base else None

@@ -135,6 +135,10 @@ class Tracker:
             tags["refused"] = str(a["refused"])[:4000]
         if a.get("noisy"):
             tags["noisy"] = "true"
+        if a.get("baseline_trial") is not None:  # the AR trial its speedup divides by
+            tags["baseline_trial"] = str(a["baseline_trial"])
+        if a.get("baseline_reused"):
+            tags["baseline_reused"] = "true"
         run = self.client.create_run(self.experiment_id, run_name=f"trial-{t.number:04d}-{role_of(t)}", tags=tags,
                                      start_time=_ms(t.datetime_start))
         rid = run.info.run_id

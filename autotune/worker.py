@@ -20,6 +20,8 @@ unusable (then the Ray executor restarts the worker process).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import socket
 import statistics
@@ -29,6 +31,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from autotune import measure
@@ -124,6 +127,30 @@ class Worker:
         cfg = getattr(self.pair.target, "cfg", None)
         return {"context": getattr(cfg, "max_position_embeddings", None),
                 "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0)}
+
+    def environment(self) -> dict[str, Any]:
+        """What an AR measurement here depends on beyond the job and the experiment: the host, the
+        accelerator (the GPU's name and UUID, or the device type), the device and dtype the pair
+        really got, torch's threads and version, the measuring code (:func:`code_hash`), and the
+        loop and kernels AR takes on this machine (``ENGINE_KERNELS``, Triton, graphs). Part of a
+        baseline's identity (``autotune.sweep``)."""
+        import torch
+
+        import engine
+
+        device = str(self.pair.device)
+        accelerator, gpu = device.split(":")[0], None
+        if device.startswith("cuda"):
+            props = torch.cuda.get_device_properties(device)
+            accelerator, gpu = props.name, str(getattr(props, "uuid", "")) or None  # one physical GPU of several
+        cfg = engine.EngineConfig.from_dict(self.ar_config(), source="AR baseline")
+        try:
+            loop, kernels = self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools)
+        except engine.EngineInputError:  # AR refused as fixed here: its baseline fails, none is reused
+            loop = kernels = None
+        return {"host": socket.gethostname(), "accelerator": accelerator, "gpu_uuid": gpu, "device": device,
+                "dtype": str(self.pair.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "code": code_hash(), "loop": loop, "kernels": kernels}
 
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
@@ -290,6 +317,23 @@ class Worker:
                 "n_prompts": len(results[0].prompts),
             }
         return diverged
+
+
+@functools.cache
+def code_hash() -> str:
+    """The code that measures, hashed: every source file of the ``engine`` package and this module
+    and ``autotune.measure`` (the protocol). Unlike the git commit it is blind to commits that touch
+    nothing here and sees uncommitted edits; a baseline is reused only by the same code."""
+    import engine
+
+    root = Path(engine.__file__).resolve().parent
+    files = [(f"engine/{f.relative_to(root).as_posix()}", f) for f in sorted(root.rglob("*.py"))]
+    files += [(f"autotune/{Path(m).name}", Path(m)) for m in (__file__, measure.__file__)]
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(f"{name}\0{path.stat().st_size}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def device_unusable(exc: BaseException) -> bool:

@@ -20,7 +20,8 @@ class Executor(abc.ABC):
     - :meth:`start` loads the model pair on every worker (heavy, once) and returns worker ids;
     - :meth:`free_slots` says how many more jobs can be submitted before :meth:`wait` must be called;
     - :meth:`idle_workers` names the workers that can take a job now (the driver plans per worker:
-      each worker measures its own AR baseline);
+      each worker measures its own AR baseline, or reuses one measured under the same identity,
+      :meth:`environment` included);
     - :meth:`submit` hands over a job, to ``worker`` when given (one of :meth:`idle_workers`), else to
       any idle worker; ``on_first_pass`` (pruning) may be ignored by executors that cannot call back
       into the driver mid-job, which then simply never prune;
@@ -53,6 +54,11 @@ class Executor(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Device facts for provenance (device, dtype, worker ids)."""
+        return {}
+
+    def environment(self, worker: str) -> dict[str, Any]:
+        """:meth:`autotune.worker.Worker.environment` of ``worker``: part of an AR baseline's identity.
+        Empty when unknown; then no baseline is reused for that worker (it measures its own)."""
         return {}
 
     def __enter__(self) -> Executor:

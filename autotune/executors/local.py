@@ -60,6 +60,9 @@ class LocalExecutor(Executor):
         self._pending.clear()
         self._worker = None
 
+    def environment(self, worker: str) -> dict[str, Any]:
+        return self._worker.environment() if self._worker is not None and self._worker.id == worker else {}
+
     def describe(self) -> dict[str, Any]:
         if self._worker is None:
             return {}

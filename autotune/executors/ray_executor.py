@@ -146,6 +146,9 @@ class _Measurer:
         rec.model_loads = self.loads
         return rec
 
+    def environment(self) -> dict[str, Any]:
+        return self.worker.environment() if self.worker is not None else {}
+
     def facts(self) -> dict[str, Any]:
         pair = self.worker.pair if self.worker is not None else None
         return {"worker": self.worker.id if self.worker else None, "loads": self.loads,
@@ -187,6 +190,7 @@ class RayExecutor(Executor):
         self._gpu = False
         self._started = False
         self._facts: dict[str, Any] = {}
+        self._environments: dict[str, dict[str, Any]] = {}  # worker id -> its Worker.environment(), fixed per process
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> list[str]:
@@ -379,6 +383,19 @@ class RayExecutor(Executor):
                 "workers": [s.worker_id for s in self._slots],
                 "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
                 "context": self._facts.get("context"), "longest_prompt": self._facts.get("longest_prompt")}
+
+    def environment(self, worker: str) -> dict[str, Any]:
+        if worker not in self._environments:
+            import ray
+
+            slot = next((s for s in self._slots if s.worker_id == worker and s.state == "idle"), None)
+            if slot is None:
+                return {}
+            try:
+                self._environments[worker] = ray.get(slot.actor.environment.remote(), timeout=60)
+            except Exception:  # the actor died meanwhile: unknown, so nothing is reused for it
+                return {}
+        return self._environments[worker]
 
     def facts(self) -> list[dict[str, Any]]:
         """Per actor: worker id and model loads (tests and benchmarks read this)."""

@@ -49,13 +49,13 @@ def tiny_experiment(folder: Path, name: str = "tiny", space: dict | None = None,
     return path
 
 
-def env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"  # tiny models run fastest, and least disturbed by a busy machine, on one thread
-    return e
+    return {**e, **extra}
 
 
-def run_autotune(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+def run_autotune(args: list[str], cwd: Path, timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env(**extra_env),
+                          capture_output=True, text=True, timeout=timeout)

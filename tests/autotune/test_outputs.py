@@ -71,6 +71,10 @@ def test_mlflow_parent_and_nested_runs(swept):
         assert {"phases.json", "per_workload.json"} <= arts
         if run.data.tags["autotune.role"] != "baseline":
             assert "break_even_al" in m and "al_histogram.json" in arts
+        # the AR baseline its speedup used (one process measured everything here: none reused)
+        trial = study.trials[int(run.data.tags["autotune.trial"])]
+        assert run.data.tags["baseline_trial"] == str(trial.user_attrs["baseline_trial"])
+        assert "baseline_reused" not in run.data.tags
     history = client.get_metric_history(children[0].info.run_id, "decode_tps_run")
     assert len(history) >= 2  # every measured pass, not just the median
     plots = {a.path for a in client.list_artifacts(parent.info.run_id, "optuna")}

@@ -197,6 +197,11 @@ def test_fault_injected_sweep_records_every_fault_and_leaves_nothing_running(tmp
     assert [t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs] == [4]
     assert {t.number for t in trials if t.state == TrialState.FAIL} == set(faults)
     assert len(trials) == 21 + sum(st.role_of(t) == "baseline" for t in trials) and "worker_restarts: 3" in text
+    # one AR baseline per actor at the start; a restarted actor (a new process, the same host and
+    # settings) reuses one instead of measuring AR again (issue #23)
+    baselines = [t.number for t in trials if st.role_of(t) == "baseline"]
+    assert len(baselines) == 2 and all(r["trial"] in baselines for r in st.baseline_reuses(outcome.study))
+    assert st.baseline_reuses(outcome.study) and "baselines_reused: " in text
 
 
 def test_cli_sweep_on_its_own_local_cluster_logs_utilisation(tmp_path):

@@ -79,9 +79,10 @@ def test_kill_9_then_resume_finishes_exactly_n_trials(tmp_path):
                             "--n-trials", str(N), "--no-progress"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "stale_trials_failed: 1" in resumed.stdout
-    trials = _load(db).get_trials()
+    study = _load(db)
+    trials = study.get_trials()
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
-    assert sum(st.counts_toward_budget(t) for t in trials) == N
+    assert sum(st.counts_toward_budget(t) for t in trials) == N  # n_trials counts configs (search + reference)
     stale = trials[killed.number]
     assert stale.state == TrialState.FAIL and stale.user_attrs["interrupted"] is True
     assert "interrupted" in stale.user_attrs["fail_reason"]
@@ -90,8 +91,21 @@ def test_kill_9_then_resume_finishes_exactly_n_trials(tmp_path):
     assert stale.params and retries[0].params == stale.params  # the same config, measured again
     assert st.role_of(retries[0]) == st.role_of(stale) == "search"
     assert sum(st.role_of(t) == "reference" for t in trials) == 1
-    baselines = [t for t in trials if st.role_of(t) == "baseline" and t.state == TrialState.COMPLETE]
-    assert len({t.user_attrs["worker"] for t in baselines}) == 2  # the new process measured its own AR
+    assert sum(st.role_of(t) == "search" and st.counts_toward_budget(t) for t in trials) == N - 1
+    # Baselines, beside the configs (issue #23): the killed driver measured one, trial 0 (it was killed
+    # before its 4th config, so before any re-measurement). The restart measured none when it started:
+    # it reuses trial 0 (same machine, code, models, prompts and settings, seconds old), and measures
+    # AR again only after every baseline_every (4) configs of its own, as any worker does.
+    baselines = [t for t in trials if st.role_of(t) == "baseline"]
+    assert [t.number for t in baselines if t.user_attrs["worker"] == killed.user_attrs["worker"]] == [0]
+    restart = retries[0].user_attrs["worker"]
+    assert restart != killed.user_attrs["worker"] and st.baseline_reuse(study, restart)["trial"] == 0
+    configs = [t for t in trials if t.user_attrs.get("worker") == restart and st.counts_toward_budget(t)]
+    assert len(baselines) == 1 + (len(configs) - 1) // 4
+    assert all(t.state == TrialState.COMPLETE for t in baselines)
+    assert configs[0].user_attrs["baseline_trial"] == 0 and configs[0].user_attrs["baseline_reused"] is True
+    # nothing else: the N configs, the killed trial and the baselines
+    assert len(trials) == N + 1 + len(baselines)
     assert sorted(t.number for t in trials) == list(range(len(trials)))
 
 

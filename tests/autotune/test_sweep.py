@@ -97,7 +97,7 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
     assert conf["winner"] in [c["trial"] for c in conf["candidates"]]
     # AR (a baseline) always competes in the confirmation
     assert any(st.role_of(trials[c["trial"]]) == "baseline" for c in conf["candidates"])
-    assert "trials_finished: 5\nbaselines: 2\n" in text and f"best_trial: {conf['winner']}" in text
+    assert "trials_finished: 5\nbaselines: 2\nbaselines_reused: 0\n" in text and f"best_trial: {conf['winner']}" in text
     if url == "memory":
         return
     again, _ = sweep(exp_path, url, study_name=name)  # same command: resumes, nothing left to do
