@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineInputError
-from engine.data.prompts import Prompt, split_of
+from engine.data.prompts import Prompt, check_tool_calls, check_tools, split_of
 from engine.files import MAX_WORKLOAD_BYTES, parse_json, preview, read_text
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
@@ -45,9 +45,11 @@ def _prompt_from_record(rec: Any, where: str) -> Prompt:
                                    f"got {preview(m)}")
         if not isinstance(m.get("content", ""), (str, type(None))):
             raise EngineInputError(f"{where}: messages[{j}].content must be a string")
+        if m.get("tool_calls") is not None:
+            check_tool_calls(m["tool_calls"], f"{where}: messages[{j}].tool_calls")
     tools = rec.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise EngineInputError(f"{where}: 'tools' must be a list of objects")
+    if tools is not None:
+        check_tools(tools, f"{where}: tools")
     return Prompt(messages=tuple(msgs), tools=tuple(tools) if tools else None)
 
 

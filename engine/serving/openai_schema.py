@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.config import EngineConfig, EngineInputError
-from engine.data.prompts import Prompt
+from engine.data.prompts import Prompt, check_tool_calls, check_tools
 from engine.files import FileRefused, parse_json, preview
 
 DEFAULT_MAX_TOKENS = 512  # when a request gives none (and the context leaves room)
@@ -70,6 +70,8 @@ class ChatBody(RequestBody):
     tools: list[dict[str, Any]] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tool_choice: Any = None
+    response_format: Any = None
 
 
 class CompletionBody(RequestBody):
@@ -178,21 +180,45 @@ def make_job(pair: Any, base: EngineConfig, body: RequestBody, ids: list[int]) -
     return Job(ids, base.replace(**changes) if changes else base, max_tokens, stop_strings(body.stop))
 
 
-def chat_ids(pair: Any, body: ChatBody) -> list[int]:
-    # Refused, not ignored: a client that asks for log-probs must not get ``logprobs: null`` and
-    # take it for an answer (docs/serving.md).
+def _refuse_unsupported_chat(body: ChatBody) -> None:
+    """Refused, not ignored: a client that asks for log-probs, a forced tool call or JSON mode must
+    not get an answer that looks like one (``logprobs: null``, free text) and take it as such
+    (docs/serving.md)."""
     for name in ("logprobs", "top_logprobs"):
         if getattr(body, name) not in (None, False):
             raise bad_request(f"{name}: not supported by this server, but got {preview(getattr(body, name))}",
                               param=name)
+    if body.tool_choice not in (None, "auto"):
+        raise bad_request(f"tool_choice: only 'auto' is supported, but got {preview(body.tool_choice)}",
+                          param="tool_choice")
+    if body.response_format not in (None, {"type": "text"}):
+        raise bad_request(f"response_format: only {{'type': 'text'}} is supported, but got "
+                          f"{preview(body.response_format)}", param="response_format")
+
+
+def _checked(check: Any, value: Any, where: str) -> None:
+    try:
+        check(value, where)
+    except EngineInputError as exc:
+        raise bad_request(str(exc), param=where) from None
+
+
+def chat_ids(pair: Any, body: ChatBody) -> list[int]:
+    _refuse_unsupported_chat(body)
     if not body.messages:
         raise bad_request("messages: must hold at least one message", param="messages")
+    if body.tools is not None:
+        _checked(check_tools, body.tools, "tools")
     messages = []
     for i, m in enumerate(body.messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                "content": text_content(m.content, f"messages.{i}.content")}
-        if m.tool_calls:
+        if m.tool_calls is not None:
+            _checked(check_tool_calls, m.tool_calls, f"messages.{i}.tool_calls")
             msg["tool_calls"] = m.tool_calls
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages.{i}.tool_call_id: a tool message must name the call it answers",
+                              param=f"messages.{i}.tool_call_id")
         messages.append(msg)
     try:
         return pair.encode(Prompt(messages=tuple(messages), tools=tuple(body.tools) if body.tools else None))

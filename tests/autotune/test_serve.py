@@ -211,6 +211,20 @@ BAD = {
     "completion logprobs": ("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 2}, "logprobs: not supported"),
     "completion echo": ("/v1/completions", {"model": M, "prompt": "hi", "echo": True}, "echo: not supported"),
     "completion best_of": ("/v1/completions", {"model": M, "prompt": "hi", "best_of": 2}, "best_of: only 1"),
+    "tool not a function": ("/v1/chat/completions", {**GOOD, "tools": [{"type": "retrieval"}]},
+                            "tools.0: must be an object of type 'function'"),
+    "tool without a name": ("/v1/chat/completions", {**GOOD, "tools": [{"type": "function", "function": {}}]},
+                            "tools.0.function.name: must be a non-empty name"),
+    "tool parameters not an object": ("/v1/chat/completions", {**GOOD, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "parameters: must be a JSON-schema"),
+    "tool call without a function": ("/v1/chat/completions", {**GOOD, "messages": [
+        *MESSAGES, {"role": "assistant", "tool_calls": [{"x": 1}]}]}, "messages.1.tool_calls.0: must be"),
+    "tool message without its call id": ("/v1/chat/completions", {**GOOD, "messages": [
+        *MESSAGES, {"role": "tool", "content": "42"}]}, "messages.1.tool_call_id: a tool message must name"),
+    "tool_choice required": ("/v1/chat/completions", {**GOOD, "tool_choice": "required"},
+                             "tool_choice: only 'auto'"),
+    "response_format json": ("/v1/chat/completions", {**GOOD, "response_format": {"type": "json_object"}},
+                             "response_format: only"),
     "prompt wrong type": ("/v1/completions", {"model": M, "prompt": {"a": 1}}, "prompt: must be"),
     "token id out of vocabulary": ("/v1/completions", {"model": M, "prompt": [99999]}, "outside the vocabulary"),
     "deeply nested body": ("/v1/chat/completions", NESTED_HEAD + "[" * 50_000 + "]" * 50_000 + "}",

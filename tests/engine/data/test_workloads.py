@@ -139,17 +139,24 @@ def _build_cache(cache: Path, mp: pytest.MonkeyPatch) -> Path:
 
 def test_jsonl_workload_and_errors(tmp_path):
     good = tmp_path / "w.jsonl"
-    good.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}], "tools": [{"a": 1}]}\n')
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    good.write_text('{"prompt": "hi"}\n\n' + json.dumps({"messages": [{"role": "user", "content": "yo"}],
+                                                        "tools": [tool]}) + "\n")
     w = load_workload("w.jsonl", tmp_path, 5, seed=0)
     assert w.name == "w" and [p.to_json() for p in w.prompts] == [
-        {"prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}], "tools": [{"a": 1}]}]
+        {"prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}], "tools": [tool]}]
     assert w.hash == load_workload(str(good), tmp_path, 5, seed=3).hash
     cases = {
         '{"prompt": "a"}\nnot json\n': "w2.jsonl:2: is not valid JSON",
         '{"prompt": "a", "extra": 1}\n': "unknown key",
         '{"prompt": ""}\n': "non-empty string",
         '{"messages": [{"role": "robot", "content": "x"}]}\n': "messages\\[0\\] needs a role",
-        '{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}\n': "'tools' must be a list",
+        '{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}\n': "tools: must be a list",
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]}\n': "tools.0.function: must be",
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "a b"}}]}\n':
+            "tools.0.function.name: must be a non-empty name",
+        '{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", '
+        '"arguments": 3}}]}]}\n': "tool_calls.0.function.arguments: must be",
         "[1, 2]\n": "expected a JSON object",
         "\n": "holds no prompts",
     }
