@@ -10,16 +10,22 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from autotune import __version__
 from autotune.errors import InputError
 
 EXIT_OK, EXIT_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 DEFAULT_STORAGE = "sqlite:///autotune.db"
 DEFAULT_TRACKING = "sqlite:///mlflow.db"
+STORAGE_HELP = f"Optuna storage: sqlite:///FILE or a PostgreSQL/MySQL URL (default {DEFAULT_STORAGE})"
+STUDY_HELP = "study name (the experiment's name unless the sweep had --study-name; `autotune status` lists them)"
+DASHBOARD_WAIT_S = 300.0  # the MLflow UI's start, at most, before the dashboard says it is not answering
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -32,13 +38,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="autotune", description="Find the fastest exact speculative-decoding setup for a local LLM.")
+    ap.add_argument("--version", action="version", version=f"autotune {__version__}",
+                    help="print the version and exit")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("sweep", help="run or resume a sweep")
     s.add_argument("experiment", help="experiment YAML (experiments/*.yaml)")
     s.add_argument("--n-trials", type=int, help="finished trials to reach (default: the experiment's study.n_trials)")
     s.add_argument("--timeout", help="stop starting new trials after this long: 8h, 30m, 90s, 1h30m")
-    s.add_argument("--storage", default=DEFAULT_STORAGE, help=f"Optuna storage (default {DEFAULT_STORAGE})")
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
     s.add_argument("--study-name", help="default: the experiment's name")
     s.add_argument("--tracking-uri", default=DEFAULT_TRACKING, help=f"MLflow URI or none (default {DEFAULT_TRACKING})")
     s.add_argument("--executor", choices=("local", "ray"), help="default: the experiment's executor.kind")
@@ -49,22 +57,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     s = sub.add_parser("status", help="list the studies in a storage")
-    s.add_argument("--storage", default=DEFAULT_STORAGE)
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
 
     s = sub.add_parser("best", help="the winner of a study")
-    s.add_argument("study")
-    s.add_argument("--storage", default=DEFAULT_STORAGE)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("study", help=STUDY_HELP)
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
 
     s = sub.add_parser("report", help="markdown report with PNG plots")
-    s.add_argument("study")
-    s.add_argument("--storage", default=DEFAULT_STORAGE)
+    s.add_argument("study", help=STUDY_HELP)
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
     s.add_argument("--out", help="folder (default reports/STUDY)")
 
     s = sub.add_parser("export", help="the winner as an engine config, llama-server command or JSON")
-    s.add_argument("study")
-    s.add_argument("--storage", default=DEFAULT_STORAGE)
-    s.add_argument("--format", default="engine", choices=("engine", "llama-server", "json"))
+    s.add_argument("study", help=STUDY_HELP)
+    s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
+    s.add_argument("--format", default="engine", choices=("engine", "llama-server", "json"),
+                   help="engine: a YAML `autotune serve` and `python -m engine generate --config` read (default); "
+                        "llama-server: its command line; json: the winner's record")
     s.add_argument("--out", help="file (default: standard output); an existing one only with --force, never a database")
     s.add_argument("--force", action="store_true", help="replace an existing --out file")
 
@@ -76,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=32, help="waiting requests before 503 (default 32)")
 
     s = sub.add_parser("dashboard", help="start the MLflow UI on 127.0.0.1")
-    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING)
-    s.add_argument("--port", type=int, default=5000)
+    s.add_argument("--tracking-uri", default=DEFAULT_TRACKING,
+                   help=f"the MLflow store the sweep wrote (default {DEFAULT_TRACKING})")
+    s.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     return ap
 
 
@@ -277,13 +288,50 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         raise InputError("--tracking-uri", None, "no MLflow database there (run `autotune sweep` first)", uri)
     if not 1 <= args.port <= 65535:
         raise InputError("--port", None, "must be between 1 and 65535", args.port)
-    print(f"dashboard: http://127.0.0.1:{args.port}  (Ctrl-C stops it)", flush=True)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port)]
+    with socket.socket() as probe:  # a busy port would have the UI fail after its slow start
+        try:
+            probe.bind(("127.0.0.1", args.port))
+        except OSError:
+            raise InputError("--port", None, "is in use on 127.0.0.1 (pick another)", args.port) from None
+    print(f"dashboard: starting the MLflow UI on 127.0.0.1:{args.port} ...", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(dashboard_command(uri, args.port))
     try:
-        return subprocess.call(cmd)
+        url = f"http://127.0.0.1:{args.port}"
+        if _answers_within(proc, url, DASHBOARD_WAIT_S):
+            print(f"dashboard: {url}  (Ctrl-C stops it)", flush=True)  # only once the UI answers
+        elif proc.poll() is None:
+            print(f"dashboard: the UI has not answered at {url} after {DASHBOARD_WAIT_S:.0f} s; still waiting "
+                  "(Ctrl-C stops it)", file=sys.stderr, flush=True)
+        code = proc.wait()
+        if code:
+            print(f"dashboard: the MLflow UI exited with status {code}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait(timeout=10)
         return EXIT_OK
+
+
+def dashboard_command(uri: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def _answers_within(proc: subprocess.Popen, url: str, seconds: float) -> bool:
+    """Whether ``url`` answers HTTP (any status) before ``seconds`` pass or ``proc`` exits."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True  # an error page is an answer: the UI is up
+        except OSError:
+            time.sleep(0.25)
+    return False
 
 
 COMMANDS = {"sweep": cmd_sweep, "status": cmd_status, "best": cmd_best, "report": cmd_report,

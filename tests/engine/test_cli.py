@@ -150,21 +150,3 @@ def test_stream_and_json_exclude_each_other_and_choices_are_listed():
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
     r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--verify", "tree")
     assert r.returncode == 2 and "'ar', 'chain', 'ddtree'" in r.stderr and len(r.stderr) < 2000
-
-
-def test_every_flag_of_every_command_says_what_it_does():
-    import argparse
-
-    from engine.cli import _parser
-
-    def walk(parser: argparse.ArgumentParser, where: str):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    yield from walk(sub, f"{where} {name}")
-            elif not isinstance(action, argparse._HelpAction):
-                yield where, action
-
-    silent = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in walk(_parser(), "engine")
-              if not a.help]
-    assert silent == []
