@@ -198,9 +198,11 @@ def cmd_best(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return EXIT_OK
     p = doc["provenance"]
-    for key in ("study", "trial", "role", "confirmed", "decode_tps", "decode_tps_spread", "speedup_vs_ar",
-                "ar_decode_tps", "positive_vs_ar", "acceptance_length", "break_even_al", "exact_match", "device",
-                "workload_hash"):
+    for key in ("study", "trial", "role", "confirmed", "reliable", "unreliable_because", "decode_tps",
+                "decode_tps_spread", "speedup_vs_ar", "ar_decode_tps", "positive_vs_ar", "acceptance_length",
+                "break_even_al", "exact_match", "device", "workload_hash"):
+        if key == "unreliable_because" and key not in p:
+            continue
         print(f"{key}: {'none' if p.get(key) is None else p.get(key)}")
     print("config:")
     print("  " + yaml.safe_dump(doc["engine"], sort_keys=False).replace("\n", "\n  ").rstrip())
@@ -251,7 +253,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.out:
         _check_new_file(Path(args.out), args.force)
     s = study.load_existing(_open(args), args.study)
-    text = export.render(export.build(s), args.format)
+    doc = export.build(s)
+    text = export.render(doc, args.format)
+    for warning in export.llama_server_warnings(doc) if args.format == "llama-server" else []:
+        print(f"autotune: warning: {warning}", file=sys.stderr)
     if args.out:
         Path(args.out).write_text(text)
         print(f"exported: {args.out}\nformat: {args.format}")

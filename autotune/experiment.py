@@ -25,6 +25,7 @@ EXACTNESS = ("strict", "report")
 OBJECTIVES = ("decode_tps",)  # docs/measurement.md: end-to-end tok/s is logged, never the objective
 EXECUTORS = ("local", "ray")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_AR_DRIFT = 100.0  # measure.max_ar_drift at most (baselines 101x apart)
 MAX_BASELINE_AGE_S = 365 * 24 * 3600  # measure.baseline_max_age at most: a year, in seconds
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -56,6 +57,9 @@ class MeasureSpec:
     # seconds: a worker that starts without a baseline (a restarted driver, a restarted Ray actor)
     # reuses one of the study's measured under the same identity at most this long ago; 0: never
     baseline_max_age: float = 6 * 3600.0
+    # AR baselines of one machine further apart than this (relative), and beyond twice their spread,
+    # make the study unreliable: no confirmed winner, no positive conclusion (results.ar_drift)
+    max_ar_drift: float = 0.25
     confirm_top: int = 3  # configs re-measured in the confirmation phase
     confirm_repeats: int = 5
 
@@ -268,7 +272,7 @@ def _check_jsonl(file: Path) -> None:
 
 def _measure(where: str, raw: dict) -> MeasureSpec:
     s = _Section(where, "measure", raw, {"warmup", "repeats", "max_rel_mad", "exactness", "baseline_every",
-                                         "baseline_max_age", "confirm_top", "confirm_repeats"})
+                                         "baseline_max_age", "max_ar_drift", "confirm_top", "confirm_repeats"})
     rel = s.get("max_rel_mad", (int, float), 0.10)
     if not 0 < rel < 1:
         raise InputError(where, "measure.max_rel_mad", "must be > 0 and < 1", rel)
@@ -276,10 +280,15 @@ def _measure(where: str, raw: dict) -> MeasureSpec:
     if not 0 <= max_age <= MAX_BASELINE_AGE_S:  # NaN fails this too
         raise InputError(where, "measure.baseline_max_age", f"must be seconds from 0 (a restart never reuses a "
                          f"baseline) to {MAX_BASELINE_AGE_S:,} (a year)", max_age)
+    drift = s.get("max_ar_drift", (int, float), MeasureSpec.max_ar_drift)
+    if not 0 < drift <= MAX_AR_DRIFT:  # NaN fails this too
+        raise InputError(where, "measure.max_ar_drift", f"must be a fraction > 0 and <= {MAX_AR_DRIFT:g} (0.25: AR "
+                         "baselines 25% apart make the study unreliable)", drift)
     return MeasureSpec(warmup=s.integer("warmup", 1), repeats=s.integer("repeats", 3, low=1),
                        max_rel_mad=float(rel), exactness=s.choice("exactness", EXACTNESS, "strict"),
                        baseline_every=s.integer("baseline_every", 10, low=1), baseline_max_age=float(max_age),
-                       confirm_top=s.integer("confirm_top", 3), confirm_repeats=s.integer("confirm_repeats", 5, low=1))
+                       max_ar_drift=float(drift), confirm_top=s.integer("confirm_top", 3),
+                       confirm_repeats=s.integer("confirm_repeats", 5, low=1))
 
 
 def _study(where: str, raw: dict) -> StudySpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shlex
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -42,6 +43,8 @@ def provenance(study: optuna.Study, w: results.Winner) -> dict[str, Any]:
         "acceptance_length": w.acceptance_length,  # (unrounded, as exported files have had it)
         "break_even_al": w.break_even_al,
         "exact_match": w.exact_match,
+        "reliable": w.drift is None,  # False: the study's AR baselines drifted (results.ar_drift)
+        **({"unreliable_because": w.drift.describe()} if w.drift is not None else {}),
         "exported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
 
@@ -53,8 +56,9 @@ def build(study: optuna.Study) -> dict[str, Any]:
         raise InputError("STUDY", None, "has no feasible completed trial to export yet", study.study_name)
     from engine import EngineConfig
 
-    # round-trip through EngineConfig: every field present, and nothing the engine would refuse
-    engine_fields = EngineConfig.from_dict(dict(w.config), source=f"trial {w.trial}").to_dict()
+    # round-trip through EngineConfig (nothing the engine would refuse); only the fields that apply
+    # to the winner's verify mode: an AR winner carries no budget it was never tuned at
+    engine_fields = EngineConfig.from_dict(dict(w.config), source=f"trial {w.trial}").applicable()
     model = dict(study.user_attrs.get("model", {}))
     return {"engine": engine_fields, "model": model, "provenance": provenance(study, w)}
 
@@ -123,6 +127,16 @@ def llama_server_mapping(cfg: dict[str, Any]) -> tuple[list[str], list[str], lis
     return server, daemon, unmapped
 
 
+def llama_server_warnings(doc: dict[str, Any]) -> list[str]:
+    """What makes the exported command not run as written: the port loads a GGUF file, and a preset
+    or a folder target is neither (`autotune export` prints these to stderr too)."""
+    target = str(doc["model"].get("target", ""))
+    if target.endswith(".gguf") and Path(target).is_file():
+        return []
+    return [f"target {target!r} is not a .gguf file: the port loads GGUF only; put the target's GGUF path in the "
+            "command (convert an HF folder with llama.cpp's convert_hf_to_gguf.py)"]
+
+
 def llama_server(doc: dict[str, Any], binary: str = SERVER_BINARY) -> str:
     cfg, model, prov = doc["engine"], doc["model"], doc["provenance"]
     target, draft = str(model.get("target", "TARGET.gguf")), str(model.get("draft", "DRAFT.gguf"))
@@ -132,7 +146,8 @@ def llama_server(doc: dict[str, Any], binary: str = SERVER_BINARY) -> str:
     lines = ["#!/bin/sh",
              f"# autotune export for the llama.cpp DFlash/DDTree port (lucebox-hub {binary}): "
              f"study {prov.get('study')}, trial {prov.get('trial')}; mapping in docs/serving.md",
-             *(f"# {k}: {v}" for k, v in prov.items())]
+             *(f"# {k}: {v}" for k, v in prov.items()),
+             *(f"# WARNING: {w}" for w in llama_server_warnings(doc))]
     if daemon:
         budget = [f"--ddtree-budget={cfg['budget']}"] if cfg["verify"] == "ddtree" else []
         ddtree = ["--ddtree"] if cfg["verify"] == "ddtree" else []

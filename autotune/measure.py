@@ -6,7 +6,10 @@
 - break-even AL = step_ms / ar_ms_per_token;
 - oracle gate: fraction of steps whose AL beat break-even, and the TPS of an ideal per-step switch;
 - the winner: ties within the measured spread go to the simpler config; a positive conclusion
-  needs a margin of more than twice the spread.
+  needs a margin of more than twice the spread;
+- drift: two AR measurements of one machine disagree when their medians differ by more than twice
+  the larger spread and by more than ``max_drift`` (the experiment's ``measure.max_ar_drift``) of the
+  lower; a study with such a pair is unreliable.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from typing import Any
 
 MAD_SCALE = 1.4826  # makes the MAD a consistent estimator of the standard deviation under normality
 DEFAULT_BLOCK = 16  # public DFlash drafts; used only to rank chain configs by node count
+# AR baselines of one machine closer than this (relative) never count as drift, however tight
+# their spreads (the experiment's measure.max_ar_drift overrides it): a GPU's clocks move a few
+# percent over a night and a CPU's timings more, which the confirmation's side-by-side ratios absorb;
+# a machine that slows 10x under another job does not.
+DRIFT_FLOOR = 0.25
 
 
 @dataclass(frozen=True)
@@ -139,3 +147,12 @@ def is_positive(best: Score, incumbent: Score) -> bool:
 
 def median_of(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def drifted(a: Score | dict[str, float], b: Score | dict[str, float], max_drift: float = DRIFT_FLOOR) -> bool:
+    """Whether two AR measurements (``Score`` or its dict) disagree beyond the noise: medians
+    apart by more than twice the larger spread and by more than ``max_drift`` of the lower."""
+    am, bm = (x.median if isinstance(x, Score) else x["median"] for x in (a, b))
+    asp, bsp = (x.spread if isinstance(x, Score) else x["spread"] for x in (a, b))
+    gap = abs(am - bm)
+    return gap > 2.0 * max(asp, bsp) and gap > max_drift * min(am, bm)

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import optuna  # noqa: E402
 from optuna.trial import FrozenTrial, TrialState  # noqa: E402
 
-from autotune import results  # noqa: E402
+from autotune import measure, results  # noqa: E402
 from autotune import study as st  # noqa: E402
 from autotune.study import role_of  # noqa: E402
 
@@ -76,11 +76,20 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
           f"{counts['refused']} refused by the engine",
           f"- exactness: {a.get('exactness')}", ""]
+    drift = results.ar_drift(study)
+    if drift is not None:  # before anything else: every speedup below rests on a moving AR
+        L += ["## Unreliable study", "",
+              f"**{drift.describe()}** (more than twice the spread and more than "
+              f"{study.user_attrs.get('max_ar_drift', measure.DRIFT_FLOOR):.0%} apart, `measure.max_ar_drift`): "
+              "the machine's speed changed during the study, so its "
+              "speedups are not comparable with each other. Nothing below is confirmed or a positive "
+              "conclusion; find what else ran on the machine and measure again.", ""]
     L += ["## Winner", ""]
     if w is None:
         L += ["No feasible completed trial yet.", ""]
     else:
         conf = ("confirmed by re-measurement" if w.confirmed
+                else "**not confirmed** (the AR baselines drifted: above)" if w.drift is not None
                 else "**not confirmed** (the confirmation phase did not run)")
         base = results.winner_baseline(study, w)
         L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
@@ -109,6 +118,8 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
 
 
 def _conclusions(w: results.Winner) -> list[str]:
+    if w.drift is not None:
+        return ["No conclusion: the AR baselines drifted beyond the noise (Unreliable study, above).", ""]
     if not w.confirmed:
         return ["No positive conclusion without the confirmation phase.", ""]
     out = []

@@ -7,12 +7,13 @@ phase ran, otherwise the highest conservative value among feasible trials, marke
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune import measure
 from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
 
 
@@ -52,6 +53,75 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class ArMeasurement:
+    """One AR measurement of a machine: a baseline trial's, or the confirmation's re-measurement."""
+
+    label: str  # "trial 3" or "trial 3, re-measured in the confirmation"
+    median: float
+    spread: float
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The two AR measurements of one machine that disagree most, when they disagree beyond the
+    noise (``measure.drifted``): the study's speedups are not comparable with each other."""
+
+    machine: str
+    low: ArMeasurement
+    high: ArMeasurement
+
+    @property
+    def ratio(self) -> float:
+        return self.high.median / self.low.median if self.low.median > 0 else float("inf")
+
+    def describe(self) -> str:
+        return (f"AR baselines on {self.machine} disagree {self.ratio:.2f}x: {self.low.label} "
+                f"{self.low.median:.2f} ± {self.low.spread:.2f} tok/s against {self.high.label} "
+                f"{self.high.median:.2f} ± {self.high.spread:.2f}")
+
+
+def _machine(t: FrozenTrial) -> str:
+    """A baseline's machine: its identity's host and accelerator (one GPU of several by UUID),
+    else its worker: AR speeds are compared within one machine only."""
+    ident = t.user_attrs.get("identity") or {}
+    if ident.get("host"):
+        gpu = f" {ident['gpu_uuid']}" if ident.get("gpu_uuid") else ""
+        return f"{ident['host']} ({ident.get('accelerator')}{gpu})"
+    return f"worker {t.user_attrs.get('worker', '?')}"
+
+
+def ar_drift(study: optuna.Study) -> Drift | None:
+    """Whether the study's AR measurements of one machine disagree beyond the noise: every finished
+    baseline trial and the confirmation's AR re-measurement, grouped by machine; the widest pair
+    (lowest and highest median) of the first machine that drifted, else None."""
+    groups: dict[str, list[ArMeasurement]] = {}
+    worker_machine: dict[str, str] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        a = t.user_attrs
+        if role_of(t) != "baseline" or a.get("decode_tps_median") is None:
+            continue
+        machine = _machine(t)
+        worker_machine[a.get("worker", "")] = machine
+        groups.setdefault(machine, []).append(ArMeasurement(f"trial {t.number}", a["decode_tps_median"],
+                                                            a.get("spread", 0.0)))
+    conf = study.user_attrs.get("confirmation") or {}
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    for c in conf.get("candidates", []):
+        t = by_number.get(c["trial"])
+        if t is not None and role_of(t) == "baseline":
+            machine = worker_machine.get(conf.get("worker") or "") or (next(iter(groups)) if len(groups) == 1
+                                                                       else f"worker {conf.get('worker')}")
+            groups.setdefault(machine, []).append(ArMeasurement(
+                f"trial {t.number}, re-measured in the confirmation", c["score"]["median"], c["score"]["spread"]))
+    for machine, ms in groups.items():
+        low, high = min(ms, key=lambda m: m.median), max(ms, key=lambda m: m.median)
+        if measure.drifted({"median": low.median, "spread": low.spread}, {"median": high.median, "spread": high.spread},
+                           study.user_attrs.get("max_ar_drift", measure.DRIFT_FLOOR)):
+            return Drift(machine, low, high)
+    return None
+
+
+@dataclass(frozen=True)
 class Winner:
     trial: int
     role: str
@@ -69,6 +139,7 @@ class Winner:
     exact_match: float | None
     device: str
     workload_hash: str
+    drift: Drift | None = None  # AR baselines that disagree: no "confirmed" or positive conclusion across it
 
     def figures(self, digits: int) -> dict[str, float | None]:
         """The measured figures rounded to ``digits`` (None where not measured), under one set of
@@ -90,7 +161,7 @@ def winner(study: optuna.Study) -> Winner | None:
     if conf and conf.get("winner") is not None and conf["winner"] in by_number:
         t = by_number[conf["winner"]]
         cand = next(c for c in conf["candidates"] if c["trial"] == conf["winner"])
-        return Winner(
+        w = Winner(
             trial=t.number, role=role_of(t), config=t.user_attrs.get("config", {}), confirmed=True,
             median_tps=cand["score"]["median"], spread=cand["score"]["spread"], value=cand["score"]["value"],
             speedup_vs_ar=cand.get("speedup_vs_ar"), ar_median_tps=conf.get("ar_median_tps"),
@@ -99,6 +170,7 @@ def winner(study: optuna.Study) -> Winner | None:
             exact_match=cand.get("exact_match"), device=t.user_attrs.get("device", ""),
             workload_hash=t.user_attrs.get("workload_hash", ""),
         )
+        return _across(w, ar_drift(study))
     top = ranked(study)
     if not top:
         return None
@@ -110,8 +182,16 @@ def winner(study: optuna.Study) -> Winner | None:
         speedup_vs_ar=a.get("speedup_vs_ar"), ar_median_tps=a.get("ar_decode_tps"), positive_vs_ar=None,
         positive_vs_reference=None, acceptance_length=a.get("acceptance_length"),
         break_even_al=a.get("break_even_al"), exact_match=a.get("exact_match"), device=a.get("device", ""),
-        workload_hash=a.get("workload_hash", ""),
+        workload_hash=a.get("workload_hash", ""), drift=ar_drift(study),
     )
+
+
+def _across(w: Winner, drift: Drift | None) -> Winner:
+    """A confirmed winner across a drift is neither confirmed nor a positive conclusion: the
+    machine's AR speed moved beyond the noise within the study (docs/measurement.md)."""
+    if drift is None:
+        return w
+    return replace(w, confirmed=False, positive_vs_ar=None, positive_vs_reference=None, drift=drift)
 
 
 def baseline_used(study: optuna.Study, t: FrozenTrial) -> str | None:
@@ -170,6 +250,10 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_infeasible": counts["infeasible"],
         "trials_refused": counts["refused"],
     }
+    drift = ar_drift(study)
+    out["reliable"] = drift is None
+    if drift is not None:
+        out["unreliable_because"] = drift.describe()
     if w is None:
         out["best_trial"] = None
         return out

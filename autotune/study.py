@@ -247,6 +247,8 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, exp: Experiment,
                            "fixed_engine": exp.fixed_engine, "exactness": exp.measure.exactness,
                            "created": _now(), **meta}.items():
             study.set_user_attr(key, value)
+    # not in the fingerprint (how a study is judged, not what it measures): a resume may loosen it
+    study.set_user_attr("max_ar_drift", exp.measure.max_ar_drift)
     check_fingerprint(study, exp)
     return study
 

@@ -111,8 +111,21 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def applicable(self) -> dict[str, Any]:
+        """The fields that change what this config decodes, by ``verify``: AR has no draft (no
+        tree, block or rollback of rejected tokens), a chain takes the draft's top-1 (no top-k,
+        budget, proposal temperature or chain seed). What exports, reports and tracking show, so an
+        AR winner is not read as tuned at a budget; ``from_dict`` of it builds the same config."""
+        skip = _NOT_APPLICABLE[self.verify]
+        return {k: v for k, v in self.to_dict().items() if k not in skip}
+
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+_TREE_ONLY = frozenset({"budget", "top_k", "proposal_temp", "chain_seed"})
+_NOT_APPLICABLE = {"ddtree": frozenset(), "chain": _TREE_ONLY,
+                   "ar": _TREE_ONLY | {"target_feat_ctx", "rollback", "block_size"}}
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
