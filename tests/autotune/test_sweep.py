@@ -75,6 +75,7 @@ def test_full_sweep_roles_scores_and_resume(storage, tmp_path):
     roles = [st.role_of(t) for t in trials]
     assert roles == ["baseline", "reference", "search", "search", "search", "baseline", "search"]
     assert st.n_finished(outcome.study) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
+    assert outcome.study.metric_names == ["decode_tps"]  # what optuna-dashboard labels the objective
     assert trials[0].user_attrs["config"]["verify"] == "ar"
     assert st.REFERENCE.items() <= trials[1].user_attrs["config"].items()
     for t in trials:
