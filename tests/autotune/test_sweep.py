@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import uuid
 from pathlib import Path
 
@@ -327,3 +328,22 @@ def test_a_confirmation_where_every_re_measurement_fails_is_reported_with_the_re
     md = write_report(outcome.study, tmp_path / "rep")[0].read_text()
     assert "**Every re-measurement failed** after 5 trials" in md
     assert f"- Trial {ar} (baseline): RuntimeError: capture failed on trial {ar}" in md
+
+
+def test_the_progress_bar_says_the_phase_and_the_best_by_the_study_s_own_value(tmp_path, capsys):
+    """The bar names what runs now (the AR baseline, config i of n, the confirmation) and the best
+    so far by its conservative value, the median beside it (issue #24); its elapsed time moves
+    while one trial runs (a refresher thread, stopped at the end)."""
+    exp = experiment.load(tiny_experiment(tmp_path / "exp", study={"n_trials": 3, "sampler": "random", "seed": 0}))
+    opts = SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="bar", tracking_uri=None,
+                        progress=True)
+    outcome = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO())
+    err = capsys.readouterr().err
+    assert outcome.exit_code == 0
+    for phase in ("bar: AR baseline (trial 0)", "bar: reference DDTree (trial 1)", "bar: config 2/3",
+                  "bar: confirming the best"):
+        assert phase in err, phase
+    w = results.winner(outcome.study)
+    assert f"best #{w.trial}: value {w.value:.1f} (median {w.median_tps:.1f}) tok/s" in err
+    assert "config/s" in err or "s/config" in err  # configs counted, not baselines
+    assert not [t for t in threading.enumerate() if t.name == "autotune-progress"]
