@@ -129,7 +129,9 @@ class JsonTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         ids = [self._tok.token_to_id(t) for t in eos_tokens]
         self.stop_ids = tuple(i for i in ids if i is not None)
-        self.mask_id = None
+        # the draft's mask token, as a GGUF vocabulary offers it (GGUFTokenizer): the first candidate
+        # the vocabulary holds, else None (then train-draft asks for --mask-token-id)
+        self.mask_id = next((i for i in map(self._tok.token_to_id, MASK_CANDIDATES) if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
