@@ -134,6 +134,9 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     except KeyboardInterrupt:
         driver.fail_running("interrupted by Ctrl-C; the trial was not finished")
         status, code = "KILLED", 130
+    except BaseException:
+        status = "FAILED"  # MLflow's parent run: not "FINISHED", and no final winner params
+        raise
     finally:
         driver.close_progress()
         driver.budget_lock.close()

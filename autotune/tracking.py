@@ -3,13 +3,24 @@
 The Optuna storage is the source of truth; MLflow is the morning dashboard. A resumed sweep
 reuses its parent run (its id is kept in the study's user attributes) and logs every finished
 trial that has no run yet, so a crash never leaves a gap. ``--tracking-uri none`` disables it.
+
+The parent run answers the morning's question on its own row: the winner's figures as metrics
+(``winner.*``, ``ar.decode_tps_median``), its config as params (``winner.*``: only the fields that
+apply to its verify mode), tags (``winner_trial``, ``winner_config``, ``exact``, ``conclusion``,
+``reliable``), a name and a description (``mlflow.note.content``) that say the same in words;
+updated after every trial and when the sweep ends, when the report (markdown and PNGs, the
+``autotune report`` output) becomes its artifacts under ``report/``. Child runs are named by
+their path and key parameters (``ddtree/runtime b48 k4 t0.7 (#12)``, ``AR baseline (worker W, #0)``)
+and tagged with their ``role`` (baseline, reference, search).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +28,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune import results
 from autotune.errors import InputError
 from autotune.study import role_of
 
@@ -24,6 +36,134 @@ _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", Trial
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
             "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count")
+# how a run's name writes a parameter (the rest: name=value, or the value alone for rollback and kernels)
+_SHORT = {"budget": "b", "top_k": "k", "proposal_temp": "t", "chain_seed": "cs", "target_feat_ctx": "ctx",
+          "block_size": "blk"}
+_ALWAYS_SHOWN = ("budget", "top_k")  # a tree's size, even at the engine's defaults
+REPORT_DIR = "report"  # the parent run's artifact folder for `autotune report`'s output
+
+
+def applicable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``config`` that apply to its verify mode (``EngineConfig.applicable``): an AR or
+    chain config has no budget or top-k. A config the engine refuses is returned as it is."""
+    from engine import EngineConfig, EngineInputError
+
+    try:
+        return EngineConfig.from_dict(dict(config), source="config").applicable()
+    except EngineInputError:
+        return dict(config)
+
+
+def config_label(config: dict[str, Any]) -> str:
+    """A config in a few words: ``verify/draft_path``, then the budget and top-k of a tree and every
+    other applicable field that differs from the engine's default (``ddtree/runtime b48 k4 t0.7``)."""
+    from engine import EngineConfig
+
+    cfg = applicable_config(config)
+    defaults = EngineConfig().to_dict()
+    parts = [f"{cfg.get('verify', '?')}/{cfg.get('draft_path', '?')}"]
+    for key, value in cfg.items():
+        if key in ("verify", "draft_path") or (key not in _ALWAYS_SHOWN and value == defaults.get(key, value)):
+            continue
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        if key in _SHORT:
+            parts.append(f"{_SHORT[key]}{shown}")
+        else:
+            parts.append(shown if key in ("rollback", "kernels") else f"{key}={shown}")
+    return " ".join(parts)
+
+
+def run_name(t: FrozenTrial) -> str:
+    """A trial's run name: its role, path and key parameters, and its number (the report's)."""
+    a = t.user_attrs
+    role = role_of(t)
+    if role == "baseline":
+        return f"AR baseline (worker {a.get('worker', '?')}, #{t.number})"
+    label = config_label(a.get("config", {}))
+    return f"{'reference ' if role == 'reference' else ''}{label} (#{t.number})"
+
+
+def conclusion(w: results.Winner | None) -> tuple[str, str]:
+    """(tag value, sentence): what the sweep concluded about its winner against plain AR decoding:
+    ``positive``, ``tie``, ``ar won`` or ``no conclusion`` (and why)."""
+    if w is None:
+        return "no conclusion", "No feasible trial finished yet."
+    if w.drift is not None:
+        return "no conclusion", f"No conclusion: the study is unreliable ({w.drift.describe()})."
+    if not w.confirmed:
+        return "no conclusion", "No conclusion: the winner was not confirmed by re-measurement."
+    if w.role == "baseline":
+        return "ar won", "Plain AR decoding won: no speculative config beat it on this machine and workload."
+    if w.positive_vs_ar is None:
+        return "no conclusion", "No conclusion vs AR: the AR baseline was not re-measured in the confirmation."
+    if w.positive_vs_ar:
+        return "positive", "Positive: confirmed, and its margin over AR is more than twice the measured spread."
+    return "tie", "A tie with AR: confirmed, but its margin over AR is within twice the spread."
+
+
+def exactness(w: results.Winner | None) -> str:
+    """``true`` (every output equal to AR's), ``false`` or ``unknown`` (not measured)."""
+    if w is None or w.exact_match is None:
+        return "unknown"
+    return "true" if w.exact_match >= 1.0 else "false"
+
+
+def winner_metrics(w: results.Winner | None, counts: dict[str, int]) -> dict[str, float]:
+    """The parent run's metrics: the winner's figures (those measured) and how much was measured."""
+    out: dict[str, float] = {"configs_measured": counts["finished"], "baselines_measured": counts["baselines"]}
+    if w is None:
+        return out
+    figures = {"winner.decode_tps_median": w.median_tps, "winner.decode_tps_spread": w.spread,
+               "winner.conservative_tps": w.value, "winner.speedup_vs_ar": w.speedup_vs_ar,
+               "winner.acceptance_length": w.acceptance_length, "winner.exact_match": w.exact_match,
+               "winner.break_even_al": w.break_even_al, "ar.decode_tps_median": w.ar_median_tps}
+    out.update({k: float(v) for k, v in figures.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def headline(study_name: str, w: results.Winner | None) -> str:
+    """The parent run's name: the study and, once there is a winner, its figures (a name is the one
+    thing the MLflow runs table shows before any column is picked)."""
+    if w is None:
+        return study_name
+    speedup = "n/a" if w.speedup_vs_ar is None else f"{w.speedup_vs_ar:.2f}x"
+    al = "" if w.acceptance_length is None else f", AL {w.acceptance_length:.2f}"
+    exact = {"true": "exact", "false": "INEXACT", "unknown": "exactness unknown"}[exactness(w)]
+    return (f"{study_name}: {config_label(w.config)} {speedup} AR, {w.median_tps:.1f} tok/s{al}, {exact}, "
+            f"{conclusion(w)[0]}")
+
+
+def description(study_name: str, w: results.Winner | None, counts: dict[str, int], status: str,
+                stale_params: str | None = None, report_error: str | None = None) -> str:
+    """The parent run's description (markdown): the winner, its speedup with the spread, whether it
+    is exact, the conclusion, and what was measured."""
+    running = status == "RUNNING"
+    L = [f"### {study_name}: {'best so far (the sweep is running)' if running else 'winner'}", ""]
+    if w is None:
+        L += ["No feasible trial finished yet.", ""]
+    else:
+        speedup = "no speedup measured (no AR baseline)" if w.speedup_vs_ar is None else \
+            f"**{w.speedup_vs_ar:.2f}x AR**"
+        ar = "" if w.ar_median_tps is None else f" against AR's {w.ar_median_tps:.2f} tok/s"
+        al = "" if w.acceptance_length is None else f", AL {w.acceptance_length:.2f}"
+        exact = {"true": "**exact** (every output equal to AR's, token for token)",
+                 "false": f"**INEXACT** (exact match {w.exact_match or 0.0:.2f})",
+                 "unknown": "exactness not measured"}[exactness(w)]
+        confirmed = "confirmed by re-measurement" if w.confirmed else "not confirmed"
+        L += [f"Trial {w.trial} ({w.role}), `{config_label(w.config)}`: {speedup}: "
+              f"{w.median_tps:.2f} ± {w.spread:.2f} tok/s decode-only{ar} (conservative score "
+              f"{w.value:.2f} = median − spread{al}); {exact}; {confirmed}.", ""]
+    L += [f"**Conclusion: {conclusion(w)[0]}.** {conclusion(w)[1]}", ""]
+    L += [f"Measured {counts['finished']} configs and {counts['baselines']} AR baselines "
+          f"({counts['baselines_reused']} reused); {counts['fail']} failed, {counts['infeasible']} infeasible, "
+          f"{counts['refused']} refused by the engine.", ""]
+    if stale_params:
+        L += [f"⚠ {stale_params}", ""]
+    if not running:
+        report = (f"The report could not be written ({report_error})." if report_error else
+                  f"The report (markdown and plots) is in this run's artifacts, `{REPORT_DIR}/report.md`.")
+        L += [f"The sweep ended: {status}. {report}", ""]
+    return "\n".join(L)
 
 
 def check_tracking_uri(uri: str) -> str | None:
@@ -85,8 +225,12 @@ class Tracker:
             exp_id = exp.experiment_id
         self.experiment_id = exp_id
         self.study = study
+        self._stale_params: str | None = None  # why the parent's winner.* params are not the winner's
+        self._name: str | None = None  # the parent run's name as last set
+        self._report_error: str | None = None  # why the report was not logged at the sweep's end
         self.parent = self._parent_run(study)
         self._logged = self._already_logged()
+        self._refresh()  # a resumed sweep's row says at once that it runs again, and what it has so far
 
     def _parent_run(self, study: optuna.Study) -> str:
         from mlflow.exceptions import MlflowException
@@ -118,17 +262,21 @@ class Tracker:
 
     def sync(self) -> None:
         """Log every finished trial that has no nested run yet (after a crash, or one by one)."""
-        for t in self.study.get_trials(deepcopy=False):
-            if t.state.is_finished() and t.number not in self._logged:
-                self.log_trial(t)
+        missing = [t for t in self.study.get_trials(deepcopy=False)
+                   if t.state.is_finished() and t.number not in self._logged]
+        for t in missing:
+            self.log_trial(t, refresh=False)
+        if missing:
+            self._refresh()
 
-    def log_trial(self, t: FrozenTrial) -> None:
+    def log_trial(self, t: FrozenTrial, refresh: bool = True) -> None:
+        """The trial's nested run; then (``refresh``) the parent run's winner, which it may change."""
         a = t.user_attrs
-        config = a.get("config", {})
+        config = applicable_config(a.get("config", {}))
         tags = {"mlflow.parentRunId": self.parent, "autotune.trial": str(t.number), "autotune.role": role_of(t),
-                "autotune.state": t.state.name, "verify": str(config.get("verify")),
-                "draft_path": str(config.get("draft_path")), "rollback": str(config.get("rollback")),
-                "worker": str(a.get("worker", "")), "feasible": str(_feasible(t))}
+                "role": role_of(t), "autotune.state": t.state.name, "worker": str(a.get("worker", "")),
+                "feasible": str(_feasible(t))}
+        tags.update({k: str(config[k]) for k in ("verify", "draft_path", "rollback") if k in config})
         if a.get("fail_reason"):
             tags["fail_reason"] = str(a["fail_reason"])[:4000]
         if a.get("refused"):
@@ -139,7 +287,7 @@ class Tracker:
             tags["baseline_trial"] = str(a["baseline_trial"])
         if a.get("baseline_reused"):
             tags["baseline_reused"] = "true"
-        run = self.client.create_run(self.experiment_id, run_name=f"trial-{t.number:04d}-{role_of(t)}", tags=tags,
+        run = self.client.create_run(self.experiment_id, run_name=run_name(t), tags=tags,
                                      start_time=_ms(t.datetime_start))
         rid = run.info.run_id
         self._log_params(rid, {**config, **{f"param.{k}": v for k, v in t.params.items()}})
@@ -164,19 +312,90 @@ class Tracker:
             self.client.log_dict(rid, a["divergences"], "divergences.json")
         self.client.set_terminated(rid, _STATUS.get(t.state, "FAILED"), end_time=_ms(t.datetime_complete))
         self._logged.add(t.number)
+        if refresh:
+            self._refresh()
 
     def log_confirmation(self, confirmation: dict[str, Any]) -> None:
+        """The confirmation's record as an artifact; the confirmed winner on the parent run."""
         self.client.log_dict(self.parent, confirmation, "confirmation.json")
-        metrics = {k: confirmation[k] for k in ("winner_median_tps", "winner_spread", "winner_speedup_vs_ar",
-                                                "ar_median_tps") if isinstance(confirmation.get(k), (int, float))}
-        self._log_metrics(self.parent, metrics)
-        self.client.set_tag(self.parent, "autotune.winner_trial", str(confirmation.get("winner")))
-        self.client.set_tag(self.parent, "autotune.positive_vs_ar", str(confirmation.get("positive_vs_ar")))
+        self._refresh()
 
     def finish(self, status: str) -> None:
-        """Optuna's plots on the parent run, then close it (FINISHED, KILLED or FAILED)."""
+        """The report and Optuna's plots on the parent run, its winner and description as the sweep
+        ended (the winner's config as params once it FINISHED), then close it (FINISHED, KILLED or
+        FAILED)."""
+        self._log_report()
+        self._refresh(status)
         self._log_plots()
         self.client.set_terminated(self.parent, status)
+
+    def _refresh(self, status: str = "RUNNING") -> None:
+        """The parent run's winner metrics, tags, name and description, from the study as it is now
+        (``results.winner``: the confirmed winner, else the best conservative score so far)."""
+        from mlflow.entities import Metric, RunTag
+
+        w = results.winner(self.study)
+        counts = results.state_counts(self.study)
+        stale = self._log_winner_params(w) if status == "FINISHED" else self._stale_params
+        now, step = int(time.time() * 1000), len(self._logged)
+        metrics = [Metric(k, v, now, step) for k, v in winner_metrics(w, counts).items()]
+        tags = {"winner_trial": "none" if w is None else str(w.trial),
+                "winner_config": "none" if w is None else config_label(w.config),
+                "exact": exactness(w), "conclusion": conclusion(w)[0],
+                "confirmed": str(w is not None and w.confirmed).lower(),
+                "reliable": str(results.ar_drift(self.study) is None).lower(),
+                "mlflow.note.content": description(self.study.study_name, w, counts, status, stale,
+                                                   self._report_error)}
+        self.client.log_batch(self.parent, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
+        name = headline(self.study.study_name, w)
+        if name != self._name:
+            self.client.update_run(self.parent, name=name)
+            self._name = name
+        if status != "RUNNING":
+            self._describe_experiment(w, status)
+
+    def _log_winner_params(self, w: results.Winner | None) -> str | None:
+        """The winner's applicable config as ``winner.*`` params (and ``winner.trial``). MLflow never
+        changes a param: when a resumed sweep's winner differs from the one logged, the params stay
+        and the returned sentence says so (the tags and the description are the current winner)."""
+        if w is None:
+            return None
+        want = {f"winner.{k}": v for k, v in {"trial": w.trial, **applicable_config(w.config)}.items()}
+        want = {k: v if isinstance(v, str) else json.dumps(v) for k, v in want.items()}
+        have = {k: v for k, v in self.client.get_run(self.parent).data.params.items() if k.startswith("winner.")}
+        if any(have.get(k, v) != v for k, v in want.items()) or set(have) - set(want):
+            self._stale_params = (f"The `winner.*` params are trial {have.get('winner.trial', '?')}'s config, the "
+                                  f"winner when they were logged; the winner is now trial {w.trial} "
+                                  f"(`{config_label(w.config)}`, tags `winner_trial`, `winner_config`): MLflow "
+                                  "params cannot change.")
+            return self._stale_params
+        self._log_params(self.parent, {k: v for k, v in want.items() if k not in have})
+        self._stale_params = None
+        return None
+
+    def _describe_experiment(self, w: results.Winner | None, status: str) -> None:
+        """The experiment's description (the MLflow experiments list shows it) names the latest sweep
+        that ended, unless someone else wrote a description there."""
+        exp = self.client.get_experiment(self.experiment_id)
+        if "mlflow.note.content" in exp.tags and exp.tags.get("autotune.note") != "true":
+            return
+        self.client.set_experiment_tag(self.experiment_id, "autotune.note", "true")
+        self.client.set_experiment_tag(self.experiment_id, "mlflow.note.content",
+                                       f"Latest sweep ({status.lower()}): {headline(self.study.study_name, w)}")
+
+    def _log_report(self) -> None:
+        """`autotune report`'s markdown and PNGs as the parent run's artifacts (``report/``)."""
+        from autotune.report import write_report
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                write_report(self.study, Path(tmp))
+            except Exception as exc:  # a report that cannot be written must not lose the sweep's end
+                self._report_error = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"warning: the report was not logged to MLflow: {self._report_error}", file=sys.stderr)
+                self.client.set_tag(self.parent, "report", f"failed: {self._report_error}")
+                return
+            self.client.log_artifacts(self.parent, tmp, REPORT_DIR)
 
     def _log_plots(self) -> None:
         import matplotlib

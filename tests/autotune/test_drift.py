@@ -39,7 +39,8 @@ def _study(second_ar: float, max_drift: float = 0.25) -> optuna.Study:
     for t in (_trial("baseline", 2.23, 0.05), _trial("search", 30.0, 0.5), _trial("baseline", second_ar, 0.2)):
         study.add_trial(t)
     study.set_user_attr("confirmation", {
-        "finished_trials": 2, "repeats": 2, "when": "2026-12-04T00:00:00", "worker": "w1", "winner": 1, "ties": [1], "ar_median_tps": second_ar,
+        "finished_trials": 2, "repeats": 2, "when": "2026-12-04T00:00:00", "worker": "w1", "winner": 1,
+        "ties": [1], "ar_median_tps": second_ar,
         "winner_median_tps": 30.0, "winner_spread": 0.5, "winner_speedup_vs_ar": 30.0 / second_ar,
         "positive_vs_ar": True, "positive_vs_reference": None, "dropped": [],
         "candidates": [{"trial": 0, "config": {"verify": "ar"}, "score": {"median": second_ar, "spread": 0.2,

@@ -82,6 +82,66 @@ def test_mlflow_parent_and_nested_runs(swept):
     assert "confirmation.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
+def test_mlflow_parent_row_answers_at_a_glance(swept, monkeypatch):
+    """The experiment's runs table (``mlflow.search_runs``, default columns, nothing expanded): the
+    sweep's own row has the winner's decode tok/s, speedup, AL and exactness, the conclusion and the
+    report; each child row is named by its path or as an AR baseline, and tagged with its role.
+    (The issue asks for a browser screenshot; no browser runs here: this is the same table's data.)"""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from autotune import results
+    from autotune.tracking import applicable_config, config_label
+
+    uri = f"sqlite:///{swept / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("tiny")
+    table = mlflow.search_runs([exp.experiment_id])
+    parent = table[table["tags.autotune.role"] == "sweep"].iloc[0]
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{swept / 'autotune.db'}")
+    w = results.winner(study)
+    assert parent["metrics.winner.decode_tps_median"] == pytest.approx(w.median_tps)
+    assert parent["metrics.winner.speedup_vs_ar"] == pytest.approx(w.speedup_vs_ar)
+    assert parent["metrics.winner.acceptance_length"] == pytest.approx(w.acceptance_length)
+    assert parent["metrics.winner.exact_match"] == pytest.approx(w.exact_match)
+    assert parent["metrics.winner.conservative_tps"] == pytest.approx(w.value)
+    assert parent["metrics.ar.decode_tps_median"] == pytest.approx(w.ar_median_tps)
+    assert parent["tags.exact"] == ("true" if w.exact_match == 1.0 else "false")
+    assert parent["tags.winner_trial"] == str(w.trial) and parent["tags.winner_config"] == config_label(w.config)
+    assert parent["tags.conclusion"] in ("positive", "tie", "ar won", "no conclusion")
+    assert parent["tags.mlflow.runName"].startswith(f"tiny: {config_label(w.config)} ")
+    note = parent["tags.mlflow.note.content"]
+    assert f"Trial {w.trial} ({w.role})" in note and f"{w.median_tps:.2f} ± {w.spread:.2f} tok/s" in note
+    assert f"**Conclusion: {parent['tags.conclusion']}.**" in note and f"Measured {N} configs" in note
+    params = client.get_run(parent["run_id"]).data.params
+    if params["winner.trial"] == str(w.trial):  # the first command's winner held (MLflow params never change)
+        assert {k.removeprefix("winner.") for k in params if k.startswith("winner.")} == \
+            {"trial", *applicable_config(w.config)}
+    else:
+        assert f"are trial {params['winner.trial']}'s config" in note
+    arts = {a.path for a in client.list_artifacts(parent["run_id"], "report")}
+    assert "report/report.md" in arts and any(a.endswith(".png") for a in arts)
+    children = table[table["tags.mlflow.parentRunId"] == parent["run_id"]]
+    for _, child in children.iterrows():
+        trial = study.trials[int(child["tags.autotune.trial"])]
+        role = child["tags.role"]
+        assert role == trial.user_attrs["role"]
+        if role == "baseline":
+            assert child["tags.mlflow.runName"] == f"AR baseline (worker {trial.user_attrs['worker']}, #{trial.number})"
+            assert _isna(child.get("params.budget"))  # tree parameters do not apply to AR
+        else:
+            label = config_label(trial.user_attrs["config"])
+            prefix = "reference " if role == "reference" else ""
+            assert child["tags.mlflow.runName"] == f"{prefix}{label} (#{trial.number})"
+
+
+def _isna(value) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(value))
+
+
 def test_status_and_best(swept, capsys):
     code, out = _cli(swept, ["status"], capsys)
     assert code == 0 and "study: tiny" in out and f"trials_finished: {N}" in out
