@@ -250,7 +250,9 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, exp: Experiment,
     # not in the fingerprint (how a study is judged, not what it measures): a resume may loosen it
     study.set_user_attr("max_ar_drift", exp.measure.max_ar_drift)
     if study.metric_names != [exp.objective]:  # optuna-dashboard names the objective, not "Objective 0"
-        study.set_metric_names([exp.objective])
+        with warnings.catch_warnings():  # "experimental" since Optuna 3.2: said once here, not to every user
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([exp.objective])
     check_fingerprint(study, exp)
     return study
 
