@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
+
+from tests.engine.gguf_files import write_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "own-model.md"
@@ -113,50 +114,6 @@ def _traffic() -> list[dict]:
     return out
 
 
-def _write_gguf(path: Path, hf, tok) -> None:
-    """The same weights as a llama.cpp qwen3 GGUF (F32), with the tokenizer's BPE and a ChatML template."""
-    import gguf
-
-    c = hf.config
-    roles = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    vocab = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(vocab)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])  # 3: control tokens, matched whole
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    for name, t in hf.state_dict().items():
-        parts = name.removeprefix("model.").split(".")
-        gname = (f"blk.{parts[1]}.{roles['.'.join(parts[2:-1])]}.{parts[-1]}" if parts[0] == "layers"
-                 else top[".".join(parts)])
-        w.add_tensor(gname, np.ascontiguousarray(t.detach().numpy(), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """my-model/ (config.json + model.safetensors + tokenizer.json), my-model.gguf and traffic.jsonl."""
@@ -174,7 +131,9 @@ def models(tmp_path_factory) -> Path:
     hf = transformers.Qwen3ForCausalLM(cfg).eval()
     hf.save_pretrained(folder / "my-model")
     tok.save(str(folder / "my-model" / "tokenizer.json"))
-    _write_gguf(folder / "my-model.gguf", hf, tok)
+    write_gguf(folder / "my-model.gguf", hf, "qwen3", tokenizer=tok, specials=tuple(SPECIALS), chat_template=(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     (folder / "traffic.jsonl").write_text("".join(json.dumps(p) + "\n" for p in _traffic()))
     return folder
 

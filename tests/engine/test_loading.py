@@ -17,6 +17,7 @@ from engine.loading import load_draft_folder, load_target_folder, load_target_gg
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
 from engine.registry import init_random_
+from tests.engine.gguf_files import write_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -139,63 +140,6 @@ def test_qwen3_5_folder_loads(tmp_path):
 
 # ------------------------------------------------------------------------------------------ GGUF
 
-_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-
-
-def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # As llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF halves -> interleaved RoPE pairs).
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(path, hf, arch: str, qtype) -> None:
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    if c.tie_word_embeddings:
-        sd.pop("lm_head.weight")
-    if c.rope_parameters.get("rope_type") == "llama3":
-        # llama.cpp stores llama3 scaling as per-frequency divisors of the plain frequencies.
-        exponents = torch.arange(0, c.head_dim, 2).double() / c.head_dim
-        plain = 1.0 / (c.rope_parameters["rope_theta"] ** exponents)
-        sd["rope_freqs"] = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
-    for name, arr in sd.items():
-        parts = name.removeprefix("model.").split(".")
-        if parts[0] == "layers":
-            role = ".".join(parts[2:-1])
-            gname = f"blk.{parts[1]}.{_HF_TO_GGUF[role]}.{parts[-1]}"
-            if arch == "llama" and role in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if role == "self_attn.q_proj" else c.num_key_value_heads
-                arr = _llamacpp_permute(arr, heads)
-        else:
-            gname = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}[".".join(parts)]
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 GGUF_CASES = {
     "llama-f32": ("llama", "F32", {}),
     "llama-tied-f32": ("llama", "F32", {"tie_word_embeddings": True}),
@@ -214,7 +158,7 @@ def test_gguf_matches_transformers(case, tmp_path):
     arch, qname, overrides = GGUF_CASES[case]
     hf = _hf_model(arch, seed=2, **overrides)
     path = tmp_path / "model.gguf"
-    _write_gguf(path, hf, arch, gguf.GGMLQuantizationType[qname])
+    write_gguf(path, hf, arch, gguf.GGMLQuantizationType[qname])
     ours, meta = load_target_gguf(path, "cpu", torch.float32)
     assert isinstance(ours, DenseModel) and not ours.training
     assert ours.cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
@@ -278,7 +222,7 @@ def test_corrupt_gguf_files_load_or_are_refused_never_a_traceback_nor_nan(tmp_pa
     """Issue #23: truncated, bit-flipped and grown-count GGUF files: a clear refusal or a model of
     finite weights, never another exception and never NaN decoded silently."""
     good = tmp_path / "good.gguf"
-    _write_gguf(good, _hf_model("llama", seed=3), "llama", gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(good, _hf_model("llama", seed=3), "llama", gguf.GGMLQuantizationType.Q8_0)
     data = good.read_bytes()
     cases = _mutations(data, seed=0, n=12, header=2048)
     for field in (8, 16):  # tensor count, key count: grown far past the file
