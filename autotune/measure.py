@@ -149,10 +149,9 @@ def median_of(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def drifted(a: Score | dict[str, float], b: Score | dict[str, float], max_drift: float = DRIFT_FLOOR) -> bool:
-    """Whether two AR measurements (``Score`` or its dict) disagree beyond the noise: medians
-    apart by more than twice the larger spread and by more than ``max_drift`` of the lower."""
-    am, bm = (x.median if isinstance(x, Score) else x["median"] for x in (a, b))
-    asp, bsp = (x.spread if isinstance(x, Score) else x["spread"] for x in (a, b))
-    gap = abs(am - bm)
-    return gap > 2.0 * max(asp, bsp) and gap > max_drift * min(am, bm)
+def drifted(a: dict[str, float], b: dict[str, float], max_drift: float = DRIFT_FLOOR) -> bool:
+    """Whether two AR measurements (``{"median", "spread"}``, as ``Score.to_dict`` has them)
+    disagree beyond the noise: medians apart by more than twice the larger spread and by more than
+    ``max_drift`` of the lower."""
+    gap = abs(a["median"] - b["median"])
+    return gap > 2.0 * max(a["spread"], b["spread"]) and gap > max_drift * min(a["median"], b["median"])

@@ -76,7 +76,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
           f"{counts['refused']} refused by the engine",
           f"- exactness: {a.get('exactness')}", ""]
-    drift = results.ar_drift(study)
+    drift = w.drift if w is not None else results.ar_drift(study)
     if drift is not None:  # before anything else: every speedup below rests on a moving AR
         L += ["## Unreliable study", "",
               f"**{drift.describe()}** (more than twice the spread and more than "

@@ -115,8 +115,7 @@ def ar_drift(study: optuna.Study) -> Drift | None:
                 f"trial {t.number}, re-measured in the confirmation", c["score"]["median"], c["score"]["spread"]))
     for machine, ms in groups.items():
         low, high = min(ms, key=lambda m: m.median), max(ms, key=lambda m: m.median)
-        if measure.drifted({"median": low.median, "spread": low.spread}, {"median": high.median, "spread": high.spread},
-                           study.user_attrs.get("max_ar_drift", measure.DRIFT_FLOOR)):
+        if measure.drifted(asdict(low), asdict(high), study.user_attrs.get("max_ar_drift", measure.DRIFT_FLOOR)):
             return Drift(machine, low, high)
     return None
 
@@ -250,7 +249,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_infeasible": counts["infeasible"],
         "trials_refused": counts["refused"],
     }
-    drift = ar_drift(study)
+    drift = w.drift if w is not None else ar_drift(study)  # (the winner carries it: computed once)
     out["reliable"] = drift is None
     if drift is not None:
         out["unreliable_because"] = drift.describe()

@@ -36,6 +36,7 @@ from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
+from autotune.progress import Progress
 from autotune.tracking import open_tracker
 from autotune.worker import Job, Record
 from engine import EngineConfig, EngineInputError
@@ -246,20 +247,15 @@ class _Driver:
         self.workers: list[str] = []
         self.inflight: dict[int, _InFlight] = {}  # trial number -> the job measuring it
         self.popped: optuna.trial.Trial | None = None  # asked, not yet submitted (an interrupt may land here)
-        self.bar: tqdm | None = None
-        self._refresher: _Refresher | None = None
+        self.progress: Progress | None = None
         self._identities: dict[str, dict[str, Any] | None] = {}  # worker -> identity (fixed per process)
 
     # ---------------------------------------------------------------- the loop
     def loop(self, started: float) -> None:
         """Keep every idle worker busy until ``n_trials`` finished (all drivers together)."""
         total = self.opts.n_trials
-        # configs measured out of n_trials (baselines are the yardstick, not counted); the elapsed time
-        # moves every second (a refresher thread) even while one long trial runs
-        self.bar = tqdm(total=total, initial=min(st.n_finished(self.study), total), desc=self.study.study_name,
-                        unit="config", disable=not self.opts.progress, file=sys.stderr, dynamic_ncols=True)
-        self._refresher = _Refresher(self.bar) if self.opts.progress else None
-        self._update_bar()
+        self.progress = Progress(self.study.study_name, total, st.n_finished(self.study), self.opts.progress)
+        self.progress.update(self.study)
         while True:
             self.ctrl_c.checkpoint()
             out_of_time = self.opts.timeout_s is not None and time.monotonic() - started > self.opts.timeout_s
@@ -389,7 +385,8 @@ class _Driver:
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
         heartbeat = st.Heartbeat(trial).__enter__()
         self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None)
-        self._show_phase(role, trial.number)
+        if self.progress:
+            self.progress.phase(role, trial.number, self.study)
         self.executor.submit(job, prune, worker=worker)
 
     def _finish(self, rec: Record) -> None:
@@ -400,7 +397,8 @@ class _Driver:
         self.tell(job.trial, rec, reported=job.reported, wall_s=time.monotonic() - job.started)
         frozen = self.study.get_trials(deepcopy=False)[job.trial.number]
         self.tracker.log_trial(frozen)
-        self._update_bar(advance=int(st.counts_toward_budget(frozen)))
+        if self.progress:
+            self.progress.update(self.study, advance=int(st.counts_toward_budget(frozen)))
 
     def _pruning_callback(self, trial: optuna.trial.Trial):
         def on_first_pass(per_prompt_tps: list[float]) -> bool:
@@ -522,11 +520,10 @@ class _Driver:
     # ---------------------------------------------------------------- confirmation
     def confirm(self) -> None:
         """The confirmation phase (``autotune.confirm``) on this driver's workers."""
-        bar = self.bar
-        label = (lambda n: bar.set_description(f"{self.study.study_name}: confirming the best {n} configs")) \
-            if bar else None
-        confirm.run(self.exp, self.study, self._measure_now, self.tracker, label)
-        self._update_bar()  # the bar ends on the winner the summary and the report name
+        confirm.run(self.exp, self.study, self._measure_now, self.tracker,
+                    self.progress.confirming if self.progress else None)
+        if self.progress:
+            self.progress.update(self.study)  # the bar ends on the winner the summary and the report name
 
     def _measure_now(self, job: Job, worker: str | None) -> Record:
         """One job outside the trial loop (nothing else in flight), on ``worker`` if it is still there."""
@@ -560,53 +557,9 @@ class _Driver:
                 continue  # Ctrl-C arrived just after the trial was told: it is complete, nothing to fail
             self.tracker.log_trial(self.study.get_trials(deepcopy=False)[number])
 
-    def _show_phase(self, role: str, number: int) -> None:
-        """The bar says what is measured now: the AR baseline, the reference config, or config i of
-        n (the budget's count), with its trial number."""
-        if self.bar is None:
-            return
-        if role in ("baseline", "reference"):
-            what = "AR baseline" if role == "baseline" else "reference DDTree"
-        else:
-            what = f"config {min(sum(st.budget_state(self.study)), self.opts.n_trials)}/{self.opts.n_trials}"
-        self.bar.set_description(f"{self.study.study_name}: {what} (trial {number})")
-
-    def _update_bar(self, advance: int = 0) -> None:
-        """The best so far under the one definition every command uses (``results.winner``): its
-        conservative value (the study's objective: median - spread), the median beside it."""
-        if self.bar is None:
-            return
-        w = results.winner(self.study)
-        if w is not None:
-            sp = "n/a" if w.speedup_vs_ar is None else f"{w.speedup_vs_ar:.2f}x"
-            self.bar.set_postfix_str(f"best #{w.trial}: value {w.value:.1f} (median {w.median_tps:.1f}) tok/s, "
-                                     f"{sp} vs AR")
-        if advance:
-            self.bar.update(advance)
-
     def close_progress(self) -> None:
-        if getattr(self, "_refresher", None) is not None:
-            self._refresher.stop()
-        if self.bar is not None:
-            self.bar.close()
-
-
-class _Refresher:
-    """Redraws a progress bar every second from a thread of its own, so that its elapsed time and
-    rate move while the loop waits on one long trial (tqdm redraws only when told)."""
-
-    def __init__(self, bar: tqdm, every_s: float = 1.0) -> None:
-        self._bar, self._stop = bar, threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True, name="autotune-progress")
-        self._thread.start()
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            self._bar.refresh()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        if self.progress is not None:
+            self.progress.close()
 
 
 def git_sha() -> str:

@@ -343,7 +343,7 @@ class Tracker:
                 "winner_config": "none" if w is None else config_label(w.config),
                 "exact": exactness(w), "conclusion": conclusion(w)[0],
                 "confirmed": str(w is not None and w.confirmed).lower(),
-                "reliable": str(results.ar_drift(self.study) is None).lower(),
+                "reliable": str((w.drift if w is not None else results.ar_drift(self.study)) is None).lower(),
                 "mlflow.note.content": description(self.study.study_name, w, counts, status, stale,
                                                    self._report_error)}
         self.client.log_batch(self.parent, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
