@@ -1,5 +1,6 @@
-"""The sweep's progress bar (stderr): configs measured out of ``n_trials``, what runs now, the best
-so far under the one definition every command uses (``results.winner``), and an elapsed time that
+"""The sweep's progress bar (stderr): configs measured out of ``n_trials``, what runs now and where
+inside it (the pass and the prompt: :meth:`Progress.tick`), the best so far under the one
+definition every command uses (``results.winner``), and an elapsed time that
 moves while a long trial runs. Off (``--no-progress``): nothing is drawn and nothing is computed."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Progress:
         self.bar = tqdm(total=total, initial=min(done, total), desc=name, unit="config", file=sys.stderr,
                         dynamic_ncols=True) if enabled else None
         self._refresher = _Refresher(self.bar) if self.bar is not None else None
+        self._what = name  # the phase; tick() adds where inside it the running job is
 
     def phase(self, role: str, number: int, study: optuna.Study) -> None:
         """What is measured now: the AR baseline, the reference config, or config i of ``total``
@@ -31,11 +33,19 @@ class Progress:
             what = "AR baseline" if role == "baseline" else "reference DDTree"
         else:
             what = f"config {min(sum(st.budget_state(study)), self.total)}/{self.total}"
-        self.bar.set_description(f"{self.name}: {what} (trial {number})")
+        self._what = f"{self.name}: {what} (trial {number})"
+        self.bar.set_description(self._what)
 
     def confirming(self, n: int) -> None:
         if self.bar is not None:
-            self.bar.set_description(f"{self.name}: confirming the best {n} configs")
+            self._what = f"{self.name}: confirming the best {n} configs"
+            self.bar.set_description(self._what)
+
+    def tick(self, where: str) -> None:
+        """Where the running job is (``Worker.measure``'s progress callback), e.g. "pass 2/3:
+        humaneval 4/12"; drawn between generations, outside their timed decode."""
+        if self.bar is not None:
+            self.bar.set_description(f"{self._what} · {where}")
 
     def update(self, study: optuna.Study, advance: int = 0) -> None:
         """The best so far by its conservative value (the study's objective: median - spread), the

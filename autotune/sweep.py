@@ -256,6 +256,8 @@ class _Driver:
         total = self.opts.n_trials
         self.progress = Progress(self.study.study_name, total, st.n_finished(self.study), self.opts.progress)
         self.progress.update(self.study)
+        if self.opts.progress:
+            self.executor.on_progress = self.progress.tick
         while True:
             self.ctrl_c.checkpoint()
             out_of_time = self.opts.timeout_s is not None and time.monotonic() - started > self.opts.timeout_s

@@ -36,6 +36,8 @@ from typing import Any
 
 from autotune import measure
 
+# Told where a job is, e.g. "pass 2/3: humaneval 4/12" (a progress display; called between generations).
+ProgressCallback = Callable[[str], None]
 # Called after the first measured pass with the per-prompt decode TPS; returns True to prune.
 PassCallback = Callable[[list[float]], bool]
 MAX_DIAGNOSED = 20  # inexact prompts given divergence forensics per trial (two short generations each)
@@ -111,6 +113,7 @@ class Worker:
     def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any]) -> None:
         self.pair = pair
         self._engine_s = 0.0  # seconds inside the engine during the current job
+        self._on_progress: ProgressCallback | None = None  # the current job's (Worker.measure)
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.fixed = dict(fixed)
         names = [w.name for w in workloads]
@@ -182,12 +185,23 @@ class Worker:
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
         key = (max_new_tokens, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools))
         if key not in self._reference:
-            self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens).outputs
-                                    for _, prompts in self.sets]
+            self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens,
+                                                 on_prompt=self._ticker("AR outputs", name)).outputs
+                                    for name, prompts in self.sets]
         return self._reference[key]
 
-    def measure(self, job: Job, on_first_pass: PassCallback | None = None) -> Record:
-        """Run the protocol; any failure of the engine becomes a failed record, never a crash."""
+    def _ticker(self, stage: str, set_name: str) -> Callable[[int, int], None] | None:
+        """``engine.bench``'s ``on_prompt`` for the current job's progress callback (None: none)."""
+        tell = self._on_progress
+        if tell is None:
+            return None
+        return lambda done, total: tell(f"{stage}: {set_name} {done}/{total}")
+
+    def measure(self, job: Job, on_first_pass: PassCallback | None = None,
+                on_progress: ProgressCallback | None = None) -> Record:
+        """Run the protocol; any failure of the engine becomes a failed record, never a crash.
+        ``on_progress`` is told each pass and prompt as it ends (:data:`ProgressCallback`)."""
+        self._on_progress = on_progress
         rec = Record(trial=job.trial, role=job.role, worker=self.id, config=dict(job.config),
                      device=self.pair.device, dtype=self.pair.dtype)
         self._engine_s = 0.0
@@ -217,11 +231,11 @@ class Worker:
         if rec.refused is not None:
             return
         reference = self.reference(job.max_new_tokens, cfg.to_dict())
-        for _ in range(job.warmup):
-            self._pass(cfg, job.max_new_tokens)
+        for w in range(job.warmup):
+            self._pass(cfg, job.max_new_tokens, f"warm-up {w + 1}/{job.warmup}")
         passes = []
         for i in range(job.repeats):
-            passes.append(self._pass(cfg, job.max_new_tokens))
+            passes.append(self._pass(cfg, job.max_new_tokens, f"pass {i + 1}/{job.repeats}"))
             if i == 0 and on_first_pass is not None and on_first_pass(_per_prompt_tps(passes[0])):
                 rec.pruned = True
                 break
@@ -229,17 +243,19 @@ class Worker:
             first = measure.score([_pass_tps(p) for p in passes], job.max_rel_mad)
             if first.noisy:
                 rec.remeasured = True
-                passes += [self._pass(cfg, job.max_new_tokens) for _ in range(job.repeats)]
+                passes += [self._pass(cfg, job.max_new_tokens, f"noisy, pass {job.repeats + i + 1}/{2 * job.repeats}")
+                           for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
         if not rec.pruned:  # a pruned trial records no exactness (sweep.tell)
             self._diagnose(rec, cfg, reference, diverged)
 
-    def _pass(self, cfg: Any, max_new_tokens: int) -> list[Any]:
+    def _pass(self, cfg: Any, max_new_tokens: int, stage: str) -> list[Any]:
         import engine
 
         t0 = time.perf_counter()
         try:
-            return [engine.bench(self.pair, cfg, prompts, max_new_tokens) for _, prompts in self.sets]
+            return [engine.bench(self.pair, cfg, prompts, max_new_tokens, on_prompt=self._ticker(stage, name))
+                    for name, prompts in self.sets]
         finally:
             self._engine_s += time.perf_counter() - t0
 
@@ -251,9 +267,12 @@ class Worker:
 
         ar_cfg = engine.EngineConfig.from_dict(self.ar_config(cfg.to_dict()), source="AR reference")
         t0 = time.perf_counter()
+        todo = list(diverged.items())[:MAX_DIAGNOSED]
         try:
-            for (j, i), out in list(diverged.items())[:MAX_DIAGNOSED]:
+            for k, ((j, i), out) in enumerate(todo):
                 name, prompts = self.sets[j]
+                if self._on_progress is not None:
+                    self._on_progress(f"first divergences: {k + 1}/{len(todo)}")
                 div = engine.diagnose(self.pair, cfg, prompts[i], out, reference[j][i],
                                       grammar=self.pair.grammar_of(prompts[i], cfg), ar_config=ar_cfg)
                 rec.divergences.append({"prompt": f"{name}[{i}]", **div.to_dict()})

@@ -22,6 +22,8 @@
 #   sweep      autotune sweep experiments/smollm2-h200-short.yaml (--experiment FILE another) and
 #              its report, into --out
 #
+# --sets "A B C": the prompt sets of pair and exact (default: humaneval chat agent; a workload JSONL
+# path is a set too, e.g. on a machine without a package registry for ShareGPT's wheel).
 # --quick: a few prompts and tokens a stage (minutes, not hours): a check that everything runs, not
 # a figure for benchmarks/RESULTS.md (those need >= 24 prompts a set: docs/measurement.md).
 # Relative --out, --experiment and --wheel-dir are read from where you run it; the stages run in
@@ -42,12 +44,14 @@ QUICK=""
 DRY=""
 WHEELS=""
 EXPERIMENT=$REPO/experiments/smollm2-h200-short.yaml
+SETS="humaneval chat agent"
 while [ $# -gt 0 ]; do
   case $1 in
     --stages) [ $# -ge 2 ] || die "--stages needs a comma-separated list of: ${STAGES[*]}"; WANT=$2; shift 2 ;;
     --out) [ $# -ge 2 ] || die "--out needs a folder"; OUT_DIR=$(absolute "$2"); shift 2 ;;
     --wheel-dir) [ $# -ge 2 ] || die "--wheel-dir needs a folder"; WHEELS=$(absolute "$2"); shift 2 ;;
     --experiment) [ $# -ge 2 ] || die "--experiment needs an experiment YAML"; EXPERIMENT=$(absolute "$2"); shift 2 ;;
+    --sets) [ $# -ge 2 ] || die "--sets needs prompt sets, e.g. --sets 'humaneval chat agent'"; SETS=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -112,14 +116,14 @@ if wanted kernels; then
 fi
 wanted gpu-tests && stage gpu_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
   tests/engine/models/test_hybrid.py
-wanted pair && stage pair 3600 $PY benchmarks/gpu_bench.py pair --sets humaneval chat agent \
+wanted pair && stage pair 3600 $PY benchmarks/gpu_bench.py pair --sets $SETS \
   --n-prompts "$(size 4 24)" --max-new-tokens "$(size 64 128)" --repeats "$(size 1 3)" --paths runtime \
   --budget 48 --md "$OUT_DIR/pair.md"
 wanted large && stage large 1800 $PY benchmarks/gpu_bench.py large --budgets 32 --repeats "$(size 1 3)" \
   --new-tokens 24 --md "$OUT_DIR/large.md"
 if wanted exact; then
   if [ -n "$QUICK" ]; then grid=(--budgets 22 48 --top-ks 8); else grid=(); fi
-  stage exact 7200 $PY benchmarks/exact_bench.py --sets humaneval chat agent --n-prompts "$(size 4 24)" \
+  stage exact 7200 $PY benchmarks/exact_bench.py --sets $SETS --n-prompts "$(size 4 24)" \
     --max-new-tokens "$(size 64 256)" "${grid[@]}" --md "$OUT_DIR/exact.md" --out "$OUT_DIR/exact.json"
 fi
 if wanted sweep; then

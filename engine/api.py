@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import resource
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +210,7 @@ def bench(
     ignore_eos: bool = False,
     grammars: Sequence[CompiledGrammar | None] | None = None,
     ar_config: EngineConfig | None = None,
+    on_prompt: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
     """One measured pass of ``config`` over ``prompts``; caches reset between generations.
 
@@ -220,6 +221,8 @@ def bench(
     ``grammars`` (one per prompt, ``None`` = unconstrained) apply when ``config.grammar != "off"``;
     left out, each prompt that remembers its tools (``Pair.encode`` of a chat with tools) gets its
     tool-call grammar (compiled before the pass, outside the measured time).
+    ``on_prompt(done, total)`` is called after each generation, outside its timed decode (a
+    progress display: ``autotune sweep``'s bar shows the prompt a trial is on).
     """
     if reference is not None and len(reference) != len(prompts):
         raise EngineInputError(f"reference has {len(reference)} outputs for {len(prompts)} prompts")
@@ -243,6 +246,8 @@ def bench(
             total_s=g.stats.total_s, decode_tps=g.stats.decode_tps, acceptance_length=g.stats.acceptance_length,
             steps=g.stats.steps, exact=None if reference is None else div is None, first_divergence=div,
         ))
+        if on_prompt is not None:
+            on_prompt(i + 1, len(prompts))
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for r, g in zip(results, gens, strict=True):
         if r.first_divergence is not None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "autotune")
 
@@ -121,6 +123,7 @@ def test_autotune_uses_only_the_engines_front_door():
     assert set(engine.__all__) <= set(dir(engine)) | {"serve"} and callable(engine.serve)
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_on_its_own():
     """Each module imported first in a fresh interpreter's view of the project (the project's modules
     forgotten between imports, the third-party ones kept: torch loads once); ``__main__`` modules

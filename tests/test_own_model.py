@@ -270,6 +270,7 @@ def test_the_guide_holds_every_step_for_both_forms():
     assert exp["search_space"] == "my-space.yaml" and exp["name"] == STUDY
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_the_guide_runs_end_to_end(form, models, tmp_path):
     if shutil.which("curl") is None:

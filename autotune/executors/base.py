@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from autotune.worker import Job, PassCallback, Record
+from autotune.worker import Job, PassCallback, ProgressCallback, Record
 
 
 class Executor(abc.ABC):
@@ -30,8 +30,12 @@ class Executor(abc.ABC):
       worker is ready again). A job whose worker died or timed out comes back as a failed record
       (``interrupted`` set when the params deserve one retry). A ``KeyboardInterrupt`` propagates to
       the driver, which fails the running trials;
-    - :meth:`close` releases workers (idempotent).
+    - :meth:`close` releases workers (idempotent);
+    - :attr:`on_progress`, when the driver sets it, is told where a running job is (the pass and the
+      prompt); executors whose workers cannot call back mid-job leave it untold.
     """
+
+    on_progress: ProgressCallback | None = None
 
     @abc.abstractmethod
     def start(self) -> list[str]: ...

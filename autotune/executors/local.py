@@ -52,7 +52,7 @@ class LocalExecutor(Executor):
         if not self._pending:
             return []
         job, callback = self._pending[0]
-        record = self.worker.measure(job, callback)
+        record = self.worker.measure(job, callback, self.on_progress)
         self._pending.clear()  # only once measured: an interrupt leaves the job visible as running
         return [record]
 

@@ -7,7 +7,8 @@ How it behaves (the driver keeps the study and MLflow; actors only measure):
   device, dtype) differs from the one it holds. New prompts or fixed fields just re-wrap the pair.
 - **Dispatch.** :meth:`RayExecutor.idle_workers` lists ready actors; the driver submits one job per
   idle actor and :meth:`RayExecutor.wait` returns records as actors finish, so no actor waits on
-  another.
+  another. With ``on_progress`` set, ``wait`` asks each busy actor every second where its job is
+  (an actor answers one call beside a running job).
 - **Per-trial timeout.** A job without a result after ``trial_timeout_s`` comes back as a failed
   record (``timeout: ...``); the actor is killed and Ray restarts it (``max_restarts=-1``), which
   reloads the model. The restarted actor takes jobs again once its model is loaded.
@@ -122,6 +123,7 @@ class _Measurer:
         self.worker: Worker | None = None
         self.spec: WorkerSpec | None = None
         self.loads = 0
+        self.where = ""  # where the running job is (Worker.measure's progress), read by progress()
 
     def prepare(self, spec: WorkerSpec) -> str:
         """Load the pair if the model changed (heavy), re-wrap it if only prompts changed; return the id."""
@@ -142,9 +144,17 @@ class _Measurer:
     def measure(self, spec: WorkerSpec, job: Job) -> Record:
         self.prepare(spec)
         assert self.worker is not None
-        rec = self.worker.measure(job)
+        self.where = ""
+        rec = self.worker.measure(job, on_progress=self._told)
         rec.model_loads = self.loads
         return rec
+
+    def _told(self, where: str) -> None:
+        self.where = where
+
+    def progress(self) -> str:
+        """Answered while :meth:`measure` runs (the actor runs two calls at once)."""
+        return self.where
 
     def environment(self) -> dict[str, Any]:
         return self.worker.environment() if self.worker is not None else {}
@@ -215,7 +225,8 @@ class RayExecutor(Executor):
                 raise InputError("--workers", None, f"each CPU worker needs a CPU of its own, and the Ray cluster "
                                  f"has {cpus}; use --workers {max(cpus, 1)} or fewer", n)
             options = {"num_cpus": 1}
-        actor_cls = ray.remote(max_restarts=-1, max_task_retries=0, **options)(_Measurer)
+        # two calls at once: progress() is answered while measure() runs (the driver never sends two jobs)
+        actor_cls = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=2, **options)(_Measurer)
         threads = None if self._gpu else 1
         self._slots = [_Slot(i, actor_cls.remote(threads)) for i in range(n)]
         for slot in self._slots:
@@ -267,13 +278,32 @@ class RayExecutor(Executor):
     def wait(self) -> list[Record]:
         records: list[Record] = []
         while any(s.state in ("busy", "starting", "restarting") for s in self._slots):
-            became_idle = self._poll(timeout=self._next_deadline(), records=records)
+            deadline = self._next_deadline()
+            if self.on_progress is not None:  # look in on the busy workers every second
+                deadline = 1.0 if deadline is None else min(deadline, 1.0)
+            became_idle = self._poll(timeout=deadline, records=records)
             records += self._expire()
             if records or became_idle:
                 return records
+            self._tell_progress()
         if not any(s.state != "dead" for s in self._slots):
             raise RuntimeError(f"every Ray worker is gone; last error: {self._slots[-1].last_error}")
         return records
+
+    def _tell_progress(self) -> None:
+        """``on_progress`` with where each busy worker's job is (one line: trial and pass/prompt)."""
+        import ray
+
+        busy = [s for s in self._slots if s.state == "busy" and s.job is not None]
+        if self.on_progress is None or not busy:
+            return
+        try:
+            wheres = ray.get([s.actor.progress.remote() for s in busy], timeout=2.0)
+        except Exception:  # a worker restarting or gone: its job's fate comes through wait()
+            return
+        parts = [w if len(busy) == 1 else f"trial {s.job.trial}: {w}" for s, w in zip(busy, wheres, strict=True) if w]
+        if parts:
+            self.on_progress(" | ".join(parts))
 
     def _next_deadline(self) -> float | None:
         if self.trial_timeout_s is None:

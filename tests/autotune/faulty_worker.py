@@ -50,8 +50,8 @@ class FaultyWorker(Worker):
             _inject(self.faults[job.trial], job.trial)
         super()._measure(job, rec, on_first_pass)
 
-    def _pass(self, cfg: Any, max_new_tokens: int) -> list[Any]:
-        results = super()._pass(cfg, max_new_tokens)
+    def _pass(self, cfg: Any, max_new_tokens: int, stage: str) -> list[Any]:
+        results = super()._pass(cfg, max_new_tokens, stage)
         if self.output_hook is None:
             return results
         return [dataclasses.replace(r, outputs=self.output_hook(cfg.to_dict(), r.outputs)) for r in results]

@@ -43,6 +43,7 @@ def _baselines(trials: list[optuna.trial.FrozenTrial]) -> list[int]:
     return [t.number for t in trials if st.role_of(t) == "baseline"]
 
 
+@pytest.mark.slow
 def test_a_restart_with_the_same_identity_reuses_the_baseline_and_says_so(tmp_path):
     exp, db = tiny_experiment(tmp_path / "exp"), tmp_path / "autotune.db"
     _sweep(exp, db, 2)  # baseline 0, reference 1, search 2
@@ -80,6 +81,7 @@ def test_a_restart_with_the_same_identity_reuses_the_baseline_and_says_so(tmp_pa
     assert row.endswith("| 4 |")  # the baseline's row: the speedups of trials 1-4 used it
 
 
+@pytest.mark.slow
 def test_a_restart_under_other_threads_measures_its_own_baseline(tmp_path):
     """Torch's thread count changes AR's speed on a CPU: it is part of the identity."""
     exp, db = tiny_experiment(tmp_path / "exp"), tmp_path / "autotune.db"
@@ -130,6 +132,7 @@ def _age(db: Path, number: int, hours: float) -> None:
             con.execute(f"update trials set {col} = ? where number = ?", (old.isoformat(sep=" "), number))
 
 
+@pytest.mark.slow
 def test_a_baseline_older_than_the_bound_is_not_reused(tmp_path):
     exp, db = tiny_experiment(tmp_path / "exp"), tmp_path / "autotune.db"
     _sweep(exp, db, 2)

@@ -16,6 +16,8 @@ from autotune_helpers import env, tiny_experiment
 from autotune import export
 from autotune.cli import main
 
+pytestmark = pytest.mark.xdist_group("test_outputs")  # its module fixture runs a sweep with MLflow: once
+
 N = 5
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from autotune.worker import Job
 ray = pytest.importorskip("ray")
 
 from autotune.executors.ray_executor import RayExecutor, WorkerSpec, default_temp_dir  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time, on one worker
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,6 +115,23 @@ def test_sweep_dispatches_across_two_warm_workers(tmp_path):
     assert "executor: ray" in text and "workers: 2" in text and "trials_running: 0" in text
 
 
+def test_a_busy_worker_tells_where_its_job_is(tmp_path):
+    """With ``on_progress`` set (the sweep's bar), ``wait`` asks the busy actor every second where its
+    job is and passes it on: the pass and the prompt, as an in-process worker tells them."""
+    exp, workloads = _exp(tmp_path)
+    told: list[str] = []
+    with RayExecutor(_spec(exp, workloads), workers=1) as ex:
+        ex.on_progress = told.append
+        ex.start()
+        # long enough for a few looks (60 passes over 2 prompts: seconds even on a fast machine)
+        ex.submit(Job(trial=5, role="search", config={"verify": "chain"}, max_new_tokens=16, warmup=0, repeats=60,
+                      max_rel_mad=0.9, remeasure_if_noisy=False))
+        rec = _drain(ex, 1)[5]
+    assert rec.ok and len(rec.decode_tps_runs) == 60
+    assert told and all(re.fullmatch(r"(AR outputs|pass \d+/60): prompts [12]/2", t) for t in told), told[:5]
+    assert any(t.startswith("pass ") for t in told)
+
+
 def _measured_timeout(ex: RayExecutor) -> float:
     """A per-trial timeout derived from a healthy trial measured now, on this (possibly loaded)
     machine: ten times its wall time, 8 s at least. A fixed few seconds failed healthy trials when
@@ -125,6 +145,7 @@ def _measured_timeout(ex: RayExecutor) -> float:
     return ex.trial_timeout_s
 
 
+@pytest.mark.slow
 def test_timeout_kills_and_restarts_the_worker(tmp_path):
     exp, workloads = _exp(tmp_path)
     ex = RayExecutor(_spec(exp, workloads, faults={1: "hang"}), workers=2)
@@ -151,6 +172,7 @@ def test_timeout_kills_and_restarts_the_worker(tmp_path):
         ex.close()
 
 
+@pytest.mark.slow
 def test_crash_fails_the_trial_and_retries_its_params_once(tmp_path):
     exp, workloads = _exp(tmp_path, n_trials=6)
     ex = RayExecutor(_spec(exp, workloads, faults={3: "crash"}), workers=2)
@@ -192,6 +214,7 @@ def test_model_reloads_only_when_the_model_changes(tmp_path):
         ex.close()
 
 
+@pytest.mark.slow
 def test_fault_injected_sweep_records_every_fault_and_leaves_nothing_running(tmp_path):
     """20 trials, 4 of them faulty (20%): a crash, a hang, an out-of-memory error, a poisoned device."""
     exp, workloads = _exp(tmp_path, n_trials=20)
@@ -220,6 +243,7 @@ def test_fault_injected_sweep_records_every_fault_and_leaves_nothing_running(tmp
     assert st.baseline_reuses(outcome.study) and "baselines_reused: " in text
 
 
+@pytest.mark.slow
 def test_cli_sweep_on_its_own_local_cluster_logs_utilisation(tmp_path):
     """`--executor ray` from the command line: a private cluster under the cache folder, stopped at the end."""
     exp = tiny_experiment(tmp_path / "exp", study={"n_trials": 4, "sampler": "random", "seed": 0},

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 from autotune_helpers import env, run_autotune, tiny_experiment
 from optuna.trial import TrialState
 
@@ -66,6 +67,7 @@ def _load(db: Path) -> optuna.Study:
     return optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}")
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_finishes_exactly_n_trials(tmp_path):
     exp, db = _experiment(tmp_path), tmp_path / "autotune.db"
     proc = _start(exp, db, tmp_path)

@@ -29,6 +29,8 @@ from autotune.cli import main
 from engine import EngineConfig
 from engine.data.prompts import Prompt
 
+pytestmark = pytest.mark.xdist_group("test_serve")  # its module fixtures load models and start servers: once
+
 KEY = "test-key-123"
 ENGINE = {"verify": "ddtree", "budget": 8, "top_k": 2, "proposal_temp": 1.0, "chain_seed": None,
           "target_feat_ctx": 0, "rollback": "fast", "draft_path": "auto", "block_size": None,
@@ -264,6 +266,7 @@ def test_api_key_is_enforced(server):
     assert server.client().models.list().data
 
 
+@pytest.mark.slow
 def test_200_sequential_then_20_concurrent_requests(server):
     client = server.client()
     for i in range(200):

@@ -45,6 +45,7 @@ def _driver(exp: Path, url: str, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_drivers_finish_exactly_n_trials_without_duplicates(pg_url, tmp_path):
     exp = tiny_experiment(tmp_path / "exp", study={"n_trials": N, "sampler": "tpe", "seed": 0},
                           workload={"sets": ["prompts.jsonl"], "n_prompts": 2, "max_new_tokens": 16, "seed": 0},

@@ -332,8 +332,9 @@ def test_a_confirmation_where_every_re_measurement_fails_is_reported_with_the_re
 
 def test_the_progress_bar_says_the_phase_and_the_best_by_the_study_s_own_value(tmp_path, capsys):
     """The bar names what runs now (the AR baseline, config i of n, the confirmation) and the best
-    so far by its conservative value, the median beside it (issue #24); its elapsed time moves
-    while one trial runs (a refresher thread, stopped at the end)."""
+    so far by its conservative value, the median beside it (issue #24); where inside a trial it is
+    (the pass and the prompt); its elapsed time moves while one trial runs (a refresher thread,
+    stopped at the end)."""
     exp = experiment.load(tiny_experiment(tmp_path / "exp", study={"n_trials": 3, "sampler": "random", "seed": 0}))
     opts = SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="bar", tracking_uri=None,
                         progress=True)
@@ -343,6 +344,10 @@ def test_the_progress_bar_says_the_phase_and_the_best_by_the_study_s_own_value(t
     for phase in ("bar: AR baseline (trial 0)", "bar: reference DDTree (trial 1)", "bar: config 2/3",
                   "bar: confirming the best"):
         assert phase in err, phase
+    # the tiny experiment: 2 prompts, no warm-up, 2 repeats (and 2 in the confirmation)
+    for where in ("(trial 0) · AR outputs: prompts 2/2", "(trial 0) · pass 1/2: prompts 1/2",
+                  "(trial 1) · pass 2/2: prompts 2/2", "configs · pass 2/2: prompts 1/2"):
+        assert where in err, where
     w = results.winner(outcome.study)
     assert f"best #{w.trial}: value {w.value:.1f} (median {w.median_tps:.1f}) tok/s" in err
     assert "config/s" in err or "s/config" in err  # configs counted, not baselines

@@ -26,6 +26,8 @@ from autotune.tracking import (
 )
 from engine import EngineConfig
 
+pytestmark = pytest.mark.xdist_group("test_tracking")  # its module fixture runs a sweep with MLflow: once
+
 TREE_ONLY = {"budget", "top_k", "proposal_temp", "chain_seed"}
 
 

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").is_file(), reason="this Triton wheel carries no NVIDIA tools")
 def test_every_kernel_compiles_for_hopper_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -9,6 +9,8 @@ import engine
 from engine import EngineConfig
 from engine.registry import CHECKPOINTS, DRAFTS
 
+pytestmark = pytest.mark.xdist_group("test_smollm2_pair")  # its module fixture loads the real pair: once
+
 
 @pytest.fixture(scope="module")
 def pair():

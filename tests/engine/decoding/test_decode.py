@@ -94,6 +94,7 @@ def test_sampling_commits_exactly_the_ar_samples(target, verify, path):
     assert gen.tokens != ar_tokens(target, ids)  # really sampled, not greedy
 
 
+@pytest.mark.slow
 def test_stop_token_ends_speculative_and_ar_alike():
     pair = pair_for("tiny-dense", "oracle:0.3")
     stop = pair.stop_ids

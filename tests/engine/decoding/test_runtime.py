@@ -12,6 +12,8 @@ from engine.decoding.decode import generate_ar, generate_speculative
 from engine.decoding.runtime import RuntimeDecoder, bucket_for, loop_for, refusal
 from tests.engine.engine_pairs import assert_margins_equal, direct_margins, pair_for
 
+pytestmark = pytest.mark.xdist_group("test_runtime")  # its module fixture loads the real pair: once
+
 
 def test_buckets_are_powers_of_two_capped_at_the_buffer():
     assert bucket_for(1, 4096) == 128 and bucket_for(129, 4096) == 256 and bucket_for(3000, 2500) == 2500

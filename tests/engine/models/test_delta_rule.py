@@ -131,6 +131,7 @@ def test_restart_flags_mark_the_nodes_a_later_node_other_than_the_next_restarts_
     assert restart_flags(torch.arange(6, device=DEVICE) - 1).tolist() == [0] * 6  # a chain stores nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_path_commit_reproduces_each_accepted_nodes_state_bit_for_bit(backend):
     """fast rollback: every layer's state after the accepted path, recomputed from the tree forward's

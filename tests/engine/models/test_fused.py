@@ -258,6 +258,7 @@ def test_kernels_can_be_turned_off_for_a_comparison():
     assert fused.kernels_enabled()
 
 
+@pytest.mark.slow
 def test_a_generation_chooses_its_kernels_and_the_choice_is_restored():
     import engine
     from engine import EngineConfig, EngineInputError
@@ -287,6 +288,7 @@ def _with_kernels_env(value: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "ENGINE_KERNELS": value})
 
 
+@pytest.mark.slow
 def test_engine_kernels_environment_variable_sets_the_process_default():
     code = "from engine.models import fused; print(fused.kernels_enabled())"
     assert _with_kernels_env("eager", "-c", code).stdout.strip() == "False"

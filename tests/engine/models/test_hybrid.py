@@ -207,6 +207,7 @@ def test_fast_commit_equals_replay_and_ar(model, accept):
         _assert_logits_close(got, want)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 @pytest.mark.parametrize("accept", ["deepest", "side"])
 def test_fast_commit_through_the_kernels_equals_ar(model, accept, monkeypatch):

@@ -24,6 +24,8 @@ from engine.training.train import (
     train_draft,
 )
 
+pytestmark = pytest.mark.xdist_group("test_train")  # its module fixture trains a draft: once
+
 
 def test_learning_rate_warms_up_then_decays_over_steps_or_time():
     cfg = TrainConfig(lr=1e-3, warmup_steps=10, steps=100)
