@@ -285,8 +285,8 @@ def test_a_confirmation_re_measurement_that_fails_is_said_not_dropped_silently(t
 
     measure = Worker.measure
 
-    def failing_ar_confirm(self, job, on_first_pass=None):
-        rec = measure(self, job, on_first_pass)
+    def failing_ar_confirm(self, job, on_first_pass=None, on_progress=None):
+        rec = measure(self, job, on_first_pass, on_progress)
         if job.role == "confirm" and job.config.get("verify") == "ar":
             rec.ok, rec.fail_reason = False, "RuntimeError: capturing the 'ar' step as a CUDA graph failed"
         return rec
@@ -313,8 +313,8 @@ def test_a_confirmation_where_every_re_measurement_fails_is_reported_with_the_re
 
     measure = Worker.measure
 
-    def failing_confirm(self, job, on_first_pass=None):
-        rec = measure(self, job, on_first_pass)
+    def failing_confirm(self, job, on_first_pass=None, on_progress=None):
+        rec = measure(self, job, on_first_pass, on_progress)
         if job.role == "confirm":
             rec.ok, rec.fail_reason = False, f"RuntimeError: capture failed on trial {job.trial}"
         return rec

@@ -243,7 +243,7 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
 @pytest.mark.parametrize("dtype,hq,hkv,d,start", [
     *((dtype, 8, 2, 32, 150) for dtype in DTYPES),
     (torch.bfloat16, 6, 1, 64, 150),
-    (torch.bfloat16, 40, 2, 16, 150),  # a token's heads in two row blocks
+    (torch.bfloat16, 20, 1, 16, 150),  # a token's 20 heads in two row blocks (ATTN_BLOCK_M 16)
     (torch.bfloat16, 8, 2, 32, 2 * split_attention.step_attention_launch(32)["SPLIT"] - 3),  # across a span's end
 ])
 def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d, start):

@@ -275,10 +275,11 @@ def test_a_generation_chooses_its_kernels_and_the_choice_is_restored():
     with pytest.raises(EngineInputError, match=r"kernels must be one of \['fused', 'eager'\], but got 'triton'"):
         EngineConfig(kernels="triton")
     pair = engine.load("tiny-dense", "random", device="cpu")
-    ids = pair.encode("kernels are an implementation path")
-    # A small tree and few tokens: off CUDA the kernels run in Triton's interpreter (see kernels_on).
+    ids = pair.encode("kernels")
+    # A short prompt, a small tree and few tokens: off CUDA the kernels run in Triton's interpreter
+    # (see kernels_on), the prefill too.
     cfg = dict(verify="ddtree", budget=4, top_k=2)
-    outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k, **cfg), 6, ignore_eos=True).tokens
+    outs = {k: engine.generate(pair, ids, EngineConfig(kernels=k, **cfg), 5, ignore_eos=True).tokens
             for k in ("fused", "eager")}
     assert outs["fused"] == outs["eager"]
 
