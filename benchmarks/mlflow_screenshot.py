@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("experiment", help="the MLflow experiment: the sweep's experiment name (e.g. quickstart)")
     ap.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="the MLflow store (default sqlite:///mlflow.db)")
     ap.add_argument("--out", default="mlflow-experiment.png", help="the screenshot (PNG)")
+    ap.add_argument("--page", choices=["overview", "runs"], default="overview",
+                    help="the experiment's page: what MLflow opens on (overview: the description on top) or its runs table")
     ap.add_argument("--browser", help=f"the browser binary (default: the first of {', '.join(BROWSERS)} found)")
     args = ap.parse_args(argv)
     browser = _browser(args.browser)
@@ -78,11 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     dash = subprocess.Popen([sys.executable, "-m", "autotune", "dashboard", "--tracking-uri", args.tracking_uri,
                              "--port", str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        line = dash.stdout.readline() if dash.stdout else ""
-        if not line.startswith("dashboard: http"):
-            print(f"mlflow_screenshot: the dashboard did not come up: {line.strip() or 'no output'}", file=sys.stderr)
+        seen = []  # the MLflow server's own lines come first; the dashboard prints its URL once the UI answers
+        for line in dash.stdout or ():
+            seen.append(line.strip())
+            if line.startswith("dashboard: http"):
+                break
+        else:
+            print(f"mlflow_screenshot: the dashboard did not come up: {seen[-5:] or 'no output'}", file=sys.stderr)
             return 1
         url = f"http://127.0.0.1:{port}/#/experiments/{exp_id}"
+        if args.page == "runs":  # the runs table, in MLflow 3's "model training" view
+            url += "/runs?workflowType=machine_learning"
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         shot = _chromium(browser, url, f"--screenshot={Path(args.out).resolve()}")
         if shot.returncode != 0 or not Path(args.out).is_file():

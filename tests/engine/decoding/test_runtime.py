@@ -180,6 +180,9 @@ def test_a_stop_token_ends_the_runtime_loops_as_the_generic_ones_and_the_step_la
         assert run(pair, ids, cfg, 40, use_runtime=True).tokens == free  # the same workspace, again
 
 
+_SMOL_AR: dict[str, list[int]] = {}
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return engine.load("smollm2-135m-instruct", "smollm2-135m-dflash", device="cpu", dtype="float32")
@@ -191,7 +194,10 @@ def test_runtime_steps_on_the_real_pair_accept_and_stay_exact(smollm2, verify):
 
     ask = {"role": "user", "content": "Write a Python function that adds two numbers."}
     ids = smollm2.encode(Prompt(messages=[ask]))
-    ar = engine.generate(smollm2, ids, EngineConfig(verify="ar", draft_path="generic"), 32, ignore_eos=True).tokens
+    if "ar" not in _SMOL_AR:  # one AR reference for both verify modes
+        _SMOL_AR["ar"] = engine.generate(smollm2, ids, EngineConfig(verify="ar", draft_path="generic"), 32,
+                                         ignore_eos=True).tokens
+    ar = _SMOL_AR["ar"]
     cfg = EngineConfig(verify=verify, budget=16, top_k=4)
     gen = generate_speculative(smollm2, ids, cfg, 32, use_runtime=True)
     assert gen.tokens == ar
