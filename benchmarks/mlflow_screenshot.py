@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="the MLflow store (default sqlite:///mlflow.db)")
     ap.add_argument("--out", default="mlflow-experiment.png", help="the screenshot (PNG)")
     ap.add_argument("--page", choices=["overview", "runs"], default="overview",
-                    help="the experiment's page: what MLflow opens on (overview: the description on top) or its runs table")
+                    help="overview: the page MLflow opens on (the description on top); runs: its runs table")
     ap.add_argument("--browser", help=f"the browser binary (default: the first of {', '.join(BROWSERS)} found)")
     args = ap.parse_args(argv)
     browser = _browser(args.browser)

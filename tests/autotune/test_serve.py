@@ -288,8 +288,10 @@ def test_200_sequential_then_20_concurrent_requests(server):
 
 
 def test_metrics_in_prometheus_text(server):
+    # one request of each outcome counted below, whatever ran on this server before
     assert server.raw("POST", "/v1/chat/completions", json.dumps({**GOOD, "max_tokens": 20}))[0] == 200
     assert server.raw("POST", "/v1/chat/completions", "{")[0] == 400
+    assert server.raw("POST", "/v1/chat/completions", json.dumps({**GOOD, "model": "gpt-4o"}))[0] == 404
     status, headers, text = server.raw("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     values = {}
