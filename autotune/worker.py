@@ -218,6 +218,8 @@ class Worker:
                                    f"(at {os.path.basename(where.filename)}:{where.lineno})")
                 rec.device_unusable = device_unusable(exc)
                 _free_device_memory(self.pair.device)
+            finally:
+                self._on_progress = None  # this job's: nothing may tell it once the job is over
         rec.elapsed_s = time.perf_counter() - t0
         rec.engine_s = self._engine_s
         rec.utilisation = util.result
