@@ -1,7 +1,9 @@
 """Compile every Triton kernel for Hopper (sm_90) at the shapes of the presets, without a GPU, and
 report registers, shared memory and spills: what Triton's interpreter (the CPU tests) cannot tell.
 
-    python benchmarks/kernel_check.py          # a table; exit 1 if a kernel spills or does not fit
+    python benchmarks/kernel_check.py              # a table; exit 1 if a kernel spills or does not fit
+    python benchmarks/kernel_check.py --shard 1/3  # every third kernel from the first (the CPU suite
+                                                   # runs the shards side by side)
 
 Triton's own compiler with the ptxas and cuobjdump its wheel carries; run it with
 TRITON_INTERPRET unset (tests/engine/test_kernels_compile.py runs it in a process of its own).
@@ -11,6 +13,7 @@ DIR triton==3.6.0`` and ``PYTHONPATH=DIR python benchmarks/kernel_check.py`` che
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -192,17 +195,29 @@ def cases():
                         RECORD=record), 4, 3)
 
 
-def main() -> int:
+def _shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"must be I/N with 1 <= I <= N, but got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
+                        help="check kernels I, I+N, I+2N, ... of the list (1-based; default 1/1: all)")
+    first, every = parser.parse_args(argv).shard
+    mine = list(cases())[first - 1::every]
     bad = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}, shared memory limit {SHARED_LIMIT} B")
     print(f"{'kernel':40s} {'warps':>5s} {'regs':>5s} {'shared':>7s} {'spill':>6s}  verdict")
-    for name, kernel, types, constexprs, warps, stages, *aligned in cases():
+    for name, kernel, types, constexprs, warps, stages, *aligned in mine:
         res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages, *aligned))
         spill = res.get("STACK", 0) + res.get("LOCAL", 0)
         ok = (spill == 0 or name in MAY_SPILL) and res["SHARED"] <= SHARED_LIMIT
         bad += not ok
         print(f"{name:40s} {warps:5d} {res.get('REG', 0):5d} {res['SHARED']:7d} {spill:6d}  {'ok' if ok else 'BAD'}")
-    print(f"kernels: {sum(1 for _ in cases())}  bad: {bad}")
+    print(f"kernels: {len(mine)} of {sum(1 for _ in cases())} (shard {first}/{every})  bad: {bad}")
     return 1 if bad else 0
 
 

@@ -1,6 +1,13 @@
-"""`python -m engine generate`: JSON output, config files, and bad inputs (exit 2, clear message)."""
+"""`python -m engine generate`: JSON output, config files, and bad inputs (exit 2, clear message).
 
+Most cases call the CLI's ``main`` in this process (a subprocess spends two seconds importing torch
+before it does anything); ``run_process`` goes through `python -m engine` itself, for the entry
+point's own exit codes and output."""
+
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 
@@ -12,15 +19,29 @@ from engine.loading import save_draft_folder
 from engine.registry import random_draft_for
 
 
-def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def run_process(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=120)
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m engine ARGS` as ``engine.cli.main`` runs it here: its exit code (argparse's
+    SystemExit included), stdout and stderr."""
+    from engine.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or os.getcwd()):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["engine", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_generate_json_matches_ar_and_reports_stats():
     base = ["generate", "--target", "tiny-dense", "--draft", "oracle:0.3", "--prompt", "Hello", "--max-new-tokens",
             "24", "--json", "--device", "cpu"]
-    ar = json.loads(run(*base, "--verify", "ar").stdout)
+    ar = json.loads(run_process(*base, "--verify", "ar").stdout)  # the real entry point, once
     tree = run(*base, "--verify", "ddtree", "--budget", "16", "--top-k", "4", "--draft-path", "generic")
     assert tree.returncode == 0, tree.stderr
     out = json.loads(tree.stdout)
@@ -147,7 +168,7 @@ def test_stream_prints_each_step_as_it_commits_and_the_same_text(monkeypatch):
 
 
 def test_stream_and_json_exclude_each_other_and_choices_are_listed():
-    r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--stream", "--json")
+    r = run_process("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--stream", "--json")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
     r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--verify", "tree")
     assert r.returncode == 2 and "'ar', 'chain', 'ddtree'" in r.stderr and len(r.stderr) < 2000

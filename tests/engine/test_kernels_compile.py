@@ -1,10 +1,12 @@
 """Every Triton kernel compiles for Hopper (sm_90) at the presets' shapes within an SM's shared
 memory and without register spills (benchmarks/kernel_check.py, in a process of its own: the CPU
-suite runs kernels in Triton's interpreter, and one process cannot do both)."""
+suite runs kernels in Triton's interpreter, and one process cannot do both). Three shards, so that
+the workers compile side by side; together they check every kernel once."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +16,19 @@ import pytest
 triton = pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+SHARDS = 3
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").is_file(), reason="this Triton wheel carries no NVIDIA tools")
-def test_every_kernel_compiles_for_hopper_without_spills():
+@pytest.mark.parametrize("shard", range(1, SHARDS + 1))
+def test_every_kernel_compiles_for_hopper_without_spills(shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_check.py")], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_check.py"), "--shard",
+                           f"{shard}/{SHARDS}"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "bad: 0" in proc.stdout and "tree delta rule dk=128" in proc.stdout
+    m = re.search(r"^kernels: (\d+) of (\d+) \(shard (\d+)/(\d+)\)  bad: 0$", proc.stdout, flags=re.M)
+    assert m, proc.stdout[-3000:]
+    checked, total = int(m.group(1)), int(m.group(2))
+    assert total > 200 and checked == len(range(shard - 1, total, SHARDS))  # this shard's share of all of them
+    assert ("tree delta rule dk=128" in proc.stdout) == (shard == 2)  # the 27B shape's, second in the list

@@ -220,14 +220,13 @@ def test_fast_commit_through_the_kernels_equals_ar(model, accept, monkeypatch):
     if not torch.cuda.is_available():  # off CUDA the dispatchers take the PyTorch forms: force the kernels
         monkeypatch.setattr(fused, "use_kernels", lambda *t: fused.kernels_enabled())
         monkeypatch.setattr(delta_rule, "_backend", lambda backend, x: "triton")
-    _, last = _prefilled(model)
+    fast, last = _prefilled(model)  # the root's logits, and the cache the tree forward runs on
     tree, vt = _tree(int(last.argmax()))
     parents, tokens, depths = tree.parents.tolist(), tree.tokens.tolist(), tree.depths.tolist()
     node = depths.index(max(depths)) if accept == "deepest" else next(
         i for i in range(len(tokens)) if depths[i] == 1 and tree.ranks[i] == 1)
     path = _path_to(parents, node)
     padded = torch.tensor(path + [n for n in range(len(tokens)) if n not in path])
-    fast, _ = _prefilled(model)
     model(tree.tokens, fast, START_PROMPT, tree=vt)
     assert int(delta_rule.restart_flags(tree.parents).sum()) < len(tokens)  # not every state was stored
     fast.commit_path(START_PROMPT, padded, len(path))
