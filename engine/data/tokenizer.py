@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import json
 import re
 import unicodedata
 from pathlib import Path
 from typing import Any, Protocol
 
 from engine.config import EngineInputError
+from engine.data.chat_template import ChatTemplate, render_chatml
 
 
 class Tokenizer(Protocol):
@@ -22,60 +22,6 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True) -> str: ...
-
-
-TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object within <tool_call></tool_call> tags."
-)
-
-
-def _tool_call_json(call: dict[str, Any]) -> str:
-    """An OpenAI-style tool call as the Hermes/Qwen ``{"name": ..., "arguments": {...}}`` object."""
-    fn = call.get("function", call)
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    return json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
-
-
-def flatten_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """Our documented tool format as plain (role, content) turns any ChatML template can render.
-
-    Tool definitions go into the system turn (one JSON object per line inside ``<tools>``), an
-    assistant's tool calls become ``<tool_call>`` blocks after its text, and a tool response becomes a
-    user turn holding a ``<tool_response>`` block (Hermes / Qwen2.5 style).
-    """
-    msgs = [dict(m) for m in messages]
-    out: list[dict[str, str]] = []
-    if tools:
-        system = ""
-        if msgs and msgs[0].get("role") == "system":
-            system = msgs.pop(0).get("content") or ""
-        tool_text = "\n".join(json.dumps(t, sort_keys=True, ensure_ascii=False) for t in tools)
-        out.append({"role": "system", "content": (system + "\n\n" if system else "")
-                    + TOOLS_PREAMBLE.format(tools=tool_text)})
-    for m in msgs:
-        role, content = m.get("role"), m.get("content") or ""
-        if role == "assistant" and m.get("tool_calls"):
-            calls = "".join("<tool_call>\n" + _tool_call_json(c) + "\n</tool_call>" for c in m["tool_calls"])
-            content = (content + "\n" if content else "") + calls
-        if role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": role, "content": content})
-    return out
-
-
-def render_chatml(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  add_generation_prompt: bool) -> str:
-    """ChatML with tool definitions in the system turn and <tool_call> blocks (Hermes/Qwen style)."""
-    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in flatten_tool_messages(messages, tools)]
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
 
 
 class ByteTokenizer:
@@ -119,19 +65,38 @@ class ByteTokenizer:
         return render_chatml(messages, tools, add_generation_prompt)
 
 
-class JsonTokenizer:
-    """An HF ``tokenizer.json`` read with the `tokenizers` package (when it is installed)."""
+FALLBACK_STOPS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")  # end-of-turn tokens of common vocabularies
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20  # a tokenizer_config.json listing a large vocabulary's added tokens
 
-    def __init__(self, path, eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>", "</s>")) -> None:
+
+class JsonTokenizer:
+    """An HF folder's tokenizer: ``tokenizer.json`` read with the `tokenizers` package, and the chat
+    template and end-of-turn tokens the folder declares, as transformers reads them:
+    ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template`` (its ``default`` entry when
+    it lists named templates), ``tokenizer_config.json``'s ``eos_token`` / ``bos_token``, and the
+    ``eos_token_id`` (one or a list) of ``generation_config.json`` and ``config.json``. Generation stops
+    at every one of those and at the common end-of-turn tokens the vocabulary has (``FALLBACK_STOPS``).
+    Without a chat template, chats render as ChatML when the vocabulary has its tokens."""
+
+    def __init__(self, path, eos_tokens: tuple[str, ...] = FALLBACK_STOPS) -> None:
         from tokenizers import Tokenizer as _HFTokenizer
 
+        path = Path(path)
         self._tok = _HFTokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size()
-        ids = [self._tok.token_to_id(t) for t in eos_tokens]
-        self.stop_ids = tuple(i for i in ids if i is not None)
+        folder = path.parent
+        config = _json_file(folder / "tokenizer_config.json")
+        self.bos_token, self.eos_token = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        stop_ids = [i for name in ("generation_config.json", "config.json")
+                    for i in _ids(_json_file(folder / name).get("eos_token_id"), folder / name)]
+        stop_ids += [self._tok.token_to_id(t) for t in (self.eos_token, *eos_tokens) if t]
+        self.stop_ids = tuple(dict.fromkeys(i for i in stop_ids if i is not None and 0 <= i < self.vocab_size))
         # the draft's mask token, as a GGUF vocabulary offers it (GGUFTokenizer): the first candidate
         # the vocabulary holds, else None (then train-draft asks for --mask-token-id)
         self.mask_id = next((i for i in map(self._tok.token_to_id, MASK_CANDIDATES) if i is not None), None)
+        source, where = _hf_chat_template(folder, config)
+        self.chat_template = source
+        self._template = ChatTemplate(source, where, self._tok.token_to_id("<|im_start|>") is not None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -140,13 +105,63 @@ class JsonTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def render_chat(self, messages, tools=None, add_generation_prompt=True) -> str:
-        return render_chatml(messages, tools, add_generation_prompt)
+        return self._template.render(messages, tools, add_generation_prompt, bos_token=self.bos_token or "",
+                                     eos_token=self.eos_token or "")
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A folder's JSON side file as a mapping ({} when the folder has none); a bad one is refused by name."""
+    if not path.is_file():
+        return {}
+    from engine.files import FileRefused, parse_json, read_text
+
+    data = parse_json(read_text(path, str(path), max_bytes=MAX_TOKENIZER_CONFIG_BYTES), str(path))
+    if not isinstance(data, dict):
+        raise FileRefused(str(path), f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """``eos_token`` / ``bos_token`` as tokenizer_config.json writes them: a string, or an AddedToken
+    object whose ``content`` is the string."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _ids(value: Any, path: Path) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise EngineInputError(f"{path}: eos_token_id must be a token id or a list of them, but got {value!r}"[:300])
+    return values
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> tuple[str | None, str]:
+    """(template source or None, where it came from): ``chat_template.jinja`` first, as transformers
+    reads it, else tokenizer_config.json's ``chat_template`` (a string, or named templates: the
+    ``default`` one)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        from engine.files import read_text
+
+        return read_text(jinja, str(jinja), max_bytes=MAX_TOKENIZER_CONFIG_BYTES), str(jinja)
+    where = f"{folder / 'tokenizer_config.json'} chat_template"
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" not in named:
+            raise EngineInputError(f"{where}: lists templates {sorted(map(str, named))} but none named 'default'")
+        value, where = named["default"], where + "['default']"
+    if value is not None and not isinstance(value, str):
+        raise EngineInputError(f"{where} must be a string or a list of named templates, but got "
+                               f"{type(value).__name__}")
+    return value, where
 
 
 def tokenizer_from_folder(folder) -> JsonTokenizer | None:
     """The folder's tokenizer.json, or None (then prompts must be given as token ids)."""
-    from pathlib import Path
-
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         return None
@@ -259,7 +274,7 @@ class GGUFTokenizer:
         self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
         self.mask_id = next((self.special_ids[t] for t in MASK_CANDIDATES if t in self.special_ids), None)
         self.chat_template = chat_template
-        self._template: Any = None
+        self._template = ChatTemplate(chat_template, "GGUF tokenizer.chat_template", "<|im_start|>" in self.special_ids)
         self._cache: dict[str, list[int]] = {}
 
     @classmethod
@@ -357,55 +372,13 @@ class GGUFTokenizer:
 
     # --- chat template ---
 
-    def _compiled(self) -> tuple[Any, bool]:
-        if self._template is None:
-            from jinja2 import meta as jinja_meta
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise TemplateError(message)
-
-            def tojson(x: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-                return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = tojson
-            env.globals["raise_exception"] = raise_exception
-            try:
-                handles_tools = "tools" in jinja_meta.find_undeclared_variables(env.parse(self.chat_template))
-                self._template = (env.from_string(self.chat_template), handles_tools)
-            except TemplateError as exc:
-                raise EngineInputError(f"GGUF tokenizer.chat_template does not compile: {exc}") from None
-        return self._template
-
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True) -> str:
-        """The GGUF's own chat template, rendered the way transformers renders it (sandboxed jinja2).
-
-        A template that does not handle tools (SmolLM2's does not) gets our documented tool format
-        instead (``flatten_tool_messages``: tool definitions in the system turn, ``<tool_call>``
-        blocks, tool responses as ``<tool_response>`` user turns), still rendered by its own template.
-        Without a template, ChatML is used if the vocabulary has its tokens.
-        """
-        msgs, tools = list(messages), list(tools) if tools else None
-        if not self.chat_template:
-            if "<|im_start|>" not in self.special_ids:
-                raise EngineInputError("this GGUF has no tokenizer.chat_template; give plain-text prompts")
-            return render_chatml(msgs, tools, add_generation_prompt)
-        from jinja2.exceptions import TemplateError
-
-        template, handles_tools = self._compiled()
-        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs)
-        if uses_tools and not handles_tools:
-            msgs, tools = flatten_tool_messages(msgs, tools), None
+        """The GGUF's own chat template (``tokenizer.chat_template``), rendered as transformers renders
+        it; without one, ChatML if the vocabulary has its tokens (``ChatTemplate.render``)."""
         names = self._special_names
-        try:
-            return template.render(messages=msgs, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   bos_token=names.get(self.bos_id, ""), eos_token=names.get(self.eos_id, ""))
-        except TemplateError as exc:
-            raise EngineInputError(f"GGUF chat template failed: {exc}") from None
+        return self._template.render(messages, tools, add_generation_prompt, bos_token=names.get(self.bos_id, ""),
+                                     eos_token=names.get(self.eos_id, ""))
 
 
 def read_gguf_metadata(path: Path, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""GGUF byte-level BPE tokenizer: parity with `tokenizers`, round trips, specials, chat and tool rendering."""
+"""GGUF byte-level BPE tokenizer: parity with `tokenizers`, round trips, specials, chat and tool rendering;
+an HF folder's chat template and end-of-turn tokens."""
 
 import json
 import random
@@ -7,12 +8,12 @@ import pytest
 
 from engine.config import EngineInputError
 from engine.data.assets import SMOLLM2_GGUF, asset_dir, is_cached
+from engine.data.chat_template import flatten_tool_messages, render_chatml
 from engine.data.tokenizer import (
     ByteTokenizer,
     GGUFTokenizer,
-    flatten_tool_messages,
     read_gguf_metadata,
-    render_chatml,
+    tokenizer_from_folder,
     tokenizer_from_gguf_metadata,
 )
 
@@ -222,6 +223,102 @@ def test_no_template_falls_back_to_chatml(trained):
     tok = tokenizer_from_gguf_metadata(_meta(tokens, merges, template=None))
     msgs = [{"role": "user", "content": "Hi"}]
     assert tok.render_chat(msgs) == render_chatml(msgs, None, True)
+
+
+# --- an HF folder: its own chat template and stops (tokenizer_config.json, chat_template.jinja) ---
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def _hf_folder(tmp_path, trained, config: dict | None = None, generation: dict | None = None,
+               jinja: str | None = None, chatml: bool = True):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tokens, merges = trained
+    hf = _hf_tokenizer(tokens, merges, "smollm")
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIALS])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    if not chatml:  # a vocabulary without ChatML's tokens: drop them from the saved tokenizer
+        data = json.loads((tmp_path / "tokenizer.json").read_text())
+        data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in ("<|im_start|>", "<|im_end|>")]
+        data["model"]["vocab"] = {t: i for t, i in data["model"]["vocab"].items()
+                                  if t not in ("<|im_start|>", "<|im_end|>")}
+        (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    for name, body in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+        if body is not None:
+            (tmp_path / name).write_text(json.dumps(body))
+    if jinja is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+    return tokenizer_from_folder(tmp_path), hf
+
+
+def test_hf_folder_renders_its_own_template_as_transformers_does_and_stops_at_its_eos(tmp_path, trained):
+    transformers = pytest.importorskip("transformers")
+    config = {"chat_template": LLAMA3_TEMPLATE, "bos_token": "<|begin_of_text|>",
+              "eos_token": {"content": "<|eot_id|>", "special": True}}
+    plain, _ = _hf_folder(tmp_path / "plain", trained)
+    eot, eom = (plain._tok.token_to_id(t) for t in ("<|eot_id|>", "<|eom_id|>"))
+    assert eom not in plain.stop_ids  # without the folder's files, <|eom_id|> is no stop
+    tok, hf = _hf_folder(tmp_path / "llama", trained, config, {"eos_token_id": [eom, eot]})
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=hf, chat_template=LLAMA3_TEMPLATE,
+                                                  bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Hi  "}]
+    for gen in (True, False):
+        want = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+        assert tok.render_chat(chat, add_generation_prompt=gen) == want
+    assert tok.render_chat(chat).startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.")
+    assert eom in tok.stop_ids and eot in tok.stop_ids  # generation_config's list, and the eos_token
+    assert tok._tok.token_to_id("<|im_end|>") in tok.stop_ids  # the common end-of-turn tokens stay stops
+
+
+def test_hf_folder_template_sources_in_transformers_order(tmp_path, trained):
+    named = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]
+    tok, _ = _hf_folder(tmp_path / "a", trained, {"chat_template": named})
+    assert tok.render_chat([{"role": "user", "content": "Hi"}]) == "DEFAULT"
+    # chat_template.jinja wins over tokenizer_config.json's, as in transformers
+    tok, _ = _hf_folder(tmp_path / "b", trained, {"chat_template": "CONFIG"},
+                        jinja="JINJA {{ messages[0]['content'] }}")
+    assert tok.render_chat([{"role": "user", "content": "Hi"}]) == "JINJA Hi"
+    # none at all: ChatML, when the vocabulary has its tokens
+    tok, _ = _hf_folder(tmp_path / "c", trained)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tok.chat_template is None and tok.render_chat(msgs) == render_chatml(msgs, None, True)
+
+
+@pytest.mark.parametrize("case", ["no default", "not a string", "bad eos id", "broken template", "not json",
+                                  "no chatml"])
+def test_hf_folder_bad_side_files_are_refused_by_name(tmp_path, trained, case):
+    folder = tmp_path / case.replace(" ", "_")
+    folder.mkdir()
+    msgs = [{"role": "user", "content": "Hi"}]
+    if case == "no default":
+        with pytest.raises(EngineInputError, match=r"tokenizer_config\.json chat_template: lists templates "
+                                                   r"\['tool_use'\] but none named 'default'"):
+            _hf_folder(folder, trained, {"chat_template": [{"name": "tool_use", "template": "x"}]})
+    elif case == "not a string":
+        with pytest.raises(EngineInputError, match=r"chat_template must be a string .* but got int"):
+            _hf_folder(folder, trained, {"chat_template": 7})
+    elif case == "bad eos id":
+        with pytest.raises(EngineInputError, match=r"generation_config\.json: eos_token_id must be a token id or a "
+                                                   r"list of them, but got 'x'"):
+            _hf_folder(folder, trained, {}, {"eos_token_id": "x"})
+    elif case == "broken template":
+        tok, _ = _hf_folder(folder, trained, {"chat_template": "{% for m in messages %}"})
+        with pytest.raises(EngineInputError, match=r"tokenizer_config\.json chat_template does not compile"):
+            tok.render_chat(msgs)
+    elif case == "not json":
+        (folder / "tokenizer_config.json").write_text("{nope")
+        tokens, merges = trained
+        _hf_tokenizer(tokens, merges, "smollm").save(str(folder / "tokenizer.json"))
+        with pytest.raises(EngineInputError, match=r"tokenizer_config\.json"):
+            tokenizer_from_folder(folder)
+    else:
+        tok, _ = _hf_folder(folder, trained, chatml=False)
+        with pytest.raises(EngineInputError, match=r"no chat template .* no ChatML tokens; give plain-text prompts"):
+            tok.render_chat(msgs)
 
 
 def test_flatten_tool_messages_parses_string_arguments():
