@@ -433,9 +433,11 @@ class _Driver:
         if rec.refused is not None:
             self.tell_refused(trial, rec.refused)
             return
-        if rec.pruned:
+        if rec.pruned:  # by the pruner, after the first measured pass: a partial figure, never a value
             trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs),
+                           "the pruner: its per-prompt tok/s after the first pass were significantly below the "
+                           "best trial's")
             return
         try:
             score = measure.score(rec.decode_tps_runs, self.exp.measure.max_rel_mad)
