@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState  # noqa: E402
 
 from autotune import measure, results  # noqa: E402
 from autotune import study as st  # noqa: E402
+from autotune.dimensions import describe as describe_fixed  # noqa: E402
 from autotune.study import role_of  # noqa: E402
 
 PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
@@ -76,7 +77,10 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "
           f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
           f"{counts['refused']} refused by the engine",
-          f"- exactness: {a.get('exactness')}", ""]
+          f"- exactness: {a.get('exactness')}"]
+    if "fixed_dimensions" in a:  # dimensions whose value cannot matter here were not searched
+        L.append(f"- fixed, not searched: {describe_fixed(a['fixed_dimensions']) or 'none'}")
+    L.append("")
     drift = w.drift if w is not None else results.ar_drift(study)
     if drift is not None:  # before anything else: every speedup below rests on a moving AR
         L += ["## Unreliable study", "",

@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import measure
+from autotune.dimensions import describe as describe_fixed
 from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
 
 
@@ -272,6 +273,8 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_infeasible": counts["infeasible"],
         "trials_refused": counts["refused"],
     }
+    if "fixed_dimensions" in study.user_attrs:  # dimensions not searched, and why (autotune.dimensions)
+        out["fixed_dimensions"] = describe_fixed(study.user_attrs["fixed_dimensions"]) or None
     drift = w.drift if w is not None else ar_drift(study)  # (the winner carries it: computed once)
     out["reliable"] = drift is None
     if drift is not None:

@@ -205,7 +205,7 @@ def make_sampler(exp: Experiment, n_trials: int) -> BaseSampler:
             return GPSampler(seed=seed, n_startup_trials=startup, warn_independent_sampling=False)
         if exp.study.sampler == "random":
             return RandomSampler(seed=seed)
-        return _Grid(exp.search_space.grid(), seed=seed)
+        return _Grid(exp.space.grid(), seed=seed)
 
 
 class _Grid(GridSampler):

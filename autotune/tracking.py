@@ -241,6 +241,8 @@ class Tracker:
         model = study.user_attrs.get("model", {})
         params = {f"model.{k}": v for k, v in model.items()}
         params.update({f"engine.{k}": v for k, v in study.user_attrs.get("fixed_engine", {}).items()})
+        # dimensions not searched because their value cannot matter here (autotune.dimensions)
+        params.update({f"fixed.{d['name']}": d["value"] for d in study.user_attrs.get("fixed_dimensions", [])})
         self._log_params(run.info.run_id, params)
         study.set_user_attr("mlflow_parent_run", {"uri": self.uri, "run_id": run.info.run_id})
         return run.info.run_id
