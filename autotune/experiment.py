@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.dimensions import FixedDimension
 from autotune.errors import _MISSING, InputError
 from autotune.files import read_jsonl_lines, read_yaml_file
 from autotune.space import SearchSpace, load_space
@@ -92,10 +93,22 @@ class Experiment:
     study: StudySpec = field(default_factory=StudySpec)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
     engine: tuple[tuple[str, Any], ...] = ()  # fixed EngineConfig fields under every trial
+    # search dimensions whose value cannot matter for this target, workload and device, decided once
+    # the workers loaded (autotune.dimensions); not part of the fingerprint: the same file, resumed
+    fixed_dimensions: tuple[FixedDimension, ...] = ()
 
     @property
     def base_dir(self) -> Path:
         return self.path.parent
+
+    @property
+    def space(self) -> SearchSpace:
+        """The space the sampler searches: the file's, less the fixed dimensions."""
+        return self.search_space.fix(self.fixed_dimension_values) if self.fixed_dimensions else self.search_space
+
+    @property
+    def fixed_dimension_values(self) -> dict[str, Any]:
+        return {f.name: f.value for f in self.fixed_dimensions}
 
     @property
     def fixed_engine(self) -> dict[str, Any]:

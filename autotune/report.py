@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState  # noqa: E402
 
 from autotune import measure, results  # noqa: E402
 from autotune import study as st  # noqa: E402
+from autotune.dimensions import describe as describe_fixed  # noqa: E402
 from autotune.study import role_of  # noqa: E402
 
 PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
@@ -34,7 +35,7 @@ def write_report(study: optuna.Study, out_dir: Path, top: int = 10) -> list[Path
     w = results.winner(study)
     pngs = [p for p in (_plot_top(ranked[:top], out_dir), _plot_speedup(study, out_dir),
                         _plot_phases(ranked[:5], out_dir), _plot_al(study, w, out_dir),
-                        _plot_paths(study, out_dir)) if p is not None]
+                        _plot_paths(study, w, out_dir)) if p is not None]
     md = out_dir / "report.md"
     md.write_text(_markdown(study, ranked, w, top, pngs))
     return [md, *pngs]
@@ -56,6 +57,7 @@ def _cfg_short(cfg: dict[str, Any]) -> str:
 
     if cfg.get("verify") == "ar":
         return "verify=ar"
+    cfg = results.applicable_config(cfg)  # a chain shows no budget or top-k, whatever was recorded
     defaults = EngineConfig().to_dict()
     path = [f"{k}={cfg[k]}" for k in ("verify", "draft_path", "rollback") if k in cfg]
     rest = [f"{k}={v}" for k, v in cfg.items() if k not in ("verify", "draft_path", "rollback")
@@ -75,7 +77,10 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "
           f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
           f"{counts['refused']} refused by the engine",
-          f"- exactness: {a.get('exactness')}", ""]
+          f"- exactness: {a.get('exactness')}"]
+    if "fixed_dimensions" in a:  # dimensions whose value cannot matter here were not searched
+        L.append(f"- fixed, not searched: {describe_fixed(a['fixed_dimensions']) or 'none'}")
+    L.append("")
     drift = w.drift if w is not None else results.ar_drift(study)
     if drift is not None:  # before anything else: every speedup below rests on a moving AR
         L += ["## Unreliable study", "",
@@ -100,19 +105,21 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
         L += _conclusions(w)
     L += _confirmation(study)
     L += _exactness(study)
-    L += ["## Top trials", "", "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | "
+    L += ["## Top trials", "", "By search value (median − spread of the search's passes); ★ marks the winner.", "",
+          "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | "
           "AR baseline | AL | break-even AL | exact | noisy | config |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in ranked[:top]:
         u = t.user_attrs
         base = _fmt(u.get("baseline_trial")) + (" (reused)" if u.get("baseline_reused") else "")
-        L.append(f"| {t.number} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
+        star = " ★" if w is not None and t.number == w.trial else ""
+        L.append(f"| {t.number}{star} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
                  f"{_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
                  f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
-    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study), *_refusals(study),
-          *_failures(study)]
+    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study, w),
+          *_refusals(study), *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
 
@@ -225,7 +232,7 @@ def _baselines(study: optuna.Study) -> list[str]:
 
 
 def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
-    shown = [t for t in results.ranked(study) if role_of(t) != "baseline"][:1]
+    shown = _speculative_lead(study, w)
     shown += [t for t in results.completed(study) if role_of(t) == "reference"][:1]
     L = ["## Break-even AL and oracle gate per workload", "",
          "Speculation beats plain decoding iff AL > break-even AL = step_ms / AR ms-per-token. The oracle "
@@ -240,6 +247,15 @@ def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
                      _fmt(g.get("fraction_beating")), _fmt(g.get("ideal_tps"))]
             L.append("| " + " | ".join(map(str, cells)) + " |")
     return L + [""]
+
+
+def _speculative_lead(study: optuna.Study, w: results.Winner | None) -> list[FrozenTrial]:
+    """The winner when it is speculative, else the best speculative trial (at most one)."""
+    if w is not None and w.role != "baseline":
+        found = [t for t in results.completed(study) if t.number == w.trial]
+        if found:
+            return found
+    return [t for t in results.ranked(study) if role_of(t) != "baseline"][:1]
 
 
 def _phases(trials: list[FrozenTrial]) -> list[str]:
@@ -260,16 +276,24 @@ def _phases(trials: list[FrozenTrial]) -> list[str]:
     return L + [""] + notes + ([""] if notes else [])
 
 
-def _paths(study: optuna.Study) -> list[str]:
-    best = results.best_per_path(study)
+def _paths(study: optuna.Study, w: results.Winner | None) -> list[str]:
+    """The winner's path against the best of every other path, in search values (one reading for
+    all: the search's conservative value); the winner is the one the "Winner" section names."""
+    best = results.best_per_path(study, w)
     L = ["## Which path won", ""]
     if not best:
         return L + ["No feasible trials.", ""]
     lead_path, lead = best[0]
-    L.append(f"Best path: `{lead_path}` (trial {lead.number}, value {lead.value:.2f}).")
+    lead_value = lead.value or 0.0
+    what = "the winner" if w is not None and lead.number == w.trial else "best value"
+    L.append(f"Best path: `{lead_path}` ({what}: trial {lead.number}, search value {lead_value:.2f}).")
+    ties = set((study.user_attrs.get("confirmation") or {}).get("ties", [])) if w is not None and w.confirmed else set()
     for path, t in best[1:]:
-        margin = (lead.value - t.value) / t.value if t.value else float("nan")
-        L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} ahead.")
+        margin = (lead_value - t.value) / t.value if t.value else float("nan")
+        tied = (" (tied with the winner in the confirmation: ties go to the simpler config)"
+                if t.number in ties else "")
+        L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} "
+                 f"ahead{tied}.")
     return L + [""]
 
 
@@ -349,7 +373,7 @@ def _plot_phases(trials: list[FrozenTrial], out: Path) -> Path | None:
 
 
 def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path | None:
-    spec = [t for t in results.ranked(study) if role_of(t) != "baseline"]
+    spec = _speculative_lead(study, w)
     if not spec or not spec[0].user_attrs.get("al_histogram"):
         return None
     t = spec[0]
@@ -362,16 +386,18 @@ def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path |
         ax.legend()
     ax.set_xlabel("tokens committed per step (AL)")
     ax.set_ylabel("steps")
-    ax.set_title(f"AL histogram, best speculative trial #{t.number}")
+    who = "the winner" if w is not None and t.number == w.trial else "best speculative trial"
+    ax.set_title(f"AL histogram, {who} #{t.number}")
     return _save(fig, out / "al_histogram.png")
 
 
-def _plot_paths(study: optuna.Study, out: Path) -> Path | None:
-    best = results.best_per_path(study)
+def _plot_paths(study: optuna.Study, w: results.Winner | None, out: Path) -> Path | None:
+    best = results.best_per_path(study, w)
     if not best:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(best) + 1.5))
-    ax.barh([p for p, _ in best][::-1], [t.value for _, t in best][::-1])
-    ax.set_xlabel("best conservative value (median − spread), tok/s")
+    ax.barh([f"{p} (#{t.number})" for p, t in best][::-1], [t.value for _, t in best][::-1],
+            color=["tab:green" if w is not None and t.number == w.trial else "tab:blue" for _, t in best][::-1])
+    ax.set_xlabel("search value (median − spread), tok/s; green: the winner")
     ax.set_title("Best config per implementation path")
     return _save(fig, out / "paths.png")

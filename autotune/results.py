@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import measure
+from autotune.dimensions import describe as describe_fixed
 from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
 
 
@@ -217,6 +218,18 @@ def winner_baseline(study: optuna.Study, w: Winner) -> str | None:
     return None if ar is None else f"trial {ar}, re-measured in the confirmation"
 
 
+def applicable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``config`` that apply to its verify mode (``EngineConfig.applicable``, the one
+    place that knows): an AR or chain config has no budget or top-k. What `best`, the report, the
+    export and MLflow show. A config the engine refuses is returned as it is."""
+    from engine import EngineConfig, EngineInputError
+
+    try:
+        return EngineConfig.from_dict(dict(config), source="config").applicable()
+    except EngineInputError:
+        return dict(config)
+
+
 def path_of(config: dict[str, Any]) -> str:
     """The implementation path a config takes (what a tuner must not confuse with parameters)."""
     verify = config.get("verify", "?")
@@ -225,11 +238,22 @@ def path_of(config: dict[str, Any]) -> str:
     return f"{verify}/{config.get('draft_path', '?')}/{config.get('rollback', '?')}"
 
 
-def best_per_path(study: optuna.Study) -> list[tuple[str, FrozenTrial]]:
+def best_per_path(study: optuna.Study, w: Winner | None = None) -> list[tuple[str, FrozenTrial]]:
+    """The best feasible trial of each implementation path, best search value first. With ``w`` (the
+    study's winner) its path is represented by the winner's own trial and comes first: the
+    confirmation can pick another trial than the highest search value (a tie broken toward the
+    simpler config), and every section of a report names one winner."""
     best: dict[str, FrozenTrial] = {}
     for t in ranked(study):
         best.setdefault(path_of(t.user_attrs.get("config", {})), t)
-    return sorted(best.items(), key=lambda kv: -(kv[1].value or 0.0))
+    rows = sorted(best.items(), key=lambda kv: -(kv[1].value or 0.0))
+    if w is None:
+        return rows
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    if w.trial not in by_number:
+        return rows
+    lead = path_of(w.config)
+    return [(lead, by_number[w.trial])] + [(p, t) for p, t in rows if p != lead]
 
 
 def summary(study: optuna.Study) -> dict[str, Any]:
@@ -249,6 +273,8 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_infeasible": counts["infeasible"],
         "trials_refused": counts["refused"],
     }
+    if "fixed_dimensions" in study.user_attrs:  # dimensions not searched, and why (autotune.dimensions)
+        out["fixed_dimensions"] = describe_fixed(study.user_attrs["fixed_dimensions"]) or None
     drift = w.drift if w is not None else ar_drift(study)  # (the winner carries it: computed once)
     out["reliable"] = drift is None
     if drift is not None:

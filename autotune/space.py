@@ -115,6 +115,19 @@ class SearchSpace:
                 )
         return values
 
+    def fix(self, values: dict[str, Any]) -> SearchSpace:
+        """This space with ``values`` fixed (``autotune.dimensions``): those parameters are no longer
+        suggested; a parameter conditional on one of them is kept, without that condition, when the
+        fixed value satisfies it, and dropped when it does not (it could never be active)."""
+        params = []
+        for p in self.params:
+            if p.name in values:
+                continue
+            if any(ref in values and values[ref] not in allowed for ref, allowed in p.when):
+                continue
+            params.append(dataclasses.replace(p, when=tuple((r, a) for r, a in p.when if r not in values)))
+        return SearchSpace(path=self.path, params=tuple(params))
+
     def grid(self) -> dict[str, list[Any]]:
         """The full grid for GridSampler; refuses continuous or oversized spaces."""
         size = 1

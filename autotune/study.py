@@ -205,7 +205,7 @@ def make_sampler(exp: Experiment, n_trials: int) -> BaseSampler:
             return GPSampler(seed=seed, n_startup_trials=startup, warn_independent_sampling=False)
         if exp.study.sampler == "random":
             return RandomSampler(seed=seed)
-        return _Grid(exp.search_space.grid(), seed=seed)
+        return _Grid(exp.space.grid(), seed=seed)
 
 
 class _Grid(GridSampler):
@@ -322,6 +322,29 @@ def fail_trial(study: optuna.Study, trial_number: int, reason: str, interrupted:
     if interrupted:
         trial.set_user_attr("interrupted", True)
     study.tell(trial, state=TrialState.FAIL)
+
+
+def tell_pruned(study: optuna.Study, trial: optuna.trial.Trial, partial: float | None, reason: str) -> None:
+    """Tell ``trial`` PRUNED with no objective value; its partial measurement is kept as the user
+    attribute ``partial_decode_tps`` and why it stopped as ``pruned_reason``.
+
+    ``study.tell(trial, state=PRUNED)`` would store the last reported intermediate value (one prompt's
+    tok/s, or a cheap rung's) as the trial's value, where ``best_trial``, optuna-dashboard and anyone
+    reading the study take it for a result, possibly above the winner's. This is Optuna's tell (the
+    sampler's ``after_trial``, then the state) without that value. TPE still ranks pruned trials by
+    their intermediate values.
+    """
+    study._thread_local.cached_all_trials = None  # as Study.tell: the cache is valid within a trial only
+    state = study._storage.get_trial(trial._trial_id).state
+    if state != TrialState.RUNNING:
+        raise ValueError(f"Cannot tell a {state.name} trial.")
+    trial.set_user_attr("partial_decode_tps", partial)
+    trial.set_user_attr("pruned_reason", reason)
+    frozen = study._storage.get_trial(trial._trial_id)
+    try:
+        study.sampler.after_trial(optuna.pruners._filter_study(study, frozen), frozen, TrialState.PRUNED, None)
+    finally:
+        study._storage.set_trial_state_values(frozen._trial_id, TrialState.PRUNED, None)
 
 
 def _trial_id(study: optuna.Study, number: int) -> int:

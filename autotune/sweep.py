@@ -15,6 +15,7 @@ budget counts every driver's running trials, so together they finish exactly ``n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from optuna.samplers import GridSampler
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from autotune import confirm, measure, results
+from autotune import confirm, dimensions, measure, results
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import Executor, LocalExecutor
@@ -116,11 +117,13 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     started = time.monotonic()
     wl_hash = workload_hash(workloads)
     device = executor.describe()
+    exp = _fix_dimensions(exp, device)
     storage = st.open_storage(opts.storage, create=True)
     study = st.open_study(storage, opts.study_name, exp, opts.n_trials,
                           meta={"git_sha": git_sha(), "workload_hash": wl_hash,
                                 "workloads": [w.name for w in workloads], "device": device.get("device"),
                                 "dtype": device.get("dtype")})
+    study.set_user_attr("fixed_dimensions", [f.to_dict() for f in exp.fixed_dimensions])
     recovered = st.recover_stale(study)
     tracker = open_tracker(opts.tracking_uri, study, exp.name)
     driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, st.BudgetLock(opts.storage,
@@ -158,6 +161,15 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
         facts["exit"] = f"failed: every trial failed; the first: {str(reason)[:300]}"
     print(results.format_summary(facts), file=out, flush=True)
     return SweepOutcome(study=study, exit_code=code, facts=facts)
+
+
+def _fix_dimensions(exp: Experiment, described: dict[str, Any]) -> Experiment:
+    """The experiment with the search dimensions that cannot matter on these workers fixed
+    (``autotune.dimensions``), said once on stderr."""
+    fixed = dimensions.irrelevant(exp.search_space, dimensions.facts_from(described), exp.fixed_engine)
+    if fixed:
+        tqdm.write(f"fixed, not searched: {dimensions.describe(fixed)}", file=sys.stderr)
+    return dataclasses.replace(exp, fixed_dimensions=fixed)
 
 
 def _already_done(exp: Experiment, opts: SweepOptions) -> optuna.Study | None:
@@ -363,7 +375,7 @@ class _Driver:
         if role == "reference":
             return {**st.REFERENCE, **fixed}
         assert trial is not None  # a search trial's config is the sampler's suggestion
-        return {**fixed, **self.exp.search_space.suggest(trial)}
+        return {**fixed, **self.exp.fixed_dimension_values, **self.exp.space.suggest(trial)}
 
     @staticmethod
     def _full(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -433,9 +445,11 @@ class _Driver:
         if rec.refused is not None:
             self.tell_refused(trial, rec.refused)
             return
-        if rec.pruned:
+        if rec.pruned:  # by the pruner, after the first measured pass: a partial figure, never a value
             trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
-            self.study.tell(trial, state=TrialState.PRUNED)
+            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs),
+                           "the pruner: its per-prompt tok/s after the first pass were significantly below the "
+                           "best trial's")
             return
         try:
             score = measure.score(rec.decode_tps_runs, self.exp.measure.max_rel_mad)

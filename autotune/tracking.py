@@ -30,6 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune import results
 from autotune.errors import InputError
+from autotune.results import applicable_config
 from autotune.study import role_of
 
 _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", TrialState.FAIL: "FAILED"}
@@ -41,17 +42,6 @@ _SHORT = {"budget": "b", "top_k": "k", "proposal_temp": "t", "chain_seed": "cs",
           "block_size": "blk"}
 _ALWAYS_SHOWN = ("budget", "top_k")  # a tree's size, even at the engine's defaults
 REPORT_DIR = "report"  # the parent run's artifact folder for `autotune report`'s output
-
-
-def applicable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields of ``config`` that apply to its verify mode (``EngineConfig.applicable``): an AR or
-    chain config has no budget or top-k. A config the engine refuses is returned as it is."""
-    from engine import EngineConfig, EngineInputError
-
-    try:
-        return EngineConfig.from_dict(dict(config), source="config").applicable()
-    except EngineInputError:
-        return dict(config)
 
 
 def config_label(config: dict[str, Any]) -> str:
@@ -251,6 +241,8 @@ class Tracker:
         model = study.user_attrs.get("model", {})
         params = {f"model.{k}": v for k, v in model.items()}
         params.update({f"engine.{k}": v for k, v in study.user_attrs.get("fixed_engine", {}).items()})
+        # dimensions not searched because their value cannot matter here (autotune.dimensions)
+        params.update({f"fixed.{d['name']}": d["value"] for d in study.user_attrs.get("fixed_dimensions", [])})
         self._log_params(run.info.run_id, params)
         study.set_user_attr("mlflow_parent_run", {"uri": self.uri, "run_id": run.info.run_id})
         return run.info.run_id

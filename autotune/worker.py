@@ -124,12 +124,16 @@ class Worker:
         # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
 
-    def limits(self) -> dict[str, int | None]:
+    def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
-        unknown) and the longest prompt of the workloads, in tokens."""
+        unknown) and the longest prompt of the workloads, in tokens; and what decides which search
+        dimensions matter (``autotune.dimensions``): whether the target carries recurrent state and
+        whether a prompt has tools."""
         cfg = getattr(self.pair.target, "cfg", None)
         return {"context": getattr(cfg, "max_position_embeddings", None),
-                "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0)}
+                "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0),
+                "recurrent_state": bool(getattr(self.pair.target, "has_recurrent", False)),
+                "tools": self._has_tools}
 
     def environment(self) -> dict[str, Any]:
         """What an AR measurement here depends on beyond the job and the experiment: the host, the

@@ -412,7 +412,7 @@ class RayExecutor(Executor):
         return {"device": device, "dtype": self._facts.get("dtype") or self.spec.dtype,
                 "workers": [s.worker_id for s in self._slots],
                 "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
-                "context": self._facts.get("context"), "longest_prompt": self._facts.get("longest_prompt")}
+                **{k: self._facts.get(k) for k in ("context", "longest_prompt", "recurrent_state", "tools")}}
 
     def environment(self, worker: str) -> dict[str, Any]:
         if worker not in self._environments:
