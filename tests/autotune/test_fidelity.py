@@ -16,6 +16,7 @@ from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import LocalExecutor
 from autotune.fidelity import DEFAULT_RUNG, Rung
+from autotune.report import write_report
 from autotune.sweep import SweepOptions, run_sweep
 
 SPACE = {"verify": {"type": "categorical", "choices": ["chain"]},
@@ -68,6 +69,9 @@ def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_ful
     assert outcome.study.best_trial.number != slow.number
     assert outcome.facts["trials_pruned"] == 1
     assert "trials_pruned: 1" in out.getvalue()
+    write_report(outcome.study, tmp_path / "rep")
+    stopped = (tmp_path / "rep" / "report.md").read_text().split("## Stopped early", 1)[1]
+    assert f"| {slow.number} | chain/generic/fast | rung 0 | {rung['median']:.2f} | stopped at rung 0" in stopped
 
 
 def _load(tmp_path, **sections):
