@@ -21,7 +21,7 @@ from autotune.sweep import SweepOptions, run_sweep
 
 SPACE = {"verify": {"type": "categorical", "choices": ["chain"]},
          "draft_path": {"type": "categorical", "choices": ["generic", "auto"]}}
-RUNG = {"prompts": 1, "max_new_tokens": 4}
+RUNGS = [{"prompts": 1, "max_new_tokens": 4}, {"prompts": 2, "max_new_tokens": 4}]
 
 
 def test_far_behind_needs_the_ratio_beyond_both_spreads():
@@ -32,7 +32,7 @@ def test_far_behind_needs_the_ratio_beyond_both_spreads():
 
 def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_full(tmp_path):
     exp = experiment.load(tiny_experiment(
-        tmp_path, space=SPACE, fidelity={"rungs": [RUNG], "stop_ratio": 20},
+        tmp_path, space=SPACE, fidelity={"rungs": RUNGS, "stop_ratio": 20},
         study={"n_trials": 3, "sampler": "grid", "pruner": "none", "seed": 0}))
     workloads = experiment.load_workloads(exp)
     # the generic loop made really slower (a sleep before every target forward): ~100x here, while the
@@ -58,13 +58,15 @@ def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_ful
     assert rung["exact_match"] == 1.0  # what the slice showed, kept with the slice
     assert "exact_match" not in slow.user_attrs  # not declared exact beyond what was measured
     # compared like with like: AR measured on the same slice
-    [ar_rung] = base.user_attrs["fidelity"]
+    ar_rung, ar_rung1 = base.user_attrs["fidelity"]  # AR runs every rung
     assert (ar_rung["prompts"], ar_rung["max_new_tokens"]) == (1, 4) and base.state == TrialState.COMPLETE
+    assert (ar_rung1["prompts"], ar_rung1["max_new_tokens"], ar_rung1["rung"]) == (2, 4, 1)
     assert rung["ar_decode_tps"] == ar_rung["median"] and rung["speedup_vs_ar"] < 0.25
 
-    # the good config passed its rung and was measured in full
+    # the good config passed both rungs and was measured in full
     assert good.state == TrialState.COMPLETE and good.value is not None
-    assert [r["rung"] for r in good.user_attrs["fidelity"]] == [0]
+    assert [r["rung"] for r in good.user_attrs["fidelity"]] == [0, 1]
+    assert good.user_attrs["fidelity"][1]["ar_decode_tps"] == ar_rung1["median"]
     assert good.user_attrs["exact_match"] == 1.0 and len(good.user_attrs["decode_tps_runs"]) >= 2
     assert outcome.study.best_trial.number != slow.number
     assert outcome.facts["trials_pruned"] == 1
