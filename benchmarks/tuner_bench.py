@@ -61,6 +61,7 @@ from autotune.executors import LocalExecutor  # noqa: E402
 from autotune.fidelity import FidelitySpec  # noqa: E402
 from autotune.space import SearchSpace, load_space  # noqa: E402
 from autotune.sweep import SweepOptions, run_sweep  # noqa: E402
+from autotune.tracking import config_label  # noqa: E402
 from autotune.worker import Job, Record  # noqa: E402
 
 MAX_GRID = 2000  # configs measured once each: a bench grid is small by design
@@ -280,8 +281,7 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
         full = fids[FULL]
         what = (f"refused: {full['refused']}" if full["refused"] else f"failed: {full['fail_reason']}"
                 if not full["ok"] else f"{statistics.median(full['decode_tps_runs']):.1f} tok/s")
-        print(f"[{i + 1}/{len(wanted)}] {role} {config_key({k: config[k] for k in sorted(config)})[:120]}: {what}",
-              file=out, flush=True)
+        print(f"[{i + 1}/{len(wanted)}] {role} {config_label(config)}: {what}", file=out, flush=True)
     return measured
 
 
@@ -467,7 +467,7 @@ def _replay_main(args: argparse.Namespace) -> int:
     png = plot(runs, out / "regret.png", args.target)
     best, config = cache.optimum(exp.measure.exactness == "strict")
     print(text)
-    print(f"optimum: {best:.2f} tok/s {config_key({k: v for k, v in config.items() if v is not None})[:160]}")
+    print(f"optimum: {best:.2f} tok/s {config_label(config)}")
     print(f"table: {out / 'table.md'}\nruns: {out / 'runs.json'}\nplot: {png or 'none (no matplotlib)'}")
     return 0
 
