@@ -4,8 +4,9 @@ and one far behind the incumbent there stops (successive halving over prompts an
 A rung is a slice: the first ``prompts`` prompts of every workload set, ``max_new_tokens`` tokens
 each, with the experiment's warm-up and repeats. A search trial runs its rungs in order, then the
 full measurement. After each rung the driver compares it with the incumbent (the study's best
-feasible trial, ``autotune.results.ranked``) measured at the *same* rung: like with like, since short
-generations and the first prompts run at other rates than the whole workload. It stops there when
+feasible trial among those measured at that rung, ``autotune.results.ranked``) on the *same* rung:
+like with like, since short generations and the first prompts run at other rates than the whole
+workload. It stops there when
 even its optimistic figure (median + spread) is ``stop_ratio`` times slower than the incumbent's
 pessimistic one (median − spread, the spread the protocol uses everywhere: 1.4826·MAD):
 :func:`autotune.measure.far_behind`. A stopped trial is PRUNED with no value (its rung's median in
@@ -99,13 +100,15 @@ def measured_at(t: FrozenTrial, rung: Rung) -> dict[str, Any] | None:
     return next((r for r in t.user_attrs.get("fidelity", []) if rung.matches(r)), None)
 
 
-def stop_reason(incumbent: FrozenTrial | None, rung: Rung, measured: dict[str, Any], ratio: float) -> str | None:
-    """Why a search trial stops at ``rung`` (None: it goes on): far behind ``incumbent`` (the study's
-    best feasible trial) measured at the same rung. No incumbent, or one without that rung (the start
-    of a study, a ladder changed on resume): it goes on."""
-    theirs = measured_at(incumbent, rung) if incumbent is not None else None
-    if theirs is None:
+def stop_reason(ranked: list[FrozenTrial], rung: Rung, measured: dict[str, Any], ratio: float) -> str | None:
+    """Why a search trial stops at ``rung`` (None: it goes on): far behind the incumbent, the best
+    of ``ranked`` (the study's feasible trials, best first) measured at the same rung. Trials measured
+    without that rung (before a ladder was set, on a resume) are passed over: comparing with a weaker
+    trial that has the rung only stops less. None measured there yet: it goes on."""
+    incumbent = next((t for t in ranked if measured_at(t, rung) is not None), None)
+    if incumbent is None:
         return None
+    theirs = measured_at(incumbent, rung)
     if not measure.far_behind(measured["median"], measured["spread"], theirs["median"], theirs["spread"], ratio):
         return None
     return (f"stopped at rung {measured['rung']} ({rung.label()}): {measured['median']:.2f} ± "

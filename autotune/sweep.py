@@ -386,8 +386,7 @@ class _Driver:
         job.trial.set_user_attr("fidelity", done)
         if role != "search":  # the baseline and the reference are measured in full: the yardsticks
             return None
-        leader = results.ranked(self.study)[:1]
-        return fidelity.stop_reason(leader[0] if leader else None, rung, measured, self.exp.fidelity.stop_ratio)
+        return fidelity.stop_reason(results.ranked(self.study), rung, measured, self.exp.fidelity.stop_ratio)
 
     def _pruning_callback(self, trial: optuna.trial.Trial):
         def on_first_pass(per_prompt_tps: list[float]) -> bool:

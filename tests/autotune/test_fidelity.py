@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import optuna
 import pytest
 from autotune_helpers import tiny_experiment
 from faulty_worker import FaultyWorker
@@ -15,7 +16,7 @@ from autotune import experiment, measure
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import LocalExecutor
-from autotune.fidelity import DEFAULT_RUNG, Rung
+from autotune.fidelity import DEFAULT_RUNG, Rung, stop_reason
 from autotune.report import write_report
 from autotune.sweep import SweepOptions, run_sweep
 
@@ -28,6 +29,23 @@ def test_far_behind_needs_the_ratio_beyond_both_spreads():
     assert measure.far_behind(10.0, 1.0, 100.0, 5.0, 2.0)  # 2 × 11 <= 95
     assert not measure.far_behind(45.0, 5.0, 100.0, 2.0, 2.0)  # 2 × 50 > 98: within the noise of 2x
     assert not measure.far_behind(60.0, 0.0, 100.0, 0.0, 2.0)  # slower, not twice as slow
+
+
+def _ranked(*rungs):
+    """Feasible trials, best first, each with its rung-0 record (None: measured without the ladder)."""
+    return [optuna.trial.create_trial(value=100.0 - i, user_attrs={} if r is None else {"fidelity": [
+        {"rung": 0, "prompts": 1, "max_new_tokens": 4, "median": r[0], "spread": r[1]}]})
+        for i, r in enumerate(rungs)]
+
+
+def test_the_incumbent_is_the_best_trial_measured_on_the_same_rung():
+    rung, slow = Rung(1, 4), {"rung": 0, "median": 10.0, "spread": 1.0}
+    # the leader was measured before the ladder (a resume): the best trial that has the rung decides
+    reason = stop_reason(_ranked(None, (100.0, 5.0)), rung, slow, 2.0)
+    assert reason.endswith("measured there (100.00 ± 5.00)")
+    assert stop_reason(_ranked((20.0, 2.0)), rung, slow, 2.0) is None  # 2 x 11 > 18: within the noise, goes on
+    assert stop_reason(_ranked(None), rung, slow, 2.0) is None  # nothing to compare with on this slice
+    assert stop_reason([], rung, slow, 2.0) is None
 
 
 def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_full(tmp_path):
