@@ -4,7 +4,9 @@ The driver is the only writer to the Optuna storage and to MLflow. Trial order p
 the AR baseline first (and again every ``baseline_every`` trials), retries of interrupted trials,
 the reference config once per study, then the sampler's suggestions. A worker that starts without
 a baseline (after a restart) first looks for one to reuse: measured in this study under the same
-identity (:meth:`_Driver.identity`) at most ``measure.baseline_max_age`` ago.
+identity (:meth:`_Driver.identity`) at most ``measure.baseline_max_age`` ago. Each trial runs the
+fidelity ladder's cheap rungs before its full measurement, on the same worker; a search config far
+behind the incumbent on a rung stops there (``autotune.fidelity``).
 
 With several workers (the Ray executor) the driver keeps one job on every idle worker and tells
 each record as it comes back. With several drivers on one study (PostgreSQL), "is budget left?
