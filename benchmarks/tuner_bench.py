@@ -31,7 +31,9 @@ The ground truth of a config is the median of its cached full-fidelity passes; t
 best exact (``exactness: strict``) config of the grid, AR and the reference included. Per run:
 the **found** regret curve, (optimum − the best true value among the configs measured in full so
 far) / optimum over simulated time (non-increasing by construction); the time it first comes within
-``--target`` (2%) of the optimum; the confirmed winner's regret and the sweep's end time. The table
+``--target`` (2%) of the optimum; the regret of the study's **pick** at ``--at`` seconds (its best
+conservative value then, unconfirmed: what stopping the sweep there gives); the confirmed winner's
+regret and the sweep's end time. The table
 gives medians over seeds; the PNG the median curve and the min–max band per strategy.
 """
 
@@ -293,6 +295,9 @@ class Run:
     strategy: str
     seed: int
     curve: list[tuple[float, float]]  # (simulated seconds, found regret), a point per trial measured in full
+    # (simulated seconds, regret of the study's pick then: its best conservative value, unconfirmed),
+    # what a user stopping the sweep at that moment would get
+    pick_curve: list[tuple[float, float]]
     time_to_target: float | None
     winner_regret: float | None
     end_s: float
@@ -317,28 +322,36 @@ def replay(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: i
         outcome = run_sweep(run_exp, opts, workloads, executor=LocalExecutor(lambda: worker), out=io.StringIO())
     strict = exp.measure.exactness == "strict"
     best, _ = cache.optimum(strict)
-    found, curve = None, []
+    found, pick, curve, pick_curve = None, None, [], []
     trials = sorted(outcome.study.trials, key=lambda t: worker.finished.get((t.number, st.role_of(t)), float("inf")))
     for t in trials:
-        truth = cache.truth(t.user_attrs.get("config", {}), strict) if t.state.name == "COMPLETE" else None
-        if truth is not None and results.feasible(t):
+        if t.state.name != "COMPLETE" or not results.feasible(t):
+            continue
+        when = worker.finished[(t.number, st.role_of(t))]
+        truth = cache.truth(t.user_attrs.get("config", {}), strict)
+        if truth is not None:
             found = truth if found is None else max(found, truth)
-        if found is not None and t.state.name == "COMPLETE":
-            curve.append((worker.finished[(t.number, st.role_of(t))], (best - found) / best))
+            curve.append((when, (best - found) / best))
+        if pick is None or (t.value or 0.0) > (pick.value or 0.0):
+            pick = t
+        picked = cache.truth(pick.user_attrs.get("config", {}), strict)
+        if picked is not None:
+            pick_curve.append((when, (best - picked) / best))
     reached = next((s for s, r in curve if r <= target), None)
     w = results.winner(outcome.study)
     won = cache.truth(w.config, strict) if w is not None else None
-    return Run(strategy.name, seed, curve, reached, None if won is None else (best - won) / best, worker.clock,
-               len(outcome.study.trials), sum(t.state.name == "PRUNED" for t in outcome.study.trials))
+    return Run(strategy.name, seed, curve, pick_curve, reached, None if won is None else (best - won) / best,
+               worker.clock, len(outcome.study.trials), sum(t.state.name == "PRUNED" for t in outcome.study.trials))
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def table(runs: list[Run], target: float) -> str:
-    lines = [f"| strategy | seeds | reached {target:.0%} | time to {target:.0%} (median, s) | winner regret (median) "
-             "| sweep time (median, s) | trials | pruned |", "|---|---|---|---|---|---|---|---|"]
+def table(runs: list[Run], target: float, at_s: float) -> str:
+    lines = [f"| strategy | seeds | reached {target:.0%} | time to {target:.0%} (median, s) | pick's regret at "
+             f"{at_s:g} s (median) | confirmed winner's regret (median) | sweep time (median, s) | trials | pruned |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r.strategy for r in runs):
         rs = [r for r in runs if r.strategy == name]
         reached = [r for r in rs if r.time_to_target is not None]
@@ -352,13 +365,14 @@ def table(runs: list[Run], target: float) -> str:
         late = _median([r.time_to_target if r.time_to_target is not None else float("inf") for r in rs])
         lines.append(f"| {name} | {len(rs)} | {len(reached)}/{len(rs)} | "
                      f"{'never' if late == float('inf') else fmt(late, '.1f')} | "
+                     f"{fmt(_median([regret_at(r.pick_curve, at_s) for r in rs]), '.2%')} | "
                      f"{fmt(_median(regrets), '.2%')} | {fmt(_median([r.end_s for r in rs]), '.1f')} | "
                      f"{fmt(_median([r.trials for r in rs]), '.0f')} | {fmt(_median([r.pruned for r in rs]), '.0f')} |")
     return "\n".join(lines) + "\n"
 
 
 def regret_at(curve: list[tuple[float, float]], t: float) -> float:
-    """The found regret at simulated time ``t`` (1.0 before anything was measured in full)."""
+    """A curve's regret at simulated time ``t`` (1.0 before its first point)."""
     value = 1.0
     for s, r in curve:
         if s > t:
@@ -414,6 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seeds", type=int, default=3, help="seeds per strategy (default 3)")
     r.add_argument("--n-trials", type=int, default=None, help="configs per sweep (default: the experiment's)")
     r.add_argument("--target", type=float, default=0.02, help="regret counted as reached (default 0.02: 2%%)")
+    r.add_argument("--at", type=float, default=600.0, help="simulated seconds at which the table reads the "
+                   "study's pick (default 600: what a 10-minute sweep would give)")
     r.add_argument("--out", default="reports/tuner_bench", help="folder for table.md, regret.png, runs.json")
     return p
 
@@ -451,6 +467,8 @@ def _replay_main(args: argparse.Namespace) -> int:
         raise InputError("--strategies", None, f"must list some of {list(STRATEGIES)}", args.strategies)
     if args.seeds < 1:
         raise InputError("--seeds", None, "must be >= 1", args.seeds)
+    if not args.at > 0:
+        raise InputError("--at", None, "must be simulated seconds > 0", args.at)
     if not 0 <= args.target < 1:
         raise InputError("--target", None, "must be a regret fraction >= 0 and < 1", args.target)
     n_trials = args.n_trials or exp.study.n_trials
@@ -461,7 +479,7 @@ def _replay_main(args: argparse.Namespace) -> int:
             for name, seed in itertools.product(names, range(args.seeds))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(runs, args.target)
+    text = table(runs, args.target, args.at)
     (out / "table.md").write_text(text, encoding="utf-8")
     (out / "runs.json").write_text(json.dumps([r.to_dict() for r in runs], indent=1), encoding="utf-8")
     png = plot(runs, out / "regret.png", args.target)

@@ -69,11 +69,14 @@ def test_replayed_strategies_never_lose_ground_and_find_a_tiny_grids_optimum(tmp
         assert times == sorted(times) and r["end_s"] >= times[-1] > 0  # simulated time, charged per measurement
         assert regrets == sorted(regrets, reverse=True), r  # the best found never gets worse
         assert all(0.0 <= g <= 1.0 for g in regrets)
+        # the study's pick over time: what stopping the sweep then gives (it may move either way under noise)
+        assert r["pick_curve"] and all(0.0 <= g <= 1.0 for _, g in r["pick_curve"])
+        assert all(p >= f for (_, p), (_, f) in zip(r["pick_curve"], r["curve"], strict=True))  # never beats found
     reached = [r for r in runs if r["curve"][-1][1] == 0.0]
     assert reached and all(r["time_to_target"] is not None for r in reached)
     assert any(r["winner_regret"] == 0.0 for r in reached)  # and the confirmed winner is the optimum
     table = (out / "table.md").read_text()
-    assert "| ours | 2 |" in table and "| random | 2 |" in table
+    assert "| ours | 2 |" in table and "| random | 2 |" in table and "pick's regret at 600 s" in table
     assert (out / "regret.png").stat().st_size > 1000
 
 
