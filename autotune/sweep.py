@@ -38,7 +38,7 @@ from autotune.experiment import Experiment, workload_hash
 from autotune.interrupt import CtrlC
 from autotune.progress import Progress
 from autotune.tracking import open_tracker
-from autotune.worker import Job, Record
+from autotune.worker import Job, PassCallback, Record
 from engine import EngineConfig, EngineInputError
 
 POLL_S = 2.0  # how often a driver with nothing to start looks at the trials other drivers still run
@@ -192,7 +192,7 @@ class _InFlight:
     started: float
     reported: bool  # the pruning callback reported per-prompt values already
     todo: list[Job] = field(default_factory=list)  # the trial's jobs after the running one (fidelity rungs, full)
-    prune: Any = None  # the pruning callback, for the full measurement
+    prune: PassCallback | None = None  # the pruning callback, for the full measurement
 
 
 class _Driver:
@@ -390,7 +390,7 @@ class _Driver:
             return None
         return fidelity.stop_reason(results.ranked(self.study), rung, measured, self.exp.fidelity.stop_ratio)
 
-    def _pruning_callback(self, trial: optuna.trial.Trial):
+    def _pruning_callback(self, trial: optuna.trial.Trial) -> PassCallback:
         def on_first_pass(per_prompt_tps: list[float]) -> bool:
             with self.ctrl_c.holding():
                 for step, tps in enumerate(per_prompt_tps):
