@@ -191,6 +191,7 @@ def cmd_best(args: argparse.Namespace) -> int:
     import yaml
 
     from autotune import export, study
+    from autotune.dimensions import describe as describe_fixed
 
     s = study.load_existing(_open(args), args.study)
     doc = export.build(s)
@@ -204,6 +205,8 @@ def cmd_best(args: argparse.Namespace) -> int:
         if key == "unreliable_because" and key not in p:
             continue
         print(f"{key}: {'none' if p.get(key) is None else p.get(key)}")
+    if p.get("fixed_dimensions"):
+        print(f"fixed_dimensions: {describe_fixed(p['fixed_dimensions'])}")
     print("config:")
     print("  " + yaml.safe_dump(doc["engine"], sort_keys=False).replace("\n", "\n  ").rstrip())
     return EXIT_OK

@@ -16,6 +16,7 @@ from typing import Any
 
 from autotune.dimensions import FixedDimension
 from autotune.errors import _MISSING, InputError
+from autotune.fidelity import MAX_STOP_RATIO, FidelitySpec, Rung
 from autotune.files import read_jsonl_lines, read_yaml_file
 from autotune.space import SearchSpace, load_space
 
@@ -93,6 +94,9 @@ class Experiment:
     study: StudySpec = field(default_factory=StudySpec)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
     engine: tuple[tuple[str, Any], ...] = ()  # fixed EngineConfig fields under every trial
+    # cheap rungs before a trial's full measurement (autotune.fidelity); not in the fingerprint: how
+    # a config is reached, not what its full measurement is
+    fidelity: FidelitySpec = field(default_factory=FidelitySpec)
     # search dimensions whose value cannot matter for this target, workload and device, decided once
     # the workers loaded (autotune.dimensions); not part of the fingerprint: the same file, resumed
     fixed_dimensions: tuple[FixedDimension, ...] = ()
@@ -105,6 +109,11 @@ class Experiment:
     def space(self) -> SearchSpace:
         """The space the sampler searches: the file's, less the fixed dimensions."""
         return self.search_space.fix(self.fixed_dimension_values) if self.fixed_dimensions else self.search_space
+
+    @property
+    def ladder(self) -> tuple[Rung, ...]:
+        """The fidelity rungs every trial runs before its full measurement (empty: none)."""
+        return self.fidelity.ladder(self.workload.n_prompts, self.workload.max_new_tokens)
 
     @property
     def fixed_dimension_values(self) -> dict[str, Any]:
@@ -197,7 +206,7 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
         raise InputError(where, None, "experiment file must exist", str(path))
     raw = read_yaml_file(path)
     top = _Section(where, "", raw, {"name", "model", "workload", "search_space", "objective", "measure",
-                                    "study", "executor", "engine"})
+                                    "study", "executor", "engine", "fidelity"})
     name = top.get("name", str)
     if not _NAME_RE.match(name):
         raise InputError(where, "name", "must match [A-Za-z0-9][A-Za-z0-9_.-]*", name)
@@ -214,6 +223,7 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
     measure = _measure(where, top.get("measure", dict, {}))
     study = _study(where, top.get("study", dict, {}))
     executor = _executor(where, top.get("executor", dict, {}))
+    fidelity = _fidelity(where, top.get("fidelity", dict, {}), workload)
     engine_fixed = _engine_fixed(where, top.get("engine", dict, {}), space)
     if study.sampler == "grid":
         space.grid()  # refuses continuous or oversized spaces now, not mid-sweep
@@ -221,7 +231,7 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
         _check_models(where, model)
     return Experiment(name=name, path=path, model=model, workload=workload, search_space=space,
                       objective=objective, measure=measure, study=study, executor=executor,
-                      engine=tuple(sorted(engine_fixed.items())))
+                      engine=tuple(sorted(engine_fixed.items())), fidelity=fidelity)
 
 
 def _model(where: str, raw: dict, base: Path) -> ModelSpec:
@@ -302,6 +312,39 @@ def _measure(where: str, raw: dict) -> MeasureSpec:
                        baseline_every=s.integer("baseline_every", 10, low=1), baseline_max_age=float(max_age),
                        max_ar_drift=float(drift), confirm_top=s.integer("confirm_top", 3),
                        confirm_repeats=s.integer("confirm_repeats", 5, low=1))
+
+
+def _fidelity(where: str, raw: dict, workload: WorkloadSpec) -> FidelitySpec:
+    """``fidelity: {rungs: [{prompts, max_new_tokens}, ...], stop_ratio}`` (autotune.fidelity)."""
+    s = _Section(where, "fidelity", raw, {"rungs", "stop_ratio"})
+    ratio = s.get("stop_ratio", (int, float), FidelitySpec.stop_ratio)
+    if not 1 < ratio <= MAX_STOP_RATIO:  # NaN fails this too
+        raise InputError(where, "fidelity.stop_ratio", f"must be > 1 and <= {MAX_STOP_RATIO:g} (2: a config at least "
+                         "twice as slow as the incumbent, after the spread, stops at the cheap rung)", ratio)
+    raw_rungs = s.get("rungs", (list, type(None)), None)
+    if raw_rungs is None:
+        return FidelitySpec(rungs=None, stop_ratio=float(ratio))
+    rungs: list[Rung] = []
+    full = (workload.n_prompts, workload.max_new_tokens)
+    for i, item in enumerate(raw_rungs):
+        r = _Section(where, f"fidelity.rungs[{i}]", item, {"prompts", "max_new_tokens"})
+        rung = Rung(prompts=r.integer("prompts", low=1), max_new_tokens=r.integer("max_new_tokens", low=2))
+        if rung.prompts > full[0] or rung.max_new_tokens > full[1]:
+            raise InputError(where, f"fidelity.rungs[{i}]", f"a rung is a slice of the workload: at most "
+                             f"workload.n_prompts={full[0]} prompts and workload.max_new_tokens={full[1]} tokens",
+                             {"prompts": rung.prompts, "max_new_tokens": rung.max_new_tokens})
+        if (rung.prompts, rung.max_new_tokens) == full:
+            raise InputError(where, f"fidelity.rungs[{i}]", "must be cheaper than the full measurement (fewer "
+                             "prompts or fewer tokens); the full measurement follows the rungs anyway",
+                             {"prompts": rung.prompts, "max_new_tokens": rung.max_new_tokens})
+        prev = rungs[-1] if rungs else None
+        if prev is not None and not (rung.prompts >= prev.prompts and rung.max_new_tokens >= prev.max_new_tokens
+                                     and rung != prev):
+            raise InputError(where, f"fidelity.rungs[{i}]", "rungs go from the cheapest up: each at least as many "
+                             "prompts and tokens as the one before, and more of one",
+                             {"prompts": rung.prompts, "max_new_tokens": rung.max_new_tokens})
+        rungs.append(rung)
+    return FidelitySpec(rungs=tuple(rungs), stop_ratio=float(ratio))
 
 
 def _study(where: str, raw: dict) -> StudySpec:

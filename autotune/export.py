@@ -43,6 +43,8 @@ def provenance(study: optuna.Study, w: results.Winner) -> dict[str, Any]:
         "acceptance_length": w.acceptance_length,  # (unrounded, as exported files have had it)
         "break_even_al": w.break_even_al,
         "exact_match": w.exact_match,
+        # dimensions the sweep did not search because their value cannot matter there (autotune.dimensions)
+        **({"fixed_dimensions": a["fixed_dimensions"]} if a.get("fixed_dimensions") else {}),
         "reliable": w.drift is None,  # False: the study's AR baselines drifted (results.ar_drift)
         **({"unreliable_because": w.drift.describe()} if w.drift is not None else {}),
         "exported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

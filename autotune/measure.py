@@ -145,6 +145,14 @@ def is_positive(best: Score, incumbent: Score) -> bool:
     return best.median - incumbent.median > 2.0 * max(best.spread, incumbent.spread)
 
 
+def far_behind(median: float, spread: float, incumbent_median: float, incumbent_spread: float,
+               ratio: float) -> bool:
+    """A config is far behind the incumbent when even its optimistic figure (median + spread) times
+    ``ratio`` does not reach the incumbent's pessimistic one (median − spread): measured on the same
+    slice, it is at least ``ratio`` times slower beyond the noise (the fidelity ladder's stop rule)."""
+    return ratio * (median + spread) <= incumbent_median - incumbent_spread
+
+
 def median_of(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 

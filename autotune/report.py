@@ -119,7 +119,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
     L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study, w),
-          *_refusals(study), *_failures(study)]
+          *_stopped(study), *_refusals(study), *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
 
@@ -294,6 +294,22 @@ def _paths(study: optuna.Study, w: results.Winner | None) -> list[str]:
                 if t.number in ties else "")
         L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} "
                  f"ahead{tied}.")
+    return L + [""]
+
+
+def _stopped(study: optuna.Study) -> list[str]:
+    """Trials stopped early (a fidelity rung, the pruner): their partial figure and why; no value."""
+    pruned = study.get_trials(deepcopy=False, states=(TrialState.PRUNED,))
+    if not pruned:
+        return []
+    L = ["## Stopped early", "", "Pruned trials carry no value: the figure is partial (one rung's slice, or the "
+         "first pass) and never ranks. A trial stopped at a rung was not judged exact or inexact.", "",
+         "| trial | path | stopped at | partial tok/s | reason |", "|---|---|---|---|---|"]
+    for t in pruned:
+        u = t.user_attrs
+        at = f"rung {u['pruned_at_rung']}" if u.get("pruned_at_rung") is not None else "first pass"
+        L.append(f"| {t.number} | {results.path_of(u.get('config', {}))} | {at} | {_fmt(u.get('partial_decode_tps'))} "
+                 f"| {u.get('pruned_reason', '–')} |")
     return L + [""]
 
 

@@ -4,7 +4,9 @@ The driver is the only writer to the Optuna storage and to MLflow. Trial order p
 the AR baseline first (and again every ``baseline_every`` trials), retries of interrupted trials,
 the reference config once per study, then the sampler's suggestions. A worker that starts without
 a baseline (after a restart) first looks for one to reuse: measured in this study under the same
-identity (:meth:`_Driver.identity`) at most ``measure.baseline_max_age`` ago.
+identity (:meth:`_Driver.identity`) at most ``measure.baseline_max_age`` ago. Each trial runs the
+fidelity ladder's cheap rungs before its full measurement, on the same worker; a search config far
+behind the incumbent on a rung stops there (``autotune.fidelity``).
 
 With several workers (the Ray executor) the driver keeps one job on every idle worker and tells
 each record as it comes back. With several drivers on one study (PostgreSQL), "is budget left?
@@ -14,15 +16,11 @@ budget counts every driver's running trials, so together they finish exactly ``n
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,14 +30,15 @@ from optuna.samplers import GridSampler
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from autotune import confirm, dimensions, measure, results
+from autotune import confirm, dimensions, fidelity, measure, results
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
+from autotune.interrupt import CtrlC
 from autotune.progress import Progress
 from autotune.tracking import open_tracker
-from autotune.worker import Job, Record
+from autotune.worker import Job, PassCallback, Record
 from engine import EngineConfig, EngineInputError
 
 POLL_S = 2.0  # how often a driver with nothing to start looks at the trials other drivers still run
@@ -74,7 +73,7 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
         return SweepOutcome(study=done, exit_code=0, facts=facts)
     executor = executor or make_executor(exp, workloads, exp.executor.kind, exp.executor.workers,
                                          exp.executor.address, exp.executor.trial_timeout)
-    with _CtrlC() as ctrl_c:
+    with CtrlC() as ctrl_c:
         try:
             with ctrl_c.measuring():
                 workers = executor.start()
@@ -113,7 +112,7 @@ def make_executor(exp: Experiment, workloads: list[Any], kind: str = "local", wo
 
 
 def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: Executor, workers: list[str],
-           ctrl_c: _CtrlC, out: TextIO) -> SweepOutcome:
+           ctrl_c: CtrlC, out: TextIO) -> SweepOutcome:
     started = time.monotonic()
     wl_hash = workload_hash(workloads)
     device = executor.describe()
@@ -185,61 +184,6 @@ def _already_done(exp: Experiment, opts: SweepOptions) -> optuna.Study | None:
     return study
 
 
-class _CtrlC:
-    """Ctrl-C arrives at a safe point.
-
-    While a worker measures, Ctrl-C interrupts at once (stopping torch mid-generation is harmless).
-    While the driver talks to the storage or MLflow, it is held until the next checkpoint: an
-    interrupt inside a SQLite transaction would leave the database locked for the clean-up that
-    fails the running trial.
-    """
-
-    def __init__(self) -> None:
-        self.pending = False
-        self.immediate = False
-        self._previous: Any = None
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.immediate:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-    def checkpoint(self) -> None:
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """Storage work in the middle of a measurement (the pruning report): hold Ctrl-C, then deliver it."""
-        was = self.immediate
-        self.immediate = False
-        try:
-            yield
-        finally:
-            self.immediate = was
-            if was:
-                self.checkpoint()
-
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        self.checkpoint()
-        self.immediate = True
-        try:
-            yield
-        finally:
-            self.immediate = False
-
-
 @dataclass
 class _InFlight:
     trial: optuna.trial.Trial
@@ -247,11 +191,13 @@ class _InFlight:
     heartbeat: st.Heartbeat
     started: float
     reported: bool  # the pruning callback reported per-prompt values already
+    todo: list[Job] = field(default_factory=list)  # the trial's jobs after the running one (fidelity rungs, full)
+    prune: PassCallback | None = None  # the pruning callback, for the full measurement
 
 
 class _Driver:
     def __init__(self, exp: Experiment, opts: SweepOptions, study: optuna.Study, executor: Executor,
-                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: _CtrlC, budget_lock: st.BudgetLock) -> None:
+                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: CtrlC, budget_lock: st.BudgetLock) -> None:
         self.exp, self.opts, self.study, self.executor = exp, opts, study, executor
         self.ctrl_c = ctrl_c
         self.tracker, self.wl_hash, self.out = tracker, wl_hash, out
@@ -363,6 +309,8 @@ class _Driver:
                 "target": self.exp.model.target, "draft": self.exp.model.draft, "workload_hash": self.wl_hash,
                 "max_new_tokens": self.exp.workload.max_new_tokens, "warmup": m.warmup, "repeats": m.repeats,
                 "max_rel_mad": m.max_rel_mad, "ar_config": self._full(self.config_for(None, "baseline"), "AR baseline"),
+                # a reused baseline must hold AR measured at every rung of this ladder
+                **({"fidelity": [[r.prompts, r.max_new_tokens] for r in self.exp.ladder]} if self.exp.ladder else {}),
                 **env}
             # stored as JSON (lists for tuples): compared in the form a storage gives back
             self._identities[worker] = None if identity is None else json.loads(json.dumps(identity, sort_keys=True))
@@ -394,27 +342,55 @@ class _Driver:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         m = self.exp.measure
-        job = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
-                  warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
+        full = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
+                   warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
+        first, *todo = fidelity.jobs(full, self.exp.ladder)  # the cheap rungs first, then the full measurement
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
         heartbeat = st.Heartbeat(trial).__enter__()
-        self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None)
+        self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None,
+                                                todo, prune)
         if self.progress:
             self.progress.phase(role, trial.number, self.study)
-        self.executor.submit(job, prune, worker=worker)
+        self.executor.submit(first, None if todo else prune, worker=worker)
 
     def _finish(self, rec: Record) -> None:
-        job = self.inflight.pop(rec.trial, None)
+        job = self.inflight.get(rec.trial)
         if job is None:
             return  # not a trial of this loop (cannot happen with the executors here)
+        stopped = None
+        if rec.rung is not None and rec.ok and rec.refused is None:
+            try:
+                stopped = self._rung_done(job, rec)
+            except ValueError as exc:  # NaN or negative rate: fail fast, never guess a value
+                rec.ok, rec.fail_reason = False, f"bad measurement at rung {rec.rung}: {exc}"
+            if rec.ok and stopped is None:
+                nxt = job.todo.pop(0)  # the trial goes on at the next rung, on the same worker
+                self.executor.submit(nxt, None if job.todo else job.prune, worker=job.worker)
+                return
+            rec.pruned = stopped is not None
+        del self.inflight[rec.trial]
         job.heartbeat.__exit__()
-        self.tell(job.trial, rec, reported=job.reported, wall_s=time.monotonic() - job.started)
+        self.tell(job.trial, rec, reported=job.reported, wall_s=time.monotonic() - job.started, stopped=stopped)
         frozen = self.study.get_trials(deepcopy=False)[job.trial.number]
         self.tracker.log_trial(frozen)
         if self.progress:
             self.progress.update(self.study, advance=int(st.counts_toward_budget(frozen)))
 
-    def _pruning_callback(self, trial: optuna.trial.Trial):
+    def _rung_done(self, job: _InFlight, rec: Record) -> str | None:
+        """Record what a fidelity rung measured on the trial (``fidelity``); a search trial far behind
+        the incumbent measured at that rung stops: the reason, else None (``autotune.fidelity``)."""
+        rung = self.exp.ladder[rec.rung]
+        role = st.role_of(job.trial)
+        base = None if role == "baseline" else st.nearest_baseline(self.study, rec.trial, rec.worker, self.wl_hash)
+        measured = fidelity.rung_record(rung, rec.rung, rec, self.exp.measure.max_rel_mad,
+                                        fidelity.measured_at(base, rung) if base is not None else None)
+        done = [*job.trial.user_attrs.get("fidelity", []), measured]
+        job.trial.set_user_attr("fidelity", done)
+        if role != "search":  # the baseline and the reference are measured in full: the yardsticks
+            return None
+        return fidelity.stop_reason(results.ranked(self.study), rung, measured, self.exp.fidelity.stop_ratio)
+
+    def _pruning_callback(self, trial: optuna.trial.Trial) -> PassCallback:
         def on_first_pass(per_prompt_tps: list[float]) -> bool:
             with self.ctrl_c.holding():
                 for step, tps in enumerate(per_prompt_tps):
@@ -423,7 +399,9 @@ class _Driver:
         return on_first_pass
 
     # ---------------------------------------------------------------- scoring
-    def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool, wall_s: float | None = None) -> None:
+    def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool, wall_s: float | None = None,
+             stopped: str | None = None) -> None:
+        """Score ``rec`` and tell the study; ``stopped``: why the trial stopped at ``rec``'s fidelity rung."""
         # trial_wall_s: submit → record back at the driver; minus engine_s it is the executor's overhead
         attrs: dict[str, Any] = {"device": rec.device, "elapsed_s": round(rec.elapsed_s, 3),
                                  "trial_wall_s": round(rec.elapsed_s if wall_s is None else wall_s, 4),
@@ -445,11 +423,14 @@ class _Driver:
         if rec.refused is not None:
             self.tell_refused(trial, rec.refused)
             return
-        if rec.pruned:  # by the pruner, after the first measured pass: a partial figure, never a value
-            trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
-            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs),
-                           "the pruner: its per-prompt tok/s after the first pass were significantly below the "
-                           "best trial's")
+        if rec.pruned:  # a partial figure, never a value
+            if stopped is not None:  # at a cheap fidelity rung (its figures are in the trial's `fidelity`)
+                trial.set_user_attr("pruned_at_rung", rec.rung)
+                tqdm.write(f"trial {trial.number} PRUNED: {stopped}", file=sys.stderr)
+            else:  # by the pruner, after the first measured pass
+                trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
+            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs), stopped or (
+                "the pruner: its per-prompt tok/s after the first pass were significantly below the best trial's"))
             return
         try:
             score = measure.score(rec.decode_tps_runs, self.exp.measure.max_rel_mad)

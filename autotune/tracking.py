@@ -36,7 +36,8 @@ from autotune.study import role_of
 _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", TrialState.FAIL: "FAILED"}
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
-            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count")
+            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count",
+            "partial_decode_tps")  # a pruned trial's partial figure (it has no value)
 # how a run's name writes a parameter (the rest: name=value, or the value alone for rollback and kernels)
 _SHORT = {"budget": "b", "top_k": "k", "proposal_temp": "t", "chain_seed": "cs", "target_feat_ctx": "ctx",
           "block_size": "blk"}

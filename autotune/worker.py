@@ -57,6 +57,8 @@ class Job:
     repeats: int
     max_rel_mad: float
     remeasure_if_noisy: bool = True
+    prompts: int | None = None  # measure the first N prompts of every set only (a fidelity rung); None: all
+    rung: int | None = None  # the fidelity rung this job measures (autotune.fidelity); None: the full measurement
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Record:
     role: str
     worker: str
     config: dict[str, Any]
+    rung: int | None = None  # the job's fidelity rung (None: the full measurement)
     ok: bool = True
     fail_reason: str | None = None
     # the engine cannot run the config as asked (engine.Pair.refusal): nothing measured, the
@@ -121,8 +124,8 @@ class Worker:
         names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
-        # (max_new_tokens, decode loop, kernels as they run) -> per set outputs
-        self._reference: dict[tuple[int, str, str], list[list[list[int]]]] = {}
+        # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
+        self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
 
     def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
@@ -187,7 +190,8 @@ class Worker:
         import engine
 
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
-        key = (max_new_tokens, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools))
+        key = (max_new_tokens, tuple(len(ps) for _, ps in self.sets),  # a rung's slice has its own
+               *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools))
         if key not in self._reference:
             self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens,
                                                  on_prompt=self._ticker("AR outputs", name)).outputs
@@ -206,12 +210,15 @@ class Worker:
         """Run the protocol; any failure of the engine becomes a failed record, never a crash.
         ``on_progress`` is told each pass and prompt as it ends (:data:`ProgressCallback`)."""
         self._on_progress = on_progress
-        rec = Record(trial=job.trial, role=job.role, worker=self.id, config=dict(job.config),
+        rec = Record(trial=job.trial, role=job.role, worker=self.id, config=dict(job.config), rung=job.rung,
                      device=self.pair.device, dtype=self.pair.dtype)
         self._engine_s = 0.0
         t0 = time.perf_counter()
         with _Utilisation(self.pair.device) as util:
+            every_prompt = self.sets
             try:
+                if job.prompts is not None:  # a fidelity rung: the first prompts of every set, for this job
+                    self.sets = [(name, prompts[:job.prompts]) for name, prompts in every_prompt]
                 self._measure(job, rec, on_first_pass)
             except KeyboardInterrupt:
                 raise
@@ -223,6 +230,7 @@ class Worker:
                 rec.device_unusable = device_unusable(exc)
                 _free_device_memory(self.pair.device)
             finally:
+                self.sets = every_prompt
                 self._on_progress = None  # this job's: nothing may tell it once the job is over
         rec.elapsed_s = time.perf_counter() - t0
         rec.engine_s = self._engine_s
@@ -252,7 +260,8 @@ class Worker:
                 passes += [self._pass(cfg, job.max_new_tokens, f"noisy, pass {job.repeats + i + 1}/{2 * job.repeats}")
                            for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
-        if not rec.pruned:  # a pruned trial records no exactness (sweep.tell)
+        if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
+            # is cheap on purpose: the full measurement diagnoses its divergences
             self._diagnose(rec, cfg, reference, diverged)
 
     def _pass(self, cfg: Any, max_new_tokens: int, stage: str) -> list[Any]:

@@ -9,6 +9,10 @@ bad configs do, before anything is measured (confirmation re-measurements are le
 - ``device``: a CUDA-style error that leaves the device unusable: the trial fails with the reason
   and the record says ``device_unusable`` so the executor restarts the worker.
 
+``slow=(fields, seconds)`` makes every measured pass of a config whose fields include ``fields``
+really slower: each target forward sleeps ``seconds`` first, so the engine's own clock measures it
+(a slow implementation path without waiting for one on a CPU).
+
 ``output_hook(config, outputs) -> outputs`` rewrites a config's outputs of every measured pass
 before the exactness check (an inexact config without a broken engine).
 
@@ -36,13 +40,15 @@ OutputHook = Callable[[dict[str, Any], list[list[int]]], list[list[int]]]
 
 class FaultyWorker(Worker):
     def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any], *,
-                 faults: dict[int, str] | None = None, output_hook: OutputHook | None = None) -> None:
+                 faults: dict[int, str] | None = None, output_hook: OutputHook | None = None,
+                 slow: tuple[dict[str, Any], float] | None = None) -> None:
         bad = {k: v for k, v in (faults or {}).items() if v not in FAULTS}
         if bad:
             raise ValueError(f"fault kinds must be one of {FAULTS}, but got {bad}")
         super().__init__(pair, workloads, fixed)
         self.faults = dict(faults or {})
         self.output_hook = output_hook
+        self.slow = slow
 
     def _measure(self, job: Job, rec: Record, on_first_pass: PassCallback | None) -> None:
         # inside Worker.measure's error handling, as an engine error of the config would be
@@ -51,7 +57,16 @@ class FaultyWorker(Worker):
         super()._measure(job, rec, on_first_pass)
 
     def _pass(self, cfg: Any, max_new_tokens: int, stage: str) -> list[Any]:
-        results = super()._pass(cfg, max_new_tokens, stage)
+        config = cfg.to_dict()
+        hook = None
+        if self.slow is not None and all(config.get(k) == v for k, v in self.slow[0].items()):
+            seconds = self.slow[1]
+            hook = self.pair.target.register_forward_pre_hook(lambda *_: time.sleep(seconds))
+        try:
+            results = super()._pass(cfg, max_new_tokens, stage)
+        finally:
+            if hook is not None:
+                hook.remove()
         if self.output_hook is None:
             return results
         return [dataclasses.replace(r, outputs=self.output_hook(cfg.to_dict(), r.outputs)) for r in results]

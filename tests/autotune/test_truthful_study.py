@@ -49,6 +49,7 @@ def _tied_study(storage: Any = None) -> optuna.Study:
     confirmation finds 2 and 3 tied and picks the simpler chain: the confirmed winner is trial 2."""
     study = optuna.create_study(study_name="tied", direction="maximize", storage=storage)
     study.set_user_attr("model", {"target": "tiny-dense", "draft": "oracle:0.3"})
+    study.set_user_attr("fixed_dimensions", [{"name": "rollback", "value": "fast", "why": "dense target"}])
     for role, cfg, median in (("baseline", AR, 100.0), ("reference", _config(), 120.0),
                               ("search", CHAIN, 150.0), ("search", DDTREE, 156.0)):
         study.add_trial(_trial(role, cfg, median))
@@ -87,12 +88,14 @@ def test_best_prints_only_the_fields_that_apply_to_a_chain_winner(tmp_path: Path
     out = capsys.readouterr().out
     config = out.split("config:", 1)[1]
     assert "trial: 2" in out and "verify: chain" in config and "draft_path: runtime" in config
-    assert "rollback:" in config  # a chain still rolls back rejected tokens
+    assert "rollback:" in config  # a chain still rolls back rejected tokens (the export must load as it is)
+    assert "fixed_dimensions: rollback=fast (dense target)" in out  # ... and it says the sweep fixed it
     for key in TREE_ONLY:
         assert f"{key}:" not in config
     assert main(["best", "tied", "--storage", url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["engine"] == EngineConfig.from_dict(CHAIN).applicable() and not set(TREE_ONLY) & set(doc["engine"])
+    assert doc["provenance"]["fixed_dimensions"] == [{"name": "rollback", "value": "fast", "why": "dense target"}]
 
 
 def test_the_report_names_the_confirmed_winner_in_every_section(tmp_path: Path):

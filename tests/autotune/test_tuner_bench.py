@@ -1,0 +1,109 @@
+"""benchmarks/tuner_bench.py on the CPU: the grid measured on the tiny pair, and the tuner's
+strategies replayed (the real driver, a ReplayWorker answering from the cache) on a small synthetic
+cache: regret curves never go up, and on a tiny grid a strategy reaches the optimum."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from autotune_helpers import tiny_experiment
+
+from autotune import experiment
+from autotune import study as st
+
+REPO = Path(__file__).resolve().parents[2]
+SPACE = {"verify": {"type": "categorical", "choices": ["chain", "ddtree"]},
+         "budget": {"type": "categorical", "choices": [2, 4], "when": {"verify": "ddtree"}}}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("tuner_bench", REPO / "benchmarks" / "tuner_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+def _synthetic_cache(bench, exp, path: Path) -> float:
+    """AR 100 tok/s, the reference 120, chain 150, ddtree b2 130, ddtree b4 200 (the optimum); each
+    with three passes around its value, a rung at 0.9x its rate and a quarter of its work, and slower
+    configs taking longer."""
+    fixed = exp.fixed_engine
+    values = {"baseline": ({**fixed, "verify": "ar"}, 100.0), "reference": ({**st.REFERENCE, **fixed}, 120.0)}
+    for pt, v in zip(bench.space_points(exp.search_space, "space"), (150.0, 130.0, 200.0), strict=True):
+        values[json.dumps(pt)] = ({**fixed, **pt}, v)
+
+    def fid(v: float, work: float) -> dict:
+        return {"ok": True, "fail_reason": None, "refused": None, "decode_tps_runs": [0.97 * v, v, 1.03 * v],
+                "per_prompt_tps": [v, v], "acceptance_length": 2.0, "steps": 10, "step_ms": 1.0, "exact_match": 1.0,
+                "elapsed_s": 3 * work / v, "seconds_per_pass": work / v}
+
+    lines = [{"kind": "header", "experiment": exp.name, "device": "cpu", "dtype": "float32", "max_new_tokens": 8,
+              "workloads": [{"name": "prompts", "hash": "0123"}], "facts": {"recurrent_state": False, "tools": False},
+              "ladder": [[1, 4]], "warmup": 0, "repeats": 3, "measured_at": "synthetic"}]
+    lines += [{"kind": "config", "role": role, "config": bench.full_config(cfg),
+               "fidelities": {"full": fid(v, 100.0), "p1t4": fid(0.9 * v, 25.0)}} for role, (cfg, v) in values.items()]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return 200.0
+
+
+def test_replayed_strategies_never_lose_ground_and_find_a_tiny_grids_optimum(tmp_path):
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE, fidelity={"rungs": [{"prompts": 1, "max_new_tokens": 4}]})
+    exp = experiment.load(exp_path)
+    cache = tmp_path / "grid.jsonl"
+    best = _synthetic_cache(bench, exp, cache)
+    assert bench.Cache.read(cache).optimum(strict=True)[0] == best
+    out = tmp_path / "out"
+    rc = bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "ours,random", "--seeds", "2",
+                     "--n-trials", "8", "--out", str(out)])
+    assert rc == 0
+    runs = json.loads((out / "runs.json").read_text())
+    assert sorted((r["strategy"], r["seed"]) for r in runs) == [("ours", 0), ("ours", 1), ("random", 0), ("random", 1)]
+    for r in runs:
+        times = [t for t, _ in r["curve"]]
+        regrets = [g for _, g in r["curve"]]
+        assert times == sorted(times) and r["end_s"] >= times[-1] > 0  # simulated time, charged per measurement
+        assert regrets == sorted(regrets, reverse=True), r  # the best found never gets worse
+        assert all(0.0 <= g <= 1.0 for g in regrets)
+        # the study's pick over time: what stopping the sweep then gives (it may move either way under noise)
+        assert r["pick_curve"] and all(0.0 <= g <= 1.0 for _, g in r["pick_curve"])
+        assert all(p >= f for (_, p), (_, f) in zip(r["pick_curve"], r["curve"], strict=True))  # never beats found
+    reached = [r for r in runs if r["curve"][-1][1] == 0.0]
+    assert reached and all(r["time_to_target"] is not None for r in reached)
+    assert any(r["winner_regret"] == 0.0 for r in reached)  # and the confirmed winner is the optimum
+    table = (out / "table.md").read_text()
+    assert "| ours | 2 |" in table and "| random | 2 |" in table and "pick's regret at 600 s" in table
+    assert (out / "regret.png").stat().st_size > 1000
+
+
+def test_a_cache_without_a_config_is_refused_naming_it(tmp_path, capsys):
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE)
+    cache = tmp_path / "grid.jsonl"
+    cache.write_text(json.dumps({"kind": "header", "max_new_tokens": 8, "workloads": [], "facts": {}}) + "\n")
+    assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "ours,nope"]) == 2
+    assert "--strategies: must list some of" in capsys.readouterr().err
+    assert bench.main(["replay", str(exp_path), "--cache", str(tmp_path / "none.jsonl")]) == 2
+    assert "no such cache file" in capsys.readouterr().err
+
+
+def test_the_grid_is_measured_once_on_the_tiny_pair_and_cached(tmp_path, capsys):
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE, measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5})
+    cache = tmp_path / "grid.jsonl"
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache), "--repeats", "2"]) == 0
+    lines = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert lines[0]["kind"] == "header" and lines[0]["facts"] == {"recurrent_state": False, "tools": False}
+    configs = lines[1:]
+    assert [c["role"] for c in configs] == ["baseline", "reference", "grid", "grid", "grid"]
+    for c in configs:
+        full = c["fidelities"]["full"]
+        assert full["ok"] and len(full["decode_tps_runs"]) == 2 and full["exact_match"] == 1.0
+        assert full["seconds_per_pass"] > 0
+    # measured again: everything is in the cache already
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache)]) == 0
+    assert "measured: 0" in capsys.readouterr().out and len(cache.read_text().splitlines()) == 6
