@@ -250,9 +250,11 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
     wanted += [("grid", full_config({**fixed, **pt})) for pt in points]
     workloads = experiment.load_workloads(exp)
     worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, fixed)
-    done = Cache.read(cache_path).entries if cache_path.is_file() else {}
+    # an empty file (made ready for a run that had not started) is a new cache
+    fresh = not cache_path.is_file() or not cache_path.read_text(encoding="utf-8").strip()
+    done = {} if fresh else Cache.read(cache_path).entries
     m, ladder = exp.measure, exp.ladder
-    if not cache_path.is_file():
+    if fresh:
         header = {"kind": "header", "experiment": exp.name, "device": str(worker.pair.device),
                   "dtype": str(worker.pair.dtype), "max_new_tokens": exp.workload.max_new_tokens,
                   "workloads": [{"name": w.name, "hash": w.hash} for w in workloads],

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue #25's ground truth on the lent H200, right after calls 1 and 2 (SmolLM2 installed on this
+# machine), carrying .device/wheels .device/workloads .device/assets .device/gguf and, to resume,
+# .device/tuner (an earlier call's cache): `benchmarks/tuner_bench.py measure` over a grid
+# (GRID, default search_spaces/bench_grid_short.yaml) with an experiment (EXP, default
+# experiments/smollm2-h200-bench-short.yaml); the cache comes back in $OUT (lines already in it are
+# not measured again). The replay runs anywhere, on the CPU: `tuner_bench.py replay ... --cache`.
+source benchmarks/device/common.sh tuner
+install_wheels .device/wheels/*.whl
+install_assets humaneval bfcl
+mkdir -p .device/tuner
+CACHE=.device/tuner/grid.jsonl
+[ -f "$CACHE" ] && say "cache: $(wc -l < "$CACHE") lines from an earlier call"
+section measure ${MEASURE_LIMIT:-500} python3 benchmarks/tuner_bench.py measure ${EXP:-experiments/smollm2-h200-bench-short.yaml} \
+  --space ${GRID:-search_spaces/bench_grid_short.yaml} --cache "$CACHE"
+[ -f "$CACHE" ] && cp "$CACHE" "$OUT/grid.jsonl" && say "cache: $(wc -l < "$CACHE") lines"
+summary
