@@ -11,6 +11,7 @@ from typing import Any
 from engine.config import (
     DRAFT_PATHS,
     KERNEL_MODES,
+    POLICIES,
     ROLLBACK_MODES,
     VERIFY_MODES,
     EngineConfig,
@@ -38,6 +39,14 @@ _CONFIG_FLAGS: dict[str, tuple[type, tuple[str, ...] | None, str]] = {
     "temperature": (float, None, "0 = greedy (default); above 0 samples, every token a target sample"),
     "seed": (int, None, "sampling seed, keyed by position: AR and speculative samples agree (default 0)"),
     "kernels": (str, KERNEL_MODES, "fused: the Triton kernels on CUDA; eager: the PyTorch forms (default fused)"),
+    "policy": (str, POLICIES, "ddtree: fixed verifies `budget` nodes every step (default); adaptive chooses "
+                              "each step's budget, 0 (a plain AR step) included, for the most tokens per ms "
+                              "(step costs measured on this device before the first step)"),
+    "policy_levels": (int, None, "adaptive: tree budgets to choose from, halving from --budget (default 4)"),
+    "probe_every": (int, None, "adaptive: while it holds at AR steps, every Nth step verifies a tree to "
+                               "estimate again (default 8)"),
+    "calibration_window": (int, None, "adaptive: tree steps the calibration of the draft's probabilities "
+                                      "remembers (default 16)"),
 }
 
 
@@ -176,6 +185,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{key}: {v:.4g}" if isinstance(v, float) else f"{key}: {v}")
     for phase, ms in stats["phase_ms_per_step"].items():
         print(f"phase_ms_{phase}: {ms:.4g}")
+    if stats["budget_histogram"]:  # the adaptive policy: steps per budget (0: AR), its E[AL] against AL
+        print("budget_histogram: " + " ".join(f"{b}:{n}" for b, n in stats["budget_histogram"].items()))
+        for key in ("policy_predicted_al", "policy_observed_al"):
+            v = stats[key]
+            print(f"{key}: {v:.4g}" if v is not None else f"{key}: -")
     return 0
 
 

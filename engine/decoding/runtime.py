@@ -55,6 +55,7 @@ from engine.config import EngineConfig, EngineInputError
 from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
+from engine.decoding.policy import AdaptivePolicy, accepts_at, budget_index, expected_accepts, prefix, root_tree
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -241,14 +242,14 @@ class RuntimeDecoder:
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
         self._readbacks: dict[int, _Readback] = {}
         self._draft_kv: tuple[Tensor, Tensor] | None = None
-        self._aranges: dict[int, Tensor] = {}
+        self._constants: dict[object, Tensor] = {}
         self._chain_tables: dict[int, tuple[Tensor, Tensor]] = {}
 
     def _arange(self, n: int) -> Tensor:
         """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
-        if n not in self._aranges:
-            self._aranges[n] = torch.arange(n, device=self.device)
-        return self._aranges[n]
+        if n not in self._constants:
+            self._constants[n] = torch.arange(n, device=self.device)
+        return self._constants[n]
 
     def _chain_keys(self, t: int, key_len: int) -> StepKeys:
         """The step layout of ``t`` tokens in a row from the root (an AR step, a chain verify): its
@@ -300,15 +301,47 @@ class RuntimeDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- the draft: a speculative step's first graph -----------------------------------------------
-    def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
+    def _propose(self, key_len: int, cfg: EngineConfig, block: int, budgets: tuple[int, ...] | None = None
+                 ) -> tuple[Tree, Tensor] | tuple[Tree, Tensor, Tensor]:
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
         # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
         # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
-        return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
-                                 host=False)
+        tree, anc, top_lp = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
+                                             block - 1, host=False)
+        if budgets is None:
+            return tree, anc
+        # the adaptive policy's estimate at each of its budgets (policy.expected_accepts), for the readback
+        index = self._constant(("budgets", budgets, tree.size), lambda: budget_index(budgets, tree.size - 1,
+                                                                                      self.device))
+        return tree, anc, accepts_at(expected_accepts(top_lp, tree, anc), index)
+
+    def _constant(self, key: object, make: Callable[[], Tensor]) -> Tensor:
+        """A device constant made once (a captured step reads it instead of making it)."""
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
+
+    def _policy_step(self, key_len: int, cfg: EngineConfig, block: int, proposal: tuple | None, budget: int,
+                     record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
+        """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
+        the proposed tree, its packed result followed by the proposal's estimates; at budget 0 over
+        the root alone (no proposal: a plain AR step through the walk and commit), and then the
+        draft's context keys and values of the last ``block`` + 1 positions (a later proposal
+        recomputes only its last ``block``: with AR steps between, a tree step's commits lie before)."""
+        if budget == 0:
+            tree, anc = root_tree(self.ws.seq.index_select(0, self.start))
+        else:
+            tree, anc = prefix(proposal[0], proposal[1], budget)
+        packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False)
+        if budget == 0:
+            positions = (self.start + self._constant(("back", block), lambda: torch.arange(-block - 1, 0,
+                                                                                            device=self.device)))
+            self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
+            return packed, logits, path, tree
+        return torch.cat([packed, proposal[2]]), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
@@ -360,6 +393,22 @@ class RuntimeDecoder:
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
         return packed, logits, path
 
+    def _launch_adaptive(self, policy: AdaptivePolicy, key_len: int, key: tuple, step_key: tuple, cfg: EngineConfig,
+                         block: int, record: bool, timer, readback: _Readback) -> tuple:
+        """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step over
+        the tree of that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget,
+        the E[AL] it was chosen by) last."""
+        budget, expected = policy.choose()
+        proposal = None
+        if budget > 0:
+            with timer.phase("draft"):
+                proposal = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
+                                           block, policy.budgets)
+        with timer.phase("verify"):
+            packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, *step_key), self._policy_step,
+                                                         key_len, cfg, block, proposal, budget, record)
+            return readback.push(packed), tree, logits, path, (budget, expected)
+
     def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
         """A grammar cut after the device committed more: ``kept`` tokens from the root's position
         ``start`` stand, the last one ``token``. The accepted nodes' K/V and features before the cut
@@ -409,7 +458,7 @@ class RuntimeDecoder:
 
     def generate(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                  on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False, block: int = 1,
-                 n_verify: int = 1) -> Generation:
+                 n_verify: int = 1, policy: AdaptivePolicy | None = None) -> Generation:
         """One loop for AR (``cfg.verify == "ar"``: each step the root alone) and speculative
         decoding (each step a ``propose`` graph, the draft's ``block`` and a tree of ``n_verify``
         nodes at most, then the step over it). A grammar state ``gs``: AR masks each step's logits
@@ -420,7 +469,7 @@ class RuntimeDecoder:
         if speculative:  # before the prefill: allocation is not timed
             self.reserve_tree(n_verify)
             self._draft_context()
-        readback = self._readback(3 + n_verify if speculative else 1)
+        readback = self._readback((3 + n_verify + (len(policy.budgets) if policy else 0)) if speculative else 1)
         margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
         bits = self._bitmask(gs) if ar_mask else None
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
@@ -437,12 +486,17 @@ class RuntimeDecoder:
         # after (kind, key span): see _Graphs.run; an AR step depends on none of the draft's fields
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block) if speculative else (cfg.temperature, cfg.seed)
+        if policy is not None:  # its proposals carry the estimates, its steps a budget
+            key = (*key, "adaptive", policy.budgets)
         step_key = (*key, keep, ar_mask, record_margins, cfg.kernels)  # (the kernel switch last: gpu_bench graphs)
 
-        def launch(root: int) -> tuple[tuple[Tensor, object], Tree | None, Tensor, Tensor | None]:
+        def launch(root: int) -> tuple:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)
             key_len = self._bucket(root + reach)
             tree = anc = None
+            if policy is not None:
+                return self._launch_adaptive(policy, key_len, key, step_key, cfg, block, record_margins, timer,
+                                             readback)
             if speculative:
                 with timer.phase("draft"):
                     tree, anc = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
@@ -456,7 +510,7 @@ class RuntimeDecoder:
                 packed, logits, path = self.graphs.run(("verify" if speculative else "ar", key_len, *step_key),
                                                        self._step, key_len, cfg, block, tree, anc, record_margins,
                                                        ar_mask)
-                return readback.push(packed), tree, logits, path  # the step's one host read, when read
+                return readback.push(packed), tree, logits, path, None  # the step's one host read, when read
 
         pending = None if done else launch(start)
         t_last = None
@@ -469,7 +523,7 @@ class RuntimeDecoder:
             mark = timer.checkpoint()
             ahead = launch(start + (block if speculative else 1)) if gs is None and len(out) + 1 < max_new_tokens \
                 else None
-            item, tree, logits, path = pending
+            item, tree, logits, path, chosen = pending
             values = readback.read(item)
             if speculative:
                 al, leaf, side, new = values[0], not values[1], bool(values[2]), values[3 : 3 + values[0]]
@@ -491,6 +545,9 @@ class RuntimeDecoder:
             start += al
             if speculative:
                 stats.record_step(al, leaf, side)
+                if chosen is not None:  # the adaptive policy's step: a tree step's values end in its estimates
+                    stats.record_budget(*chosen)
+                    policy.record(chosen[0], values[-len(policy.budgets):] if chosen[0] else None, al)
             else:
                 stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)
