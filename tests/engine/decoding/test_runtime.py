@@ -427,3 +427,51 @@ def test_ddtree_with_top_k_1_decodes_as_chain(target, use_runtime):
     assert tree.stats.accept_lengths == chain.stats.accept_lengths
     if not use_runtime:  # the oracle's paths are accepted deep (the runtime refuses a host-side draft: random there)
         assert chain.stats.acceptance_length > 1.5
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_trees_for_a_strong_one(monkeypatch,
+                                                                                                  target):
+    """The adaptive policy on the runtime's steps: the random draft's proposals are weak and the
+    policy runs plain AR steps (the root alone, no proposal, the draft's context kept current);
+    proposing the target's own tokens (side branches every third position) it verifies trees. Both
+    equal AR; each budget is its own captured step, none of which reads a device value back."""
+    from engine.decoding.policy import StepCosts
+
+    pair = pair_for(target, "random")
+    ids = pair.encode("The adaptive policy chooses on the device's estimates.")
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 40).tokens
+    cfg = EngineConfig(verify="ddtree", budget=16, top_k=3, chain_seed=0, policy="adaptive", policy_levels=3,
+                       probe_every=4, draft_path="runtime", kernels="eager")
+    costs = StepCosts({0: 1.0, 4: 1.8, 8: 2.5, 16: 3.0})  # a tree must accept more than one node in two
+    original, keys = runtime._Graphs.run, []
+
+    def checked(graphs, key, fn, *args):
+        def guarded(*a):
+            with _NoHostRead():
+                return fn(*a)
+        keys.append(key[:3])
+        return original(graphs, key, guarded, *args)
+
+    monkeypatch.setattr(runtime._Graphs, "run", checked)
+    # (probes after more AR steps than a proposal's block: the draft's context must not lag behind)
+    weak = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, step_costs=costs, use_runtime=True)
+    # the draft's context stayed current through the AR steps, which run no proposal: every
+    # committed position's, as from scratch
+    dec, end = pair._runtime_decoder, len(ids) + len(weak.tokens) - 1
+    assert weak.stats.step_budgets[-4:] == [0, 0, 0, 0] and 0 < weak.stats.step_budgets[21] < 16
+    want = pair.drafter.new_context(end)
+    pair.drafter.fill_context(want, dec.ws.features, end)
+    for got, expect in zip(dec._draft_kv, want, strict=True):
+        torch.testing.assert_close(got[:, :end], expect, rtol=0, atol=1e-5)
+    real, peeking = _peeking(pair, len(ids), ar)
+    monkeypatch.setattr(pair.drafter, "propose_static", peeking)
+    strong = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
+    monkeypatch.setattr(pair.drafter, "propose_static", real)
+    assert weak.tokens == strong.tokens == ar and weak.stats.loop == "runtime"
+    hist_weak, hist_strong = weak.stats.to_dict()["budget_histogram"], strong.stats.to_dict()["budget_histogram"]
+    assert hist_weak[0] > 0.6 * weak.stats.steps and len(hist_weak) > 1  # AR steps, and probes
+    assert 0 not in hist_strong and strong.stats.side_branch_steps > 0
+    assert strong.stats.to_dict()["policy_observed_al"] > 3
+    budgets = {k[2] for k in keys if k[0] == "verify"}
+    assert 0 in budgets and 16 in budgets
