@@ -55,6 +55,7 @@ from engine.config import EngineConfig, EngineInputError
 from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
+from engine.decoding.graphs import Graphs, Readback
 from engine.decoding.policy import AdaptivePolicy, accepts_at, budget_index, expected_accepts, prefix, root_tree
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
@@ -115,117 +116,6 @@ def bucket_for(need: int, limit: int) -> int:
     return min(b, limit)
 
 
-class _Graphs:
-    """Captured step functions keyed by bucket; ``graphs=False`` calls them eagerly instead."""
-
-    def __init__(self, enabled: bool, state: list[Tensor]) -> None:
-        self.enabled = enabled
-        self.state = state  # tensors a warm-up run mutates: restored before capture
-        self._captured: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if enabled else None
-
-    def clear(self) -> None:
-        """Forget every capture (the buffers they read were replaced), and their memory pool: once
-        its last graph is gone PyTorch retires a private pool, and capturing into it again while a
-        tensor it allocated is still alive trips the allocator's assertion (the 27B shape's DDTree
-        after its chain, 2026-12-04); the next capture takes a fresh pool."""
-        self._captured.clear()
-        if self.enabled:
-            self._pool = torch.cuda.graph_pool_handle()
-
-    def keys(self) -> list[tuple]:
-        """The keys captured so far, in capture order (``run``'s keys)."""
-        return list(self._captured)
-
-    def graph(self, key: tuple) -> torch.cuda.CUDAGraph:
-        """The graph captured for ``key`` (replayed alone by ``benchmarks/gpu_bench.py graphs``)."""
-        return self._captured[key][0]
-
-    def _abandon(self) -> None:
-        """After a failed capture: PyTorch leaves the caching allocator recording into the pool (every
-        later capture into it raised "beginAllocateToPool: already recording to mempool_id": three
-        trials of the 2026-12-04 sweep after one bad one), and the failed graph never gives back its
-        hold on the pool (its reset releases only a finished capture's), so the pool's memory would
-        stay reserved for the process. End that recording and release that hold where this PyTorch
-        can, and forget the pool: the next capture takes a fresh one."""
-        device = torch.cuda.current_device()
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if end is not None:
-            try:
-                end(device, self._pool)
-            except RuntimeError:
-                release = None  # the capture's own end had stopped it, and holds nothing more
-        if release is not None:
-            try:
-                release(device, self._pool)
-            except RuntimeError:
-                pass
-        self.clear()
-
-    def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
-        """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
-        the same static buffers and constants at every call with that key). Every key starts
-        ``(kind, key span, ...)``, kind one of "ar", "propose", "verify"; the AR key goes on with
-        whether a grammar mask is applied, then whether margins are recorded."""
-        if not self.enabled:
-            return fn(*args)
-        if key not in self._captured:
-            saved = [t.clone() for t in self.state]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: lazy kernel and workspace init
-                fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip(self.state, saved, strict=True):
-                t.copy_(s)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # the outer stream context puts this thread's stream back if the capture fails: the
-                # graph context enters its capture stream and, when capture_end raises, never leaves it
-                with torch.cuda.stream(torch.cuda.current_stream()), torch.cuda.graph(graph, pool=self._pool):
-                    out = fn(*args)
-            except Exception as exc:
-                self._abandon()
-                # PyTorch's error names the invalidated capture; the op that invalidated it is the first
-                first = exc.__context__ if exc.__context__ is not None else exc
-                raise RuntimeError(f"capturing the {key[0]!r} step as a CUDA graph failed: "
-                                   f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''} "
-                                   "(this process can capture again: the graph pool was replaced)") from exc
-            self._captured[key] = (graph, out)
-        graph, out = self._captured[key]
-        graph.replay()
-        return out
-
-
-class _Readback:
-    """A step's small result copied to the host behind the work launched after it: on CUDA into
-    one of two pinned buffers (alternating: at most two steps are in flight) with an event to wait
-    on; elsewhere a plain copy."""
-
-    def __init__(self, device: torch.device, size: int) -> None:
-        self.cuda = device.type == "cuda"
-        self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        self._next = 0
-
-    def push(self, values: Tensor) -> tuple[Tensor, object]:
-        buf = self._buffers[self._next][: values.numel()]
-        self._next ^= 1
-        buf.copy_(values.view(-1), non_blocking=self.cuda)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return buf, event
-
-    @staticmethod
-    def read(item: tuple[Tensor, object]) -> list[int]:
-        buf, event = item
-        if event is not None:
-            event.synchronize()
-        return buf.tolist()
-
-
 class RuntimeDecoder:
     """Buffers and graphs of one workspace; rebuilt when the pair's workspace is reallocated."""
 
@@ -237,10 +127,10 @@ class RuntimeDecoder:
         # A warm-up run advances the recurrent state in place (K/V and features past the root are
         # rewritten by every replay): restore it before capturing.
         state = [self.start, ws.cache.rec, ws.cache.conv] if self.recurrent else [self.start]
-        self.graphs = _Graphs(graphs, state)
+        self.graphs = Graphs(graphs, state)
         self._tree_buffers = self._tree_buffer_ids()
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
-        self._readbacks: dict[int, _Readback] = {}
+        self._readbacks: dict[int, Readback] = {}
         self._draft_kv: tuple[Tensor, Tensor] | None = None
         self._constants: dict[object, Tensor] = {}
         self._chain_tables: dict[int, tuple[Tensor, Tensor]] = {}
@@ -270,10 +160,10 @@ class RuntimeDecoder:
         if self.recurrent:
             self.ws.cache.ahead = True
 
-    def _readback(self, size: int) -> _Readback:
+    def _readback(self, size: int) -> Readback:
         """The pinned result buffers of steps of ``size`` values (allocated once: not in the timed decode)."""
         if size not in self._readbacks:
-            self._readbacks[size] = _Readback(self.device, size)
+            self._readbacks[size] = Readback(self.device, size)
         return self._readbacks[size]
 
     def _bitmask(self, gs: GrammarState) -> tuple[Tensor, Tensor]:
@@ -394,7 +284,7 @@ class RuntimeDecoder:
         return packed, logits, path
 
     def _launch_adaptive(self, policy: AdaptivePolicy, key_len: int, key: tuple, step_key: tuple, cfg: EngineConfig,
-                         block: int, record: bool, timer, readback: _Readback) -> tuple:
+                         block: int, record: bool, timer, readback: Readback) -> tuple:
         """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step over
         the tree of that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget,
         the E[AL] it was chosen by) last."""
@@ -483,7 +373,7 @@ class RuntimeDecoder:
             self.ws.cache.keep_previous = keep
         start = len(prompt)
         reach = max(n_verify, block) if speculative else 1  # key slots past the root a step may touch
-        # after (kind, key span): see _Graphs.run; an AR step depends on none of the draft's fields
+        # after (kind, key span): see Graphs.run; an AR step depends on none of the draft's fields
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block) if speculative else (cfg.temperature, cfg.seed)
         if policy is not None:  # its proposals carry the estimates, its steps a budget

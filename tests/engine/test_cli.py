@@ -180,7 +180,8 @@ def test_generate_takes_the_adaptive_policy_and_reports_its_budgets():
     base = ["generate", "--target", "tiny-dense", "--draft", "random", "--prompt", "Hello", "--max-new-tokens", "16",
             "--json", "--device", "cpu"]
     ar = json.loads(run(*base, "--verify", "ar").stdout)
-    r = run(*base, "--verify", "ddtree", "--budget", "4", "--top-k", "2", "--policy", "adaptive", "--policy-levels", "1")
+    r = run(*base, "--verify", "ddtree", "--budget", "4", "--top-k", "2", "--policy", "adaptive",
+            "--policy-levels", "1")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens"] == ar["tokens"] and out["config"]["policy"] == "adaptive"

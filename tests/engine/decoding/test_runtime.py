@@ -134,13 +134,13 @@ class _NoHostRead(TorchDispatchMode):
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 @pytest.mark.parametrize("verify", ["ar", "chain", "ddtree"])
 def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch, target, verify):
-    """What the runtime captures (every function ``_Graphs.run`` is given) has no op that reads a
+    """What the runtime captures (every function ``Graphs.run`` is given) has no op that reads a
     device value on the host, with the PyTorch forms too (``kernels: eager`` on CUDA, the forms
     these CPU runs take): a captured step can hold it. The step attention's mask was built by
     boolean indexing (a count read back): every runtime + eager trial of the 2026-12-04 sweep failed
     in capture."""
     pair = pair_for(target, "random")
-    original = runtime._Graphs.run
+    original = runtime.Graphs.run
     calls = []
 
     def checked(graphs, key, fn, *args):
@@ -150,7 +150,7 @@ def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch
         calls.append(key[0])
         return original(graphs, key, guarded, *args)
 
-    monkeypatch.setattr(runtime._Graphs, "run", checked)
+    monkeypatch.setattr(runtime.Graphs, "run", checked)
     cfg = EngineConfig(verify=verify, budget=12, top_k=4, draft_path="runtime", kernels="eager")
     gen = engine.generate(pair, pair.encode("Nothing read back inside a step."), cfg, 24, ignore_eos=True)
     assert gen.stats.loop == "runtime" and len(gen.tokens) == 24
@@ -303,11 +303,11 @@ def test_ar_chain_and_ddtree_run_one_step_function(monkeypatch):
 def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
     """The margins change what a captured step does, so they are part of its graph key; a step
     without them leaves the margin buffer alone (no extra work in the graphs that time decoding)."""
-    from engine.decoding.runtime import _Graphs
+    from engine.decoding.graphs import Graphs
 
     keys = []
-    run = _Graphs.run
-    monkeypatch.setattr(_Graphs, "run", lambda self, key, fn, *args: keys.append(key) or run(self, key, fn, *args))
+    run = Graphs.run
+    monkeypatch.setattr(Graphs, "run", lambda self, key, fn, *args: keys.append(key) or run(self, key, fn, *args))
     pair = pair_for("tiny-dense", "random")
     ids = pair.encode("Keys say what a graph does.")
     cfg = EngineConfig(verify="ddtree", budget=6, top_k=2)
@@ -358,6 +358,16 @@ def test_grammar_on_the_runtime_steps_equals_constrained_ar(target):
         cfg = EngineConfig(**params, grammar="commit")
         gen = generate_speculative(pair, ids, cfg, GRAMMAR_NEW, gs=g.state(), use_runtime=True)
         assert gen.tokens == want.tokens, params
+    # the adaptive policy's steps (AR steps of the root alone among them) under the grammar: cut at a
+    # refused token as a tree step is, on the runtime (commit) and the generic loop (walk, commit)
+    from engine.decoding.policy import StepCosts
+
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, chain_seed=0, policy="adaptive", policy_levels=2,
+                       probe_every=3)
+    for grammar, on_runtime in (("commit", True), ("walk", False), ("commit", False)):
+        gen = generate_speculative(pair, ids, cfg.replace(grammar=grammar), GRAMMAR_NEW, gs=g.state(),
+                                   use_runtime=on_runtime, step_costs=StepCosts({0: 1.0, 4: 1.8, 8: 2.5}))
+        assert gen.tokens == want.tokens and 0 in gen.stats.step_budgets, (grammar, on_runtime)
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
@@ -444,7 +454,7 @@ def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_tree
     cfg = EngineConfig(verify="ddtree", budget=16, top_k=3, chain_seed=0, policy="adaptive", policy_levels=3,
                        probe_every=4, draft_path="runtime", kernels="eager")
     costs = StepCosts({0: 1.0, 4: 1.8, 8: 2.5, 16: 3.0})  # a tree must accept more than one node in two
-    original, keys = runtime._Graphs.run, []
+    original, keys = runtime.Graphs.run, []
 
     def checked(graphs, key, fn, *args):
         def guarded(*a):
@@ -453,7 +463,7 @@ def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_tree
         keys.append(key[:3])
         return original(graphs, key, guarded, *args)
 
-    monkeypatch.setattr(runtime._Graphs, "run", checked)
+    monkeypatch.setattr(runtime.Graphs, "run", checked)
     # (probes after more AR steps than a proposal's block: the draft's context must not lag behind)
     weak = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, step_costs=costs, use_runtime=True)
     # the draft's context stayed current through the AR steps, which run no proposal: every
