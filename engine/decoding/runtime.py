@@ -218,20 +218,19 @@ class RuntimeDecoder:
                      record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
         """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
         the proposed tree, its packed result followed by the proposal's estimates; at budget 0 over
-        the root alone (no proposal: a plain AR step through the walk and commit), and then the
-        draft's context keys and values of the last ``block`` + 1 positions (a later proposal
-        recomputes only its last ``block``: with AR steps between, a tree step's commits lie before)."""
+        the root alone (no proposal: a plain AR step through the walk and commit). Then the draft's
+        context keys and values of the positions it committed (a root step one, a tree step at most
+        ``block``: the last ``block`` are written): a proposal recomputes only the ``block`` positions
+        before its root, and after AR steps a tree step's commits lie further back."""
         if budget == 0:
             tree, anc = root_tree(self.ws.seq.index_select(0, self.start))
         else:
             tree, anc = prefix(proposal[0], proposal[1], budget)
         packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False)
-        if budget == 0:
-            positions = (self.start + self._constant(("back", block), lambda: torch.arange(-block - 1, 0,
-                                                                                            device=self.device)))
-            self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
-            return packed, logits, path, tree
-        return torch.cat([packed, proposal[2]]), logits, path, tree
+        back = 1 if budget == 0 else block
+        positions = self.start + self._constant(("back", back), lambda: torch.arange(-back, 0, device=self.device))
+        self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
+        return (packed if budget == 0 else torch.cat([packed, proposal[2]])), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
