@@ -10,10 +10,12 @@ Stages, each a pure function or a small record:
    best-first (the forced top-1 chain first), so the tree of budget b is the list's first b nodes:
    one cumulative sum over the tree built at the largest budget gives E[accepted](b) for every b.
    ``accepts_at`` gathers it at the candidate budgets, the few values the host reads back.
-2. **Calibrate** (``Calibration``): drafts are over- or under-confident (an early checkpoint, a
-   workload it never saw). Observed accepted nodes over predicted ones, as exponentially decayed sums
-   over this generation's tree steps, scale every prediction.
-3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio * E[accepted](b), b, depth), and the
+2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
+   checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
+   observes every budget up to its own (``accepted_within``: the accepted path's nodes inside each
+   budget's prefix), and observed over predicted accepted nodes, as exponentially decayed sums over
+   this generation's tree steps, scale that budget's predictions.
+3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
    this pair on this device, ``decode.measure_step_costs``, or given).
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
@@ -104,6 +106,25 @@ def accepts_at(cumulative: Tensor, index: Tensor) -> Tensor:
     return torch.round(cumulative.index_select(0, index) * FIXED_POINT).long()
 
 
+def accepted_within(path: Tensor, al: Tensor, index: Tensor) -> Tensor:
+    """[C] int64: per budget (``budget_index``), the accepted drafted nodes of the walk's ``path``
+    (``path[:al]``, root first; ``al`` [1]) that lie in that budget's tree. A node's parent comes
+    before it in the builder's order, so they are the path's first nodes: what the step would have
+    accepted at that budget. One tree step observes every budget up to its own."""
+    j = torch.arange(path.numel(), device=path.device)
+    on_path = (j >= 1) & (j < al)
+    return ((path[None, :] <= index[:, None]) & on_path[None, :]).sum(1)
+
+
+def observations(accepts: Tensor | None, path: Tensor, al: Tensor, index: Tensor | None) -> Tensor:
+    """What an adaptive tree step reads back besides its tokens (``AdaptivePolicy.record``): its
+    proposal's estimate at each budget (``accepts_at``), then the nodes accepted within each budget's
+    tree (``accepted_within``); empty where there is none (the fixed policy, an AR step)."""
+    if accepts is None:
+        return torch.empty(0, dtype=torch.long, device=path.device)
+    return torch.cat([accepts, accepted_within(path, al, index)])
+
+
 def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
     """The tree of ``budget`` nodes (views: the builder's first ``budget`` + 1 entries, root included)."""
     n = min(budget, tree.tokens.numel() - 1) + 1
@@ -117,12 +138,12 @@ def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
     return Tree(root, zero - 1, zero, zero), torch.ones(1, 1, dtype=torch.bool, device=root.device)
 
 
-def choose_budget(budgets: Sequence[int], accepts: Sequence[float], ratio: float, costs: StepCosts,
+def choose_budget(budgets: Sequence[int], accepts: Sequence[float], ratios: Sequence[float], costs: StepCosts,
                   depth: int) -> tuple[int, float]:
-    """(the budget maximising E[AL](b) / ms(b), its E[AL]): E[AL](b) = 1 + min(ratio * accepts[b],
+    """(the budget maximising E[AL](b) / ms(b), its E[AL]): E[AL](b) = 1 + min(ratio(b) * accepts(b),
     b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget."""
     best, best_al, best_rate = budgets[0], 1.0, -1.0
-    for b, a in zip(budgets, accepts, strict=True):
+    for b, a, ratio in zip(budgets, accepts, ratios, strict=True):
         al = 1.0 + min(ratio * a, b, depth)
         rate = al / costs.ms[b]
         if rate > best_rate:
@@ -157,7 +178,7 @@ class AdaptivePolicy:
     costs: StepCosts
     depth: int
     probe_every: int
-    calibration: Calibration
+    calibrations: list[Calibration]  # one per budget: a draft's over-confidence depends on the tree's size
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
 
@@ -165,29 +186,34 @@ class AdaptivePolicy:
     def for_config(cls, cfg: EngineConfig, depth: int, costs: StepCosts) -> AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
-        return cls(budgets, costs, depth, cfg.probe_every, Calibration(cfg.calibration_window))
+        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
 
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
         # Before any tree step: every node assumed accepted (the first step probes optimistically).
         fresh = self.accepts is None
         accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.accepts
-        ratio = 1.0 if fresh else self.calibration.ratio
-        b, al = choose_budget(self.budgets, accepts, ratio, self.costs, self.depth)
+        ratios = [1.0 if fresh else c.ratio for c in self.calibrations]
+        b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
         if b == 0:
             self.ar_streak += 1
             tree = [i for i, c in enumerate(self.budgets) if c > 0 and math.isfinite(self.costs.ms[c])]
             if self.ar_streak >= self.probe_every and tree:  # a probe: the best tree, to estimate again
-                b, al = choose_budget([self.budgets[i] for i in tree], [accepts[i] for i in tree], ratio,
-                                      self.costs, self.depth)
+                b, al = choose_budget([self.budgets[i] for i in tree], [accepts[i] for i in tree],
+                                      [ratios[i] for i in tree], self.costs, self.depth)
         if b > 0:
             self.ar_streak = 0
         return b, al
 
-    def record(self, budget: int, accepts: Sequence[int] | None, al: int) -> None:
-        """A step read back: its budget, its proposal's estimate per budget (fixed point, as
-        ``accepts_at`` packs it; None for an AR step) and the tokens it committed."""
-        if budget == 0 or accepts is None:
+    def record(self, budget: int, values: Sequence[int]) -> None:
+        """A step read back: its budget and its ``observations`` (empty for an AR step, which teaches
+        nothing). Every budget up to the step's own is calibrated: their trees were inside the one
+        verified."""
+        if budget == 0 or not values:
             return
+        n = len(self.budgets)
+        accepts, observed = values[:n], values[n:]
         self.accepts = [a / FIXED_POINT for a in accepts]
-        self.calibration.update(self.accepts[self.budgets.index(budget)], al - 1)
+        for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
+            if 0 < b <= budget:
+                cal.update(predicted, seen)

@@ -56,7 +56,15 @@ from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
 from engine.decoding.graphs import Graphs, Readback
-from engine.decoding.policy import AdaptivePolicy, accepts_at, budget_index, expected_accepts, prefix, root_tree
+from engine.decoding.policy import (
+    AdaptivePolicy,
+    accepts_at,
+    budget_index,
+    expected_accepts,
+    observations,
+    prefix,
+    root_tree,
+)
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -215,9 +223,10 @@ class RuntimeDecoder:
         return self._constants[key]
 
     def _policy_step(self, key_len: int, cfg: EngineConfig, block: int, proposal: tuple | None, budget: int,
-                     record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
+                     budgets: tuple[int, ...], record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
         """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
-        the proposed tree, its packed result followed by the proposal's estimates; at budget 0 over
+        the proposed tree, its packed result followed by the proposal's estimates and the accepted
+        nodes within each budget's tree (``accepted_within``); at budget 0 over
         the root alone (no proposal: a plain AR step through the walk and commit). Then the draft's
         context keys and values of the positions it committed (a root step one, a tree step at most
         ``block``: the last ``block`` are written): a proposal recomputes only the ``block`` positions
@@ -230,7 +239,10 @@ class RuntimeDecoder:
         back = 1 if budget == 0 else block
         positions = self.start + self._constant(("back", back), lambda: torch.arange(-back, 0, device=self.device))
         self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
-        return (packed if budget == 0 else torch.cat([packed, proposal[2]])), logits, path, tree
+        if budget == 0:
+            return packed, logits, path, tree
+        index = self._constants[("budgets", budgets, proposal[0].size)]  # made by _propose
+        return torch.cat([packed, observations(proposal[2], path, packed[:1], index)]), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
@@ -295,7 +307,8 @@ class RuntimeDecoder:
                                            block, policy.budgets)
         with timer.phase("verify"):
             packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, *step_key), self._policy_step,
-                                                         key_len, cfg, block, proposal, budget, record)
+                                                         key_len, cfg, block, proposal, budget, policy.budgets,
+                                                         record)
             return readback.push(packed), tree, logits, path, (budget, expected)
 
     def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
@@ -358,7 +371,7 @@ class RuntimeDecoder:
         if speculative:  # before the prefill: allocation is not timed
             self.reserve_tree(n_verify)
             self._draft_context()
-        readback = self._readback((3 + n_verify + (len(policy.budgets) if policy else 0)) if speculative else 1)
+        readback = self._readback((3 + n_verify + (2 * len(policy.budgets) if policy else 0)) if speculative else 1)
         margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
         bits = self._bitmask(gs) if ar_mask else None
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
@@ -434,9 +447,10 @@ class RuntimeDecoder:
             start += al
             if speculative:
                 stats.record_step(al, leaf, side)
-                if chosen is not None:  # the adaptive policy's step: a tree step's values end in its estimates
+                if chosen is not None:  # the adaptive policy's step
                     stats.record_budget(*chosen)
-                    policy.record(chosen[0], values[-len(policy.budgets):] if chosen[0] else None, al)
+                    # (a tree step's values end in its observations, 2 per budget)
+                    policy.record(chosen[0], values[-2 * len(policy.budgets):] if chosen[0] else [])
             else:
                 stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)

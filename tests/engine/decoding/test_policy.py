@@ -14,6 +14,7 @@ from engine.decoding.policy import (
     AdaptivePolicy,
     Calibration,
     StepCosts,
+    accepted_within,
     accepts_at,
     budget_index,
     choose_budget,
@@ -28,6 +29,7 @@ BUDGETS = (0, 2, 4, 8)
 # Verify is expensive: a tree step must accept more than one drafted token in two to beat AR.
 EXPENSIVE = StepCosts({0: 1.0, 2: 1.5, 4: 1.8, 8: 2.5})
 CHEAP = StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: 1.2})
+AS_IS = [1.0] * len(BUDGETS)  # calibration ratios: the draft's probabilities as they are
 
 
 def test_the_budgets_halve_from_the_configured_one_and_always_include_ar():
@@ -80,19 +82,19 @@ def test_the_estimate_sums_path_probabilities_and_a_prefix_is_the_smaller_budget
 def test_a_weak_draft_with_an_expensive_verify_chooses_ar_and_a_strong_one_the_largest_tree():
     weak = [0.0, 0.3, 0.4, 0.45]  # E[accepted] at budgets 0, 2, 4, 8
     strong = [0.0, 1.9, 3.5, 6.0]
-    assert choose_budget(BUDGETS, weak, 1.0, EXPENSIVE, depth=7) == (0, 1.0)
-    b, al = choose_budget(BUDGETS, strong, 1.0, CHEAP, depth=7)
+    assert choose_budget(BUDGETS, weak, AS_IS, EXPENSIVE, depth=7) == (0, 1.0)
+    b, al = choose_budget(BUDGETS, strong, AS_IS, CHEAP, depth=7)
     assert (b, al) == (8, 7.0)
     # a verify as cheap as an AR step: even a weak draft's tree pays, at a budget that adds enough
-    assert choose_budget(BUDGETS, weak, 1.0, StepCosts({0: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}), depth=7)[0] == 8
+    assert choose_budget(BUDGETS, weak, AS_IS, StepCosts({0: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}), depth=7)[0] == 8
     # the calibration scales the draft's estimate: a strong-looking draft that is not accepted loses
-    assert choose_budget(BUDGETS, strong, 1.0, EXPENSIVE, depth=7)[0] == 8
-    assert choose_budget(BUDGETS, strong, 0.05, EXPENSIVE, depth=7)[0] == 0
+    assert choose_budget(BUDGETS, strong, AS_IS, EXPENSIVE, depth=7)[0] == 8
+    assert choose_budget(BUDGETS, strong, [0.05] * 4, EXPENSIVE, depth=7)[0] == 0
     # a tree accepts at most one node per depth and its b nodes, whatever the estimate: budget 4
     # reaches depth 3 (E[AL] 4) at a lower cost than 8
-    assert choose_budget(BUDGETS, [0.0, 9.0, 9.0, 9.0], 1.0, CHEAP, depth=3) == (4, 4.0)
+    assert choose_budget(BUDGETS, [0.0, 9.0, 9.0, 9.0], AS_IS, CHEAP, depth=3) == (4, 4.0)
     # an infinite cost excludes a budget
-    assert choose_budget(BUDGETS, strong, 1.0, StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: math.inf}), depth=7)[0] == 4
+    assert choose_budget(BUDGETS, strong, AS_IS, StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: math.inf}), depth=7)[0] == 4
 
 
 def test_the_calibration_moves_toward_the_observed_acceptance_and_forgets_old_steps():
@@ -110,20 +112,49 @@ def test_the_calibration_moves_toward_the_observed_acceptance_and_forgets_old_st
     assert cal.ratio == pytest.approx(1.0, abs=0.02)
 
 
+def test_one_tree_step_observes_every_budget_up_to_its_own():
+    """The accepted path's nodes inside each budget's prefix: parents come first in the builder's order."""
+    path, al = torch.tensor([0, 1, 3, 6, 2]), torch.tensor([4])  # root, then nodes 1, 3, 6 accepted
+    index = budget_index(BUDGETS, 8, path.device)
+    assert accepted_within(path, al, index).tolist() == [0, 1, 2, 3]
+    assert accepted_within(path, torch.tensor([1]), index).tolist() == [0, 0, 0, 0]  # the root alone
+
+
+def _fixed(xs):  # as the step's readback packs estimates
+    return [round(x * FIXED_POINT) for x in xs]
+
+
 def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step():
-    policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=3, calibration=Calibration(4))
+    policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=3,
+                            calibrations=[Calibration(4) for _ in BUDGETS])
     # no estimate yet: every node assumed accepted, the best rate under the costs (8 nodes: 8 / 2.5)
     assert policy.choose() == (8, 8.0)
-    fixed = lambda xs: [round(x * FIXED_POINT) for x in xs]  # noqa: E731  as the step's readback packs them
-    policy.record(8, fixed([0.0, 1.8, 3.0, 5.0]), al=1)  # the draft expected 5 nodes; none accepted
-    assert policy.calibration.ratio == pytest.approx(1 / 6)
+    estimate = _fixed([0.0, 1.9, 3.5, 6.0])
+    for _ in range(2):  # the draft expected 6 nodes at budget 8 (1.9 at budget 2); none was accepted
+        policy.record(8, estimate + [0, 0, 0, 0])
+    assert [c.ratio for c in policy.calibrations] == pytest.approx(  # (the estimates in fixed point)
+        [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 3.5 + 1), 1 / (1.75 * 6.0 + 1)], rel=1e-5)
     choices = [policy.choose()[0] for _ in range(6)]
     assert choices == [0, 0, 2, 0, 0, 2]  # every third step a probe, at the best tree budget
-    policy.record(2, fixed([0.0, 1.8, 3.0, 5.0]), al=3)  # the probe's two nodes accepted: the draft is back
-    policy.record(2, fixed([0.0, 1.8, 3.0, 5.0]), al=3)
-    assert policy.choose()[0] > 0
-    policy.record(0, None, al=1)  # an AR step teaches nothing
-    assert policy.calibration.observed == pytest.approx(2 + 0.75 * 2)
+    before = (policy.calibrations[2].predicted, policy.calibrations[3].predicted)
+    for _ in range(2):  # the probes' two nodes accepted: the draft is right again, at budget 2
+        policy.record(2, estimate + [0, 2, 2, 2])
+    assert policy.choose()[0] == 2
+    # a budget-2 step says nothing about the larger trees
+    assert (policy.calibrations[2].predicted, policy.calibrations[3].predicted) == before
+    policy.record(0, [])  # an AR step teaches nothing
+    assert policy.calibrations[1].observed == pytest.approx(2 + 0.75 * 2)
+
+
+def test_each_budget_is_calibrated_on_its_own_acceptance():
+    """A draft right on its first nodes and over-confident deeper: one budget-8 step that accepted
+    its two best nodes, and nothing past them, makes the budget-4 tree the best rate (AL 3 for 1.1 ms
+    against 3 for 1.2), where one ratio for every budget would keep verifying 8."""
+    policy = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
+    policy.record(8, _fixed([0.0, 1.9, 3.5, 6.0]) + [0, 2, 2, 2])
+    assert policy.choose()[0] == 4
+    one_ratio = [(2 + 1) / (6.0 + 1)] * 4
+    assert choose_budget(BUDGETS, [0.0, 1.9, 3.5, 6.0], one_ratio, CHEAP, depth=7)[0] == 8
 
 
 def test_step_costs_and_the_policys_fields_are_validated_with_the_rule_and_the_value():
@@ -178,7 +209,7 @@ def test_adaptive_equals_ar_and_runs_ar_steps_for_a_weak_draft_and_trees_for_a_s
         assert len(gen.stats.step_budgets) == gen.stats.steps and sum(gen.stats.accept_lengths) >= 31
         seen[p] = stats
     strong, weak = seen["0.1"], seen["0.9"]
-    assert set(strong["budget_histogram"]) == {8}  # every step a tree: the draft is right
+    assert 0 not in strong["budget_histogram"]  # every step a tree: the draft is right
     assert weak["budget_histogram"][0] > 0.6 * sum(weak["budget_histogram"].values())  # mostly AR
     assert set(weak["budget_histogram"]) - {0}  # ... with probes
     assert strong["policy_observed_al"] > 4 > weak["policy_observed_al"]

@@ -443,9 +443,11 @@ def test_ddtree_with_top_k_1_decodes_as_chain(target, use_runtime):
 def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_trees_for_a_strong_one(monkeypatch,
                                                                                                   target):
     """The adaptive policy on the runtime's steps: the random draft's proposals are weak and the
-    policy runs plain AR steps (the root alone, no proposal, the draft's context kept current);
-    proposing the target's own tokens (side branches every third position) it verifies trees. Both
-    equal AR; each budget is its own captured step, none of which reads a device value back."""
+    policy runs plain AR steps (the root alone, no proposal); proposing the target's own tokens (side
+    branches every third position) it verifies trees; every other position, at a cost table where a
+    tree step of 4 tokens loses to 5 AR steps, it runs AR steps after learning so, keeping the draft's
+    context current. All equal AR; each budget is its own captured step, none of which reads a
+    device value back."""
     from engine.decoding.policy import StepCosts
 
     pair = pair_for(target, "random")
@@ -464,29 +466,24 @@ def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_tree
         return original(graphs, key, guarded, *args)
 
     monkeypatch.setattr(runtime.Graphs, "run", checked)
+    weak = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
     real, peeking = _peeking(pair, len(ids), ar)
-    proposals = []
-
-    def right_at_first(*args):  # the first two proposals the target's tokens (deep trees), then the random draft's
-        proposals.append(len(proposals))
-        return (peeking if len(proposals) <= 2 else real)(*args)
-
-    # (more AR steps than a proposal's block after tree steps of several tokens, then a probe: the
-    # draft's context must not lag behind)
-    monkeypatch.setattr(pair.drafter, "propose_static", right_at_first)
-    weak = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, step_costs=costs, use_runtime=True)
-    # the draft's context stayed current through the AR steps, which run no proposal: every
-    # committed position's, as from scratch
-    dec, end = pair._runtime_decoder, len(ids) + len(weak.tokens) - 1
-    assert max(weak.stats.accept_lengths[:2]) > 2 and weak.stats.step_budgets[-4:] == [0, 0, 0, 0]
+    monkeypatch.setattr(pair.drafter, "propose_static", peeking)
+    strong = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
+    # Tree steps of several tokens, then more AR steps than a proposal recomputes the context of,
+    # then a probe: every committed position's draft context as computed from scratch
+    _, halfway = _peeking(pair, len(ids), ar, side_every=2)
+    monkeypatch.setattr(pair.drafter, "propose_static", halfway)
+    mixed = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, use_runtime=True,
+                                 step_costs=StepCosts({0: 1.0, 4: 3.0, 8: 4.0, 16: 5.0}))
+    monkeypatch.setattr(pair.drafter, "propose_static", real)
+    assert weak.tokens == strong.tokens == mixed.tokens == ar and weak.stats.loop == "runtime"
+    assert max(mixed.stats.accept_lengths[:2]) > 2 and mixed.stats.step_budgets[2:21] == [0] * 19
+    dec, end = pair._runtime_decoder, len(ids) + len(mixed.tokens) - 1
     want = pair.drafter.new_context(end)
     pair.drafter.fill_context(want, dec.ws.features, end)
     for got, expect in zip(dec._draft_kv, want, strict=True):
         torch.testing.assert_close(got[:, :end], expect, rtol=0, atol=1e-5)
-    monkeypatch.setattr(pair.drafter, "propose_static", peeking)
-    strong = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
-    monkeypatch.setattr(pair.drafter, "propose_static", real)
-    assert weak.tokens == strong.tokens == ar and weak.stats.loop == "runtime"
     hist_weak, hist_strong = weak.stats.to_dict()["budget_histogram"], strong.stats.to_dict()["budget_histogram"]
     assert hist_weak[0] > 0.6 * weak.stats.steps and len(hist_weak) > 1  # AR steps, and probes
     assert 0 not in hist_strong and strong.stats.side_branch_steps > 0
