@@ -171,7 +171,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 has_child = (tree.parents == last).any()
                 side_t = (tree.ranks * mask[last]).gt(0).any()
                 # The step's single host read: AL, leaf flag, side flag, the committed tokens (and the
-                # adaptive policy's estimates).
+                # adaptive policy's observations: none under the fixed policy).
                 seen = observations(accepts, path, al_t.view(1), index)
                 packed = torch.cat([al_t.view(1), has_child.view(1).long(), side_t.view(1).long(),
                                     tree.tokens[path], posterior[last].view(1), seen]).tolist()
