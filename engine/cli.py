@@ -170,8 +170,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = generate(pair, ids, cfg, args.max_new_tokens, on_tokens=stream.push if stream else None)
     text = pair.tokenizer.decode(gen.tokens) if pair.tokenizer is not None else None
     stats = gen.stats.to_dict()
+    # the adaptive policy's step cost table (measured before the first step, kept on the pair)
+    costs = pair.step_costs(cfg, ids).ms if cfg.verify == "ddtree" and cfg.policy == "adaptive" else {}
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "text": text, "config": cfg.to_dict(), "stats": stats}))
+        out = {"tokens": gen.tokens, "text": text, "config": cfg.to_dict(), "stats": stats}
+        print(json.dumps({**out, "step_costs_ms": costs} if costs else out))
         return 0
     if stream is not None:
         stream.finish()
@@ -179,18 +182,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(",".join(map(str, gen.tokens)))
+    _print_summary(stats, costs)
+    return 0
+
+
+def _print_summary(stats: dict[str, Any], costs: dict[int, float]) -> None:
+    """The run's ``key: value`` lines (and the adaptive policy's: its budgets, its E[AL] against the
+    AL of its tree steps, its cost table)."""
     print("---")
     for key in ("new_tokens", "steps", "acceptance_length", "decode_tps", "e2e_tps", "step_ms"):
         v = stats[key]
         print(f"{key}: {v:.4g}" if isinstance(v, float) else f"{key}: {v}")
     for phase, ms in stats["phase_ms_per_step"].items():
         print(f"phase_ms_{phase}: {ms:.4g}")
-    if stats["budget_histogram"]:  # the adaptive policy: steps per budget (0: AR), its E[AL] against AL
+    if stats["budget_histogram"]:  # steps per budget (0: AR steps)
         print("budget_histogram: " + " ".join(f"{b}:{n}" for b, n in stats["budget_histogram"].items()))
         for key in ("policy_predicted_al", "policy_observed_al"):
             v = stats[key]
             print(f"{key}: {v:.4g}" if v is not None else f"{key}: -")
-    return 0
+    if costs:
+        print("step_costs_ms: " + " ".join(f"{b}:{ms:.4g}" for b, ms in sorted(costs.items())))
 
 
 def cmd_assets(args: argparse.Namespace) -> int:

@@ -187,4 +187,5 @@ def test_generate_takes_the_adaptive_policy_and_reports_its_budgets():
     assert out["tokens"] == ar["tokens"] and out["config"]["policy"] == "adaptive"
     hist = out["stats"]["budget_histogram"]
     assert set(hist) <= {"0", "4"} and sum(hist.values()) == out["stats"]["steps"]
+    assert set(out["step_costs_ms"]) == {"0", "4"} and all(ms > 0 for ms in out["step_costs_ms"].values())
     assert "{fixed,adaptive}" in run("generate", "--help").stdout
