@@ -219,6 +219,18 @@ def test_adaptive_equals_ar_and_runs_ar_steps_for_a_weak_draft_and_trees_for_a_s
     assert fixed.stats.step_budgets == [] and fixed.stats.to_dict()["budget_histogram"] == {}
 
 
+def test_adaptive_sampling_commits_the_ar_samples():
+    """At temperature > 0 every committed token is the target's sample at its position, whatever
+    budget proposed it: the adaptive policy's output is AR's with the same seed."""
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    ids = _prompt(pair)
+    temp = dict(temperature=0.8, seed=3)
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 32).tokens
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8, policy="adaptive", policy_levels=3, **temp)
+    gen = generate_speculative(pair, ids, cfg, 32, step_costs=StepCosts({0: 1.0, 2: 1.2, 4: 1.4, 8: 1.9}))
+    assert gen.tokens == ar and len(set(gen.stats.step_budgets)) > 1
+
+
 def test_the_step_costs_are_measured_once_per_pair_and_a_given_table_is_kept():
     pair = pair_for("tiny-dense", "random")
     cfg = EngineConfig(verify="ddtree", budget=4, top_k=2, policy="adaptive", policy_levels=2, draft_path="generic")
