@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, EngineInputError
-from engine.decoding.decode import generate
+from engine.decoding.decode import generate, measure_step_costs
 from engine.decoding.drafters import Drafter
 from engine.decoding.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
 from engine.decoding.loop import Workspace
+from engine.decoding.policy import StepCosts
 from engine.decoding.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
 
@@ -42,6 +43,7 @@ class Pair:
     _workspace: Workspace | None = field(default=None, repr=False)
     _grammar_vocab: GrammarVocab | None = field(default=None, repr=False)
     _grammars: dict[str, CompiledGrammar] = field(default_factory=dict, repr=False)
+    _step_costs: dict[tuple, StepCosts] = field(default_factory=dict, repr=False)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -83,6 +85,23 @@ class Pair:
             self._workspace = ws
         ws.cache.reset()
         return ws
+
+    def step_costs(self, config: EngineConfig, prompt: Sequence[int] = (), costs: StepCosts | None = None
+                   ) -> StepCosts:
+        """The adaptive policy's step cost table (``engine.decoding.policy.StepCosts``) for ``config``
+        on this pair and device: ``costs`` if given (kept for later generations of configs that cost
+        alike), else the one kept, else measured now on ``prompt`` (``decode.measure_step_costs``:
+        a few short generations per budget, outside any generation's timed decode)."""
+        key = (config.budget, config.top_k, config.policy_levels, config.block_size, config.chain_seed,
+               config.target_feat_ctx, config.rollback, config.draft_path, config.kernels,
+               config.temperature > 0)
+        if costs is not None:
+            self._step_costs[key] = costs
+        elif key not in self._step_costs:
+            if not prompt:
+                raise EngineInputError("the adaptive policy's step costs are measured on a prompt: none was given")
+            self._step_costs[key] = measure_step_costs(self, config, prompt)
+        return self._step_costs[key]
 
     def grammar_for(self, tools: Sequence[dict[str, Any]] | None) -> CompiledGrammar | None:
         """The tool-call grammar of ``tools`` for this pair's vocabulary (compiled once per tool set);
@@ -271,4 +290,6 @@ def bench(
         grammar_ms=sum(g.stats.grammar_ms for g in gens),
         constrained=sum(g is not None for g in grammars),
         loops=dict(Counter(g.stats.loop for g in gens)),
+        step_budgets=[b for g in gens for b in g.stats.step_budgets],
+        predicted_al=[a for g in gens for a in g.stats.predicted_al],
     )

@@ -11,6 +11,7 @@ from typing import Any
 from engine.config import (
     DRAFT_PATHS,
     KERNEL_MODES,
+    POLICIES,
     ROLLBACK_MODES,
     VERIFY_MODES,
     EngineConfig,
@@ -38,6 +39,14 @@ _CONFIG_FLAGS: dict[str, tuple[type, tuple[str, ...] | None, str]] = {
     "temperature": (float, None, "0 = greedy (default); above 0 samples, every token a target sample"),
     "seed": (int, None, "sampling seed, keyed by position: AR and speculative samples agree (default 0)"),
     "kernels": (str, KERNEL_MODES, "fused: the Triton kernels on CUDA; eager: the PyTorch forms (default fused)"),
+    "policy": (str, POLICIES, "ddtree: fixed verifies `budget` nodes every step (default); adaptive chooses "
+                              "each step's budget, 0 (a plain AR step) included, for the most tokens per ms "
+                              "(step costs measured on this device before the first step)"),
+    "policy_levels": (int, None, "adaptive: tree budgets to choose from, halving from --budget (default 4)"),
+    "probe_every": (int, None, "adaptive: while it holds at AR steps, every Nth step verifies a tree to "
+                               "estimate again (default 8)"),
+    "calibration_window": (int, None, "adaptive: tree steps the calibration of the draft's probabilities "
+                                      "remembers (default 16)"),
 }
 
 
@@ -161,8 +170,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = generate(pair, ids, cfg, args.max_new_tokens, on_tokens=stream.push if stream else None)
     text = pair.tokenizer.decode(gen.tokens) if pair.tokenizer is not None else None
     stats = gen.stats.to_dict()
+    # the adaptive policy's step cost table (measured before the first step, kept on the pair)
+    costs = pair.step_costs(cfg, ids).ms if cfg.verify == "ddtree" and cfg.policy == "adaptive" else {}
     if args.json:
-        print(json.dumps({"tokens": gen.tokens, "text": text, "config": cfg.to_dict(), "stats": stats}))
+        out = {"tokens": gen.tokens, "text": text, "config": cfg.to_dict(), "stats": stats}
+        print(json.dumps({**out, "step_costs_ms": costs} if costs else out))
         return 0
     if stream is not None:
         stream.finish()
@@ -170,13 +182,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(",".join(map(str, gen.tokens)))
+    _print_summary(stats, costs)
+    return 0
+
+
+def _print_summary(stats: dict[str, Any], costs: dict[int, float]) -> None:
+    """The run's ``key: value`` lines (and the adaptive policy's: its budgets, its E[AL] against the
+    AL of its tree steps, its cost table)."""
     print("---")
     for key in ("new_tokens", "steps", "acceptance_length", "decode_tps", "e2e_tps", "step_ms"):
         v = stats[key]
         print(f"{key}: {v:.4g}" if isinstance(v, float) else f"{key}: {v}")
     for phase, ms in stats["phase_ms_per_step"].items():
         print(f"phase_ms_{phase}: {ms:.4g}")
-    return 0
+    if stats["budget_histogram"]:  # steps per budget (0: AR steps)
+        print("budget_histogram: " + " ".join(f"{b}:{n}" for b, n in stats["budget_histogram"].items()))
+        for key in ("policy_predicted_al", "policy_observed_al"):
+            v = stats[key]
+            print(f"{key}: {v:.4g}" if v is not None else f"{key}: -")
+    if costs:
+        print("step_costs_ms: " + " ".join(f"{b}:{ms:.4g}" for b, ms in sorted(costs.items())))
 
 
 def cmd_assets(args: argparse.Namespace) -> int:

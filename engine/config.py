@@ -11,6 +11,7 @@ ROLLBACK_MODES = ("replay", "fast")
 DRAFT_PATHS = ("auto", "generic", "runtime")
 GRAMMAR_MODES = ("off", "walk", "commit")
 KERNEL_MODES = ("fused", "eager")
+POLICIES = ("fixed", "adaptive")
 # Upper bounds: what one step can run. A verify's budget + 1 rows stay within the few-row linear
 # kernel's reach (engine.models.linear.MAX_ROWS = 1024); the rest bound what no draft or search
 # space needs, so that a typo (1e30) is refused here rather than failing every trial allocating.
@@ -20,6 +21,9 @@ MAX_BLOCK_SIZE = 256
 MAX_CHAIN_SEED = 1024
 MAX_TARGET_FEAT_CTX = 1 << 20
 MAX_SEED = 2**63 - 1
+MAX_POLICY_LEVELS = 10  # budget / 2**9: below 2 nodes for every budget MAX_BUDGET allows
+MAX_PROBE_EVERY = 1024
+MAX_CALIBRATION_WINDOW = 1 << 16
 
 
 class EngineInputError(ValueError):
@@ -59,6 +63,18 @@ class EngineConfig:
     kernels: ``fused`` runs the Triton kernels on CUDA (the tree delta rule, RMSNorm, RoPE, SiLU-mul,
         small-query attention, Gated DeltaNet inputs: one launch where eager PyTorch takes several);
         ``eager`` the PyTorch forms. On a CPU both are eager. Either is exact against AR.
+    policy (ddtree): the step policy. ``fixed`` verifies a tree of ``budget`` nodes every step;
+        ``adaptive`` (``engine.decoding.policy``) chooses each step's budget among
+        ``policy_budgets(budget, policy_levels)`` and 0 (a plain AR step: the root alone, no draft),
+        maximising expected committed tokens per millisecond from the draft's own path
+        probabilities, calibrated online against the acceptance observed, and the measured step
+        cost at each budget. Either is exact: the policy changes only what is proposed.
+    policy_levels (adaptive): tree budgets to choose from, halving from ``budget``
+        (4 at budget 64: 64, 32, 16, 8), besides 0.
+    probe_every (adaptive): while the policy holds at AR steps (which run no draft), every
+        ``probe_every``-th step proposes and verifies a tree anyway, so the estimate can move again.
+    calibration_window (adaptive): steps the calibration of the draft's probabilities remembers
+        (an exponential decay of 1 - 1/window on the observed and predicted sums).
     """
 
     verify: str = "ddtree"
@@ -74,6 +90,10 @@ class EngineConfig:
     seed: int = 0
     grammar: str = "off"
     kernels: str = "fused"
+    policy: str = "fixed"
+    policy_levels: int = 4
+    probe_every: int = 8
+    calibration_window: int = 16
 
     def __post_init__(self) -> None:
         _choice("verify", self.verify, VERIFY_MODES)
@@ -81,6 +101,10 @@ class EngineConfig:
         _choice("draft_path", self.draft_path, DRAFT_PATHS)
         _choice("grammar", self.grammar, GRAMMAR_MODES)
         _choice("kernels", self.kernels, KERNEL_MODES)
+        _choice("policy", self.policy, POLICIES)
+        _int_at_least("policy_levels", self.policy_levels, 1, MAX_POLICY_LEVELS)
+        _int_at_least("probe_every", self.probe_every, 2, MAX_PROBE_EVERY)
+        _int_at_least("calibration_window", self.calibration_window, 1, MAX_CALIBRATION_WINDOW)
         _int_at_least("budget", self.budget, 1, MAX_BUDGET)
         _int_at_least("top_k", self.top_k, 1, MAX_TOP_K)
         _int_at_least("target_feat_ctx", self.target_feat_ctx, 0, MAX_TARGET_FEAT_CTX)
@@ -114,16 +138,20 @@ class EngineConfig:
     def applicable(self) -> dict[str, Any]:
         """The fields that change what this config decodes, by ``verify``: AR has no draft (no
         tree, block or rollback of rejected tokens), a chain takes the draft's top-1 (no top-k,
-        budget, proposal temperature or chain seed). What exports, reports and tracking show, so an
-        AR winner is not read as tuned at a budget; ``from_dict`` of it builds the same config."""
+        budget, proposal temperature or chain seed), and the step policy applies to DDTree only, its
+        knobs to the adaptive policy only. What exports, reports and tracking show, so an AR winner
+        is not read as tuned at a budget; ``from_dict`` of it builds the same config."""
         skip = _NOT_APPLICABLE[self.verify]
+        if self.verify == "ddtree" and self.policy == "fixed":
+            skip = skip | _ADAPTIVE_ONLY
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_TREE_ONLY = frozenset({"budget", "top_k", "proposal_temp", "chain_seed"})
+_ADAPTIVE_ONLY = frozenset({"policy_levels", "probe_every", "calibration_window"})
+_TREE_ONLY = frozenset({"budget", "top_k", "proposal_temp", "chain_seed", "policy"}) | _ADAPTIVE_ONLY
 _NOT_APPLICABLE = {"ddtree": frozenset(), "chain": _TREE_ONLY,
                    "ar": _TREE_ONLY | {"target_feat_ctx", "rollback", "block_size"}}
 

@@ -5,10 +5,13 @@ Chain verify is the degenerate tree (one path), so both speculative modes share 
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding import runtime
@@ -22,13 +25,24 @@ from engine.decoding.loop import (
     finish,
     grammar_commit,
     masked_pick,
-    propose_tree,
+    scored_tree,
     tree_bitmask,
     truncate,
 )
+from engine.decoding.policy import (
+    AdaptivePolicy,
+    StepCosts,
+    accepts_at,
+    budget_index,
+    expected_accepts,
+    observations,
+    policy_budgets,
+    prefix,
+    root_tree,
+)
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
-from engine.decoding.tree import walk_device, walk_host
+from engine.decoding.tree import Tree, walk_device, walk_host
 from engine.models import fused
 from engine.models.common import VerifyTree
 
@@ -84,18 +98,22 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                          stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
                          gs: GrammarState | None = None, use_runtime: bool | None = None,
-                         record_margins: bool = False) -> Generation:
+                         record_margins: bool = False, step_costs: StepCosts | None = None) -> Generation:
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
     ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.decoding.runtime``).
     ``record_margins``: ``Generation.margins``, from the verify rows along each accepted path (a
-    grammar cut's token: from its masked row)."""
+    grammar cut's token: from its masked row).
+    ``cfg.policy == "adaptive"`` (DDTree): each step's budget is the policy's (``engine.decoding.policy``;
+    0: the root alone, no draft), from ``step_costs``, by default the pair's measured table
+    (``Pair.step_costs``, measured before this generation's first step on its first use)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
     block = cfg.block_size or drafter.block_size
     depth = block - 1
+    policy = _policy(pair, cfg, prompt, depth, step_costs)  # (before the workspace: measuring decodes)
     n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
@@ -109,7 +127,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     if _use_runtime(pair, cfg, gs, use_runtime):  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins, block,
-                            n_verify)
+                            n_verify, policy)
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     margins = ws.margin_buffer() if record_margins else None
@@ -118,9 +136,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
 
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached
-        with timer.phase("draft"):
-            draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-        tree, mask = propose_tree(cfg, draft_logits, seq[start], timer, depth, host=cfg.draft_path == "generic")
+        budget, expected = policy.choose() if policy is not None else (None, 0.0)
+        tree, mask, index, accepts = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
 
         with timer.phase("verify"):
             snap = cache.snapshot() if replay else None
@@ -146,14 +163,19 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 leaf = path_list[-1] not in parents_h
                 new = [tokens_h[i] for i in path_list[1:]] + [int(posterior[path_list[-1]])]
                 side = any(r > 0 for r in tree.ranks[path].tolist())
+                seen = [] if accepts is None else observations(accepts, path, torch.tensor([al], device=device),
+                                                               index).tolist()
             else:
                 path, al_t = walk_device(tree, mask, posterior)
                 last = path[al_t - 1]
                 has_child = (tree.parents == last).any()
                 side_t = (tree.ranks * mask[last]).gt(0).any()
-                # The step's single host read: AL, leaf flag, side flag and the committed tokens.
+                # The step's single host read: AL, leaf flag, side flag, the committed tokens (and the
+                # adaptive policy's observations: none under the fixed policy).
+                seen = observations(accepts, path, al_t.view(1), index)
                 packed = torch.cat([al_t.view(1), has_child.view(1).long(), side_t.view(1).long(),
-                                    tree.tokens[path], posterior[last].view(1)]).tolist()
+                                    tree.tokens[path], posterior[last].view(1), seen]).tolist()
+                packed, seen = packed[: len(packed) - seen.numel()], packed[len(packed) - seen.numel() :]
                 al, leaf, side = packed[0], not packed[1], bool(packed[2])
                 new = packed[4 : 3 + al] + [packed[-1]]
             if margins is not None:  # node path[j] picked the token at start + 1 + j
@@ -180,6 +202,9 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
             seq[start + 1 : start + 1 + al] = torch.tensor(new, device=device)
 
         stats.record_step(al, leaf, side)
+        if policy is not None:
+            stats.record_budget(budget, expected)
+            policy.record(budget, seen)
         new, done = truncate(new, len(out), max_new_tokens, stop_ids)
         done = done or (gs is not None and gs.done)
         out.extend(new)
@@ -188,6 +213,55 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
 
     gen = finish(out, stats, timer, t_first, t0)
     return ws.attach_margins(gen, n) if record_margins else gen
+
+
+def _policy(pair, cfg: EngineConfig, prompt: Sequence[int], depth: int, step_costs: StepCosts | None
+            ) -> AdaptivePolicy | None:
+    """The adaptive policy of a DDTree ``cfg`` (None: the fixed one), on ``step_costs`` or the pair's."""
+    if cfg.verify != "ddtree" or cfg.policy != "adaptive":
+        return None
+    return AdaptivePolicy.for_config(cfg, depth, step_costs or pair.step_costs(cfg, prompt))
+
+
+def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, feats: Tensor | None,
+             timer: PhaseTimer, budget: int | None, policy: AdaptivePolicy | None
+             ) -> tuple[Tree, Tensor, Tensor | None, Tensor | None]:
+    """The draft, top-k and tree phases: the tree to verify and its ancestor mask, and with the
+    adaptive ``policy`` the tree cut to ``budget``, where each of its budgets reads the proposal
+    (``policy.budget_index``) and the proposal's estimate there (``policy.expected_accepts``, fixed
+    point); at budget 0 the root alone (no draft, no estimate)."""
+    if budget == 0:  # a plain AR step: the root alone, verified and committed as a tree
+        tree, mask = root_tree(seq[start : start + 1])
+        return tree, mask, None, None
+    with timer.phase("draft"):
+        draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
+    tree, mask, top_lp = scored_tree(cfg, draft_logits, seq[start], timer, block - 1, host=cfg.draft_path == "generic")
+    if policy is None:
+        return tree, mask, None, None
+    index = budget_index(policy.budgets, tree.size - 1, seq.device)
+    accepts = accepts_at(expected_accepts(top_lp.to(seq.device), tree, mask), index)
+    tree, mask = prefix(tree, mask, budget)
+    return tree, mask, index, accepts
+
+
+def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_tokens: int = 32,
+                       repeats: int = 2) -> StepCosts:
+    """The adaptive policy's cost table for ``cfg`` on ``pair``, on its device: for each budget it
+    chooses from, ``cfg`` decoded with every step forced to that budget (the adaptive step as it
+    runs: the tree built at ``budget``, its prefix verified; 0: AR steps), decode milliseconds per
+    step, the median of ``repeats`` generations of ``new_tokens`` after ``prompt`` (after one more
+    that captures the steps' graphs and warms the kernels)."""
+    budgets = policy_budgets(cfg.budget, cfg.policy_levels)
+    ms = {}
+    with fused.using_kernels(cfg.kernels == "fused"):
+        for b in budgets:
+            forced = StepCosts({c: 1.0 if c == b else math.inf for c in budgets})  # the only finite cost: b
+            per_step = []
+            for _ in range(repeats + 1):
+                stats = generate_speculative(pair, prompt, cfg, new_tokens, step_costs=forced).stats
+                per_step.append(1000.0 * stats.decode_s / max(stats.steps, 1))
+            ms[b] = max(statistics.median(per_step[1:]), 1e-6)
+    return StepCosts(ms)
 
 
 def _max_nodes(top_k: int, depth: int) -> int:
@@ -202,7 +276,8 @@ def _max_nodes(top_k: int, depth: int) -> int:
 
 def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
              ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-             grammar: CompiledGrammar | None = None, record_margins: bool = False) -> Generation:
+             grammar: CompiledGrammar | None = None, record_margins: bool = False,
+             step_costs: StepCosts | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt``, stopping after the tokenizer's stop
     token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests).
 
@@ -220,6 +295,9 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
     and the top1 - top2 margin (float32) of the target's logits row that picked it, for divergence
     forensics (``engine.api.diagnose``). Off, no step does any of that work; on, the runtime's
     captured steps are other graphs.
+
+    ``step_costs``: the adaptive policy's cost table (``cfg.policy == "adaptive"``); by default the
+    pair's (``Pair.step_costs``: measured on this prompt the first time a config needs one).
     """
     if not prompt:
         raise EngineInputError("prompt is empty: at least one token is needed")
@@ -238,4 +316,4 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
             return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
                                record_margins=record_margins)
         return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
-                                    record_margins=record_margins)
+                                    record_margins=record_margins, step_costs=step_costs)

@@ -246,7 +246,15 @@ UNTIMED = _Untimed()
 
 def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
                  max_depth: int, host: bool) -> tuple[Tree, Tensor]:
-    """topk + tree phases: the tree and its ancestor mask (``ancestor_mask(tree.parents, max_depth)``).
+    """``scored_tree`` without the per-depth log-probs."""
+    tree, mask, _ = scored_tree(cfg, draft_logits, root, timer, max_depth, host)
+    return tree, mask
+
+
+def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
+                max_depth: int, host: bool) -> tuple[Tree, Tensor, Tensor | None]:
+    """topk + tree phases: the tree, its ancestor mask (``ancestor_mask(tree.parents, max_depth)``)
+    and the per-depth top-k log-probs that scored it (``policy.expected_accepts``).
     ``host`` (the generic loop with ``draft_path="generic"``): logits go to the host, host top-k,
     heap-built tree, back to the device. Otherwise (the runtime, whose captured graphs cannot read
     the host, whatever ``cfg.draft_path`` says; the generic loop under ``auto``) everything stays on
@@ -276,4 +284,5 @@ def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: P
             tree = tree.to(device)
         if mask is None:
             mask = ancestor_mask(tree.parents, max_depth)
-    return tree, mask
+    # the per-depth log-probs the tree was scored by (on the host where ``host``; None: a chain)
+    return tree, mask, None if cfg.verify == "chain" else top_lp

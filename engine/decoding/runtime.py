@@ -55,6 +55,16 @@ from engine.config import EngineConfig, EngineInputError
 from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
+from engine.decoding.graphs import Graphs, Readback
+from engine.decoding.policy import (
+    AdaptivePolicy,
+    accepts_at,
+    budget_index,
+    expected_accepts,
+    observations,
+    prefix,
+    root_tree,
+)
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -114,117 +124,6 @@ def bucket_for(need: int, limit: int) -> int:
     return min(b, limit)
 
 
-class _Graphs:
-    """Captured step functions keyed by bucket; ``graphs=False`` calls them eagerly instead."""
-
-    def __init__(self, enabled: bool, state: list[Tensor]) -> None:
-        self.enabled = enabled
-        self.state = state  # tensors a warm-up run mutates: restored before capture
-        self._captured: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if enabled else None
-
-    def clear(self) -> None:
-        """Forget every capture (the buffers they read were replaced), and their memory pool: once
-        its last graph is gone PyTorch retires a private pool, and capturing into it again while a
-        tensor it allocated is still alive trips the allocator's assertion (the 27B shape's DDTree
-        after its chain, 2026-12-04); the next capture takes a fresh pool."""
-        self._captured.clear()
-        if self.enabled:
-            self._pool = torch.cuda.graph_pool_handle()
-
-    def keys(self) -> list[tuple]:
-        """The keys captured so far, in capture order (``run``'s keys)."""
-        return list(self._captured)
-
-    def graph(self, key: tuple) -> torch.cuda.CUDAGraph:
-        """The graph captured for ``key`` (replayed alone by ``benchmarks/gpu_bench.py graphs``)."""
-        return self._captured[key][0]
-
-    def _abandon(self) -> None:
-        """After a failed capture: PyTorch leaves the caching allocator recording into the pool (every
-        later capture into it raised "beginAllocateToPool: already recording to mempool_id": three
-        trials of the 2026-12-04 sweep after one bad one), and the failed graph never gives back its
-        hold on the pool (its reset releases only a finished capture's), so the pool's memory would
-        stay reserved for the process. End that recording and release that hold where this PyTorch
-        can, and forget the pool: the next capture takes a fresh one."""
-        device = torch.cuda.current_device()
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if end is not None:
-            try:
-                end(device, self._pool)
-            except RuntimeError:
-                release = None  # the capture's own end had stopped it, and holds nothing more
-        if release is not None:
-            try:
-                release(device, self._pool)
-            except RuntimeError:
-                pass
-        self.clear()
-
-    def run(self, key: tuple, fn: Callable[..., object], *args: object) -> object:
-        """``fn(*args)``: captured on the first call with ``key``, replayed after (``args`` must be
-        the same static buffers and constants at every call with that key). Every key starts
-        ``(kind, key span, ...)``, kind one of "ar", "propose", "verify"; the AR key goes on with
-        whether a grammar mask is applied, then whether margins are recorded."""
-        if not self.enabled:
-            return fn(*args)
-        if key not in self._captured:
-            saved = [t.clone() for t in self.state]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: lazy kernel and workspace init
-                fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip(self.state, saved, strict=True):
-                t.copy_(s)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # the outer stream context puts this thread's stream back if the capture fails: the
-                # graph context enters its capture stream and, when capture_end raises, never leaves it
-                with torch.cuda.stream(torch.cuda.current_stream()), torch.cuda.graph(graph, pool=self._pool):
-                    out = fn(*args)
-            except Exception as exc:
-                self._abandon()
-                # PyTorch's error names the invalidated capture; the op that invalidated it is the first
-                first = exc.__context__ if exc.__context__ is not None else exc
-                raise RuntimeError(f"capturing the {key[0]!r} step as a CUDA graph failed: "
-                                   f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''} "
-                                   "(this process can capture again: the graph pool was replaced)") from exc
-            self._captured[key] = (graph, out)
-        graph, out = self._captured[key]
-        graph.replay()
-        return out
-
-
-class _Readback:
-    """A step's small result copied to the host behind the work launched after it: on CUDA into
-    one of two pinned buffers (alternating: at most two steps are in flight) with an event to wait
-    on; elsewhere a plain copy."""
-
-    def __init__(self, device: torch.device, size: int) -> None:
-        self.cuda = device.type == "cuda"
-        self._buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        self._next = 0
-
-    def push(self, values: Tensor) -> tuple[Tensor, object]:
-        buf = self._buffers[self._next][: values.numel()]
-        self._next ^= 1
-        buf.copy_(values.view(-1), non_blocking=self.cuda)
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return buf, event
-
-    @staticmethod
-    def read(item: tuple[Tensor, object]) -> list[int]:
-        buf, event = item
-        if event is not None:
-            event.synchronize()
-        return buf.tolist()
-
-
 class RuntimeDecoder:
     """Buffers and graphs of one workspace; rebuilt when the pair's workspace is reallocated."""
 
@@ -236,19 +135,19 @@ class RuntimeDecoder:
         # A warm-up run advances the recurrent state in place (K/V and features past the root are
         # rewritten by every replay): restore it before capturing.
         state = [self.start, ws.cache.rec, ws.cache.conv] if self.recurrent else [self.start]
-        self.graphs = _Graphs(graphs, state)
+        self.graphs = Graphs(graphs, state)
         self._tree_buffers = self._tree_buffer_ids()
         self._bits: tuple[Tensor, Tensor] | None = None  # grammar bitmask: host [1, words], device copy
-        self._readbacks: dict[int, _Readback] = {}
+        self._readbacks: dict[int, Readback] = {}
         self._draft_kv: tuple[Tensor, Tensor] | None = None
-        self._aranges: dict[int, Tensor] = {}
+        self._constants: dict[object, Tensor] = {}
         self._chain_tables: dict[int, tuple[Tensor, Tensor]] = {}
 
     def _arange(self, n: int) -> Tensor:
         """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
-        if n not in self._aranges:
-            self._aranges[n] = torch.arange(n, device=self.device)
-        return self._aranges[n]
+        if n not in self._constants:
+            self._constants[n] = torch.arange(n, device=self.device)
+        return self._constants[n]
 
     def _chain_keys(self, t: int, key_len: int) -> StepKeys:
         """The step layout of ``t`` tokens in a row from the root (an AR step, a chain verify): its
@@ -269,10 +168,10 @@ class RuntimeDecoder:
         if self.recurrent:
             self.ws.cache.ahead = True
 
-    def _readback(self, size: int) -> _Readback:
+    def _readback(self, size: int) -> Readback:
         """The pinned result buffers of steps of ``size`` values (allocated once: not in the timed decode)."""
         if size not in self._readbacks:
-            self._readbacks[size] = _Readback(self.device, size)
+            self._readbacks[size] = Readback(self.device, size)
         return self._readbacks[size]
 
     def _bitmask(self, gs: GrammarState) -> tuple[Tensor, Tensor]:
@@ -300,15 +199,50 @@ class RuntimeDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- the draft: a speculative step's first graph -----------------------------------------------
-    def _propose(self, key_len: int, cfg: EngineConfig, block: int) -> tuple[Tree, Tensor]:
+    def _propose(self, key_len: int, cfg: EngineConfig, block: int, budgets: tuple[int, ...] | None = None
+                 ) -> tuple[Tree, Tensor] | tuple[Tree, Tensor, Tensor]:
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
         # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
         # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
-        return loop.propose_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED, block - 1,
-                                 host=False)
+        tree, anc, top_lp = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
+                                             block - 1, host=False)
+        if budgets is None:
+            return tree, anc
+        # the adaptive policy's estimate at each of its budgets (policy.expected_accepts), for the readback
+        index = self._constant(("budgets", budgets, tree.size), lambda: budget_index(budgets, tree.size - 1,
+                                                                                      self.device))
+        return tree, anc, accepts_at(expected_accepts(top_lp, tree, anc), index)
+
+    def _constant(self, key: object, make: Callable[[], Tensor]) -> Tensor:
+        """A device constant made once (a captured step reads it instead of making it)."""
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
+
+    def _policy_step(self, key_len: int, cfg: EngineConfig, block: int, proposal: tuple | None, budget: int,
+                     budgets: tuple[int, ...], record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
+        """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
+        the proposed tree, its packed result followed by the proposal's estimates and the accepted
+        nodes within each budget's tree (``accepted_within``); at budget 0 over
+        the root alone (no proposal: a plain AR step through the walk and commit). Then the draft's
+        context keys and values of the positions it committed (a root step one, a tree step at most
+        ``block``: the last ``block`` are written): a proposal recomputes only the ``block`` positions
+        before its root, and after AR steps a tree step's commits lie further back."""
+        if budget == 0:
+            tree, anc = root_tree(self.ws.seq.index_select(0, self.start))
+        else:
+            tree, anc = prefix(proposal[0], proposal[1], budget)
+        packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False)
+        back = 1 if budget == 0 else block
+        positions = self.start + self._constant(("back", back), lambda: torch.arange(-back, 0, device=self.device))
+        self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
+        if budget == 0:
+            return packed, logits, path, tree
+        index = self._constants[("budgets", budgets, proposal[0].size)]  # made by _propose
+        return torch.cat([packed, observations(proposal[2], path, packed[:1], index)]), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
@@ -360,6 +294,23 @@ class RuntimeDecoder:
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
         return packed, logits, path
 
+    def _launch_adaptive(self, policy: AdaptivePolicy, key_len: int, key: tuple, step_key: tuple, cfg: EngineConfig,
+                         block: int, record: bool, timer, readback: Readback) -> tuple:
+        """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step over
+        the tree of that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget,
+        the E[AL] it was chosen by) last."""
+        budget, expected = policy.choose()
+        proposal = None
+        if budget > 0:
+            with timer.phase("draft"):
+                proposal = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
+                                           block, policy.budgets)
+        with timer.phase("verify"):
+            packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, *step_key), self._policy_step,
+                                                         key_len, cfg, block, proposal, budget, policy.budgets,
+                                                         record)
+            return readback.push(packed), tree, logits, path, (budget, expected)
+
     def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
         """A grammar cut after the device committed more: ``kept`` tokens from the root's position
         ``start`` stand, the last one ``token``. The accepted nodes' K/V and features before the cut
@@ -409,7 +360,7 @@ class RuntimeDecoder:
 
     def generate(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                  on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False, block: int = 1,
-                 n_verify: int = 1) -> Generation:
+                 n_verify: int = 1, policy: AdaptivePolicy | None = None) -> Generation:
         """One loop for AR (``cfg.verify == "ar"``: each step the root alone) and speculative
         decoding (each step a ``propose`` graph, the draft's ``block`` and a tree of ``n_verify``
         nodes at most, then the step over it). A grammar state ``gs``: AR masks each step's logits
@@ -420,7 +371,7 @@ class RuntimeDecoder:
         if speculative:  # before the prefill: allocation is not timed
             self.reserve_tree(n_verify)
             self._draft_context()
-        readback = self._readback(3 + n_verify if speculative else 1)
+        readback = self._readback((3 + n_verify + (2 * len(policy.budgets) if policy else 0)) if speculative else 1)
         margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
         bits = self._bitmask(gs) if ar_mask else None
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
@@ -434,15 +385,20 @@ class RuntimeDecoder:
             self.ws.cache.keep_previous = keep
         start = len(prompt)
         reach = max(n_verify, block) if speculative else 1  # key slots past the root a step may touch
-        # after (kind, key span): see _Graphs.run; an AR step depends on none of the draft's fields
+        # after (kind, key span): see Graphs.run; an AR step depends on none of the draft's fields
         key = (cfg.verify, cfg.budget, cfg.top_k, cfg.proposal_temp, cfg.chain_seed, cfg.target_feat_ctx,
                cfg.temperature, cfg.seed, block) if speculative else (cfg.temperature, cfg.seed)
+        if policy is not None:  # its proposals carry the estimates, its steps a budget
+            key = (*key, "adaptive", policy.budgets)
         step_key = (*key, keep, ar_mask, record_margins, cfg.kernels)  # (the kernel switch last: gpu_bench graphs)
 
-        def launch(root: int) -> tuple[tuple[Tensor, object], Tree | None, Tensor, Tensor | None]:
+        def launch(root: int) -> tuple:
             # ``root``: the root's position, or an upper bound of it (the key span covers it)
             key_len = self._bucket(root + reach)
             tree = anc = None
+            if policy is not None:
+                return self._launch_adaptive(policy, key_len, key, step_key, cfg, block, record_margins, timer,
+                                             readback)
             if speculative:
                 with timer.phase("draft"):
                     tree, anc = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
@@ -456,7 +412,7 @@ class RuntimeDecoder:
                 packed, logits, path = self.graphs.run(("verify" if speculative else "ar", key_len, *step_key),
                                                        self._step, key_len, cfg, block, tree, anc, record_margins,
                                                        ar_mask)
-                return readback.push(packed), tree, logits, path  # the step's one host read, when read
+                return readback.push(packed), tree, logits, path, None  # the step's one host read, when read
 
         pending = None if done else launch(start)
         t_last = None
@@ -469,7 +425,7 @@ class RuntimeDecoder:
             mark = timer.checkpoint()
             ahead = launch(start + (block if speculative else 1)) if gs is None and len(out) + 1 < max_new_tokens \
                 else None
-            item, tree, logits, path = pending
+            item, tree, logits, path, chosen = pending
             values = readback.read(item)
             if speculative:
                 al, leaf, side, new = values[0], not values[1], bool(values[2]), values[3 : 3 + values[0]]
@@ -491,6 +447,10 @@ class RuntimeDecoder:
             start += al
             if speculative:
                 stats.record_step(al, leaf, side)
+                if chosen is not None:  # the adaptive policy's step
+                    stats.record_budget(*chosen)
+                    # (a tree step's values end in its observations, 2 per budget)
+                    policy.record(chosen[0], values[-2 * len(policy.budgets):] if chosen[0] else [])
             else:
                 stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)

@@ -30,6 +30,16 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first emitted token -> last emitted token
     total_s: float = 0.0
+    # The adaptive step policy (engine.decoding.policy; empty under the fixed one): per step, the budget
+    # it ran (0: a plain AR step), and per tree step the calibrated E[AL] it was chosen by.
+    step_budgets: list[int] = field(default_factory=list)
+    predicted_al: list[float] = field(default_factory=list)
+
+    def record_budget(self, budget: int, predicted_al: float) -> None:
+        """The adaptive policy's step: its budget and (a tree step) the E[AL] it expected."""
+        self.step_budgets.append(budget)
+        if budget > 0:
+            self.predicted_al.append(predicted_al)
 
     def record_step(self, al: int, leaf: bool, side: bool) -> None:
         """One speculative step: AL committed tokens; ``leaf``: the whole drafted path was accepted
@@ -70,8 +80,23 @@ class GenerationStats:
             step_ms=self.step_ms,
             phase_ms_per_step=self.phase_ms_per_step(),
             al_histogram=dict(sorted(Counter(self.accept_lengths).items())),
+            **policy_summary(self.step_budgets, self.predicted_al, self.accept_lengths),
         )
         return d
+
+
+def policy_summary(step_budgets: Sequence[int], predicted_al: Sequence[float],
+                   accept_lengths: Sequence[int]) -> dict[str, Any]:
+    """The adaptive policy's record in brief: steps per budget (0: AR steps), and over its tree steps
+    the mean E[AL] it chose by against the mean AL observed (None without tree steps)."""
+    # (under the fixed policy no step has a budget recorded: nothing to pair)
+    paired = len(step_budgets) == len(accept_lengths)
+    observed = [al for b, al in zip(step_budgets, accept_lengths, strict=True) if b > 0] if paired else []
+    return {
+        "budget_histogram": dict(sorted(Counter(step_budgets).items())),
+        "policy_predicted_al": sum(predicted_al) / len(predicted_al) if predicted_al else None,
+        "policy_observed_al": sum(observed) / len(observed) if observed else None,
+    }
 
 
 @dataclass
@@ -208,6 +233,8 @@ class BenchResult:
     grammar_ms: float = 0.0  # grammar host time (inside phase_ms: walk / commit / AR verify)
     constrained: int = 0  # prompts decoded under a grammar
     loops: dict[str, int] = field(default_factory=dict)  # prompts per decode loop that ran (GenerationStats.loop)
+    step_budgets: list[int] = field(default_factory=list)  # the adaptive policy's, as GenerationStats'
+    predicted_al: list[float] = field(default_factory=list)
 
     @property
     def decode_tps(self) -> float:
@@ -263,6 +290,7 @@ class BenchResult:
             "grammar_ms_per_step": self.grammar_ms_per_step,
             "constrained": self.constrained,
             "loops": self.loops,
+            **policy_summary(self.step_budgets, self.predicted_al, self.accept_lengths),
             "exact_match": self.exact_match,
             "new_tokens": self.new_tokens,
             "peak_memory_bytes": self.peak_memory_bytes,

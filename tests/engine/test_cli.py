@@ -172,3 +172,20 @@ def test_stream_and_json_exclude_each_other_and_choices_are_listed():
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
     r = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--verify", "tree")
     assert r.returncode == 2 and "'ar', 'chain', 'ddtree'" in r.stderr and len(r.stderr) < 2000
+
+
+def test_generate_takes_the_adaptive_policy_and_reports_its_budgets():
+    """``--policy adaptive``: the step costs measured on this device first, the output AR's, the
+    budgets it ran in the stats; ``--help`` lists the policies."""
+    base = ["generate", "--target", "tiny-dense", "--draft", "random", "--prompt", "Hello", "--max-new-tokens", "16",
+            "--json", "--device", "cpu"]
+    ar = json.loads(run(*base, "--verify", "ar").stdout)
+    r = run(*base, "--verify", "ddtree", "--budget", "4", "--top-k", "2", "--policy", "adaptive",
+            "--policy-levels", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens"] == ar["tokens"] and out["config"]["policy"] == "adaptive"
+    hist = out["stats"]["budget_histogram"]
+    assert set(hist) <= {"0", "4"} and sum(hist.values()) == out["stats"]["steps"]
+    assert set(out["step_costs_ms"]) == {"0", "4"} and all(ms > 0 for ms in out["step_costs_ms"].values())
+    assert "{fixed,adaptive}" in run("generate", "--help").stdout

@@ -131,10 +131,10 @@ def test_a_failed_capture_names_its_op_and_the_next_capture_works():
     """A step that cannot be captured (here it reads a count back) raises a RuntimeError naming the
     step and the first error, and leaves the allocator able to capture again (it once kept recording
     into the failed capture's pool: every later capture in the process failed)."""
-    from engine.decoding.runtime import _Graphs
+    from engine.decoding.graphs import Graphs
 
     x = torch.arange(8, device="cuda", dtype=torch.float32)
-    graphs = _Graphs(True, [])
+    graphs = Graphs(True, [])
     with pytest.raises(RuntimeError, match="capturing the 'verify' step as a CUDA graph failed"):
         graphs.run(("verify", 8), lambda t: t[t > 3].sum(), x)
     out = graphs.run(("ar", 8), lambda t: t * 2, x)

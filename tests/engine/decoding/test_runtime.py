@@ -134,13 +134,13 @@ class _NoHostRead(TorchDispatchMode):
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 @pytest.mark.parametrize("verify", ["ar", "chain", "ddtree"])
 def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch, target, verify):
-    """What the runtime captures (every function ``_Graphs.run`` is given) has no op that reads a
+    """What the runtime captures (every function ``Graphs.run`` is given) has no op that reads a
     device value on the host, with the PyTorch forms too (``kernels: eager`` on CUDA, the forms
     these CPU runs take): a captured step can hold it. The step attention's mask was built by
     boolean indexing (a count read back): every runtime + eager trial of the 2026-12-04 sweep failed
     in capture."""
     pair = pair_for(target, "random")
-    original = runtime._Graphs.run
+    original = runtime.Graphs.run
     calls = []
 
     def checked(graphs, key, fn, *args):
@@ -150,7 +150,7 @@ def test_the_captured_steps_read_nothing_back_with_the_pytorch_forms(monkeypatch
         calls.append(key[0])
         return original(graphs, key, guarded, *args)
 
-    monkeypatch.setattr(runtime._Graphs, "run", checked)
+    monkeypatch.setattr(runtime.Graphs, "run", checked)
     cfg = EngineConfig(verify=verify, budget=12, top_k=4, draft_path="runtime", kernels="eager")
     gen = engine.generate(pair, pair.encode("Nothing read back inside a step."), cfg, 24, ignore_eos=True)
     assert gen.stats.loop == "runtime" and len(gen.tokens) == 24
@@ -303,11 +303,11 @@ def test_ar_chain_and_ddtree_run_one_step_function(monkeypatch):
 def test_margins_are_other_graphs_and_without_them_no_step_writes_any(monkeypatch):
     """The margins change what a captured step does, so they are part of its graph key; a step
     without them leaves the margin buffer alone (no extra work in the graphs that time decoding)."""
-    from engine.decoding.runtime import _Graphs
+    from engine.decoding.graphs import Graphs
 
     keys = []
-    run = _Graphs.run
-    monkeypatch.setattr(_Graphs, "run", lambda self, key, fn, *args: keys.append(key) or run(self, key, fn, *args))
+    run = Graphs.run
+    monkeypatch.setattr(Graphs, "run", lambda self, key, fn, *args: keys.append(key) or run(self, key, fn, *args))
     pair = pair_for("tiny-dense", "random")
     ids = pair.encode("Keys say what a graph does.")
     cfg = EngineConfig(verify="ddtree", budget=6, top_k=2)
@@ -358,6 +358,16 @@ def test_grammar_on_the_runtime_steps_equals_constrained_ar(target):
         cfg = EngineConfig(**params, grammar="commit")
         gen = generate_speculative(pair, ids, cfg, GRAMMAR_NEW, gs=g.state(), use_runtime=True)
         assert gen.tokens == want.tokens, params
+    # the adaptive policy's steps (AR steps of the root alone among them) under the grammar: cut at a
+    # refused token as a tree step is, on the runtime (commit) and the generic loop (walk, commit)
+    from engine.decoding.policy import StepCosts
+
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, chain_seed=0, policy="adaptive", policy_levels=2,
+                       probe_every=3)
+    for grammar, on_runtime in (("commit", True), ("walk", False), ("commit", False)):
+        gen = generate_speculative(pair, ids, cfg.replace(grammar=grammar), GRAMMAR_NEW, gs=g.state(),
+                                   use_runtime=on_runtime, step_costs=StepCosts({0: 1.0, 4: 1.8, 8: 2.5}))
+        assert gen.tokens == want.tokens and 0 in gen.stats.step_budgets, (grammar, on_runtime)
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
@@ -427,3 +437,56 @@ def test_ddtree_with_top_k_1_decodes_as_chain(target, use_runtime):
     assert tree.stats.accept_lengths == chain.stats.accept_lengths
     if not use_runtime:  # the oracle's paths are accepted deep (the runtime refuses a host-side draft: random there)
         assert chain.stats.acceptance_length > 1.5
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_trees_for_a_strong_one(monkeypatch,
+                                                                                                  target):
+    """The adaptive policy on the runtime's steps: the random draft's proposals are weak and the
+    policy runs plain AR steps (the root alone, no proposal); proposing the target's own tokens (side
+    branches every third position) it verifies trees; every other position, at a cost table where a
+    tree step of 4 tokens loses to 5 AR steps, it runs AR steps after learning so, keeping the draft's
+    context current. All equal AR; each budget is its own captured step, none of which reads a
+    device value back."""
+    from engine.decoding.policy import StepCosts
+
+    pair = pair_for(target, "random")
+    ids = pair.encode("The adaptive policy chooses on the device's estimates.")
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 40).tokens
+    cfg = EngineConfig(verify="ddtree", budget=16, top_k=3, chain_seed=0, policy="adaptive", policy_levels=3,
+                       probe_every=4, draft_path="runtime", kernels="eager")
+    costs = StepCosts({0: 1.0, 4: 1.8, 8: 2.5, 16: 3.0})  # a tree must accept more than one node in two
+    original, keys = runtime.Graphs.run, []
+
+    def checked(graphs, key, fn, *args):
+        def guarded(*a):
+            with _NoHostRead():
+                return fn(*a)
+        keys.append(key[:3])
+        return original(graphs, key, guarded, *args)
+
+    monkeypatch.setattr(runtime.Graphs, "run", checked)
+    weak = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
+    real, peeking = _peeking(pair, len(ids), ar)
+    monkeypatch.setattr(pair.drafter, "propose_static", peeking)
+    strong = generate_speculative(pair, ids, cfg, 40, step_costs=costs, use_runtime=True)
+    # Tree steps of several tokens, then more AR steps than a proposal recomputes the context of,
+    # then a probe: every committed position's draft context as computed from scratch
+    _, halfway = _peeking(pair, len(ids), ar, side_every=2)
+    monkeypatch.setattr(pair.drafter, "propose_static", halfway)
+    mixed = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, use_runtime=True,
+                                 step_costs=StepCosts({0: 1.0, 4: 3.0, 8: 4.0, 16: 5.0}))
+    monkeypatch.setattr(pair.drafter, "propose_static", real)
+    assert weak.tokens == strong.tokens == mixed.tokens == ar and weak.stats.loop == "runtime"
+    assert max(mixed.stats.accept_lengths[:2]) > 2 and mixed.stats.step_budgets[2:21] == [0] * 19
+    dec, end = pair._runtime_decoder, len(ids) + len(mixed.tokens) - 1
+    want = pair.drafter.new_context(end)
+    pair.drafter.fill_context(want, dec.ws.features, end)
+    for got, expect in zip(dec._draft_kv, want, strict=True):
+        torch.testing.assert_close(got[:, :end], expect, rtol=0, atol=1e-5)
+    hist_weak, hist_strong = weak.stats.to_dict()["budget_histogram"], strong.stats.to_dict()["budget_histogram"]
+    assert hist_weak[0] > 0.6 * weak.stats.steps and len(hist_weak) > 1  # AR steps, and probes
+    assert 0 not in hist_strong and strong.stats.side_branch_steps > 0
+    assert strong.stats.to_dict()["policy_observed_al"] > 3
+    budgets = {k[2] for k in keys if k[0] == "verify"}
+    assert 0 in budgets and 16 in budgets

@@ -1,0 +1,219 @@
+"""The adaptive step policy (``EngineConfig.policy = "adaptive"``): each step's tree budget, 0 (a plain
+AR step) included, chosen to maximise expected committed tokens per millisecond.
+
+Stages, each a pure function or a small record:
+
+1. **Estimate** (``expected_accepts``, on the device, inside the draft's step): the tree builder
+   scores a node by the summed log-probs of its path, so exp(score) is the probability, under the
+   draft's own distributions, that the target accepts the whole path to it. The expected number of
+   accepted drafted nodes of a tree is the sum of those over its nodes, and the builder's node list is
+   best-first (the forced top-1 chain first), so the tree of budget b is the list's first b nodes:
+   one cumulative sum over the tree built at the largest budget gives E[accepted](b) for every b.
+   ``accepts_at`` gathers it at the candidate budgets, the few values the host reads back.
+2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
+   checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
+   observes every budget up to its own (``accepted_within``: the accepted path's nodes inside each
+   budget's prefix), and observed over predicted accepted nodes, as exponentially decayed sums over
+   this generation's tree steps, scale that budget's predictions.
+3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
+   budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
+   this pair on this device, ``decode.measure_step_costs``, or given).
+4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
+   While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
+   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. (The
+   draft's context stays current through AR steps: the step writes the root's target features, and
+   the runtime the draft's context keys and values of that position.)
+
+A choice is made when a step is launched, from what the host has read by then: the last tree step's
+estimate (on the runtime, whose next step is launched before the current one is read, the one
+before). Exactness does not depend on it: every budget, 0 included, verifies with the same walk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.config import EngineConfig, EngineInputError
+from engine.decoding.tree import Tree
+
+# The estimates travel in the step's packed integer readback as fixed point (2**-16 resolution).
+FIXED_POINT = 1 << 16
+# Pseudo-counts of the calibration's prior (ratio 1: the draft's probabilities as they are).
+_PRIOR = 1.0
+
+
+def policy_budgets(budget: int, levels: int) -> tuple[int, ...]:
+    """The budgets an adaptive step chooses from, ascending: 0 (a plain AR step), then ``budget``
+    halved ``levels - 1`` times (rounded up; duplicates dropped)."""
+    tree = {max(1, -(-budget // (1 << i))) for i in range(levels)}
+    return (0, *sorted(tree))
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Milliseconds of one decode step at each budget (0: a plain AR step, the root alone and no
+    draft; b > 0: the draft's proposal and the verify of b nodes). ``math.inf`` excludes a budget.
+    Measured by ``decode.measure_step_costs``; tests and callers may give their own."""
+
+    ms: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        for b, ms in self.ms.items():
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                raise EngineInputError(f"StepCosts: a budget must be an integer >= 0, but got {b!r}")
+            if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+                raise EngineInputError(f"StepCosts: the cost of budget {b} must be a number > 0 (ms), but got {ms!r}")
+        if all(math.isinf(ms) for ms in self.ms.values()):
+            raise EngineInputError("StepCosts: at least one budget must have a finite cost")
+
+    def check(self, budgets: Sequence[int]) -> None:
+        """Every candidate budget has a cost (a table measured for other budgets is refused)."""
+        missing = [b for b in budgets if b not in self.ms]
+        if missing:
+            raise EngineInputError(f"StepCosts: no cost for budget(s) {missing}; the policy chooses from "
+                                   f"{list(budgets)}, the table has {sorted(self.ms)}")
+
+
+def expected_accepts(top_logprobs: Tensor, tree: Tree, anc: Tensor) -> Tensor:
+    """[N+1] float32: entry b is the expected number of drafted nodes the target accepts in the tree
+    of the first b nodes (entry 0: the root alone, 0), under the draft's distributions.
+
+    ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` in the builder's order
+    (best-first after the forced chain: a prefix is the tree of a smaller budget); ``anc`` its ancestor
+    mask. Tensor ops only, no host read (runs inside the captured draft step)."""
+    lp = top_logprobs.float()
+    depth_row = (tree.depths - 1).clamp(min=0)
+    node_lp = torch.where(tree.depths > 0, lp[depth_row, tree.ranks], 0.0)
+    path_prob = torch.exp(anc.float() @ node_lp)  # the path's summed log-probs: its acceptance probability
+    path_prob = torch.where(tree.depths > 0, path_prob, 0.0)
+    return torch.cumsum(path_prob, 0)
+
+
+def budget_index(budgets: Sequence[int], nodes: int, device: torch.device) -> Tensor:
+    """Where ``accepts_at`` reads each budget in a tree of ``nodes`` non-root nodes (a budget past it:
+    the whole tree). Made once per shape: a captured step reads it, never builds it."""
+    return torch.tensor([min(b, nodes) for b in budgets], device=device)
+
+
+def accepts_at(cumulative: Tensor, index: Tensor) -> Tensor:
+    """``expected_accepts`` at each budget (``budget_index``), in fixed point (int64) for the step's
+    packed readback."""
+    return torch.round(cumulative.index_select(0, index) * FIXED_POINT).long()
+
+
+def accepted_within(path: Tensor, al: Tensor, index: Tensor) -> Tensor:
+    """[C] int64: per budget (``budget_index``), the accepted drafted nodes of the walk's ``path``
+    (``path[:al]``, root first; ``al`` [1]) that lie in that budget's tree. A node's parent comes
+    before it in the builder's order, so they are the path's first nodes: what the step would have
+    accepted at that budget. One tree step observes every budget up to its own."""
+    j = torch.arange(path.numel(), device=path.device)
+    on_path = (j >= 1) & (j < al)
+    return ((path[None, :] <= index[:, None]) & on_path[None, :]).sum(1)
+
+
+def observations(accepts: Tensor | None, path: Tensor, al: Tensor, index: Tensor | None) -> Tensor:
+    """What an adaptive tree step reads back besides its tokens (``AdaptivePolicy.record``): its
+    proposal's estimate at each budget (``accepts_at``), then the nodes accepted within each budget's
+    tree (``accepted_within``); empty where there is none (the fixed policy, an AR step)."""
+    if accepts is None:
+        return torch.empty(0, dtype=torch.long, device=path.device)
+    return torch.cat([accepts, accepted_within(path, al, index)])
+
+
+def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
+    """The tree of ``budget`` nodes (views: the builder's first ``budget`` + 1 entries, root included)."""
+    n = min(budget, tree.tokens.numel() - 1) + 1
+    return Tree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ranks[:n]), anc[:n, :n]
+
+
+def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
+    """A budget-0 step's tree: the root alone (``root`` [1] long). Verified, it commits the target's
+    token after the root: a plain AR step through the tree step's walk and commit."""
+    zero = torch.zeros(1, dtype=torch.long, device=root.device)
+    return Tree(root, zero - 1, zero, zero), torch.ones(1, 1, dtype=torch.bool, device=root.device)
+
+
+def choose_budget(budgets: Sequence[int], accepts: Sequence[float], ratios: Sequence[float], costs: StepCosts,
+                  depth: int) -> tuple[int, float]:
+    """(the budget maximising E[AL](b) / ms(b), its E[AL]): E[AL](b) = 1 + min(ratio(b) * accepts(b),
+    b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget."""
+    best, best_al, best_rate = budgets[0], 1.0, -1.0
+    for b, a, ratio in zip(budgets, accepts, ratios, strict=True):
+        al = 1.0 + min(ratio * a, b, depth)
+        rate = al / costs.ms[b]
+        if rate > best_rate:
+            best, best_al, best_rate = b, al, rate
+    return best, best_al
+
+
+@dataclass
+class Calibration:
+    """Observed over predicted accepted nodes, as sums decayed by 1 - 1/``window`` a tree step and
+    started from one pseudo-node at ratio 1."""
+
+    window: int
+    predicted: float = 0.0
+    observed: float = 0.0
+
+    def update(self, predicted: float, observed: float) -> None:
+        keep = 1.0 - 1.0 / self.window
+        self.predicted = keep * self.predicted + predicted
+        self.observed = keep * self.observed + observed
+
+    @property
+    def ratio(self) -> float:
+        return (self.observed + _PRIOR) / (self.predicted + _PRIOR)
+
+
+@dataclass
+class AdaptivePolicy:
+    """One generation's choices: ``choose`` when a step is launched, ``record`` when it is read."""
+
+    budgets: tuple[int, ...]
+    costs: StepCosts
+    depth: int
+    probe_every: int
+    calibrations: list[Calibration]  # one per budget: a draft's over-confidence depends on the tree's size
+    accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
+    ar_streak: int = 0
+
+    @classmethod
+    def for_config(cls, cfg: EngineConfig, depth: int, costs: StepCosts) -> AdaptivePolicy:
+        budgets = policy_budgets(cfg.budget, cfg.policy_levels)
+        costs.check(budgets)
+        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
+
+    def choose(self) -> tuple[int, float]:
+        """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
+        # Before any tree step: every node assumed accepted (the first step probes optimistically).
+        fresh = self.accepts is None
+        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.accepts
+        ratios = [1.0 if fresh else c.ratio for c in self.calibrations]
+        b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
+        if b == 0:
+            self.ar_streak += 1
+            tree = [i for i, c in enumerate(self.budgets) if c > 0 and math.isfinite(self.costs.ms[c])]
+            if self.ar_streak >= self.probe_every and tree:  # a probe: the best tree, to estimate again
+                b, al = choose_budget([self.budgets[i] for i in tree], [accepts[i] for i in tree],
+                                      [ratios[i] for i in tree], self.costs, self.depth)
+        if b > 0:
+            self.ar_streak = 0
+        return b, al
+
+    def record(self, budget: int, values: Sequence[int]) -> None:
+        """A step read back: its budget and its ``observations`` (empty for an AR step, which teaches
+        nothing). Every budget up to the step's own is calibrated: their trees were inside the one
+        verified."""
+        if budget == 0 or not values:
+            return
+        n = len(self.budgets)
+        accepts, observed = values[:n], values[n:]
+        self.accepts = [a / FIXED_POINT for a in accepts]
+        for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
+            if 0 < b <= budget:
+                cal.update(predicted, seen)

@@ -1,0 +1,245 @@
+"""The adaptive step policy (engine/decoding/policy.py): its estimate, calibration and choice as pure
+functions on scripted draft probabilities and cost tables, and end to end on the tiny targets, where
+every policy's output must equal AR token for token."""
+
+import math
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineInputError
+from engine.decoding.decode import generate_ar, generate_speculative
+from engine.decoding.policy import (
+    FIXED_POINT,
+    AdaptivePolicy,
+    Calibration,
+    StepCosts,
+    accepted_within,
+    accepts_at,
+    budget_index,
+    choose_budget,
+    expected_accepts,
+    policy_budgets,
+    prefix,
+)
+from engine.decoding.tree import ancestor_mask, build_tree_device, build_tree_host
+from tests.engine.engine_pairs import pair_for
+
+BUDGETS = (0, 2, 4, 8)
+# Verify is expensive: a tree step must accept more than one drafted token in two to beat AR.
+EXPENSIVE = StepCosts({0: 1.0, 2: 1.5, 4: 1.8, 8: 2.5})
+CHEAP = StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: 1.2})
+AS_IS = [1.0] * len(BUDGETS)  # calibration ratios: the draft's probabilities as they are
+
+
+def test_the_budgets_halve_from_the_configured_one_and_always_include_ar():
+    assert policy_budgets(64, 4) == (0, 8, 16, 32, 64)
+    assert policy_budgets(22, 4) == (0, 3, 6, 11, 22)
+    assert policy_budgets(3, 5) == (0, 1, 2, 3)  # halvings that repeat are dropped
+    assert policy_budgets(9, 1) == (0, 9)
+
+
+def _scripted(depth: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-depth top-k log-probs (descending) and token ids, as a draft's top-k gives them."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(3 * torch.randn(depth, 32, generator=gen), -1).topk(k).values
+    return lp, torch.arange(depth * k).view(depth, k) + 1
+
+
+def _path_probability(lp: torch.Tensor, tree, node: int) -> float:
+    """Product of the draft's probabilities along the path from the root to ``node``, walked on the host."""
+    p = 1.0
+    while node > 0:
+        p *= math.exp(float(lp[int(tree.depths[node]) - 1, int(tree.ranks[node])]))
+        node = int(tree.parents[node])
+    return p
+
+
+@pytest.mark.parametrize("chain_seed", [None, 0, 2])
+def test_the_estimate_sums_path_probabilities_and_a_prefix_is_the_smaller_budgets_tree(chain_seed):
+    """E[accepted](b) is the sum over the budget-b tree's nodes of its path's probability; the
+    builders' node list is best-first, so the first b nodes of the largest tree are the tree the
+    builders make at budget b, and one cumulative sum gives every budget's estimate."""
+    lp, ids = _scripted(depth=5, k=3, seed=1)
+    big = build_tree_host(lp, ids, 7, 12, chain_seed)
+    cum = expected_accepts(lp, big, ancestor_mask(big.parents, 5))
+    assert cum[0] == 0
+    for b in range(1, 13):
+        small = build_tree_host(lp, ids, 7, b, chain_seed)
+        cut, _ = prefix(big, ancestor_mask(big.parents, 5), b)
+        assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
+        want = sum(_path_probability(lp, small, i) for i in range(1, small.size))
+        assert float(cum[b]) == pytest.approx(want, rel=1e-5)
+    # the device builder orders its nodes the same way (the runtime's proposals)
+    dev = build_tree_device(lp, ids, torch.tensor(7), 12, chain_seed)
+    assert torch.equal(dev.tokens, big.tokens)
+    # read at the policy's budgets, in fixed point; a budget past the tree reads the whole tree
+    got = accepts_at(cum, budget_index((0, 4, 12, 30), big.size - 1, cum.device))
+    whole = round(float(cum[12]) * FIXED_POINT)
+    assert got.tolist() == [0, round(float(cum[4]) * FIXED_POINT), whole, whole]
+
+
+def test_a_weak_draft_with_an_expensive_verify_chooses_ar_and_a_strong_one_the_largest_tree():
+    weak = [0.0, 0.3, 0.4, 0.45]  # E[accepted] at budgets 0, 2, 4, 8
+    strong = [0.0, 1.9, 3.5, 6.0]
+    assert choose_budget(BUDGETS, weak, AS_IS, EXPENSIVE, depth=7) == (0, 1.0)
+    b, al = choose_budget(BUDGETS, strong, AS_IS, CHEAP, depth=7)
+    assert (b, al) == (8, 7.0)
+    # a verify as cheap as an AR step: even a weak draft's tree pays, at a budget that adds enough
+    assert choose_budget(BUDGETS, weak, AS_IS, StepCosts({0: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}), depth=7)[0] == 8
+    # the calibration scales the draft's estimate: a strong-looking draft that is not accepted loses
+    assert choose_budget(BUDGETS, strong, AS_IS, EXPENSIVE, depth=7)[0] == 8
+    assert choose_budget(BUDGETS, strong, [0.05] * 4, EXPENSIVE, depth=7)[0] == 0
+    # a tree accepts at most one node per depth and its b nodes, whatever the estimate: budget 4
+    # reaches depth 3 (E[AL] 4) at a lower cost than 8
+    assert choose_budget(BUDGETS, [0.0, 9.0, 9.0, 9.0], AS_IS, CHEAP, depth=3) == (4, 4.0)
+    # an infinite cost excludes a budget
+    assert choose_budget(BUDGETS, strong, AS_IS, StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: math.inf}), depth=7)[0] == 4
+
+
+def test_the_calibration_moves_toward_the_observed_acceptance_and_forgets_old_steps():
+    cal = Calibration(window=4)
+    assert cal.ratio == 1.0  # the prior: the draft's probabilities as they are
+    ratios = []
+    for _ in range(30):
+        cal.update(predicted=5.0, observed=1.0)  # the draft is five times too confident
+        ratios.append(cal.ratio)
+    assert all(a > b for a, b in zip(ratios, ratios[1:], strict=False))
+    # decayed sums of 4 steps (20 predicted, 4 observed) and the prior's pseudo-node: (4 + 1) / (20 + 1)
+    assert ratios[-1] == pytest.approx(5 / 21, abs=1e-3)
+    for _ in range(30):  # the text became easy: the draft is right now
+        cal.update(predicted=5.0, observed=5.0)
+    assert cal.ratio == pytest.approx(1.0, abs=0.02)
+
+
+def test_one_tree_step_observes_every_budget_up_to_its_own():
+    """The accepted path's nodes inside each budget's prefix: parents come first in the builder's order."""
+    path, al = torch.tensor([0, 1, 3, 6, 2]), torch.tensor([4])  # root, then nodes 1, 3, 6 accepted
+    index = budget_index(BUDGETS, 8, path.device)
+    assert accepted_within(path, al, index).tolist() == [0, 1, 2, 3]
+    assert accepted_within(path, torch.tensor([1]), index).tolist() == [0, 0, 0, 0]  # the root alone
+
+
+def _fixed(xs):  # as the step's readback packs estimates
+    return [round(x * FIXED_POINT) for x in xs]
+
+
+def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step():
+    policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=3,
+                            calibrations=[Calibration(4) for _ in BUDGETS])
+    # no estimate yet: every node assumed accepted, the best rate under the costs (8 nodes: 8 / 2.5)
+    assert policy.choose() == (8, 8.0)
+    estimate = _fixed([0.0, 1.9, 3.5, 6.0])
+    for _ in range(2):  # the draft expected 6 nodes at budget 8 (1.9 at budget 2); none was accepted
+        policy.record(8, estimate + [0, 0, 0, 0])
+    assert [c.ratio for c in policy.calibrations] == pytest.approx(  # (the estimates in fixed point)
+        [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 3.5 + 1), 1 / (1.75 * 6.0 + 1)], rel=1e-5)
+    choices = [policy.choose()[0] for _ in range(6)]
+    assert choices == [0, 0, 2, 0, 0, 2]  # every third step a probe, at the best tree budget
+    before = (policy.calibrations[2].predicted, policy.calibrations[3].predicted)
+    for _ in range(2):  # the probes' two nodes accepted: the draft is right again, at budget 2
+        policy.record(2, estimate + [0, 2, 2, 2])
+    assert policy.choose()[0] == 2
+    # a budget-2 step says nothing about the larger trees
+    assert (policy.calibrations[2].predicted, policy.calibrations[3].predicted) == before
+    policy.record(0, [])  # an AR step teaches nothing
+    assert policy.calibrations[1].observed == pytest.approx(2 + 0.75 * 2)
+
+
+def test_each_budget_is_calibrated_on_its_own_acceptance():
+    """A draft right on its first nodes and over-confident deeper: one budget-8 step that accepted
+    its two best nodes, and nothing past them, makes the budget-4 tree the best rate (AL 3 for 1.1 ms
+    against 3 for 1.2), where one ratio for every budget would keep verifying 8."""
+    policy = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
+    policy.record(8, _fixed([0.0, 1.9, 3.5, 6.0]) + [0, 2, 2, 2])
+    assert policy.choose()[0] == 4
+    one_ratio = [(2 + 1) / (6.0 + 1)] * 4
+    assert choose_budget(BUDGETS, [0.0, 1.9, 3.5, 6.0], one_ratio, CHEAP, depth=7)[0] == 8
+
+
+def test_step_costs_and_the_policys_fields_are_validated_with_the_rule_and_the_value():
+    with pytest.raises(EngineInputError, match=r"cost of budget 4 must be a number > 0 \(ms\), but got -1"):
+        StepCosts({0: 1.0, 4: -1})
+    with pytest.raises(EngineInputError, match="a budget must be an integer >= 0, but got 'x'"):
+        StepCosts({"x": 1.0})
+    with pytest.raises(EngineInputError, match="at least one budget must have a finite cost"):
+        StepCosts({0: math.inf})
+    with pytest.raises(EngineInputError, match=r"no cost for budget\(s\) \[8\]"):
+        AdaptivePolicy.for_config(EngineConfig(budget=8, policy="adaptive", policy_levels=2), 7,
+                                  StepCosts({0: 1.0, 4: 2.0}))
+    with pytest.raises(EngineInputError, match=r"EngineConfig.policy must be one of \['fixed', 'adaptive'\], "
+                                               "but got 'auto'"):
+        EngineConfig(policy="auto")
+    with pytest.raises(EngineInputError, match="EngineConfig.probe_every must be >= 2, but got 1"):
+        EngineConfig(probe_every=1)
+    with pytest.raises(EngineInputError, match="EngineConfig.policy_levels must be <= 10, but got 11"):
+        EngineConfig(policy_levels=11)
+    with pytest.raises(EngineInputError, match="EngineConfig.calibration_window must be an integer"):
+        EngineConfig(calibration_window=1.5)
+    # the policy is DDTree's, its knobs the adaptive policy's: exports and reports show them only there
+    knobs = {"policy_levels", "probe_every", "calibration_window"}
+    adaptive = EngineConfig(policy="adaptive").applicable()
+    assert knobs <= set(adaptive) and adaptive["policy"] == "adaptive"
+    fixed = EngineConfig().applicable()
+    assert fixed["policy"] == "fixed" and not knobs & set(fixed)
+    assert not (knobs | {"policy"}) & set(EngineConfig(verify="chain", policy="adaptive").applicable())
+    assert EngineConfig.from_dict(adaptive) == EngineConfig(policy="adaptive")
+
+
+def _prompt(pair):
+    return pair.encode("The policy changes what is proposed, never what is committed.")
+
+
+@pytest.mark.parametrize("target,rollback", [("tiny-dense", "fast"), ("tiny-hybrid", "fast"),
+                                             ("tiny-hybrid", "replay")])
+def test_adaptive_equals_ar_and_runs_ar_steps_for_a_weak_draft_and_trees_for_a_strong_one(target, rollback):
+    """The generic loop with the oracle draft (its proposals read on the host): at P = 0.1 the
+    draft is right and the policy verifies trees; at P = 0.9 a tree step accepts too little to pay
+    for its verify, and the policy runs plain AR steps, probing now and then. Every output is AR's."""
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8, rollback=rollback, policy="adaptive",
+                       policy_levels=3, probe_every=4)
+    seen = {}
+    for p in ("0.1", "0.9"):
+        pair = pair_for(target, f"oracle:{p}")
+        ids = _prompt(pair)
+        ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 32).tokens
+        gen = generate_speculative(pair, ids, cfg, 32, step_costs=EXPENSIVE)
+        assert gen.tokens == ar, p
+        stats = gen.stats.to_dict()
+        assert len(gen.stats.step_budgets) == gen.stats.steps and sum(gen.stats.accept_lengths) >= 31
+        seen[p] = stats
+    strong, weak = seen["0.1"], seen["0.9"]
+    assert 0 not in strong["budget_histogram"]  # every step a tree: the draft is right
+    assert weak["budget_histogram"][0] > 0.6 * sum(weak["budget_histogram"].values())  # mostly AR
+    assert set(weak["budget_histogram"]) - {0}  # ... with probes
+    assert strong["policy_observed_al"] > 4 > weak["policy_observed_al"]
+    # the fixed policy records no budgets, and decodes as before
+    pair = pair_for(target, "oracle:0.9")
+    fixed = generate_speculative(pair, _prompt(pair), cfg.replace(policy="fixed"), 32)
+    assert fixed.stats.step_budgets == [] and fixed.stats.to_dict()["budget_histogram"] == {}
+
+
+def test_adaptive_sampling_commits_the_ar_samples():
+    """At temperature > 0 every committed token is the target's sample at its position, whatever
+    budget proposed it: the adaptive policy's output is AR's with the same seed."""
+    pair = pair_for("tiny-dense", "oracle:0.3")
+    ids = _prompt(pair)
+    temp = dict(temperature=0.8, seed=3)
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar", **temp), 32).tokens
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8, policy="adaptive", policy_levels=3, **temp)
+    gen = generate_speculative(pair, ids, cfg, 32, step_costs=StepCosts({0: 1.0, 2: 1.2, 4: 1.4, 8: 1.9}))
+    assert gen.tokens == ar and len(set(gen.stats.step_budgets)) > 1
+
+
+def test_the_step_costs_are_measured_once_per_pair_and_a_given_table_is_kept():
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=4, top_k=2, policy="adaptive", policy_levels=2, draft_path="generic")
+    ids = _prompt(pair)
+    costs = pair.step_costs(cfg, ids)
+    assert set(costs.ms) == {0, 2, 4} and all(0 < ms < math.inf for ms in costs.ms.values())
+    assert pair.step_costs(cfg.replace(probe_every=5), ids) is costs  # knobs that cost nothing share it
+    gen = generate_speculative(pair, ids, cfg, 8)  # the measured table, by default
+    assert gen.tokens == generate_ar(pair, ids, EngineConfig(verify="ar"), 8).tokens
+    given = StepCosts({0: 1.0, 2: 9.0, 4: 9.0})
+    assert pair.step_costs(cfg, costs=given) is given and pair.step_costs(cfg, ids) is given
+    assert set(generate_speculative(pair, ids, cfg, 8).stats.step_budgets[2:]) == {0}
