@@ -100,6 +100,8 @@ def section_pair(args) -> tuple[str, dict]:
     pair = engine.load(args.target, args.draft, device="cuda", dtype=args.dtype)
     ddtree = dict(verify="ddtree", budget=args.budget, top_k=args.top_k)
     configs = [("ar", dict(verify="ar")), ("chain", dict(verify="chain")), (f"ddtree-b{args.budget}", ddtree)]
+    if args.adaptive:  # the adaptive step policy up to the same budget (issue #27)
+        configs.append((f"ddtree-b{args.budget}-adaptive", dict(ddtree, policy="adaptive")))
     lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
              "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
     report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
@@ -527,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=22)
+    ap.add_argument("--adaptive", action="store_true",
+                    help="pair: also DDTree at --budget with the adaptive step policy (policy=adaptive)")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")

@@ -161,4 +161,5 @@ def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
         assert got.tokens == want, params
         assert got.stats.loop == "graphs", params
         if params["verify"] == "ar":  # the bitmask is read inside the captured AR step
-            assert any(k[0] == "ar" and k[2] for k in pair._runtime_decoder.graphs.keys())
+            # an AR step's key: ("ar", key span, temperature, seed, keep, ar_mask, record_margins, kernels)
+            assert any(k[0] == "ar" and k[-3] is True for k in pair._runtime_decoder.graphs.keys())
