@@ -145,7 +145,9 @@ class Cache:
             if obj.get("kind") == "header":
                 header = obj
             elif obj.get("kind") == "config":
-                entries[config_key(obj["config"])] = obj
+                # keyed by the config as today's engine completes it: a field added since the cache was
+                # measured takes its default, which decodes as before (a new knob defaults to off)
+                entries[config_key(full_config(obj["config"]))] = obj
             else:
                 raise InputError(f"{path}:{n}", "kind", "must be header or config", obj.get("kind"))
         if header is None:
@@ -153,7 +155,7 @@ class Cache:
         return cls(header, entries, path)
 
     def entry(self, config: dict[str, Any]) -> dict[str, Any]:
-        found = self.entries.get(config_key(config))
+        found = self.entries.get(config_key(full_config(config)))
         if found is None:
             raise InputError(str(self.path), None, "a strategy asked for a config the cache does not hold: measure "
                              "the same --space and experiment first", config)
