@@ -107,3 +107,24 @@ def test_the_grid_is_measured_once_on_the_tiny_pair_and_cached(tmp_path, capsys)
     # measured again: everything is in the cache already
     assert bench.main(["measure", str(exp_path), "--cache", str(cache)]) == 0
     assert "measured: 0" in capsys.readouterr().out and len(cache.read_text().splitlines()) == 6
+
+
+def test_a_cache_measured_before_a_config_field_existed_still_answers(tmp_path):
+    """Configs recorded without a field the engine added since (here the adaptive policy's) are keyed
+    as today's engine completes them: the field's default, which decodes as the older engine did."""
+    bench = _bench()
+    exp = experiment.load(tiny_experiment(tmp_path / "exp", space=SPACE))
+    cache = tmp_path / "grid.jsonl"
+    _synthetic_cache(bench, exp, cache)
+    added = ("policy", "policy_levels", "probe_every", "calibration_window")
+    old = []
+    for line in cache.read_text().splitlines():
+        obj = json.loads(line)
+        if obj["kind"] == "config":
+            assert set(added) <= set(obj["config"])  # what the engine records today
+            obj["config"] = {k: v for k, v in obj["config"].items() if k not in added}
+        old.append(json.dumps(obj))
+    cache.write_text("\n".join(old) + "\n")
+    read = bench.Cache.read(cache)
+    ar = read.entry(bench.full_config({**exp.fixed_engine, "verify": "ar"}))
+    assert ar["role"] == "baseline" and read.optimum(strict=True)[0] == 200.0
