@@ -57,22 +57,29 @@ def _tree_parents(budget: int, gen: torch.Generator) -> torch.Tensor:
     return build_tree_host(lp, torch.arange(8).expand(15, 8), 0, budget, None).parents.cuda()
 
 
-def bench_delta(module) -> dict[str, float]:
-    gen = torch.Generator().manual_seed(0)
-    row = {}
+def _delta_cases(gen: torch.Generator):
+    """(name, inputs, parents, node states or None) of an AR step, a budget-32 tree and a 512-token
+    chain: what the delta rule is timed and compared on."""
     for name, t in (("ar", 1), ("verify33", 33), ("prefill512", 512)):
         x = _inputs(t, gen)
         if name == "verify33":
-            parents = _tree_parents(32, gen)
-            nodes = torch.empty(t, HV, DK, DV, device="cuda")
+            yield name, x, _tree_parents(32, gen), torch.zeros(t, HV, DK, DV, device="cuda")
+        else:
+            yield name, x, torch.arange(t, device="cuda") - 1, None
+
+
+def bench_delta(module) -> dict[str, float]:
+    row = {}
+    gen = torch.Generator().manual_seed(0)
+    for name, x, parents, nodes in _delta_cases(gen):
+        if nodes is not None:
             # made once a forward in the engine (every layer reads them): outside the timed launch
             extra = {"restarts": module.restart_flags(parents)} if hasattr(module, "restart_flags") else {}
             row[name] = _time(lambda x=x, p=parents, n=nodes, e=extra: module.tree_delta_rule(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], p, x["state"], n, backend="triton", **e))
-            row["stored"] = int(extra["restarts"].sum()) if extra else t
+            row["stored"] = int(extra["restarts"].sum()) if extra else len(parents)
         else:
-            chain = torch.arange(t, device="cuda") - 1
-            row[name] = _time(lambda x=x, c=chain: module.tree_delta_rule(
+            row[name] = _time(lambda x=x, c=parents: module.tree_delta_rule(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], c, x["state"], backend="triton"))
     row["commit"] = _commit_time(module, gen)
     return row
@@ -102,19 +109,12 @@ def delta_bits(module) -> dict[str, torch.Tensor]:
     commit."""
     gen = torch.Generator().manual_seed(1)
     out = {}
-    for name, t in (("ar", 1), ("verify33", 33), ("prefill512", 512)):
-        x = _inputs(t, gen)
-        if name == "verify33":
-            parents = _tree_parents(32, gen)
-            nodes = torch.zeros(t, HV, DK, DV, device="cuda")
-            out[name] = module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"], nodes,
-                                               backend="triton")
-            stored = delta_rule.restart_flags(parents).bool()
-            out[name + " stored states"] = nodes[stored]
+    for name, x, parents, nodes in _delta_cases(gen):
+        out[name] = module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"], nodes,
+                                           backend="triton")
+        if nodes is not None:
+            out[name + " stored states"] = nodes[delta_rule.restart_flags(parents).bool()]
         else:
-            chain = torch.arange(t, device="cuda") - 1
-            out[name] = module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chain, x["state"],
-                                               backend="triton")
             out[name + " state"] = x["state"]
     x = {k: v.unsqueeze(0).expand(4, *v.shape).contiguous() for k, v in _inputs(33, gen).items() if k != "state"}
     state = torch.randn(4, HV, DK, DV, generator=gen).cuda() * 0.1
