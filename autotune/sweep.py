@@ -402,7 +402,8 @@ class _Driver:
     def tell(self, trial: optuna.trial.Trial, rec: Record, reported: bool, wall_s: float | None = None,
              stopped: str | None = None) -> None:
         """Score ``rec`` and tell the study; ``stopped``: why the trial stopped at ``rec``'s fidelity rung."""
-        # trial_wall_s: submit → record back at the driver; minus engine_s it is the executor's overhead
+        # trial_wall_s: the first job's submit (a rung's, with a ladder) → this record back at the driver;
+        # engine_s is this job's alone: without a ladder, wall minus engine is the executor's overhead
         attrs: dict[str, Any] = {"device": rec.device, "elapsed_s": round(rec.elapsed_s, 3),
                                  "trial_wall_s": round(rec.elapsed_s if wall_s is None else wall_s, 4),
                                  "engine_s": round(rec.engine_s, 4),

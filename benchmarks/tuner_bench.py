@@ -24,8 +24,10 @@ the AR reference outputs are not charged (the same for every strategy). Strategi
 
 - ``ours``: the project's tuner: TPE, the Wilcoxon pruner, the experiment's fidelity ladder,
   dimensions that cannot matter fixed (``autotune.dimensions``);
-- ``before``: the tuner before issue #25: TPE and the Wilcoxon pruner, no ladder, nothing fixed;
-- ``tpe``, ``random``, ``gp``: that sampler alone (Optuna's GPSampler for ``gp``), no pruner, no ladder.
+- ``before``: the tuner before issue #25: TPE and the Wilcoxon pruner, no ladder, nothing fixed (but
+  ``kernels`` on a cache measured off CUDA: the worker reports the cache's device);
+- ``tpe``, ``random``, ``gp``: that sampler (Optuna's GPSampler for ``gp``), no pruner, no ladder; the
+  dimensions that cannot matter are fixed as for ``ours`` (the comparison is the sampler's).
 
 The ground truth of a config is the median of its cached full-fidelity passes; the optimum is the
 best exact (``exactness: strict``) config of the grid, AR and the reference included. Per run:
@@ -65,6 +67,7 @@ from autotune.space import SearchSpace, load_space  # noqa: E402
 from autotune.sweep import SweepOptions, run_sweep  # noqa: E402
 from autotune.tracking import config_label  # noqa: E402
 from autotune.worker import Job, Record  # noqa: E402
+from engine import EngineInputError  # noqa: E402
 
 MAX_GRID = 2000  # configs measured once each: a bench grid is small by design
 FULL = "full"
@@ -142,12 +145,20 @@ class Cache:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise InputError(f"{path}:{n}", None, f"every line must be JSON ({exc.msg})", line[:80]) from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}:{n}", None, "every line must be a JSON object", type(obj).__name__)
             if obj.get("kind") == "header":
                 header = obj
             elif obj.get("kind") == "config":
+                for key, kind in (("config", dict), ("fidelities", dict)):
+                    if not isinstance(obj.get(key), kind):
+                        raise InputError(f"{path}:{n}", key, "a config line needs it as a JSON object", obj.get(key))
                 # keyed by the config as today's engine completes it: a field added since the cache was
                 # measured takes its default, which decodes as before (a new knob defaults to off)
-                entries[config_key(full_config(obj["config"]))] = obj
+                try:
+                    entries[config_key(full_config(obj["config"]))] = obj
+                except EngineInputError as exc:
+                    raise InputError(f"{path}:{n}", "config", f"the engine refuses it ({exc})") from None
             else:
                 raise InputError(f"{path}:{n}", "kind", "must be header or config", obj.get("kind"))
         if header is None:

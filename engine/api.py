@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, EngineInputError
+from engine.decoding import runtime
 from engine.decoding.decode import generate, measure_step_costs
 from engine.decoding.drafters import Drafter
 from engine.decoding.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
@@ -86,21 +87,25 @@ class Pair:
         ws.cache.reset()
         return ws
 
-    def step_costs(self, config: EngineConfig, prompt: Sequence[int] = (), costs: StepCosts | None = None
-                   ) -> StepCosts:
+    def step_costs(self, config: EngineConfig, prompt: Sequence[int] = (), costs: StepCosts | None = None,
+                   use_runtime: bool | None = None) -> StepCosts:
         """The adaptive policy's step cost table (``engine.decoding.policy.StepCosts``) for ``config``
         on this pair and device: ``costs`` if given (kept for later generations of configs that cost
         alike), else the one kept, else measured now on ``prompt`` (``decode.measure_step_costs``:
-        a few short generations per budget, outside any generation's timed decode)."""
+        a few short generations per budget, outside any generation's timed decode). Kept per decode
+        loop: ``use_runtime`` (default: the loop ``config`` takes without a grammar; a generation
+        under a grammar the runtime refuses runs the generic loop, whose steps cost otherwise)."""
+        if use_runtime is None:
+            use_runtime = runtime.loop_for(self, config, False) != "generic"
         key = (config.budget, config.top_k, config.policy_levels, config.block_size, config.chain_seed,
                config.target_feat_ctx, config.rollback, config.draft_path, config.kernels,
-               config.temperature > 0)
+               config.temperature > 0, use_runtime)
         if costs is not None:
             self._step_costs[key] = costs
         elif key not in self._step_costs:
             if not prompt:
                 raise EngineInputError("the adaptive policy's step costs are measured on a prompt: none was given")
-            self._step_costs[key] = measure_step_costs(self, config, prompt)
+            self._step_costs[key] = measure_step_costs(self, config, prompt, use_runtime=use_runtime)
         return self._step_costs[key]
 
     def grammar_for(self, tools: Sequence[dict[str, Any]] | None) -> CompiledGrammar | None:

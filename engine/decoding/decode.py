@@ -113,7 +113,9 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
     block = cfg.block_size or drafter.block_size
     depth = block - 1
-    policy = _policy(pair, cfg, prompt, depth, step_costs)  # (before the workspace: measuring decodes)
+    on_runtime = _use_runtime(pair, cfg, gs, use_runtime)
+    # (before the workspace: measuring decodes; on the loop this generation runs, whose steps cost otherwise)
+    policy = _policy(pair, cfg, prompt, depth, step_costs, on_runtime)
     n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
@@ -124,7 +126,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     drafter.reset()
     replay = cfg.rollback == "replay" and target.has_recurrent
     timer = PhaseTimer(device)
-    if _use_runtime(pair, cfg, gs, use_runtime):  # (never with replay rollback on a hybrid target)
+    if on_runtime:  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins, block,
                             n_verify, policy)
@@ -215,12 +217,13 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     return ws.attach_margins(gen, n) if record_margins else gen
 
 
-def _policy(pair, cfg: EngineConfig, prompt: Sequence[int], depth: int, step_costs: StepCosts | None
-            ) -> AdaptivePolicy | None:
-    """The adaptive policy of a DDTree ``cfg`` (None: the fixed one), on ``step_costs`` or the pair's."""
+def _policy(pair, cfg: EngineConfig, prompt: Sequence[int], depth: int, step_costs: StepCosts | None,
+            on_runtime: bool) -> AdaptivePolicy | None:
+    """The adaptive policy of a DDTree ``cfg`` (None: the fixed one), on ``step_costs`` or the pair's
+    table for the loop that runs (``on_runtime``)."""
     if cfg.verify != "ddtree" or cfg.policy != "adaptive":
         return None
-    return AdaptivePolicy.for_config(cfg, depth, step_costs or pair.step_costs(cfg, prompt))
+    return AdaptivePolicy.for_config(cfg, depth, step_costs or pair.step_costs(cfg, prompt, use_runtime=on_runtime))
 
 
 def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, feats: Tensor | None,
@@ -245,12 +248,13 @@ def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, fe
 
 
 def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_tokens: int = 32,
-                       repeats: int = 2) -> StepCosts:
+                       repeats: int = 2, use_runtime: bool | None = None) -> StepCosts:
     """The adaptive policy's cost table for ``cfg`` on ``pair``, on its device: for each budget it
     chooses from, ``cfg`` decoded with every step forced to that budget (the adaptive step as it
     runs: the tree built at ``budget``, its prefix verified; 0: AR steps), decode milliseconds per
     step, the median of ``repeats`` generations of ``new_tokens`` after ``prompt`` (after one more
-    that captures the steps' graphs and warms the kernels)."""
+    that captures the steps' graphs and warms the kernels), on the loop ``use_runtime`` names (as
+    ``generate_speculative`` takes it: a grammar can send a generation to the generic loop)."""
     budgets = policy_budgets(cfg.budget, cfg.policy_levels)
     ms = {}
     with fused.using_kernels(cfg.kernels == "fused"):
@@ -258,7 +262,8 @@ def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_token
             forced = StepCosts({c: 1.0 if c == b else math.inf for c in budgets})  # the only finite cost: b
             per_step = []
             for _ in range(repeats + 1):
-                stats = generate_speculative(pair, prompt, cfg, new_tokens, step_costs=forced).stats
+                stats = generate_speculative(pair, prompt, cfg, new_tokens, use_runtime=use_runtime,
+                                             step_costs=forced).stats
                 per_step.append(1000.0 * stats.decode_s / max(stats.steps, 1))
             ms[b] = max(statistics.median(per_step[1:]), 1e-6)
     return StepCosts(ms)

@@ -244,13 +244,6 @@ class _Untimed:
 UNTIMED = _Untimed()
 
 
-def propose_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
-                 max_depth: int, host: bool) -> tuple[Tree, Tensor]:
-    """``scored_tree`` without the per-depth log-probs."""
-    tree, mask, _ = scored_tree(cfg, draft_logits, root, timer, max_depth, host)
-    return tree, mask
-
-
 def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
                 max_depth: int, host: bool) -> tuple[Tree, Tensor, Tensor | None]:
     """topk + tree phases: the tree, its ancestor mask (``ancestor_mask(tree.parents, max_depth)``)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -128,3 +129,29 @@ def test_a_cache_measured_before_a_config_field_existed_still_answers(tmp_path):
     read = bench.Cache.read(cache)
     ar = read.entry(bench.full_config({**exp.fixed_engine, "verify": "ar"}))
     assert ar["role"] == "baseline" and read.optimum(strict=True)[0] == 200.0
+
+
+def test_bad_cache_lines_and_a_missing_config_are_refused_naming_them(tmp_path, capsys):
+    """Each exits 2 with the file and line (or the config asked for), never a traceback."""
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE)
+    exp = experiment.load(exp_path)
+    good = tmp_path / "good.jsonl"
+    _synthetic_cache(bench, exp, good)
+    header = good.read_text().splitlines()[0]
+    for name, bad, needle in (
+            ("list", "[1, 2]", r"bad.jsonl:2: every line must be a JSON object, but got 'list'"),
+            ("no config", '{"kind": "config", "fidelities": {}}', r"bad.jsonl:2: config: a config line needs it"),
+            ("refused", '{"kind": "config", "config": {"verify": "ddtree", "budget": 0}, "fidelities": {}}',
+             r"bad.jsonl:2: config: the engine refuses it \(.*budget")):
+        cache = tmp_path / "bad.jsonl"
+        cache.write_text(header + "\n" + bad + "\n")
+        assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "random", "--seeds",
+                           "1"]) == 2, name
+        err = capsys.readouterr().err
+        assert re.search(needle, err) and "Traceback" not in err, (name, err)
+    header_only = tmp_path / "header.jsonl"
+    header_only.write_text(header + "\n")  # no config at all: the first one a strategy asks for is named
+    assert bench.main(["replay", str(exp_path), "--cache", str(header_only), "--strategies", "random",
+                       "--seeds", "1"]) == 2
+    assert "a strategy asked for a config the cache does not hold" in capsys.readouterr().err

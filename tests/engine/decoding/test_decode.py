@@ -213,10 +213,10 @@ def test_peak_memory_and_devices_are_reported():
 @pytest.mark.parametrize("max_depth", [15, 4])
 def test_a_chain_proposal_comes_with_its_ancestor_mask(host, max_depth):
     """The chain's mask is built as a band (not ancestor_mask's loop over depth): the same mask."""
-    from engine.decoding.loop import UNTIMED, propose_tree
+    from engine.decoding.loop import UNTIMED, scored_tree
     from engine.decoding.tree import ancestor_mask
 
     logits = torch.randn(15, 50, generator=torch.Generator().manual_seed(0))
-    tree, mask = propose_tree(EngineConfig(verify="chain"), logits, torch.tensor([7]), UNTIMED, max_depth, host)
+    tree, mask, _ = scored_tree(EngineConfig(verify="chain"), logits, torch.tensor([7]), UNTIMED, max_depth, host)
     assert tree.tokens.tolist() == [7, *torch.argmax(logits, -1).tolist()]
     assert torch.equal(mask, ancestor_mask(tree.parents, max_depth))

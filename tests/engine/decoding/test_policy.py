@@ -243,3 +243,22 @@ def test_the_step_costs_are_measured_once_per_pair_and_a_given_table_is_kept():
     given = StepCosts({0: 1.0, 2: 9.0, 4: 9.0})
     assert pair.step_costs(cfg, costs=given) is given and pair.step_costs(cfg, ids) is given
     assert set(generate_speculative(pair, ids, cfg, 8).stats.step_budgets[2:]) == {0}
+
+
+def test_each_decode_loop_has_its_own_step_costs():
+    """A grammar the runtime refuses sends a generation to the generic loop, whose steps cost
+    otherwise: the table is kept per loop, and a generation reads the one of the loop it runs."""
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=4, top_k=2, policy="adaptive", policy_levels=2, draft_path="runtime")
+    ids = _prompt(pair)
+    trees, ar_steps = StepCosts({0: 9.0, 2: 9.0, 4: 1.0}), StepCosts({0: 1.0, 2: 9.0, 4: 9.0})
+    assert pair.step_costs(cfg, costs=trees) is trees  # the loop cfg takes: the runtime
+    assert pair.step_costs(cfg, costs=ar_steps, use_runtime=False) is ar_steps
+    assert pair.step_costs(cfg, ids) is trees and pair.step_costs(cfg, ids, use_runtime=False) is ar_steps
+    want = generate_ar(pair, ids, EngineConfig(verify="ar"), 12).tokens
+    on_runtime = generate_speculative(pair, ids, cfg, 12, use_runtime=True)
+    generic = generate_speculative(pair, ids, cfg, 12, use_runtime=False)
+    assert on_runtime.tokens == want and generic.tokens == want
+    assert on_runtime.stats.loop != "generic" and generic.stats.loop == "generic"
+    assert set(on_runtime.stats.step_budgets[2:]) == {4} and set(generic.stats.step_budgets[2:]) <= {0, 4}
+    assert generic.stats.step_budgets[2:].count(0) > generic.stats.step_budgets[2:].count(4)
