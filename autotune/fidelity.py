@@ -81,6 +81,14 @@ def jobs(full: Job, ladder: tuple[Rung, ...]) -> list[Job]:
                 remeasure_if_noisy=False, prompts=r.prompts, rung=i) for i, r in enumerate(ladder)] + [full]
 
 
+def stage(job: Job, ladder: tuple[Rung, ...]) -> str | None:
+    """Where a trial with a ladder is, for the progress bar: ``rung 0 (1 prompt per set, 32 tokens)``
+    or ``full measurement``; None without a ladder (there is one stage)."""
+    if not ladder:
+        return None
+    return "full measurement" if job.rung is None else f"rung {job.rung} ({ladder[job.rung].label()})"
+
+
 def rung_record(rung: Rung, index: int, rec: Record, max_rel_mad: float,
                 ar: dict[str, Any] | None) -> dict[str, Any]:
     """What one rung measured (JSON-friendly), with its speedup over AR measured on the same slice

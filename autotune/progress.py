@@ -24,16 +24,17 @@ class Progress:
         self._refresher = _Refresher(self.bar) if self.bar is not None else None
         self._what = name  # the phase; tick() adds where inside it the running job is
 
-    def phase(self, role: str, number: int, study: optuna.Study) -> None:
+    def phase(self, role: str, number: int, study: optuna.Study, stage: str | None = None) -> None:
         """What is measured now: the AR baseline, the reference config, or config i of ``total``
-        (the budget's count: finished and running configs), with its trial number."""
+        (the budget's count: finished and running configs), with its trial number and, with a fidelity
+        ladder, its ``stage`` (``autotune.fidelity.stage``)."""
         if self.bar is None:
             return
         if role in ("baseline", "reference"):
             what = "AR baseline" if role == "baseline" else "reference DDTree"
         else:
             what = f"config {min(sum(st.budget_state(study)), self.total)}/{self.total}"
-        self._what = f"{self.name}: {what} (trial {number})"
+        self._what = f"{self.name}: {what} (trial {number}{', ' + stage if stage else ''})"
         self.bar.set_description(self._what)
 
     def confirming(self, n: int) -> None:

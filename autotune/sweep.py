@@ -350,7 +350,7 @@ class _Driver:
         self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None,
                                                 todo, prune)
         if self.progress:
-            self.progress.phase(role, trial.number, self.study)
+            self.progress.phase(role, trial.number, self.study, fidelity.stage(first, self.exp.ladder))
         self.executor.submit(first, None if todo else prune, worker=worker)
 
     def _finish(self, rec: Record) -> None:
@@ -365,6 +365,8 @@ class _Driver:
                 rec.ok, rec.fail_reason = False, f"bad measurement at rung {rec.rung}: {exc}"
             if rec.ok and stopped is None:
                 nxt = job.todo.pop(0)  # the trial goes on at the next rung, on the same worker
+                if self.progress:
+                    self.progress.phase(rec.role, rec.trial, self.study, fidelity.stage(nxt, self.exp.ladder))
                 self.executor.submit(nxt, None if job.todo else job.prune, worker=job.worker)
                 return
             rec.pruned = stopped is not None

@@ -48,7 +48,7 @@ def test_the_incumbent_is_the_best_trial_measured_on_the_same_rung():
     assert stop_reason([], rung, slow, 2.0) is None
 
 
-def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_full(tmp_path):
+def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_full(tmp_path, capsys):
     exp = experiment.load(tiny_experiment(
         tmp_path, space=SPACE, fidelity={"rungs": RUNGS, "stop_ratio": 20},
         study={"n_trials": 3, "sampler": "grid", "pruner": "none", "seed": 0}))
@@ -60,8 +60,12 @@ def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_ful
                                                        slow=({"draft_path": "generic"}, 0.05)))
     out = io.StringIO()
     outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="fid",
-                                          tracking_uri=None, progress=False), workloads, executor=executor, out=out)
+                                          tracking_uri=None, progress=True), workloads, executor=executor, out=out)
     assert outcome.exit_code == 0
+    bar = capsys.readouterr().err  # the bar names the stage of each trial: its rungs, then the full measurement
+    for stage in ("(trial 0, rung 0 (1 prompt per set, 4 tokens))", "(trial 0, rung 1 (2 prompts per set, 4 tokens))",
+                  "(trial 0, full measurement)"):
+        assert stage in bar, stage
     trials = {st.role_of(t) if st.role_of(t) != "search" else t.params["draft_path"]: t
               for t in outcome.study.trials}
     base, slow, good = trials["baseline"], trials["generic"], trials["auto"]
