@@ -108,6 +108,17 @@ def measured_at(t: FrozenTrial, rung: Rung) -> dict[str, Any] | None:
     return next((r for r in t.user_attrs.get("fidelity", []) if rung.matches(r)), None)
 
 
+def inexact_reason(rung: Rung, measured: dict[str, Any], exactness: str) -> str | None:
+    """Why a search trial stops at ``rung`` under ``exactness: strict``: an output of the slice that
+    differs from AR's (None: all equal, or exactness is only reported). Decoding is deterministic per
+    prompt, and the full measurement decodes the same prompts further: it cannot make the config exact."""
+    share = measured.get("exact_match")
+    if exactness != "strict" or share is None or share >= 1.0:
+        return None
+    return (f"stopped at rung {measured['rung']} ({rung.label()}): {1.0 - share:.0%} of its outputs differ "
+            f"from AR's (exactness: strict; decoding further cannot make them equal)")
+
+
 def stop_reason(ranked: list[FrozenTrial], rung: Rung, measured: dict[str, Any], ratio: float) -> str | None:
     """Why a search trial stops at ``rung`` (None: it goes on): far behind the incumbent, the best
     of ``ranked`` (the study's feasible trials, best first) measured at the same rung. Trials measured

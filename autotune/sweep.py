@@ -379,8 +379,9 @@ class _Driver:
             self.progress.update(self.study, advance=int(st.counts_toward_budget(frozen)))
 
     def _rung_done(self, job: _InFlight, rec: Record) -> str | None:
-        """Record what a fidelity rung measured on the trial (``fidelity``); a search trial far behind
-        the incumbent measured at that rung stops: the reason, else None (``autotune.fidelity``)."""
+        """Record what a fidelity rung measured on the trial (``fidelity``); a search trial inexact
+        there under strict exactness, or far behind the incumbent measured at that rung, stops: the
+        reason, else None (``autotune.fidelity``)."""
         rung = self.exp.ladder[rec.rung]
         role = st.role_of(job.trial)
         base = None if role == "baseline" else st.nearest_baseline(self.study, rec.trial, rec.worker, self.wl_hash)
@@ -390,7 +391,8 @@ class _Driver:
         job.trial.set_user_attr("fidelity", done)
         if role != "search":  # the baseline and the reference are measured in full: the yardsticks
             return None
-        return fidelity.stop_reason(results.ranked(self.study), rung, measured, self.exp.fidelity.stop_ratio)
+        return (fidelity.inexact_reason(rung, measured, self.exp.measure.exactness)
+                or fidelity.stop_reason(results.ranked(self.study), rung, measured, self.exp.fidelity.stop_ratio))
 
     def _pruning_callback(self, trial: optuna.trial.Trial) -> PassCallback:
         def on_first_pass(per_prompt_tps: list[float]) -> bool:

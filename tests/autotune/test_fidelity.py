@@ -98,6 +98,40 @@ def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_ful
     assert f"| {slow.number} | chain/generic/fast | rung 0 | {rung['median']:.2f} | stopped at rung 0" in stopped
 
 
+def test_an_inexact_config_stops_at_the_rung_under_strict_exactness_and_not_under_report(tmp_path):
+    """An output of the slice that differs from AR's is a fact decoding further cannot undo: under
+    ``exactness: strict`` the search trial stops at the rung, with the reason; under ``report`` it is
+    measured in full and reported inexact."""
+    def wrong_first_token(config, outputs):  # the generic path's outputs made to differ from AR's
+        if config.get("draft_path") != "generic":
+            return outputs
+        return [[(out[0] + 1) % 256, *out[1:]] if out else out for out in outputs]
+
+    for exactness in ("strict", "report"):
+        exp = experiment.load(tiny_experiment(
+            tmp_path / exactness, space=SPACE, fidelity={"rungs": RUNGS[:1], "stop_ratio": 1000},
+            measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.9, "exactness": exactness, "confirm_top": 0},
+            study={"n_trials": 2, "sampler": "grid", "pruner": "none", "seed": 0}))
+        workloads = experiment.load_workloads(exp)
+        executor = LocalExecutor(lambda exp=exp, workloads=workloads: FaultyWorker.load(
+            exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, exp.fixed_engine,
+            output_hook=wrong_first_token))
+        outcome = run_sweep(exp, SweepOptions(n_trials=2, storage=st.parse_storage("memory"), study_name=exactness,
+                                              tracking_uri=None, progress=False), workloads, executor=executor,
+                            out=io.StringIO())
+        assert outcome.exit_code == 0
+        [bad] = [t for t in outcome.study.trials if t.params.get("draft_path") == "generic"]
+        [rung] = bad.user_attrs["fidelity"]
+        assert rung["exact_match"] == 0.0
+        if exactness == "strict":
+            assert bad.state == TrialState.PRUNED and bad.value is None and bad.user_attrs["pruned_at_rung"] == 0
+            assert bad.user_attrs["pruned_reason"] == (
+                "stopped at rung 0 (1 prompt per set, 4 tokens): 100% of its outputs differ from AR's "
+                "(exactness: strict; decoding further cannot make them equal)")
+        else:
+            assert bad.state == TrialState.COMPLETE and bad.user_attrs["exact_match"] == 0.0
+
+
 def _load(tmp_path, **sections):
     return experiment.load(tiny_experiment(tmp_path, **sections))
 
