@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
                         help="check kernels I, I+N, I+2N, ... of the list (1-based; default 1/1: all)")
     first, every = parser.parse_args(argv).shard
-    mine = list(cases())[first - 1::every]
+    every_case = list(cases())
+    mine = every_case[first - 1::every]
     bad = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}, shared memory limit {SHARED_LIMIT} B")
     print(f"{'kernel':40s} {'warps':>5s} {'regs':>5s} {'shared':>7s} {'spill':>6s}  verdict")
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = (spill == 0 or name in MAY_SPILL) and res["SHARED"] <= SHARED_LIMIT
         bad += not ok
         print(f"{name:40s} {warps:5d} {res.get('REG', 0):5d} {res['SHARED']:7d} {spill:6d}  {'ok' if ok else 'BAD'}")
-    print(f"kernels: {len(mine)} of {sum(1 for _ in cases())} (shard {first}/{every})  bad: {bad}")
+    print(f"kernels: {len(mine)} of {len(every_case)} (shard {first}/{every})  bad: {bad}")
     return 1 if bad else 0
 
 

@@ -58,7 +58,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from autotune import experiment, results  # noqa: E402
+from autotune import experiment, fidelity, results  # noqa: E402
 from autotune import study as st  # noqa: E402
 from autotune.errors import InputError  # noqa: E402
 from autotune.executors import LocalExecutor  # noqa: E402
@@ -280,10 +280,9 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
         if config_key(config) in done:
             continue
         fids = {}
-        for rung in (*ladder, None):
-            job = Job(trial=i, role=role, config=config, max_new_tokens=rung.max_new_tokens if rung else
-                      exp.workload.max_new_tokens, warmup=m.warmup, repeats=repeats, max_rel_mad=m.max_rel_mad,
-                      remeasure_if_noisy=False, prompts=rung.prompts if rung else None)
+        full_job = Job(trial=i, role=role, config=config, max_new_tokens=exp.workload.max_new_tokens,
+                       warmup=m.warmup, repeats=repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
+        for job in fidelity.jobs(full_job, ladder):  # each rung, then the full measurement, as a trial runs them
             rec = worker.measure(job)
             passes = m.warmup + len(rec.decode_tps_runs)
             fids[fidelity_key(job.prompts, job.max_new_tokens, exp.workload.max_new_tokens)] = {

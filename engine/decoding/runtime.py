@@ -145,9 +145,7 @@ class RuntimeDecoder:
 
     def _arange(self, n: int) -> Tensor:
         """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
-        if n not in self._constants:
-            self._constants[n] = torch.arange(n, device=self.device)
-        return self._constants[n]
+        return self._constant(n, lambda: torch.arange(n, device=self.device))
 
     def _chain_keys(self, t: int, key_len: int) -> StepKeys:
         """The step layout of ``t`` tokens in a row from the root (an AR step, a chain verify): its
