@@ -13,9 +13,9 @@
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
 
-``delta``: one row per (BLOCK_V, num_warps); columns for an AR step (T = 1), a budget-32 DDTree
-verify (T = 33, every node's state stored, a best-first tree of random draft log-probs) and a
-512-token prefill chain. Only the launch configuration changes between rows: within one
+``delta``: one row per (BLOCK_V, num_warps); columns for an AR step (T = 1), budget-32 and budget-64
+DDTree verifies (T = 33 and 65, best-first trees of random draft log-probs) and a 512-token prefill
+chain. Only the launch configuration changes between rows: within one
 configuration tree and chain forwards share one compiled kernel, which keeps speculative decoding
 exact; across configurations the float32 rounding may differ.
 """
@@ -58,26 +58,41 @@ def _tree_parents(budget: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _delta_cases(gen: torch.Generator):
-    """(name, inputs, parents, node states or None) of an AR step, a budget-32 tree and a 512-token
-    chain: what the delta rule is timed and compared on."""
-    for name, t in (("ar", 1), ("verify33", 33), ("prefill512", 512)):
+    """(name, inputs, parents, tree forward?) of an AR step, budget-32 and budget-64 trees and a
+    512-token chain: what the delta rule is timed and compared on."""
+    for name, t in (("ar", 1), ("verify33", 33), ("verify65", 65), ("prefill512", 512)):
         x = _inputs(t, gen)
-        if name == "verify33":
-            yield name, x, _tree_parents(32, gen), torch.zeros(t, HV, DK, DV, device="cuda")
+        if name.startswith("verify"):
+            yield name, x, _tree_parents(t - 1, gen), True
         else:
-            yield name, x, torch.arange(t, device="cuda") - 1, None
+            yield name, x, torch.arange(t, device="cuda") - 1, False
+
+
+def _tree_call(module, x: dict, parents: torch.Tensor):
+    """A tree forward of ``module`` (the engine's, or an ``--old`` copy with the API it had), its
+    per-forward tables made outside the call (the engine makes them once for every layer), and what
+    its programs do: (the call, how many leaf paths it walks or states it stores)."""
+    if hasattr(module, "leaf_paths"):
+        paths = module.leaf_paths(parents)
+        return (lambda: module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"],
+                                               tree=True, paths=paths, backend="triton"),
+                f"{int((paths.counts > 0).sum())} paths")
+    # before 2026-12-05: one program walked the whole tree, storing the states later nodes restart from
+    t = parents.numel()
+    nodes = torch.zeros(t, HV, DK, DV, device="cuda")
+    extra = {"restarts": module.restart_flags(parents)} if hasattr(module, "restart_flags") else {}
+    stored = f"{int(extra['restarts'].sum())} states stored" if extra else f"{t} states stored"
+    return (lambda: module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"], nodes,
+                                           backend="triton", **extra), stored)
 
 
 def bench_delta(module) -> dict[str, float]:
     row = {}
     gen = torch.Generator().manual_seed(0)
-    for name, x, parents, nodes in _delta_cases(gen):
-        if nodes is not None:
-            # made once a forward in the engine (every layer reads them): outside the timed launch
-            extra = {"restarts": module.restart_flags(parents)} if hasattr(module, "restart_flags") else {}
-            row[name] = _time(lambda x=x, p=parents, n=nodes, e=extra: module.tree_delta_rule(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], p, x["state"], n, backend="triton", **e))
-            row["stored"] = int(extra["restarts"].sum()) if extra else len(parents)
+    for name, x, parents, tree in _delta_cases(gen):
+        if tree:
+            fn, row[name + " programs"] = _tree_call(module, x, parents)
+            row[name] = _time(fn)
         else:
             row[name] = _time(lambda x=x, c=parents: module.tree_delta_rule(
                 x["q"], x["k"], x["v"], x["g"], x["beta"], c, x["state"], backend="triton"))
@@ -105,16 +120,15 @@ def _commit_time(module, gen: torch.Generator, al: int = 5) -> float:
 
 def delta_bits(module) -> dict[str, torch.Tensor]:
     """What a copy of the kernel computes on fixed inputs, to compare bit for bit with the engine's:
-    an AR step, a budget-32 tree (outputs and the states it stores), a 512-token chain and a path
-    commit."""
+    an AR step, two trees' outputs, a 512-token chain and a path commit."""
     gen = torch.Generator().manual_seed(1)
     out = {}
-    for name, x, parents, nodes in _delta_cases(gen):
-        out[name] = module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"], nodes,
-                                           backend="triton")
-        if nodes is not None:
-            out[name + " stored states"] = nodes[delta_rule.restart_flags(parents).bool()]
+    for name, x, parents, tree in _delta_cases(gen):
+        if tree:
+            out[name] = _tree_call(module, x, parents)[0]()
         else:
+            out[name] = module.tree_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], parents, x["state"],
+                                               backend="triton")
             out[name + " state"] = x["state"]
     x = {k: v.unsqueeze(0).expand(4, *v.shape).contiguous() for k, v in _inputs(33, gen).items() if k != "state"}
     state = torch.randn(4, HV, DK, DV, generator=gen).cuda() * 0.1
@@ -307,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"config": f"BLOCK_V={block_v} warps={warps}", **bench_delta(delta_rule)})
     finally:
         delta_rule.kernel_config = default
-    lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | states stored | prefill (T=512) us | "
-             "commit, 48 layers, AL 5 us | bits against the engine's |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['stored']} | {r['prefill512']:.1f} | "
-              f"{r['commit']:.1f} | {r.get('bits', 'the engine kernel at this config')} |" for r in rows]
+    lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | budget 64 (T=65) us | its programs "
+             "(b32 / b64) | prefill (T=512) us | commit, 48 layers, AL 5 us | bits against the engine's |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['config']} | {r['ar']:.1f} | {r['verify33']:.1f} | {r['verify65']:.1f} | "
+              f"{r['verify33 programs']} / {r['verify65 programs']} | {r['prefill512']:.1f} | {r['commit']:.1f} | "
+              f"{r.get('bits', 'the engine kernel at this config')} |" for r in rows]
     return _report(args, rows, lines)
 
 

@@ -113,9 +113,8 @@ def cases():
     for dk, dv in DELTA_SHAPES:
         block_k, block_v, warps = delta_rule.kernel_config(dk, dv)
         types = dict(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32", g_ptr="*fp32", beta_ptr="*fp32",
-                     parents_ptr="*i32", index_ptr="*i32", count_ptr="*i32", state_ptr="*fp32", nodes_ptr="*fp32",
-                     restart_ptr="*i32", out_ptr="*fp32", T="i32", gather="i32", store_nodes="i32",
-                     layer_nodes="i32")
+                     index_ptr="*i32", count_ptr="*i32", state_ptr="*fp32", out_ptr="*fp32", T="i32", gather="i32",
+                     commit="i32", layer_nodes="i32", index_stride="i32")
         yield (f"tree delta rule dk={dk} dv={dv}", delta_rule._tree_delta_kernel, types,
                dict(HK=16, HV=48, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v), warps, 3)
     lin = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",

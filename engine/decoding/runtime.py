@@ -185,7 +185,7 @@ class RuntimeDecoder:
         if not self.recurrent:
             return ()
         cache = self.ws.cache
-        return (cache.tree_rec.data_ptr(), cache.tree_conv.data_ptr(), *(x.data_ptr() for x in cache.tree_inputs))
+        return (cache.tree_conv.data_ptr(), *(x.data_ptr() for x in cache.tree_inputs))
 
     def reserve_tree(self, nodes: int) -> None:
         """Per-node recurrent buffers for trees of ``nodes``; growing them invalidates the captures."""

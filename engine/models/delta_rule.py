@@ -1,4 +1,4 @@
-"""The gated delta rule over a token tree: one pass over the nodes, each starting from its parent.
+"""The gated delta rule over a token tree: every node starts from its parent's state.
 
 A chain (prefill, an AR step, a chain verify, a replay) is the tree whose node i has parent i-1.
 Per value head, with S [dk, dv] in float32:
@@ -9,22 +9,26 @@ Two backends compute the same function:
 
 - ``torch``: a loop over the nodes with the parent picked on the device (no host read, so CUDA
   graphs can capture it); the CPU path, and the reference the kernel is tested against.
-- ``triton``: one launch for all nodes. Each program owns one value head and a block of value
-  columns (the rule is independent per column of S), keeps its state block in registers while the
-  next node is its child, and otherwise reloads the parent's stored state. Every load (the next
-  node's inputs, and the state it starts from when that is not the current node's) is issued a
-  node ahead, so only the arithmetic is a chain from node to node.
+- ``triton``: one launch. Each program owns one value head and a block of value columns (the rule
+  is independent per column of S) and walks a chain of nodes with its state block in registers,
+  each node's inputs loaded a node ahead, so only the arithmetic is a chain from node to node.
 
-Tree forwards (``node_states`` given) leave the committed state alone. They store a node's state
-only where a later node other than the next one restarts from it (``restart_flags``): at the 27B
-shape a state is 3 MB a layer, and storing all 33 nodes of a budget-32 tree wrote 5 GB a verify.
-``fast`` rollback then recomputes the accepted path's states from the committed state and the
-nodes' inputs (``delta_rule_path``: every layer in one launch), with the kernel the tree forward
-ran, so the committed state has the tree forward's bits. Committing forwards (``node_states=None``)
+A tree forward (``tree=True``) leaves the committed state alone and runs one program per leaf
+(``LeafPaths``): each walks its root-to-leaf path from the committed state and writes the outputs
+of the nodes on it. A node shared by several paths is computed by each of them, with the same
+inputs and the same arithmetic, so every copy writes the same bits. The chain of dependent updates
+is then as long as the tree is deep (16 nodes for a block of 16) instead of as long as it is big
+(33 at budget 32), and no node's state is stored: walking the nodes in one program, a branch had to
+reload a stored state (3 MB a layer at the 27B shape) behind a barrier, and the walk cost about
+0.85 us a node. ``fast`` rollback then recomputes the accepted path's states from the committed state
+and the nodes' inputs (``delta_rule_path``: every layer in one launch), with the kernel the tree
+forward ran, so the committed state has the tree forward's bits. Committing forwards (``tree=False``)
 advance ``state`` in place to the last node's state.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,29 +54,63 @@ def _backend(backend: str, x: Tensor) -> str:
     return backend
 
 
-def restart_flags(parents: Tensor) -> Tensor:
-    """[T] int32: 1 for a node that a later node other than the next one starts from (its state must
-    be stored for that node to reload), else 0. Made once per forward and read by every layer."""
+@dataclass(frozen=True)
+class LeafPaths:
+    """A tree's root-to-leaf paths, as the kernel's tree forward walks them; made once a forward
+    (``leaf_paths``) and read by every layer.
+
+    index: [T, W] int32, row i the nodes on node i's path by depth, root first (``StepKeys.ancestors``:
+        ``index[i, depth(i)] == i``); counts: [T] int32, depth + 1 for a leaf (a node no other node
+        starts from), 0 for the others (their program does nothing)."""
+
+    index: Tensor
+    counts: Tensor
+
+
+def leaf_paths(parents: Tensor, ancestors: Tensor | None = None, depths: Tensor | None = None) -> LeafPaths:
+    """The ``LeafPaths`` of the tree ``parents`` [T] (-1: a node that continues the committed state),
+    on the device and without a host read (CUDA graphs capture it). ``ancestors`` [T, W] and ``depths``
+    [T] (a decode step's ``StepKeys`` has them) are used as given; otherwise they are made from the
+    parents (``ancestor_rows``)."""
     t = parents.numel()
-    nodes = torch.arange(t, device=parents.device)
-    jumps = (parents >= 0) & (parents != nodes - 1)
-    flags = torch.zeros(t, dtype=torch.int32, device=parents.device)
-    return flags.index_put_((parents.clamp(min=0),), jumps.to(torch.int32), accumulate=True).clamp_(max=1)
+    if ancestors is None or depths is None:
+        ancestors, depths = ancestor_rows(parents)
+    # A node is a leaf when no node names it as its parent (slot 0 takes the -1s).
+    has_child = torch.zeros(t + 1, dtype=torch.int32, device=parents.device)
+    has_child.index_fill_(0, parents.long() + 1, 1)
+    counts = torch.where(has_child[1:] == 0, depths.to(torch.int32) + 1, 0).to(torch.int32)
+    return LeafPaths(ancestors.to(torch.int32).contiguous(), counts)
+
+
+def ancestor_rows(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """([T, T] int32 ancestors by depth as ``StepKeys.ancestors`` holds them, [T] int32 depths) of
+    the tree ``parents``: the ancestor-or-self relation by repeated squaring (log2 T products of a
+    [T, T] matrix: tensor ops, no host read). For forwards that bring no step layout (the generic
+    loop's tree verify); a decode step's layout has both tables already."""
+    from engine.models.attention import ancestor_table  # (attention imports nothing of this module)
+
+    t, dev = parents.numel(), parents.device
+    nodes = torch.arange(t, device=dev)
+    reach = torch.zeros(t, t, dtype=torch.float32, device=dev)
+    reach[nodes, nodes] = 1.0
+    reach.index_put_((nodes, parents.long().clamp(min=0)), (parents >= 0).float(), accumulate=True)
+    for _ in range(max(1, (t - 1).bit_length())):  # paths of up to 2**i edges after i squarings
+        reach = (reach @ reach).clamp_(max=1.0)
+    mask = reach > 0
+    depths = (mask.sum(1) - 1).to(torch.int32)
+    return ancestor_table(mask, depths, t), depths
 
 
 def tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor, state: Tensor,
-                    node_states: Tensor | None = None, backend: str = "auto", restarts: Tensor | None = None
-                    ) -> Tensor:
+                    tree: bool = False, paths: LeafPaths | None = None, backend: str = "auto") -> Tensor:
     """The gated delta rule over T nodes in topological order (parents[i] < i).
 
     q, k: [T, HK, DK] float32 (q scaled by 1/sqrt(DK), both L2-normalised), shared by the
     HV / HK value heads of their group; v: [T, HV, DV] float32; g (log decay), beta: [T, HV]
-    float32; parents: [T] long, -1 for a node that continues the committed ``state`` [HV, DK, DV]
-    float32. With ``node_states`` [T, HV, DK, DV] float32 (a tree forward) ``state`` is only read and
-    the states later nodes restart from are stored there (``restarts``: ``restart_flags(parents)``,
-    made here when not given; the rows of other nodes are scratch, the torch backend fills every
-    row); without it the nodes must form a chain and ``state`` ends as the last node's state.
-    Returns o: [T, HV, DV] float32.
+    float32; parents: [T] long or int32, -1 for a node that continues the committed ``state``
+    [HV, DK, DV] float32. ``tree=True`` (a tree forward): ``state`` is only read (``paths``: the
+    tree's ``leaf_paths``, made here when not given); otherwise the nodes must form a chain and
+    ``state`` ends as the last node's state. Returns o: [T, HV, DV] float32.
 
     ``backend``: ``auto`` is Triton for CUDA tensors (when installed and not turned off with
     ``fused.set_kernels(False)``) and torch otherwise.
@@ -81,16 +119,16 @@ def tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pa
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if (hv % hk or state.shape != (hv, dk, dv) or k.shape != q.shape or v.shape[0] != t
-            or g.shape != (t, hv) or beta.shape != (t, hv)):
+            or g.shape != (t, hv) or beta.shape != (t, hv) or parents.shape != (t,)):
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, state {tuple(state.shape)}")
-    if node_states is not None and node_states.shape != (t, hv, dk, dv):
-        raise ValueError(f"node_states must be {(t, hv, dk, dv)}, but got {tuple(node_states.shape)}")
-    if restarts is not None and restarts.shape != (t,):
-        raise ValueError(f"restarts must be [{t}], but got {tuple(restarts.shape)}")
+                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, parents {tuple(parents.shape)}, "
+                         f"state {tuple(state.shape)}")
+    if paths is not None and (paths.counts.shape != (t,) or paths.index.dim() != 2 or paths.index.shape[0] != t):
+        raise ValueError(f"paths must hold [{t}, W] rows and [{t}] counts, but got {tuple(paths.index.shape)} "
+                         f"and {tuple(paths.counts.shape)}")
     if backend == "triton":
-        return _triton_tree_delta_rule(q, k, v, g, beta, parents, state, node_states, restarts)
-    return _torch_tree_delta_rule(q, k, v, g, beta, parents, state, node_states)
+        return _triton_tree_delta_rule(q, k, v, g, beta, parents, state, tree, paths)
+    return _torch_tree_delta_rule(q, k, v, g, beta, parents, state, tree)
 
 
 def delta_rule_path(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, path: Tensor, length: Tensor,
@@ -138,12 +176,12 @@ def delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: 
 
 
 def _torch_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                           state: Tensor, node_states: Tensor | None) -> Tensor:
+                           state: Tensor, tree: bool) -> Tensor:
     t, hk = q.shape[0], q.shape[1]
     rep = v.shape[1] // hk
     q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
     out = v.new_empty(v.shape)
-    if node_states is None:  # a chain: the running state is the parent's
+    if not tree:  # a chain: the running state is the parent's
         s = state
         for i in range(t):
             s, out[i] = delta_step(s, q[i], k[i], v[i], g[i], beta[i])
@@ -151,33 +189,31 @@ def _torch_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         return out
     # Row 0 is the committed state, row i + 1 node i's: the parent's row is parents[i] + 1, picked
     # on the device so that no step reads the tree's shape back to the host.
-    rows = torch.cat([state[None], node_states], dim=0) if t else state[None]
+    rows = torch.cat([state[None], state.new_empty(t, *state.shape)], dim=0)
     for i in range(t):
-        prev = rows.index_select(0, parents[i : i + 1] + 1)[0]
+        prev = rows.index_select(0, parents[i : i + 1].long() + 1)[0]
         rows[i + 1], out[i] = delta_step(prev, q[i], k[i], v[i], g[i], beta[i])
-    node_states.copy_(rows[1:])
     return out
 
 
 def _triton_tree_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Tensor,
-                            state: Tensor, node_states: Tensor | None, restarts: Tensor | None) -> Tensor:
+                            state: Tensor, tree: bool, paths: LeafPaths | None) -> Tensor:
     t = q.shape[0]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    parents = parents.to(torch.int32).contiguous()
     if not state.is_contiguous():
         raise ValueError("state must be contiguous (it is updated in place)")
     out = torch.empty_like(v)
     if t == 0:  # no node: nothing to compute, the state stays (the kernel assumes a node 0)
         return out
-    store = node_states is not None
-    if store:
-        if not node_states.is_contiguous():
-            raise ValueError("node_states must be contiguous")
-        restarts = restart_flags(parents) if restarts is None else restarts.to(torch.int32).contiguous()
-    else:
-        restarts = parents  # not read
-    _launch(q, k, v, g, beta, parents, parents, parents, state, node_states if store else state, restarts, out,
-            t, gather=False, store=store, layers=1, layer_nodes=0)
+    if tree:
+        paths = leaf_paths(parents) if paths is None else paths
+        index, counts = paths.index.to(torch.int32).contiguous(), paths.counts.to(torch.int32).contiguous()
+        _launch(q, k, v, g, beta, index, counts, state, out, t, gather=True, commit=False, programs=t,
+                layer_nodes=0, index_stride=index.shape[1])
+    else:  # (the index is not read: any int32 tensor)
+        index = parents.to(torch.int32)
+        _launch(q, k, v, g, beta, index, index, state, out, t, gather=False, commit=True, programs=1,
+                layer_nodes=0, index_stride=0)
     return out
 
 
@@ -190,121 +226,104 @@ def _triton_delta_rule_path(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     # them. Every integer pointer int32, as a tree forward passes them: a pointer's element type is
     # part of a compiled variant, and the path must run the tree forward's.
     path, length = path.to(torch.int32).contiguous(), length.to(torch.int32).reshape(1)
-    _launch(q, k, v, g, beta, path, path, length, state, state, path, q, t, gather=True, store=False,
-            layers=n_layers, layer_nodes=t)
+    _launch(q, k, v, g, beta, path, length, state, q, t, gather=True, commit=True, programs=n_layers,
+            layer_nodes=t, index_stride=0)
 
 
-def _launch(q, k, v, g, beta, parents, index, count, state, nodes, restarts, out, t: int, gather: bool,
-            store: bool, layers: int, layer_nodes: int) -> None:
+def _launch(q, k, v, g, beta, index, counts, state, out, t: int, gather: bool, commit: bool, programs: int,
+            layer_nodes: int, index_stride: int) -> None:
     hk, dk = q.shape[-2], q.shape[-1]
     hv, dv = v.shape[-2], v.shape[-1]
     block_k, block_v, num_warps = kernel_config(dk, dv)
-    grid = (triton.cdiv(dv, block_v), hv, layers)
+    grid = (triton.cdiv(dv, block_v), hv, programs)
     _tree_delta_kernel[grid](
-        q, k, v, g, beta, parents, index, count, state, nodes, restarts, out, t, int(gather), int(store),
-        layer_nodes, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
+        q, k, v, g, beta, index, counts, state, out, t, int(gather), int(commit), layer_nodes, index_stride,
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps,
     )
 
 
 def kernel_config(dk: int, dv: int) -> tuple[int, int, int]:
     """(BLOCK_K, BLOCK_V, num_warps) of the kernel: a [BLOCK_K, BLOCK_V] float32 block of S per
     program stays in registers (2048 values: 32 a thread with 2 warps). Measured on an H200 at the
-    27B shape's heads (dk = dv = 128, ``benchmarks/kernel_bench.py delta``, 2026-12-02): 16 columns on
-    2 warps walk a budget-32 tree in 32 us; on one warp in 31 us, but that spills 1,120 bytes a thread
-    (``benchmarks/kernel_check.py``); 8 or 32 columns on 2 warps take 49 and 34 us (the per-node chain
-    is latency, not bandwidth)."""
+    27B shape's heads (dk = dv = 128, ``benchmarks/kernel_bench.py delta``, 2026-12-02, one program
+    walking a whole budget-32 tree): 16 columns on 2 warps took 32 us; one warp 31 us, but that spills
+    1,120 bytes a thread (``benchmarks/kernel_check.py``); 8 or 32 columns on 2 warps 49 and 34 us (the
+    per-node chain is latency, not bandwidth)."""
     block_k = triton.next_power_of_2(dk)
     return block_k, min(triton.next_power_of_2(dv), max(16, 2048 // block_k)), 2
 
 
 if triton is not None:
 
-    # Not specialised on T, the flags or the layer strides: Triton would compile T == 1 (an AR step),
-    # a tree (store_nodes) or a path commit (gather) as variants of their own, whose arithmetic need
-    # not round alike.
-    @triton.jit(do_not_specialize=["T", "gather", "store_nodes", "layer_nodes"])
-    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, index_ptr, count_ptr, state_ptr,
-                           nodes_ptr, restart_ptr, out_ptr, T, gather, store_nodes, layer_nodes,
+    # Not specialised on T, the flags, the strides: Triton would compile T == 1 (an AR step), a tree
+    # forward or a path commit as variants of their own, whose arithmetic need not round alike.
+    @triton.jit(do_not_specialize=["T", "gather", "commit", "layer_nodes", "index_stride"])
+    def _tree_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, index_ptr, count_ptr, state_ptr, out_ptr,
+                           T, gather, commit, layer_nodes, index_stride,
                            HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # gather, store_nodes are runtime flags, not constexprs: tree, chain and path forwards run one
+        # gather, commit are runtime flags, not constexprs: chain, tree and path forwards run one
         # compiled kernel, so a node's arithmetic is bit-identical whichever kind of forward computes
-        # it (speculative decoding must commit exactly the AR tokens).
-        #   tree (store_nodes): node i starts from node parents[i]'s state; the states later nodes
-        #     restart from (restart_ptr) are stored in nodes_ptr; state_ptr is only read.
-        #   chain: node i starts from node i - 1's; state_ptr ends as the last node's state.
-        #   path (gather): a chain over the nodes index_ptr[0..count-1] of one tree forward's inputs
-        #     (count read from count_ptr), one layer a program_id(2) (layer_nodes node rows of inputs
-        #     a layer), outputs not written.
+        # it (speculative decoding must commit exactly the AR tokens). Every program walks a chain
+        # of nodes from ``state_ptr``'s state:
+        #   chain (commit): nodes 0..T-1; outputs written; state_ptr ends as the last node's state.
+        #   tree (gather, not commit): program_id(2) is a node; a leaf's program walks the nodes
+        #     index_ptr[node * index_stride : + count_ptr[node]] (its path, root first) and writes
+        #     their outputs at their node rows; a node that is not a leaf has count 0 (nothing).
+        #   path (gather, commit): program_id(2) is a layer (layer_nodes node rows of inputs a layer);
+        #     the chain over index_ptr[0 .. count_ptr[0] - 1]; outputs not written; state_ptr ends as
+        #     the path's last node's state.
         # Layer offsets in whole rows (constexpr multiples): the compiler keeps the pointers' alignment,
         # and the loads their width.
         col_block = tl.program_id(0)
         head = tl.program_id(1)
-        layer = tl.program_id(2).to(tl.int64)
-        q_ptr += layer * layer_nodes * (HK * DK)
-        k_ptr += layer * layer_nodes * (HK * DK)
-        v_ptr += layer * layer_nodes * (HV * DV)
-        g_ptr += layer * layer_nodes * HV
-        beta_ptr += layer * layer_nodes * HV
-        state_ptr += layer * (HV * DK * DV)
+        z = tl.program_id(2).to(tl.int64)
+        q_ptr += z * layer_nodes * (HK * DK)
+        k_ptr += z * layer_nodes * (HK * DK)
+        v_ptr += z * layer_nodes * (HV * DV)
+        g_ptr += z * layer_nodes * HV
+        beta_ptr += z * layer_nodes * HV
+        if commit != 0:  # a path commit's layer (z = 0 in a chain)
+            state_ptr += z * (HV * DK * DV)
+        else:  # a tree's node: its path's row and length
+            index_ptr += z * index_stride
+            count_ptr += z
         if gather != 0:
             T = tl.load(count_ptr)
-        key_head = head // (HV // HK)
-        rk = tl.arange(0, BLOCK_K)
-        rv = col_block * BLOCK_V + tl.arange(0, BLOCK_V)
-        mk, mv = rk < DK, rv < DV
-        m2 = mk[:, None] & mv[None, :]
-        head_offs = head * DK * DV + rk[:, None] * DV + rv[None, :]  # this block of S in a [HV, DK, DV] tensor
-        s = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
-        # Software pipelining: node i + 1's inputs are loaded before node i's update, so that their
-        # latency hides behind it (the updates are a chain from node to node, the loads are not).
-        # The arithmetic is the same whatever the order of the loads.
-        # (The wrappers launch no kernel for T == 0, and a path has at least its root: node 0 exists.)
-        src = 0  # node 0's inputs
-        if gather != 0:
-            src = tl.load(index_ptr)
-        kk = tl.load(k_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
-        qq = tl.load(q_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
-        vv = tl.load(v_ptr + (src * HV + head) * DV + rv, mask=mv, other=0.0)
-        g = tl.load(g_ptr + src * HV + head)
-        b = tl.load(beta_ptr + src * HV + head)
-        parent = tl.load(parents_ptr)  # -1: node 0 starts from the committed state, s
-        restart = 0
-        if store_nodes != 0:
-            restart = tl.load(restart_ptr)
-        s_ahead = s
-        for i in range(0, T):
-            n = (i + 1) % T  # after the last node: node 0 again, loaded and never used
-            src = n
+        if T > 0:
+            key_head = head // (HV // HK)
+            rk = tl.arange(0, BLOCK_K)
+            rv = col_block * BLOCK_V + tl.arange(0, BLOCK_V)
+            mk, mv = rk < DK, rv < DV
+            m2 = mk[:, None] & mv[None, :]
+            head_offs = head * DK * DV + rk[:, None] * DV + rv[None, :]  # this block of S in a [HV, DK, DV] tensor
+            s = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
+            # Software pipelining: node i + 1's inputs are loaded before node i's update, so that
+            # their latency hides behind it (the updates are a chain from node to node, the loads
+            # are not). The arithmetic is the same whatever the order of the loads.
+            src = 0  # the first node's inputs
             if gather != 0:
-                src = tl.load(index_ptr + n)
-            kk_next = tl.load(k_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
-            qq_next = tl.load(q_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
-            vv_next = tl.load(v_ptr + (src * HV + head) * DV + rv, mask=mv, other=0.0)
-            g_next = tl.load(g_ptr + src * HV + head)
-            b_next = tl.load(beta_ptr + src * HV + head)
-            parent_next = tl.load(parents_ptr + n)
-            restart_next = 0
-            if store_nodes != 0:
-                restart_next = tl.load(restart_ptr + n)
-                if parent != i - 1:  # not the node just computed: the state loaded a node ahead
-                    s = s_ahead
-                if parent_next != i:
-                    # Node i + 1 starts from a state already in memory (the committed one, or an
-                    # earlier node's, stored before a barrier): load it now, used a node later.
-                    if parent_next < 0:
-                        s_ahead = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
-                    else:
-                        s_ahead = tl.load(nodes_ptr + parent_next * HV * DK * DV + head_offs, mask=m2, other=0.0)
-            s = s * tl.exp(g)
-            delta = (vv - tl.sum(s * kk[:, None], axis=0)) * b
-            s = s + kk[:, None] * delta[None, :]
-            if gather == 0:
-                tl.store(out_ptr + (i * HV + head) * DV + rv, tl.sum(s * qq[:, None], axis=0), mask=mv)
-            if store_nodes != 0:
-                if restart != 0:
-                    tl.store(nodes_ptr + i * HV * DK * DV + head_offs, s, mask=m2)
-                tl.debug_barrier()  # a later node reloads this state
-            kk, qq, vv, g, b, parent, restart = kk_next, qq_next, vv_next, g_next, b_next, parent_next, restart_next
-        if store_nodes == 0:
-            tl.store(state_ptr + head_offs, s, mask=m2)
+                src = tl.load(index_ptr)
+            kk = tl.load(k_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
+            qq = tl.load(q_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
+            vv = tl.load(v_ptr + (src * HV + head) * DV + rv, mask=mv, other=0.0)
+            g = tl.load(g_ptr + src * HV + head)
+            b = tl.load(beta_ptr + src * HV + head)
+            for i in range(0, T):
+                n = (i + 1) % T  # after the last node: the first again, loaded and never used
+                src_next = n
+                if gather != 0:
+                    src_next = tl.load(index_ptr + n)
+                kk_next = tl.load(k_ptr + (src_next * HK + key_head) * DK + rk, mask=mk, other=0.0)
+                qq_next = tl.load(q_ptr + (src_next * HK + key_head) * DK + rk, mask=mk, other=0.0)
+                vv_next = tl.load(v_ptr + (src_next * HV + head) * DV + rv, mask=mv, other=0.0)
+                g_next = tl.load(g_ptr + src_next * HV + head)
+                b_next = tl.load(beta_ptr + src_next * HV + head)
+                s = s * tl.exp(g)
+                delta = (vv - tl.sum(s * kk[:, None], axis=0)) * b
+                s = s + kk[:, None] * delta[None, :]
+                if gather == 0 or commit == 0:
+                    tl.store(out_ptr + (src * HV + head) * DV + rv, tl.sum(s * qq[:, None], axis=0), mask=mv)
+                kk, qq, vv, g, b, src = kk_next, qq_next, vv_next, g_next, b_next, src_next
+            if commit != 0:
+                tl.store(state_ptr + head_offs, s, mask=m2)

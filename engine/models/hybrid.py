@@ -35,7 +35,7 @@ from engine.models.common import (
     rope_inv_freq,
     rope_rows,
 )
-from engine.models.delta_rule import restart_flags, tree_delta_rule
+from engine.models.delta_rule import LeafPaths, leaf_paths, tree_delta_rule
 from engine.models.dense import KVCache
 from engine.models.hybrid_cache import HybridCache, conv_window_index
 from engine.models.hybrid_config import FULL, HybridConfig
@@ -66,7 +66,7 @@ class _Pass:
     conv_index: Tensor  # [T, kernel]
     parents: Tensor  # [T] int32 on the device (as the delta rule kernel reads them: converted once a forward)
     tree: bool  # True: record every node's inputs, leave the committed state; False: commit a chain
-    restarts: Tensor | None  # a tree's restart_flags (the nodes whose state the kernel stores), once a forward
+    paths: LeafPaths | None  # a tree's root-to-leaf paths (the delta rule kernel's programs), once a forward
 
 
 class GatedDeltaNet(nn.Module):
@@ -100,8 +100,7 @@ class GatedDeltaNet(nn.Module):
                                             commit=not p.tree, record=cache.tree_conv[layer, :t] if p.tree else None,
                                             out=inputs)
         if p.tree:
-            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], cache.tree_rec[layer, :t],
-                                  restarts=p.restarts)
+            out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer], tree=True, paths=p.paths)
         else:
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
         # the norm rounds the float32 output to the model's dtype (z's) itself
@@ -203,6 +202,16 @@ class HybridModel(TargetModel):
                                          parents.to(torch.int32))
         return self._chains[(t, device)]
 
+    @staticmethod
+    def _leaf_paths(parents: Tensor, mask: Tensor | StepKeys) -> LeafPaths | None:
+        """A tree's root-to-leaf paths for the delta rule kernel, once a forward (None where the torch
+        loop runs: it follows the parents); a decode step's layout brings its ancestor tables."""
+        if not (parents.is_cuda and fused.kernels_enabled()):
+            return None
+        if isinstance(mask, StepKeys):
+            return leaf_paths(parents, mask.ancestors, mask.depths)
+        return leaf_paths(parents)
+
     def _run(self, tokens: Tensor, positions: Tensor, kv, cache: HybridCache, start: int, mask: Tensor | StepKeys,
              parents: Tensor, tree: bool, feature_layers: Sequence[int], last_only: bool,
              chain: tuple[Tensor, Tensor, Tensor] | None = None, rope: tuple[Tensor, Tensor] | None = None
@@ -212,5 +221,5 @@ class HybridModel(TargetModel):
         conv_index, parents32 = (chain[1], chain[2]) if chain is not None else (
             conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,
-                  parents=parents32, tree=tree, restarts=restart_flags(parents32) if tree else None)
+                  parents=parents32, tree=tree, paths=self._leaf_paths(parents32, mask) if tree else None)
         return self._stack(x, lambda layer, i, h, delta: layer(h, delta, p), feature_layers, last_only)

@@ -18,9 +18,9 @@ class HybridCache(KVCache):
 
     rec: [gdn_layers, v_heads, dk, dv] float32 and conv: [gdn_layers, kernel-1, conv_dim], the state
     after ``length`` tokens. From the last tree forward: tree_inputs (q, k, v, g, beta, each
-    [gdn_layers, nodes, ...] float32) hold every node's delta-rule inputs, tree_conv[:, i] node i's
-    conv input, and tree_rec[:, i] node i's recurrent state where a later node restarts from it
-    (scratch of the tree kernel; the commit recomputes the accepted path from tree_inputs).
+    [gdn_layers, nodes, ...] float32) hold every node's delta-rule inputs and tree_conv[:, i] node i's
+    conv input; no node's recurrent state is kept (the commit recomputes the accepted path's from
+    tree_inputs).
     """
 
     def __init__(self, cfg: HybridConfig, max_len: int, device: torch.device, dtype: torch.dtype,
@@ -33,7 +33,6 @@ class HybridCache(KVCache):
         self.rec = torch.zeros(n_gdn, *shape, device=device, dtype=torch.float32)
         self.conv = torch.zeros(n_gdn, self.kernel - 1, cfg.conv_dim, device=device, dtype=dtype)
         self.conv_prev = torch.zeros_like(self.conv)  # the window before the last commit
-        self.tree_rec = self.rec.new_zeros(n_gdn, 0, *shape)
         self.tree_conv = self.conv.new_zeros(n_gdn, 0, cfg.conv_dim)
         self._input_shapes = [(cfg.linear_num_key_heads, cfg.linear_key_head_dim)] * 2 + [
             (cfg.linear_num_value_heads, cfg.linear_value_head_dim), (cfg.linear_num_value_heads,),
@@ -56,8 +55,7 @@ class HybridCache(KVCache):
         Growing replaces the tensors: captured CUDA graphs that used the old ones are stale."""
         if nodes <= self.tree_conv.shape[1]:
             return
-        n_gdn, _, *shape = self.tree_rec.shape
-        self.tree_rec = self.rec.new_zeros(n_gdn, nodes, *shape)
+        n_gdn = self.rec.shape[0]
         self.tree_conv = self.conv.new_zeros(n_gdn, nodes, self.conv.shape[-1])
         # Rows for a multiple of 4 nodes: every layer's g and beta then start 16-byte aligned, as
         # the path commit's do (the tree kernel compiles to the variant the path commit runs).

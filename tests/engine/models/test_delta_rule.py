@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.delta_rule import delta_rule_path, delta_step, restart_flags, tree_delta_rule
+from engine.models.delta_rule import ancestor_rows, delta_rule_path, delta_step, leaf_paths, tree_delta_rule
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,18 +59,11 @@ def test_tree_forward_matches_the_per_path_reference(backend, shape):
     t, hk, hv, dk, dv = shape
     q, k, v, g, beta, state = _inputs(t, hk, hv, dk, dv, seed=t)
     parents = _random_tree(t, seed=t)
-    ref_out, ref_states = _reference(q, k, v, g, beta, parents, state)
+    ref_out, _ = _reference(q, k, v, g, beta, parents, state)
     before = state.clone()
-    nodes = torch.full((t, hv, dk, dv), float("nan"), device=DEVICE)
-    out = tree_delta_rule(q, k, v, g, beta, parents, state, nodes, backend=backend)
+    out = tree_delta_rule(q, k, v, g, beta, parents, state, tree=True, backend=backend)
     assert torch.equal(state, before)  # a tree forward leaves the committed state alone
     assert not out.isnan().any() and _rel(out, ref_out) < 1e-5
-    # The states later nodes restart from are stored (the torch loop stores every node's).
-    stored = restart_flags(parents).bool() if backend == "triton" else torch.ones(t, dtype=torch.bool)
-    assert 0 < int(stored.sum()) < t or backend == "torch"
-    assert not nodes[stored].isnan().any() and _rel(nodes[stored], ref_states[stored]) < 1e-5
-    if backend == "triton":  # and no other: a state is 3 MB a layer at the 27B shape
-        assert nodes[~stored].isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -89,8 +82,7 @@ def test_kernel_is_bit_identical_for_tree_and_chain_forwards():
     t, hk, hv, dk, dv = 15, 2, 4, 16, 8
     q, k, v, g, beta, state = _inputs(t, hk, hv, dk, dv, seed=5)
     chain = torch.arange(t, device=DEVICE) - 1
-    nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
-    tree_out = tree_delta_rule(q, k, v, g, beta, chain, state, nodes, backend="triton")
+    tree_out = tree_delta_rule(q, k, v, g, beta, chain, state, tree=True, backend="triton")
     s = state.clone()
     chain_out = tree_delta_rule(q, k, v, g, beta, chain, s, backend="triton")
     assert torch.equal(tree_out, chain_out)
@@ -115,20 +107,40 @@ def test_torch_and_triton_agree_on_a_real_tree():
     parents = tree.parents.to(DEVICE)
     t = parents.numel()
     q, k, v, g, beta, state = _inputs(t, 2, 4, 16, 16, seed=9)
-    outs, states = [], []
-    for backend in ("torch", "triton"):
-        nodes = torch.empty(t, 4, 16, 16, device=DEVICE)
-        outs.append(tree_delta_rule(q, k, v, g, beta, parents, state, nodes, backend=backend))
-        states.append(nodes)
-    stored = restart_flags(parents).bool()
-    assert _rel(outs[1], outs[0]) < 1e-5 and _rel(states[1][stored], states[0][stored]) < 1e-5
+    outs = [tree_delta_rule(q, k, v, g, beta, parents, state, tree=True, backend=backend)
+            for backend in ("torch", "triton")]
+    assert _rel(outs[1], outs[0]) < 1e-5
+    # Every node lies on a leaf's path, so every output row was written, and a node on several paths
+    # (the root) got the same bits from each: the same as the chain of its own path computes.
+    paths = leaf_paths(parents)
+    assert int((paths.counts > 0).sum()) > 1
+    for leaf in torch.nonzero(paths.counts).flatten().tolist():
+        path = paths.index[leaf, : int(paths.counts[leaf])].long()
+        chain = tree_delta_rule(q[path], k[path], v[path], g[path], beta[path],
+                                torch.arange(len(path), device=DEVICE) - 1, state.clone(), backend="triton")
+        assert torch.equal(chain, outs[1][path])
 
 
-def test_restart_flags_mark_the_nodes_a_later_node_other_than_the_next_restarts_from():
+def test_leaf_paths_list_each_leafs_path_root_first():
     #          0   1  2  3  4  5  6  7
-    parents = [-1, 0, 1, 0, 3, 1, 5, 0]  # 3, 5 and 7 jump back: to 0, 1 and 0
-    assert restart_flags(torch.tensor(parents, device=DEVICE)).tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
-    assert restart_flags(torch.arange(6, device=DEVICE) - 1).tolist() == [0] * 6  # a chain stores nothing
+    parents = [-1, 0, 1, 0, 3, 1, 5, 0]  # leaves: 2, 4, 6, 7
+    paths = leaf_paths(torch.tensor(parents, device=DEVICE))
+    assert paths.counts.tolist() == [0, 0, 3, 0, 3, 0, 4, 2]
+    rows = {i: paths.index[i, :c].tolist() for i, c in enumerate(paths.counts.tolist()) if c}
+    assert rows == {2: [0, 1, 2], 4: [0, 3, 4], 6: [0, 1, 5, 6], 7: [0, 7]}
+    chain = leaf_paths(torch.arange(6, device=DEVICE) - 1)  # a chain: one path, the whole of it
+    assert chain.counts.tolist() == [0] * 5 + [6] and chain.index[5].tolist() == list(range(6))
+    # the tables a decode step's layout brings are the ones made from the parents
+    from engine.models.attention import ancestor_table
+
+    ancestors, depths = ancestor_rows(torch.tensor(parents, device=DEVICE))
+    assert depths.tolist() == [0, 1, 2, 1, 2, 2, 3, 1]
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    for i in range(8):
+        j = i
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    assert torch.equal(ancestor_table(mask, depths, 8), ancestors)
 
 
 @pytest.mark.slow
@@ -141,30 +153,30 @@ def test_path_commit_reproduces_each_accepted_nodes_state_bit_for_bit(backend):
     parents = torch.tensor([-1, 0, 1, 1, 0, 4, 2, 6, 5, 3, 9, 9, 7], device=DEVICE)
     ins = [_inputs(t, hk, hv, dk, dv, seed=20 + layer) for layer in range(layers)]
     q, k, v, g, beta, state = (torch.stack(x) for x in zip(*ins, strict=True))
-    # root..node 12 (nodes 6 and 12 follow a reload in the tree forward), then padding
+    # root..node 12 (a path through two branch points), then padding
     path = torch.tensor([0, 1, 2, 6, 7, 12, 3, 4, 5, 8, 9, 10, 11], device=DEVICE)
     for length in range(1, 7):
         committed = state.clone()
         delta_rule_path(q, k, v, g, beta, path, torch.tensor([length], device=DEVICE), committed, backend=backend)
         node = int(path[length - 1])
         for layer in range(layers):
-            # the same node through a tree forward (every state stored: the torch loop) and through a
-            # chain forward of the path's nodes (the kernel a tree forward runs)
-            ref_nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
-            tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], ref_nodes,
-                            backend="torch")
-            assert _rel(committed[layer], ref_nodes[node]) < 1e-5
+            # the same node by the float64 definition, and through a chain forward of the path's
+            # nodes (the kernel a tree forward runs)
+            _, ref_states = _reference(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer])
+            assert _rel(committed[layer], ref_states[node]) < 1e-5
             idx = path[:length]
             chain_state = state[layer].clone()
             tree_delta_rule(q[layer][idx], k[layer][idx], v[layer][idx], g[layer][idx], beta[layer][idx],
                             torch.arange(length, device=DEVICE) - 1, chain_state, backend=backend)
             assert torch.equal(committed[layer], chain_state)
-            # The tree forward's own bits at that node, reloads included: every state stored
-            # (``restarts`` only says which states the kernel writes, not how it computes them).
-            nodes = torch.empty(t, hv, dk, dv, device=DEVICE)
-            tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer], nodes,
-                            backend=backend, restarts=torch.ones(t, dtype=torch.int32, device=DEVICE))
-            assert torch.equal(committed[layer], nodes[node])
+            # The tree forward computed that node's output from the same state: its bits are the
+            # path chain's (the output is the state's only trace a tree forward leaves).
+            chain_out = tree_delta_rule(q[layer][idx], k[layer][idx], v[layer][idx], g[layer][idx],
+                                        beta[layer][idx], torch.arange(length, device=DEVICE) - 1,
+                                        state[layer].clone(), backend=backend)
+            tree_out = tree_delta_rule(q[layer], k[layer], v[layer], g[layer], beta[layer], parents, state[layer],
+                                       tree=True, backend=backend)
+            assert torch.equal(tree_out[node], chain_out[-1])
 
 
 def test_bad_shapes_and_backend_are_refused():
@@ -176,11 +188,11 @@ def test_bad_shapes_and_backend_are_refused():
         tree_delta_rule(q, k, v[:, :3], g, beta, parents, state)
     with pytest.raises(ValueError, match="shapes do not match"):  # a bad beta alone is caught too
         tree_delta_rule(q, k, v, g, beta[:, :3], parents, state)
-    with pytest.raises(ValueError, match="node_states must be"):
-        tree_delta_rule(q, k, v, g, beta, parents, state, torch.empty(3, 4, 8, 8, device=DEVICE))
-    with pytest.raises(ValueError, match="restarts must be"):
-        tree_delta_rule(q, k, v, g, beta, parents, state, torch.empty(4, 4, 8, 8, device=DEVICE),
-                        restarts=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="shapes do not match"):  # parents for another tree
+        tree_delta_rule(q, k, v, g, beta, parents[:3], state, tree=True)
+    bad = leaf_paths(parents[:3])
+    with pytest.raises(ValueError, match=r"paths must hold \[4, W\] rows"):
+        tree_delta_rule(q, k, v, g, beta, parents, state, tree=True, paths=bad)
     with pytest.raises(ValueError, match="shapes do not match"):  # the path commit: one layer too few states
         delta_rule_path(q[None], k[None], v[None], g[None], beta[None], parents, torch.tensor([1]),
                         state[None].expand(2, -1, -1, -1))

@@ -101,9 +101,8 @@ def test_a_tree_nodes_recurrence_is_a_chain_tokens():
     v, g, beta = rand(t, hv, dv), -rand(t, hv).abs(), rand(t, hv).sigmoid()
     state = rand(hv, dk, dv)
     par = torch.tensor(parents, device=DEVICE)
-    nodes = torch.zeros(t, hv, dk, dv, device=DEVICE)
     rule = functools.partial(tree_delta_rule, backend="triton")  # the kernel (interpreted on the CPU)
-    tree_out = rule(q, k, v, g, beta, par, state.clone(), nodes)
+    tree_out = rule(q, k, v, g, beta, par, state.clone(), tree=True)
     for i in (0, 4, 9, 10):
         path = [i]
         while parents[path[-1]] >= 0:
