@@ -135,7 +135,7 @@ def test_leaf_paths_list_each_leafs_path_root_first():
 
     ancestors, depths = ancestor_rows(torch.tensor(parents, device=DEVICE))
     assert depths.tolist() == [0, 1, 2, 1, 2, 2, 3, 1]
-    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask = torch.zeros(8, 8, dtype=torch.bool, device=DEVICE)
     for i in range(8):
         j = i
         while j >= 0:
