@@ -55,7 +55,7 @@ class MeasureSpec:
     repeats: int = 3
     max_rel_mad: float = 0.10
     exactness: str = "strict"
-    baseline_every: int = 10  # re-measure the AR baseline after this many other trials
+    baseline_every: int = 10  # re-measure the AR baseline after this many other trials measured in full
     # seconds: a worker that starts without a baseline (a restarted driver, a restarted Ray actor)
     # reuses one of the study's measured under the same identity at most this long ago; 0: never
     baseline_max_age: float = 6 * 3600.0
@@ -315,15 +315,18 @@ def _measure(where: str, raw: dict) -> MeasureSpec:
 
 
 def _fidelity(where: str, raw: dict, workload: WorkloadSpec) -> FidelitySpec:
-    """``fidelity: {rungs: [{prompts, max_new_tokens}, ...], stop_ratio}`` (autotune.fidelity)."""
-    s = _Section(where, "fidelity", raw, {"rungs", "stop_ratio"})
+    """``fidelity: {rungs: [{prompts, max_new_tokens}, ...], stop_ratio, rung_warmup, rung_repeats}``
+    (autotune.fidelity)."""
+    s = _Section(where, "fidelity", raw, {"rungs", "stop_ratio", "rung_warmup", "rung_repeats"})
+    passes = dict(rung_warmup=s.integer("rung_warmup", FidelitySpec.rung_warmup),
+                  rung_repeats=s.integer("rung_repeats", FidelitySpec.rung_repeats, low=1))
     ratio = s.get("stop_ratio", (int, float), FidelitySpec.stop_ratio)
     if not 1 < ratio <= MAX_STOP_RATIO:  # NaN fails this too
         raise InputError(where, "fidelity.stop_ratio", f"must be > 1 and <= {MAX_STOP_RATIO:g} (2: a config at least "
                          "twice as slow as the incumbent, after the spread, stops at the cheap rung)", ratio)
     raw_rungs = s.get("rungs", (list, type(None)), None)
     if raw_rungs is None:
-        return FidelitySpec(rungs=None, stop_ratio=float(ratio))
+        return FidelitySpec(rungs=None, stop_ratio=float(ratio), **passes)
     rungs: list[Rung] = []
     full = (workload.n_prompts, workload.max_new_tokens)
     for i, item in enumerate(raw_rungs):
@@ -344,7 +347,7 @@ def _fidelity(where: str, raw: dict, workload: WorkloadSpec) -> FidelitySpec:
                              "prompts and tokens as the one before, and more of one",
                              {"prompts": rung.prompts, "max_new_tokens": rung.max_new_tokens})
         rungs.append(rung)
-    return FidelitySpec(rungs=tuple(rungs), stop_ratio=float(ratio))
+    return FidelitySpec(rungs=tuple(rungs), stop_ratio=float(ratio), **passes)
 
 
 def _study(where: str, raw: dict) -> StudySpec:

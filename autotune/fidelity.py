@@ -2,7 +2,9 @@
 and one far behind the incumbent there stops (successive halving over prompts and tokens).
 
 A rung is a slice: the first ``prompts`` prompts of every workload set, ``max_new_tokens`` tokens
-each, with the experiment's warm-up and repeats. A search trial runs its rungs in order, then the
+each, with fewer passes than the full measurement (``rung_warmup`` and ``rung_repeats``, at most the
+experiment's: a rung only has to tell a config 2x behind, and the runtime path's spread is well under
+1%). A search trial runs its rungs in order, then the
 full measurement. After each rung the driver compares it with the incumbent (the study's best
 feasible trial among those measured at that rung, ``autotune.results.ranked``) on the *same* rung:
 like with like, since short generations and the first prompts run at other rates than the whole
@@ -24,6 +26,8 @@ Experiment YAML (``fidelity:``; every key optional)::
     fidelity:
       rungs: [{prompts: 1, max_new_tokens: 32}]   # cheapest first; [] turns multi-fidelity off
       stop_ratio: 2.0                              # stop a config this many times slower (after the spread)
+      rung_warmup: 1                               # passes per rung, at most measure.warmup / repeats
+      rung_repeats: 3
 
 Without ``rungs`` the default ladder is one rung of 1 prompt per set and 32 tokens, used where the
 full measurement is at least :data:`DEFAULT_MIN_SAVING` times its work (prompts × tokens per set);
@@ -43,6 +47,10 @@ from autotune.worker import Job, Record
 DEFAULT_STOP_RATIO = 2.0
 MAX_STOP_RATIO = 1000.0
 DEFAULT_MIN_SAVING = 4  # the default rung runs where the full measurement is at least this many times its work
+# Passes of a rung (each capped by the experiment's own): on the H200's flagship experiment (2 warm-ups
+# + 5 repeats) a generic-path trial stopped at the rung still took 7-17 s of its 7 passes (2026-12-04).
+DEFAULT_RUNG_WARMUP = 1
+DEFAULT_RUNG_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,8 @@ DEFAULT_RUNG = Rung(prompts=1, max_new_tokens=32)
 class FidelitySpec:
     rungs: tuple[Rung, ...] | None = None  # None: the default ladder, decided against the workload
     stop_ratio: float = DEFAULT_STOP_RATIO
+    rung_warmup: int = DEFAULT_RUNG_WARMUP  # passes a rung runs, each at most the full measurement's
+    rung_repeats: int = DEFAULT_RUNG_REPEATS
 
     def ladder(self, n_prompts: int, max_new_tokens: int) -> tuple[Rung, ...]:
         """The rungs a trial runs before its full measurement of ``n_prompts`` × ``max_new_tokens``."""
@@ -73,11 +83,12 @@ class FidelitySpec:
         return (DEFAULT_RUNG,) if n_prompts * max_new_tokens >= DEFAULT_MIN_SAVING * work else ()
 
 
-def jobs(full: Job, ladder: tuple[Rung, ...]) -> list[Job]:
-    """The jobs of one trial: each rung (no re-measurement of a noisy rung: its spread speaks), then
-    the full measurement."""
+def jobs(full: Job, ladder: tuple[Rung, ...], spec: FidelitySpec) -> list[Job]:
+    """The jobs of one trial: each rung with the spec's passes, capped by the full measurement's (no
+    re-measurement of a noisy rung: its spread speaks), then the full measurement."""
+    warmup, repeats = min(full.warmup, spec.rung_warmup), min(full.repeats, spec.rung_repeats)
     return [Job(trial=full.trial, role=full.role, config=full.config, max_new_tokens=r.max_new_tokens,
-                warmup=full.warmup, repeats=full.repeats, max_rel_mad=full.max_rel_mad,
+                warmup=warmup, repeats=repeats, max_rel_mad=full.max_rel_mad,
                 remeasure_if_noisy=False, prompts=r.prompts, rung=i) for i, r in enumerate(ladder)] + [full]
 
 

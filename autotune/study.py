@@ -453,8 +453,11 @@ def role_of(t: FrozenTrial) -> str:
 
 
 def needs_baseline(study: optuna.Study, worker: str, every: int) -> bool:
-    """No baseline attempt on this worker yet and none reused, or ``every`` other trials since the
-    last one (a reused baseline counts as the worker's first)."""
+    """No baseline attempt on this worker yet and none reused, or ``every`` other trials measured in
+    full since the last one (a reused baseline counts as the worker's first). A trial stopped at a
+    cheap rung does not count: the baseline is re-measured against drift in the full measurements it
+    divides, and on the H200 (2026-12-04) the flagship's AR at full fidelity took 37-43 s, as long as
+    ten rung-stopped trials."""
     trials = study.get_trials(deepcopy=False)
     if any(t.state == TrialState.WAITING and role_of(t) == "baseline" for t in trials):
         return False
@@ -465,7 +468,8 @@ def needs_baseline(study: optuna.Study, worker: str, every: int) -> bool:
         last = reuse["trial"] if reuse else None
     if last is None:
         return True
-    return sum(t.number > last and counts_toward_budget(t) for t in mine) >= every
+    return sum(t.number > last and counts_toward_budget(t) and "pruned_at_rung" not in t.user_attrs
+               for t in mine) >= every
 
 
 def reusable_baseline(study: optuna.Study, worker: str, identity: dict[str, Any] | None, max_age_s: float,

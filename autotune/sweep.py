@@ -344,7 +344,8 @@ class _Driver:
         m = self.exp.measure
         full = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
                    warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
-        first, *todo = fidelity.jobs(full, self.exp.ladder)  # the cheap rungs first, then the full measurement
+        # the cheap rungs first (fewer passes), then the full measurement
+        first, *todo = fidelity.jobs(full, self.exp.ladder, self.exp.fidelity)
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
         heartbeat = st.Heartbeat(trial).__enter__()
         self.inflight[trial.number] = _InFlight(trial, worker, heartbeat, time.monotonic(), prune is not None,

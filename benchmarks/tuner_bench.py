@@ -282,7 +282,9 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
         fids = {}
         full_job = Job(trial=i, role=role, config=config, max_new_tokens=exp.workload.max_new_tokens,
                        warmup=m.warmup, repeats=repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
-        for job in fidelity.jobs(full_job, ladder):  # each rung, then the full measurement, as a trial runs them
+        # each rung, then the full measurement, as a trial runs them; every fidelity at the full passes
+        # (the replay draws the fewer passes a rung runs from them)
+        for job in fidelity.jobs(full_job, ladder, fidelity.FidelitySpec(rung_warmup=m.warmup, rung_repeats=repeats)):
             rec = worker.measure(job)
             passes = m.warmup + len(rec.decode_tps_runs)
             fids[fidelity_key(job.prompts, job.max_new_tokens, exp.workload.max_new_tokens)] = {

@@ -16,9 +16,10 @@ from autotune import experiment, measure
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import LocalExecutor
-from autotune.fidelity import DEFAULT_RUNG, Rung, stop_reason
+from autotune.fidelity import DEFAULT_RUNG, FidelitySpec, Rung, jobs, stop_reason
 from autotune.report import write_report
 from autotune.sweep import SweepOptions, run_sweep
+from autotune.worker import Job
 
 SPACE = {"verify": {"type": "categorical", "choices": ["chain"]},
          "draft_path": {"type": "categorical", "choices": ["generic", "auto"]}}
@@ -153,9 +154,46 @@ def test_the_ladder_defaults_to_one_cheap_rung_where_it_pays_and_can_be_turned_o
     ({"rungs": [{"prompts": 1}]}, "fidelity.rungs[0].max_new_tokens", "is required"),
     ({"rungs": [{"prompts": 1, "max_new_tokens": 4, "repeats": 2}]}, "fidelity.rungs[0].repeats", "unknown key"),
     ({"stop_ratio": 1}, "fidelity.stop_ratio", "must be > 1"),
+    ({"rung_repeats": 0}, "fidelity.rung_repeats", "must be >= 1"),
+    ({"rung_warmup": -1}, "fidelity.rung_warmup", "must be >= 0"),
+    ({"rung_warmup": 1.5}, "fidelity.rung_warmup", "int"),
     ({"ladder": []}, "fidelity.ladder", "unknown key"),
 ])
 def test_a_bad_ladder_is_refused_naming_the_key(tmp_path, fidelity, key, rule):
     with pytest.raises(InputError, match=rule) as err:
         _load(tmp_path, fidelity=fidelity)
     assert key in str(err.value)
+
+
+def test_a_rung_runs_fewer_passes_than_the_full_measurement_and_never_more(tmp_path):
+    full = Job(trial=3, role="search", config={"verify": "chain"}, max_new_tokens=256, warmup=2, repeats=5,
+               max_rel_mad=0.05)
+    first, second, last = jobs(full, (Rung(1, 32), Rung(4, 64)), FidelitySpec())
+    assert (first.prompts, first.max_new_tokens, first.rung, first.warmup, first.repeats) == (1, 32, 0, 1, 3)
+    assert (second.rung, second.warmup, second.repeats) == (1, 1, 3) and last is full
+    assert not first.remeasure_if_noisy  # a rung's spread speaks for itself
+    few = Job(trial=4, role="search", config={}, max_new_tokens=64, warmup=0, repeats=2, max_rel_mad=0.1)
+    rung, _ = jobs(few, (Rung(1, 16),), FidelitySpec(rung_warmup=4, rung_repeats=9))
+    assert (rung.warmup, rung.repeats) == (0, 2)  # capped by the experiment's own passes
+    exp = _load(tmp_path, fidelity={"rung_warmup": 0, "rung_repeats": 4})
+    assert (exp.fidelity.rung_warmup, exp.fidelity.rung_repeats) == (0, 4)
+    assert (_load(tmp_path / "d").fidelity.rung_warmup, _load(tmp_path / "d").fidelity.rung_repeats) == (1, 3)
+
+
+def test_trials_stopped_at_a_rung_do_not_bring_the_baseline_round_sooner():
+    """``baseline_every`` counts trials measured in full: the AR re-measurement guards the full
+    measurements against drift, and on a GPU it costs as much as ten rung-stopped trials."""
+    study = optuna.create_study(direction="maximize")
+
+    def add(role, state=TrialState.COMPLETE, **attrs):
+        study.add_trial(optuna.trial.create_trial(
+            state=state, value=1.0 if state == TrialState.COMPLETE else None,
+            user_attrs={"worker": "w", "role": role, **attrs}))
+
+    add("baseline")
+    for _ in range(5):  # stopped at the rung: not counted
+        add("search", TrialState.PRUNED, pruned_at_rung=0, pruned_reason="far behind")
+    add("search")
+    assert not st.needs_baseline(study, "w", 2)
+    add("search", TrialState.PRUNED, pruned_reason="wilcoxon")  # pruned during its full measurement: counted
+    assert st.needs_baseline(study, "w", 2)
