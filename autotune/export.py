@@ -112,6 +112,9 @@ def llama_server_mapping(cfg: dict[str, Any]) -> tuple[list[str], list[str], lis
             daemon.append("--ddtree-no-chain-seed")
         elif not _full_chain_seed(cfg):
             unmapped.append(f"chain_seed={cfg['chain_seed']} (the port seeds the whole top-1 chain or none)")
+        if cfg.get("policy") == "adaptive":
+            unmapped.append(f"policy=adaptive (the port verifies a tree of --ddtree-budget={cfg['budget']} every "
+                            f"step: no AR steps, no smaller trees; see the warning above)")
     elif verify == "chain" and cfg.get("rollback") == "fast":
         daemon.append("--fast-rollback")
     if verify != "ar":
@@ -130,13 +133,21 @@ def llama_server_mapping(cfg: dict[str, Any]) -> tuple[list[str], list[str], lis
 
 
 def llama_server_warnings(doc: dict[str, Any]) -> list[str]:
-    """What makes the exported command not run as written: the port loads a GGUF file, and a preset
-    or a folder target is neither (`autotune export` prints these to stderr too)."""
+    """What makes the exported command not run as written, or not as the study measured it: the port
+    loads a GGUF file (a preset or a folder target is neither), and it has no adaptive step policy
+    (`autotune export` prints these to stderr too)."""
+    warnings = []
     target = str(doc["model"].get("target", ""))
-    if target.endswith(".gguf") and Path(target).is_file():
-        return []
-    return [f"target {target!r} is not a .gguf file: the port loads GGUF only; put the target's GGUF path in the "
-            "command (convert an HF folder with llama.cpp's convert_hf_to_gguf.py)"]
+    if not (target.endswith(".gguf") and Path(target).is_file()):
+        warnings.append(f"target {target!r} is not a .gguf file: the port loads GGUF only; put the target's GGUF "
+                        "path in the command (convert an HF folder with llama.cpp's convert_hf_to_gguf.py)")
+    cfg = doc["engine"]
+    if cfg.get("verify") == "ddtree" and cfg.get("policy") == "adaptive":
+        warnings.append("the winner uses the adaptive step policy, which the port does not have: this command "
+                        f"runs a fixed tree of budget {cfg.get('budget')} every step, which is what the study "
+                        "measured only where the policy chose that budget (see the report's budget histogram; "
+                        "`--format engine` keeps the policy)")
+    return warnings
 
 
 def llama_server(doc: dict[str, Any], binary: str = SERVER_BINARY) -> str:

@@ -64,6 +64,13 @@ def speedup(median_tps: float, ar_median_tps: float | None) -> float | None:
     return median_tps / ar_median_tps
 
 
+def ar_step_fraction(budget_histogram: dict[str, int]) -> float | None:
+    """The adaptive policy's share of plain AR steps (budget 0) among its steps; None without a
+    histogram (the fixed policy records none)."""
+    total = sum(budget_histogram.values())
+    return budget_histogram.get("0", 0) / total if total else None
+
+
 def break_even_al(step_ms: float, ar_tps: float | None) -> float | None:
     """Speculation beats plain decoding iff AL exceeds this (step_ms / ar_ms_per_token)."""
     if not ar_tps or ar_tps <= 0 or step_ms <= 0:

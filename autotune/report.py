@@ -234,17 +234,23 @@ def _baselines(study: optuna.Study) -> list[str]:
 def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
     shown = _speculative_lead(study, w)
     shown += [t for t in results.completed(study) if role_of(t) == "reference"][:1]
+    # the best adaptive-policy trial too, when the lead is not one: its choices beside the oracle gate
+    shown += [t for t in results.ranked(study) if t.user_attrs.get("budget_histogram")][:1]
     L = ["## Break-even AL and oracle gate per workload", "",
          "Speculation beats plain decoding iff AL > break-even AL = step_ms / AR ms-per-token. The oracle "
          "gate is the TPS of an ideal per-step switch between speculation and AR (an upper bound for any "
-         "gating policy).", "", "| trial | workload | tok/s | AR tok/s | speedup | AL | break-even AL | steps "
-         "beating break-even | oracle-gate tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+         "gating policy). An adaptive-policy trial (`policy: adaptive`) shows the budgets it chose, as "
+         "budget:steps (0: plain AR steps), and its tok/s is what such a switch achieved; its AL counts its "
+         "AR steps as 1.", "", "| trial | workload | tok/s | AR tok/s | speedup | AL | break-even AL | steps "
+         "beating break-even | oracle-gate tok/s | budgets chosen (steps) |", "|" + "---|" * 10]
     for t in {t.number: t for t in shown}.values():
         for name, s in t.user_attrs.get("per_set", {}).items():
             g = s.get("oracle_gate") or {}
+            hist = s.get("budget_histogram") or {}
             cells = [t.number, name, _fmt(s.get("decode_tps_median")), _fmt(s.get("ar_decode_tps")),
                      _fmt(s.get("speedup_vs_ar")), _fmt(s.get("acceptance_length")), _fmt(g.get("break_even_al")),
-                     _fmt(g.get("fraction_beating")), _fmt(g.get("ideal_tps"))]
+                     _fmt(g.get("fraction_beating")), _fmt(g.get("ideal_tps")),
+                     " ".join(f"{b}:{n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0]))) or "-"]
             L.append("| " + " | ".join(map(str, cells)) + " |")
     return L + [""]
 

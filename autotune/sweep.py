@@ -494,6 +494,10 @@ class _Driver:
             # and verdict (engine.Divergence), and the count per verdict
             "divergences": rec.divergences, "divergence_verdicts": rec.divergence_verdicts,
             "peak_memory_bytes": rec.peak_memory_bytes,
+            # the adaptive step policy's choices (empty / None under the fixed policy)
+            "budget_histogram": rec.budget_histogram,
+            "policy_ar_step_fraction": measure.ar_step_fraction(rec.budget_histogram),
+            "policy_predicted_al": rec.policy_predicted_al, "policy_observed_al": rec.policy_observed_al,
             "decode_loops": rec.loops,  # what ran: `auto` takes the runtime's graphs or the generic loop
             "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "baseline_trial": number if is_base else (base.number if base else None),
@@ -515,6 +519,7 @@ class _Driver:
             ar_set = s["decode_tps_median"] if is_base else base_sets.get(name, {}).get("decode_tps_median")
             gate = None if is_base else measure.oracle_gate(s["accept_lengths"], s["step_ms"], ar_set)
             per_set[name] = {k: v for k, v in s.items() if k != "accept_lengths"}
+            per_set[name]["policy_ar_step_fraction"] = measure.ar_step_fraction(s.get("budget_histogram", {}))
             per_set[name].update(ar_decode_tps=ar_set, speedup_vs_ar=measure.speedup(s["decode_tps_median"], ar_set),
                                  oracle_gate=gate.to_dict() if gate else None)
         attrs["per_set"] = per_set

@@ -37,7 +37,12 @@ _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", Trial
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
             "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count",
-            "partial_decode_tps")  # a pruned trial's partial figure (it has no value)
+            "partial_decode_tps",  # a pruned trial's partial figure (it has no value)
+            "policy_ar_step_fraction", "policy_predicted_al", "policy_observed_al")  # the adaptive policy's
+# a trial's records logged as JSON artifacts (per_workload.json holds each workload's budget histogram too;
+# divergences: at most worker.MAX_DIAGNOSED small records)
+_ARTIFACTS = (("al_histogram", "al_histogram.json"), ("per_set", "per_workload.json"),
+              ("budget_histogram", "budget_histogram.json"), ("divergences", "divergences.json"))
 # how a run's name writes a parameter (the rest: name=value, or the value alone for rollback and kernels)
 _SHORT = {"budget": "b", "top_k": "k", "proposal_temp": "t", "chain_seed": "cs", "target_feat_ctx": "ctx",
           "block_size": "blk"}
@@ -291,18 +296,17 @@ class Tracker:
             metrics[f"phase_ms.{phase}"] = ms
         for verdict, n in a.get("divergence_verdicts", {}).items():  # "numeric tie" -> verdict.numeric_tie
             metrics[f"verdict.{verdict.replace(' ', '_')}"] = n
+        for budget, n in (a.get("budget_histogram") or {}).items():  # the adaptive policy's steps per budget
+            metrics[f"budget_steps.{budget}"] = n
         self._log_metrics(rid, metrics)
         for i, tps in enumerate(a.get("decode_tps_runs", [])):
             self.client.log_metric(rid, "decode_tps_run", tps, step=i)
-        if a.get("al_histogram"):
-            self.client.log_dict(rid, a["al_histogram"], "al_histogram.json")
         if a.get("phase_ms_per_step"):
             self.client.log_dict(rid, {"phase_ms_per_step": a["phase_ms_per_step"], "step_ms": a.get("step_ms"),
                                        "phase_coverage": a.get("phase_coverage")}, "phases.json")
-        if a.get("per_set"):
-            self.client.log_dict(rid, a["per_set"], "per_workload.json")
-        if a.get("divergences"):  # at most worker.MAX_DIAGNOSED small records
-            self.client.log_dict(rid, a["divergences"], "divergences.json")
+        for key, name in _ARTIFACTS:
+            if a.get(key):
+                self.client.log_dict(rid, a[key], name)
         self.client.set_terminated(rid, _STATUS.get(t.state, "FAILED"), end_time=_ms(t.datetime_complete))
         self._logged.add(t.number)
         if refresh:

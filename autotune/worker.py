@@ -84,6 +84,11 @@ class Record:
     acceptance_length: float = 0.0
     al_histogram: dict[str, int] = field(default_factory=dict)
     accept_lengths: list[int] = field(default_factory=list)
+    # the adaptive step policy (engine.decoding.policy): steps per chosen budget ("0": AR steps), and
+    # over its tree steps the mean E[AL] it chose by and the mean AL observed; empty / None when fixed
+    budget_histogram: dict[str, int] = field(default_factory=dict)
+    policy_predicted_al: float | None = None
+    policy_observed_al: float | None = None
     steps: int = 0
     step_ms: float = 0.0
     phase_ms_per_step: dict[str, float] = field(default_factory=dict)
@@ -312,6 +317,9 @@ class Worker:
         rec.steps = sum(r.steps for r in first)
         rec.acceptance_length = sum(rec.accept_lengths) / len(rec.accept_lengths) if rec.accept_lengths else 1.0
         rec.al_histogram = {str(k): v for k, v in sorted(Counter(rec.accept_lengths).items())}
+        policy = _policy_record(first)
+        rec.budget_histogram = policy["budget_histogram"]
+        rec.policy_predicted_al, rec.policy_observed_al = policy["policy_predicted_al"], policy["policy_observed_al"]
         rec.step_ms = statistics.median(_pass_step_ms(p) for p in passes)
         phases = first[0].phase_ms.keys()
         rec.phase_ms_per_step = {
@@ -349,8 +357,19 @@ class Worker:
                 "step_ms": statistics.median(r.step_ms for r in results),
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
+                **_policy_record(results[:1]),
             }
         return diverged
+
+
+def _policy_record(results: Sequence[Any]) -> dict[str, Any]:
+    """The adaptive policy's steps over ``results`` (one pass's BenchResults, one per set or one set),
+    JSON-friendly (budgets as strings): ``engine.decoding.stats.policy_summary`` of them together."""
+    from engine.decoding.stats import policy_summary
+
+    got = policy_summary([b for r in results for b in r.step_budgets], [p for r in results for p in r.predicted_al],
+                  [a for r in results for a in r.accept_lengths])
+    return {**got, "budget_histogram": {str(b): n for b, n in got["budget_histogram"].items()}}
 
 
 @functools.cache

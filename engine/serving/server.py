@@ -409,6 +409,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+WARM_UP_TEXT = "Hello"
+
+
+def warm_up(pair: Any, cfg: EngineConfig) -> dict[int, float] | None:
+    """Before the first request: the adaptive step policy's cost table (``Pair.step_costs``: a few
+    short generations per budget) measured now, kept on the pair for every request, so that no
+    request waits for it; None for a config without the policy. Returns ms per step by budget."""
+    if cfg.verify != "ddtree" or cfg.policy != "adaptive":
+        return None
+    return dict(pair.step_costs(cfg, pair.encode(WARM_UP_TEXT)).ms)
+
+
 def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = DEFAULT_MAX_QUEUE) -> int:
     """Load the config's pair and serve it until Ctrl-C; returns the exit status 0.
@@ -426,6 +438,7 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
         pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")))
         name = str(model.get("name") or Path(target).name)
         app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue)
+        costs = warm_up(pair, cfg)
     except BaseException:
         sock.close()
         raise
@@ -442,6 +455,8 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
     print(f"serving: http://{bound_host}:{bound_port}/v1", flush=True)
     print(f"model: {name}\nconfig: {config_path}\nverify: {cfg.verify}\ndevice: {pair.device}\n"
           f"api_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}", flush=True)
+    if costs is not None:  # the adaptive policy's table, measured before the first request
+        print("step_costs_ms: " + " ".join(f"{b}:{ms:.3g}" for b, ms in sorted(costs.items())), flush=True)
     if not api_key and not _loopback(host):
         print(f"warning: listening on {host} without an API key: anyone who can reach this machine can use it",
               file=sys.stderr, flush=True)

@@ -378,7 +378,7 @@ def test_engine_export_round_trip_through_the_engine_cli(exported):
 
 
 def test_json_export_round_trip():
-    doc = _doc(proposal_temp=0.7, chain_seed=2, target_feat_ctx=256)
+    doc = _doc(proposal_temp=0.7, chain_seed=2, target_feat_ctx=256, policy="adaptive", probe_every=4)
     back = json.loads(export.render(doc, "json"))
     assert EngineConfig.from_dict(back["engine"]) == EngineConfig.from_dict(doc["engine"])
     assert back["model"] == doc["model"] and back["provenance"] == doc["provenance"]
@@ -394,6 +394,7 @@ MAPPED = ("verify", "budget", "rollback", "proposal_temp", "chain_seed", "target
      ["chain_seed=3", "target_feat_ctx=128", "rollback=replay", "block_size=8"]),
     (dict(verify="chain", rollback="fast", target_feat_ctx=8192), ["draft_path=auto"]),
     (dict(verify="ar", draft_path="runtime"), ["draft_path=runtime"]),
+    (dict(budget=48, policy="adaptive", policy_levels=3), ["policy=adaptive"]),
 ])
 def test_llama_server_export_parses_back_to_the_mapped_values(fields, unmapped):
     doc = _doc(**fields)
@@ -413,6 +414,8 @@ def test_llama_server_export_parses_back_to_the_mapped_values(fields, unmapped):
     assert set(back) <= set(MAPPED)
     note = next(ln for ln in text.splitlines() if ln.startswith("# no equivalent in the port:"))
     assert all(u in note for u in unmapped), note
+    # the port has no adaptive policy: said where the command is, not only in the unmapped list
+    assert ("# WARNING: the winner uses the adaptive step policy" in text) == (cfg.get("policy") == "adaptive")
     argv = shlex.split(text.splitlines()[-1])  # valid sh; quoting survives paths with spaces
     assert argv[:2] == ["dflash_server", "/models/my target.gguf"] and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert ("--draft" in argv) == (cfg["verify"] != "ar")
@@ -456,3 +459,17 @@ def test_a_server_bug_is_a_500_in_json_and_counted(pair, monkeypatch):
     _, metrics = _asgi(app, "GET", "/metrics")
     assert 'autotune_requests_total{endpoint="/v1/completions",status="500"} 1' in metrics["text"]
     app.state.runner.close()
+
+
+def test_the_adaptive_policy_is_warmed_up_before_the_first_request(pair):
+    """`autotune serve` measures the policy's step costs at start (printed as step_costs_ms), kept on
+    the pair: a request then finds them and does not measure them itself."""
+    from engine.decoding.policy import policy_budgets
+    from engine.serving import server as srv
+
+    assert srv.warm_up(pair, EngineConfig.from_dict(ENGINE)) is None  # the fixed policy needs no table
+    cfg = EngineConfig.from_dict({**ENGINE, "budget": 8, "policy": "adaptive", "policy_levels": 2})
+    costs = srv.warm_up(pair, cfg)
+    assert sorted(costs) == list(policy_budgets(8, 2)) == [0, 4, 8] and all(ms > 0 for ms in costs.values())
+    kept = pair.step_costs(cfg)  # no prompt: it must be the kept table, or this raises
+    assert dict(kept.ms) == costs

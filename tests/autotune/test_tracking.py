@@ -265,3 +265,25 @@ def test_a_sweep_that_crashes_ends_its_run_failed_without_final_params(uri, tmp_
     assert run.info.status == "FAILED" and "The sweep ended: FAILED" in run.data.tags["mlflow.note.content"]
     assert run.data.tags["winner_trial"] != "none" and "winner.trial" not in run.data.params
     assert "report/report.md" in {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+
+
+def test_an_adaptive_trial_logs_its_budget_histogram(uri):
+    """The adaptive policy's choices reach MLflow: steps per budget as metrics, the share of AR steps,
+    and the histogram as an artifact."""
+    study = optuna.create_study(study_name="adaptive", direction="maximize")
+    study.set_user_attr("model", {"target": "tiny-dense", "draft": "oracle:0.3"})
+    study.add_trial(_trial(0, "baseline", AR, 100.0, ar=100.0, al=1.0))
+    study.add_trial(_trial(1, "reference", _config(), 120.0))
+    t = _trial(2, "search", _config(verify="ddtree", budget=48, policy="adaptive"), 150.0)
+    study.add_trial(optuna.trial.create_trial(
+        value=t.value, params=t.params, distributions=t.distributions,
+        user_attrs={**t.user_attrs, "budget_histogram": {"0": 30, "12": 10, "48": 60}, "policy_ar_step_fraction": 0.3}))
+    tracker = _swept(uri, study)
+    runs = tracker.client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.parent}'")
+    run = next(r for r in runs if r.data.tags["autotune.trial"] == "2")
+    m = run.data.metrics
+    assert (m["budget_steps.0"], m["budget_steps.12"], m["budget_steps.48"], m["policy_ar_step_fraction"]) == (
+        30, 10, 60, 0.3)
+    assert run.data.params["policy"] == "adaptive"
+    artifacts = {f.path for f in tracker.client.list_artifacts(run.info.run_id)}
+    assert "budget_histogram.json" in artifacts
