@@ -29,6 +29,9 @@ the AR reference outputs are not charged (the same for every strategy). Strategi
 - ``tpe``, ``random``, ``gp``: that sampler (Optuna's GPSampler for ``gp``), no pruner, no ladder; the
   dimensions that cannot matter are fixed as for ``ours`` (the comparison is the sampler's).
 
+``benchmarks/tuner_live.py`` runs the same strategies live (the real worker, wall-clock time) and
+scores them against this cache.
+
 The ground truth of a config is the median of its cached full-fidelity passes; the optimum is the
 best exact (``exactness: strict``) config of the grid, AR and the reference included. Per run:
 the **found** regret curve, (optimum − the best true value among the configs measured in full so
@@ -284,7 +287,7 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
                        warmup=m.warmup, repeats=repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
         # each rung, then the full measurement, as a trial runs them; every fidelity at the full passes
         # (the replay draws the fewer passes a rung runs from them)
-        for job in fidelity.jobs(full_job, ladder, fidelity.FidelitySpec(rung_warmup=m.warmup, rung_repeats=repeats)):
+        for job in fidelity.jobs(full_job, ladder, FidelitySpec(rung_warmup=m.warmup, rung_repeats=repeats)):
             rec = worker.measure(job)
             passes = m.warmup + len(rec.decode_tps_runs)
             fids[fidelity_key(job.prompts, job.max_new_tokens, exp.workload.max_new_tokens)] = {
@@ -327,15 +330,29 @@ class Run:
 def replay(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: int, n_trials: int,
            target: float) -> Run:
     """One sweep of ``strategy`` against the cache; its regret over simulated time."""
-    ladder = exp.fidelity if strategy.ladder else FidelitySpec(rungs=(), stop_ratio=exp.fidelity.stop_ratio)
-    run_exp = dataclasses.replace(exp, fidelity=ladder, study=dataclasses.replace(
-        exp.study, sampler=strategy.sampler, pruner=strategy.pruner, seed=seed, n_trials=n_trials))
     worker = ReplayWorker(cache, seed, strategy.fix_dimensions)
     workloads = [SimpleNamespace(**w) for w in cache.header["workloads"]]
+    return sweep_run(exp, cache, strategy, seed, n_trials, target, worker, workloads)
+
+
+def strategy_experiment(exp: experiment.Experiment, strategy: Strategy, seed: int,
+                        n_trials: int) -> experiment.Experiment:
+    """The experiment as ``strategy`` runs it: its sampler and pruner, the ladder or none."""
+    ladder = exp.fidelity if strategy.ladder else dataclasses.replace(exp.fidelity, rungs=())
+    return dataclasses.replace(exp, fidelity=ladder, study=dataclasses.replace(
+        exp.study, sampler=strategy.sampler, pruner=strategy.pruner, seed=seed, n_trials=n_trials))
+
+
+def sweep_run(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: int, n_trials: int,
+              target: float, worker: Any, workloads: list[Any], timeout_s: float | None = None) -> Run:
+    """One sweep of ``strategy`` with ``worker`` (a ``ReplayWorker``, or a live one: the worker's
+    ``measure`` interface, ``finished[(trial, role)]`` the seconds at which each trial's last job
+    ended and ``clock`` the seconds so far), its regret over that time against the cache's truth."""
     opts = SweepOptions(n_trials=n_trials, storage=st.parse_storage("memory"), study_name=f"{strategy.name}-{seed}",
-                        tracking_uri=None, progress=False)
+                        tracking_uri=None, progress=False, timeout_s=timeout_s)
     with contextlib.redirect_stderr(io.StringIO()):  # the sweep's per-trial lines: the table says it all
-        outcome = run_sweep(run_exp, opts, workloads, executor=LocalExecutor(lambda: worker), out=io.StringIO())
+        outcome = run_sweep(strategy_experiment(exp, strategy, seed, n_trials), opts, workloads,
+                            executor=LocalExecutor(lambda: worker), out=io.StringIO())
     strict = exp.measure.exactness == "strict"
     best, _ = cache.optimum(strict)
     found, pick, curve, pick_curve = None, None, [], []
@@ -397,7 +414,7 @@ def regret_at(curve: list[tuple[float, float]], t: float) -> float:
     return value
 
 
-def plot(runs: list[Run], path: Path, target: float) -> Path | None:
+def plot(runs: list[Run], path: Path, target: float, xlabel: str = "simulated tuning time (s)") -> Path | None:
     try:
         import matplotlib
 
@@ -415,7 +432,7 @@ def plot(runs: list[Run], path: Path, target: float) -> Path | None:
         ax.fill_between(grid_t, [min(v) for v in at], [max(v) for v in at], step="post", alpha=0.15,
                         color=line.get_color())
     ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"{target:.0%} of the optimum")
-    ax.set_xlabel("simulated tuning time (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("regret of the best config found")
     ax.set_ylim(bottom=0)
     ax.set_title("Regret over time (median over seeds, min–max band)")

@@ -5,6 +5,8 @@
 # (GRID, default search_spaces/bench_grid_short.yaml) with an experiment (EXP, default
 # experiments/smollm2-h200-bench-short.yaml); the cache comes back in $OUT (lines already in it are
 # not measured again). The replay runs anywhere, on the CPU: `tuner_bench.py replay ... --cache`.
+# LIVE=ours,before: then the strategies run live against that cache (`tuner_live.py`: real sweeps,
+# wall-clock time; LIVE_TRIALS configs a sweep, LIVE_TIMEOUT s at most each, LIVE_LIMIT s in all).
 source benchmarks/device/common.sh tuner
 install_wheels .device/wheels/*.whl
 install_assets humaneval bfcl
@@ -14,4 +16,9 @@ CACHE=.device/tuner/grid.jsonl
 section measure ${MEASURE_LIMIT:-500} python3 benchmarks/tuner_bench.py measure ${EXP:-experiments/smollm2-h200-bench-short.yaml} \
   --space ${GRID:-search_spaces/bench_grid_short.yaml} --cache "$CACHE"
 [ -f "$CACHE" ] && cp "$CACHE" "$OUT/grid.jsonl" && say "cache: $(wc -l < "$CACHE") lines"
+if [ -n "${LIVE:-}" ]; then
+  section live ${LIVE_LIMIT:-400} python3 benchmarks/tuner_live.py ${EXP:-experiments/smollm2-h200-bench-short.yaml} \
+    --space ${GRID:-search_spaces/bench_grid_short.yaml} --cache "$CACHE" --strategies "$LIVE" \
+    --n-trials ${LIVE_TRIALS:-12} ${LIVE_TIMEOUT:+--timeout $LIVE_TIMEOUT} --out "$OUT/live"
+fi
 summary

@@ -155,3 +155,37 @@ def test_bad_cache_lines_and_a_missing_config_are_refused_naming_them(tmp_path, 
     assert bench.main(["replay", str(exp_path), "--cache", str(header_only), "--strategies", "random",
                        "--seeds", "1"]) == 2
     assert "a strategy asked for a config the cache does not hold" in capsys.readouterr().err
+
+
+def _live():
+    _bench()  # tuner_live imports it by name
+    spec = importlib.util.spec_from_file_location("tuner_live", REPO / "benchmarks" / "tuner_live.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_live_sweeps_run_the_real_worker_and_score_against_the_grid(tmp_path, capsys):
+    """`tuner_live.py`: each strategy a real sweep on the tiny pair, timed by the wall clock, its
+    regret against the measured grid; a cache without the space's configs is refused naming it."""
+    bench, live = _bench(), _live()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE, measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5})
+    cache = tmp_path / "grid.jsonl"
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache), "--repeats", "2"]) == 0
+    out = tmp_path / "live"
+    assert live.main([str(exp_path), "--cache", str(cache), "--strategies", "ours,before", "--n-trials", "4",
+                      "--out", str(out)]) == 0
+    runs = json.loads((out / "runs.json").read_text())
+    assert [r["strategy"] for r in runs] == ["ours", "before"]
+    for r in runs:
+        times, regrets = [t for t, _ in r["curve"]], [g for _, g in r["curve"]]
+        assert times and times == sorted(times) and 0 < times[-1] <= r["end_s"]  # wall seconds since its start
+        assert regrets == sorted(regrets, reverse=True) and all(0.0 <= g <= 1.0 for g in regrets)
+    assert "(median, wall s)" in (out / "table.md").read_text()
+    other = tiny_experiment(tmp_path / "other", space={"verify": {"type": "categorical", "choices": ["chain"]},
+                                                       "draft_path": {"type": "categorical",
+                                                                      "choices": ["generic", "auto"]}})
+    capsys.readouterr()
+    assert live.main([str(other), "--cache", str(cache), "--out", str(tmp_path / "x")]) == 2
+    assert "the cache lacks" in capsys.readouterr().err
