@@ -1,0 +1,154 @@
+"""AR and a speculative config timed in two source trees on the same prompts, compared like with like.
+
+    # 1. the prompts as token ids, with this tree's tokenizer (so both trees decode the same ids):
+    python benchmarks/tree_compare.py prompts --sets humaneval --n-prompts 24 --out ids.json
+    # 2. each tree times AR and DDTree on them (PYTHONPATH picks the tree whose engine runs):
+    PYTHONPATH=old python benchmarks/tree_compare.py run --prompts ids.json --budget 48 --out old.json
+    python benchmarks/tree_compare.py run --prompts ids.json --budget 48 --out new.json
+    # 3. the ratios, overall and on the prompts both trees decode to the same text:
+    python benchmarks/tree_compare.py compare old.json new.json --md compare.md
+
+Why: a tree whose speculative outputs differ from AR's (b19bdf7 in bf16: 6 of 24 equal, issue #21)
+decodes other text after a near-tie, with another acceptance length, so its tok/s is not the same
+measure as an exact tree's. ``compare`` gives the tok/s ratio over every prompt and over the prompts
+where both trees' speculative outputs equal the same AR text (the same tokens decoded: the per-step
+cost and the draft's acceptance on that text are what differ). ``run`` uses only the engine API both
+trees have (``engine.load``, ``engine.bench``, ``EngineConfig``), one pass per repeat, caches reset
+between generations, every generation ``max_new_tokens`` long (stop tokens ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _prompts(args: argparse.Namespace) -> int:
+    import engine
+
+    pair = engine.load(args.target, args.draft, device="cpu", dtype="float32")
+    sets = {}
+    for spec in args.sets:
+        wl = engine.load_workload(spec, Path.cwd(), args.n_prompts, args.seed)
+        sets[wl.name] = [pair.encode(p) for p in wl.prompts]
+    Path(args.out).write_text(json.dumps({"target": args.target, "sets": sets}), encoding="utf-8")
+    print(f"prompts: {sum(len(v) for v in sets.values())} in {len(sets)} set(s) -> {args.out}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import engine
+    from engine import EngineConfig
+
+    doc = json.loads(Path(args.prompts).read_text(encoding="utf-8"))
+    pair = engine.load(doc["target"], args.draft, device=args.device, dtype=args.dtype)
+    configs = {"ar": EngineConfig(verify="ar"), f"ddtree-b{args.budget}": EngineConfig(
+        verify="ddtree", budget=args.budget, top_k=args.top_k)}
+    out: dict[str, Any] = {"engine": str(Path(engine.__file__).resolve().parents[1]), "device": args.device,
+                           "max_new_tokens": args.max_new_tokens, "sets": {}}
+    for name, prompts in doc["sets"].items():
+        per_config = {}
+        for label, cfg in configs.items():
+            engine.bench(pair, cfg, prompts[:2], args.max_new_tokens, ignore_eos=True)  # warm-up: compiles, graphs
+            passes = [engine.bench(pair, cfg, prompts, args.max_new_tokens, ignore_eos=True)
+                      for _ in range(args.repeats)]
+            per_config[label] = {
+                "outputs": [list(map(int, o)) for o in passes[0].outputs],
+                "new_tokens": [p.new_tokens for p in passes[0].prompts],
+                "steps": [p.steps for p in passes[0].prompts],
+                "decode_s": [[p.decode_s for p in r.prompts] for r in passes],  # [pass][prompt]
+            }
+            print(f"{name} {label}: {_tps(per_config[label], range(len(prompts))):.1f} tok/s", flush=True)
+        out["sets"][name] = per_config
+    Path(args.out).write_text(json.dumps(out), encoding="utf-8")
+    return 0
+
+
+def _tps(rec: dict[str, Any], idx: Any) -> float:
+    """Median over passes of sum(tokens - 1) / sum(decode seconds) over the prompts ``idx``: the
+    engine's decode tok/s (the first token comes from the prefill)."""
+    idx = list(idx)
+    tokens = sum(rec["new_tokens"][i] - 1 for i in idx)
+    return statistics.median(tokens / max(sum(p[i] for i in idx), 1e-12) for p in rec["decode_s"])
+
+
+def _al(rec: dict[str, Any], idx: Any) -> float:
+    idx = list(idx)
+    return sum(rec["new_tokens"][i] - 1 for i in idx) / max(sum(rec["steps"][i] for i in idx), 1)
+
+
+def compare(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    lines = ["| set | config | prompts | old tok/s | new tok/s | new / old | old AL | new AL | old ms/step | "
+             "new ms/step |", "|" + "---|" * 10]
+    for name, o_set in old["sets"].items():
+        n_set = new["sets"][name]
+        spec = next(label for label in o_set if label != "ar")
+        n = len(o_set["ar"]["outputs"])
+        same_text = [i for i in range(n) if o_set[spec]["outputs"][i] == o_set["ar"]["outputs"][i]
+                     == n_set["ar"]["outputs"][i] == n_set[spec]["outputs"][i]]
+        rows = [("ar", "all", range(n)), (spec, "all", range(n)), (spec, "same text", same_text)]
+        for label, which, idx in rows:
+            idx = list(idx)
+            if not idx:
+                lines.append(f"| {name} | {label} | {which}: 0 of {n} | - | - | - | - | - | - | - |")
+                continue
+            o, nw = o_set[label], n_set[label]
+            to, tn = _tps(o, idx), _tps(nw, idx)
+            ms = [1000.0 * statistics.median(sum(p[i] for i in idx) for p in r["decode_s"])
+                  / max(sum(r["steps"][i] for i in idx), 1) for r in (o, nw)]
+            lines.append(f"| {name} | {label} | {which}: {len(idx)} of {n} | {to:.1f} | {tn:.1f} | {tn / to:.3f} | "
+                         f"{_al(o, idx):.2f} | {_al(nw, idx):.2f} | {ms[0]:.4f} | {ms[1]:.4f} |")
+        exact = {k: sum(d[spec]["outputs"][i] == d["ar"]["outputs"][i] for i in range(n))
+                 for k, d in (("old", o_set), ("new", n_set))}
+        lines.append(f"| {name} | {spec} outputs equal to the tree's AR | | {exact['old']}/{n} | {exact['new']}/{n} "
+                     f"| | | | | |")
+    return lines
+
+
+def _compare(args: argparse.Namespace) -> int:
+    old, new = (json.loads(Path(p).read_text(encoding="utf-8")) for p in (args.old, args.new))
+    if set(old["sets"]) != set(new["sets"]) or old["max_new_tokens"] != new["max_new_tokens"]:
+        print("tree_compare.py: error: the two runs are not of the same prompts and tokens", file=sys.stderr)
+        return 2
+    text = "\n".join([f"old: {old['engine']}  new: {new['engine']}  ({old['max_new_tokens']} tokens a prompt; "
+                      "decode tok/s median of the passes)", "", *compare(old, new)]) + "\n"
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text, encoding="utf-8")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tree_compare.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("prompts", help="the eval prompts as token ids (this tree's tokenizer)")
+    a.add_argument("--sets", nargs="+", default=["humaneval"])
+    a.add_argument("--n-prompts", type=int, default=24)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--target", default="smollm2-135m-instruct")
+    a.add_argument("--draft", default="none")
+    a.add_argument("--out", required=True)
+    r = sub.add_parser("run", help="time AR and DDTree on the prompts with the engine on PYTHONPATH")
+    r.add_argument("--prompts", required=True)
+    r.add_argument("--draft", default="smollm2-135m-dflash")
+    r.add_argument("--budget", type=int, default=48)
+    r.add_argument("--top-k", type=int, default=8)
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--repeats", type=int, default=3)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("compare", help="the two runs' ratios")
+    c.add_argument("old")
+    c.add_argument("new")
+    c.add_argument("--md")
+    args = p.parse_args(argv)
+    return {"prompts": _prompts, "run": _run, "compare": _compare}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""benchmarks/tree_compare.py on a tiny pair on the CPU: prompts as ids, a run per tree (here the
+same tree twice), and the comparison over every prompt and over the prompts decoded to the same text."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tree_compare():
+    spec = importlib.util.spec_from_file_location("tree_compare", REPO / "benchmarks" / "tree_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_runs_compare_overall_and_on_the_same_text(tmp_path, capsys):
+    tc = _tree_compare()
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": f"def f{i}(x):"}) for i in range(3)) + "\n")
+    ids = tmp_path / "ids.json"
+    assert tc.main(["prompts", "--sets", str(tmp_path / "p.jsonl"), "--n-prompts", "3", "--target", "tiny-dense",
+                    "--out", str(ids)]) == 0
+    runs = []
+    for name in ("old", "new"):
+        runs.append(tmp_path / f"{name}.json")
+        assert tc.main(["run", "--prompts", str(ids), "--draft", "oracle:0.5", "--budget", "8", "--max-new-tokens",
+                        "8", "--repeats", "2", "--device", "cpu", "--dtype", "float32", "--out", str(runs[-1])]) == 0
+    run = json.loads(runs[0].read_text())
+    spec = run["sets"]["p"]["ddtree-b8"]
+    assert len(spec["outputs"]) == 3 and len(spec["decode_s"]) == 2 and all(n == 8 for n in spec["new_tokens"])
+    md = tmp_path / "cmp.md"
+    assert tc.main(["compare", str(runs[0]), str(runs[1]), "--md", str(md)]) == 0
+    text = md.read_text()
+    # float32 on the CPU: every output equals AR's, so "same text" is every prompt
+    assert "| p | ddtree-b8 | same text: 3 of 3 |" in text and "| p | ar | all: 3 of 3 |" in text
+    assert "| p | ddtree-b8 outputs equal to the tree's AR | | 3/3 | 3/3 |" in text
+    other = json.loads(runs[1].read_text())
+    other["max_new_tokens"] = 16
+    runs[1].write_text(json.dumps(other))
+    capsys.readouterr()
+    assert tc.main(["compare", str(runs[0]), str(runs[1])]) == 2
+    assert "not of the same prompts and tokens" in capsys.readouterr().err
