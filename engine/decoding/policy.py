@@ -3,18 +3,21 @@ AR step) included, chosen to maximise expected committed tokens per millisecond.
 
 Stages, each a pure function or a small record:
 
-1. **Estimate** (``expected_accepts``, on the device, inside the draft's step): the tree builder
-   scores a node by the summed log-probs of its path, so exp(score) is the probability, under the
-   draft's own distributions, that the target accepts the whole path to it. The expected number of
-   accepted drafted nodes of a tree is the sum of those over its nodes, and the builder's node list is
-   best-first (the forced top-1 chain first), so the tree of budget b is the list's first b nodes:
-   one cumulative sum over the tree built at the largest budget gives E[accepted](b) for every b.
-   ``accepts_at`` gathers it at the candidate budgets, the few values the host reads back.
+1. **Estimate** (``path_probabilities`` on the device, inside the draft's step; ``expected_accepts``
+   on the host): the tree builder scores a node by the summed log-probs of its path, so exp(score) is
+   the probability, under the draft's own distributions, that the target accepts the whole path to
+   it. The expected number of accepted drafted nodes of a tree is the sum of those over its nodes,
+   and the builder's node list is best-first (the forced top-1 chain first), so the tree of budget b
+   is the list's first b nodes: prefix sums over the tree built at the largest budget give
+   E[accepted](b) for every b. The device computes only each node's path probability, in fixed
+   point (one matrix-vector product with the ancestor mask and an exp: the fewest launches); they
+   ride in the step's one readback and the host sums them.
 2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
    checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
-   observes every budget up to its own (``accepted_within``: the accepted path's nodes inside each
-   budget's prefix), and observed over predicted accepted nodes, as exponentially decayed sums over
-   this generation's tree steps, scale that budget's predictions.
+   observes every budget up to its own (``accepted_within``, on the host from the accepted path's
+   node indices, which ride in the readback too: the path's nodes inside each budget's prefix), and
+   observed over predicted accepted nodes, as exponentially decayed sums over this generation's tree
+   steps, scale that budget's predictions.
 3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
    this pair on this device, ``decode.measure_step_costs``, or given).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -41,7 +45,7 @@ from torch import Tensor
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding.tree import Tree
 
-# The estimates travel in the step's packed integer readback as fixed point (2**-16 resolution).
+# The path probabilities travel in the step's packed integer readback as fixed point (2**-16 resolution).
 FIXED_POINT = 1 << 16
 # Pseudo-counts of the calibration's prior (ratio 1: the draft's probabilities as they are).
 _PRIOR = 1.0
@@ -79,50 +83,39 @@ class StepCosts:
                                    f"{list(budgets)}, the table has {sorted(self.ms)}")
 
 
-def expected_accepts(top_logprobs: Tensor, tree: Tree, anc: Tensor) -> Tensor:
-    """[N+1] float32: entry b is the expected number of drafted nodes the target accepts in the tree
-    of the first b nodes (entry 0: the root alone, 0), under the draft's distributions.
-
-    ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` in the builder's order
-    (best-first after the forced chain: a prefix is the tree of a smaller budget); ``anc`` its ancestor
-    mask. Tensor ops only, no host read (runs inside the captured draft step)."""
-    lp = top_logprobs.float()
-    depth_row = (tree.depths - 1).clamp(min=0)
-    node_lp = torch.where(tree.depths > 0, lp[depth_row, tree.ranks], 0.0)
-    path_prob = torch.exp(anc.float() @ node_lp)  # the path's summed log-probs: its acceptance probability
-    path_prob = torch.where(tree.depths > 0, path_prob, 0.0)
-    return torch.cumsum(path_prob, 0)
+def root_row(k: int, device: torch.device) -> Tensor:
+    """[1, k] float32 of ln(FIXED_POINT): the root's row in ``path_probabilities``' log-prob table (made
+    once per shape by the runtime: a captured step reads it, never builds it)."""
+    return torch.full((1, k), math.log(FIXED_POINT), device=device)
 
 
-def budget_index(budgets: Sequence[int], nodes: int, device: torch.device) -> Tensor:
-    """Where ``accepts_at`` reads each budget in a tree of ``nodes`` non-root nodes (a budget past it:
-    the whole tree). Made once per shape: a captured step reads it, never builds it."""
-    return torch.tensor([min(b, nodes) for b in budgets], device=device)
+def path_probabilities(top_logprobs: Tensor, tree: Tree, anc: Tensor, root: Tensor) -> Tensor:
+    """[N+1] int64: entry i (i >= 1) the probability, under the draft's distributions, that the target
+    accepts the whole path to node i, in fixed point (``FIXED_POINT``, truncated); entry 0 (the root)
+    is not read.
+
+    ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` and ``anc`` (its ancestor
+    mask) in the builder's order; ``root`` (``root_row``) stands for the root's log-prob: every node's
+    ancestors include the root, so it adds ln(FIXED_POINT) to every path's summed log-probs and the exp
+    is the probability already scaled. Six launches, no host read (it runs inside the captured draft
+    step): the table, the per-node gather, the mask's cast, a matrix-vector product, the exp, the cast."""
+    node_lp = torch.cat([root, top_logprobs.float()])[tree.depths, tree.ranks]  # depth d: row d, the root's row 0
+    return torch.exp(anc.float() @ node_lp).long()
 
 
-def accepts_at(cumulative: Tensor, index: Tensor) -> Tensor:
-    """``expected_accepts`` at each budget (``budget_index``), in fixed point (int64) for the step's
-    packed readback."""
-    return torch.round(cumulative.index_select(0, index) * FIXED_POINT).long()
+def expected_accepts(probs: Sequence[int], budgets: Sequence[int]) -> list[float]:
+    """Host: E[accepted](b) for each budget, from ``path_probabilities``' entries of nodes 1..N (fixed
+    point): the sum over the tree of the first min(b, N) nodes (a prefix is the smaller budget's tree)."""
+    sums = [0, *accumulate(probs)]
+    return [sums[min(b, len(probs))] / FIXED_POINT for b in budgets]
 
 
-def accepted_within(path: Tensor, al: Tensor, index: Tensor) -> Tensor:
-    """[C] int64: per budget (``budget_index``), the accepted drafted nodes of the walk's ``path``
-    (``path[:al]``, root first; ``al`` [1]) that lie in that budget's tree. A node's parent comes
-    before it in the builder's order, so they are the path's first nodes: what the step would have
-    accepted at that budget. One tree step observes every budget up to its own."""
-    j = torch.arange(path.numel(), device=path.device)
-    on_path = (j >= 1) & (j < al)
-    return ((path[None, :] <= index[:, None]) & on_path[None, :]).sum(1)
-
-
-def observations(accepts: Tensor | None, path: Tensor, al: Tensor, index: Tensor | None) -> Tensor:
-    """What an adaptive tree step reads back besides its tokens (``AdaptivePolicy.record``): its
-    proposal's estimate at each budget (``accepts_at``), then the nodes accepted within each budget's
-    tree (``accepted_within``); empty where there is none (the fixed policy, an AR step)."""
-    if accepts is None:
-        return torch.empty(0, dtype=torch.long, device=path.device)
-    return torch.cat([accepts, accepted_within(path, al, index)])
+def accepted_within(path: Sequence[int], budgets: Sequence[int]) -> list[int]:
+    """Host: per budget, the accepted drafted nodes (``path``: the walk's accepted node indices after the
+    root) that lie in that budget's tree, index <= b. A node's parent comes before it in the builder's
+    order, so they are the path's first nodes: what the step would have accepted at that budget. One
+    tree step observes every budget up to its own."""
+    return [sum(1 for node in path if node <= b) for b in budgets]
 
 
 def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
@@ -172,7 +165,8 @@ class Calibration:
 
 @dataclass
 class AdaptivePolicy:
-    """One generation's choices: ``choose`` when a step is launched, ``record`` when it is read."""
+    """One generation's choices: ``choose`` when a step is launched, ``observe`` (or ``record``) when it
+    is read."""
 
     budgets: tuple[int, ...]
     costs: StepCosts
@@ -205,15 +199,18 @@ class AdaptivePolicy:
             self.ar_streak = 0
         return b, al
 
-    def record(self, budget: int, values: Sequence[int]) -> None:
-        """A step read back: its budget and its ``observations`` (empty for an AR step, which teaches
-        nothing). Every budget up to the step's own is calibrated: their trees were inside the one
-        verified."""
-        if budget == 0 or not values:
+    def observe(self, budget: int, probs: Sequence[int], path: Sequence[int]) -> None:
+        """A tree step read back: its budget, its proposal's ``path_probabilities`` of nodes 1..N and
+        the accepted node indices after the root (``record`` of their estimate and acceptance)."""
+        self.record(budget, expected_accepts(probs, self.budgets), accepted_within(path, self.budgets))
+
+    def record(self, budget: int, accepts: Sequence[float], observed: Sequence[int]) -> None:
+        """A tree step's estimate (E[accepted] per budget) and the accepted nodes within each budget's
+        tree. Every budget up to the step's own is calibrated: their trees were inside the one
+        verified. An AR step (budget 0) teaches nothing and is not recorded."""
+        if budget == 0:
             return
-        n = len(self.budgets)
-        accepts, observed = values[:n], values[n:]
-        self.accepts = [a / FIXED_POINT for a in accepts]
+        self.accepts = list(accepts)
         for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
             if 0 < b <= budget:
                 cal.update(predicted, seen)

@@ -56,15 +56,7 @@ from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
 from engine.decoding.graphs import Graphs, Readback
-from engine.decoding.policy import (
-    AdaptivePolicy,
-    accepts_at,
-    budget_index,
-    expected_accepts,
-    observations,
-    prefix,
-    root_tree,
-)
+from engine.decoding.policy import AdaptivePolicy, path_probabilities, prefix, root_row, root_tree
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -197,8 +189,10 @@ class RuntimeDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- the draft: a speculative step's first graph -----------------------------------------------
-    def _propose(self, key_len: int, cfg: EngineConfig, block: int, budgets: tuple[int, ...] | None = None
+    def _propose(self, key_len: int, cfg: EngineConfig, block: int, adaptive: bool = False
                  ) -> tuple[Tree, Tensor] | tuple[Tree, Tensor, Tensor]:
+        """The draft's proposal: its tree and ancestor mask (``adaptive``: and the tree's
+        ``path_probabilities``, for the readback)."""
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
                                         self._draft_context(), key_len)
@@ -207,12 +201,11 @@ class RuntimeDecoder:
         # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
         tree, anc, top_lp = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
                                              block - 1, host=False)
-        if budgets is None:
+        if not adaptive:
             return tree, anc
-        # the adaptive policy's estimate at each of its budgets (policy.expected_accepts), for the readback
-        index = self._constant(("budgets", budgets, tree.size), lambda: budget_index(budgets, tree.size - 1,
-                                                                                      self.device))
-        return tree, anc, accepts_at(expected_accepts(top_lp, tree, anc), index)
+        k = top_lp.shape[1]
+        root = self._constant(("root_row", k), lambda: root_row(k, self.device))
+        return tree, anc, path_probabilities(top_lp, tree, anc, root)
 
     def _constant(self, key: object, make: Callable[[], Tensor]) -> Tensor:
         """A device constant made once (a captured step reads it instead of making it)."""
@@ -221,14 +214,17 @@ class RuntimeDecoder:
         return self._constants[key]
 
     def _policy_step(self, key_len: int, cfg: EngineConfig, block: int, proposal: tuple | None, budget: int,
-                     budgets: tuple[int, ...], record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
+                     record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
         """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
-        the proposed tree, its packed result followed by the proposal's estimates and the accepted
-        nodes within each budget's tree (``accepted_within``); at budget 0 over
-        the root alone (no proposal: a plain AR step through the walk and commit). Then the draft's
-        context keys and values of the positions it committed (a root step one, a tree step at most
-        ``block``: the last ``block`` are written): a proposal recomputes only the ``block`` positions
-        before its root, and after AR steps a tree step's commits lie further back."""
+        the proposed tree, its packed result followed by the proposal's ``path_probabilities`` of nodes
+        1..N and the walk's first ``min(block, b + 1)`` path entries (the accepted nodes, root first;
+        the host reads the first AL): one launch more than the fixed policy's step, the concatenation,
+        and the host makes the policy's estimate and observations from them
+        (``AdaptivePolicy.observe``); at budget 0 over the root alone (no proposal: a plain AR step
+        through the walk and commit). Then the draft's context keys and values of the positions it
+        committed (a root step one, a tree step at most ``block``: the last ``block`` are written): a
+        proposal recomputes only the ``block`` positions before its root, and after AR steps a tree
+        step's commits lie further back."""
         if budget == 0:
             tree, anc = root_tree(self.ws.seq.index_select(0, self.start))
         else:
@@ -239,8 +235,8 @@ class RuntimeDecoder:
         self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
         if budget == 0:
             return packed, logits, path, tree
-        index = self._constants[("budgets", budgets, proposal[0].size)]  # made by _propose
-        return torch.cat([packed, observations(proposal[2], path, packed[:1], index)]), logits, path, tree
+        accepted = path[: min(block, tree.size)]  # the walk accepts at most the block's depth (and the root)
+        return torch.cat([packed, proposal[2][1:], accepted]), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
@@ -296,18 +292,34 @@ class RuntimeDecoder:
                          block: int, record: bool, timer, readback: Readback) -> tuple:
         """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step over
         the tree of that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget,
-        the E[AL] it was chosen by) last."""
+        the E[AL] it was chosen by, the readback's layout) last."""
         budget, expected = policy.choose()
-        proposal = None
+        proposal, layout = None, None
         if budget > 0:
             with timer.phase("draft"):
                 proposal = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
-                                           block, policy.budgets)
+                                           block, True)
+            nodes = proposal[0].size - 1
+            layout = (nodes, min(block, min(budget, nodes) + 1))  # path probabilities, then path entries
         with timer.phase("verify"):
             packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, *step_key), self._policy_step,
-                                                         key_len, cfg, block, proposal, budget, policy.budgets,
-                                                         record)
-            return readback.push(packed), tree, logits, path, (budget, expected)
+                                                         key_len, cfg, block, proposal, budget, record)
+            return readback.push(packed), tree, logits, path, (budget, expected, layout)
+
+    @staticmethod
+    def _read(values: list[int], tree: Tree | None, chosen: tuple | None, policy: AdaptivePolicy | None
+              ) -> tuple[int, bool, bool, list[int]]:
+        """A step's packed result read back: (AL, leaf, side branch, the new tokens). AR: the token
+        alone (the root: no child, no side branch). An adaptive tree step's values end in what its
+        policy learns (``_policy_step``): handed to it here."""
+        if tree is None:
+            return 1, True, False, values[:1]
+        al = values[0]
+        if chosen is not None and chosen[2] is not None:
+            nodes, entries = chosen[2]
+            tail = values[len(values) - nodes - entries :]
+            policy.observe(chosen[0], tail[:nodes], tail[nodes + 1 : nodes + al])  # the path after the root
+        return al, not values[1], bool(values[2]), values[3 : 3 + al]
 
     def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
         """A grammar cut after the device committed more: ``kept`` tokens from the root's position
@@ -369,7 +381,8 @@ class RuntimeDecoder:
         if speculative:  # before the prefill: allocation is not timed
             self.reserve_tree(n_verify)
             self._draft_context()
-        readback = self._readback((3 + n_verify + (2 * len(policy.budgets) if policy else 0)) if speculative else 1)
+        # (an adaptive tree step's values go on with its N path probabilities and at most ``block`` path entries)
+        readback = self._readback((3 + n_verify + (n_verify + block if policy else 0)) if speculative else 1)
         margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
         bits = self._bitmask(gs) if ar_mask else None
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
@@ -424,11 +437,7 @@ class RuntimeDecoder:
             ahead = launch(start + (block if speculative else 1)) if gs is None and len(out) + 1 < max_new_tokens \
                 else None
             item, tree, logits, path, chosen = pending
-            values = readback.read(item)
-            if speculative:
-                al, leaf, side, new = values[0], not values[1], bool(values[2]), values[3 : 3 + values[0]]
-            else:
-                al, new = 1, values
+            al, leaf, side, new = self._read(readback.read(item), tree, chosen, policy)
             if gs is not None:  # (AR: the grammar's advance is host work outside the step's phases)
                 with timer.phase("commit") if speculative else contextlib.nullcontext():
                     tg = time.perf_counter()
@@ -446,9 +455,7 @@ class RuntimeDecoder:
             if speculative:
                 stats.record_step(al, leaf, side)
                 if chosen is not None:  # the adaptive policy's step
-                    stats.record_budget(*chosen)
-                    # (a tree step's values end in its observations, 2 per budget)
-                    policy.record(chosen[0], values[-2 * len(policy.budgets):] if chosen[0] else [])
+                    stats.record_budget(chosen[0], chosen[1])
             else:
                 stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)

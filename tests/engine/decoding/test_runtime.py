@@ -1,6 +1,9 @@
 """The dedicated runtime's step functions (engine/decoding/runtime.py), run eagerly on the CPU: the same
 functions the CUDA graphs capture. Output must equal AR and the generic loop token for token."""
 
+import math
+from collections import Counter
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -490,3 +493,72 @@ def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_tree
     assert strong.stats.to_dict()["policy_observed_al"] > 3
     budgets = {k[2] for k in keys if k[0] == "verify"}
     assert 0 in budgets and 16 in budgets
+
+
+# --- the adaptive policy's steps: plain AR's step at budget 0, the draft's context caught up later ---
+
+class _Kernels(TorchDispatchMode):
+    """Counts the ops a step function runs that compute something, by name (one kernel each on a
+    GPU with the PyTorch forms): views, and a ``to`` that converts nothing, are left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        if not schema.is_mutable and any(r.alias_info is not None for r in schema.returns):
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if all(o.untyped_storage().data_ptr() in inputs for o in outs if isinstance(o, torch.Tensor)):
+                return out
+        self.ops[func.overloadpacket.__name__] += 1
+        return out
+
+
+def _step_kernels(monkeypatch, pair, cfg: EngineConfig, costs=None) -> dict[tuple, Counter]:
+    """The kernels of each function the runtime captures, at its last call (its constants made by then),
+    by key: ("ar",); ("propose", the context rows it recomputes); ("verify", budget) under the adaptive
+    policy, ("verify",) under the fixed one."""
+    original, seen = runtime.Graphs.run, {}
+
+    def counted(graphs, key, fn, *args):
+        count = _Kernels()
+        with count:
+            out = original(graphs, key, fn, *args)
+        label = {"ar": (), "propose": (key[-2],), "verify": (key[2],) if cfg.policy == "adaptive" else ()}[key[0]]
+        seen[(key[0], *label)] = count.ops
+        return out
+
+    monkeypatch.setattr(runtime.Graphs, "run", counted)
+    ids = pair.encode("Each captured step, kernel by kernel.")
+    run = generate_ar if cfg.verify == "ar" else generate_speculative
+    run(pair, ids, cfg, 24, use_runtime=True, **({} if costs is None else {"step_costs": costs}))
+    monkeypatch.setattr(runtime.Graphs, "run", original)
+    return seen
+
+
+ADAPTIVE = dict(verify="ddtree", budget=16, top_k=3, block_size=8, draft_path="runtime", kernels="eager",
+                policy="adaptive", policy_levels=3)  # budgets 0, 4, 8, 16
+
+
+def _only(budget: int):
+    """A cost table under which the policy chooses ``budget`` at every step."""
+    from engine.decoding.policy import StepCosts
+
+    return StepCosts({b: 1.0 if b == budget else math.inf for b in (0, 4, 8, 16)})
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_the_adaptive_proposal_runs_the_fixed_policys_kernels_and_only_the_estimate(monkeypatch, target):
+    """What the adaptive policy's captured proposal adds to the fixed policy's (CPU, the PyTorch forms:
+    each op one launch on a GPU): at most six launches of the path probabilities (the host makes
+    every budget's estimate and the observations from them and the accepted path)."""
+    pair = pair_for(target, "random")
+    fixed = _step_kernels(monkeypatch, pair, EngineConfig(**{**ADAPTIVE, "policy": "fixed"}))
+    trees = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE), _only(16))
+    fixed_proposal, = (v for k, v in fixed.items() if k[0] == "propose")
+    proposal, = (v for k, v in trees.items() if k[0] == "propose")
+    estimate = proposal - fixed_proposal
+    assert sum(estimate.values()) <= 6 and not fixed_proposal - proposal, estimate
