@@ -94,13 +94,6 @@ class DFlashDrafter:
             context[0][i, :end] = k
             context[1][i, :end] = v
 
-    def write_context(self, context: tuple[Tensor, Tensor], features: Tensor, positions: Tensor) -> None:
-        """The context keys/values of ``positions`` (device-held) into ``context``: the shape-static
-        form of ``fill_context`` for a step that runs no proposal (the adaptive policy's AR step)."""
-        for i, (k, v) in enumerate(self.draft.context_kv(features.index_select(0, positions), positions)):
-            context[0][i].index_copy_(0, positions, k)
-            context[1][i].index_copy_(0, positions, v)
-
     def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
                        context: tuple[Tensor, Tensor], key_len: int, context_rows: int | None = None) -> Tensor:
         """``propose`` with the root's position ``start`` ([1] long) held on the device: the

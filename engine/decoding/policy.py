@@ -23,13 +23,24 @@ Stages, each a pure function or a small record:
    this pair on this device, ``decode.measure_step_costs``, or given).
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
-   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. (The
-   draft's context stays current through AR steps: the step writes the root's target features, and
-   the runtime the draft's context keys and values of that position.)
+   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. So at most
+   ``max_ar_run`` (``probe_every - 1``) AR steps run between two proposals.
+
+**The draft's context across AR steps.** On the runtime an AR step the policy chooses is plain AR's
+step (the root alone: no walk, no K/V move) plus one copy, the committed position's target features
+into the features buffer; it writes nothing of the draft's. A proposal recomputes the draft's context
+keys and values of the ``block`` positions before its root (a tree step commits at most that many),
+so after tree steps the context is current; the first proposal after AR steps recomputes a fixed
+window of ``catch_up_rows`` positions instead (``block + max_ar_run``: the last tree step's commits
+and the AR steps' since, the window's shape fixed for its captured graph). The host knows which one a
+proposal needs when it launches it (the previous step's budget is a choice it made), so that is two
+captured proposals, and no graph reads the host. Every position a proposal reads is one a proposal
+wrote (or the prefill's context): proposals are those of a context written after every step. The
+generic loop's draft projects every position committed since its last proposal anyway.
 
 A choice is made when a step is launched, from what the host has read by then: the last tree step's
 estimate (on the runtime, whose next step is launched before the current one is read, the one
-before). Exactness does not depend on it: every budget, 0 included, verifies with the same walk.
+before). Exactness does not depend on it: every budget, 0 included, commits the target's own tokens.
 """
 
 from __future__ import annotations
@@ -125,8 +136,8 @@ def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
 
 
 def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
-    """A budget-0 step's tree: the root alone (``root`` [1] long). Verified, it commits the target's
-    token after the root: a plain AR step through the tree step's walk and commit."""
+    """A budget-0 step's tree on the generic loop: the root alone (``root`` [1] long). Verified, it
+    commits the target's token after the root. (The runtime runs plain AR's step instead.)"""
     zero = torch.zeros(1, dtype=torch.long, device=root.device)
     return Tree(root, zero - 1, zero, zero), torch.ones(1, 1, dtype=torch.bool, device=root.device)
 
@@ -181,6 +192,17 @@ class AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
         return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
+
+    @property
+    def max_ar_run(self) -> int:
+        """The most AR steps ``choose`` returns in a row while a tree budget has a finite cost (with
+        none, it never proposes): the ``probe_every``-th is a probe."""
+        return self.probe_every - 1
+
+    def catch_up_rows(self, block: int) -> int:
+        """The draft context positions the first proposal after AR steps recomputes: the last tree
+        step's commits (at most ``block``) and the AR steps' since (at most ``max_ar_run``)."""
+        return block + self.max_ar_run
 
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""

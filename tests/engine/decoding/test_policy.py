@@ -273,3 +273,16 @@ def test_a_tree_step_is_observed_from_its_path_probabilities_and_accepted_nodes(
     assert [c.observed for c in policy.calibrations] == [0.0, 1.0, 2.0, 0.0]
     assert [c.predicted for c in policy.calibrations] == pytest.approx([0.0, 1.4, 2.1, 0.0], abs=1e-4)
 
+
+def test_at_most_max_ar_run_ar_steps_come_between_two_proposals():
+    """The runtime's first proposal after AR steps recomputes the draft's context of a fixed window,
+    ``catch_up_rows``: the last tree step's commits (at most ``block``) and the AR steps' since, of
+    which there are at most ``max_ar_run`` while a tree budget has a finite cost."""
+    for probe_every in (2, 3, 8):
+        policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=probe_every,
+                                calibrations=[Calibration(4) for _ in BUDGETS])
+        policy.record(8, [0.0, 0.1, 0.1, 0.1], [0, 0, 0, 0])  # a weak draft: AR steps from now on, and probes
+        choices = [policy.choose()[0] for _ in range(40)]
+        runs = "".join("0" if b == 0 else "t" for b in choices).split("t")
+        assert max(len(r) for r in runs) == policy.max_ar_run == probe_every - 1
+        assert policy.catch_up_rows(16) == 16 + probe_every - 1
