@@ -32,12 +32,10 @@ from engine.decoding.loop import (
 from engine.decoding.policy import (
     AdaptivePolicy,
     StepCosts,
-    accepts_at,
-    budget_index,
-    expected_accepts,
-    observations,
+    path_probabilities,
     policy_budgets,
     prefix,
+    root_row,
     root_tree,
 )
 from engine.decoding.sampling import select_tokens, top_margins
@@ -139,7 +137,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached
         budget, expected = policy.choose() if policy is not None else (None, 0.0)
-        tree, mask, index, accepts = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
+        tree, mask, probs = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
 
         with timer.phase("verify"):
             snap = cache.snapshot() if replay else None
@@ -165,21 +163,23 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
                 leaf = path_list[-1] not in parents_h
                 new = [tokens_h[i] for i in path_list[1:]] + [int(posterior[path_list[-1]])]
                 side = any(r > 0 for r in tree.ranks[path].tolist())
-                seen = [] if accepts is None else observations(accepts, path, torch.tensor([al], device=device),
-                                                               index).tolist()
+                # (the adaptive policy's tree step: its path probabilities and accepted nodes, AdaptivePolicy.observe)
+                seen = None if probs is None else (probs[1:].tolist(), path_list[1:])
             else:
                 path, al_t = walk_device(tree, mask, posterior)
                 last = path[al_t - 1]
                 has_child = (tree.parents == last).any()
                 side_t = (tree.ranks * mask[last]).gt(0).any()
                 # The step's single host read: AL, leaf flag, side flag, the committed tokens (and the
-                # adaptive policy's observations: none under the fixed policy).
-                seen = observations(accepts, path, al_t.view(1), index)
+                # adaptive policy's path probabilities and path: none under the fixed policy).
+                extra = torch.cat([probs[1:], path]) if probs is not None else path[:0]
                 packed = torch.cat([al_t.view(1), has_child.view(1).long(), side_t.view(1).long(),
-                                    tree.tokens[path], posterior[last].view(1), seen]).tolist()
-                packed, seen = packed[: len(packed) - seen.numel()], packed[len(packed) - seen.numel() :]
+                                    tree.tokens[path], posterior[last].view(1), extra]).tolist()
+                packed, extra = packed[: len(packed) - extra.numel()], packed[len(packed) - extra.numel() :]
                 al, leaf, side = packed[0], not packed[1], bool(packed[2])
                 new = packed[4 : 3 + al] + [packed[-1]]
+                nodes = extra[: probs.numel() - 1] if probs is not None else []
+                seen = None if probs is None else (nodes, extra[len(nodes) + 1 : len(nodes) + al])
             if margins is not None:  # node path[j] picked the token at start + 1 + j
                 margins[start + 1 : start + 1 + al] = top_margins(picked_by.index_select(0, path[:al]))
 
@@ -206,7 +206,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
         stats.record_step(al, leaf, side)
         if policy is not None:
             stats.record_budget(budget, expected)
-            policy.record(budget, seen)
+            if seen is not None:  # a tree step (an AR step teaches nothing)
+                policy.observe(budget, *seen)
         new, done = truncate(new, len(out), max_new_tokens, stop_ids)
         done = done or (gs is not None and gs.done)
         out.extend(new)
@@ -228,23 +229,22 @@ def _policy(pair, cfg: EngineConfig, prompt: Sequence[int], depth: int, step_cos
 
 def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, feats: Tensor | None,
              timer: PhaseTimer, budget: int | None, policy: AdaptivePolicy | None
-             ) -> tuple[Tree, Tensor, Tensor | None, Tensor | None]:
+             ) -> tuple[Tree, Tensor, Tensor | None]:
     """The draft, top-k and tree phases: the tree to verify and its ancestor mask, and with the
-    adaptive ``policy`` the tree cut to ``budget``, where each of its budgets reads the proposal
-    (``policy.budget_index``) and the proposal's estimate there (``policy.expected_accepts``, fixed
-    point); at budget 0 the root alone (no draft, no estimate)."""
+    adaptive ``policy`` the tree cut to ``budget`` and the proposal's ``policy.path_probabilities``
+    (of the tree built at the largest budget: the host makes every budget's estimate from them); at
+    budget 0 the root alone (no draft, no estimate)."""
     if budget == 0:  # a plain AR step: the root alone, verified and committed as a tree
         tree, mask = root_tree(seq[start : start + 1])
-        return tree, mask, None, None
+        return tree, mask, None
     with timer.phase("draft"):
         draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
     tree, mask, top_lp = scored_tree(cfg, draft_logits, seq[start], timer, block - 1, host=cfg.draft_path == "generic")
     if policy is None:
-        return tree, mask, None, None
-    index = budget_index(policy.budgets, tree.size - 1, seq.device)
-    accepts = accepts_at(expected_accepts(top_lp.to(seq.device), tree, mask), index)
+        return tree, mask, None
+    probs = path_probabilities(top_lp.to(seq.device), tree, mask, root_row(top_lp.shape[1], seq.device))
     tree, mask = prefix(tree, mask, budget)
-    return tree, mask, index, accepts
+    return tree, mask, probs
 
 
 def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_tokens: int = 32,

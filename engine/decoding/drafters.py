@@ -94,29 +94,25 @@ class DFlashDrafter:
             context[0][i, :end] = k
             context[1][i, :end] = v
 
-    def write_context(self, context: tuple[Tensor, Tensor], features: Tensor, positions: Tensor) -> None:
-        """The context keys/values of ``positions`` (device-held) into ``context``: the shape-static
-        form of ``fill_context`` for a step that runs no proposal (the adaptive policy's AR step)."""
-        for i, (k, v) in enumerate(self.draft.context_kv(features.index_select(0, positions), positions)):
-            context[0][i].index_copy_(0, positions, k)
-            context[1][i].index_copy_(0, positions, v)
-
     def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
-                       context: tuple[Tensor, Tensor], key_len: int) -> Tensor:
+                       context: tuple[Tensor, Tensor], key_len: int, context_rows: int | None = None) -> Tensor:
         """``propose`` with the root's position ``start`` ([1] long) held on the device: the
         shape-static form a CUDA graph replays at every step.
 
-        The context keys/values of positions ``start - block_size .. start - 1`` are (re)computed
-        from ``features`` and stored in ``context`` (a step commits at most ``block_size`` tokens,
-        so every position committed since the last call is among them; older ones are already
-        there, from ``fill_context`` or earlier steps), and the block attends over slots
-        ``max(0, start - window) .. start + block_size - 1`` of the first ``key_len`` (``window``
-        0: the whole context). ``key_len`` must cover ``start + block_size``."""
-        offsets, keys, ids = self._static_constants(block_size, key_len, seq.device)
-        # the last block_size context positions, then the block's; before position 0: position 0 again
+        The context keys/values of positions ``start - context_rows .. start - 1`` (default
+        ``block_size``) are (re)computed from ``features`` and stored in ``context``, and the block
+        attends over slots ``max(0, start - window) .. start + block_size - 1`` of the first
+        ``key_len`` (``window`` 0: the whole context). A step commits at most ``block_size`` tokens, so
+        after a step that proposed, every position committed since the last call is among the last
+        ``block_size``; older ones are already there, from ``fill_context`` or earlier calls. A caller
+        whose steps commit without proposing (the adaptive policy's AR steps) asks for more rows once
+        (``AdaptivePolicy.catch_up_rows``). ``key_len`` must cover ``start + block_size``."""
+        rows = block_size if context_rows is None else context_rows
+        offsets, keys, ids = self._static_constants(block_size, rows, key_len, seq.device)
+        # the last ``rows`` context positions, then the block's; before position 0: position 0 again
         # (the same values written twice)
         slots = (start + offsets).clamp(min=0)
-        fresh = slots[:block_size]
+        fresh = slots[:rows]
         torch.index_select(seq, 0, start, out=ids[:1])  # the root, then mask tokens (this shape's own buffer)
         seen = keys < start + block_size
         if window > 0:
@@ -127,12 +123,13 @@ class DFlashDrafter:
                                       context[1], key_len, seen[None, :].expand(block_size, -1))
         return self._logits(h)
 
-    def _static_constants(self, block: int, key_len: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    def _static_constants(self, block: int, rows: int, key_len: int, device: torch.device
+                          ) -> tuple[Tensor, Tensor, Tensor]:
         """Per step shape, made once (a CUDA graph replays reads of them, not their construction):
-        -block..block-1, 0..key_len-1, and the block's token buffer (mask tokens after the root)."""
-        key = (block, key_len, device)
+        -rows..block-1, 0..key_len-1, and the block's token buffer (mask tokens after the root)."""
+        key = (block, rows, key_len, device)
         if key not in self._constants:
-            self._constants[key] = (torch.arange(-block, block, device=device), torch.arange(key_len, device=device),
+            self._constants[key] = (torch.arange(-rows, block, device=device), torch.arange(key_len, device=device),
                                     torch.full((block,), self.mask_token_id, dtype=torch.long, device=device))
         return self._constants[key]
 

@@ -247,7 +247,7 @@ UNTIMED = _Untimed()
 def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
                 max_depth: int, host: bool) -> tuple[Tree, Tensor, Tensor | None]:
     """topk + tree phases: the tree, its ancestor mask (``ancestor_mask(tree.parents, max_depth)``)
-    and the per-depth top-k log-probs that scored it (``policy.expected_accepts``).
+    and the per-depth top-k log-probs that scored it (``policy.path_probabilities``).
     ``host`` (the generic loop with ``draft_path="generic"``): logits go to the host, host top-k,
     heap-built tree, back to the device. Otherwise (the runtime, whose captured graphs cannot read
     the host, whatever ``cfg.draft_path`` says; the generic loop under ``auto``) everything stays on

@@ -3,30 +3,44 @@ AR step) included, chosen to maximise expected committed tokens per millisecond.
 
 Stages, each a pure function or a small record:
 
-1. **Estimate** (``expected_accepts``, on the device, inside the draft's step): the tree builder
-   scores a node by the summed log-probs of its path, so exp(score) is the probability, under the
-   draft's own distributions, that the target accepts the whole path to it. The expected number of
-   accepted drafted nodes of a tree is the sum of those over its nodes, and the builder's node list is
-   best-first (the forced top-1 chain first), so the tree of budget b is the list's first b nodes:
-   one cumulative sum over the tree built at the largest budget gives E[accepted](b) for every b.
-   ``accepts_at`` gathers it at the candidate budgets, the few values the host reads back.
+1. **Estimate** (``path_probabilities`` on the device, inside the draft's step; ``expected_accepts``
+   on the host): the tree builder scores a node by the summed log-probs of its path, so exp(score) is
+   the probability, under the draft's own distributions, that the target accepts the whole path to
+   it. The expected number of accepted drafted nodes of a tree is the sum of those over its nodes,
+   and the builder's node list is best-first (the forced top-1 chain first), so the tree of budget b
+   is the list's first b nodes: prefix sums over the tree built at the largest budget give
+   E[accepted](b) for every b. The device computes only each node's path probability, in fixed
+   point (one matrix-vector product with the ancestor mask and an exp: the fewest launches); they
+   ride in the step's one readback and the host sums them.
 2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
    checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
-   observes every budget up to its own (``accepted_within``: the accepted path's nodes inside each
-   budget's prefix), and observed over predicted accepted nodes, as exponentially decayed sums over
-   this generation's tree steps, scale that budget's predictions.
+   observes every budget up to its own (``accepted_within``, on the host from the accepted path's
+   node indices, which ride in the readback too: the path's nodes inside each budget's prefix), and
+   observed over predicted accepted nodes, as exponentially decayed sums over this generation's tree
+   steps, scale that budget's predictions.
 3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
    this pair on this device, ``decode.measure_step_costs``, or given).
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
-   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. (The
-   draft's context stays current through AR steps: the step writes the root's target features, and
-   the runtime the draft's context keys and values of that position.)
+   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. So at most
+   ``max_ar_run`` (``probe_every - 1``) AR steps run between two proposals.
+
+**The draft's context across AR steps.** On the runtime an AR step the policy chooses is plain AR's
+step (the root alone: no walk, no K/V move) plus one copy, the committed position's target features
+into the features buffer; it writes nothing of the draft's. A proposal recomputes the draft's context
+keys and values of the ``block`` positions before its root (a tree step commits at most that many),
+so after tree steps the context is current; the first proposal after AR steps recomputes a fixed
+window of ``catch_up_rows`` positions instead (``block + max_ar_run``: the last tree step's commits
+and the AR steps' since, the window's shape fixed for its captured graph). The host knows which one a
+proposal needs when it launches it (the previous step's budget is a choice it made), so that is two
+captured proposals, and no graph reads the host. Every position a proposal reads is one a proposal
+wrote (or the prefill's context): proposals are those of a context written after every step. The
+generic loop's draft projects every position committed since its last proposal anyway.
 
 A choice is made when a step is launched, from what the host has read by then: the last tree step's
 estimate (on the runtime, whose next step is launched before the current one is read, the one
-before). Exactness does not depend on it: every budget, 0 included, verifies with the same walk.
+before). Exactness does not depend on it: every budget, 0 included, commits the target's own tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -41,7 +56,7 @@ from torch import Tensor
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding.tree import Tree
 
-# The estimates travel in the step's packed integer readback as fixed point (2**-16 resolution).
+# The path probabilities travel in the step's packed integer readback as fixed point (2**-16 resolution).
 FIXED_POINT = 1 << 16
 # Pseudo-counts of the calibration's prior (ratio 1: the draft's probabilities as they are).
 _PRIOR = 1.0
@@ -79,50 +94,39 @@ class StepCosts:
                                    f"{list(budgets)}, the table has {sorted(self.ms)}")
 
 
-def expected_accepts(top_logprobs: Tensor, tree: Tree, anc: Tensor) -> Tensor:
-    """[N+1] float32: entry b is the expected number of drafted nodes the target accepts in the tree
-    of the first b nodes (entry 0: the root alone, 0), under the draft's distributions.
-
-    ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` in the builder's order
-    (best-first after the forced chain: a prefix is the tree of a smaller budget); ``anc`` its ancestor
-    mask. Tensor ops only, no host read (runs inside the captured draft step)."""
-    lp = top_logprobs.float()
-    depth_row = (tree.depths - 1).clamp(min=0)
-    node_lp = torch.where(tree.depths > 0, lp[depth_row, tree.ranks], 0.0)
-    path_prob = torch.exp(anc.float() @ node_lp)  # the path's summed log-probs: its acceptance probability
-    path_prob = torch.where(tree.depths > 0, path_prob, 0.0)
-    return torch.cumsum(path_prob, 0)
+def root_row(k: int, device: torch.device) -> Tensor:
+    """[1, k] float32 of ln(FIXED_POINT): the root's row in ``path_probabilities``' log-prob table (made
+    once per shape by the runtime: a captured step reads it, never builds it)."""
+    return torch.full((1, k), math.log(FIXED_POINT), device=device)
 
 
-def budget_index(budgets: Sequence[int], nodes: int, device: torch.device) -> Tensor:
-    """Where ``accepts_at`` reads each budget in a tree of ``nodes`` non-root nodes (a budget past it:
-    the whole tree). Made once per shape: a captured step reads it, never builds it."""
-    return torch.tensor([min(b, nodes) for b in budgets], device=device)
+def path_probabilities(top_logprobs: Tensor, tree: Tree, anc: Tensor, root: Tensor) -> Tensor:
+    """[N+1] int64: entry i (i >= 1) the probability, under the draft's distributions, that the target
+    accepts the whole path to node i, in fixed point (``FIXED_POINT``, truncated); entry 0 (the root)
+    is not read.
+
+    ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` and ``anc`` (its ancestor
+    mask) in the builder's order; ``root`` (``root_row``) stands for the root's log-prob: every node's
+    ancestors include the root, so it adds ln(FIXED_POINT) to every path's summed log-probs and the exp
+    is the probability already scaled. Six launches, no host read (it runs inside the captured draft
+    step): the table, the per-node gather, the mask's cast, a matrix-vector product, the exp, the cast."""
+    node_lp = torch.cat([root, top_logprobs.float()])[tree.depths, tree.ranks]  # depth d: row d, the root's row 0
+    return torch.exp(anc.float() @ node_lp).long()
 
 
-def accepts_at(cumulative: Tensor, index: Tensor) -> Tensor:
-    """``expected_accepts`` at each budget (``budget_index``), in fixed point (int64) for the step's
-    packed readback."""
-    return torch.round(cumulative.index_select(0, index) * FIXED_POINT).long()
+def expected_accepts(probs: Sequence[int], budgets: Sequence[int]) -> list[float]:
+    """Host: E[accepted](b) for each budget, from ``path_probabilities``' entries of nodes 1..N (fixed
+    point): the sum over the tree of the first min(b, N) nodes (a prefix is the smaller budget's tree)."""
+    sums = [0, *accumulate(probs)]
+    return [sums[min(b, len(probs))] / FIXED_POINT for b in budgets]
 
 
-def accepted_within(path: Tensor, al: Tensor, index: Tensor) -> Tensor:
-    """[C] int64: per budget (``budget_index``), the accepted drafted nodes of the walk's ``path``
-    (``path[:al]``, root first; ``al`` [1]) that lie in that budget's tree. A node's parent comes
-    before it in the builder's order, so they are the path's first nodes: what the step would have
-    accepted at that budget. One tree step observes every budget up to its own."""
-    j = torch.arange(path.numel(), device=path.device)
-    on_path = (j >= 1) & (j < al)
-    return ((path[None, :] <= index[:, None]) & on_path[None, :]).sum(1)
-
-
-def observations(accepts: Tensor | None, path: Tensor, al: Tensor, index: Tensor | None) -> Tensor:
-    """What an adaptive tree step reads back besides its tokens (``AdaptivePolicy.record``): its
-    proposal's estimate at each budget (``accepts_at``), then the nodes accepted within each budget's
-    tree (``accepted_within``); empty where there is none (the fixed policy, an AR step)."""
-    if accepts is None:
-        return torch.empty(0, dtype=torch.long, device=path.device)
-    return torch.cat([accepts, accepted_within(path, al, index)])
+def accepted_within(path: Sequence[int], budgets: Sequence[int]) -> list[int]:
+    """Host: per budget, the accepted drafted nodes (``path``: the walk's accepted node indices after the
+    root) that lie in that budget's tree, index <= b. A node's parent comes before it in the builder's
+    order, so they are the path's first nodes: what the step would have accepted at that budget. One
+    tree step observes every budget up to its own."""
+    return [sum(1 for node in path if node <= b) for b in budgets]
 
 
 def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
@@ -132,8 +136,8 @@ def prefix(tree: Tree, anc: Tensor, budget: int) -> tuple[Tree, Tensor]:
 
 
 def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
-    """A budget-0 step's tree: the root alone (``root`` [1] long). Verified, it commits the target's
-    token after the root: a plain AR step through the tree step's walk and commit."""
+    """A budget-0 step's tree on the generic loop: the root alone (``root`` [1] long). Verified, it
+    commits the target's token after the root. (The runtime runs plain AR's step instead.)"""
     zero = torch.zeros(1, dtype=torch.long, device=root.device)
     return Tree(root, zero - 1, zero, zero), torch.ones(1, 1, dtype=torch.bool, device=root.device)
 
@@ -172,7 +176,8 @@ class Calibration:
 
 @dataclass
 class AdaptivePolicy:
-    """One generation's choices: ``choose`` when a step is launched, ``record`` when it is read."""
+    """One generation's choices: ``choose`` when a step is launched, ``observe`` (or ``record``) when it
+    is read."""
 
     budgets: tuple[int, ...]
     costs: StepCosts
@@ -187,6 +192,17 @@ class AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
         return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
+
+    @property
+    def max_ar_run(self) -> int:
+        """The most AR steps ``choose`` returns in a row while a tree budget has a finite cost (with
+        none, it never proposes): the ``probe_every``-th is a probe."""
+        return self.probe_every - 1
+
+    def catch_up_rows(self, block: int) -> int:
+        """The draft context positions the first proposal after AR steps recomputes: the last tree
+        step's commits (at most ``block``) and the AR steps' since (at most ``max_ar_run``)."""
+        return block + self.max_ar_run
 
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
@@ -205,15 +221,18 @@ class AdaptivePolicy:
             self.ar_streak = 0
         return b, al
 
-    def record(self, budget: int, values: Sequence[int]) -> None:
-        """A step read back: its budget and its ``observations`` (empty for an AR step, which teaches
-        nothing). Every budget up to the step's own is calibrated: their trees were inside the one
-        verified."""
-        if budget == 0 or not values:
+    def observe(self, budget: int, probs: Sequence[int], path: Sequence[int]) -> None:
+        """A tree step read back: its budget, its proposal's ``path_probabilities`` of nodes 1..N and
+        the accepted node indices after the root (``record`` of their estimate and acceptance)."""
+        self.record(budget, expected_accepts(probs, self.budgets), accepted_within(path, self.budgets))
+
+    def record(self, budget: int, accepts: Sequence[float], observed: Sequence[int]) -> None:
+        """A tree step's estimate (E[accepted] per budget) and the accepted nodes within each budget's
+        tree. Every budget up to the step's own is calibrated: their trees were inside the one
+        verified. An AR step (budget 0) teaches nothing and is not recorded."""
+        if budget == 0:
             return
-        n = len(self.budgets)
-        accepts, observed = values[:n], values[n:]
-        self.accepts = [a / FIXED_POINT for a in accepts]
+        self.accepts = list(accepts)
         for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
             if 0 < b <= budget:
                 cal.update(predicted, seen)

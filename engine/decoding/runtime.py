@@ -18,8 +18,11 @@ Shapes never depend on where the sequence is: the root's position lives in a [1]
 attention spans a power-of-two bucket of key slots with a mask, and the draft sees a fixed
 window of context (``target_feat_ctx`` slots, or the whole bucket when it is 0) through its own
 context K/V cache: each propose recomputes the last ``block`` positions' keys and values (a step
-commits at most that many) and ``_begin`` fills the prompt's after the prefill. The math is the
-generic path's; only the attention's padding and kernels differ, so float32 output stays equal to AR.
+commits at most that many) and ``_begin`` fills the prompt's after the prefill. The adaptive
+policy's AR steps (``engine.decoding.policy``) keep their target features and write no draft
+context: the first proposal after them recomputes a wider window (``AdaptivePolicy.catch_up_rows``),
+another captured proposal. The math is the generic path's; only the attention's padding and
+kernels differ, so float32 output stays equal to AR.
 
 Hybrid targets (Gated DeltaNet layers) run the same two graphs: the verify forward records every
 node's delta-rule and conv inputs (one kernel launch per layer for the recurrence), and the commit
@@ -56,15 +59,7 @@ from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
 from engine.decoding.graphs import Graphs, Readback
-from engine.decoding.policy import (
-    AdaptivePolicy,
-    accepts_at,
-    budget_index,
-    expected_accepts,
-    observations,
-    prefix,
-    root_tree,
-)
+from engine.decoding.policy import AdaptivePolicy, path_probabilities, prefix, root_row
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -142,6 +137,7 @@ class RuntimeDecoder:
         self._draft_kv: tuple[Tensor, Tensor] | None = None
         self._constants: dict[object, Tensor] = {}
         self._chain_tables: dict[int, tuple[Tensor, Tensor]] = {}
+        self._ar_run = 0  # the adaptive policy's AR steps launched since its last proposal (``_launch_adaptive``)
 
     def _arange(self, n: int) -> Tensor:
         """0..n-1 on the device, made once (a captured step reads it instead of making it)."""
@@ -197,22 +193,24 @@ class RuntimeDecoder:
             self._tree_buffers = self._tree_buffer_ids()
 
     # -- the draft: a speculative step's first graph -----------------------------------------------
-    def _propose(self, key_len: int, cfg: EngineConfig, block: int, budgets: tuple[int, ...] | None = None
-                 ) -> tuple[Tree, Tensor] | tuple[Tree, Tensor, Tensor]:
+    def _propose(self, key_len: int, cfg: EngineConfig, block: int, context_rows: int | None = None,
+                 adaptive: bool = False) -> tuple[Tree, Tensor] | tuple[Tree, Tensor, Tensor]:
+        """The draft's proposal: its tree and ancestor mask (``adaptive``: and the tree's
+        ``path_probabilities``, for the readback). ``context_rows``: the draft context positions it
+        recomputes (``DFlashDrafter.propose_static``; default ``block``)."""
         drafter, ws = self.pair.drafter, self.ws
         logits = drafter.propose_static(ws.seq, self.start, block, cfg.target_feat_ctx, ws.features,
-                                        self._draft_context(), key_len)
+                                        self._draft_context(), key_len, context_rows)
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
         # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
         # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
         tree, anc, top_lp = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
                                              block - 1, host=False)
-        if budgets is None:
+        if not adaptive:
             return tree, anc
-        # the adaptive policy's estimate at each of its budgets (policy.expected_accepts), for the readback
-        index = self._constant(("budgets", budgets, tree.size), lambda: budget_index(budgets, tree.size - 1,
-                                                                                      self.device))
-        return tree, anc, accepts_at(expected_accepts(top_lp, tree, anc), index)
+        k = top_lp.shape[1]
+        root = self._constant(("root_row", k), lambda: root_row(k, self.device))
+        return tree, anc, path_probabilities(top_lp, tree, anc, root)
 
     def _constant(self, key: object, make: Callable[[], Tensor]) -> Tensor:
         """A device constant made once (a captured step reads it instead of making it)."""
@@ -221,36 +219,33 @@ class RuntimeDecoder:
         return self._constants[key]
 
     def _policy_step(self, key_len: int, cfg: EngineConfig, block: int, proposal: tuple | None, budget: int,
-                     budgets: tuple[int, ...], record: bool) -> tuple[Tensor, Tensor, Tensor, Tree]:
-        """An adaptive step (``engine.decoding.policy``): ``_step`` over the first ``budget`` nodes of
-        the proposed tree, its packed result followed by the proposal's estimates and the accepted
-        nodes within each budget's tree (``accepted_within``); at budget 0 over
-        the root alone (no proposal: a plain AR step through the walk and commit). Then the draft's
-        context keys and values of the positions it committed (a root step one, a tree step at most
-        ``block``: the last ``block`` are written): a proposal recomputes only the ``block`` positions
-        before its root, and after AR steps a tree step's commits lie further back."""
+                     record: bool) -> tuple[Tensor, Tensor, Tensor | None, Tree | None]:
+        """An adaptive step (``engine.decoding.policy``). Budget 0: plain AR's step (``_step`` without a
+        tree: the root alone, no walk, no K/V move) that also keeps the root's target features, which
+        a later proposal turns into the draft's context (``AdaptivePolicy.catch_up_rows``); its packed
+        result is the new token alone. Budget b > 0: ``_step`` over the first b nodes of the proposed
+        tree, its packed result followed by the proposal's ``path_probabilities`` of nodes 1..N and the
+        walk's first ``min(block, b + 1)`` path entries (the accepted nodes, root first; the host reads
+        the first AL): one launch more than the fixed policy's step, the concatenation, and the host
+        makes the policy's estimate and observations from them (``AdaptivePolicy.observe``)."""
         if budget == 0:
-            tree, anc = root_tree(self.ws.seq.index_select(0, self.start))
-        else:
-            tree, anc = prefix(proposal[0], proposal[1], budget)
+            packed, logits, path = self._step(key_len, cfg, block, None, None, record, False, features=True)
+            return packed, logits, path, None
+        tree, anc = prefix(proposal[0], proposal[1], budget)
         packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False)
-        back = 1 if budget == 0 else block
-        positions = self.start + self._constant(("back", back), lambda: torch.arange(-back, 0, device=self.device))
-        self.pair.drafter.write_context(self._draft_context(), self.ws.features, positions.clamp(min=0))
-        if budget == 0:
-            return packed, logits, path, tree
-        index = self._constants[("budgets", budgets, proposal[0].size)]  # made by _propose
-        return torch.cat([packed, observations(proposal[2], path, packed[:1], index)]), logits, path, tree
+        accepted = path[: min(block, tree.size)]  # the walk accepts at most the block's depth (and the root)
+        return torch.cat([packed, proposal[2][1:], accepted]), logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
-              record: bool, constrained: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+              record: bool, constrained: bool, features: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         """The target over the root (the last committed token, at ``start``) and the drafted nodes
         after it, the target's pick at each, the walk and the commit; the root's position advances
         on the device by the committed count. AR is the degenerate case, ``tree=None``: the root
         alone, no draft, whose pick is committed as is (its walk accepts the root and nothing after
-        it, so the walk's launch, the K/V move and the features are left out). ``constrained`` (AR
-        with a grammar): the logits masked by the bitmask the host filled for this step.
+        it, so the walk's launch, the K/V move and the features are left out; ``features``: the root's
+        target features kept all the same, the adaptive policy's AR step). ``constrained`` (AR with a
+        grammar): the logits masked by the bitmask the host filled for this step.
 
         Returns the step's packed result for the host (AR: the new token; a tree: AL, flags and
         tokens, ``tree_kernel.walk_and_advance``), the logits and the accepted path (AR: None)."""
@@ -266,13 +261,15 @@ class RuntimeDecoder:
         else:  # t tokens in a row from the root: an AR step, a chain
             keys = self._chain_keys(t, key_len)
         logits, f = target.forward_static(tokens, positions, slots, keys, ws.cache,
-                                          self.pair.drafter.feature_layers if tree is not None else (),
+                                          self.pair.drafter.feature_layers if tree is not None or features else (),
                                           parents=tree.parents if self.recurrent and tree is not None else None)
         if constrained:
             logits = mask_logits(logits, self._bits[1])
         posterior = select_tokens(logits, positions + 1, cfg.temperature, cfg.seed)
         if tree is None:
             ws.seq.index_copy_(0, s + 1, posterior)
+            if features:  # the root's row, committed: a later proposal writes the draft's context from it
+                ws.features.index_copy_(0, s, f)
             if record:  # (record_margins) the row that picked the token at s + 1
                 ws.margins.index_copy_(0, s + 1, top_margins(logits))
             s.add_(1)
@@ -294,29 +291,60 @@ class RuntimeDecoder:
 
     def _launch_adaptive(self, policy: AdaptivePolicy, key_len: int, key: tuple, step_key: tuple, cfg: EngineConfig,
                          block: int, record: bool, timer, readback: Readback) -> tuple:
-        """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step over
-        the tree of that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget,
-        the E[AL] it was chosen by) last."""
-        budget, expected = policy.choose()
-        proposal = None
-        if budget > 0:
-            with timer.phase("draft"):
-                proposal = self.graphs.run(("propose", key_len, *key, cfg.kernels), self._propose, key_len, cfg,
-                                           block, policy.budgets)
-        with timer.phase("verify"):
-            packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, *step_key), self._policy_step,
-                                                         key_len, cfg, block, proposal, budget, policy.budgets,
-                                                         record)
-            return readback.push(packed), tree, logits, path, (budget, expected)
+        """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step of
+        that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget, the E[AL] it
+        was chosen by, the readback's layout) last.
 
-    def _cut(self, start: int, kept: int, token: int, path: Tensor) -> None:
+        The first proposal after AR steps recomputes the draft's context of ``catch_up_rows`` positions
+        (those steps wrote none): another captured proposal, picked here, where the steps launched
+        before it are known (a step launched ahead of the one being read is launched after it). A
+        captured step reads the buffers its proposal's graph returned when it was captured, so a tree
+        step is keyed by the proposal it verifies too (its context rows)."""
+        budget, expected = policy.choose()
+        proposal, layout, rows = None, None, None
+        if budget > 0:
+            if self._ar_run > policy.max_ar_run:  # the window would miss committed positions
+                raise RuntimeError(f"{self._ar_run} AR steps since the last proposal, but its context window "
+                                   f"covers {policy.max_ar_run}")
+            rows = block if self._ar_run == 0 else policy.catch_up_rows(block)
+            self._ar_run = 0
+            with timer.phase("draft"):
+                proposal = self.graphs.run(("propose", key_len, *key, rows, cfg.kernels), self._propose, key_len,
+                                           cfg, block, rows, True)
+            nodes = proposal[0].size - 1
+            layout = (nodes, min(block, min(budget, nodes) + 1))  # path probabilities, then path entries
+        else:
+            self._ar_run += 1
+        with timer.phase("verify"):
+            packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, rows, *step_key),
+                                                         self._policy_step, key_len, cfg, block, proposal, budget,
+                                                         record)
+            return readback.push(packed), tree, logits, path, (budget, expected, layout)
+
+    @staticmethod
+    def _read(values: list[int], tree: Tree | None, chosen: tuple | None, policy: AdaptivePolicy | None
+              ) -> tuple[int, bool, bool, list[int]]:
+        """A step's packed result read back: (AL, leaf, side branch, the new tokens). AR, and the
+        adaptive policy's AR step: the token alone (the root: no child, no side branch). An adaptive
+        tree step's values end in what its policy learns (``_policy_step``): handed to it here."""
+        if tree is None:
+            return 1, True, False, values[:1]
+        al = values[0]
+        if chosen is not None and chosen[2] is not None:
+            nodes, entries = chosen[2]
+            tail = values[len(values) - nodes - entries :]
+            policy.observe(chosen[0], tail[:nodes], tail[nodes + 1 : nodes + al])  # the path after the root
+        return al, not values[1], bool(values[2]), values[3 : 3 + al]
+
+    def _cut(self, start: int, kept: int, token: int, path: Tensor | None) -> None:
         """A grammar cut after the device committed more: ``kept`` tokens from the root's position
         ``start`` stand, the last one ``token``. The accepted nodes' K/V and features before the cut
         are already in place; the position, the new root's token and (on a hybrid) the recurrent
-        state of the shorter path are set again."""
+        state of the shorter path are set again. ``path`` None: an AR step (the adaptive policy's),
+        whose one token is replaced; its state, the root's, stands."""
         self.start.fill_(start + kept)
         self.ws.seq[start + kept] = token
-        if self.recurrent:
+        if self.recurrent and path is not None:
             self.ws.cache.recommit_recurrent(path, torch.tensor([kept], device=self.device))
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
@@ -369,7 +397,8 @@ class RuntimeDecoder:
         if speculative:  # before the prefill: allocation is not timed
             self.reserve_tree(n_verify)
             self._draft_context()
-        readback = self._readback((3 + n_verify + (2 * len(policy.budgets) if policy else 0)) if speculative else 1)
+        # (an adaptive tree step's values go on with its N path probabilities and at most ``block`` path entries)
+        readback = self._readback((3 + n_verify + (n_verify + block if policy else 0)) if speculative else 1)
         margins = self.ws.margin_buffer() if record_margins else None  # captured steps write into it
         bits = self._bitmask(gs) if ar_mask else None
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
@@ -388,6 +417,7 @@ class RuntimeDecoder:
                cfg.temperature, cfg.seed, block) if speculative else (cfg.temperature, cfg.seed)
         if policy is not None:  # its proposals carry the estimates, its steps a budget
             key = (*key, "adaptive", policy.budgets)
+            self._ar_run = 0  # AR steps launched since the last proposal (the prefill wrote the prompt's context)
         step_key = (*key, keep, ar_mask, record_margins, cfg.kernels)  # (the kernel switch last: gpu_bench graphs)
 
         def launch(root: int) -> tuple:
@@ -424,21 +454,17 @@ class RuntimeDecoder:
             ahead = launch(start + (block if speculative else 1)) if gs is None and len(out) + 1 < max_new_tokens \
                 else None
             item, tree, logits, path, chosen = pending
-            values = readback.read(item)
-            if speculative:
-                al, leaf, side, new = values[0], not values[1], bool(values[2]), values[3 : 3 + values[0]]
-            else:
-                al, new = 1, values
+            al, leaf, side, new = self._read(readback.read(item), tree, chosen, policy)
             if gs is not None:  # (AR: the grammar's advance is host work outside the step's phases)
                 with timer.phase("commit") if speculative else contextlib.nullcontext():
                     tg = time.perf_counter()
                     root = start
                     # AR: a token picked from masked logits, never refused
                     new, cut = loop.grammar_commit(gs, new, lambda i, r=root, lg=logits, pa=path: loop.masked_pick(
-                        gs, host_bits, lg, int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
+                        gs, host_bits, lg, 0 if pa is None else int(pa[i]), r + i + 1, cfg, margins), cfg.grammar)
                     if cut and speculative:
                         al, leaf = len(new), False
-                        side = bool((tree.ranks.index_select(0, path[:al]) > 0).any())
+                        side = tree is not None and bool((tree.ranks.index_select(0, path[:al]) > 0).any())
                         self._cut(start, al, new[-1], path)  # the device committed more: back to the cut
                     stats.grammar_ms += 1000.0 * (time.perf_counter() - tg)
                 done = gs.done
@@ -446,9 +472,7 @@ class RuntimeDecoder:
             if speculative:
                 stats.record_step(al, leaf, side)
                 if chosen is not None:  # the adaptive policy's step
-                    stats.record_budget(*chosen)
-                    # (a tree step's values end in its observations, 2 per budget)
-                    policy.record(chosen[0], values[-2 * len(policy.budgets):] if chosen[0] else [])
+                    stats.record_budget(chosen[0], chosen[1])
             else:
                 stats.steps += 1
             new, stop = loop.truncate(new, len(out), max_new_tokens, stop_ids)

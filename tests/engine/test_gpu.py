@@ -163,3 +163,39 @@ def test_grammar_on_cuda_graphs_equals_constrained_ar(target):
         if params["verify"] == "ar":  # the bitmask is read inside the captured AR step
             # an AR step's key: ("ar", key span, temperature, seed, keep, ar_mask, record_margins, kernels)
             assert any(k[0] == "ar" and k[-3] is True for k in pair._runtime_decoder.graphs.keys())
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_adaptive_graphs_verify_the_proposal_they_follow(monkeypatch, target):
+    """The adaptive policy's captured steps (float32): AR steps are plain AR's graph plus the feature
+    copy, and the first proposal after them is another captured proposal (a wider draft context
+    window), whose outputs are other buffers: the tree step after it is captured on those. A draft
+    proposing the target's own tokens must be accepted whole at every tree step, before AR runs and
+    after them (a step replayed on another proposal's buffers would verify a stale tree and accept
+    next to nothing), and every token is AR's."""
+    from engine.decoding.policy import AdaptivePolicy, StepCosts
+
+    pair = engine.load(target, "random", device="cuda", dtype="float32")
+    ids = pair.encode("Captured proposals after AR steps.")
+    truth = engine.generate(pair, ids, EngineConfig(verify="ar"), 112, ignore_eos=True).tokens
+    truth_t = torch.tensor(truth, device="cuda")
+    real = pair.drafter.propose_static
+
+    def propose(seq, start, block_size, window, features, *context):  # tensor ops only: it is captured
+        logits = real(seq, start, block_size, window, features, *context)
+        pos = (start - len(ids) + torch.arange(1, block_size, device=start.device)).clamp(0, len(truth) - 1)
+        return torch.zeros_like(logits).scatter(1, truth_t[pos][:, None], 10.0)
+
+    script = itertools.cycle([0, 0, 0, 16, 16, 0, 0, 0, 16, 0, 4, 16, 0, 0, 8, 16, 0, 0, 0, 4])
+    monkeypatch.setattr(pair.drafter, "propose_static", propose)
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self: (next(script), 1.0))
+    cfg = EngineConfig(verify="ddtree", budget=16, top_k=3, block_size=8, policy="adaptive", policy_levels=3,
+                       probe_every=4)
+    gen = engine.generate(pair, ids, cfg, 96, ignore_eos=True, step_costs=StepCosts({0: 1, 4: 1, 8: 1, 16: 1}))
+    assert gen.stats.loop == "graphs" and gen.tokens == truth[:96]
+    whole = {4: 5, 8: 8, 16: 8}  # the forced top-1 chain: 4 nodes at budget 4, the draft's depth (7) beyond
+    assert [al for b, al in zip(gen.stats.step_budgets, gen.stats.accept_lengths, strict=True) if b] == \
+        [whole[b] for b in gen.stats.step_budgets if b]
+    keys = pair._runtime_decoder.graphs.keys()
+    assert {k[-2] for k in keys if k[0] == "propose"} == {8, 8 + 3}
+    assert {k[3] for k in keys if k[0] == "verify" and k[2]} == {8, 8 + 3}

@@ -15,12 +15,12 @@ from engine.decoding.policy import (
     Calibration,
     StepCosts,
     accepted_within,
-    accepts_at,
-    budget_index,
     choose_budget,
     expected_accepts,
+    path_probabilities,
     policy_budgets,
     prefix,
+    root_row,
 )
 from engine.decoding.tree import ancestor_mask, build_tree_device, build_tree_host
 from tests.engine.engine_pairs import pair_for
@@ -59,24 +59,27 @@ def _path_probability(lp: torch.Tensor, tree, node: int) -> float:
 def test_the_estimate_sums_path_probabilities_and_a_prefix_is_the_smaller_budgets_tree(chain_seed):
     """E[accepted](b) is the sum over the budget-b tree's nodes of its path's probability; the
     builders' node list is best-first, so the first b nodes of the largest tree are the tree the
-    builders make at budget b, and one cumulative sum gives every budget's estimate."""
+    builders make at budget b, and prefix sums of the path probabilities give every budget's estimate."""
     lp, ids = _scripted(depth=5, k=3, seed=1)
     big = build_tree_host(lp, ids, 7, 12, chain_seed)
-    cum = expected_accepts(lp, big, ancestor_mask(big.parents, 5))
-    assert cum[0] == 0
+    probs = path_probabilities(lp, big, ancestor_mask(big.parents, 5), root_row(3, lp.device))
+    assert probs.dtype == torch.long and probs.shape == (big.size,)
+    for i in range(1, big.size):  # each node's path probability, in fixed point (truncated)
+        assert int(probs[i]) == pytest.approx(_path_probability(lp, big, i) * FIXED_POINT, abs=2)
+    budgets = list(range(13))
+    estimate = expected_accepts(probs[1:].tolist(), budgets)
+    assert estimate[0] == 0
     for b in range(1, 13):
         small = build_tree_host(lp, ids, 7, b, chain_seed)
         cut, _ = prefix(big, ancestor_mask(big.parents, 5), b)
         assert torch.equal(cut.tokens, small.tokens) and torch.equal(cut.parents, small.parents)
         want = sum(_path_probability(lp, small, i) for i in range(1, small.size))
-        assert float(cum[b]) == pytest.approx(want, rel=1e-5)
+        assert estimate[b] == pytest.approx(want, rel=1e-4)
     # the device builder orders its nodes the same way (the runtime's proposals)
     dev = build_tree_device(lp, ids, torch.tensor(7), 12, chain_seed)
     assert torch.equal(dev.tokens, big.tokens)
-    # read at the policy's budgets, in fixed point; a budget past the tree reads the whole tree
-    got = accepts_at(cum, budget_index((0, 4, 12, 30), big.size - 1, cum.device))
-    whole = round(float(cum[12]) * FIXED_POINT)
-    assert got.tolist() == [0, round(float(cum[4]) * FIXED_POINT), whole, whole]
+    # a budget past the tree reads the whole tree
+    assert expected_accepts(probs[1:].tolist(), (0, 4, 12, 30)) == [0, estimate[4], estimate[12], estimate[12]]
 
 
 def test_a_weak_draft_with_an_expensive_verify_chooses_ar_and_a_strong_one_the_largest_tree():
@@ -114,14 +117,8 @@ def test_the_calibration_moves_toward_the_observed_acceptance_and_forgets_old_st
 
 def test_one_tree_step_observes_every_budget_up_to_its_own():
     """The accepted path's nodes inside each budget's prefix: parents come first in the builder's order."""
-    path, al = torch.tensor([0, 1, 3, 6, 2]), torch.tensor([4])  # root, then nodes 1, 3, 6 accepted
-    index = budget_index(BUDGETS, 8, path.device)
-    assert accepted_within(path, al, index).tolist() == [0, 1, 2, 3]
-    assert accepted_within(path, torch.tensor([1]), index).tolist() == [0, 0, 0, 0]  # the root alone
-
-
-def _fixed(xs):  # as the step's readback packs estimates
-    return [round(x * FIXED_POINT) for x in xs]
+    assert accepted_within([1, 3, 6], BUDGETS) == [0, 1, 2, 3]  # root, then nodes 1, 3, 6 accepted
+    assert accepted_within([], BUDGETS) == [0, 0, 0, 0]  # the root alone
 
 
 def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step():
@@ -129,20 +126,20 @@ def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step()
                             calibrations=[Calibration(4) for _ in BUDGETS])
     # no estimate yet: every node assumed accepted, the best rate under the costs (8 nodes: 8 / 2.5)
     assert policy.choose() == (8, 8.0)
-    estimate = _fixed([0.0, 1.9, 3.5, 6.0])
+    estimate = [0.0, 1.9, 3.5, 6.0]
     for _ in range(2):  # the draft expected 6 nodes at budget 8 (1.9 at budget 2); none was accepted
-        policy.record(8, estimate + [0, 0, 0, 0])
-    assert [c.ratio for c in policy.calibrations] == pytest.approx(  # (the estimates in fixed point)
+        policy.record(8, estimate, [0, 0, 0, 0])
+    assert [c.ratio for c in policy.calibrations] == pytest.approx(
         [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 3.5 + 1), 1 / (1.75 * 6.0 + 1)], rel=1e-5)
     choices = [policy.choose()[0] for _ in range(6)]
     assert choices == [0, 0, 2, 0, 0, 2]  # every third step a probe, at the best tree budget
     before = (policy.calibrations[2].predicted, policy.calibrations[3].predicted)
     for _ in range(2):  # the probes' two nodes accepted: the draft is right again, at budget 2
-        policy.record(2, estimate + [0, 2, 2, 2])
+        policy.record(2, estimate, [0, 2, 2, 2])
     assert policy.choose()[0] == 2
     # a budget-2 step says nothing about the larger trees
     assert (policy.calibrations[2].predicted, policy.calibrations[3].predicted) == before
-    policy.record(0, [])  # an AR step teaches nothing
+    policy.record(0, [], [])  # an AR step teaches nothing
     assert policy.calibrations[1].observed == pytest.approx(2 + 0.75 * 2)
 
 
@@ -151,7 +148,7 @@ def test_each_budget_is_calibrated_on_its_own_acceptance():
     its two best nodes, and nothing past them, makes the budget-4 tree the best rate (AL 3 for 1.1 ms
     against 3 for 1.2), where one ratio for every budget would keep verifying 8."""
     policy = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
-    policy.record(8, _fixed([0.0, 1.9, 3.5, 6.0]) + [0, 2, 2, 2])
+    policy.record(8, [0.0, 1.9, 3.5, 6.0], [0, 2, 2, 2])
     assert policy.choose()[0] == 4
     one_ratio = [(2 + 1) / (6.0 + 1)] * 4
     assert choose_budget(BUDGETS, [0.0, 1.9, 3.5, 6.0], one_ratio, CHEAP, depth=7)[0] == 8
@@ -262,3 +259,30 @@ def test_each_decode_loop_has_its_own_step_costs():
     assert on_runtime.stats.loop != "generic" and generic.stats.loop == "generic"
     assert set(on_runtime.stats.step_budgets[2:]) == {4} and set(generic.stats.step_budgets[2:]) <= {0, 4}
     assert generic.stats.step_budgets[2:].count(0) > generic.stats.step_budgets[2:].count(4)
+
+
+def test_a_tree_step_is_observed_from_its_path_probabilities_and_accepted_nodes():
+    """What an adaptive tree step reads back (``AdaptivePolicy.observe``): its proposal's path
+    probabilities of nodes 1..N in fixed point and the accepted node indices after the root; the host
+    makes every budget's estimate (prefix sums) and acceptance (nodes inside the prefix) from them."""
+    policy = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
+    probs = [0.9, 0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1, 0.05, 0.05]  # nodes 1..10: a tree of 10 nodes
+    policy.observe(4, [int(p * FIXED_POINT) for p in probs], [1, 3, 6])
+    assert policy.accepts == pytest.approx([0.0, 1.4, 2.1, 2.7], abs=1e-4)  # budget b: the first b nodes
+    # budgets up to 4 observed (nodes 1 and 3 inside the budget-4 tree); 8 is larger than the step's tree
+    assert [c.observed for c in policy.calibrations] == [0.0, 1.0, 2.0, 0.0]
+    assert [c.predicted for c in policy.calibrations] == pytest.approx([0.0, 1.4, 2.1, 0.0], abs=1e-4)
+
+
+def test_at_most_max_ar_run_ar_steps_come_between_two_proposals():
+    """The runtime's first proposal after AR steps recomputes the draft's context of a fixed window,
+    ``catch_up_rows``: the last tree step's commits (at most ``block``) and the AR steps' since, of
+    which there are at most ``max_ar_run`` while a tree budget has a finite cost."""
+    for probe_every in (2, 3, 8):
+        policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=probe_every,
+                                calibrations=[Calibration(4) for _ in BUDGETS])
+        policy.record(8, [0.0, 0.1, 0.1, 0.1], [0, 0, 0, 0])  # a weak draft: AR steps from now on, and probes
+        choices = [policy.choose()[0] for _ in range(40)]
+        runs = "".join("0" if b == 0 else "t" for b in choices).split("t")
+        assert max(len(r) for r in runs) == policy.max_ar_run == probe_every - 1
+        assert policy.catch_up_rows(16) == 16 + probe_every - 1
