@@ -3,7 +3,7 @@
 # where SmolLM2 is installed (after call 2, exact2.sh or policy.sh), carrying .device/head (`git
 # archive REV engine | tar -x -C .device/head`, its checkpoints' weights removed) .device/workloads
 # .device/gguf: the HumanEval eval prompts (N_PROMPTS, 24) as ids, AR and DDTree-48 timed with the
-# earlier tree's engine, then this tree's, then the earlier one's again (drift), each NEW tokens
+# earlier tree's engine, then this tree's (DRIFT=1: then the earlier one's again), each NEW tokens
 # (128) a prompt, 3 passes; the comparison over every prompt and over those both decode to AR's text.
 source benchmarks/device/common.sh compare
 install_wheels .device/gguf/*.whl
@@ -18,8 +18,8 @@ run() {  # $1: name, $2: the engine's tree
 }
 run old $PWD/.device/head
 run new $PWD
-run old2 $PWD/.device/head
+[ -n "${DRIFT:-}" ] && run old2 $PWD/.device/head
 section compare 30 python3 benchmarks/tree_compare.py compare "$OUT/old.json" "$OUT/new.json" --md "$OUT/compare.md"
-section compare_drift 30 python3 benchmarks/tree_compare.py compare "$OUT/old.json" "$OUT/old2.json" \
-  --md "$OUT/compare_drift.md"
+[ -n "${DRIFT:-}" ] && section compare_drift 30 python3 benchmarks/tree_compare.py compare "$OUT/old.json" \
+  "$OUT/old2.json" --md "$OUT/compare_drift.md"
 summary
