@@ -122,31 +122,48 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# (flag, type, default, help) of each subcommand's options; None: required
+_PROMPTS_OPTIONS = (
+    ("--sets", str, ["humaneval"], "workloads or JSONL files (nargs +)"),
+    ("--n-prompts", int, 24, "eval prompts per set (>= 1)"),
+    ("--seed", int, 0, "the workload's selection seed"),
+    ("--target", str, "smollm2-135m-instruct", "the target whose tokenizer encodes the prompts"),
+    ("--draft", str, "none", "a draft to load with it (none: the tokenizer is all that is needed)"),
+    ("--out", str, None, "the JSON of token ids to write"),
+)
+_RUN_OPTIONS = (
+    ("--prompts", str, None, "the JSON `prompts` wrote"),
+    ("--draft", str, "smollm2-135m-dflash", "the draft (a name or a checkpoint folder)"),
+    ("--budget", int, 48, "DDTree's budget (>= 1)"),
+    ("--top-k", int, 8, "DDTree's top_k (>= 1)"),
+    ("--max-new-tokens", int, 128, "tokens a prompt (>= 2), stop tokens ignored"),
+    ("--repeats", int, 3, "timed passes (>= 1)"),
+    ("--device", str, "cuda", "the engine's device"),
+    ("--dtype", str, "bfloat16", "the engine's dtype"),
+    ("--out", str, None, "the run's JSON to write"),
+)
+_AT_LEAST = {"n_prompts": 1, "budget": 1, "top_k": 1, "max_new_tokens": 2, "repeats": 1}
+
+
+def _add(parser: argparse.ArgumentParser, options: tuple) -> None:
+    for flag, kind, default, text in options:
+        many = {"nargs": "+"} if isinstance(default, list) else {}
+        parser.add_argument(flag, type=kind, default=default, required=default is None, help=text, **many)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tree_compare.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("prompts", help="the eval prompts as token ids (this tree's tokenizer)")
-    a.add_argument("--sets", nargs="+", default=["humaneval"])
-    a.add_argument("--n-prompts", type=int, default=24)
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--target", default="smollm2-135m-instruct")
-    a.add_argument("--draft", default="none")
-    a.add_argument("--out", required=True)
-    r = sub.add_parser("run", help="time AR and DDTree on the prompts with the engine on PYTHONPATH")
-    r.add_argument("--prompts", required=True)
-    r.add_argument("--draft", default="smollm2-135m-dflash")
-    r.add_argument("--budget", type=int, default=48)
-    r.add_argument("--top-k", type=int, default=8)
-    r.add_argument("--max-new-tokens", type=int, default=128)
-    r.add_argument("--repeats", type=int, default=3)
-    r.add_argument("--device", default="cuda")
-    r.add_argument("--dtype", default="bfloat16")
-    r.add_argument("--out", required=True)
+    _add(sub.add_parser("prompts", help="the eval prompts as token ids (this tree's tokenizer)"), _PROMPTS_OPTIONS)
+    _add(sub.add_parser("run", help="time AR and DDTree on the prompts with the engine on PYTHONPATH"), _RUN_OPTIONS)
     c = sub.add_parser("compare", help="the two runs' ratios")
-    c.add_argument("old")
-    c.add_argument("new")
-    c.add_argument("--md")
+    c.add_argument("old", help="the earlier tree's run (JSON)")
+    c.add_argument("new", help="this tree's run (JSON)")
+    c.add_argument("--md", help="also write the table here")
     args = p.parse_args(argv)
+    for name, low in _AT_LEAST.items():
+        if getattr(args, name, low) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, but got {getattr(args, name)}")
     return {"prompts": _prompts, "run": _run, "compare": _compare}[args.command](args)
 
 

@@ -4,18 +4,13 @@ benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench_modules import REPO, load_benchmark
 
 
 def _exact_bench():
-    spec = importlib.util.spec_from_file_location("exact_bench", REPO / "benchmarks" / "exact_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("exact_bench")
 
 
 def test_exact_bench_checks_every_config_against_ar(tmp_path):

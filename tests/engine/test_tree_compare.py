@@ -3,18 +3,13 @@ same tree twice), and the comparison over every prompt and over the prompts deco
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench_modules import load_benchmark
 
 
 def _tree_compare():
-    spec = importlib.util.spec_from_file_location("tree_compare", REPO / "benchmarks" / "tree_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tree_compare")
 
 
 def test_two_runs_compare_overall_and_on_the_same_text(tmp_path, capsys):
@@ -43,3 +38,15 @@ def test_two_runs_compare_overall_and_on_the_same_text(tmp_path, capsys):
     capsys.readouterr()
     assert tc.main(["compare", str(runs[0]), str(runs[1])]) == 2
     assert "not of the same prompts and tokens" in capsys.readouterr().err
+
+
+def test_bad_flags_exit_2_naming_them(tmp_path, capsys):
+    import pytest
+
+    tc = _tree_compare()
+    with pytest.raises(SystemExit) as err:
+        tc.main(["run", "--prompts", "x.json", "--repeats", "0", "--out", str(tmp_path / "o.json")])
+    assert err.value.code == 2 and "--repeats must be >= 1, but got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        tc.main(["prompts", "--n-prompts", "3"])  # --out is required
+    assert err.value.code == 2 and "--out" in capsys.readouterr().err
