@@ -365,7 +365,7 @@ class Worker:
 def _policy_record(results: Sequence[Any]) -> dict[str, Any]:
     """The adaptive policy's steps over ``results`` (one pass's BenchResults, one per set or one set),
     JSON-friendly (budgets as strings): ``engine.decoding.stats.policy_summary`` of them together."""
-    from engine.decoding.stats import policy_summary
+    from engine import policy_summary
 
     got = policy_summary([b for r in results for b in r.step_budgets], [p for r in results for p in r.predicted_al],
                   [a for r in results for a in r.accept_lengths])

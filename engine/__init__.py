@@ -17,6 +17,7 @@ from engine.decoding.stats import (
     GenerationStats,
     PromptResult,
     first_divergence,
+    policy_summary,
 )
 from engine.files import MAX_WORKLOAD_BYTES, FileRefused, parse_json, preview, read_text, read_yaml
 from engine.models.fused import check_environment
@@ -46,6 +47,7 @@ __all__ = [
     "load",
     "load_workload",
     "parse_json",
+    "policy_summary",
     "preview",
     "read_text",
     "read_yaml",
