@@ -9,7 +9,7 @@ install_assets smollm2 humaneval bfcl
 W=.device/workloads
 N=${N_PROMPTS:-12}
 section policy_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
-  tests/engine/decoding/test_runtime.py tests/engine/decoding/test_policy.py
+  tests/engine/decoding/test_runtime.py tests/engine/decoding/test_runtime_policy.py tests/engine/decoding/test_policy.py
 section pair_adaptive ${PAIR_LIMIT:-200} python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent \
   --n-prompts $N --max-new-tokens ${NEW:-128} --repeats 2 --paths runtime --budget ${BUDGET:-48} --top-k 8 --adaptive \
   --no-fp32-check --md "$OUT/pair_adaptive.md" --out "$OUT/pair_adaptive.json"
