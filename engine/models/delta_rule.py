@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from engine.models import fused
+from engine.models.attention import ancestor_table
 
 try:  # the CUDA kernel; CPU-only installs run the torch loop
     import triton
@@ -52,6 +53,12 @@ def _backend(backend: str, x: Tensor) -> str:
     if backend == "triton" and triton is None:
         raise RuntimeError("backend='triton' needs the triton package")
     return backend
+
+
+def kernel_runs(x: Tensor) -> bool:
+    """Whether ``backend="auto"`` takes the Triton kernel for tensors like ``x`` (the only backend
+    that reads ``LeafPaths``: a caller makes them once a forward only then)."""
+    return _backend("auto", x) == "triton"
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,6 @@ def ancestor_rows(parents: Tensor) -> tuple[Tensor, Tensor]:
     the tree ``parents``: the ancestor-or-self relation by repeated squaring (log2 T products of a
     [T, T] matrix: tensor ops, no host read). For forwards that bring no step layout (the generic
     loop's tree verify); a decode step's layout has both tables already."""
-    from engine.models.attention import ancestor_table  # (attention imports nothing of this module)
-
     t, dev = parents.numel(), parents.device
     nodes = torch.arange(t, device=dev)
     reach = torch.zeros(t, t, dtype=torch.float32, device=dev)

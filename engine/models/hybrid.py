@@ -35,7 +35,7 @@ from engine.models.common import (
     rope_inv_freq,
     rope_rows,
 )
-from engine.models.delta_rule import LeafPaths, leaf_paths, tree_delta_rule
+from engine.models.delta_rule import LeafPaths, kernel_runs, leaf_paths, tree_delta_rule
 from engine.models.dense import KVCache
 from engine.models.hybrid_cache import HybridCache, conv_window_index
 from engine.models.hybrid_config import FULL, HybridConfig
@@ -206,7 +206,7 @@ class HybridModel(TargetModel):
     def _leaf_paths(parents: Tensor, mask: Tensor | StepKeys) -> LeafPaths | None:
         """A tree's root-to-leaf paths for the delta rule kernel, once a forward (None where the torch
         loop runs: it follows the parents); a decode step's layout brings its ancestor tables."""
-        if not (parents.is_cuda and fused.kernels_enabled()):
+        if not kernel_runs(parents):
             return None
         if isinstance(mask, StepKeys):
             return leaf_paths(parents, mask.ancestors, mask.depths)
