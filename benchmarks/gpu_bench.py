@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -53,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 
 import engine  # noqa: E402
-from engine import EngineConfig  # noqa: E402
+from engine import EngineConfig, EngineInputError  # noqa: E402
 from engine.data.workloads import load_workload  # noqa: E402
 
 
@@ -96,12 +97,29 @@ def _divergence_note(divs: list) -> str:
     return f" ({'; '.join(d.describe() for d in divs)})" if divs else ""
 
 
+def _named_config(text: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` (``--also``) -> (name, EngineConfig fields), each value read as YAML (numbers,
+    null); refused at parse time, before any model loads, naming the field and the rule."""
+    name, sep, body = text.partition(":")
+    pairs = [item.partition("=") for item in body.split(",")] if body else []
+    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
+                                         "winner:verify=ddtree,budget=30")
+    fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+    try:
+        EngineConfig.from_dict(fields, source=f"--also {name}")
+    except EngineInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, fields
+
+
 def section_pair(args) -> tuple[str, dict]:
     pair = engine.load(args.target, args.draft, device="cuda", dtype=args.dtype)
     ddtree = dict(verify="ddtree", budget=args.budget, top_k=args.top_k)
     configs = [("ar", dict(verify="ar")), ("chain", dict(verify="chain")), (f"ddtree-b{args.budget}", ddtree)]
     if args.adaptive:  # the adaptive step policy up to the same budget (issue #27)
         configs.append((f"ddtree-b{args.budget}-adaptive", dict(ddtree, policy="adaptive")))
+    configs += args.also
     lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
              "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
     report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
@@ -532,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adaptive", action="store_true",
                     help="pair: also DDTree at --budget with the adaptive step policy (policy=adaptive)")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--also", action="append", default=[], type=_named_config, metavar="NAME:KEY=VALUE,...",
+                    help="pair: one more config to time beside the others, e.g. a sweep's winner "
+                         "(winner:verify=ddtree,budget=30,proposal_temp=1.11,chain_seed=8); repeatable")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false")

@@ -4,6 +4,7 @@ their CPU tests."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -11,7 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a module."""
+    """``benchmarks/<name>.py`` as a module; its sibling modules importable as when it runs as a script."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
