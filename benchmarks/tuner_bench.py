@@ -13,6 +13,10 @@ passes, exactness against AR) on every config the search space ``--space`` can p
 at every rung of the experiment's fidelity ladder. One JSONL line per config holds each fidelity's
 tok/s of **every pass**, the per-prompt rates, exactness, and the seconds a pass took. A line
 already in the cache is not measured again (an interrupted run resumes).
+``--only KEY=VALUE,...`` measures a part of the grid (the cache grows call by call);
+``--extrapolate-slow RATIO`` estimates the full fidelity of a config that far behind the reference
+at the rung instead of measuring it (``tuner_grid``: an overnight experiment's slow paths would
+take hours), ``--validate N`` checks the estimate on N of them.
 
 **replay** runs the real driver (``autotune.sweep.run_sweep``: sampler, pruner, fidelity ladder,
 dimension fixing, confirmation) with a :class:`ReplayWorker` in place of the engine: it implements
@@ -47,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import io
 import itertools
 import json
@@ -60,20 +63,28 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # tuner_grid, when this file is loaded as a module
 
-from autotune import experiment, fidelity, results  # noqa: E402
+# the grid and its cache live in tuner_grid; re-exported here for tuner_live and the tests
+from tuner_grid import (  # noqa: E402, F401
+    FULL,
+    Cache,
+    config_key,
+    fidelity_key,
+    full_config,
+    measure_grid,
+    parse_only,
+    space_points,
+)
+
+from autotune import experiment, results  # noqa: E402
 from autotune import study as st  # noqa: E402
 from autotune.errors import InputError  # noqa: E402
 from autotune.executors import LocalExecutor  # noqa: E402
-from autotune.fidelity import FidelitySpec  # noqa: E402
-from autotune.space import SearchSpace, load_space  # noqa: E402
+from autotune.space import load_space  # noqa: E402
 from autotune.sweep import SweepOptions, run_sweep  # noqa: E402
 from autotune.tracking import config_label  # noqa: E402
 from autotune.worker import Job, Record  # noqa: E402
-from engine import EngineInputError  # noqa: E402
-
-MAX_GRID = 2000  # configs measured once each: a bench grid is small by design
-FULL = "full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,103 +104,6 @@ STRATEGIES = {s.name: s for s in (
     Strategy("gp", "gp", "none", ladder=False, fix_dimensions=True),
 )}
 
-
-def fidelity_key(prompts: int | None, max_new_tokens: int, full_tokens: int) -> str:
-    return FULL if prompts is None and max_new_tokens == full_tokens else f"p{prompts}t{max_new_tokens}"
-
-
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
-
-
-def full_config(fields: dict[str, Any]) -> dict[str, Any]:
-    """Every EngineConfig field, as the driver records a trial's config."""
-    from engine import EngineConfig
-
-    return EngineConfig.from_dict(dict(fields), source="grid").to_dict()
-
-
-def space_points(space: SearchSpace, where: str) -> list[dict[str, Any]]:
-    """The distinct configs (as suggestions) a search space can produce."""
-    points: list[dict[str, Any]] = [{}]
-    for p in space.params:
-        values = p.grid_values()
-        if values is None:
-            raise InputError(where, p.name, "a bench grid needs categorical, int or stepped float parameters",
-                             {"type": p.type, "low": p.low, "high": p.high})
-        nxt = []
-        for pt in points:
-            nxt += [{**pt, p.name: v} for v in values] if space.is_active(p, pt) else [pt]
-        points = nxt
-        if len(points) > MAX_GRID:
-            raise InputError(where, None, f"a bench grid has at most {MAX_GRID} configs (each is measured once); "
-                             f"{p.name!r} and the parameters before it already make more", len(points))
-    return points
-
-
-# ------------------------------------------------------------------------------------------ the cache
-
-
-@dataclasses.dataclass
-class Cache:
-    header: dict[str, Any]
-    entries: dict[str, dict[str, Any]]  # config key -> {"config", "roles", "fidelities"}
-    path: Path
-
-    @classmethod
-    def read(cls, path: Path) -> Cache:
-        if not path.is_file():
-            raise InputError("--cache", None, "no such cache file (run `tuner_bench.py measure` first)", str(path))
-        header, entries = None, {}
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{n}", None, f"every line must be JSON ({exc.msg})", line[:80]) from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{path}:{n}", None, "every line must be a JSON object", type(obj).__name__)
-            if obj.get("kind") == "header":
-                header = obj
-            elif obj.get("kind") == "config":
-                for key, kind in (("config", dict), ("fidelities", dict)):
-                    if not isinstance(obj.get(key), kind):
-                        raise InputError(f"{path}:{n}", key, "a config line needs it as a JSON object", obj.get(key))
-                # keyed by the config as today's engine completes it: a field added since the cache was
-                # measured takes its default, which decodes as before (a new knob defaults to off)
-                try:
-                    entries[config_key(full_config(obj["config"]))] = obj
-                except EngineInputError as exc:
-                    raise InputError(f"{path}:{n}", "config", f"the engine refuses it ({exc})") from None
-            else:
-                raise InputError(f"{path}:{n}", "kind", "must be header or config", obj.get("kind"))
-        if header is None:
-            raise InputError(str(path), None, "the cache has no header line (kind: header)")
-        return cls(header, entries, path)
-
-    def entry(self, config: dict[str, Any]) -> dict[str, Any]:
-        found = self.entries.get(config_key(full_config(config)))
-        if found is None:
-            raise InputError(str(self.path), None, "a strategy asked for a config the cache does not hold: measure "
-                             "the same --space and experiment first", config)
-        return found
-
-    def truth(self, config: dict[str, Any], strict: bool) -> float | None:
-        """A config's ground truth: the median of its full-fidelity passes; None when it failed, was
-        refused, or (strict exactness) its output differed from AR's."""
-        f = self.entry(config)["fidelities"].get(FULL) or {}
-        if not f.get("ok") or f.get("refused") or not f.get("decode_tps_runs"):
-            return None
-        if strict and f.get("exact_match") is not None and f["exact_match"] < 1.0:
-            return None
-        return statistics.median(f["decode_tps_runs"])
-
-    def optimum(self, strict: bool) -> tuple[float, dict[str, Any]]:
-        scored = [(v, e["config"]) for e in self.entries.values() if (v := self.truth(e["config"], strict)) is not None]
-        if not scored:
-            raise InputError(str(self.path), None, "no config of the cache has an exact, measured full fidelity")
-        return max(scored, key=lambda vc: vc[0])
 
 
 class ReplayWorker:
@@ -249,61 +163,6 @@ class ReplayWorker:
         self.clock += seconds
         rec.elapsed_s = rec.engine_s = seconds
 
-
-# ------------------------------------------------------------------------------------------ measure
-
-
-def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Path, repeats: int,
-                 out: Any = sys.stdout) -> int:
-    """Measure every config of ``space`` (and AR, the reference) at every fidelity; returns how many
-    configs were measured now (the others were in the cache)."""
-    from autotune.worker import Worker
-
-    points = space_points(space, str(space.path))
-    fixed = exp.fixed_engine
-    wanted = [("baseline", full_config({**fixed, "verify": "ar"})),
-              ("reference", full_config({**st.REFERENCE, **fixed}))]
-    wanted += [("grid", full_config({**fixed, **pt})) for pt in points]
-    workloads = experiment.load_workloads(exp)
-    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, fixed)
-    # an empty file (made ready for a run that had not started) is a new cache
-    fresh = not cache_path.is_file() or not cache_path.read_text(encoding="utf-8").strip()
-    done = {} if fresh else Cache.read(cache_path).entries
-    m, ladder = exp.measure, exp.ladder
-    if fresh:
-        header = {"kind": "header", "experiment": exp.name, "device": str(worker.pair.device),
-                  "dtype": str(worker.pair.dtype), "max_new_tokens": exp.workload.max_new_tokens,
-                  "workloads": [{"name": w.name, "hash": w.hash} for w in workloads],
-                  "facts": {k: worker.limits()[k] for k in ("recurrent_state", "tools")},
-                  "ladder": [[r.prompts, r.max_new_tokens] for r in ladder], "warmup": m.warmup, "repeats": repeats,
-                  "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-        cache_path.write_text(json.dumps(header) + "\n", encoding="utf-8")
-    measured = 0
-    for i, (role, config) in enumerate(wanted):
-        if config_key(config) in done:
-            continue
-        fids = {}
-        full_job = Job(trial=i, role=role, config=config, max_new_tokens=exp.workload.max_new_tokens,
-                       warmup=m.warmup, repeats=repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
-        # each rung, then the full measurement, as a trial runs them; every fidelity at the full passes
-        # (the replay draws the fewer passes a rung runs from them)
-        for job in fidelity.jobs(full_job, ladder, FidelitySpec(rung_warmup=m.warmup, rung_repeats=repeats)):
-            rec = worker.measure(job)
-            passes = m.warmup + len(rec.decode_tps_runs)
-            fids[fidelity_key(job.prompts, job.max_new_tokens, exp.workload.max_new_tokens)] = {
-                "ok": rec.ok, "fail_reason": rec.fail_reason, "refused": rec.refused,
-                "decode_tps_runs": rec.decode_tps_runs, "per_prompt_tps": rec.per_prompt_tps,
-                "acceptance_length": rec.acceptance_length, "steps": rec.steps, "step_ms": rec.step_ms,
-                "exact_match": rec.exact_match, "elapsed_s": rec.elapsed_s,
-                "seconds_per_pass": rec.engine_s / passes if passes else rec.elapsed_s}
-        with cache_path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"kind": "config", "role": role, "config": config, "fidelities": fids}) + "\n")
-        measured += 1
-        full = fids[FULL]
-        what = (f"refused: {full['refused']}" if full["refused"] else f"failed: {full['fail_reason']}"
-                if not full["ok"] else f"{statistics.median(full['decode_tps_runs']):.1f} tok/s")
-        print(f"[{i + 1}/{len(wanted)}] {role} {config_label(config)}: {what}", file=out, flush=True)
-    return measured
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -456,6 +315,15 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--cache", required=True, help="the JSONL cache of measured configs")
     m.add_argument("--repeats", type=int, default=None, help="passes per config and fidelity (default: "
                    "the experiment's measure.repeats): the replay draws its passes from these")
+    m.add_argument("--only", default=None, metavar="KEY=VALUE,...",
+                   help="measure only the grid configs with these values (AR and the reference always), e.g. "
+                        "draft_path=runtime,kernels=fused: the half that can hold the optimum first")
+    m.add_argument("--extrapolate-slow", type=float, default=None, metavar="RATIO",
+                   help="a config RATIO times or more behind the reference at the last rung is not measured "
+                        "in full: its full fidelity is estimated from the rung (tuner_grid's docstring)")
+    m.add_argument("--validate", type=int, default=0, metavar="N",
+                   help="with --extrapolate-slow: measure the first N slow configs in full anyway, the "
+                        "estimate kept beside (default 0)")
     r.add_argument("--strategies", default="ours,before,tpe,random,gp",
                    help=f"comma-separated, of {', '.join(STRATEGIES)}")
     r.add_argument("--seeds", type=int, default=3, help="seeds per strategy (default 3)")
@@ -483,7 +351,17 @@ def main(argv: list[str] | None = None) -> int:
             repeats = args.repeats if args.repeats is not None else exp.measure.repeats
             if repeats < 1:
                 raise InputError("--repeats", None, "must be >= 1", repeats)
-            n = measure_grid(exp, exp.search_space, Path(args.cache), repeats)
+            if args.extrapolate_slow is not None and not args.extrapolate_slow > 1:
+                raise InputError("--extrapolate-slow", None, "must be a ratio > 1", args.extrapolate_slow)
+            if args.extrapolate_slow is not None and not exp.ladder:
+                raise InputError("--extrapolate-slow", None, "needs the experiment's fidelity ladder (a rung to "
+                                 "extrapolate from)", args.extrapolate_slow)
+            if args.validate < 0 or (args.validate and args.extrapolate_slow is None):
+                raise InputError("--validate", None, "must be >= 0, and given only with --extrapolate-slow",
+                                 args.validate)
+            n = measure_grid(exp, exp.search_space, Path(args.cache), repeats,
+                             only=parse_only(args.only, exp.search_space), extrapolate_slow=args.extrapolate_slow,
+                             validate=args.validate)
             print(f"measured: {n}\ncache: {args.cache}")
             return 0
         return _replay_main(args)
@@ -519,6 +397,9 @@ def _replay_main(args: argparse.Namespace) -> int:
     best, config = cache.optimum(exp.measure.exactness == "strict")
     print(text)
     print(f"optimum: {best:.2f} tok/s {config_label(config)}")
+    guessed = sum("extrapolated" in (e["fidelities"].get(FULL) or {}) for e in cache.entries.values())
+    if guessed:
+        print(f"extrapolated: {guessed} config(s)' full fidelity estimated from the rung (tuner_grid)")
     print(f"table: {out / 'table.md'}\nruns: {out / 'runs.json'}\nplot: {png or 'none (no matplotlib)'}")
     return 0
 

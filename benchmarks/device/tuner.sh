@@ -4,7 +4,9 @@
 # .device/tuner (an earlier call's cache): `benchmarks/tuner_bench.py measure` over a grid
 # (GRID, default search_spaces/bench_grid_short.yaml) with an experiment (EXP, default
 # experiments/smollm2-h200-bench-short.yaml); the cache comes back in $OUT (lines already in it are
-# not measured again). The replay runs anywhere, on the CPU: `tuner_bench.py replay ... --cache`.
+# not measured again). ONLY=KEY=VALUE,... measures a part of the grid; EXTRAPOLATE=RATIO estimates
+# the full fidelity of configs that far behind at the rung (VALIDATE=N: N of them measured anyway).
+# The replay runs anywhere, on the CPU: `tuner_bench.py replay ... --cache`.
 # LIVE=ours,before: then the strategies run live against that cache (`tuner_live.py`: real sweeps,
 # wall-clock time; LIVE_TRIALS configs a sweep, LIVE_TIMEOUT s at most each, LIVE_LIMIT s in all).
 source benchmarks/device/common.sh tuner
@@ -14,7 +16,8 @@ mkdir -p .device/tuner
 CACHE=.device/tuner/grid.jsonl
 [ -f "$CACHE" ] && say "cache: $(wc -l < "$CACHE") lines from an earlier call"
 section measure ${MEASURE_LIMIT:-500} python3 benchmarks/tuner_bench.py measure ${EXP:-experiments/smollm2-h200-bench-short.yaml} \
-  --space ${GRID:-search_spaces/bench_grid_short.yaml} --cache "$CACHE"
+  --space ${GRID:-search_spaces/bench_grid_short.yaml} --cache "$CACHE" ${ONLY:+--only $ONLY} \
+  ${EXTRAPOLATE:+--extrapolate-slow $EXTRAPOLATE} ${VALIDATE:+--validate $VALIDATE}
 [ -f "$CACHE" ] && cp "$CACHE" "$OUT/grid.jsonl" && say "cache: $(wc -l < "$CACHE") lines"
 if [ -n "${LIVE:-}" ]; then
   section live ${LIVE_LIMIT:-400} python3 benchmarks/tuner_live.py ${EXP:-experiments/smollm2-h200-bench-short.yaml} \

@@ -189,3 +189,81 @@ def test_live_sweeps_run_the_real_worker_and_score_against_the_grid(tmp_path, ca
     capsys.readouterr()
     assert live.main([str(other), "--cache", str(cache), "--out", str(tmp_path / "x")]) == 2
     assert "the cache lacks" in capsys.readouterr().err
+
+
+class _StubWorker:
+    """A worker whose configs run at set rates (tok/s) at every fidelity, a pass taking tokens / rate
+    seconds; it records the jobs it measured."""
+
+    RATES = {"ar": 100.0, "reference": 120.0, "chain": 10.0, "ddtree-2": 150.0, "ddtree-4": 20.0}
+
+    def __init__(self, sets: int, n_prompts: int) -> None:
+        from types import SimpleNamespace
+
+        self.pair = SimpleNamespace(device="cpu", dtype="float32")
+        self.sets, self.n_prompts, self.jobs = sets, n_prompts, []
+
+    def limits(self) -> dict:
+        return {"recurrent_state": False, "tools": False}
+
+    def measure(self, job):
+        from autotune.worker import Record
+
+        self.jobs.append(job)
+        c = job.config
+        name = ("reference" if job.role == "reference" else "ar" if c["verify"] == "ar" else
+                "chain" if c["verify"] == "chain" else f"ddtree-{c['budget']}")
+        rate, prompts = self.RATES[name], (job.prompts or self.n_prompts) * self.sets
+        seconds = prompts * job.max_new_tokens / rate
+        return Record(trial=job.trial, role=job.role, worker="stub", config=dict(c), rung=job.rung,
+                      decode_tps_runs=[rate] * job.repeats, per_prompt_tps=[rate] * prompts, acceptance_length=2.0,
+                      steps=10, step_ms=1.0, exact_match=1.0, elapsed_s=seconds * (job.warmup + job.repeats),
+                      engine_s=seconds * (job.warmup + job.repeats))
+
+
+def test_slow_configs_full_fidelity_is_extrapolated_from_the_rung_and_validated(tmp_path, monkeypatch, capsys):
+    """--extrapolate-slow 2: a grid config 2x or more behind the reference at the rung is not measured
+    in full (its seconds a pass scaled by the tokens, its rates the rung's); --validate 1 measures the
+    first such one anyway with the estimate beside; the rest are measured; the replay reads the cache."""
+    from autotune import worker as worker_mod
+
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE, measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5},
+                               fidelity={"rungs": [{"prompts": 1, "max_new_tokens": 4}]})
+    stub = _StubWorker(sets=1, n_prompts=2)
+    monkeypatch.setattr(worker_mod.Worker, "load", classmethod(lambda cls, *a, **k: stub))
+    cache = tmp_path / "grid.jsonl"
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache), "--extrapolate-slow", "2",
+                       "--validate", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = {(c["config"]["verify"], c["config"]["budget"] if c["config"]["verify"] == "ddtree" else None,
+              c["role"]): c["fidelities"] for c in map(json.loads, cache.read_text().splitlines()[1:])}
+    full_jobs = [(j.role, j.config["verify"], j.config["budget"]) for j in stub.jobs if j.rung is None]
+    chain = lines[("chain", None, "grid")]
+    assert "estimate" in chain["full"] and chain["full"]["seconds_per_pass"] == 2 * 8 / 10.0  # measured
+    assert chain["full"]["estimate"]["seconds_per_pass"] == chain["p1t4"]["seconds_per_pass"] * 4  # 2x8 / 1x4 tokens
+    slow = lines[("ddtree", 4, "grid")]["full"]
+    assert slow["extrapolated"] == {"factor": 4.0} and slow["decode_tps_runs"] == [20.0, 20.0]
+    assert slow["per_prompt_tps"] == [20.0, 20.0]  # the set's one rung prompt, cycled over its 2
+    assert slow["seconds_per_pass"] == lines[("ddtree", 4, "grid")]["p1t4"]["seconds_per_pass"] * 4
+    assert ("grid", "ddtree", 4) not in full_jobs and ("grid", "ddtree", 2) in full_jobs  # not measured in full
+    assert "extrapolated from the rung" in out and "extrapolated: 10.0 tok/s" in out
+    assert "estimate" not in lines[("ddtree", 2, "grid")]["full"]  # fast configs: measured as before
+    assert bench.Cache.read(cache).optimum(strict=True)[0] == 150.0
+    rc = bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "before", "--seeds", "1",
+                     "--n-trials", "5", "--out", str(tmp_path / "out")])
+    assert rc == 0 and "extrapolated: 1 config" in capsys.readouterr().out
+
+
+def test_measure_options_are_refused_naming_them(tmp_path, capsys):
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE)
+    cache = str(tmp_path / "grid.jsonl")
+    for argv, says in ((["--extrapolate-slow", "1"], "--extrapolate-slow: must be a ratio > 1"),
+                       (["--validate", "2"], "--validate: must be >= 0, and given only with --extrapolate-slow"),
+                       (["--only", "budget"], "--only"), (["--only", "nope=1"], "nope")):
+        assert bench.main(["measure", str(exp_path), "--cache", cache, *argv]) == 2
+        assert says in capsys.readouterr().err
+    no_ladder = tiny_experiment(tmp_path / "flat", space=SPACE, fidelity={"rungs": []})
+    assert bench.main(["measure", str(no_ladder), "--cache", cache, "--extrapolate-slow", "2"]) == 2
+    assert "needs the experiment's fidelity ladder" in capsys.readouterr().err
