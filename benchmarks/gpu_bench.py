@@ -106,6 +106,8 @@ def _named_config(text: str) -> tuple[str, dict]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
                                          "winner:verify=ddtree,budget=30")
     fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+    if "draft_path" in fields:
+        raise argparse.ArgumentTypeError(f"--also {name}: draft_path is --paths' (every config runs on each)")
     try:
         EngineConfig.from_dict(fields, source=f"--also {name}")
     except EngineInputError as exc:

@@ -23,6 +23,7 @@ def test_also_reads_a_named_config_with_yaml_values():
     ("w:budget", "NAME:KEY=VALUE"),
     ("w:budgett=3", "unknown EngineConfig field(s) ['budgett']"),
     ("w:verify=ddtree,budget=0", "budget"),
+    ("w:verify=chain,draft_path=generic", "draft_path is --paths'"),
 ])
 def test_also_refuses_a_bad_config_naming_it(text, says):
     gb = load_benchmark("gpu_bench")
