@@ -119,19 +119,20 @@ def _check_engine_environment() -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from autotune import experiment, study, tracking
+    from autotune import experiment, tracking
+    from autotune.storage import parse_storage, reach_storage
 
     # Every input is checked before anything is created or loaded.
     _check_engine_environment()
     if args.n_trials is not None and args.n_trials < 1:
         raise InputError("--n-trials", None, "must be >= 1", args.n_trials)
     timeout = parse_duration(args.timeout) if args.timeout is not None else None
-    storage = study.parse_storage(args.storage)
+    storage = parse_storage(args.storage)
     tracking_uri = tracking.check_tracking_uri(args.tracking_uri)
     if args.study_name is not None and not _NAME_RE.match(args.study_name):
         raise InputError("--study-name", None, "must match [A-Za-z0-9][A-Za-z0-9_.-]*", args.study_name)
     exp = experiment.load(args.experiment)
-    study.reach_storage(storage)  # servers answer before the model loads (a few seconds at most)
+    reach_storage(storage)  # servers answer before the model loads (a few seconds at most)
     tracking.reach_tracking_uri(tracking_uri)
     kind = args.executor or exp.executor.kind
     workers = args.workers if args.workers is not None else exp.executor.workers
@@ -166,10 +167,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _open(args: argparse.Namespace) -> Any:
     import optuna
 
-    from autotune import study
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return study.open_storage(study.parse_storage(args.storage), create=False)
+    from autotune.storage import open_storage, parse_storage
+
+    return open_storage(parse_storage(args.storage), create=False)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -190,10 +192,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_best(args: argparse.Namespace) -> int:
     import yaml
 
-    from autotune import export, study
+    from autotune import export
     from autotune.dimensions import describe as describe_fixed
+    from autotune.storage import load_existing
 
-    s = study.load_existing(_open(args), args.study)
+    s = load_existing(_open(args), args.study)
     doc = export.build(s)
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -213,10 +216,10 @@ def cmd_best(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autotune import study
     from autotune.report import write_report
+    from autotune.storage import load_existing
 
-    s = study.load_existing(_open(args), args.study)
+    s = load_existing(_open(args), args.study)
     out = Path(args.out) if args.out else Path("reports") / args.study
     if out.exists() and not out.is_dir():
         raise InputError("--out", None, "must be a folder", str(out))
@@ -251,11 +254,12 @@ def _check_new_file(out: Path, force: bool) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from autotune import export, study
+    from autotune import export
+    from autotune.storage import load_existing
 
     if args.out:
         _check_new_file(Path(args.out), args.force)
-    s = study.load_existing(_open(args), args.study)
+    s = load_existing(_open(args), args.study)
     doc = export.build(s)
     text = export.render(doc, args.format)
     for warning in export.llama_server_warnings(doc) if args.format == "llama-server" else []:

@@ -10,7 +10,7 @@ behind the incumbent on a rung stops there (``autotune.fidelity``).
 
 With several workers (the Ray executor) the driver keeps one job on every idle worker and tells
 each record as it comes back. With several drivers on one study (PostgreSQL), "is budget left?
-→ plan → ask" runs under a lock shared by the drivers (:class:`autotune.study.BudgetLock`), and the
+→ plan → ask" runs under a lock shared by the drivers (:class:`autotune.storage.BudgetLock`), and the
 budget counts every driver's running trials, so together they finish exactly ``n_trials``.
 """
 
@@ -37,6 +37,7 @@ from autotune.executors import Executor, LocalExecutor
 from autotune.experiment import Experiment, workload_hash
 from autotune.interrupt import CtrlC
 from autotune.progress import Progress
+from autotune.storage import BudgetLock, StorageSpec, open_storage
 from autotune.tracking import open_tracker
 from autotune.worker import Job, PassCallback, Record
 from engine import EngineConfig, EngineInputError
@@ -47,7 +48,7 @@ POLL_S = 2.0  # how often a driver with nothing to start looks at the trials oth
 @dataclass(frozen=True)
 class SweepOptions:
     n_trials: int
-    storage: st.StorageSpec
+    storage: StorageSpec
     study_name: str
     tracking_uri: str | None  # None: MLflow off
     timeout_s: float | None = None
@@ -117,7 +118,7 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     wl_hash = workload_hash(workloads)
     device = executor.describe()
     exp = _fix_dimensions(exp, device)
-    storage = st.open_storage(opts.storage, create=True)
+    storage = open_storage(opts.storage, create=True)
     study = st.open_study(storage, opts.study_name, exp, opts.n_trials,
                           meta={"git_sha": git_sha(), "workload_hash": wl_hash,
                                 "workloads": [w.name for w in workloads], "device": device.get("device"),
@@ -125,7 +126,7 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     study.set_user_attr("fixed_dimensions", [f.to_dict() for f in exp.fixed_dimensions])
     recovered = st.recover_stale(study)
     tracker = open_tracker(opts.tracking_uri, study, exp.name)
-    driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, st.BudgetLock(opts.storage,
+    driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, BudgetLock(opts.storage,
                                                                                              opts.study_name))
     driver.workers = workers
     status, code = "FINISHED", 0
@@ -197,7 +198,7 @@ class _InFlight:
 
 class _Driver:
     def __init__(self, exp: Experiment, opts: SweepOptions, study: optuna.Study, executor: Executor,
-                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: CtrlC, budget_lock: st.BudgetLock) -> None:
+                 tracker: Any, wl_hash: str, out: TextIO, ctrl_c: CtrlC, budget_lock: BudgetLock) -> None:
         self.exp, self.opts, self.study, self.executor = exp, opts, study, executor
         self.ctrl_c = ctrl_c
         self.tracker, self.wl_hash, self.out = tracker, wl_hash, out

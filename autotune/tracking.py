@@ -186,7 +186,7 @@ def reach_tracking_uri(uri: str | None, timeout_s: float | None = None) -> None:
     import urllib.error
     import urllib.request
 
-    from autotune.study import REACH_TIMEOUT_S, answer_within
+    from autotune.storage import REACH_TIMEOUT_S, answer_within
 
     limit = REACH_TIMEOUT_S if timeout_s is None else timeout_s
 

@@ -134,7 +134,7 @@ def run_sweep_variant(variant: str, args: argparse.Namespace, n_trials: int) -> 
     import yaml
 
     from autotune import experiment
-    from autotune import study as st
+    from autotune.storage import parse_storage
     from autotune.sweep import SweepOptions, make_executor, run_sweep
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,7 +152,7 @@ def run_sweep_variant(variant: str, args: argparse.Namespace, n_trials: int) -> 
         workloads = experiment.load_workloads(exp)
         kind, workers = ("local", None) if variant == "sweep-local" else ("ray", int(variant.rsplit("-", 1)[1]))
         ex = make_executor(exp, workloads, kind, workers)
-        opts = SweepOptions(n_trials=n_trials, storage=st.parse_storage(f"sqlite:///{tmp}/bench.db"),
+        opts = SweepOptions(n_trials=n_trials, storage=parse_storage(f"sqlite:///{tmp}/bench.db"),
                             study_name="bench", tracking_uri=None, progress=False)
         t0 = time.perf_counter()
         outcome = run_sweep(exp, opts, workloads, executor=ex, out=open(os.devnull, "w"))  # noqa: SIM115

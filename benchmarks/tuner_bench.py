@@ -82,6 +82,7 @@ from autotune import study as st  # noqa: E402
 from autotune.errors import InputError  # noqa: E402
 from autotune.executors import LocalExecutor  # noqa: E402
 from autotune.space import load_space  # noqa: E402
+from autotune.storage import parse_storage  # noqa: E402
 from autotune.sweep import SweepOptions, run_sweep  # noqa: E402
 from autotune.tracking import config_label  # noqa: E402
 from autotune.worker import Job, Record  # noqa: E402
@@ -207,7 +208,7 @@ def sweep_run(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed
     """One sweep of ``strategy`` with ``worker`` (a ``ReplayWorker``, or a live one: the worker's
     ``measure`` interface, ``finished[(trial, role)]`` the seconds at which each trial's last job
     ended and ``clock`` the seconds so far), its regret over that time against the cache's truth."""
-    opts = SweepOptions(n_trials=n_trials, storage=st.parse_storage("memory"), study_name=f"{strategy.name}-{seed}",
+    opts = SweepOptions(n_trials=n_trials, storage=parse_storage("memory"), study_name=f"{strategy.name}-{seed}",
                         tracking_uri=None, progress=False, timeout_s=timeout_s)
     with contextlib.redirect_stderr(io.StringIO()):  # the sweep's per-trial lines: the table says it all
         outcome = run_sweep(strategy_experiment(exp, strategy, seed, n_trials), opts, workloads,

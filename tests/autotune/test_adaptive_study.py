@@ -11,6 +11,7 @@ from autotune_helpers import tiny_experiment
 from autotune import experiment, measure
 from autotune import study as st
 from autotune.report import write_report
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 
 SPACE = {"verify": {"type": "categorical", "choices": ["ddtree"]},
@@ -30,7 +31,7 @@ def test_a_study_records_and_reports_the_budgets_the_policy_chose(tmp_path):
         tmp_path, space=SPACE, study={"n_trials": 3, "sampler": "grid", "pruner": "none", "seed": 0},
         measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.9, "exactness": "strict", "confirm_top": 0}))
     assert [p.name for p in exp.search_space.params] == ["verify", "policy", "probe_every"]
-    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="adaptive",
+    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="adaptive",
                                           tracking_uri=None, progress=False), experiment.load_workloads(exp),
                         out=io.StringIO())
     assert outcome.exit_code == 0

@@ -12,6 +12,7 @@ from autotune_helpers import TINY_SPACE, run_autotune, tiny_experiment
 
 import engine  # noqa: F401  (imported before any refusal is timed: its time is the refusal's own)
 from autotune.cli import main
+from autotune.storage import REACH_TIMEOUT_S
 
 # name -> (build argv inside the folder, fragments the message must contain)
 Case = Callable[[Path], list[str]]
@@ -208,7 +209,6 @@ def test_a_silent_mlflow_server_is_refused_in_seconds_before_the_model_loads(in_
     import socket
     import time
 
-    from autotune import study
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -222,5 +222,5 @@ def test_a_silent_mlflow_server_is_refused_in_seconds_before_the_model_loads(in_
         listener.close()
     err = capsys.readouterr().err
     assert code == 2 and "the MLflow server does not answer" in err and "timed out" in err
-    assert took < study.REACH_TIMEOUT_S + 5
+    assert took < REACH_TIMEOUT_S + 5
     assert _created(in_tmp) == []

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 from autotune import experiment
 from autotune import study as st
 from autotune.executors import LocalExecutor
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 from autotune.worker import Worker
 
@@ -104,7 +105,7 @@ def test_a_restart_on_other_prompts_measures_its_own_baseline(tmp_path):
     other = tmp_path / "other" / "prompts.jsonl"
     other.parent.mkdir()
     other.write_text('{"prompt": "def sub(a, b):"}\n{"prompt": "Hello"}\n')
-    opts = SweepOptions(n_trials=2, storage=st.parse_storage(f"sqlite:///{tmp_path / 'autotune.db'}"),
+    opts = SweepOptions(n_trials=2, storage=parse_storage(f"sqlite:///{tmp_path / 'autotune.db'}"),
                         study_name="tiny", tracking_uri=None, progress=False)
     run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO())
 

@@ -16,6 +16,7 @@ from autotune import study as st
 from autotune.dimensions import Facts, FixedDimension, irrelevant
 from autotune.report import write_report
 from autotune.space import load_space
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 
 SPACE = {**TINY_SPACE,
@@ -60,7 +61,7 @@ def test_a_sweep_does_not_search_what_cannot_matter(tmp_path):
     exp = experiment.load(exp_path)
     workloads = experiment.load_workloads(exp)
     out = io.StringIO()
-    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="dims",
+    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="dims",
                                           tracking_uri=None, progress=False), workloads, out=out)
     assert outcome.exit_code == 0
     study = outcome.study

@@ -18,6 +18,7 @@ from autotune.errors import InputError
 from autotune.executors import LocalExecutor
 from autotune.fidelity import DEFAULT_RUNG, FidelitySpec, Rung, jobs, stop_reason
 from autotune.report import write_report
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 from autotune.worker import Job
 
@@ -60,7 +61,7 @@ def test_a_slow_config_stops_at_the_cheap_rung_and_a_good_one_is_measured_in_ful
                                                        exp.model.dtype, workloads, exp.fixed_engine,
                                                        slow=({"draft_path": "generic"}, 0.05)))
     out = io.StringIO()
-    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="fid",
+    outcome = run_sweep(exp, SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="fid",
                                           tracking_uri=None, progress=True), workloads, executor=executor, out=out)
     assert outcome.exit_code == 0
     bar = capsys.readouterr().err  # the bar names the stage of each trial: its rungs, then the full measurement
@@ -117,7 +118,7 @@ def test_an_inexact_config_stops_at_the_rung_under_strict_exactness_and_not_unde
         executor = LocalExecutor(lambda exp=exp, workloads=workloads: FaultyWorker.load(
             exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, exp.fixed_engine,
             output_hook=wrong_first_token))
-        outcome = run_sweep(exp, SweepOptions(n_trials=2, storage=st.parse_storage("memory"), study_name=exactness,
+        outcome = run_sweep(exp, SweepOptions(n_trials=2, storage=parse_storage("memory"), study_name=exactness,
                                               tracking_uri=None, progress=False), workloads, executor=executor,
                             out=io.StringIO())
         assert outcome.exit_code == 0

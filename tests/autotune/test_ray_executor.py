@@ -28,6 +28,7 @@ from autotune.worker import Job
 ray = pytest.importorskip("ray")
 
 from autotune.executors.ray_executor import RayExecutor, WorkerSpec, default_temp_dir  # noqa: E402
+from autotune.storage import parse_storage  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time, on one worker
 
@@ -71,7 +72,7 @@ def _job(trial: int, verify: str = "chain") -> Job:
 
 
 def _sweep(exp, workloads, executor, n_trials):
-    opts = SweepOptions(n_trials=n_trials, storage=st.parse_storage("memory"), study_name=exp.name,
+    opts = SweepOptions(n_trials=n_trials, storage=parse_storage("memory"), study_name=exp.name,
                         tracking_uri=None, progress=False)
     out = io.StringIO()
     outcome = run_sweep(exp, opts, workloads, executor=executor, out=out)

@@ -15,25 +15,26 @@ from autotune import experiment
 from autotune import study as st
 from autotune.cli import parse_duration
 from autotune.errors import InputError
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 
 
 @pytest.mark.parametrize("url,kind", [("memory", "memory"), ("sqlite:///x.db", "rdb"), ("journal:x.log", "journal"),
                                       ("postgresql+psycopg://u@h:5432/db", "rdb")])
 def test_storage_urls(url, kind, in_tmp):
-    spec = st.parse_storage(url)
+    spec = parse_storage(url)
     assert spec.kind == kind
     assert list(in_tmp.iterdir()) == []  # parsing creates nothing
 
 
 def test_journal_absolute_path(tmp_path):
-    assert st.parse_storage(f"journal:///{tmp_path}/j.log").path == tmp_path / "j.log"
+    assert parse_storage(f"journal:///{tmp_path}/j.log").path == tmp_path / "j.log"
 
 
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "journal:", "nosuchdb://x", "x.db"])
 def test_bad_storage_urls(url):
     with pytest.raises(InputError, match="--storage"):
-        st.parse_storage(url)
+        parse_storage(url)
 
 
 @pytest.mark.parametrize("raw,seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("8h", 28800),
@@ -76,7 +77,7 @@ def test_timeout_stops_starting_trials_and_exits_cleanly(tmp_path, monkeypatch):
     clock = itertools.count(0.0, 100.0)  # a fake clock: every reading is 100 s later, so no test waits
     monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
     exp = experiment.load(tiny_experiment(tmp_path, study={"n_trials": 50, "sampler": "random"}))
-    opts = SweepOptions(n_trials=50, storage=st.parse_storage("memory"), study_name="t", tracking_uri=None,
+    opts = SweepOptions(n_trials=50, storage=parse_storage("memory"), study_name="t", tracking_uri=None,
                         timeout_s=50.0, progress=False)
     out = io.StringIO()
     outcome = run_sweep(exp, opts, experiment.load_workloads(exp), out=out)

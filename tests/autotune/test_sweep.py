@@ -18,6 +18,7 @@ from autotune import experiment, results
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import LocalExecutor
+from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 from autotune.worker import Worker
 
@@ -33,7 +34,7 @@ def sweep(exp_path: Path, storage: str, n_trials: int | None = None, study_name:
         executor = LocalExecutor(lambda: FaultyWorker.load(exp.model.target, exp.model.draft, exp.model.device,
                                                            exp.model.dtype, workloads, exp.fixed_engine,
                                                            output_hook=output_hook, faults=faults))
-    opts = SweepOptions(n_trials=n_trials or exp.study.n_trials, storage=st.parse_storage(storage),
+    opts = SweepOptions(n_trials=n_trials or exp.study.n_trials, storage=parse_storage(storage),
                         study_name=study_name or exp.name, tracking_uri=tracking, progress=False)
     out = io.StringIO()
     outcome = run_sweep(exp, opts, workloads, executor=executor, out=out)
@@ -336,7 +337,7 @@ def test_the_progress_bar_says_the_phase_and_the_best_by_the_study_s_own_value(t
     (the pass and the prompt); its elapsed time moves while one trial runs (a refresher thread,
     stopped at the end)."""
     exp = experiment.load(tiny_experiment(tmp_path / "exp", study={"n_trials": 3, "sampler": "random", "seed": 0}))
-    opts = SweepOptions(n_trials=3, storage=st.parse_storage("memory"), study_name="bar", tracking_uri=None,
+    opts = SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="bar", tracking_uri=None,
                         progress=True)
     outcome = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO())
     err = capsys.readouterr().err

@@ -14,6 +14,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 
 from autotune import results
+from autotune.storage import parse_storage
 from autotune.tracking import (
     Tracker,
     applicable_config,
@@ -245,7 +246,6 @@ def test_a_sweep_that_crashes_ends_its_run_failed_without_final_params(uri, tmp_
     from autotune_helpers import tiny_experiment
 
     from autotune import experiment, sweep
-    from autotune import study as st
     from autotune.sweep import SweepOptions, run_sweep
 
     def boom(self) -> None:
@@ -253,7 +253,7 @@ def test_a_sweep_that_crashes_ends_its_run_failed_without_final_params(uri, tmp_
 
     monkeypatch.setattr(sweep._Driver, "confirm", boom)
     exp = experiment.load(tiny_experiment(tmp_path, study={"n_trials": 1, "sampler": "random", "seed": 0}))
-    opts = SweepOptions(n_trials=1, storage=st.parse_storage("memory"), study_name="crashed", tracking_uri=uri,
+    opts = SweepOptions(n_trials=1, storage=parse_storage("memory"), study_name="crashed", tracking_uri=uri,
                         progress=False)
     with pytest.raises(RuntimeError, match="boom"):
         run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO())
