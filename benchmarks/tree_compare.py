@@ -81,11 +81,27 @@ def _al(rec: dict[str, Any], idx: Any) -> float:
     return sum(rec["new_tokens"][i] - 1 for i in idx) / max(sum(rec["steps"][i] for i in idx), 1)
 
 
+def _pooled(sets: Any) -> dict[str, Any]:
+    """The sets' runs as one, config by config: prompts concatenated, each pass's times side by side."""
+    sets = list(sets)
+    out: dict[str, Any] = {}
+    for label in sets[0]:
+        recs = [s[label] for s in sets]
+        passes = len(recs[0]["decode_s"])
+        out[label] = {"outputs": [o for r in recs for o in r["outputs"]],
+                      "new_tokens": [t for r in recs for t in r["new_tokens"]],
+                      "steps": [t for r in recs for t in r["steps"]],
+                      "decode_s": [[t for r in recs for t in r["decode_s"][k]] for k in range(passes)]}
+    return out
+
+
 def compare(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     lines = ["| set | config | prompts | old tok/s | new tok/s | new / old | old AL | new AL | old ms/step | "
              "new ms/step |", "|" + "---|" * 10]
-    for name, o_set in old["sets"].items():
-        n_set = new["sets"][name]
+    sets = [(name, o_set, new["sets"][name]) for name, o_set in old["sets"].items()]
+    if len(sets) > 1:  # and every set's prompts as one: the figure over all of them
+        sets.append(("all sets", _pooled(old["sets"].values()), _pooled(new["sets"][k] for k in old["sets"])))
+    for name, o_set, n_set in sets:
         spec = next(label for label in o_set if label != "ar")
         n = len(o_set["ar"]["outputs"])
         same_text = [i for i in range(n) if o_set[spec]["outputs"][i] == o_set["ar"]["outputs"][i]

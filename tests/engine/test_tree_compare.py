@@ -50,3 +50,18 @@ def test_bad_flags_exit_2_naming_them(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         tc.main(["prompts", "--n-prompts", "3"])  # --out is required
     assert err.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_two_sets_add_a_row_over_every_prompt():
+    """Two sets: each set's rows, then "all sets" over the prompts of both (tokens over seconds summed)."""
+    tc = _tree_compare()
+
+    def run(seconds: float) -> dict:
+        rec = {"outputs": [[1, 2]], "new_tokens": [11], "steps": [5], "decode_s": [[seconds], [seconds]]}
+        return {"ar": rec, "ddtree-b8": dict(rec, steps=[2])}
+
+    old = {"sets": {"a": run(1.0), "b": run(3.0)}}
+    new = {"sets": {"a": run(1.0), "b": run(1.0)}}
+    rows = [line for line in tc.compare(old, new) if line.startswith("| all sets | ddtree-b8 | all")]
+    # old: 20 tokens in 4 s = 5 tok/s; new: 20 in 2 s = 10 tok/s
+    assert rows == ["| all sets | ddtree-b8 | all: 2 of 2 | 5.0 | 10.0 | 2.000 | 5.00 | 5.00 | 1000.0000 | 500.0000 |"]
