@@ -532,9 +532,23 @@ def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
                 return cls(cfg)
         with torch.device("meta"):
             model = _with_blocks(cls(cfg), native)
-        return model.to_empty(device=device)
+        return _to_empty(model, device)
     finally:
         torch.set_default_dtype(previous)
+
+
+def _to_empty(model: nn.Module, device: Device) -> nn.Module:
+    """``model.to_empty(device)`` with its tied parameters (lm_head = embed_tokens) tied again: from the
+    meta device each module's parameter is given its own new tensor."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    return model
 
 
 def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:

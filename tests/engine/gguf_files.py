@@ -34,6 +34,7 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
     qtypes = qtypes or {}
     c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen2's config has none
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -41,9 +42,9 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -64,7 +65,7 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
         sd.pop("lm_head.weight")
     if c.rope_parameters.get("rope_type") == "llama3":
         # llama.cpp stores llama3 scaling as per-frequency divisors of the plain frequencies.
-        exponents = torch.arange(0, c.head_dim, 2).double() / c.head_dim
+        exponents = torch.arange(0, head_dim, 2).double() / head_dim
         plain = 1.0 / (c.rope_parameters["rope_theta"] ** exponents)
         sd["rope_freqs"] = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
     for name, arr in sd.items():
