@@ -25,7 +25,7 @@ from engine.files import preview, read_mapping
 from engine.models.common import rope_inv_freq, unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
-from engine.models.quant import FORMATS, BlockFormat, QuantLinear, bad_scales
+from engine.models.quant import FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -36,7 +36,6 @@ DENSE_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 HYBRID_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-WEIGHTS = ("dequantized", "native")  # how a GGUF's quantized projections are held (load_target_gguf)
 _ARCH_TO_TYPE = {cls: mt for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()}
 _MISSING = object()
 Device = str | torch.device

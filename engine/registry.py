@@ -21,6 +21,7 @@ from engine.decoding.drafters import DFlashDrafter, Drafter, OracleDrafter
 from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from engine.models.quant import WEIGHTS
 
 TINY_SEED = 1234
 
@@ -297,8 +298,8 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
     keeps a GGUF's quantized projections in their blocks (``loading.load_target_gguf``); a target
     with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been."""
     check_target_spec(spec)
-    if weights not in ("dequantized", "native"):
-        raise EngineInputError(f"weights must be one of ['dequantized', 'native'], but got {weights!r}")
+    if weights not in WEIGHTS:
+        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
     native = weights == "native"
     if native and not spec.endswith(".gguf") and (spec not in TARGETS or TARGETS[spec].build_native is None):
         raise EngineInputError(f"weights='native' keeps a GGUF file's quantized blocks, but target {spec!r} is "

@@ -25,6 +25,9 @@ from torch import Tensor, nn
 from engine.models import linear as rows_linear
 
 QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
+# How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
+# into the model's dtype, or the projections of a format below kept in their blocks.
+WEIGHTS = ("dequantized", "native")
 
 
 @dataclass(frozen=True)
