@@ -144,13 +144,6 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
 )}
 
 
-def block_format(name: str) -> BlockFormat:
-    """The format named ``name`` (a GGUF type name); ``ValueError`` naming the supported ones."""
-    if name not in FORMATS:
-        raise ValueError(f"block format {name!r} is not supported; supported: {list(FORMATS)}")
-    return FORMATS[name]
-
-
 def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Rows of blocks [N, row_bytes] (uint8) -> the weight [N, cols] in ``dtype`` (computed in float32
     and rounded once, as a dequantized load copies float32 values into a ``dtype`` parameter)."""
