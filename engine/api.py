@@ -41,10 +41,19 @@ class Pair:
     draft_name: str
     device: str
     dtype: str
+    weights: str = "dequantized"  # as loaded: "native" keeps a GGUF's quantized projections in their blocks
     _workspace: Workspace | None = field(default=None, repr=False)
     _grammar_vocab: GrammarVocab | None = field(default=None, repr=False)
     _grammars: dict[str, CompiledGrammar] = field(default_factory=dict, repr=False)
     _step_costs: dict[tuple, StepCosts] = field(default_factory=dict, repr=False)
+
+    def weight_summary(self) -> dict:
+        """How the target holds its weights, as plain data for reports (``quant.weights_summary``):
+        which tensors stay in their GGUF blocks and in which format, which are held as floats (and
+        their type in the file), what ``native`` could not keep, and the bytes stored."""
+        from engine.models.quant import weights_summary
+
+        return weights_summary(self.target, self.weights)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -178,9 +187,12 @@ class Pair:
         return ids
 
 
-def load(target: str, draft: str, device: str = "auto", dtype: str = "auto") -> Pair:
+def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", weights: str = "dequantized") -> Pair:
     """Build or read the target and its drafter once; everything after that is cheap to repeat.
-    A plans file (``ENGINE_LINEAR_PLANS``) is read here, so that a bad one stops before any work."""
+    A plans file (``ENGINE_LINEAR_PLANS``) is read here, so that a bad one stops before any work.
+    ``weights``: ``"dequantized"`` (every GGUF tensor into ``dtype``, as ever) or ``"native"`` (a GGUF
+    target's quantized projections kept in their blocks and dequantized per call:
+    ``loading.load_target_gguf`` says which; ``Pair.weight_summary`` reports it)."""
     from engine.models import linear
 
     dev = resolve_device(device)
@@ -189,9 +201,9 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto") -> 
         linear.file_plans()
     except ValueError as exc:
         raise EngineInputError(str(exc)) from None
-    model, tokenizer = load_target(target, dev, dt)
+    model, tokenizer = load_target(target, dev, dt, weights)
     drafter = load_drafter(draft, model, tokenizer, dev, dt)
-    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."))
+    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights)
     pair.check_shape()
     return pair
 

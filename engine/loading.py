@@ -25,6 +25,7 @@ from engine.files import preview, read_mapping
 from engine.models.common import rope_inv_freq, unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
+from engine.models.quant import FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -39,6 +40,7 @@ _ARCH_TO_TYPE = {cls: mt for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()}
 _MISSING = object()
 Device = str | torch.device
 TensorSource = dict[str, Callable[[], Tensor]]  # our parameter name -> reads the tensor when called
+NativePlan = dict[str, tuple[BlockFormat, tuple[int, int]]]  # module name -> (format, [out, in]) kept in blocks
 
 
 # ---------------------------------------------------------------------------------------- targets
@@ -250,10 +252,22 @@ _GGUF_BLOCK = {
 }
 
 
-def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[DenseModel, dict]:
-    """A llama / qwen2 / qwen3 `.gguf` file, dequantised; returns the model and its metadata as plain data."""
+def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
+                     weights: str = "dequantized") -> tuple[DenseModel, dict]:
+    """A llama / qwen2 / qwen3 `.gguf` file; returns the model and its metadata as plain data.
+
+    ``weights="dequantized"`` (the default) dequantises every tensor into ``dtype``. ``"native"`` keeps
+    each projection weight (attention q/k/v/o, MLP gate/up/down, an untied output head) whose type has
+    a native form (``quant.FORMATS``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in its blocks, as
+    a ``quant.QuantLinear``. Everything else is dequantised as with ``"dequantized"``: the embedding
+    (rows are gathered, not multiplied), the norms and biases (F32 in every file), F32/F16/BF16
+    tensors, and projections of a type with no native form (Q2_K, Q3_K, the IQ types, ...): such a
+    file still loads, and ``quant.weights_summary`` lists those under ``fallback``, since llama.cpp
+    mixes types within one file and refusing all of it for one tensor would help no one."""
     import gguf  # only GGUF users pay for the import
 
+    if weights not in WEIGHTS:
+        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
     path = Path(path)
     if not path.is_file():
         raise EngineInputError(f"GGUF file {path} does not exist")
@@ -272,7 +286,8 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[De
         raise EngineInputError(f"{path}: general.architecture {arch!r} is not supported; "
                                f"supported: {list(GGUF_ARCHS)}")
     cfg = _dense_config_from_gguf(meta, tensors, arch, path)
-    model = _build(DenseModel, cfg, device, dtype)
+    model = _build(DenseModel, cfg, device, dtype, _native_plan(tensors) if weights == "native" else None)
+    kept = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     source: TensorSource = {}
     for name, t in tensors.items():
         if name == "rope_freqs.weight":
@@ -281,8 +296,15 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[De
         if arch == "llama" and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
             # llama.cpp permutes llama's q/k rows to its interleaved RoPE; K by the KV head count.
             heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
-        source[_gguf_to_ours(name)] = partial(_gguf_tensor, t, heads, path)
+        ours = _gguf_to_ours(name)
+        owner = ours.removesuffix(".weight")
+        if ours.endswith(".weight") and owner in kept:
+            source[f"{owner}.blocks"] = partial(_gguf_blocks, t, heads, FORMATS[t.tensor_type.name], path)
+        else:
+            source[ours] = partial(_gguf_tensor, t, heads, path)
     _load_state(model, source, str(path))
+    if weights == "native":  # built on the meta device (``_build``): the RoPE frequencies, made not loaded, again
+        model.inv_freq = rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling).to(model.device)
     if "rope_freqs.weight" in tensors:
         # Llama 3 rope scaling travels as per-frequency divisors instead of config keys.
         factors = _gguf_tensor(tensors["rope_freqs.weight"], None, path).flatten()
@@ -290,7 +312,26 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype) -> tuple[De
         if factors.shape != base.shape:
             raise EngineInputError(f"{path}: rope_freqs has {factors.numel()} values, not {base.numel()}")
         model.inv_freq = (base / factors).to(model.inv_freq.device)
+    model.weight_types = {_gguf_to_ours(n): t.tensor_type.name for n, t in tensors.items() if n != "rope_freqs.weight"}
     return _finish(model), meta
+
+
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _native_plan(tensors: dict) -> NativePlan:
+    """The projection weights a native load keeps in their blocks: our module name -> (format, the
+    [out, in] shape the file gives). ``_build`` swaps in a block layer only where the model's
+    projection has that shape, so a misshapen tensor is refused as in a dequantized load."""
+    plan: NativePlan = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        projection = parts == ["output", "weight"] or (
+            len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_PROJECTIONS and parts[3] == "weight")
+        if projection and t.tensor_type.name in FORMATS and len(t.shape) == 2:
+            cols, rows = (int(n) for n in t.shape)  # GGUF shapes are [in, out]
+            plan[_gguf_to_ours(name).removesuffix(".weight")] = (FORMATS[t.tensor_type.name], (rows, cols))
+    return plan
 
 
 def _dense_config_from_gguf(meta: dict, tensors: dict, arch: str, where: Path) -> DenseConfig:
@@ -358,6 +399,30 @@ def _gguf_tensor(t: Any, heads: int | None, where: Path) -> Tensor:
         d = w.shape[0] // heads
         w = w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
     return w
+
+
+def _gguf_blocks(t: Any, heads: int | None, fmt: BlockFormat, where: Path) -> Tensor:
+    """A quantized tensor's blocks as stored, uint8 [out, row_bytes] (llama's q/k rows un-permuted:
+    quantisation is per row, so whole rows of blocks move), its scales checked finite."""
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    expect = (rows, fmt.row_bytes(cols))
+    try:
+        data = np.array(t.data, dtype=np.uint8, copy=True)  # the reader's arrays are read-only file maps
+    except Exception as exc:  # data cut short: a corrupt file
+        raise EngineInputError(f"{where}: tensor {t.name!r} cannot be read ({type(exc).__name__}: "
+                               f"{preview(str(exc))}): the file is corrupt") from None
+    if cols % fmt.values or tuple(data.shape) != expect:
+        raise EngineInputError(f"{where}: tensor {t.name!r} ({fmt.name}, [{rows}, {cols}]) holds bytes "
+                               f"{list(data.shape)}, not {list(expect)}: the file is corrupt")
+    blocks = torch.from_numpy(data)
+    bad = bad_scales(blocks, fmt)
+    if bad:
+        raise EngineInputError(f"{where}: tensor {t.name!r} ({fmt.name}) holds {bad:,} NaN or inf block scales "
+                               f"in {blocks.numel() // fmt.nbytes:,} blocks: the weights are corrupt")
+    if heads:  # as _gguf_tensor's, on rows of blocks
+        d = rows // heads
+        blocks = blocks.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(expect).contiguous()
+    return blocks
 
 
 # --------------------------------------------------------------------------------- shared helpers
@@ -449,24 +514,63 @@ def _few(names: list[str], n: int = 8) -> str:
     return f"[{shown}{', ...' if len(names) > n else ''}] ({len(names)})"
 
 
-def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -> nn.Module:
+def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
+           native: NativePlan | None = None) -> nn.Module:
     """Construct directly in dtype on device: no full-precision CPU copy of a large model. A config
     whose weights cannot fit in the device's free memory is refused first, with the numbers (a
-    corrupt or mistyped size would otherwise ask the allocator for terabytes)."""
-    _check_fits(cls, cfg, device, dtype)
+    corrupt or mistyped size would otherwise ask the allocator for terabytes). ``native``: the
+    projections held in blocks (``_with_blocks``); the model is then made on the meta device, its
+    layers swapped, and only then given memory, so no float copy of those weights is ever made (its
+    non-persistent buffers, the RoPE frequencies, are left for the caller to make)."""
+    _check_fits(cls, cfg, device, dtype, native)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            return cls(cfg)
+        if not native:
+            with torch.device(device):
+                return cls(cfg)
+        with torch.device("meta"):
+            model = _with_blocks(cls(cfg), native)
+        return _to_empty(model, device)
     finally:
         torch.set_default_dtype(previous)
 
 
-def _check_fits(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype) -> None:
+def _to_empty(model: nn.Module, device: Device) -> nn.Module:
+    """``model.to_empty(device)`` with its tied parameters (lm_head = embed_tokens) tied again: from the
+    meta device each module's parameter is given its own new tensor."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    return model
+
+
+def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
+    """Each projection of ``native`` that the model has, with the file's shape, as a ``QuantLinear``
+    (on the meta device); the others stay, to be filled (or refused) as floats."""
+    for name, (fmt, shape) in native.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:  # a tensor the model has no place for: _load_state names it
+            continue
+        if isinstance(linear, nn.Linear) and (linear.out_features, linear.in_features) == shape:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr,
+                    QuantLinear(fmt, linear.in_features, linear.out_features, linear.bias is not None, "meta"))
+    return model
+
+
+def _check_fits(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
+                native: NativePlan | None = None) -> None:
     with torch.device("meta"):  # shapes only: nothing allocated
-        meta = cls(cfg)
-    need = sum(p.numel() for p in meta.parameters()) * torch.empty((), dtype=dtype).element_size()
+        meta = _with_blocks(cls(cfg), native or {})
+    blocks = sum(m.nbytes for m in meta.modules() if isinstance(m, QuantLinear))
+    need = sum(p.numel() for p in meta.parameters()) * torch.empty((), dtype=dtype).element_size() + blocks
     free = free_memory(torch.device(device))
     if free is not None and need > free:
         raise EngineInputError(f"{cls.__name__} with this config needs {need / 2**30:,.1f} GiB for its weights "

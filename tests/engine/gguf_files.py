@@ -21,16 +21,20 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specials: tuple[str, ...] = (),
-               chat_template: str | None = None) -> None:
+               chat_template: str | None = None, qtypes: dict | None = None) -> None:
     """``hf`` (a transformers Llama/Qwen3 model) as llama.cpp writes it: its config as GGUF keys,
     its weights by llama.cpp's names (Q/K permuted to interleaved RoPE pairs for ``llama``),
-    quantised to ``qtype`` (F32 by default). The vocabulary: ``tokenizer``'s (an HF ``tokenizers``
-    BPE: its tokens, merges, ``specials`` as control tokens and ``<|im_end|>`` as EOS) with
-    ``chat_template``, else placeholder tokens."""
+    matrices quantised to ``qtype`` (F32 by default) or, per tensor, to ``qtypes``' type for its name
+    without ``.weight`` (``blk.1.ffn_down``) or its role (``attn_v``, ``output``, ``token_embd``), as
+    llama.cpp's mixes (Q4_K_M) do; ``quantize`` makes the blocks. The vocabulary: ``tokenizer``'s (an
+    HF ``tokenizers`` BPE: its tokens, merges, ``specials`` as control tokens and ``<|im_end|>`` as
+    EOS) with ``chat_template``, else placeholder tokens."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    qtypes = qtypes or {}
     c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen2's config has none
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -38,9 +42,9 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -61,7 +65,7 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
         sd.pop("lm_head.weight")
     if c.rope_parameters.get("rope_type") == "llama3":
         # llama.cpp stores llama3 scaling as per-frequency divisors of the plain frequencies.
-        exponents = torch.arange(0, c.head_dim, 2).double() / c.head_dim
+        exponents = torch.arange(0, head_dim, 2).double() / head_dim
         plain = 1.0 / (c.rope_parameters["rope_theta"] ** exponents)
         sd["rope_freqs"] = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
     for name, arr in sd.items():
@@ -75,11 +79,107 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
         else:
             gname = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}[".".join(parts)]
-        if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        stem = gname.removesuffix(".weight")
+        kind = qtypes.get(stem, qtypes.get(stem.split(".")[-1] if stem.startswith("blk.") else stem, qtype))
+        if arr.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ------------------------------------------------------------------------ blocks for the K formats
+# The gguf package quantises the 32-value formats (and a few others) but not the K formats: these
+# are plain min/max quantisers of our own (not llama.cpp's searched scales), enough to write a file
+# whose weights are close to the model's. Their layouts are the inverse of engine.models.quant's
+# decoders; test_quant checks them against gguf's reference dequantisation.
+
+
+def quantize(arr: np.ndarray, qtype) -> np.ndarray:
+    """``arr`` [rows, cols] as GGUF blocks [rows, row_bytes] of ``qtype``."""
+    import gguf
+
+    encode = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}.get(qtype.name)
+    if encode is None:
+        return gguf.quants.quantize(arr, qtype)
+    rows, cols = arr.shape
+    assert cols % 256 == 0, f"{qtype.name} needs rows of whole 256-value blocks, got {cols}"
+    return encode(np.asarray(arr, np.float32).reshape(-1, 256)).reshape(rows, -1)
+
+
+def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x as fp16 bytes [n, 2], the fp16 value back as float32 [n, 1]): scales are used as stored."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32).reshape(-1, 1)
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32), where=b != 0)
+
+
+def _k_affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins -> (header bytes [n, 16], q [n, 8, 32])."""
+    sub = x.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0)  # the stored min is subtracted: it must be <= 0
+    step = (sub.max(-1) - low) / levels
+    dbytes, d = _f16(step.max(-1) / 63)
+    mbytes, dmin = _f16(-low.min(-1) / 63)
+    sc = np.clip(np.rint(_ratio(step, d)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(_ratio(-low, dmin)), 0, 63).astype(np.uint8)
+    q = np.rint(_ratio(sub + (dmin * mn)[..., None], (d * sc)[..., None]))
+    q = np.clip(q, 0, levels).astype(np.uint8)
+    packed = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    return np.concatenate([dbytes, mbytes, packed], axis=1), q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [n, 8, 32] -> 128 bytes: chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high."""
+    return ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+
+
+def _q4_k(x: np.ndarray) -> np.ndarray:
+    head, q = _k_affine(x, 15)
+    return np.concatenate([head, _low_nibbles(q)], axis=1)
+
+
+def _q5_k(x: np.ndarray) -> np.ndarray:
+    head, q = _k_affine(x, 31)
+    high = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)  # bit j: sub-block j
+    return np.concatenate([head, high, _low_nibbles(q)], axis=1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    groups = x.reshape(-1, 16, 16)
+    scale = np.abs(groups).max(-1) / 31
+    dbytes, d = _f16(scale.max(-1) / 127)
+    sc = np.clip(np.rint(_ratio(scale, d)), -128, 127).astype(np.int8)
+    q = np.clip(np.rint(_ratio(groups, (d * sc)[..., None])), -32, 31).astype(np.int16) + 32
+    u = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # halves of 128, their four groups of 32
+    low = np.zeros((u.shape[0], 2, 64), np.uint8)
+    high = np.zeros((u.shape[0], 2, 32), np.uint8)
+    for g in range(4):  # group g: low nibbles in bytes (g % 2) * 32.. at shift 4 * (g // 2); top bits at 2 * g
+        low[:, :, (g % 2) * 32 : (g % 2) * 32 + 32] |= (u[:, :, g] & 15) << (4 * (g // 2))
+        high |= (u[:, :, g] >> 4) << (2 * g)
+    return np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), sc.view(np.uint8), dbytes], axis=1)
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 1.0) -> np.ndarray:
+    """Blocks [rows, row_bytes] of ``qtype``: random bytes, their fp16 scales replaced by finite random
+    values of either sign and magnitudes from ``scale`` * 1e-4 to ``scale`` (random bytes would make
+    NaN and inf scales). ``scales``: each format's fp16 offsets, as engine.models.quant lists them."""
+    import gguf
+
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    scales = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "TQ2_0": (64,)}[qtype.name]
+    rng = np.random.default_rng(seed)
+    n = rows * cols // values
+    blocks = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    for offset in scales:
+        magnitude = scale * 10.0 ** rng.uniform(-4, 0, n)
+        blocks[:, offset : offset + 2] = _f16(magnitude * rng.choice([-1.0, 1.0], n))[0]
+    return blocks.reshape(rows, -1)

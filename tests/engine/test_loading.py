@@ -16,6 +16,7 @@ from engine.config import EngineInputError
 from engine.loading import load_draft_folder, load_target_folder, load_target_gguf, save_draft_folder
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
+from engine.models.quant import QuantLinear
 from engine.registry import init_random_
 from tests.engine.gguf_files import write_gguf
 
@@ -215,12 +216,16 @@ def _loads_or_refuses(load, path, what: str) -> bool:
         return False
     model = model[0] if isinstance(model, tuple) else model
     assert all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point()), what
+    blocks = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert all(bool(torch.isfinite(m.dequantized()).all()) for m in blocks), what
     return True
 
 
-def test_corrupt_gguf_files_load_or_are_refused_never_a_traceback_nor_nan(tmp_path):
+@pytest.mark.parametrize("weights", ["dequantized", "native"])
+def test_corrupt_gguf_files_load_or_are_refused_never_a_traceback_nor_nan(tmp_path, weights):
     """Issue #23: truncated, bit-flipped and grown-count GGUF files: a clear refusal or a model of
-    finite weights, never another exception and never NaN decoded silently."""
+    finite weights, never another exception and never NaN decoded silently; the same with the
+    projections kept in their blocks (issue #28: each block layer's values finite too)."""
     good = tmp_path / "good.gguf"
     write_gguf(good, _hf_model("llama", seed=3), "llama", gguf.GGMLQuantizationType.Q8_0)
     data = good.read_bytes()
@@ -236,7 +241,7 @@ def test_corrupt_gguf_files_load_or_are_refused_never_a_traceback_nor_nan(tmp_pa
     for what, blob in cases:
         path = tmp_path / "bad.gguf"
         path.write_bytes(blob)
-        refused += not _loads_or_refuses(lambda q: load_target_gguf(q, "cpu", torch.float32), path, what)
+        refused += not _loads_or_refuses(lambda q: load_target_gguf(q, "cpu", torch.float32, weights), path, what)
     assert refused >= len(cases) // 2
 
 

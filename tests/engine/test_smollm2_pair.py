@@ -47,3 +47,18 @@ def test_chain_and_ddtree_equal_ar_in_float32(pair, path):
         out = engine.generate(pair, ids, cfg, 32, ignore_eos=True)
         assert out.tokens == ar.tokens
         assert out.stats.acceptance_length > 1.0  # the trained draft really proposes the target's tokens
+
+
+def test_native_weights_keep_the_q4_1_blocks_and_decode_the_same_tokens(pair):
+    """The packaged GGUF (written by llama.cpp, Q4_1) with weights="native": its 210 projections stay
+    in their blocks (the tied embedding, the norms: floats), a third of the bytes, and AR and DDTree
+    decode the dequantized pair's tokens (issue #28)."""
+    native = engine.load("smollm2-135m-instruct", "smollm2-135m-dflash", device="cpu", dtype="float32",
+                         weights="native")
+    summary = native.weight_summary()
+    assert summary["formats"] == {"Q4_1": 30 * 7} and summary["fallback"] == {}
+    assert summary["weight_bytes"] < pair.weight_summary()["weight_bytes"] / 2.5
+    ids = pair.encode("Write a haiku about the sea.")
+    for cfg in (EngineConfig(verify="ar"), EngineConfig(verify="ddtree", budget=22, top_k=8)):
+        assert engine.generate(native, ids, cfg, 16, ignore_eos=True).tokens == \
+            engine.generate(pair, ids, cfg, 16, ignore_eos=True).tokens

@@ -1,0 +1,284 @@
+"""GGUF weights kept in their quantized blocks: the block formats, their dequantization in PyTorch,
+and the linear layers that hold them.
+
+A quantized weight [N, K] is held as its GGUF bytes, unchanged: a uint8 tensor [N, row_bytes] whose
+row n is output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each block over
+consecutive inputs of one row). Rows are contiguous and start on a block boundary, so a GPU kernel
+can later read a tile of rows x blocks in place and dequantize in registers; and the rows of two
+weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is one block tensor).
+
+Until such a kernel exists, a layer dequantizes its whole weight per call (on the CPU this is the
+intended form), in float32, then casts to the activation dtype: the values a dequantized load copies
+into its parameters (gguf's reference, bit for bit: ``tests/engine/models/test_quant.py``), so a model
+decodes the same tokens whichever way its weights are kept, in any dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.models import linear as rows_linear
+
+QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
+# How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
+# into the model's dtype, or the projections of a format below kept in their blocks.
+WEIGHTS = ("dequantized", "native")
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format: ``values`` weights in ``nbytes`` bytes; ``scales``: the byte offsets of
+    its fp16 scales (the only fields that can hold NaN or inf: the loader checks them);
+    ``decode``: uint8 blocks [n, nbytes] -> float32 values [n, values]."""
+
+    name: str
+    values: int
+    nbytes: int
+    scales: tuple[int, ...]
+    decode: Callable[[Tensor], Tensor]
+
+    def row_bytes(self, cols: int) -> int:
+        """Bytes of one row of ``cols`` values (a multiple of ``values``: checked by the caller)."""
+        return cols // self.values * self.nbytes
+
+
+def _f16(blocks: Tensor, offset: int) -> Tensor:
+    """The fp16 at byte ``offset`` of each block, as float32 [n, 1] (exact: fp16 fits float32)."""
+    return blocks[:, offset : offset + 2].view(torch.float16).float()
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """[n, c, w] bytes -> [n, c, 2, w]: each chunk's low nibbles, then its high ones (GGUF's order)."""
+    return torch.stack([qs & 0x0F, qs >> 4], dim=-2)
+
+
+def _bits(packed: Tensor, every: int) -> Tensor:
+    """[n, b] bytes -> [n, b, 8 // every, ...]: fields ``every`` bits wide, lowest first."""
+    shifts = torch.arange(0, 8, every, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(-1) >> shifts) & ((1 << every) - 1)
+
+
+def _q4_0(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 2:18].unsqueeze(1)).reshape(-1, 32).to(torch.int16) - 8
+    return _f16(b, 0) * q.float()
+
+
+def _q4_1(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 4:20].unsqueeze(1)).reshape(-1, 32).float()
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _high_bit_32(b: Tensor, offset: int) -> Tensor:
+    """Q5_0/Q5_1's fifth bits: a little-endian uint32 at ``offset``, bit j for value j -> [n, 32] (0 or 16)."""
+    return _bits(b[:, offset : offset + 4], 1).reshape(-1, 32) << 4
+
+
+def _q5_0(b: Tensor) -> Tensor:
+    q = (_nibbles(b[:, 6:22].unsqueeze(1)).reshape(-1, 32) | _high_bit_32(b, 2)).to(torch.int16) - 16
+    return _f16(b, 0) * q.float()
+
+
+def _q5_1(b: Tensor) -> Tensor:
+    q = (_nibbles(b[:, 8:24].unsqueeze(1)).reshape(-1, 32) | _high_bit_32(b, 4)).float()
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _q8_0(b: Tensor) -> Tensor:
+    return b[:, 2:34].view(torch.int8).float() * _f16(b, 0)
+
+
+def _k_scales(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins, [n, 8] each. Bytes 0-3 hold
+    scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the mins;
+    bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble)."""
+    lo_s, lo_m, rest = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scales = torch.cat([lo_s & 0x3F, (rest & 0x0F) | ((lo_s >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([lo_m & 0x3F, (rest >> 4) | ((lo_m >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def _k_affine(b: Tensor, q: Tensor) -> Tensor:
+    """Q4_K/Q5_K: sub-block j's values q [n, 8, 32] times d * scale_j, less dmin * min_j (products
+    rounded in this order, as the reference's)."""
+    scales, mins = _k_scales(b[:, 4:16])
+    step = (_f16(b, 0) * scales.float()).unsqueeze(-1)
+    shift = (_f16(b, 2) * mins.float()).unsqueeze(-1)
+    return (step * q.float() - shift).reshape(-1, QK_K)
+
+
+def _q4_k(b: Tensor) -> Tensor:
+    # 128 bytes of nibbles: chunk c of 32 bytes holds sub-block 2c (low) and 2c + 1 (high).
+    return _k_affine(b, _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32))
+
+
+def _q5_k(b: Tensor) -> Tensor:
+    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    high = _bits(b[:, 16:48], 1).transpose(1, 2)  # [n, 8, 32]: bit j of byte i is sub-block j's value i
+    return _k_affine(b, low | (high << 4))
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    # Two halves of 128 values: low nibbles from 64 bytes each (low, then high nibble), the top 2 bits
+    # from 32 bytes each (bits 0-1, 2-3, 4-5, 6-7 for the half's four 32-value groups).
+    low = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
+    high = _bits(b[:, 128:192].reshape(-1, 2, 32), 2).permute(0, 1, 3, 2).reshape(-1, 8, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).reshape(-1, 16, 16)
+    step = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)
+    return (step * q.float()).reshape(-1, QK_K)
+
+
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
+    BlockFormat("Q4_0", 32, 18, (0,), _q4_0),
+    BlockFormat("Q4_1", 32, 20, (0, 2), _q4_1),
+    BlockFormat("Q5_0", 32, 22, (0,), _q5_0),
+    BlockFormat("Q5_1", 32, 24, (0, 2), _q5_1),
+    BlockFormat("Q8_0", 32, 34, (0,), _q8_0),
+    BlockFormat("Q4_K", QK_K, 144, (0, 2), _q4_k),
+    BlockFormat("Q5_K", QK_K, 176, (0, 2), _q5_k),
+    BlockFormat("Q6_K", QK_K, 210, (208,), _q6_k),
+)}
+
+
+def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Rows of blocks [N, row_bytes] (uint8) -> the weight [N, cols] in ``dtype`` (computed in float32
+    and rounded once, as a dequantized load copies float32 values into a ``dtype`` parameter)."""
+    rows = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and cols % fmt.values == 0, (
+        f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
+    out = fmt.decode(blocks.contiguous().view(-1, fmt.nbytes)).reshape(rows, cols)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def bad_scales(blocks: Tensor, fmt: BlockFormat) -> int:
+    """How many of the blocks' fp16 scales are NaN or inf (a corrupt file: every value of such a block
+    would be); the quantized values are small integers and cannot be."""
+    b = blocks.reshape(-1, fmt.nbytes)
+    return sum(int((~torch.isfinite(b[:, o : o + 2].contiguous().view(torch.float16))).sum()) for o in fmt.scales)
+
+
+class QuantLinear(nn.Module):
+    """A projection whose weight [out, in] stays in its GGUF blocks (``blocks``: a uint8 buffer
+    [out, row_bytes], moved by ``.to(device)`` and never cast by ``.to(dtype)``), with an optional
+    float bias. The stand-in for ``nn.Linear`` / ``common.Linear`` wherever a model calls a projection:
+    same ``in_features``, ``out_features``, ``bias`` and call. There is no ``weight``: code that would
+    read one fails loudly instead of reading bytes as numbers (``dequantized`` gives the values).
+
+    Each call dequantizes the weight in the activation dtype and multiplies as ``common.Linear``
+    does (through ``engine.models.linear``: a decode step's rows round alike on CUDA)."""
+
+    row_invariant = True
+
+    def __init__(self, fmt: BlockFormat, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, blocks: Tensor | None = None) -> None:
+        """Empty blocks (filled by a load) on ``device``, or ``blocks`` [out_features, row_bytes] as given."""
+        super().__init__()
+        if in_features % fmt.values:
+            raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but in_features is "
+                             f"{in_features}")
+        shape = (out_features, fmt.row_bytes(in_features))
+        if blocks is None:
+            blocks = torch.empty(shape, dtype=torch.uint8, device=device)
+        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == shape, (tuple(blocks.shape), shape)
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.register_buffer("blocks", blocks)
+        self.bias = nn.Parameter(torch.empty(out_features, device=blocks.device)) if bias else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight [out, in] in ``dtype``: the values a dequantized load holds."""
+        return dequantize(self.blocks, self.fmt, self.in_features, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.dequantized(x.dtype)
+        if not self.row_invariant:
+            return F.linear(x, w, self.bias)
+        return rows_linear.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}"
+
+
+class QuantFusedLinear(QuantLinear):
+    """``common.FusedLinear`` for quantized parts of one format and width: their block rows stacked
+    (one contiguous block tensor, one GEMM), each part's output a view of the one product."""
+
+    def __init__(self, parts: Sequence[QuantLinear]) -> None:
+        assert fusable(parts), "fuse only quantized parts of one format and width (fusable says which)"
+        first = parts[0]
+        self.sizes = [p.out_features for p in parts]
+        self.biased = [p.bias is not None for p in parts]  # a missing bias is stored as zeros
+        super().__init__(first.fmt, first.in_features, sum(self.sizes), any(self.biased),
+                         blocks=torch.cat([p.blocks for p in parts]))
+        if self.bias is not None:
+            like = next(p.bias for p in parts if p.bias is not None)
+            bias = [p.bias.detach() if p.bias is not None else like.new_zeros(p.out_features) for p in parts]
+            self.bias = nn.Parameter(torch.cat(bias), requires_grad=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+    def part(self, x: Tensor, i: int) -> Tensor:
+        """Projection ``i`` alone: only its rows of blocks dequantized."""
+        lo = sum(self.sizes[:i])
+        hi = lo + self.sizes[i]
+        w = dequantize(self.blocks[lo:hi], self.fmt, self.in_features, x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias[lo:hi])
+
+
+def fusable(parts: Sequence[nn.Module]) -> bool:
+    """Whether quantized ``parts`` stack into one ``QuantFusedLinear``: all ``QuantLinear`` of one
+    format and width. A mixed group (a Q4_K_M file's Q4_K q/k beside its Q6_K v, or a quantized part
+    beside a float one) is left as its parts: each keeps its blocks and takes its own GEMM, where
+    stacking would need the group dequantized (its bytes grown 4-8x) or two formats in one launch."""
+    first = parts[0]
+    return all(isinstance(p, QuantLinear) and not isinstance(p, QuantFusedLinear) and p.fmt == first.fmt
+               and p.in_features == first.in_features for p in parts)
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")  # a GGUF's unquantized types: loaded as floats either way
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s stored weights: every parameter and persistent buffer once (a tied weight
+    once; quantized blocks at their size in bytes)."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def weights_summary(model: nn.Module, mode: str) -> dict:
+    """How ``model`` holds its weights, as plain data for reports: ``mode`` (as loaded: ``native`` or
+    ``dequantized``); ``native``: checkpoint name -> block format of each weight kept in its blocks
+    (a fused group's parts by their own names); ``formats``: how many of each; ``dequantized``:
+    checkpoint name -> its type in the file, of each tensor held as floats (names and types from the
+    loader's ``weight_types``: GGUF targets only); ``fallback``: those of them that were quantized in
+    the file and are not the embedding, i.e. what ``native`` asked for and could not keep (a type
+    with no native form here); ``native_bytes`` and ``weight_bytes`` (all stored weights)."""
+    native: dict[str, str] = {}
+    native_bytes = 0
+    for owner, module in model.named_modules():
+        prefix = f"{owner}." if owner else ""
+        for child_name, child in module.named_children():
+            if not isinstance(child, QuantLinear):
+                continue
+            native_bytes += child.nbytes
+            parts = module.FUSED[child_name] if isinstance(child, QuantFusedLinear) else (child_name,)
+            for part in parts:
+                native[f"{prefix}{part}.weight"] = child.fmt.name
+    types: dict[str, str] = getattr(model, "weight_types", {})
+    dequantized = {name: kind for name, kind in types.items() if name not in native}
+    fallback = {name: kind for name, kind in dequantized.items()
+                if mode == "native" and kind not in FLOAT_TYPES and not name.startswith("embed_tokens.")}
+    formats: dict[str, int] = {}
+    for kind in native.values():
+        formats[kind] = formats.get(kind, 0) + 1
+    return {"mode": mode, "native": native, "formats": formats, "dequantized": dequantized, "fallback": fallback,
+            "native_bytes": native_bytes, "weight_bytes": weight_bytes(model)}

@@ -1,0 +1,160 @@
+"""GGUF weights kept quantized (``engine.load(..., weights="native")``) on the CPU: a tiny quantized
+file decodes token for token as its dequantized twin (AR, chain and DDTree through ``engine.bench``),
+holds fewer bytes, reports which tensors it keeps in blocks, and refuses what it cannot hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engine
+from engine import EngineConfig, EngineInputError
+from engine.models.common import Linear, unfused_state_dict
+from engine.models.quant import QuantFusedLinear, QuantLinear
+from tests.engine.gguf_files import write_gguf
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# Rows of 256 and 512 values: the K formats' blocks are 256 wide.
+HF = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, initializer_range=0.05, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+# name: (arch, default type, per-tensor types, HF overrides, the formats kept native and how many of each)
+CASES = {
+    # llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for attn_v, ffn_down and the output head; one ffn_up in
+    # TQ2_0 (no native form: it falls back to floats, and its gate/up group stays unfused).
+    "llama-q4_k_m": ("llama", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K,
+                                      "blk.1.ffn_up": Q.TQ2_0}, {}, {"Q4_K": 9, "Q6_K": 5}),
+    "qwen3-q8_0-tied": ("qwen3", Q.Q8_0, {}, {"tie_word_embeddings": True}, {"Q8_0": 14}),
+    "qwen2-q5_k-bias": ("qwen2", Q.Q5_K, {}, {}, {"Q5_K": 15}),
+    "llama-q4_1-q4_0-q5_0": ("llama", Q.Q4_1, {"attn_output": Q.Q4_0, "ffn_down": Q.Q5_0, "output": Q.Q8_0}, {},
+                             {"Q4_1": 10, "Q4_0": 2, "Q5_0": 2, "Q8_0": 1}),
+}
+CONFIGS = [EngineConfig(verify="ar"), EngineConfig(verify="chain", block_size=8),
+           EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a shared CPU
+    yield
+    torch.set_num_threads(before)
+
+
+def _tokenizer():
+    """A byte-level BPE (what a GGUF's gpt2 tokenizer must be for engine.load) of exactly 300 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"the {w} of {v} is {n}" for w in ("sea", "rain", "map", "key") for v in ("day", "night")
+              for n in range(40)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=HF["vocab_size"], special_tokens=["<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert tok.get_vocab_size() == HF["vocab_size"]
+    return tok
+
+
+def _hf(arch: str, **overrides):
+    cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
+    torch.manual_seed(7)
+    return cls(cfg_cls(**(HF | overrides))).eval()
+
+
+def _file(tmp_path, case: str):
+    arch, qtype, qtypes, overrides, _ = CASES[case]
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, _hf(arch, **overrides), arch, qtype, tokenizer=_tokenizer(), qtypes=qtypes)
+    return str(path)
+
+
+def _pairs(path: str, dtype: str = "float32"):
+    return tuple(engine.load(path, "random", device="cpu", dtype=dtype, weights=w) for w in ("native", "dequantized"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_native_decodes_as_its_dequantized_twin(case, tmp_path):
+    native, twin = _pairs(_file(tmp_path, case))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 14)]
+    reference = engine.bench(twin, CONFIGS[0], prompts, 12, ignore_eos=True).outputs
+    for config in CONFIGS:
+        got = engine.bench(native, config, prompts, 12, reference=reference, ignore_eos=True)
+        assert got.outputs == engine.bench(twin, config, prompts, 12, ignore_eos=True).outputs == reference, config
+        assert all(p.exact for p in got.prompts) and got.new_tokens == 24
+    assert engine.generate(native, prompts[1], CONFIGS[2], 12, ignore_eos=True).tokens == reference[1]
+
+    summary, twin_summary = native.weight_summary(), twin.weight_summary()
+    assert summary["mode"] == "native" and summary["formats"] == CASES[case][4]
+    assert twin_summary["native"] == {} and twin_summary["native_bytes"] == 0
+    state = unfused_state_dict(twin.target)
+    float_bytes = sum(state[name].numel() * 4 for name in summary["native"])
+    assert summary["weight_bytes"] == twin_summary["weight_bytes"] - float_bytes + summary["native_bytes"]
+    assert summary["weight_bytes"] < twin_summary["weight_bytes"] * 0.75
+    assert summary["dequantized"]["embed_tokens.weight"] == CASES[case][1].name  # gathered, not multiplied
+    assert summary["dequantized"]["layers.0.input_layernorm.weight"] == "F32"
+    assert set(summary["native"]) | set(summary["dequantized"]) == set(native.target.weight_types)
+
+
+def test_q4_k_m_fuses_what_shares_a_format_and_keeps_the_rest_apart(tmp_path):
+    """The Q4_K_M file's layers: gate/up (both Q4_K) one block tensor; q/k (Q4_K) beside v (Q6_K)
+    three layers in their own blocks; layer 1's TQ2_0 up_proj a float, row-invariant Linear beside
+    its gate's blocks, listed as the one fallback; the untied head Q6_K."""
+    native, _ = _pairs(_file(tmp_path, "llama-q4_k_m"))
+    first, second = native.target.layers
+    assert isinstance(first.mlp.gate_up_proj, QuantFusedLinear) and first.mlp.gate_up_proj.fmt.name == "Q4_K"
+    assert first.mlp.gate_up_proj.blocks.shape == (2 * 512, 144) and first.mlp.gate_up_proj.blocks.is_contiguous()
+    attn = first.self_attn
+    assert "qkv_proj" not in attn._modules
+    assert [attn.q_proj.fmt.name, attn.k_proj.fmt.name, attn.v_proj.fmt.name] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert type(second.mlp.up_proj) is Linear and isinstance(second.mlp.gate_proj, QuantLinear)
+    assert native.target.lm_head.fmt.name == "Q6_K" and native.target.lm_head.out_features == 300
+    summary = native.weight_summary()
+    assert summary["fallback"] == {"layers.1.mlp.up_proj.weight": "TQ2_0"}
+    assert summary["native"]["layers.0.self_attn.v_proj.weight"] == "Q6_K"
+    assert summary["native"]["layers.0.mlp.up_proj.weight"] == "Q4_K"  # a fused part by its own name
+
+
+def test_native_bf16_holds_the_dequantized_load_values(tmp_path):
+    """In bfloat16 each block layer dequantizes to the bits the dequantized load holds, tied embedding
+    and head still one tensor (built on the meta device, then given memory)."""
+    native, twin = _pairs(_file(tmp_path, "qwen3-q8_0-tied"), "bfloat16")
+    assert native.target.lm_head.weight is native.target.embed_tokens.weight
+    assert native.target.inv_freq.dtype == torch.float32
+    assert torch.equal(native.target.inv_freq, twin.target.inv_freq)
+    layers = {name: m for name, m in native.target.named_modules() if isinstance(m, QuantLinear)}
+    twin_modules = dict(twin.target.named_modules())
+    assert len(layers) == 2 * 4  # per layer: qkv and gate/up fused, o_proj and down_proj
+    for name, layer in layers.items():
+        assert torch.equal(layer.dequantized(torch.bfloat16), twin_modules[name].weight), name
+    prompt = list(range(3, 15))
+    assert engine.generate(native, prompt, CONFIGS[0], 8, ignore_eos=True).tokens == \
+        engine.generate(twin, prompt, CONFIGS[0], 8, ignore_eos=True).tokens
+
+
+def test_native_refuses_a_bad_mode_a_float_target_and_nan_scales(tmp_path):
+    with pytest.raises(EngineInputError, match=r"weights must be one of \['dequantized', 'native'\], but got 'q4'"):
+        engine.load("tiny-dense", "none", device="cpu", weights="q4")
+    with pytest.raises(EngineInputError, match=r"weights='native' keeps a GGUF file's quantized blocks, but target "
+                                               r"'tiny-dense' is not read from one"):
+        engine.load("tiny-dense", "none", device="cpu", weights="native")
+    path = tmp_path / "nan.gguf"
+    write_gguf(path, _hf("qwen3"), "qwen3", Q.Q8_0, tokenizer=_tokenizer())
+    reader = gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "blk.1.attn_k.weight")
+    data = bytearray(path.read_bytes())
+    offset = int(t.data_offset) + 34 * 5  # the sixth block's scale
+    data[offset : offset + 2] = np.array([np.inf], np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(EngineInputError, match=r"nan.gguf: tensor 'blk.1.attn_k.weight' \(Q8_0\) holds 1 NaN or "
+                                               r"inf block scales in 2,048 blocks: the weights are corrupt"):
+        engine.load(str(path), "none", device="cpu", weights="native")
+    with pytest.raises(EngineInputError, match=r"'layers.1.self_attn.k_proj.weight' holds 32 non-finite values"):
+        engine.load(str(path), "none", device="cpu", weights="dequantized")
