@@ -41,6 +41,7 @@ MANIFEST = "checkpoint.json"
 RESUMABLE_CHANGES = frozenset({"steps", "time_budget_s", "val_every", "feature_store", "gen_batch_size",
                                "gen_max_new_tokens"})
 HISTORY_KEYS = ("loss", "acc1", "chain_al")
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,19 @@ class CheckpointConfig:
 
     dir: Path
     every: int = 500  # steps between checkpoints (one is also written when a call ends)
-    part_mb: float = 40.0  # largest part file, MiB
+    part_mb: float = 15.0  # largest part file, MiB (a device call brings files of at most 16 MiB back)
+    # float32: a resume is exact. bfloat16 halves the checkpoint (weights, best weights and AdamW
+    # moments rounded once per checkpoint, float32 again on resume): for a state that must travel
+    # through size-capped transfers, where a GPU run is not bitwise reproducible anyway.
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise EngineInputError(f"--checkpoint-every must be a positive integer, got {self.every!r}")
         if not self.part_mb >= 0.001:
             raise EngineInputError(f"--part-mb must be at least 0.001 (MiB), got {self.part_mb!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise EngineInputError(f"--state-dtype must be one of {list(STATE_DTYPES)}, got {self.state_dtype!r}")
 
 
 @dataclass
@@ -107,14 +114,15 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
     mask token, target and data fingerprints) goes into the manifest as it is. Returns the manifest."""
     ck.dir.mkdir(parents=True, exist_ok=True)
     best_is_current = state.best is not None and state.best[1] == state.step
+    dtype = STATE_DTYPES[ck.state_dtype]
     payload = {
-        "draft": draft.state_dict(),
-        "optimizer": opt.state_dict(),
+        "draft": _cast(draft.state_dict(), dtype),
+        "optimizer": _cast(opt.state_dict(), dtype),
         "rng": rng_states(sampler),
         # float64 keeps every logged float exactly (they are float32 values read back)
         "history": torch.tensor([[h[k] for k in HISTORY_KEYS] for h in state.history], dtype=torch.float64),
         # The best draft is often the current one late in a run: no second copy then.
-        "best": None if state.best is None or best_is_current else state.best[2],
+        "best": None if state.best is None or best_is_current else _cast(state.best[2], dtype),
     }
     buf = io.BytesIO()
     torch.save(payload, buf)
@@ -127,7 +135,8 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
         _atomic_write(ck.dir / name, chunk)
         parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
     manifest = dict(meta) | {
-        "format": FORMAT, "run_id": state.run_id, "step": state.step, "train_seconds": state.train_seconds,
+        "format": FORMAT, "state_dtype": ck.state_dtype, "run_id": state.run_id, "step": state.step,
+        "train_seconds": state.train_seconds,
         "val_history": state.val_history, "calls": state.calls,
         "best": None if state.best is None else {"loss": state.best[0], "step": state.best[1],
                                                  "is_current": best_is_current},
@@ -140,6 +149,17 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
         if old.name not in keep:
             old.unlink(missing_ok=True)
     return path
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its float32 tensors in ``dtype`` (step counters and the like stay as they are)."""
+    if dtype == torch.float32:
+        return tree
+    if isinstance(tree, Tensor):
+        return tree.to(dtype) if tree.dtype == torch.float32 and tree.ndim > 0 else tree
+    if isinstance(tree, dict):
+        return {k: _cast(v, dtype) for k, v in tree.items()}
+    return tree
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

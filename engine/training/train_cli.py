@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--num-anchors", type=int, default=32,
                    help="blocks drawn per sequence per step, each starting at a random position (default 32)")
     t.add_argument("--gamma", type=float, default=7.0,
-                   help="loss weight of block position k: exp(-(k-1)/gamma), early positions count more (default 7)")
+                   help="loss weight of block position k: exp(-(k-1)/gamma), early positions count more (the DFlash "
+                        "paper's decay; it suggests 7 for block size 16, 5 for 10, 4 for 8; default 7)")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate (default 6e-4)")
     t.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     t.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
@@ -82,11 +83,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "best draft, loss history) every --checkpoint-every steps and when the command ends, with "
                         "curves.png; the learning rate then decays over --steps only, so a run can span many calls")
     t.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
-    t.add_argument("--part-mb", type=float, default=40.0,
-                   help="checkpoint part files of at most this many MiB, each its own file (default 40)")
+    t.add_argument("--part-mb", type=float, default=15.0,
+                   help="checkpoint part files of at most this many MiB, each its own file (default 15)")
+    t.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="checkpoint weights and AdamW moments in float32 (a resume is exact) or bfloat16 (half "
+                        "the size, rounded once per checkpoint; for state that must travel through size limits)")
     t.add_argument("--resume", metavar="DIR",
                    help="continue the run checkpointed in DIR (and keep checkpointing there unless "
-                        "--checkpoint-dir says otherwise): give the first call's flags and data (--data); only "
+                        "--checkpoint-dir says otherwise): give the first call's flags and data (--data; the "
+                        "architecture flags left out keep the checkpoint's values); only "
                         "--steps, --time-budget, --wall-budget, --val-every, --feature-store and the generation "
                         "flags may change")
     t.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -240,7 +245,8 @@ def _checkpointing(args: argparse.Namespace, cfg: TrainConfig
     folder = args.checkpoint_dir or args.resume
     if folder is None:
         return None, None, cfg
-    ck = CheckpointConfig(Path(folder), every=args.checkpoint_every, part_mb=args.part_mb)
+    ck = CheckpointConfig(Path(folder), every=args.checkpoint_every, part_mb=args.part_mb,
+                          state_dtype=args.state_dtype)
     if not args.resume:
         if (ck.dir / MANIFEST).exists():
             step = read_manifest(ck.dir)["step"]
@@ -251,6 +257,19 @@ def _checkpointing(args: argparse.Namespace, cfg: TrainConfig
     cfg = replace(cfg, warmup_steps=manifest["config"].get("warmup_steps", cfg.warmup_steps))
     check_resumable(manifest, Path(args.resume), cfg)
     return ck, manifest, cfg
+
+
+def _resumed_architecture(args: argparse.Namespace, values: dict[str, int]) -> None:
+    """With --resume, the architecture flags left out keep the checkpoint's values (as with --init,
+    whose draft's sizes the first call took without flags)."""
+    if not args.resume:
+        return
+    saved = read_manifest(Path(args.resume))["config"]
+    for key in ARCH_DEFAULTS:
+        if getattr(args, key) is None and key in saved:
+            values[key] = saved[key]
+    if args.intermediate_size is None:
+        args.intermediate_size = saved.get("intermediate_size")
 
 
 def _check_out(out: Path, manifest: dict | None) -> None:
@@ -273,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
 
     values = _sizes(args)
     _check_flags(args)
+    _resumed_architecture(args, values)
     cfg = _train_config(args, values)
     ck, manifest, cfg = _checkpointing(args, cfg)
     out = Path(args.out)

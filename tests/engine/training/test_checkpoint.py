@@ -178,6 +178,29 @@ def test_parts_are_checked_joined_and_written_atomically(pair, data, tmp_path, m
         load_checkpoint(folder, manifest)
 
 
+def test_a_bfloat16_checkpoint_is_half_the_size_and_resumes_close(pair, data, tmp_path):
+    """--state-dtype bfloat16 (for state that must travel through size limits): about half the
+    bytes, and the resumed run follows the exact one closely, though not bit for bit."""
+    _train(pair, data, tmp_path / "a")
+    seqs, plens = data
+    ck = CheckpointConfig(tmp_path / "b", state_dtype="bfloat16")
+    train_draft(pair.target, seqs, plens, CFG, pair.tokenizer.mask_id, log=lambda m: None, checkpoint=ck,
+                stop_after=K1)
+    exact = CheckpointConfig(tmp_path / "c")
+    train_draft(pair.target, seqs, plens, CFG, pair.tokenizer.mask_id, log=lambda m: None, checkpoint=exact,
+                stop_after=K1)
+    small, full = read_manifest(tmp_path / "b")["bytes"], read_manifest(tmp_path / "c")["bytes"]
+    assert small < 0.6 * full and read_manifest(tmp_path / "b")["state_dtype"] == "bfloat16"
+    assert _state(tmp_path / "b")["optimizer"]["state"][0]["exp_avg"].dtype == torch.bfloat16
+    train_draft(pair.target, seqs, plens, CFG, pair.tokenizer.mask_id, log=lambda m: None, checkpoint=ck,
+                resume=tmp_path / "b")
+    a, b = _state(tmp_path / "a")["history"], _state(tmp_path / "b")["history"]
+    assert torch.equal(a[:K1], b[:K1])
+    torch.testing.assert_close(b[K1:, 0], a[K1:, 0], rtol=0.05, atol=0.05)  # the loss, within rounding
+    with pytest.raises(EngineInputError, match="--state-dtype must be one of"):
+        CheckpointConfig(tmp_path, state_dtype="float16")
+
+
 def test_a_different_run_is_refused_naming_the_field_and_both_values(pair, data, tmp_path):
     folder = tmp_path / "ck"
     _train(pair, data, folder, stop_after=2)
@@ -246,3 +269,21 @@ def test_train_draft_resumes_across_calls_on_your_own_prompts(tmp_path, capsys):
     assert (ck / "curves.png").is_file() and read_manifest(ck)["step"] == 6
     loaded = engine.load("tiny-dense", str(out), device="cpu")  # the draft written is a working draft
     assert loaded.drafter is not None
+
+
+def test_a_warm_started_run_resumes_with_its_architecture_and_history(tmp_path, capsys):
+    """--init in the first call, --resume without it and without the architecture flags: the
+    checkpoint's sizes are kept, and training.json still counts the warm start's steps."""
+    data = tmp_path / "sd.jsonl"
+    base = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--batch-size", "2", "--num-anchors", "4",
+            "--no-progress"]
+    assert main(base + ["--prompts", QUICKSTART, "--gen-max-new-tokens", "12", "--steps", "3", "--layers", "1",
+                        "--block-size", "4", "--out", str(tmp_path / "a"), "--save-data", str(data)]) == 0
+    run = base + ["--data", str(data), "--steps", "8", "--out", str(tmp_path / "b")]
+    assert main(run + ["--init", str(tmp_path / "a"), "--checkpoint-dir", str(tmp_path / "ck"),
+                       "--stop-after", "2"]) == 0
+    assert main(run + ["--resume", str(tmp_path / "ck")]) == 0
+    assert "resumed" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert summary["config"]["layers"] == 1 and summary["config"]["block_size"] == 4
+    assert summary["steps"] == 8 and summary["init_training"]["steps"] == 3 and summary["total_steps"] == 11
