@@ -292,6 +292,9 @@ def test_the_guide_runs_end_to_end(form, models, tmp_path):
     assert json.loads((draft / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     assert re.search(r"^checkpoint: my-draft$", run.output_of("train-draft"), flags=re.M)
     assert re.search(r"^acceptance_length: [\d.]+$", run.output_of("--draft ./my-draft"), flags=re.M)
+    # the resumable run of "Acceptance is below break-even": a checkpoint, two calls, the draft
+    assert (tmp_path / "my-run" / "checkpoint.json").is_file() and (tmp_path / "my-run" / "curves.png").is_file()
+    assert len(json.loads((tmp_path / "my-draft-2" / "training.json").read_text())["calls"]) == 2
     # step 5: a study with finished trials, in this folder
     summary = run.output_of("autotune sweep")
     assert re.search(r"^exit: done$", summary, flags=re.M), summary

@@ -11,16 +11,14 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import lzma
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +26,22 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import EngineInputError
-from engine.models.dense import BatchKV, DenseModel, forward_padded
+from engine.models.dense import DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from engine.training.checkpoint import (
+    HISTORY_KEYS,
+    CheckpointConfig,
+    RunState,
+    check_resumable,
+    data_fingerprint,
+    load_checkpoint,
+    read_manifest,
+    restore,
+    save_checkpoint,
+    target_record,
+)
+from engine.training.features import FEATURE_STORES, TokenStore, target_features
+from engine.training.progress import ProgressBar, plot_curves
 
 _TRAIN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -58,6 +70,9 @@ class TrainConfig:
     # Where the frozen target features of every training position live: "device" (fastest),
     # "host" (CPU memory, each batch copied over: GPUs too small to hold them), or "auto".
     feature_store: str = "auto"
+    # The cosine's horizon: whichever of steps and time_budget_s runs out first, or the steps only
+    # (a run resumed over many calls: each call's budget ends the call, not the schedule).
+    decay_over: str = "steps-or-time"
 
     def __post_init__(self) -> None:
         for name in ("layers", "block_size", "num_target_ids", "num_anchors", "steps", "batch_size",
@@ -74,84 +89,13 @@ class TrainConfig:
         if self.feature_store not in FEATURE_STORES:
             raise EngineInputError(f"TrainConfig.feature_store must be one of {list(FEATURE_STORES)}, "
                                    f"got {self.feature_store!r}")
+        if self.decay_over not in DECAY_OVER:
+            raise EngineInputError(f"TrainConfig.decay_over must be one of {list(DECAY_OVER)}, got {self.decay_over!r}")
 
 
-FEATURE_STORES = ("auto", "device", "host")
-# "auto" keeps the features on the GPU when they take at most this share of its free memory (the
-# draft's activations and the optimiser need the rest), in host memory otherwise.
-DEVICE_FEATURE_SHARE = 0.7
-
-
-def feature_store_device(choice: str, n_bytes: int, device: torch.device, free_bytes: int | None) -> torch.device:
-    """Where ``n_bytes`` of target features go for a ``choice`` of ``FEATURE_STORES`` (``free_bytes``:
-    the device's free memory; None off CUDA, where both are the same memory)."""
-    if device.type != "cuda" or choice == "device":
-        return device
-    if choice == "host" or free_bytes is None or n_bytes > DEVICE_FEATURE_SHARE * free_bytes:
-        return torch.device("cpu")
-    return device
-
-
+DECAY_OVER = ("steps-or-time", "steps")
 VAL_MAX = 256  # held-out sequences at most (scoring them costs a few forwards)
 VAL_MIN_DATA = 50  # fewer sequences than this: no held-out set
-
-
-@torch.inference_mode()
-def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                       batch_size: int, stop_ids: Sequence[int], time_budget_s: float = 0.0,
-                       seed: int = 0) -> list[list[int] | None]:
-    """Greedy answers of the target to every prompt, batched with left padding.
-
-    Prompts of similar length share a batch; the batches run in a seeded random order, so that
-    with ``time_budget_s`` (no new batch starts after it) the answered prompts are a fair sample of
-    every length, and the prompts of the batches not run get ``None``."""
-    if not isinstance(target, DenseModel):
-        raise EngineInputError("draft training supports dense targets (Llama/Qwen3 family) only")
-    device, cfg = target.device, target.cfg
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    batches = [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
-    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
-    out: list[list[int] | None] = [None for _ in prompts]
-    stop = torch.tensor(list(stop_ids) or [-1], device=device)
-    t0 = time.perf_counter()
-    for k in perm:
-        if time_budget_s and time.perf_counter() - t0 > time_budget_s:
-            break
-        idx = batches[k]
-        b, p = len(idx), max(len(prompts[i]) for i in idx)
-        tokens = torch.zeros(b, p, dtype=torch.long, device=device)
-        valid = torch.zeros(b, p, dtype=torch.bool, device=device)
-        for r, i in enumerate(idx):
-            n = len(prompts[i])
-            tokens[r, p - n :] = torch.tensor(prompts[i], device=device)
-            valid[r, p - n :] = True
-        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        size = p + max_new_tokens
-        kv = BatchKV(
-            k=torch.zeros(cfg.num_hidden_layers, b, size, cfg.num_key_value_heads, cfg.dim_per_head,
-                          device=device, dtype=target.dtype),
-            v=torch.zeros(cfg.num_hidden_layers, b, size, cfg.num_key_value_heads, cfg.dim_per_head,
-                          device=device, dtype=target.dtype),
-            valid=torch.zeros(b, size, dtype=torch.bool, device=device),
-        )
-        logits, _ = forward_padded(target, tokens, positions, valid, kv, 0, last_only=True)
-        nxt = logits[:, -1].argmax(-1)
-        pos = positions[:, -1] + 1
-        gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):
-            gen[:, step] = nxt
-            done |= torch.isin(nxt, stop)
-            if step + 1 == max_new_tokens or bool(done.all()):
-                break
-            logits, _ = forward_padded(target, nxt[:, None], pos[:, None], torch.ones(b, 1, dtype=torch.bool,
-                                       device=device), kv, p + step)
-            nxt, pos = logits[:, -1].argmax(-1), pos + 1
-        for r, i in enumerate(idx):
-            row = gen[r].tolist()[: step + 1]
-            cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
-            out[i] = row[:cut]
-    return out
 
 
 def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> DFlashDraft:
@@ -170,32 +114,6 @@ def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> D
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             # norms keep their identity initialisation
     return draft
-
-
-@dataclass
-class TokenStore:
-    """Every training sequence back to back on the device, with its target features alongside."""
-
-    tokens: Tensor  # [N] long
-    feats: Tensor  # [N, n_ids * H] frozen target features of every position
-    starts: Tensor  # [S] offset of each sequence
-    lens: Tensor  # [S]
-    prompt_lens: Tensor  # [S]
-
-    def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
-        lens = self.lens[pick]
-        # The step's one host read before the forward; widths in steps of 128 keep the number of
-        # distinct shapes (and kernel plans) small.
-        width = -(-int(lens.max()) // 128) * 128
-        j = torch.arange(width, device=lens.device)
-        inside = j[None, :] < lens[:, None]
-        idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
-        if self.feats.device == idx.device:
-            feats = self.feats[idx]
-        else:  # features in host memory: gathered there, one copy of the batch's rows
-            feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
-        return self.tokens[idx] * inside, feats, lens, self.prompt_lens[pick]
 
 
 def sample_anchors(prompt_lens: Tensor, lens: Tensor, width: int, n: int,
@@ -246,48 +164,6 @@ def block_batch(tokens: Tensor, lens: Tensor, anchors: Tensor, valid: Tensor, bl
                 mask=torch.cat([sees_ctx, sees_block], dim=2))
 
 
-@torch.no_grad()
-def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Sequence[int],
-                    tokens_per_batch: int = 32768, store: str = "device") -> Tensor:
-    """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
-    (the target is frozen): length-bucketed batches keep padding low. In the target's dtype, on its
-    device or (``store``, one of ``FEATURE_STORES``) in host memory."""
-    device = target.device
-    starts = [0]
-    for s in seqs:
-        starts.append(starts[-1] + s.numel())
-    out = None
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i].numel())
-    i = 0
-    while i < len(order):
-        width = seqs[order[i]].numel()
-        j = i
-        while j < len(order) and (j - i + 1) * seqs[order[j]].numel() <= max(tokens_per_batch, width):
-            j += 1
-        idx = order[i:j]
-        width = seqs[idx[-1]].numel()
-        tokens = torch.zeros(len(idx), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(idx), width, dtype=torch.bool, device=device)
-        for r, q in enumerate(idx):
-            tokens[r, : seqs[q].numel()] = seqs[q]
-            valid[r, : seqs[q].numel()] = True
-        positions = torch.arange(width, device=device).expand(len(idx), -1)
-        _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
-        if out is None:
-            n_bytes = starts[-1] * f.shape[-1] * f.element_size()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-            where = feature_store_device(store, n_bytes, device, free)
-            # Pageable, not pinned: PyTorch's pinned allocator rounds a request up to a power of two
-            # (70 GiB would ask for 128), and a batch's rows are gathered into a new tensor anyway.
-            out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype)
-        for r, q in enumerate(idx):
-            out[starts[q] : starts[q + 1]] = f[r, : seqs[q].numel()]
-        i = j
-    return out
-
-
 def draft_loss(draft: DFlashDraft, target: DenseModel, batch: dict[str, Tensor], feats: Tensor,
                gamma: float) -> tuple[Tensor, dict[str, float]]:
     """Decayed cross-entropy of every block slot after the root, through the frozen target lm_head."""
@@ -306,10 +182,14 @@ def draft_loss(draft: DFlashDraft, target: DenseModel, batch: dict[str, Tensor],
         valid = (labels >= 0).view(-1, block - 1)
         used = valid[:, 0]  # blocks of an unused anchor slot predict nothing
         # Chain acceptance the draft would get on these blocks: accepted prefix + 1.
-        accepted = ((hit | ~valid).long().cumprod(1) * valid)[used]
-        packed = torch.stack([loss.detach(), hit[:, 0][used].float().mean(), accepted.sum(1).float().mean() + 1])
-        loss_v, acc1, chain_al = packed.tolist()  # one host read for the three
-    return loss, {"loss": loss_v, "acc1": acc1, "chain_al": chain_al}
+        reach = (hit | ~valid).long().cumprod(1)[used]
+        accepted = reach * valid[used]
+        # Per slot: the share of blocks (with a label there) whose accepted prefix reaches it.
+        slot_acc = accepted.sum(0).float() / valid[used].sum(0).clamp(min=1)
+        packed = torch.cat([torch.stack([loss.detach(), hit[:, 0][used].float().mean(),
+                                         accepted.sum(1).float().mean() + 1]), slot_acc])
+        loss_v, acc1, chain_al, *slots = packed.tolist()  # one host read for all
+    return loss, {"loss": loss_v, "acc1": acc1, "chain_al": chain_al, "slot_acc": slots}
 
 
 def _starting_draft(target: DenseModel, cfg: TrainConfig, mask_token_id: int, init: DFlashDraft | None
@@ -329,9 +209,10 @@ def _starting_draft(target: DenseModel, cfg: TrainConfig, mask_token_id: int, in
 
 
 def learning_rate(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
-    """Warm-up, then cosine decay over whichever runs out first: the steps or the time budget."""
+    """Warm-up, then cosine decay over whichever runs out first: the steps or the time budget
+    (``decay_over="steps"``: the steps only, as a run resumed over many calls needs)."""
     progress = step / cfg.steps
-    if cfg.time_budget_s:
+    if cfg.time_budget_s and cfg.decay_over == "steps-or-time":
         progress = max(progress, elapsed_s / cfg.time_budget_s)
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -345,107 +226,226 @@ def train_draft(
     log: Callable[[str], None] = print,
     init: DFlashDraft | None = None,
     deadline: float | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    resume: Path | None = None,
+    stop_after: int | None = None,
+    progress: bool = False,
+    lineage: dict[str, Any] | None = None,
+    curves: Path | None = None,
 ) -> tuple[DFlashDraft, dict]:
     """Train a draft on (prompt + self-distilled response) token sequences: a new one, or ``init``
     (a trained draft, warm start: its architecture is kept, training continues in float32 with a
     fresh optimiser, warm-up and schedule). ``deadline`` (a ``time.perf_counter()`` value): the
-    training time is at most what is left before it once the target features are computed."""
+    training time is at most what is left before it once the target features are computed.
+
+    ``checkpoint``: write the resumable state there every ``checkpoint.every`` steps and when this
+    call ends; ``resume``: a checkpoint folder to continue from (same config but for
+    ``RESUMABLE_CHANGES``, same data, same target), bit for bit as if never stopped.
+    ``stop_after``: end this call after that many steps (the schedule still runs over ``cfg.steps``).
+    ``progress``: a progress bar on stderr. ``lineage``: what the run started from (kept in the
+    checkpoint). ``curves``: where the loss curves (a PNG) go at every checkpoint and when the call ends
+    (default: curves.png in the checkpoint folder)."""
     device = target.device
-    if len(sequences) != len(prompt_lens) or not sequences:
-        raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
+    kept, data = _device_sequences(sequences, prompt_lens, cfg, device)
     draft = _starting_draft(target, cfg, mask_token_id, init)
-    ids = draft.cfg.target_layer_ids
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    kept = [(list(s)[: cfg.max_seq_len], p) for s, p in zip(sequences, prompt_lens, strict=True)]
-    kept = [(s, p) for s, p in kept if len(s) - 1 > p]
-    data = [(torch.tensor(s, device=device), p) for s, p in kept]
-    if not data:
-        raise EngineInputError("no training sequence has a response token after its prompt")
-    autocast = device.type == "cuda"
+    lens = torch.tensor([s.numel() for s in data], device=device)
+    plens = torch.tensor([p for _, p in kept], device=device)
+    tokens_all = torch.cat(data)
+    meta = {"config": None, "mask_token_id": mask_token_id, "target": target_record(target),
+            "data": data_fingerprint(tokens_all, lens, plens), "lineage": lineage}
+    manifest = _resumable(resume, init, cfg, meta)  # checked before the feature pass, which can take minutes
     t0 = time.perf_counter()
-    lens = torch.tensor([s.numel() for s, _ in data], device=device)
-    store = TokenStore(
-        tokens=torch.cat([s for s, _ in data]),
-        feats=target_features(target, [s for s, _ in data], ids, store=cfg.feature_store),
-        starts=torch.cumsum(lens, 0) - lens, lens=lens,
-        prompt_lens=torch.tensor([p for _, p in data], device=device),
-    )
+    store = TokenStore(tokens=tokens_all, feats=target_features(target, data, draft.cfg.target_layer_ids,
+                                                                store=cfg.feature_store),
+                       starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=plens)
     log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB on "
         f"{'the device' if store.feats.device == device else 'the host'} "
         f"in {time.perf_counter() - t0:.0f}s")
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the data order and the anchors
     train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
-    if deadline is not None:
-        # Measured after the features (in host memory they can take minutes), not guessed before.
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            raise EngineInputError(f"the wall budget is spent before training starts ({-left:.0f}s over after the "
-                                   f"target features)")
-        cfg = replace(cfg, time_budget_s=min(cfg.time_budget_s, left) if cfg.time_budget_s else left)
-        log(f"training budget: {cfg.time_budget_s:.0f}s")
-    t0, history, step = time.perf_counter(), [], 0
-    val_history: list[dict[str, float]] = []
-    best: tuple[float, int, dict[str, Tensor]] | None = None  # (held-out loss, step, weights)
+    cfg = _fit_deadline(cfg, deadline, log)
+    meta["config"] = asdict(cfg)
+    state = RunState()
+    if manifest is not None:
+        state = restore(load_checkpoint(resume, manifest), manifest, draft, opt, gen)
+        log(f"resumed {resume} at step {state.step} of {cfg.steps} (call {len(state.calls) + 1}, "
+            f"{state.train_seconds:.0f}s trained so far)")
+    bar = ProgressBar(cfg.steps, state.step, cfg.time_budget_s, enabled=progress)
+    bar.held_out = state.val_history[-1]["loss"] if state.val_history else None
 
     def score(done_steps: int) -> None:
-        """Score the held-out blocks after ``done_steps`` steps; keep the weights if they are the best."""
-        nonlocal best
-        val = dict(step=done_steps, **held_out_stats(draft, target, val_batches, store, cfg.gamma, autocast))
-        val_history.append(val)
-        if best is None or val["loss"] < best[0]:
-            best = (val["loss"], done_steps, {k: v.detach().clone() for k, v in draft.state_dict().items()})
-        log(f"held-out at step {done_steps}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
-            f"chain_al {val['chain_al']:.2f} (best {best[0]:.4f} at step {best[1]})")
+        bar.held_out = _score(state, draft, target, val_batches, store, cfg.gamma, done_steps, log)
 
+    curves = _curves_path(curves, checkpoint)
+    start, prior_seconds, prior_calls = state.step, state.train_seconds, list(state.calls)
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    call = {"start_step": start, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": _device_name(device)}
+
+    def save(stopped: str) -> None:
+        """The run's state as of now; with ``checkpoint``, written there with curves.png beside it."""
+        state.train_seconds = prior_seconds + time.perf_counter() - t0
+        state.calls = prior_calls + [call | {"end_step": state.step, "seconds": round(time.perf_counter() - t0, 1),
+                                            "stopped": stopped}]
+        if checkpoint is not None:
+            save_checkpoint(checkpoint, state, draft, opt, gen, meta)
+        if curves is not None:
+            plot_curves(curves, state.history, state.val_history)
+
+    t0, tokens_seen = time.perf_counter(), 0
     if init is not None and val_batches:  # a continuation that only gets worse keeps the draft it started from
         score(0)
-    lr = cfg.lr
-    for step in range(cfg.steps):
+    if start == end:
+        log(f"nothing to train: the run is at step {start} of {cfg.steps}")
+        save("steps")
+    for step in range(start, end):
         lr = learning_rate(cfg, step, time.perf_counter() - t0)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        pick = train_idx[torch.randint(0, train_idx.numel(), (cfg.batch_size,), generator=gen, device=device)]
-        tokens, feats, seq_lens, plens = store.batch(pick)
-        anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
-        batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
-        # Not cuDNN attention: it builds a plan per shape on the host, which made the step CPU-bound.
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
-            loss, stats = draft_loss(draft, target, batch, feats if autocast else feats.float(), cfg.gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        stats, n_tokens = _train_step(draft, target, opt, store, train_idx, gen, cfg, mask_token_id, lr)
         if not math.isfinite(stats["loss"]):
             raise RuntimeError(f"loss is {stats['loss']} at step {step}: training diverged")
-        history.append(stats)
+        state.history.append({k: stats[k] for k in HISTORY_KEYS})
+        state.step, tokens_seen = step + 1, tokens_seen + n_tokens
+        bar.update(step, stats["loss"], n_tokens)
         elapsed = time.perf_counter() - t0
         if step % 25 == 0 or step == cfg.steps - 1:
             log(f"step {step} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} chain_al {stats['chain_al']:.2f} "
                 f"lr {lr:.2e} elapsed {elapsed:.0f}s")
-        out_of_time = bool(cfg.time_budget_s and elapsed > cfg.time_budget_s)
-        if val_batches and ((step + 1) % cfg.val_every == 0 or step == cfg.steps - 1 or out_of_time):
+        stopped = _stop_reason(cfg, step, end, elapsed, log)
+        if val_batches and ((step + 1) % cfg.val_every == 0 or stopped):
             score(step + 1)
-        if out_of_time:
-            log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
+        if stopped or (checkpoint is not None and (step + 1) % checkpoint.every == 0):
+            save(stopped or "running")  # "running": the call went on (if it was killed, it ended here)
+        if stopped:
             break
-    if best is not None:
-        draft.load_state_dict(best[2])  # the draft that predicted held-out answers best
-    tail = history[-20:]
-    summary = {
-        "steps": step + 1,
-        "train_seconds": round(time.perf_counter() - t0, 1),
+    bar.close()
+    if state.best is not None:
+        draft.load_state_dict(state.best[2])  # the draft that predicted held-out answers best
+    summary = _summary(state, cfg, store, train_idx.numel(), tokens_seen / max(time.perf_counter() - t0, 1e-9))
+    return draft.eval(), summary
+
+
+def _score(state: RunState, draft: DFlashDraft, target: DenseModel, val_batches: list[dict[str, Tensor]],
+           store: TokenStore, gamma: float, done_steps: int, log: Callable[[str], None]) -> float:
+    """Score the held-out blocks after ``done_steps`` steps, keep the weights if they are the best;
+    the held-out loss."""
+    val = dict(step=done_steps, **held_out_stats(draft, target, val_batches, store, gamma,
+                                                 target.device.type == "cuda"))
+    state.val_history.append(val)
+    if state.best is None or val["loss"] < state.best[0]:
+        state.best = (val["loss"], done_steps, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+    log(f"held-out at step {done_steps}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
+        f"chain_al {val['chain_al']:.2f} (best {state.best[0]:.4f} at step {state.best[1]})")
+    return val["loss"]
+
+
+def _curves_path(curves: Path | None, checkpoint: CheckpointConfig | None) -> Path | None:
+    if curves is None and checkpoint is not None:
+        return checkpoint.dir / "curves.png"
+    return curves
+
+
+def _resumable(resume: Path | None, init: DFlashDraft | None, cfg: TrainConfig, meta: dict[str, Any]
+               ) -> dict[str, Any] | None:
+    """The manifest of the checkpoint to resume, once it is known to continue this very run."""
+    if resume is None:
+        return None
+    if init is not None:
+        raise EngineInputError("--init and --resume: the checkpoint holds the draft to continue; leave --init out")
+    manifest = read_manifest(resume)
+    check_resumable(manifest, resume, cfg, meta["mask_token_id"], meta["target"], meta["data"])
+    return manifest
+
+
+def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], cfg: TrainConfig,
+                      device: torch.device) -> tuple[list[tuple[list[int], int]], list[Tensor]]:
+    """The sequences cut to ``max_seq_len`` that keep a response token to predict (with their
+    prompt lengths), and the same on the device."""
+    if len(sequences) != len(prompt_lens) or not sequences:
+        raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
+    kept = [(list(s)[: cfg.max_seq_len], p) for s, p in zip(sequences, prompt_lens, strict=True)]
+    kept = [(s, p) for s, p in kept if len(s) - 1 > p]
+    if not kept:
+        raise EngineInputError("no training sequence has a response token after its prompt")
+    return kept, [torch.tensor(s, device=device) for s, _ in kept]
+
+
+def _fit_deadline(cfg: TrainConfig, deadline: float | None, log: Callable[[str], None]) -> TrainConfig:
+    """``cfg`` with the training budget shrunk to what is left before ``deadline``. Measured after
+    the features (in host memory they can take minutes), not guessed before."""
+    if deadline is None:
+        return cfg
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        raise EngineInputError(f"the wall budget is spent before training starts ({-left:.0f}s over after the "
+                               f"target features)")
+    cfg = replace(cfg, time_budget_s=min(cfg.time_budget_s, left) if cfg.time_budget_s else left)
+    log(f"training budget: {cfg.time_budget_s:.0f}s")
+    return cfg
+
+
+def _train_step(draft: DFlashDraft, target: DenseModel, opt: torch.optim.Optimizer, store: TokenStore,
+                train_idx: Tensor, gen: torch.Generator, cfg: TrainConfig, mask_token_id: int, lr: float
+                ) -> tuple[dict[str, Any], int]:
+    """One optimizer step on a batch drawn from ``gen``: its stats and the sequence tokens it saw."""
+    autocast = target.device.type == "cuda"
+    for group in opt.param_groups:
+        group["lr"] = lr
+    pick = train_idx[torch.randint(0, train_idx.numel(), (cfg.batch_size,), generator=gen, device=gen.device)]
+    tokens, feats, seq_lens, plens = store.batch(pick)
+    n_tokens = int(seq_lens.sum())  # cheap: batch() has just read the host, the queue holds only the gather
+    anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
+    batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
+    # Not cuDNN attention: it builds a plan per shape on the host, which made the step CPU-bound.
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
+        loss, stats = draft_loss(draft, target, batch, feats if autocast else feats.float(), cfg.gamma)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt.step()
+    return stats, n_tokens
+
+
+def _stop_reason(cfg: TrainConfig, step: int, end: int, elapsed: float, log: Callable[[str], None]) -> str | None:
+    """Why this call ends after step index ``step``: "time", "steps" (all done), "stop-after", or None."""
+    if cfg.time_budget_s and elapsed > cfg.time_budget_s:
+        log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
+        return "time"
+    if step + 1 < end:
+        return None
+    if end < cfg.steps:
+        log(f"--stop-after: this call ends at step {end} of {cfg.steps}")
+        return "stop-after"
+    return "steps"
+
+
+def _summary(state: RunState, cfg: TrainConfig, store: TokenStore, n_train: int, tokens_per_s: float) -> dict:
+    tail = state.history[-20:] or [{k: math.nan for k in HISTORY_KEYS}]
+    device = store.tokens.device
+    return {
+        "steps": state.step,  # of the whole run, every call
+        "steps_planned": cfg.steps,
+        "complete": state.step >= cfg.steps,
+        "train_seconds": round(state.train_seconds, 1),
         "final_loss": sum(h["loss"] for h in tail) / len(tail),
         "final_acc1": sum(h["acc1"] for h in tail) / len(tail),
         "final_chain_al_train": sum(h["chain_al"] for h in tail) / len(tail),
-        "sequences": len(data),
-        "tokens": int(sum(s.numel() for s, _ in data)),
+        "sequences": store.lens.numel(),
+        "tokens": int(store.lens.sum()),
+        "tokens_per_s": round(tokens_per_s),  # this call's
+        "device": _device_name(device),
         "feature_store": "device" if store.feats.device == device else "host",
-        "held_out_sequences": len(data) - train_idx.numel(),
-        "held_out": val_history,
-        "kept_step": best[1] if best is not None else step + 1,  # 0: the warm-start draft was best
+        "held_out_sequences": store.lens.numel() - n_train,
+        "held_out": state.val_history,
+        "held_out_loss": state.best[0] if state.best is not None else None,
+        "kept_step": state.best[1] if state.best is not None else state.step,  # 0: the warm-start draft was best
+        "run_id": state.run_id,
+        "calls": state.calls,  # the resume history: one record per call
         "config": asdict(cfg),
     }
-    return draft.eval(), summary
+
+
+def _device_name(device: torch.device) -> str:
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def held_out_key(prompt: Sequence[int]) -> bytes:
@@ -476,56 +476,17 @@ def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: t
 
 @torch.no_grad()
 def held_out_stats(draft: DFlashDraft, target: DenseModel, batches: list[dict[str, Tensor]], store: TokenStore,
-                   gamma: float, autocast: bool) -> dict[str, float]:
+                   gamma: float, autocast: bool) -> dict[str, Any]:
     """Loss, first-slot accuracy and chain AL on the held-out blocks (means over the batches)."""
-    totals = {"loss": 0.0, "acc1": 0.0, "chain_al": 0.0}
+    totals: dict = {"loss": 0.0, "acc1": 0.0, "chain_al": 0.0, "slot_acc": None}
     for batch in batches:
         feats = store.batch(batch["pick"])[1]
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
             _, stats = draft_loss(draft, target, {k: v for k, v in batch.items() if k != "pick"},
                                   feats if autocast else feats.float(), gamma)
-        for k in totals:
+        for k in ("loss", "acc1", "chain_al"):
             totals[k] += stats[k] / len(batches)
+        slots = [a / len(batches) for a in stats["slot_acc"]]
+        totals["slot_acc"] = slots if totals["slot_acc"] is None else [a + b for a, b in zip(totals["slot_acc"],
+                                                                                               slots, strict=True)]
     return totals
-
-
-def _open_text(path: Path, mode: str) -> IO[str]:
-    # Self-distilled data is kept in the repository between GPU sessions: ``.xz`` makes it 1/12 of
-    # the JSON (``.gz`` 1/6), and every byte of it travels to the GPU machine in each call.
-    if path.suffix == ".xz":
-        return lzma.open(path, mode + "t", preset=9 if mode == "w" else None)
-    return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
-
-
-def save_sequences(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
-    """One JSON object per line, ``{"tokens": [...], "prompt_len": n}``; compressed when the name ends
-    in .xz or .gz."""
-    with _open_text(path, "w") as fh:
-        for s, p in zip(sequences, prompt_lens, strict=True):
-            fh.write(json.dumps({"tokens": list(s), "prompt_len": p}) + "\n")
-
-
-def load_sequences(path: Path) -> tuple[list[list[int]], list[int]]:
-    """What ``save_sequences`` wrote; a malformed line is an error naming the file and the line."""
-    if not path.is_file():
-        raise EngineInputError(f"--data {str(path)!r}: no such file")
-    seqs, plens = [], []
-    with _open_text(path, "r") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                tokens, plen = rec["tokens"], rec["prompt_len"]
-                ok = (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
-                      and isinstance(plen, int) and 0 < plen < len(tokens))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise EngineInputError(f"{path}:{n}: not a sequence record ({e})") from None
-            if not ok:
-                raise EngineInputError(f"{path}:{n}: 'tokens' must be a list of token ids longer than "
-                                       f"'prompt_len' (a positive integer)")
-            seqs.append(tokens)
-            plens.append(plen)
-    if not seqs:
-        raise EngineInputError(f"{path}: no sequences")
-    return seqs, plens

@@ -6,12 +6,15 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineInputError
-from engine.training.train import TrainConfig, generate_responses, load_sequences, save_sequences, train_draft
+from engine.training.checkpoint import MANIFEST, CheckpointConfig, check_resumable, read_manifest
+from engine.training.sequences import generate_responses, load_sequences, save_sequences
+from engine.training.train import TrainConfig, train_draft
 
 ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
 SAVE_MARGIN_S = 15.0  # --wall-budget: seconds kept for writing the checkpoint after training
@@ -45,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--num-anchors", type=int, default=32,
                    help="blocks drawn per sequence per step, each starting at a random position (default 32)")
     t.add_argument("--gamma", type=float, default=7.0,
-                   help="loss weight of block position k: exp(-(k-1)/gamma), early positions count more (default 7)")
+                   help="loss weight of block position k: exp(-(k-1)/gamma), early positions count more (the DFlash "
+                        "paper's decay; it suggests 7 for block size 16, 5 for 10, 4 for 8; default 7)")
     t.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate (default 6e-4)")
     t.add_argument("--steps", type=int, default=600, help="optimizer steps (default 600)")
     t.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
@@ -74,6 +78,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(within --gen-budget), and train on both")
     t.add_argument("--save-data",
                    help="write the training sequences (reused and new) to this JSONL file (.gz/.xz: compressed)")
+    t.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write a resumable checkpoint here (weights, AdamW state, schedule position, RNG states, "
+                        "best draft, loss history) every --checkpoint-every steps and when the command ends, with "
+                        "curves.png; the learning rate then decays over --steps only, so a run can span many calls")
+    t.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
+    t.add_argument("--part-mb", type=float, default=15.0,
+                   help="checkpoint part files of at most this many MiB, each its own file (default 15)")
+    t.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="checkpoint weights and AdamW moments in float32 (a resume is exact) or bfloat16 (half "
+                        "the size, rounded once per checkpoint; for state that must travel through size limits)")
+    t.add_argument("--resume", metavar="DIR",
+                   help="continue the run checkpointed in DIR (and keep checkpointing there unless "
+                        "--checkpoint-dir says otherwise): give the first call's flags and data (--data; the "
+                        "architecture flags left out keep the checkpoint's values); only "
+                        "--steps, --time-budget, --wall-budget, --val-every, --feature-store and the generation "
+                        "flags may change")
+    t.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="end this call after N steps (checkpoint written); the schedule still runs over --steps")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     t.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initial weights")
     t.add_argument("--smoke", action="store_true", help="a few steps on a few prompts (CPU check)")
@@ -186,36 +209,103 @@ def _sequences(args: argparse.Namespace, pair, cfg: TrainConfig, n_prompts: int
     return seqs, plens, reused
 
 
-def run(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
-    from engine.api import load
-    from engine.loading import save_draft_folder
-
-    values = _sizes(args)
-    if args.gen_more and not args.data:
-        raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
-    pair = load(args.target, "none", device=args.device, dtype="auto")
-    init, init_training = None, None
-    if args.init:
-        init, init_training = _warm_start(args, pair)
-        arch = _architecture(init)
-        values.update({k: arch[k] for k in ARCH_DEFAULTS})
-        args.intermediate_size = arch["intermediate_size"]
-    cfg = TrainConfig(
+def _train_config(args: argparse.Namespace, values: dict[str, int]) -> TrainConfig:
+    resumable = bool(args.checkpoint_dir or args.resume)
+    return TrainConfig(
         layers=values["layers"], intermediate_size=args.intermediate_size, block_size=values["block_size"],
         num_target_ids=values["num_target_ids"], num_anchors=values["num_anchors"], gamma=args.gamma, lr=args.lr,
         steps=values["steps"], batch_size=values["batch_size"], max_seq_len=args.max_seq_len,
         gen_max_new_tokens=values["gen_max_new_tokens"], gen_batch_size=args.gen_batch_size, seed=args.seed,
         time_budget_s=args.time_budget, warmup_steps=min(30, max(1, values["steps"] // 10)),
         val_fraction=args.val_fraction, val_every=args.val_every, feature_store=args.feature_store,
+        # A run over many calls decays over its steps: each call's budget ends the call, not the schedule.
+        decay_over="steps" if resumable else "steps-or-time",
     )
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.gen_more and not args.data:
+        raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
     for flag in ("wall_budget", "gen_budget"):
         if getattr(args, flag) < 0:
             raise EngineInputError(f"--{flag.replace('_', '-')} must be >= 0 seconds (0: no limit), "
                                    f"got {getattr(args, flag)}")
+    if args.init and args.resume:
+        raise EngineInputError(f"--init {args.init!r} and --resume {args.resume!r}: the checkpoint holds the draft "
+                               f"to continue (its --init is in its history); leave --init out")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise EngineInputError(f"--stop-after must be a positive number of steps, got {args.stop_after}")
+
+
+def _checkpointing(args: argparse.Namespace, cfg: TrainConfig
+                   ) -> tuple[CheckpointConfig | None, dict | None, TrainConfig]:
+    """Where checkpoints go, and the manifest of the one to resume, checked against this run's config
+    (returned with the checkpoint's warm-up length, which --steps would otherwise set anew) before any
+    model loads. A fresh run refuses a folder that holds a checkpoint already."""
+    folder = args.checkpoint_dir or args.resume
+    if folder is None:
+        return None, None, cfg
+    ck = CheckpointConfig(Path(folder), every=args.checkpoint_every, part_mb=args.part_mb,
+                          state_dtype=args.state_dtype)
+    if not args.resume:
+        if (ck.dir / MANIFEST).exists():
+            step = read_manifest(ck.dir)["step"]
+            raise EngineInputError(f"--checkpoint-dir {folder!r} holds a checkpoint (step {step}); continue it "
+                                   f"with --resume {folder}, or give an empty folder")
+        return ck, None, cfg
+    manifest = read_manifest(Path(args.resume))
+    cfg = replace(cfg, warmup_steps=manifest["config"].get("warmup_steps", cfg.warmup_steps))
+    check_resumable(manifest, Path(args.resume), cfg)
+    return ck, manifest, cfg
+
+
+def _resumed_architecture(args: argparse.Namespace, values: dict[str, int]) -> None:
+    """With --resume, the architecture flags left out keep the checkpoint's values (as with --init,
+    whose draft's sizes the first call took without flags)."""
+    if not args.resume:
+        return
+    saved = read_manifest(Path(args.resume))["config"]
+    for key in ARCH_DEFAULTS:
+        if getattr(args, key) is None and key in saved:
+            values[key] = saved[key]
+    if args.intermediate_size is None:
+        args.intermediate_size = saved.get("intermediate_size")
+
+
+def _check_out(out: Path, manifest: dict | None) -> None:
+    """--out must be empty, unless it holds this very run's draft from an earlier call (overwritten)."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if manifest is not None and (out / "training.json").is_file():
+        try:
+            if json.loads((out / "training.json").read_text()).get("run_id") == manifest["run_id"]:
+                return
+        except json.JSONDecodeError:
+            pass
+    raise EngineInputError(f"--out {str(out)!r} exists and is not empty; refusing to overwrite a checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    from engine.api import load
+    from engine.loading import save_draft_folder
+
+    values = _sizes(args)
+    _check_flags(args)
+    _resumed_architecture(args, values)
+    cfg = _train_config(args, values)
+    ck, manifest, cfg = _checkpointing(args, cfg)
+    out = Path(args.out)
+    _check_out(out, manifest)
+    pair = load(args.target, "none", device=args.device, dtype="auto")
+    init, lineage = None, (manifest or {}).get("lineage")
+    if args.init:
+        init, init_training = _warm_start(args, pair)
+        arch = _architecture(init)
+        values.update({k: arch[k] for k in ARCH_DEFAULTS})
+        args.intermediate_size = arch["intermediate_size"]
+        cfg = _train_config(args, values)
+        lineage = {"init": args.init, "init_training": init_training}
     mask_id = _mask_id(args, pair, init)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -229,19 +319,33 @@ def run(args: argparse.Namespace) -> int:
         if time.perf_counter() >= deadline:
             raise EngineInputError(f"--wall-budget {args.wall_budget:.0f}s is spent before training starts")
     draft, summary = train_draft(pair.target, seqs, plens, cfg, mask_id, log=lambda m: print(m, flush=True),
-                                 init=init, deadline=deadline)
+                                 init=init, deadline=deadline, checkpoint=ck,
+                                 resume=Path(args.resume) if args.resume else None, stop_after=args.stop_after,
+                                 progress=not args.no_progress, lineage=lineage,
+                                 curves=(out if ck is None else ck.dir) / "curves.png")
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
-                   data=args.data, reused_sequences=reused,
+                   data=args.data, prompts=args.prompts or f"default mix: {', '.join(_default_mix())}",
+                   reused_sequences=reused, resumed_from=args.resume,
                    command="python -m engine " + " ".join(sys.argv[1:]))
-    if init is not None:
+    if lineage is not None:
         # The checkpoint's whole history: what it was trained from, and how long in all.
-        summary.update(init=args.init, init_training=init_training,
-                       total_steps=summary["steps"] + _steps_so_far(init_training))
+        summary.update(init=lineage["init"], init_training=lineage["init_training"],
+                       total_steps=summary["steps"] + _steps_so_far(lineage["init_training"]))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
+    summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)  # this call's, saving included
     (out / "training.json").write_text(json.dumps(summary, indent=2))
-    for key in ("steps", "train_seconds", "final_loss", "final_acc1", "final_chain_al_train", "sequences", "tokens",
-                "held_out_sequences", "kept_step"):
+    for key in ("steps", "steps_planned", "train_seconds", "final_loss", "final_acc1", "final_chain_al_train",
+                "sequences", "tokens", "tokens_per_s", "held_out_sequences", "held_out_loss", "kept_step",
+                "wall_seconds"):
         print(f"{key}: {summary[key]}")
+    if ck is not None:
+        print(f"resumable: {ck.dir} (step {summary['steps']} of {summary['steps_planned']})")
     print(f"checkpoint: {out}")
     return 0
+
+
+def _default_mix() -> tuple[str, ...]:
+    from engine.data.workloads import TRAINING_MIX
+
+    return TRAINING_MIX

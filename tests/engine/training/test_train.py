@@ -13,14 +13,12 @@ from engine.cli import main
 from engine.config import EngineInputError
 from engine.loading import load_draft_folder, save_draft_folder
 from engine.models.dense import forward_padded
+from engine.training.sequences import generate_responses, load_sequences, save_sequences
 from engine.training.train import (
     TrainConfig,
     block_batch,
-    generate_responses,
     learning_rate,
-    load_sequences,
     sample_anchors,
-    save_sequences,
     train_draft,
 )
 
@@ -74,11 +72,11 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
 def test_self_distillation_time_budget_keeps_a_sample_of_every_length(pair, monkeypatch):
     """No new batch starts after the budget: the prompts answered are exactly the target's answers,
     the others None, and (batches in a seeded random order) not just the shortest ones."""
-    from engine.training import train
+    from engine.training import sequences
 
     prompts = [pair.encode("x" * n) for n in (2, 3, 40, 41, 80, 81, 120, 121)]
     clock = iter(range(0, 1000, 10))  # each look at the clock is 10 s later: two batches start within 25 s
-    monkeypatch.setattr(train.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(sequences.time, "perf_counter", lambda: float(next(clock)))
     answers = generate_responses(pair.target, prompts, 8, batch_size=2, stop_ids=pair.stop_ids, time_budget_s=25,
                                  seed=1)
     done = [i for i, a in enumerate(answers) if a is not None]
@@ -189,7 +187,8 @@ def test_a_deadline_bounds_training_from_after_the_target_features(pair, monkeyp
 def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
     """A held-out share is never trained on and is scored on fixed blocks; the draft returned is the
     one of the lowest held-out loss (rescoring it gives that loss)."""
-    from engine.training.train import TokenStore, _held_out, held_out_key, held_out_stats
+    from engine.training.features import TokenStore, target_features
+    from engine.training.train import _held_out, held_out_key, held_out_stats
 
     torch.manual_seed(0)
     prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(60)]
@@ -207,8 +206,6 @@ def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
     # rescoring the returned draft on the same fixed blocks gives the kept scoring's loss
     data = [torch.tensor(sq) for sq in seqs]
     lens = torch.tensor([len(sq) for sq in seqs])
-    from engine.training.train import target_features
-
     store = TokenStore(tokens=torch.cat(data), feats=target_features(pair.target, data, draft.cfg.target_layer_ids),
                        starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=torch.tensor(plens))
     keys = [held_out_key(sq[:n]) for sq, n in zip(seqs, plens, strict=True)]
@@ -234,7 +231,7 @@ def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
 def test_target_features_go_to_the_gpu_only_when_they_fit():
     """auto: the GPU while the features take at most 70% of its free memory, pinned host memory
     beyond; device and host are taken as asked; off CUDA everything is the same memory."""
-    from engine.training.train import feature_store_device
+    from engine.training.features import feature_store_device
 
     gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 2**30
     assert feature_store_device("auto", 60 * gib, gpu, 100 * gib) == gpu

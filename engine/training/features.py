@@ -1,0 +1,95 @@
+"""The frozen target's features of every training position, computed once, and where they live."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.models.dense import DenseModel, forward_padded
+
+FEATURE_STORES = ("auto", "device", "host")
+# "auto" keeps the features on the GPU when they take at most this share of its free memory (the
+# draft's activations and the optimiser need the rest), in host memory otherwise.
+DEVICE_FEATURE_SHARE = 0.7
+
+
+def feature_store_device(choice: str, n_bytes: int, device: torch.device, free_bytes: int | None) -> torch.device:
+    """Where ``n_bytes`` of target features go for a ``choice`` of ``FEATURE_STORES`` (``free_bytes``:
+    the device's free memory; None off CUDA, where both are the same memory)."""
+    if device.type != "cuda" or choice == "device":
+        return device
+    if choice == "host" or free_bytes is None or n_bytes > DEVICE_FEATURE_SHARE * free_bytes:
+        return torch.device("cpu")
+    return device
+
+
+
+@dataclass
+class TokenStore:
+    """Every training sequence back to back on the device, with its target features alongside."""
+
+    tokens: Tensor  # [N] long
+    feats: Tensor  # [N, n_ids * H] frozen target features of every position
+    starts: Tensor  # [S] offset of each sequence
+    lens: Tensor  # [S]
+    prompt_lens: Tensor  # [S]
+
+    def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
+        lens = self.lens[pick]
+        # The step's one host read before the forward; widths in steps of 128 keep the number of
+        # distinct shapes (and kernel plans) small.
+        width = -(-int(lens.max()) // 128) * 128
+        j = torch.arange(width, device=lens.device)
+        inside = j[None, :] < lens[:, None]
+        idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
+        if self.feats.device == idx.device:
+            feats = self.feats[idx]
+        else:  # features in host memory: gathered there, one copy of the batch's rows
+            feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
+        return self.tokens[idx] * inside, feats, lens, self.prompt_lens[pick]
+
+
+@torch.no_grad()
+def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Sequence[int],
+                    tokens_per_batch: int = 32768, store: str = "device") -> Tensor:
+    """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
+    (the target is frozen): length-bucketed batches keep padding low. In the target's dtype, on its
+    device or (``store``, one of ``FEATURE_STORES``) in host memory."""
+    device = target.device
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.numel())
+    out = None
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].numel())
+    i = 0
+    while i < len(order):
+        width = seqs[order[i]].numel()
+        j = i
+        while j < len(order) and (j - i + 1) * seqs[order[j]].numel() <= max(tokens_per_batch, width):
+            j += 1
+        idx = order[i:j]
+        width = seqs[idx[-1]].numel()
+        tokens = torch.zeros(len(idx), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(idx), width, dtype=torch.bool, device=device)
+        for r, q in enumerate(idx):
+            tokens[r, : seqs[q].numel()] = seqs[q]
+            valid[r, : seqs[q].numel()] = True
+        positions = torch.arange(width, device=device).expand(len(idx), -1)
+        _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
+        if out is None:
+            n_bytes = starts[-1] * f.shape[-1] * f.element_size()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            where = feature_store_device(store, n_bytes, device, free)
+            # Pageable, not pinned: PyTorch's pinned allocator rounds a request up to a power of two
+            # (70 GiB would ask for 128), and a batch's rows are gathered into a new tensor anyway.
+            out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype)
+        for r, q in enumerate(idx):
+            out[starts[q] : starts[q + 1]] = f[r, : seqs[q].numel()]
+        i = j
+    return out

@@ -1,0 +1,117 @@
+"""The training sequences: the target's own answers to prompts (self-distillation), and their
+files (one JSON object a line, optionally compressed)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from engine.config import EngineInputError
+from engine.models.dense import BatchKV, DenseModel, forward_padded
+
+
+@torch.inference_mode()
+def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       batch_size: int, stop_ids: Sequence[int], time_budget_s: float = 0.0,
+                       seed: int = 0) -> list[list[int] | None]:
+    """Greedy answers of the target to every prompt, batched with left padding.
+
+    Prompts of similar length share a batch; the batches run in a seeded random order, so that
+    with ``time_budget_s`` (no new batch starts after it) the answered prompts are a fair sample of
+    every length, and the prompts of the batches not run get ``None``."""
+    if not isinstance(target, DenseModel):
+        raise EngineInputError("draft training supports dense targets (Llama/Qwen3 family) only")
+    device, cfg = target.device, target.cfg
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    batches = [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
+    out: list[list[int] | None] = [None for _ in prompts]
+    stop = torch.tensor(list(stop_ids) or [-1], device=device)
+    t0 = time.perf_counter()
+    for k in perm:
+        if time_budget_s and time.perf_counter() - t0 > time_budget_s:
+            break
+        idx = batches[k]
+        b, p = len(idx), max(len(prompts[i]) for i in idx)
+        tokens = torch.zeros(b, p, dtype=torch.long, device=device)
+        valid = torch.zeros(b, p, dtype=torch.bool, device=device)
+        for r, i in enumerate(idx):
+            n = len(prompts[i])
+            tokens[r, p - n :] = torch.tensor(prompts[i], device=device)
+            valid[r, p - n :] = True
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        size = p + max_new_tokens
+        kv = BatchKV(
+            k=torch.zeros(cfg.num_hidden_layers, b, size, cfg.num_key_value_heads, cfg.dim_per_head,
+                          device=device, dtype=target.dtype),
+            v=torch.zeros(cfg.num_hidden_layers, b, size, cfg.num_key_value_heads, cfg.dim_per_head,
+                          device=device, dtype=target.dtype),
+            valid=torch.zeros(b, size, dtype=torch.bool, device=device),
+        )
+        logits, _ = forward_padded(target, tokens, positions, valid, kv, 0, last_only=True)
+        nxt = logits[:, -1].argmax(-1)
+        pos = positions[:, -1] + 1
+        gen = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            gen[:, step] = nxt
+            done |= torch.isin(nxt, stop)
+            if step + 1 == max_new_tokens or bool(done.all()):
+                break
+            logits, _ = forward_padded(target, nxt[:, None], pos[:, None], torch.ones(b, 1, dtype=torch.bool,
+                                       device=device), kv, p + step)
+            nxt, pos = logits[:, -1].argmax(-1), pos + 1
+        for r, i in enumerate(idx):
+            row = gen[r].tolist()[: step + 1]
+            cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+            out[i] = row[:cut]
+    return out
+
+
+def _open_text(path: Path, mode: str) -> IO[str]:
+    # Self-distilled data is kept in the repository between GPU sessions: ``.xz`` makes it 1/12 of
+    # the JSON (``.gz`` 1/6), and every byte of it travels to the GPU machine in each call.
+    if path.suffix == ".xz":
+        return lzma.open(path, mode + "t", preset=9 if mode == "w" else None)
+    return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
+
+
+def save_sequences(path: Path, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> None:
+    """One JSON object per line, ``{"tokens": [...], "prompt_len": n}``; compressed when the name ends
+    in .xz or .gz."""
+    with _open_text(path, "w") as fh:
+        for s, p in zip(sequences, prompt_lens, strict=True):
+            fh.write(json.dumps({"tokens": list(s), "prompt_len": p}) + "\n")
+
+
+def load_sequences(path: Path) -> tuple[list[list[int]], list[int]]:
+    """What ``save_sequences`` wrote; a malformed line is an error naming the file and the line."""
+    if not path.is_file():
+        raise EngineInputError(f"--data {str(path)!r}: no such file")
+    seqs, plens = [], []
+    with _open_text(path, "r") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                tokens, plen = rec["tokens"], rec["prompt_len"]
+                ok = (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+                      and isinstance(plen, int) and 0 < plen < len(tokens))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise EngineInputError(f"{path}:{n}: not a sequence record ({e})") from None
+            if not ok:
+                raise EngineInputError(f"{path}:{n}: 'tokens' must be a list of token ids longer than "
+                                       f"'prompt_len' (a positive integer)")
+            seqs.append(tokens)
+            plens.append(plen)
+    if not seqs:
+        raise EngineInputError(f"{path}: no sequences")
+    return seqs, plens
