@@ -19,6 +19,7 @@ from engine.config import (
 )
 from engine.files import read_mapping
 from engine.models import fused
+from engine.models.quant import WEIGHTS
 from engine.training import train_cli
 
 # Flags that map one-to-one onto EngineConfig fields: (type, choices, help). The choices are
@@ -81,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the config's, else auto)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "auto"),
                    help="default: the config's, else auto (bfloat16 on CUDA, float32 on the CPU)")
+    g.add_argument("--weights", default=None, choices=WEIGHTS,
+                   help="a GGUF target's projections dequantized on load (default: the config's, else dequantized) "
+                        "or kept in their quantized blocks (native)")
     g.add_argument("--config", help="YAML of EngineConfig fields (as `autotune export --format engine` writes)")
     out = g.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -155,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or model.get("dtype", "auto")
     if args.max_new_tokens < 1:
         raise EngineInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    pair = load(target, draft, device=device, dtype=dtype)
+    pair = load(target, draft, device=device, dtype=dtype, weights=args.weights or model.get("weights", "dequantized"))
     if args.prompt_ids:
         ids = _parse_ids(args.prompt_ids)
         vocab = pair.target.cfg.vocab_size

@@ -189,3 +189,13 @@ def test_generate_takes_the_adaptive_policy_and_reports_its_budgets():
     assert set(hist) <= {"0", "4"} and sum(hist.values()) == out["stats"]["steps"]
     assert set(out["step_costs_ms"]) == {"0", "4"} and all(ms > 0 for ms in out["step_costs_ms"].values())
     assert "{fixed,adaptive}" in run("generate", "--help").stdout
+
+
+def test_weights_native_on_a_float_target_is_refused_and_a_bad_mode_is_a_usage_error():
+    """--weights native needs a GGUF target (its quantized blocks are what it keeps): a float preset is
+    refused with a message naming the mode; an unknown mode is argparse's exit 2."""
+    res = run("generate", "--target", "tiny-dense", "--draft", "none", "--verify", "ar", "--prompt", "hi",
+              "--weights", "native", "--max-new-tokens", "2")
+    assert res.returncode == 2 and "native" in res.stderr and "Traceback" not in res.stderr
+    res = run("generate", "--target", "tiny-dense", "--draft", "none", "--prompt", "hi", "--weights", "packed")
+    assert res.returncode == 2 and "--weights" in res.stderr and "invalid choice" in res.stderr
