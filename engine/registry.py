@@ -107,7 +107,7 @@ def _smollm2_135m_instruct(weights: str = "dequantized") -> tuple[nn.Module, obj
     tokenizer and chat template of its own metadata."""
     from engine.data.assets import SMOLLM2_GGUF, ensure_asset
     from engine.data.tokenizer import tokenizer_from_gguf_metadata
-    from engine.loading import load_target_gguf
+    from engine.gguf_loading import load_target_gguf
 
     path = ensure_asset("smollm2") / SMOLLM2_GGUF
     model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32, weights)
@@ -295,7 +295,7 @@ def check_model_spec(target: str, draft: str) -> None:
 def load_target(spec: str, device: torch.device, dtype: torch.dtype,
                 weights: str = "dequantized") -> tuple[nn.Module, object]:
     """The target of ``spec`` and its tokenizer, on ``device`` in ``dtype``. ``weights="native"``
-    keeps a GGUF's quantized projections in their blocks (``loading.load_target_gguf``); a target
+    keeps a GGUF's quantized projections in their blocks (``gguf_loading.load_target_gguf``); a target
     with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been."""
     check_target_spec(spec)
     if weights not in WEIGHTS:
@@ -310,7 +310,7 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
         model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)()
     elif spec.endswith(".gguf"):
         from engine.data.tokenizer import tokenizer_from_gguf_metadata
-        from engine.loading import load_target_gguf
+        from engine.gguf_loading import load_target_gguf
 
         model, meta = load_target_gguf(Path(spec), device, dtype, weights)
         tok = tokenizer_from_gguf_metadata(meta)
