@@ -203,7 +203,7 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
         raise EngineInputError(str(exc)) from None
     model, tokenizer = load_target(target, dev, dt, weights)
     drafter = load_drafter(draft, model, tokenizer, dev, dt)
-    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights)
+    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights=weights)
     pair.check_shape()
     return pair
 
