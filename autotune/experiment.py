@@ -39,6 +39,9 @@ class ModelSpec:
     draft: str
     device: str = "auto"
     dtype: str = "auto"
+    # how the target holds its weights (engine.WEIGHTS): "native" keeps a GGUF's quantized projections
+    # in their blocks. A fixed model setting, never searched: it changes the model that is measured.
+    weights: str = "dequantized"
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,10 @@ class Experiment:
 
     def fingerprint(self) -> str:
         """What makes two runs comparable: a resumed study must have been made from the same thing."""
+        m = self.model
+        # weights only when not the default, so a study made before the key existed still resumes
         data = {
-            "model": [self.model.target, self.model.draft, self.model.device, self.model.dtype],
+            "model": [m.target, m.draft, m.device, m.dtype, *([m.weights] if m.weights != "dequantized" else [])],
             "workload": [[_content_id(s) for s in self.workload.sets], self.workload.n_prompts,
                          self.workload.max_new_tokens, self.workload.seed],
             "space": self.search_space.fingerprint(),
@@ -235,13 +240,16 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
 
 
 def _model(where: str, raw: dict, base: Path) -> ModelSpec:
-    s = _Section(where, "model", raw, {"target", "draft", "device", "dtype"})
+    from engine import WEIGHTS
+
+    s = _Section(where, "model", raw, {"target", "draft", "device", "dtype", "weights"})
     target, draft = s.get("target", str), s.get("draft", str)
     device = s.get("device", str, "auto")
     if not _DEVICE_RE.match(device):
         raise InputError(where, "model.device", "must be auto, cpu, mps, cuda or cuda:N", device)
     return ModelSpec(target=_resolve_model_path(target, base), draft=_resolve_model_path(draft, base),
-                     device=device, dtype=s.choice("dtype", DTYPES, "auto"))
+                     device=device, dtype=s.choice("dtype", DTYPES, "auto"),
+                     weights=s.choice("weights", WEIGHTS, "dequantized"))
 
 
 def _resolve_model_path(spec: str, base: Path) -> str:
@@ -419,6 +427,10 @@ def _check_models(where: str, model: ModelSpec) -> None:
     except EngineInputError as exc:
         raise InputError(where, "model", f"the engine refuses the model pair ({exc})",
                          {"target": model.target, "draft": model.draft}) from None
+    try:  # the specs are fine by now: what is left is whether this target can be held so
+        engine.check_model_spec(model.target, model.draft, model.weights)
+    except EngineInputError as exc:
+        raise InputError(where, "model.weights", f"must suit model.target ({exc})", model.weights) from None
 
 
 def load_workloads(exp: Experiment) -> list[Any]:

@@ -51,6 +51,28 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return str(v)
 
 
+def _weights(model: dict[str, Any], summary: dict[str, Any] | None) -> str:
+    """How the target held its weights, for the model line: ``weights native (Q4_K x9, Q6_K x5 in
+    blocks; fallback TQ2_0 x1; 3.1 of 4.2 MiB in blocks)``. A study made before ``model.weights``
+    existed was dequantized; one whose worker did not report the summary shows the mode alone."""
+    mode = (summary or {}).get("mode") or model.get("weights", "dequantized")
+    if not summary:
+        return f"weights {mode}"
+    total = _mib(summary.get("weight_bytes", 0))
+    if not summary.get("formats"):
+        return f"weights {mode} ({total} MiB)"
+    kept = ", ".join(f"{k} x{n}" for k, n in summary["formats"].items())
+    fallback = ", ".join(f"{k} x{n}" for k, n in (summary.get("fallback") or {}).items())
+    return (f"weights {mode} ({kept} in blocks; {f'fallback {fallback}; ' if fallback else ''}"
+            f"{_mib(summary.get('native_bytes', 0))} of {total} MiB in blocks)")
+
+
+def _mib(n: int) -> str:
+    """Bytes in MiB with three significant figures (a tiny test model's 0.0123, a 27B's 14,200)."""
+    mib = n / 2**20
+    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.3g}"
+
+
 def _cfg_short(cfg: dict[str, Any]) -> str:
     """The path and whatever differs from the engine's defaults (the full config is in the study)."""
     from engine import EngineConfig
@@ -71,7 +93,8 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
     counts = results.state_counts(study)
     L = [f"# autotune report: {study.study_name}", ""]
     L += [f"- experiment: `{a.get('experiment')}` ({a.get('experiment_path')})",
-          f"- model: target `{a.get('model', {}).get('target')}`, draft `{a.get('model', {}).get('draft')}`",
+          f"- model: target `{a.get('model', {}).get('target')}`, draft `{a.get('model', {}).get('draft')}`, "
+          f"{_weights(a.get('model', {}), a.get('weight_summary'))}",
           f"- device: {a.get('device')} ({a.get('dtype')}), git {a.get('git_sha')}",
           f"- workloads: {a.get('workloads')} (hash {a.get('workload_hash')})",
           f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "

@@ -106,10 +106,10 @@ def make_executor(exp: Experiment, workloads: list[Any], kind: str = "local", wo
         from autotune.executors.ray_executor import RayExecutor, WorkerSpec
 
         spec = WorkerSpec(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, tuple(workloads),
-                          dict(exp.fixed_engine))
+                          dict(exp.fixed_engine), weights=exp.model.weights)
         return RayExecutor(spec, workers=workers, address=address, trial_timeout_s=trial_timeout)
     return LocalExecutor.for_model(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads,
-                                   exp.fixed_engine)
+                                   exp.fixed_engine, weights=exp.model.weights)
 
 
 def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: Executor, workers: list[str],
@@ -122,7 +122,9 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     study = st.open_study(storage, opts.study_name, exp, opts.n_trials,
                           meta={"git_sha": git_sha(), "workload_hash": wl_hash,
                                 "workloads": [w.name for w in workloads], "device": device.get("device"),
-                                "dtype": device.get("dtype")})
+                                "dtype": device.get("dtype"),
+                                # how the loaded target holds its weights (Worker.weights): the report's model line
+                                **({"weight_summary": device["weights"]} if device.get("weights") else {})})
     study.set_user_attr("fixed_dimensions", [f.to_dict() for f in exp.fixed_dimensions])
     recovered = st.recover_stale(study)
     tracker = open_tracker(opts.tracking_uri, study, exp.name)
@@ -297,7 +299,8 @@ class _Driver:
         return True
 
     def identity(self, worker: str) -> dict[str, Any] | None:
-        """What an AR baseline measured on ``worker`` depends on: the models, the prompts actually
+        """What an AR baseline measured on ``worker`` depends on: the models (and how the target holds
+        its weights: ``model.weights``), the prompts actually
         used (their hash), ``max_new_tokens``, the measurement settings, the AR config with every
         field resolved, and the worker's environment (``Worker.environment``: host, accelerator,
         device, dtype, threads, torch, the measuring code, AR's loop and kernels). Recorded on each
@@ -307,7 +310,8 @@ class _Driver:
             env = self.executor.environment(worker)
             m = self.exp.measure
             identity = None if not env else {
-                "target": self.exp.model.target, "draft": self.exp.model.draft, "workload_hash": self.wl_hash,
+                "target": self.exp.model.target, "draft": self.exp.model.draft, "weights": self.exp.model.weights,
+                "workload_hash": self.wl_hash,
                 "max_new_tokens": self.exp.workload.max_new_tokens, "warmup": m.warmup, "repeats": m.repeats,
                 "max_rel_mad": m.max_rel_mad, "ar_config": self._full(self.config_for(None, "baseline"), "AR baseline"),
                 # a reused baseline must hold AR measured at every rung of this ladder

@@ -136,12 +136,13 @@ class Worker:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
         unknown) and the longest prompt of the workloads, in tokens; and what decides which search
         dimensions matter (``autotune.dimensions``): whether the target carries recurrent state and
-        whether a prompt has tools."""
+        whether a prompt has tools; and how the target holds its weights (:meth:`weights`: the
+        report's model line)."""
         cfg = getattr(self.pair.target, "cfg", None)
         return {"context": getattr(cfg, "max_position_embeddings", None),
                 "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0),
                 "recurrent_state": bool(getattr(self.pair.target, "has_recurrent", False)),
-                "tools": self._has_tools}
+                "tools": self._has_tools, "weights": self.weights()}
 
     def environment(self) -> dict[str, Any]:
         """What an AR measurement here depends on beyond the job and the experiment: the host, the
@@ -167,12 +168,24 @@ class Worker:
                 "dtype": str(self.pair.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "code": code_hash(), "loop": loop, "kernels": kernels}
 
+    def weights(self) -> dict[str, Any]:
+        """How the pair holds its target's weights, in brief (``Pair.weight_summary`` without the
+        per-tensor lists): ``mode`` (``engine.WEIGHTS``), ``formats`` (block format -> projections
+        kept in it), ``fallback`` (file type -> projections ``native`` could not keep), ``native_bytes``
+        and ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
+        summary = self.pair.weight_summary()
+        fallback = Counter(summary["fallback"].values())
+        return {"mode": summary["mode"], "formats": dict(summary["formats"]),
+                "fallback": dict(sorted(fallback.items())), "native_bytes": int(summary["native_bytes"]),
+                "weight_bytes": int(summary["weight_bytes"])}
+
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
-             fixed: dict[str, Any], **kw: Any) -> Worker:
+             fixed: dict[str, Any], *, weights: str = "dequantized", **kw: Any) -> Worker:
+        """The pair loaded once (``engine.load``; ``weights``: ``ModelSpec.weights``), wrapped."""
         import engine
 
-        return cls(engine.load(target, draft, device=device, dtype=dtype), workloads, fixed, **kw)
+        return cls(engine.load(target, draft, device=device, dtype=dtype, weights=weights), workloads, fixed, **kw)
 
     def ar_config(self, config: dict[str, Any] | None = None) -> dict[str, Any]:
         """AR under the fixed fields and the implementation paths ``config`` decodes with here

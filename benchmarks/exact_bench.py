@@ -38,6 +38,7 @@ import engine  # noqa: E402
 from engine import EngineConfig  # noqa: E402
 from engine.api import Pair  # noqa: E402
 from engine.data.workloads import load_workload  # noqa: E402
+from engine.models.quant import WEIGHTS  # noqa: E402
 from engine.registry import load_drafter  # noqa: E402
 
 
@@ -72,7 +73,8 @@ def _check(pair: Pair, name: str, params: dict, path: str, rollback: str, prompt
     al = sum(res.accept_lengths) / len(res.accept_lengths) if res.accept_lengths else 1.0
     divs = [{"prompt": p.index, "first_divergence": p.first_divergence,
              **(p.divergence.to_dict() if p.divergence is not None else {})} for p in bad]
-    return dict(config=name, path=path, rollback=rollback, exact=len(prompts) - len(bad), n=len(prompts), al=al,
+    return dict(config=name, path=path, rollback=rollback, weights=pair.weights, exact=len(prompts) - len(bad),
+                n=len(prompts), al=al,
                 loops=res.loops, seconds=time.perf_counter() - t0, divergences=divs,
                 text=", ".join(_divergence_text(p) for p in bad[:4]) + (" ..." if len(bad) > 4 else ""))
 
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oracle-configs", nargs="*", default=["chain", "ddtree b22 k4", "ddtree b64 k8"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--weights", choices=WEIGHTS, default="dequantized",
+                    help="native: a GGUF target's quantized projections kept in their blocks (engine.load)")
     ap.add_argument("--md")
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--out")
@@ -103,16 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     if not apply_step_attention(args.step_attention):
         return 2
 
-    pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
+    pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype, weights=args.weights)
     pairs = [(args.draft, pair)]
     for p in args.oracle:
         drafter = load_drafter(f"oracle:{p}", pair.target, pair.tokenizer, pair.target.device, pair.target.dtype)
+        # the same target, held as loaded: its weights mode travels with it
         pairs.append((f"oracle:{p}", Pair(pair.target, drafter, pair.tokenizer, args.target, f"oracle:{p}",
-                                          pair.device, pair.dtype)))
+                                          pair.device, pair.dtype, weights=pair.weights)))
     configs = _configs(args)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines = [f"{args.target} + {args.draft}, {args.dtype} on {where}, {when}",
+    lines = [f"{args.target} + {args.draft}, {args.dtype}, weights {pair.weights} on {where}, {when}",
              "", "| set | draft | config | path | rollback | to | exact | AL | loops | divergences (prompt, "
              "position: verdict AR/run margin) |", "|" + "---|" * 10]
     rows, total, exact = [], 0, 0

@@ -1,7 +1,8 @@
 """DFlash + DDTree speculative decoding engine: exact, switchable paths, per-phase timing.
 
 The front door: what ``autotune`` (and any other caller) uses; nothing deeper is a contract.
-``serve`` (the OpenAI-compatible server) loads its web stack on first use."""
+``serve`` (the OpenAI-compatible server) loads its web stack on first use. ``WEIGHTS``: how
+``load`` may hold a target's weights (``dequantized``, ``native``)."""
 
 from engine.api import Pair, bench, diagnose, load
 from engine.config import EngineConfig, EngineInputError
@@ -21,10 +22,12 @@ from engine.decoding.stats import (
 )
 from engine.files import MAX_WORKLOAD_BYTES, FileRefused, parse_json, preview, read_text, read_yaml
 from engine.models.fused import check_environment
+from engine.models.quant import WEIGHTS
 from engine.registry import check_model_spec
 
 __all__ = [
     "VERDICTS",
+    "WEIGHTS",
     "BenchResult",
     "CompiledGrammar",
     "Divergence",

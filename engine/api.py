@@ -192,7 +192,7 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
     A plans file (``ENGINE_LINEAR_PLANS``) is read here, so that a bad one stops before any work.
     ``weights``: ``"dequantized"`` (every GGUF tensor into ``dtype``, as ever) or ``"native"`` (a GGUF
     target's quantized projections kept in their blocks and dequantized per call:
-    ``loading.load_target_gguf`` says which; ``Pair.weight_summary`` reports it)."""
+    ``gguf_loading.load_target_gguf`` says which; ``Pair.weight_summary`` reports it)."""
     from engine.models import linear
 
     dev = resolve_device(device)
@@ -203,7 +203,7 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
         raise EngineInputError(str(exc)) from None
     model, tokenizer = load_target(target, dev, dt, weights)
     drafter = load_drafter(draft, model, tokenizer, dev, dt)
-    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights)
+    pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights=weights)
     pair.check_shape()
     return pair
 

@@ -1,4 +1,6 @@
-"""Checkpoint loading: HF target folders (dense, hybrid), DFlash draft folders, llama.cpp GGUF files.
+"""Checkpoint loading: HF target folders (dense, hybrid), DFlash draft folders, and what every
+loader shares (``build_model``, ``load_state``, ``finish_model``; llama.cpp GGUF files are read by
+``engine.gguf_loading`` on top of them).
 
 Every wrong input raises ``EngineInputError`` naming the file, the key, the rule and the value.
 Weights are copied by name into a model built directly in the wanted dtype on the wanted device,
@@ -14,18 +16,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.config import EngineInputError
-from engine.files import preview, read_mapping
-from engine.models.common import rope_inv_freq, unfused_state_dict
+from engine.files import read_mapping
+from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
-from engine.models.quant import FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales
+from engine.models.quant import BlockFormat, QuantLinear
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -35,12 +36,13 @@ DENSE_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 HYBRID_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 _ARCH_TO_TYPE = {cls: mt for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()}
 _MISSING = object()
 Device = str | torch.device
 TensorSource = dict[str, Callable[[], Tensor]]  # our parameter name -> reads the tensor when called
-NativePlan = dict[str, tuple[BlockFormat, tuple[int, int]]]  # module name -> (format, [out, in]) kept in blocks
+# module name -> (format, [out, in]) of each projection a model is built with in blocks (``build_model``;
+# a GGUF's native load makes one, engine.gguf_loading)
+NativePlan = dict[str, tuple[BlockFormat, tuple[int, int]]]
 
 
 # ---------------------------------------------------------------------------------------- targets
@@ -59,18 +61,18 @@ def load_target_folder(path: Path, device: Device, dtype: torch.dtype) -> DenseM
             hcfg = hybrid_config.hybrid_config_from_hf(cfg)
         except (KeyError, TypeError, ValueError) as exc:  # EngineInputError is a ValueError
             raise EngineInputError(f"{cfg_path}: not a valid {model_type} config: {exc}") from None
-        model: nn.Module = _build(hybrid.HybridModel, hcfg, device, dtype)
+        model: nn.Module = build_model(hybrid.HybridModel, hcfg, device, dtype)
         with _open_safetensors(files) as source:
             # hybrid_state_dict_from_hf takes the whole state dict (it may drop or alias tensors).
             state = hybrid_config.hybrid_state_dict_from_hf({name: read() for name, read in source.items()})
-        _load_state(model, {name: (lambda t=t: t) for name, t in state.items()}, str(folder))
+        load_state(model, {name: (lambda t=t: t) for name, t in state.items()}, str(folder))
     else:
-        model = _build(DenseModel, _dense_config_from_hf(cfg, model_type, cfg_path), device, dtype)
+        model = build_model(DenseModel, _dense_config_from_hf(cfg, model_type, cfg_path), device, dtype)
         with _open_safetensors(files) as source:
             # Our dense parameter names are HF's without the `model.` prefix.
             renamed = {name.removeprefix("model."): read for name, read in source.items()}
-            _load_state(model, renamed, str(folder))
-    return _finish(model)
+            load_state(model, renamed, str(folder))
+    return finish_model(model)
 
 
 def _model_type(cfg: dict, where: Path) -> str:
@@ -152,10 +154,10 @@ def load_draft_folder(path: Path, target: nn.Module, device: Device, dtype: torc
     if dcfg.mask_token_id >= vocab:
         raise EngineInputError(f"{cfg_path}: draft mask_token_id {dcfg.mask_token_id} must be < target "
                                f"vocab_size {vocab}")
-    model = _build(DFlashDraft, dcfg, device, dtype)
+    model = build_model(DFlashDraft, dcfg, device, dtype)
     with _open_safetensors(_weight_files(folder)) as source:
-        _load_state(model, {name.removeprefix("model."): read for name, read in source.items()}, str(folder))
-    return _finish(model)
+        load_state(model, {name.removeprefix("model."): read for name, read in source.items()}, str(folder))
+    return finish_model(model)
 
 
 def save_draft_folder(draft: DFlashDraft, path: Path, extra: dict | None = None) -> None:
@@ -242,189 +244,6 @@ def _target_dims(target: nn.Module) -> tuple[int, int, int]:
     return int(hidden), int(vocab), len(target.layers)
 
 
-# ------------------------------------------------------------------------------------------- GGUF
-_GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_GGUF_BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
-                     weights: str = "dequantized") -> tuple[DenseModel, dict]:
-    """A llama / qwen2 / qwen3 `.gguf` file; returns the model and its metadata as plain data.
-
-    ``weights="dequantized"`` (the default) dequantises every tensor into ``dtype``. ``"native"`` keeps
-    each projection weight (attention q/k/v/o, MLP gate/up/down, an untied output head) whose type has
-    a native form (``quant.FORMATS``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in its blocks, as
-    a ``quant.QuantLinear``. Everything else is dequantised as with ``"dequantized"``: the embedding
-    (rows are gathered, not multiplied), the norms and biases (F32 in every file), F32/F16/BF16
-    tensors, and projections of a type with no native form (Q2_K, Q3_K, the IQ types, ...): such a
-    file still loads, and ``quant.weights_summary`` lists those under ``fallback``, since llama.cpp
-    mixes types within one file and refusing all of it for one tensor would help no one."""
-    import gguf  # only GGUF users pay for the import
-
-    if weights not in WEIGHTS:
-        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise EngineInputError(f"GGUF file {path} does not exist")
-    try:
-        reader = gguf.GGUFReader(path)
-    except MemoryError:
-        raise EngineInputError(f"{path}: not a readable GGUF file: its header asks for more memory than there "
-                               "is (a corrupt count)") from None
-    except Exception as exc:  # a truncated or corrupt header fails in the reader in many ways (IndexError, ...)
-        raise EngineInputError(f"{path}: not a readable GGUF file ({type(exc).__name__}: "
-                               f"{preview(str(exc))})") from None
-    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
-    tensors = {t.name: t for t in reader.tensors}
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise EngineInputError(f"{path}: general.architecture {arch!r} is not supported; "
-                               f"supported: {list(GGUF_ARCHS)}")
-    cfg = _dense_config_from_gguf(meta, tensors, arch, path)
-    model = _build(DenseModel, cfg, device, dtype, _native_plan(tensors) if weights == "native" else None)
-    kept = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    source: TensorSource = {}
-    for name, t in tensors.items():
-        if name == "rope_freqs.weight":
-            continue
-        parts, heads = name.split("."), None
-        if arch == "llama" and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
-            # llama.cpp permutes llama's q/k rows to its interleaved RoPE; K by the KV head count.
-            heads = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
-        ours = _gguf_to_ours(name)
-        owner = ours.removesuffix(".weight")
-        if ours.endswith(".weight") and owner in kept:
-            source[f"{owner}.blocks"] = partial(_gguf_blocks, t, heads, FORMATS[t.tensor_type.name], path)
-        else:
-            source[ours] = partial(_gguf_tensor, t, heads, path)
-    _load_state(model, source, str(path))
-    if weights == "native":  # built on the meta device (``_build``): the RoPE frequencies, made not loaded, again
-        model.inv_freq = rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling).to(model.device)
-    if "rope_freqs.weight" in tensors:
-        # Llama 3 rope scaling travels as per-frequency divisors instead of config keys.
-        factors = _gguf_tensor(tensors["rope_freqs.weight"], None, path).flatten()
-        base = rope_inv_freq(cfg.dim_per_head, cfg.rope_theta)
-        if factors.shape != base.shape:
-            raise EngineInputError(f"{path}: rope_freqs has {factors.numel()} values, not {base.numel()}")
-        model.inv_freq = (base / factors).to(model.inv_freq.device)
-    model.weight_types = {_gguf_to_ours(n): t.tensor_type.name for n, t in tensors.items() if n != "rope_freqs.weight"}
-    return _finish(model), meta
-
-
-_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def _native_plan(tensors: dict) -> NativePlan:
-    """The projection weights a native load keeps in their blocks: our module name -> (format, the
-    [out, in] shape the file gives). ``_build`` swaps in a block layer only where the model's
-    projection has that shape, so a misshapen tensor is refused as in a dequantized load."""
-    plan: NativePlan = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        projection = parts == ["output", "weight"] or (
-            len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_PROJECTIONS and parts[3] == "weight")
-        if projection and t.tensor_type.name in FORMATS and len(t.shape) == 2:
-            cols, rows = (int(n) for n in t.shape)  # GGUF shapes are [in, out]
-            plan[_gguf_to_ours(name).removesuffix(".weight")] = (FORMATS[t.tensor_type.name], (rows, cols))
-    return plan
-
-
-def _dense_config_from_gguf(meta: dict, tensors: dict, arch: str, where: Path) -> DenseConfig:
-    def key(name: str, default: Any = _MISSING) -> Any:
-        full = f"{arch}.{name}"
-        found = meta.get(full, default)
-        if found is _MISSING:
-            raise EngineInputError(f"{where}: metadata key {full!r} is missing")
-        if isinstance(found, list):  # per-layer values: fine only when all layers agree
-            if len(set(found)) != 1:
-                raise EngineInputError(f"{where}: {full} differs between layers ({found}); not supported")
-            found = found[0]
-        return found
-
-    if "token_embd.weight" not in tensors:
-        raise EngineInputError(f"{where}: tensor 'token_embd.weight' is missing")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise EngineInputError(f"{where}: {arch}.rope.dimension_count {rope_dim} must equal the head dim "
-                               f"{head_dim} (partial RoPE is not supported for dense targets)")
-    scaling = key("rope.scaling.type", "none")
-    if scaling != "none":
-        raise EngineInputError(f"{where}: {arch}.rope.scaling.type {scaling!r} is not supported (only none)")
-    return DenseConfig(
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are [n_embd, n_vocab]
-        hidden_size=hidden, num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        intermediate_size=int(key("feed_forward_length")), head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        qk_norm="blk.0.attn_q_norm.weight" in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
-        tie_word_embeddings="output.weight" not in tensors,  # no output tensor: tied to token_embd
-        max_position_embeddings=int(key("context_length", 4096)), arch=arch,
-    )
-
-
-def _gguf_to_ours(name: str) -> str:
-    """blk.3.attn_q.weight -> layers.3.self_attn.q_proj.weight; unknown names pass through, reported later."""
-    parts = name.split(".")
-    if parts[0] in _GGUF_TOP and len(parts) == 2:
-        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_BLOCK:
-        return f"layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
-    return name
-
-
-def _gguf_tensor(t: Any, heads: int | None, where: Path) -> Tensor:
-    from gguf.quants import dequantize
-
-    try:
-        # The reader's numpy arrays already have PyTorch's row-major shape ([out, in]).
-        array = dequantize(t.data, t.tensor_type)
-    except NotImplementedError as exc:
-        raise EngineInputError(f"{where}: tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
-                               f"dequantised: {exc}") from None
-    except Exception as exc:  # data cut short or of a size its type cannot hold: a corrupt file
-        raise EngineInputError(f"{where}: tensor {t.name!r} cannot be read ({type(exc).__name__}: "
-                               f"{preview(str(exc))}): the file is corrupt") from None
-    w = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
-    if heads:
-        # Inverse of llama.cpp's permute(w, n) = w.reshape(n, 2, d/2, ...).swapaxes(1, 2).reshape(w.shape):
-        # rows go from interleaved pairs (x0, y0, x1, y1, ...) back to HF's halves (x0, x1, ..., y0, y1, ...).
-        d = w.shape[0] // heads
-        w = w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-    return w
-
-
-def _gguf_blocks(t: Any, heads: int | None, fmt: BlockFormat, where: Path) -> Tensor:
-    """A quantized tensor's blocks as stored, uint8 [out, row_bytes] (llama's q/k rows un-permuted:
-    quantisation is per row, so whole rows of blocks move), its scales checked finite."""
-    rows, cols = int(t.shape[1]), int(t.shape[0])
-    expect = (rows, fmt.row_bytes(cols))
-    try:
-        data = np.array(t.data, dtype=np.uint8, copy=True)  # the reader's arrays are read-only file maps
-    except Exception as exc:  # data cut short: a corrupt file
-        raise EngineInputError(f"{where}: tensor {t.name!r} cannot be read ({type(exc).__name__}: "
-                               f"{preview(str(exc))}): the file is corrupt") from None
-    if cols % fmt.values or tuple(data.shape) != expect:
-        raise EngineInputError(f"{where}: tensor {t.name!r} ({fmt.name}, [{rows}, {cols}]) holds bytes "
-                               f"{list(data.shape)}, not {list(expect)}: the file is corrupt")
-    blocks = torch.from_numpy(data)
-    bad = bad_scales(blocks, fmt)
-    if bad:
-        raise EngineInputError(f"{where}: tensor {t.name!r} ({fmt.name}) holds {bad:,} NaN or inf block scales "
-                               f"in {blocks.numel() // fmt.nbytes:,} blocks: the weights are corrupt")
-    if heads:  # as _gguf_tensor's, on rows of blocks
-        d = rows // heads
-        blocks = blocks.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(expect).contiguous()
-    return blocks
-
-
 # --------------------------------------------------------------------------------- shared helpers
 def _folder(path: Path, what: str) -> Path:
     folder = Path(path)
@@ -481,8 +300,9 @@ def _open_safetensors(files: list[Path]) -> Iterator[TensorSource]:
         yield source
 
 
-def _load_state(model: nn.Module, source: TensorSource, where: str) -> None:
-    """Strict by-name copy: every parameter / persistent buffer filled, nothing left over, shapes equal."""
+def load_state(model: nn.Module, source: TensorSource, where: str) -> None:
+    """Strict by-name copy: every parameter / persistent buffer filled, nothing left over, shapes
+    equal, values finite; ``where`` (the checkpoint) opens every refusal."""
     own = model.state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}  # tied weights (lm_head = embed_tokens) share one tensor
     for name, t in own.items():
@@ -514,8 +334,8 @@ def _few(names: list[str], n: int = 8) -> str:
     return f"[{shown}{', ...' if len(names) > n else ''}] ({len(names)})"
 
 
-def _build(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
-           native: NativePlan | None = None) -> nn.Module:
+def build_model(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
+                native: NativePlan | None = None) -> nn.Module:
     """Construct directly in dtype on device: no full-precision CPU copy of a large model. A config
     whose weights cannot fit in the device's free memory is refused first, with the numbers (a
     corrupt or mistyped size would otherwise ask the allocator for terabytes). ``native``: the
@@ -556,7 +376,7 @@ def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
     for name, (fmt, shape) in native.items():
         try:
             linear = model.get_submodule(name)
-        except AttributeError:  # a tensor the model has no place for: _load_state names it
+        except AttributeError:  # a tensor the model has no place for: load_state names it
             continue
         if isinstance(linear, nn.Linear) and (linear.out_features, linear.in_features) == shape:
             owner, _, attr = name.rpartition(".")
@@ -593,7 +413,8 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-def _finish(model: nn.Module) -> Any:
+def finish_model(model: nn.Module) -> Any:
+    """``model`` in eval mode with no gradients: how every loader hands a model back."""
     model.eval()
     model.requires_grad_(False)
     return model

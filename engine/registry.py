@@ -107,7 +107,7 @@ def _smollm2_135m_instruct(weights: str = "dequantized") -> tuple[nn.Module, obj
     tokenizer and chat template of its own metadata."""
     from engine.data.assets import SMOLLM2_GGUF, ensure_asset
     from engine.data.tokenizer import tokenizer_from_gguf_metadata
-    from engine.loading import load_target_gguf
+    from engine.gguf_loading import load_target_gguf
 
     path = ensure_asset("smollm2") / SMOLLM2_GGUF
     model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32, weights)
@@ -286,31 +286,39 @@ def check_draft_spec(spec: str) -> None:
     )
 
 
-def check_model_spec(target: str, draft: str) -> None:
-    """Cheap validation of both specs (no weights are read)."""
+def check_weights(target: str, weights: str) -> None:
+    """Whether ``target`` can be held as ``weights`` (no weights are read): ``native`` keeps a GGUF's
+    quantized blocks, so a target not read from a GGUF file is refused (``load_target`` refuses it too)."""
+    if weights not in WEIGHTS:
+        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
+    if weights == "native" and not target.endswith(".gguf") and (
+            target not in TARGETS or TARGETS[target].build_native is None):
+        raise EngineInputError(f"weights='native' keeps a GGUF file's quantized blocks, but target {target!r} is "
+                               "not read from one (a float preset or an HF folder): use weights='dequantized'")
+
+
+def check_model_spec(target: str, draft: str, weights: str = "dequantized") -> None:
+    """Cheap validation of both specs and of the weights mode for the target (no weights are read)."""
     check_target_spec(target)
     check_draft_spec(draft)
+    check_weights(target, weights)
 
 
 def load_target(spec: str, device: torch.device, dtype: torch.dtype,
                 weights: str = "dequantized") -> tuple[nn.Module, object]:
     """The target of ``spec`` and its tokenizer, on ``device`` in ``dtype``. ``weights="native"``
-    keeps a GGUF's quantized projections in their blocks (``loading.load_target_gguf``); a target
+    keeps a GGUF's quantized projections in their blocks (``gguf_loading.load_target_gguf``); a target
     with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been."""
     check_target_spec(spec)
-    if weights not in WEIGHTS:
-        raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
+    check_weights(spec, weights)
     native = weights == "native"
-    if native and not spec.endswith(".gguf") and (spec not in TARGETS or TARGETS[spec].build_native is None):
-        raise EngineInputError(f"weights='native' keeps a GGUF file's quantized blocks, but target {spec!r} is "
-                               "not read from one (a float preset or an HF folder): use weights='dequantized'")
     if spec in TARGETS and TARGETS[spec].build_on is not None:
         model, tok = TARGETS[spec].build_on(device, dtype)
     elif spec in TARGETS:
         model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)()
     elif spec.endswith(".gguf"):
         from engine.data.tokenizer import tokenizer_from_gguf_metadata
-        from engine.loading import load_target_gguf
+        from engine.gguf_loading import load_target_gguf
 
         model, meta = load_target_gguf(Path(spec), device, dtype, weights)
         tok = tokenizer_from_gguf_metadata(meta)

@@ -57,7 +57,8 @@ class Executor(abc.ABC):
     def close(self) -> None: ...
 
     def describe(self) -> dict[str, Any]:
-        """Device facts for provenance (device, dtype, worker ids)."""
+        """Device facts for provenance (device, dtype, worker ids) and the loaded worker's
+        :meth:`~autotune.worker.Worker.limits` (context, longest prompt, recurrent state, tools, weights)."""
         return {}
 
     def environment(self, worker: str) -> dict[str, Any]:

@@ -23,8 +23,8 @@ class LocalExecutor(Executor):
 
     @classmethod
     def for_model(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
-                  fixed: dict[str, Any]) -> LocalExecutor:
-        return cls(lambda: Worker.load(target, draft, device, dtype, workloads, fixed))
+                  fixed: dict[str, Any], *, weights: str = "dequantized") -> LocalExecutor:
+        return cls(lambda: Worker.load(target, draft, device, dtype, workloads, fixed, weights=weights))
 
     @property
     def worker(self) -> Worker:

@@ -4,7 +4,7 @@ How it behaves (the driver keeps the study and MLflow; actors only measure):
 
 - **Warm actors.** Each actor loads the model pair once (:meth:`_Measurer.prepare`) and keeps it.
   Every job carries the :class:`WorkerSpec`; an actor reloads only when the model (target, draft,
-  device, dtype) differs from the one it holds. New prompts or fixed fields just re-wrap the pair.
+  device, dtype, weights) differs from the one it holds. New prompts or fixed fields just re-wrap the pair.
 - **Dispatch.** :meth:`RayExecutor.idle_workers` lists ready actors; the driver submits one job per
   idle actor and :meth:`RayExecutor.wait` returns records as actors finish, so no actor waits on
   another. With ``on_progress`` set, ``wait`` asks each busy actor every second where its job is
@@ -69,6 +69,7 @@ class WorkerSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     worker: str = DEFAULT_WORKER
     worker_kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: str = "dequantized"  # how the target holds its weights (engine.load; ModelSpec.weights)
 
     def __post_init__(self) -> None:
         factory = load_worker(self.worker)
@@ -86,8 +87,8 @@ class WorkerSpec:
             raise InputError("WorkerSpec", "worker_kwargs", f"must be keyword arguments that {self.worker}(pair, "
                              f"workloads, fixed, **worker_kwargs) accepts ({exc})", kwargs) from None
 
-    def model_key(self) -> tuple[str, str, str, str]:
-        return (self.target, self.draft, self.device, self.dtype)
+    def model_key(self) -> tuple[str, str, str, str, str]:
+        return (self.target, self.draft, self.device, self.dtype, self.weights)
 
 
 def load_worker(ref: str) -> Callable[..., Worker]:
@@ -133,7 +134,7 @@ class _Measurer:
             import engine
 
             self.worker = None  # drop the old pair before the new one takes memory
-            pair = engine.load(spec.target, spec.draft, device=spec.device, dtype=spec.dtype)
+            pair = engine.load(spec.target, spec.draft, device=spec.device, dtype=spec.dtype, weights=spec.weights)
             self.loads += 1
         else:
             pair = self.worker.pair
@@ -412,7 +413,7 @@ class RayExecutor(Executor):
         return {"device": device, "dtype": self._facts.get("dtype") or self.spec.dtype,
                 "workers": [s.worker_id for s in self._slots],
                 "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
-                **{k: self._facts.get(k) for k in ("context", "longest_prompt", "recurrent_state", "tools")}}
+                **{k: self._facts.get(k) for k in ("weights", "context", "longest_prompt", "recurrent_state", "tools")}}
 
     def environment(self, worker: str) -> dict[str, Any]:
         if worker not in self._environments:

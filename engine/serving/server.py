@@ -435,7 +435,8 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
     sock = _bind(host, port)  # before the model loads: a taken port fails in a second
     try:
         target, draft = str(model["target"]), str(model.get("draft") or "none")
-        pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")))
+        pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")),
+                    weights=str(model.get("weights", "dequantized")))  # a native study's export serves native
         name = str(model.get("name") or Path(target).name)
         app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue)
         costs = warm_up(pair, cfg)
@@ -454,7 +455,8 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     print(f"serving: http://{bound_host}:{bound_port}/v1", flush=True)
     print(f"model: {name}\nconfig: {config_path}\nverify: {cfg.verify}\ndevice: {pair.device}\n"
-          f"api_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}", flush=True)
+          f"weights: {pair.weights}\napi_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}",
+          flush=True)
     if costs is not None:  # the adaptive policy's table, measured before the first request
         print("step_costs_ms: " + " ".join(f"{b}:{ms:.3g}" for b, ms in sorted(costs.items())), flush=True)
     if not api_key and not _loopback(host):

@@ -92,6 +92,12 @@ CASES: dict[str, tuple[Case, list[str]]] = {
                            ["tiny.yaml", "model", "no-such-model"]),
     "bad oracle probability": (_exp(model={"target": "tiny-dense", "draft": "oracle:1.5"}),
                                ["model", "oracle:1.5", "0 <= P <= 1"]),
+    "unknown weights mode": (_edit(lambda e: e["model"].update(weights="q4")),
+                             ["tiny.yaml", "model.weights", "must be one of ['dequantized', 'native']", "'q4'"]),
+    # checked before anything loads: the engine's registry knows tiny-dense is no GGUF
+    "native weights on a float target": (_edit(lambda e: e["model"].update(weights="native")),
+                                         ["tiny.yaml", "model.weights", "must suit model.target",
+                                          "target 'tiny-dense' is not read from one", "but got 'native'"]),
     "missing search space": (_exp(search_space="nowhere.yaml"), ["search_space", "nowhere.yaml"]),
     "missing workload file": (_exp(workload={"sets": ["missing.jsonl"], "n_prompts": 2}),
                               ["workload.sets[0]", "missing.jsonl", "must exist"]),

@@ -15,6 +15,41 @@ _HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.down_proj": "ffn_down"}
 
 
+# A tiny target for the native-weights tests (engine's and autotune's). Rows of 256 and 512 values:
+# the K formats' blocks are 256 wide.
+TINY_HF = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, initializer_range=0.05, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None)
+
+
+def bpe_tokenizer():
+    """A byte-level BPE (what a GGUF's gpt2 tokenizer must be for engine.load) of exactly
+    ``TINY_HF``'s 300 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"the {w} of {v} is {n}" for w in ("sea", "rain", "map", "key") for v in ("day", "night")
+              for n in range(40)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=TINY_HF["vocab_size"], special_tokens=["<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert tok.get_vocab_size() == TINY_HF["vocab_size"]
+    return tok
+
+
+def tiny_hf(arch: str, **overrides):
+    """A seeded transformers model of ``arch`` (llama, qwen2, qwen3) shaped as ``TINY_HF`` | ``overrides``."""
+    import transformers
+
+    cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
+    torch.manual_seed(7)
+    return cls(cfg_cls(**(TINY_HF | overrides))).eval()
+
+
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # As llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF halves -> interleaved RoPE pairs).
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_modules import REPO, load_benchmark
 
 
@@ -80,3 +81,22 @@ def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch,
         assert not step_attention.apply_step_attention(bad)
         assert f"got {bad!r}" in capsys.readouterr().err
     assert _exact_bench().main(["--step-attention", "32x4x48", "--device", "cpu"]) == 2
+
+
+def test_exact_bench_holds_a_native_target_and_its_oracle_twin_natively(tmp_path):
+    """``--weights native`` on a quantized GGUF: the oracle twin is built on the same target, so it
+    reports the weights as loaded (not the Pair default), and both decode exactly as AR."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
+
+    target, out = tmp_path / "target.gguf", tmp_path / "exact.json"
+    write_gguf(target, tiny_hf("qwen3"), "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer=bpe_tokenizer())
+    rc = _exact_bench().main([
+        "--target", str(target), "--draft", "random", "--device", "cpu", "--dtype", "float32", "--weights", "native",
+        "--random-prompts", "1", "--prompt-len", "8", "--max-new-tokens", "6", "--budgets", "4", "--top-ks", "2",
+        "--paths", "generic", "--eos-configs", "--oracle", "0.3", "--oracle-configs", "ddtree b4 k2", "--out",
+        str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and {r["draft"] for r in rows} == {"random", "oracle:0.3"}
+    assert all(r["weights"] == "native" and r["exact"] == r["n"] == 1 for r in rows)

@@ -12,16 +12,13 @@ import engine
 from engine import EngineConfig, EngineInputError
 from engine.models.common import Linear, unfused_state_dict
 from engine.models.quant import QuantFusedLinear, QuantLinear
-from tests.engine.gguf_files import write_gguf
+from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-# Rows of 256 and 512 values: the K formats' blocks are 256 wide.
-HF = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, initializer_range=0.05, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-# name: (arch, default type, per-tensor types, HF overrides, the formats kept native and how many of each)
+# name: (arch, default type, per-tensor types, tiny_hf overrides, the formats kept native and how many of each)
 CASES = {
     # llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for attn_v, ffn_down and the output head; one ffn_up in
     # TQ2_0 (no native form: it falls back to floats, and its gate/up group stays unfused).
@@ -44,34 +41,10 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _tokenizer():
-    """A byte-level BPE (what a GGUF's gpt2 tokenizer must be for engine.load) of exactly 300 tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [f"the {w} of {v} is {n}" for w in ("sea", "rain", "map", "key") for v in ("day", "night")
-              for n in range(40)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=HF["vocab_size"], special_tokens=["<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    assert tok.get_vocab_size() == HF["vocab_size"]
-    return tok
-
-
-def _hf(arch: str, **overrides):
-    cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
-                    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
-    torch.manual_seed(7)
-    return cls(cfg_cls(**(HF | overrides))).eval()
-
-
 def _file(tmp_path, case: str):
     arch, qtype, qtypes, overrides, _ = CASES[case]
     path = tmp_path / f"{case}.gguf"
-    write_gguf(path, _hf(arch, **overrides), arch, qtype, tokenizer=_tokenizer(), qtypes=qtypes)
+    write_gguf(path, tiny_hf(arch, **overrides), arch, qtype, tokenizer=bpe_tokenizer(), qtypes=qtypes)
     return str(path)
 
 
@@ -146,7 +119,7 @@ def test_native_refuses_a_bad_mode_a_float_target_and_nan_scales(tmp_path):
                                                r"'tiny-dense' is not read from one"):
         engine.load("tiny-dense", "none", device="cpu", weights="native")
     path = tmp_path / "nan.gguf"
-    write_gguf(path, _hf("qwen3"), "qwen3", Q.Q8_0, tokenizer=_tokenizer())
+    write_gguf(path, tiny_hf("qwen3"), "qwen3", Q.Q8_0, tokenizer=bpe_tokenizer())
     reader = gguf.GGUFReader(path)
     t = next(t for t in reader.tensors if t.name == "blk.1.attn_k.weight")
     data = bytearray(path.read_bytes())

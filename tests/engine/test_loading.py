@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineInputError
-from engine.loading import load_draft_folder, load_target_folder, load_target_gguf, save_draft_folder
+from engine.gguf_loading import load_target_gguf
+from engine.loading import load_draft_folder, load_target_folder, save_draft_folder
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
 from engine.models.quant import QuantLinear
