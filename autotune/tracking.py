@@ -163,14 +163,16 @@ def description(study_name: str, w: results.Winner | None, counts: dict[str, int
 
 
 def check_tracking_uri(uri: str) -> str | None:
-    """Validate without creating anything; ``none`` disables tracking."""
+    """Validate without creating anything; ``none`` disables tracking. A SQLite file comes back as
+    an absolute URI: MLflow keeps one store per URI string in a process, so a relative one would
+    keep pointing at the folder it was first opened from."""
     if uri.lower() == "none":
         return None
     if uri.startswith("sqlite:///"):
         path = Path(uri[len("sqlite:///"):]).resolve()
         if not path.parent.is_dir():
             raise InputError("--tracking-uri", None, "the folder of the MLflow database must exist", uri)
-        return uri
+        return f"sqlite:///{path}"
     if "://" not in uri and not uri.startswith("file:"):
         raise InputError("--tracking-uri", None, "must be an MLflow tracking URI (sqlite:///mlflow.db, "
                          "http://host:5000, file:///dir) or none", uri)

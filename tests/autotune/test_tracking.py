@@ -287,3 +287,13 @@ def test_an_adaptive_trial_logs_its_budget_histogram(uri):
     assert run.data.params["policy"] == "adaptive"
     artifacts = {f.path for f in tracker.client.list_artifacts(run.info.run_id)}
     assert "budget_histogram.json" in artifacts
+
+
+def test_a_relative_sqlite_tracking_uri_is_made_absolute_where_the_command_runs(tmp_path, monkeypatch):
+    """MLflow keeps one store per URI string in a process: the relative default must name this folder's file."""
+    from autotune.tracking import check_tracking_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert check_tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert check_tracking_uri("none") is None
+    assert check_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
