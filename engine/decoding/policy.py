@@ -184,20 +184,28 @@ class AdaptivePolicy:
     depth: int
     probe_every: int
     calibrations: list[Calibration]  # one per budget: a draft's over-confidence depends on the tree's size
+    probe_max: int | None = None  # the probes' interval's cap (None: ``probe_every``, no back-off)
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
+    interval: int = 0  # the steps from one probe to the next now (0: ``probe_every``; ``choose``)
 
     @classmethod
     def for_config(cls, cfg: EngineConfig, depth: int, costs: StepCosts) -> AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
-        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
+        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets],
+                   cfg.probe_max)
+
+    @property
+    def cap(self) -> int:
+        """The longest interval between two probes: ``probe_max`` (at least ``probe_every``)."""
+        return max(self.probe_every, self.probe_max or 0)
 
     @property
     def max_ar_run(self) -> int:
         """The most AR steps ``choose`` returns in a row while a tree budget has a finite cost (with
-        none, it never proposes): the ``probe_every``-th is a probe."""
-        return self.probe_every - 1
+        none, it never proposes): the interval between probes reaches ``cap`` at most."""
+        return self.cap - 1
 
     def catch_up_rows(self, block: int) -> int:
         """The draft context positions the first proposal after AR steps recomputes: the last tree
@@ -211,12 +219,18 @@ class AdaptivePolicy:
         accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.accepts
         ratios = [1.0 if fresh else c.ratio for c in self.calibrations]
         b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
-        if b == 0:
+        if b > 0:  # a tree chosen on its own merit: the draft is worth its cost, probes start over
+            self.interval = self.probe_every
+        else:
+            self.interval = self.interval or self.probe_every
             self.ar_streak += 1
             tree = [i for i, c in enumerate(self.budgets) if c > 0 and math.isfinite(self.costs.ms[c])]
-            if self.ar_streak >= self.probe_every and tree:  # a probe: the best tree, to estimate again
+            if self.ar_streak >= self.interval and tree:  # a probe: the best tree, to estimate again
                 b, al = choose_budget([self.budgets[i] for i in tree], [accepts[i] for i in tree],
                                       [ratios[i] for i in tree], self.costs, self.depth)
+                # A probe that fails costs a tree step for AL 1: while they keep failing (the choice
+                # stays 0 after it) they come half as often, up to ``cap``; a tree chosen again resets it.
+                self.interval = min(2 * self.interval, self.cap)
         if b > 0:
             self.ar_streak = 0
         return b, al
