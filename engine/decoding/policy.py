@@ -171,7 +171,11 @@ class Calibration:
 
     @property
     def ratio(self) -> float:
-        return (self.observed + _PRIOR) / (self.predicted + _PRIOR)
+        return self.ratio_toward(1.0)
+
+    def ratio_toward(self, prior: float) -> float:
+        """Observed over predicted, the pseudo-node at ratio ``prior``."""
+        return (self.observed + _PRIOR * prior) / (self.predicted + _PRIOR)
 
 
 @dataclass
@@ -183,7 +187,9 @@ class AdaptivePolicy:
     costs: StepCosts
     depth: int
     probe_every: int
-    calibrations: list[Calibration]  # one per budget: a draft's over-confidence depends on the tree's size
+    # one per budget, of its shell (the nodes it adds to the next smaller budget's tree): a draft's
+    # over-confidence depends on the node's place in the tree
+    calibrations: list[Calibration]
     probe_max: int | None = None  # the probes' interval's cap (None: ``probe_every``, no back-off)
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
@@ -216,8 +222,8 @@ class AdaptivePolicy:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
         # Before any tree step: every node assumed accepted (the first step probes optimistically).
         fresh = self.accepts is None
-        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.accepts
-        ratios = [1.0 if fresh else c.ratio for c in self.calibrations]
+        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.calibrated(self.accepts)
+        ratios = [1.0] * len(self.budgets)  # (calibrated already)
         b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
         if b > 0:  # a tree chosen on its own merit: the draft is worth its cost, probes start over
             self.interval = self.probe_every
@@ -235,6 +241,24 @@ class AdaptivePolicy:
             self.ar_streak = 0
         return b, al
 
+    def calibrated(self, accepts: Sequence[float]) -> list[float]:
+        """E[accepted](b) per budget, each shell's estimate (E[accepted] of its budget less the next
+        smaller one's) scaled by its own ratio. A larger tree contains the smaller one, so it never
+        comes out below it (one ratio per whole tree let the smaller tree's estimate pass the larger's:
+        a budget-24 step chosen at E[AL] 4.5 accepted 3.3, ``benchmarks/policy_sim.py``). A shell
+        seldom verified (the outer ones, a node's worth of mass in a few steps) takes its prior from
+        the shell inside it, not from the draft as it is: a draft found wrong on its first nodes is
+        not trusted on the nodes behind them."""
+        out, total, below, inner = [], 0.0, 0.0, 1.0
+        for i, (a, cal) in enumerate(zip(accepts, self.calibrations, strict=True)):
+            ratio = cal.ratio_toward(inner)
+            if i > 0:  # (budget 0's shell is empty: it passes the prior 1 on to the first tree's)
+                inner = ratio
+            total += ratio * max(a - below, 0.0)
+            below = a
+            out.append(total)
+        return out
+
     def observe(self, budget: int, probs: Sequence[int], path: Sequence[int]) -> None:
         """A tree step read back: its budget, its proposal's ``path_probabilities`` of nodes 1..N and
         the accepted node indices after the root (``record`` of their estimate and acceptance)."""
@@ -247,6 +271,8 @@ class AdaptivePolicy:
         if budget == 0:
             return
         self.accepts = list(accepts)
+        below = (0.0, 0)
         for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
-            if 0 < b <= budget:
-                cal.update(predicted, seen)
+            if 0 < b <= budget:  # the shell's nodes: those of b's tree less those of the smaller one's
+                cal.update(predicted - below[0], seen - below[1])
+            below = (predicted, seen)
