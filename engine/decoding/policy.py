@@ -12,19 +12,25 @@ Stages, each a pure function or a small record:
    E[accepted](b) for every b. The device computes only each node's path probability, in fixed
    point (one matrix-vector product with the ancestor mask and an exp: the fewest launches); they
    ride in the step's one readback and the host sums them.
-2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
-   checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
-   observes every budget up to its own (``accepted_within``, on the host from the accepted path's
-   node indices, which ride in the readback too: the path's nodes inside each budget's prefix), and
-   observed over predicted accepted nodes, as exponentially decayed sums over this generation's tree
-   steps, scale that budget's predictions.
-3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
+2. **Calibrate** (``Calibration``, one per budget, of its shell: the nodes its tree adds to the next
+   smaller budget's): drafts are over- or under-confident (an early checkpoint, a workload it never
+   saw), and by how much depends on the node's place in the tree. A tree step observes every budget up
+   to its own (``accepted_within``, on the host from the accepted path's node indices, which ride in
+   the readback too: the path's nodes inside each budget's prefix), so each shell's observed and
+   predicted accepted nodes, as exponentially decayed sums over this generation's tree steps, give its
+   ratio; E[accepted](b) is the sum of the shells' predictions up to b, each scaled by its ratio
+   (``AdaptivePolicy.calibrated``): never below a smaller budget's, whose tree it contains. A shell's
+   prior (one pseudo-node) is the ratio of the shell inside it (the first shell's: 1, the draft as it
+   is), so a shell seldom verified follows what the draft showed nearer the root.
+3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(calibrated E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
    this pair on this device, ``decode.measure_step_costs``, or given).
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
-   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. So at most
-   ``max_ar_run`` (``probe_every - 1``) AR steps run between two proposals.
+   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. A probe
+   that fails costs a tree step for one token, so while they keep failing the interval doubles, up to
+   ``probe_max``; a tree the policy chooses on its own resets it to ``probe_every``. So at most
+   ``max_ar_run`` (``probe_max - 1``) AR steps run between two proposals.
 
 **The draft's context across AR steps.** On the runtime an AR step the policy chooses is plain AR's
 step (the root alone: no walk, no K/V move) plus one copy, the committed position's target features
