@@ -46,6 +46,8 @@ _CONFIG_FLAGS: dict[str, tuple[type, tuple[str, ...] | None, str]] = {
     "policy_levels": (int, None, "adaptive: tree budgets to choose from, halving from --budget (default 4)"),
     "probe_every": (int, None, "adaptive: while it holds at AR steps, every Nth step verifies a tree to "
                                "estimate again (default 8)"),
+    "probe_max": (int, None, "adaptive: while probes keep failing, their interval doubles from --probe-every up "
+                             "to this (default 64)"),
     "calibration_window": (int, None, "adaptive: tree steps the calibration of the draft's probabilities "
                                       "remembers (default 16)"),
 }

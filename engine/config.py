@@ -22,7 +22,7 @@ MAX_CHAIN_SEED = 1024
 MAX_TARGET_FEAT_CTX = 1 << 20
 MAX_SEED = 2**63 - 1
 MAX_POLICY_LEVELS = 10  # budget / 2**9: below 2 nodes for every budget MAX_BUDGET allows
-MAX_PROBE_EVERY = 1024
+MAX_PROBE_EVERY = 1024  # also probe_max's bound: the catch-up proposal's block + probe_max - 1 context rows
 MAX_CALIBRATION_WINDOW = 1 << 16
 
 
@@ -73,6 +73,11 @@ class EngineConfig:
         (4 at budget 64: 64, 32, 16, 8), besides 0.
     probe_every (adaptive): while the policy holds at AR steps (which run no draft), every
         ``probe_every``-th step proposes and verifies a tree anyway, so the estimate can move again.
+    probe_max (adaptive): while probes keep failing (the choice after one is 0 again), the interval
+        between them doubles from ``probe_every`` up to ``probe_max``; a tree the policy chooses on
+        its own resets it. At least ``probe_every`` (equal: no back-off). The first proposal after AR
+        steps recomputes ``block_size + probe_max - 1`` positions of the draft's context (a fixed
+        window: one captured graph), once per probe.
     calibration_window (adaptive): steps the calibration of the draft's probabilities remembers
         (an exponential decay of 1 - 1/window on the observed and predicted sums).
     """
@@ -93,6 +98,11 @@ class EngineConfig:
     policy: str = "fixed"
     policy_levels: int = 4
     probe_every: int = 8
+    # 64: a failed probe costs ~0.3 ms more than an AR step on the H200's SmolLM2 pair (a tree step
+    # 1.22-1.29 ms, AR 0.945), 1/64 of that per token is 0.5% of AR's speed (every 8th step: 4%); the
+    # catch-up window's 79 rows (block 16) are a few small GEMMs more, once per probe; a draft that
+    # turns good again waits at most 63 AR steps to be noticed.
+    probe_max: int = 64
     calibration_window: int = 16
 
     def __post_init__(self) -> None:
@@ -104,6 +114,10 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _int_at_least("policy_levels", self.policy_levels, 1, MAX_POLICY_LEVELS)
         _int_at_least("probe_every", self.probe_every, 2, MAX_PROBE_EVERY)
+        _int_at_least("probe_max", self.probe_max, 2, MAX_PROBE_EVERY)
+        if self.probe_max < self.probe_every:
+            raise EngineInputError(f"EngineConfig.probe_max must be >= probe_every ({self.probe_every}): the probes' "
+                                   f"interval backs off from probe_every up to probe_max, but got {self.probe_max}")
         _int_at_least("calibration_window", self.calibration_window, 1, MAX_CALIBRATION_WINDOW)
         _int_at_least("budget", self.budget, 1, MAX_BUDGET)
         _int_at_least("top_k", self.top_k, 1, MAX_TOP_K)
@@ -150,7 +164,7 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_ADAPTIVE_ONLY = frozenset({"policy_levels", "probe_every", "calibration_window"})
+_ADAPTIVE_ONLY = frozenset({"policy_levels", "probe_every", "probe_max", "calibration_window"})
 _TREE_ONLY = frozenset({"budget", "top_k", "proposal_temp", "chain_seed", "policy"}) | _ADAPTIVE_ONLY
 _NOT_APPLICABLE = {"ddtree": frozenset(), "chain": _TREE_ONLY,
                    "ar": _TREE_ONLY | {"target_feat_ctx", "rollback", "block_size"}}

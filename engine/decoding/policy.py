@@ -12,19 +12,25 @@ Stages, each a pure function or a small record:
    E[accepted](b) for every b. The device computes only each node's path probability, in fixed
    point (one matrix-vector product with the ancestor mask and an exp: the fewest launches); they
    ride in the step's one readback and the host sums them.
-2. **Calibrate** (``Calibration``, one per budget): drafts are over- or under-confident (an early
-   checkpoint, a workload it never saw), and by how much depends on the tree's size. A tree step
-   observes every budget up to its own (``accepted_within``, on the host from the accepted path's
-   node indices, which ride in the readback too: the path's nodes inside each budget's prefix), and
-   observed over predicted accepted nodes, as exponentially decayed sums over this generation's tree
-   steps, scale that budget's predictions.
-3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(ratio(b) * E[accepted](b), b, depth), and the
+2. **Calibrate** (``Calibration``, one per budget, of its shell: the nodes its tree adds to the next
+   smaller budget's): drafts are over- or under-confident (an early checkpoint, a workload it never
+   saw), and by how much depends on the node's place in the tree. A tree step observes every budget up
+   to its own (``accepted_within``, on the host from the accepted path's node indices, which ride in
+   the readback too: the path's nodes inside each budget's prefix), so each shell's observed and
+   predicted accepted nodes, as exponentially decayed sums over this generation's tree steps, give its
+   ratio; E[accepted](b) is the sum of the shells' predictions up to b, each scaled by its ratio
+   (``AdaptivePolicy.calibrated``): never below a smaller budget's, whose tree it contains. A shell's
+   prior (one pseudo-node) is the ratio of the shell inside it (the first shell's: 1, the draft as it
+   is), so a shell seldom verified follows what the draft showed nearer the root.
+3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(calibrated E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
    this pair on this device, ``decode.measure_step_costs``, or given).
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
-   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. So at most
-   ``max_ar_run`` (``probe_every - 1``) AR steps run between two proposals.
+   non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. A probe
+   that fails costs a tree step for one token, so while they keep failing the interval doubles, up to
+   ``probe_max``; a tree the policy chooses on its own resets it to ``probe_every``. So at most
+   ``max_ar_run`` (``probe_max - 1``) AR steps run between two proposals.
 
 **The draft's context across AR steps.** On the runtime an AR step the policy chooses is plain AR's
 step (the root alone: no walk, no K/V move) plus one copy, the committed position's target features
@@ -171,7 +177,11 @@ class Calibration:
 
     @property
     def ratio(self) -> float:
-        return (self.observed + _PRIOR) / (self.predicted + _PRIOR)
+        return self.ratio_toward(1.0)
+
+    def ratio_toward(self, prior: float) -> float:
+        """Observed over predicted, the pseudo-node at ratio ``prior``."""
+        return (self.observed + _PRIOR * prior) / (self.predicted + _PRIOR)
 
 
 @dataclass
@@ -183,21 +193,31 @@ class AdaptivePolicy:
     costs: StepCosts
     depth: int
     probe_every: int
-    calibrations: list[Calibration]  # one per budget: a draft's over-confidence depends on the tree's size
+    # one per budget, of its shell (the nodes it adds to the next smaller budget's tree): a draft's
+    # over-confidence depends on the node's place in the tree
+    calibrations: list[Calibration]
+    probe_max: int | None = None  # the probes' interval's cap (None: ``probe_every``, no back-off)
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
+    interval: int = 0  # the steps from one probe to the next now (0: ``probe_every``; ``choose``)
 
     @classmethod
     def for_config(cls, cfg: EngineConfig, depth: int, costs: StepCosts) -> AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
-        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets])
+        return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets],
+                   cfg.probe_max)
+
+    @property
+    def cap(self) -> int:
+        """The longest interval between two probes: ``probe_max`` (at least ``probe_every``)."""
+        return max(self.probe_every, self.probe_max or 0)
 
     @property
     def max_ar_run(self) -> int:
         """The most AR steps ``choose`` returns in a row while a tree budget has a finite cost (with
-        none, it never proposes): the ``probe_every``-th is a probe."""
-        return self.probe_every - 1
+        none, it never proposes): the interval between probes reaches ``cap`` at most."""
+        return self.cap - 1
 
     def catch_up_rows(self, block: int) -> int:
         """The draft context positions the first proposal after AR steps recomputes: the last tree
@@ -208,18 +228,42 @@ class AdaptivePolicy:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
         # Before any tree step: every node assumed accepted (the first step probes optimistically).
         fresh = self.accepts is None
-        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.accepts
-        ratios = [1.0 if fresh else c.ratio for c in self.calibrations]
+        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.calibrated(self.accepts)
+        ratios = [1.0] * len(self.budgets)  # (calibrated already)
         b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
-        if b == 0:
+        if b > 0:  # a tree chosen on its own merit: the draft is worth its cost, probes start over
+            self.interval = self.probe_every
+        else:
+            self.interval = self.interval or self.probe_every
             self.ar_streak += 1
             tree = [i for i, c in enumerate(self.budgets) if c > 0 and math.isfinite(self.costs.ms[c])]
-            if self.ar_streak >= self.probe_every and tree:  # a probe: the best tree, to estimate again
+            if self.ar_streak >= self.interval and tree:  # a probe: the best tree, to estimate again
                 b, al = choose_budget([self.budgets[i] for i in tree], [accepts[i] for i in tree],
                                       [ratios[i] for i in tree], self.costs, self.depth)
+                # A probe that fails costs a tree step for AL 1: while they keep failing (the choice
+                # stays 0 after it) they come half as often, up to ``cap``; a tree chosen again resets it.
+                self.interval = min(2 * self.interval, self.cap)
         if b > 0:
             self.ar_streak = 0
         return b, al
+
+    def calibrated(self, accepts: Sequence[float]) -> list[float]:
+        """E[accepted](b) per budget, each shell's estimate (E[accepted] of its budget less the next
+        smaller one's) scaled by its own ratio. A larger tree contains the smaller one, so it never
+        comes out below it (one ratio per whole tree let the smaller tree's estimate pass the larger's:
+        a budget-24 step chosen at E[AL] 4.5 accepted 3.3, ``benchmarks/policy_sim.py``). A shell
+        seldom verified (the outer ones, a node's worth of mass in a few steps) takes its prior from
+        the shell inside it, not from the draft as it is: a draft found wrong on its first nodes is
+        not trusted on the nodes behind them."""
+        out, total, below, inner = [], 0.0, 0.0, 1.0
+        for i, (a, cal) in enumerate(zip(accepts, self.calibrations, strict=True)):
+            ratio = cal.ratio_toward(inner)
+            if i > 0:  # (budget 0's shell is empty: it passes the prior 1 on to the first tree's)
+                inner = ratio
+            total += ratio * max(a - below, 0.0)
+            below = a
+            out.append(total)
+        return out
 
     def observe(self, budget: int, probs: Sequence[int], path: Sequence[int]) -> None:
         """A tree step read back: its budget, its proposal's ``path_probabilities`` of nodes 1..N and
@@ -233,6 +277,8 @@ class AdaptivePolicy:
         if budget == 0:
             return
         self.accepts = list(accepts)
+        below = (0.0, 0)
         for cal, b, predicted, seen in zip(self.calibrations, self.budgets, self.accepts, observed, strict=True):
-            if 0 < b <= budget:
-                cal.update(predicted, seen)
+            if 0 < b <= budget:  # the shell's nodes: those of b's tree less those of the smaller one's
+                cal.update(predicted - below[0], seen - below[1])
+            below = (predicted, seen)

@@ -190,7 +190,7 @@ def test_adaptive_graphs_verify_the_proposal_they_follow(monkeypatch, target):
     monkeypatch.setattr(pair.drafter, "propose_static", propose)
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda self: (next(script), 1.0))
     cfg = EngineConfig(verify="ddtree", budget=16, top_k=3, block_size=8, policy="adaptive", policy_levels=3,
-                       probe_every=4)
+                       probe_every=4, probe_max=4)  # (the scripted AR runs: 3 at most, a window of 8 + 3)
     gen = engine.generate(pair, ids, cfg, 96, ignore_eos=True, step_costs=StepCosts({0: 1, 4: 1, 8: 1, 16: 1}))
     assert gen.stats.loop == "graphs" and gen.tokens == truth[:96]
     whole = {4: 5, 8: 8, 16: 8}  # the forced top-1 chain: 4 nodes at budget 4, the draft's depth (7) beyond

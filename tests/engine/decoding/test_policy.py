@@ -129,8 +129,14 @@ def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step()
     estimate = [0.0, 1.9, 3.5, 6.0]
     for _ in range(2):  # the draft expected 6 nodes at budget 8 (1.9 at budget 2); none was accepted
         policy.record(8, estimate, [0, 0, 0, 0])
+    # each budget's shell (the nodes it adds to the smaller tree): 1.9, 1.6 and 2.5 expected nodes
     assert [c.ratio for c in policy.calibrations] == pytest.approx(
-        [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 3.5 + 1), 1 / (1.75 * 6.0 + 1)], rel=1e-5)
+        [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 1.6 + 1), 1 / (1.75 * 2.5 + 1)], rel=1e-5)
+    shells = [1.0, 1 / (1.75 * 1.9 + 1)]  # an outer shell's prior is the ratio of the shell inside it
+    shells += [(0 + shells[-1]) / (1.75 * 1.6 + 1)]
+    shells += [(0 + shells[-1]) / (1.75 * 2.5 + 1)]
+    assert policy.calibrated(estimate) == pytest.approx(
+        [0.0, 1.9 * shells[1], 1.9 * shells[1] + 1.6 * shells[2], 1.9 * shells[1] + 1.6 * shells[2] + 2.5 * shells[3]])
     choices = [policy.choose()[0] for _ in range(6)]
     assert choices == [0, 0, 2, 0, 0, 2]  # every third step a probe, at the best tree budget
     before = (policy.calibrations[2].predicted, policy.calibrations[3].predicted)
@@ -174,7 +180,18 @@ def test_step_costs_and_the_policys_fields_are_validated_with_the_rule_and_the_v
     with pytest.raises(EngineInputError, match="EngineConfig.calibration_window must be an integer"):
         EngineConfig(calibration_window=1.5)
     # the policy is DDTree's, its knobs the adaptive policy's: exports and reports show them only there
-    knobs = {"policy_levels", "probe_every", "calibration_window"}
+    with pytest.raises(EngineInputError, match=r"EngineConfig.probe_max must be >= probe_every \(8\): the probes' "
+                                                r"interval backs off from probe_every up to probe_max, but got 4"):
+        EngineConfig(probe_max=4)
+    with pytest.raises(EngineInputError, match="EngineConfig.probe_max must be <= 1,024, but got 2e"):
+        EngineConfig(probe_max=2000)
+    with pytest.raises(EngineInputError, match="EngineConfig.probe_max must be an integer, but got '16.0'"):
+        EngineConfig(probe_max=16.0)
+    assert EngineConfig(probe_every=5, probe_max=5).probe_max == 5  # equal: no back-off
+    assert EngineConfig.from_dict({"probe_max": 32}, source="x.yaml").probe_max == 32
+    with pytest.raises(EngineInputError, match=r"x.yaml: EngineConfig.probe_max must be >= probe_every \(40\)"):
+        EngineConfig.from_dict({"probe_every": 40, "probe_max": 32}, source="x.yaml")
+    knobs = {"policy_levels", "probe_every", "probe_max", "calibration_window"}
     adaptive = EngineConfig(policy="adaptive").applicable()
     assert knobs <= set(adaptive) and adaptive["policy"] == "adaptive"
     fixed = EngineConfig().applicable()
@@ -269,9 +286,10 @@ def test_a_tree_step_is_observed_from_its_path_probabilities_and_accepted_nodes(
     probs = [0.9, 0.5, 0.4, 0.3, 0.2, 0.2, 0.1, 0.1, 0.05, 0.05]  # nodes 1..10: a tree of 10 nodes
     policy.observe(4, [int(p * FIXED_POINT) for p in probs], [1, 3, 6])
     assert policy.accepts == pytest.approx([0.0, 1.4, 2.1, 2.7], abs=1e-4)  # budget b: the first b nodes
-    # budgets up to 4 observed (nodes 1 and 3 inside the budget-4 tree); 8 is larger than the step's tree
-    assert [c.observed for c in policy.calibrations] == [0.0, 1.0, 2.0, 0.0]
-    assert [c.predicted for c in policy.calibrations] == pytest.approx([0.0, 1.4, 2.1, 0.0], abs=1e-4)
+    # budgets up to 4 observed, by shell: node 1 in budget 2's tree, node 3 in what budget 4 adds to
+    # it; 8 is larger than the step's tree
+    assert [c.observed for c in policy.calibrations] == [0.0, 1.0, 1.0, 0.0]
+    assert [c.predicted for c in policy.calibrations] == pytest.approx([0.0, 1.4, 0.7, 0.0], abs=1e-4)
 
 
 def test_at_most_max_ar_run_ar_steps_come_between_two_proposals():
@@ -286,3 +304,66 @@ def test_at_most_max_ar_run_ar_steps_come_between_two_proposals():
         runs = "".join("0" if b == 0 else "t" for b in choices).split("t")
         assert max(len(r) for r in runs) == policy.max_ar_run == probe_every - 1
         assert policy.catch_up_rows(16) == 16 + probe_every - 1
+
+
+def _probes(choices: list[int]) -> list[int]:
+    """The steps (1-based) ``choices`` verify a tree at."""
+    return [i + 1 for i, b in enumerate(choices) if b > 0]
+
+
+def test_failed_probes_back_off_to_the_cap_and_a_tree_chosen_again_resets_them():
+    """While probes keep failing (the choice after them stays 0), each comes twice as many steps after
+    the last, from ``probe_every`` up to ``probe_max``; a tree the policy chooses on its own (the draft
+    right again) brings them back to ``probe_every``. AR runs never exceed ``max_ar_run``."""
+    policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=3, probe_max=12,
+                            calibrations=[Calibration(2) for _ in BUDGETS])
+    assert (policy.max_ar_run, policy.catch_up_rows(16)) == (11, 16 + 11)
+    weak, strong = [0.0, 0.1, 0.1, 0.1], [0.0, 2.0, 4.0, 7.0]
+    policy.record(8, weak, [0, 0, 0, 0])  # a weak draft: AR steps, and probes
+    choices = [policy.choose()[0] for _ in range(60)]
+    assert _probes(choices) == [3, 9, 21, 33, 45, 57]  # after 3, 6, 12 steps, then 12 (the cap) on
+    assert set(choices) == {0, 2}  # the probes verify the best tree budget
+    for _ in range(3):  # a probe accepted whole: the draft is right again, and trees come on their own
+        policy.record(8, strong, [0, 2, 4, 7])
+    assert policy.choose()[0] == 8
+    for _ in range(4):  # wrong again: AR steps, and probes from ``probe_every`` again
+        policy.record(8, weak, [0, 0, 0, 0])
+    again = [policy.choose()[0] for _ in range(24)]
+    assert _probes(again) == [3, 9, 21]
+    runs = "".join("0" if b == 0 else "t" for b in choices + again).split("t")
+    assert max(len(r) for r in runs) == policy.max_ar_run
+
+
+def test_without_a_cap_above_probe_every_probes_do_not_back_off():
+    for probe_max in (None, 4):
+        policy = AdaptivePolicy(BUDGETS, EXPENSIVE, depth=7, probe_every=4, probe_max=probe_max,
+                                calibrations=[Calibration(2) for _ in BUDGETS])
+        policy.record(8, [0.0, 0.1, 0.1, 0.1], [0, 0, 0, 0])
+        assert _probes([policy.choose()[0] for _ in range(20)]) == [4, 8, 12, 16, 20]
+        assert policy.max_ar_run == 3
+
+
+def test_the_policy_takes_the_cap_from_the_config():
+    cfg = EngineConfig(policy="adaptive", budget=8, policy_levels=3, probe_every=4, probe_max=32)
+    policy = AdaptivePolicy.for_config(cfg, depth=7, costs=EXPENSIVE)
+    assert (policy.probe_every, policy.probe_max, policy.max_ar_run) == (4, 32, 31)
+
+
+def test_a_larger_trees_calibrated_estimate_never_falls_below_a_smaller_ones():
+    """A larger tree contains the smaller one: calibrated shell by shell, its E[accepted] is at least
+    the smaller tree's whatever the ratios (one ratio per whole tree let budget 24 pass budget 48 on the
+    SmolLM2 pair, ``benchmarks/policy_sim.py``), and a shell never verified takes the ratio of the one
+    inside it: a draft wrong on its first nodes is not trusted behind them."""
+    policy = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
+    for _ in range(3):  # only budget 2 verified: right on all it expected
+        policy.record(2, [0.0, 1.0, 1.5, 1.6], [0, 1, 1, 1])
+    for _ in range(3):  # then budget 8: the budget-4 shell over-confident, the budget-2 tree right
+        policy.record(8, [0.0, 1.0, 3.0, 3.2], [0, 1, 1, 2])
+    est = policy.calibrated([0.0, 1.0, 3.0, 3.2])
+    assert est == sorted(est) and est[2] < 3.0 and est[3] > est[2]
+    weak = AdaptivePolicy(BUDGETS, CHEAP, depth=7, probe_every=3, calibrations=[Calibration(4) for _ in BUDGETS])
+    for _ in range(3):  # budget 2 verified, never accepted: the shells behind it (never verified) follow it
+        weak.record(2, [0.0, 1.0, 2.0, 3.0], [0, 0, 0, 0])
+    ratios = [c.ratio for c in weak.calibrations]  # (toward 1: as the draft says)
+    assert ratios[2] == ratios[3] == 1.0 and ratios[1] < 0.35
+    assert weak.calibrated([0.0, 1.0, 2.0, 3.0]) == pytest.approx([0.0, ratios[1], 2 * ratios[1], 3 * ratios[1]])

@@ -54,7 +54,7 @@ def test_adaptive_runtime_steps_equal_ar_with_ar_steps_for_a_weak_draft_and_tree
     _, halfway = peeking_draft(pair, len(ids), ar, side_every=2)
     monkeypatch.setattr(pair.drafter, "propose_static", halfway)
     first, keys[:] = list(keys), []
-    mixed = generate_speculative(pair, ids, cfg.replace(probe_every=20), 40, use_runtime=True,
+    mixed = generate_speculative(pair, ids, cfg.replace(probe_every=20, probe_max=20), 40, use_runtime=True,
                                  step_costs=StepCosts({0: 1.0, 4: 3.0, 8: 4.0, 16: 5.0}))
     monkeypatch.setattr(pair.drafter, "propose_static", real)
     assert weak.tokens == strong.tokens == mixed.tokens == ar and weak.stats.loop == "runtime"
@@ -144,7 +144,7 @@ def test_the_adaptive_steps_run_the_fixed_policys_kernels_and_only_what_the_poli
     fixed = _step_kernels(monkeypatch, pair, EngineConfig(**{**ADAPTIVE, "policy": "fixed"}))
     trees = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE), _only(16))
     # the random draft is never accepted: AR steps, and every third step a probe at budget 16
-    probes = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE, probe_every=3),
+    probes = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE, probe_every=3, probe_max=3),
                            StepCosts({0: 1.0, 4: 9.0, 8: 9.0, 16: 1.5}))
     tree_step, proposal = trees[("verify", 16)], trees[("propose", 8)]
     assert tree_step - fixed[("verify",)] == Counter(cat=1) and not fixed[("verify",)] - tree_step
@@ -183,36 +183,41 @@ def _runs(budgets: list[int]) -> list[tuple[bool, int]]:
 
 
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
-def test_adaptive_runtime_equals_ar_through_long_ar_runs_then_trees_and_back(monkeypatch, target):
+def test_adaptive_runtime_equals_ar_through_backed_off_probes_then_trees_and_back(monkeypatch, target):
     """A scripted cost table under which a tree step pays only when it accepts most of its depth, and a
     draft that is weak, then right (the target's own tokens), then weak again: the policy runs AR steps
-    as long as it may (``probe_every - 1``), probing between them, then trees once a probe is accepted,
-    then AR steps again after its trees are refused. Every token is AR's, on a dense and a hybrid
-    target; the first proposal after AR steps recomputes the draft's context of the longer window."""
+    with probes between them that back off while they fail (2, 5, then 11 AR steps: ``probe_every`` 3
+    doubling to ``probe_max`` 12), then trees once a probe is accepted, then AR steps again after its
+    trees are refused, the probes from ``probe_every`` again. No AR run is longer than ``max_ar_run``;
+    every token is AR's, on a dense and a hybrid target; the first proposal after AR steps recomputes
+    the draft's context of the window ``probe_max`` needs."""
     from engine.decoding.policy import StepCosts
 
     pair = pair_for(target, "random")
     ids = pair.encode("Long runs of AR steps, then trees, then AR steps again.")
-    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 96).tokens
-    cfg = EngineConfig(**ADAPTIVE, chain_seed=0, probe_every=6, calibration_window=2)
+    ar = generate_ar(pair, ids, EngineConfig(verify="ar"), 112).tokens
+    cfg = EngineConfig(**ADAPTIVE, chain_seed=0, probe_every=3, probe_max=12, calibration_window=2)
     costs = StepCosts({0: 1.0, 4: 3.2, 8: 3.6, 16: 4.0})
     monkeypatch.setattr(pair.drafter, "propose_static", _switching(pair, len(ids), ar, strong=(24, 64)))
     original, keys = runtime.Graphs.run, []
     monkeypatch.setattr(runtime.Graphs, "run", lambda graphs, key, fn, *args: keys.append(key) or original(
         graphs, key, fn, *args))
-    gen = generate_speculative(pair, ids, cfg, 96, step_costs=costs, use_runtime=True)
+    gen = generate_speculative(pair, ids, cfg, 112, step_costs=costs, use_runtime=True)
     assert gen.tokens == ar
     runs = _runs(gen.stats.step_budgets)
     longest = max(range(len(runs)), key=lambda i: runs[i][1] if runs[i][0] else 0)  # the trees of the strong part
-    assert runs[longest][1] >= 4
-    # before them and after, AR steps as long as the policy allows (probe_every - 1), probes between
-    assert [n for tree, n in runs[:longest] if not tree].count(5) >= 2
-    assert [n for tree, n in runs[longest:] if not tree].count(5) >= 2
-    assert max(n for tree, n in runs if not tree) == 5 and max(gen.stats.accept_lengths) >= 5
+    assert runs[longest][1] >= 4 and max(gen.stats.accept_lengths) >= 5
+    # before them and after, AR runs between probes twice as long each time, up to the cap
+    before = [n for tree, n in runs[:longest] if not tree]
+    after = [n for tree, n in runs[longest:] if not tree]
+    # (the last 1: the step launched before the accepted probe was read, chosen on the failed ones)
+    assert before == [2, 5, 11, 11, 1], str(runs)
+    assert after == [2, 5, 11, 11, 11], str(runs)
+    assert max(n for tree, n in runs if not tree) == 11 == 12 - 1
     block = cfg.block_size
-    assert {k[-2] for k in keys if k[0] == "propose"} == {block, block + 5}
+    assert {k[-2] for k in keys if k[0] == "propose"} == {block, block + 11}
     # a tree step reads the buffers of the proposal it follows: a captured step of its own after each
-    assert {k[3] for k in keys if k[0] == "verify" and k[2]} == {block, block + 5}
+    assert {k[3] for k in keys if k[0] == "verify" and k[2]} == {block, block + 11}
 
 
 def _scripted(monkeypatch, choices: list[int]) -> None:
