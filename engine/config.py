@@ -75,9 +75,9 @@ class EngineConfig:
         ``probe_every``-th step proposes and verifies a tree anyway, so the estimate can move again.
     probe_max (adaptive): while probes keep failing (the choice after one is 0 again), the interval
         between them doubles from ``probe_every`` up to ``probe_max``; a tree the policy chooses on
-        its own resets it. At least ``probe_every`` (equal: no back-off). The first proposal after AR
-        steps recomputes ``block_size + probe_max - 1`` positions of the draft's context (a fixed
-        window: one captured graph), once per probe.
+        its own resets it. The cap is ``max(probe_every, probe_max)`` (at or below ``probe_every``:
+        no back-off). The first proposal after AR steps recomputes ``block_size + cap - 1`` positions
+        of the draft's context (a fixed window: one captured graph), once per probe.
     calibration_window (adaptive): steps the calibration of the draft's probabilities remembers
         (an exponential decay of 1 - 1/window on the observed and predicted sums).
     """
@@ -114,10 +114,9 @@ class EngineConfig:
         _choice("policy", self.policy, POLICIES)
         _int_at_least("policy_levels", self.policy_levels, 1, MAX_POLICY_LEVELS)
         _int_at_least("probe_every", self.probe_every, 2, MAX_PROBE_EVERY)
+        # (no rule against probe_every: the cap is the larger of the two, so a config written before
+        # probe_max existed, with probe_every above its default, keeps meaning what it meant)
         _int_at_least("probe_max", self.probe_max, 2, MAX_PROBE_EVERY)
-        if self.probe_max < self.probe_every:
-            raise EngineInputError(f"EngineConfig.probe_max must be >= probe_every ({self.probe_every}): the probes' "
-                                   f"interval backs off from probe_every up to probe_max, but got {self.probe_max}")
         _int_at_least("calibration_window", self.calibration_window, 1, MAX_CALIBRATION_WINDOW)
         _int_at_least("budget", self.budget, 1, MAX_BUDGET)
         _int_at_least("top_k", self.top_k, 1, MAX_TOP_K)

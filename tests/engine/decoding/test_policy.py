@@ -180,17 +180,19 @@ def test_step_costs_and_the_policys_fields_are_validated_with_the_rule_and_the_v
     with pytest.raises(EngineInputError, match="EngineConfig.calibration_window must be an integer"):
         EngineConfig(calibration_window=1.5)
     # the policy is DDTree's, its knobs the adaptive policy's: exports and reports show them only there
-    with pytest.raises(EngineInputError, match=r"EngineConfig.probe_max must be >= probe_every \(8\): the probes' "
-                                                r"interval backs off from probe_every up to probe_max, but got 4"):
-        EngineConfig(probe_max=4)
+    # the cap is the larger of the two: a config from before probe_max (probe_every above 64) still loads
+    costs = StepCosts({0: 1.0, 4: 2.0, 8: 3.0})
+    cfg = EngineConfig(budget=8, policy="adaptive", policy_levels=2, probe_every=100)
+    assert AdaptivePolicy.for_config(cfg, 7, costs).max_ar_run == 99
+    assert AdaptivePolicy.for_config(cfg.replace(probe_every=8, probe_max=4), 7, costs).max_ar_run == 7
     with pytest.raises(EngineInputError, match="EngineConfig.probe_max must be <= 1,024, but got 2e"):
         EngineConfig(probe_max=2000)
     with pytest.raises(EngineInputError, match="EngineConfig.probe_max must be an integer, but got '16.0'"):
         EngineConfig(probe_max=16.0)
     assert EngineConfig(probe_every=5, probe_max=5).probe_max == 5  # equal: no back-off
     assert EngineConfig.from_dict({"probe_max": 32}, source="x.yaml").probe_max == 32
-    with pytest.raises(EngineInputError, match=r"x.yaml: EngineConfig.probe_max must be >= probe_every \(40\)"):
-        EngineConfig.from_dict({"probe_every": 40, "probe_max": 32}, source="x.yaml")
+    with pytest.raises(EngineInputError, match=r"x.yaml: EngineConfig.probe_max must be >= 2, but got 1"):
+        EngineConfig.from_dict({"probe_every": 40, "probe_max": 1}, source="x.yaml")
     knobs = {"policy_levels", "probe_every", "probe_max", "calibration_window"}
     adaptive = EngineConfig(policy="adaptive").applicable()
     assert knobs <= set(adaptive) and adaptive["policy"] == "adaptive"
