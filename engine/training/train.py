@@ -311,7 +311,11 @@ def train_draft(
             log(f"step {step} loss {stats['loss']:.4f} acc1 {stats['acc1']:.3f} chain_al {stats['chain_al']:.2f} "
                 f"lr {lr:.2e} elapsed {elapsed:.0f}s")
         stopped = _stop_reason(cfg, step, end, elapsed, log)
-        if val_batches and ((step + 1) % cfg.val_every == 0 or stopped):
+        # held-out scorings at the same steps however the run is cut into calls (so a resumed run
+        # keeps the draft an uninterrupted one keeps); a call that ends for good without a
+        # checkpoint to resume from is scored at its end too
+        if val_batches and ((step + 1) % cfg.val_every == 0 or stopped == "steps"
+                            or (stopped and checkpoint is None)):
             score(step + 1)
         if stopped or (checkpoint is not None and (step + 1) % checkpoint.every == 0):
             save(stopped or "running")  # "running": the call went on (if it was killed, it ended here)

@@ -129,6 +129,12 @@ def test_the_best_held_out_draft_and_history_survive_a_resume(pair, tmp_path):
     assert second["kept_step"] == best["step"] and second["held_out_loss"] == best["loss"]
     assert len(second["held_out"][-1]["slot_acc"]) == cfg.block_size - 1  # acceptance per block slot
     assert (tmp_path / "ck" / "curves.png").stat().st_size > 1000
+    # cut between two scorings (step 3 of val_every 2): the held-out steps are an uninterrupted run's
+    _, whole = _train(pair, data, tmp_path / "whole", cfg=cfg)
+    _train(pair, data, tmp_path / "cut", cfg=cfg, stop_after=3)
+    _, cut = _train(pair, data, tmp_path / "cut", cfg=cfg, resume=tmp_path / "cut")
+    assert [v["step"] for v in cut["held_out"]] == [v["step"] for v in whole["held_out"]] == [2, 4, 6, 8]
+    assert cut["kept_step"] == whole["kept_step"] and cut["held_out"] == whole["held_out"]
 
 
 def test_parts_are_checked_joined_and_written_atomically(pair, data, tmp_path, monkeypatch):
