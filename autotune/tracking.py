@@ -169,6 +169,8 @@ def check_tracking_uri(uri: str) -> str | None:
     if uri.lower() == "none":
         return None
     if uri.startswith("sqlite:///"):
+        if uri[len("sqlite:///"):] in ("", ":memory:"):
+            raise InputError("--tracking-uri", None, "an MLflow SQLite store needs a file (sqlite:///FILE)", uri)
         path = Path(uri[len("sqlite:///"):]).resolve()
         if not path.parent.is_dir():
             raise InputError("--tracking-uri", None, "the folder of the MLflow database must exist", uri)

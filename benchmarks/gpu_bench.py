@@ -105,7 +105,10 @@ def _named_config(text: str) -> tuple[str, dict]:
     if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
                                          "winner:verify=ddtree,budget=30")
-    fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+    try:
+        fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"--also {name}: a value is not YAML ({str(exc).splitlines()[0]})") from None
     if "draft_path" in fields:
         raise argparse.ArgumentTypeError(f"--also {name}: draft_path is --paths' (every config runs on each)")
     try:
@@ -582,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
+    for name, _ in args.also:  # the table's rows are named by config: two of one name would mix
+        if name in taken:
+            ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
+        taken.append(name)
     args.presets_given = args.presets is not None
     if args.presets is None:
         args.presets = ["qwen3-8b-shape", "qwen35-27b-shape"]

@@ -98,7 +98,8 @@ class Cache:
                     if not isinstance(obj.get(key), kind):
                         raise InputError(f"{path}:{n}", key, "a config line needs it as a JSON object", obj.get(key))
                 # keyed by the config as today's engine completes it: a field added since the cache was
-                # measured takes its default, which decodes as before (a new knob defaults to off)
+                # measured takes its default (probe_max's 64 for an adaptive entry measured before
+                # the probes backed off: the committed caches hold no adaptive entry)
                 try:
                     entries[config_key(full_config(obj["config"]))] = obj
                 except EngineInputError as exc:
@@ -154,7 +155,11 @@ def parse_only(text: str | None, space: SearchSpace) -> dict[str, Any]:
         if not eq or key.strip() not in names:
             raise InputError("--only", key.strip() or None, f"expected KEY=VALUE[,KEY=VALUE...] with KEY one of "
                              f"the grid's parameters {sorted(names)}", text)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise InputError("--only", key.strip(), f"the value is not YAML ({str(exc).splitlines()[0]})",
+                             value) from None
     return out
 
 
@@ -190,15 +195,21 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
               ("reference", full_config({**st.REFERENCE, **fixed}))]
     wanted += [("grid", full_config({**fixed, **pt})) for pt in points if matches(pt, only or {})]
     workloads = experiment.load_workloads(exp)
-    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, fixed)
     # an empty file (made ready for a run that had not started) is a new cache
     fresh = not cache_path.is_file() or not cache_path.read_text(encoding="utf-8").strip()
-    done = {} if fresh else Cache.read(cache_path).entries
+    cache = None if fresh else Cache.read(cache_path)
+    done = {} if fresh else cache.entries
+    if cache is not None and cache.header.get("weights", "dequantized") != exp.model.weights:
+        raise InputError(str(cache_path), "weights", "the cache was measured with model.weights "
+                         f"{cache.header.get('weights', 'dequantized')!r}; the experiment asks for",
+                         exp.model.weights)
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype, workloads, fixed,
+                         weights=exp.model.weights)
     m, ladder = exp.measure, exp.ladder
     full_tokens = exp.workload.max_new_tokens
     if fresh:
         header = {"kind": "header", "experiment": exp.name, "device": str(worker.pair.device),
-                  "dtype": str(worker.pair.dtype), "max_new_tokens": full_tokens,
+                  "weights": exp.model.weights, "dtype": str(worker.pair.dtype), "max_new_tokens": full_tokens,
                   "workloads": [{"name": w.name, "hash": w.hash} for w in workloads],
                   "facts": {k: worker.limits()[k] for k in ("recurrent_state", "tools")},
                   "ladder": [[r.prompts, r.max_new_tokens] for r in ladder], "warmup": m.warmup, "repeats": repeats,

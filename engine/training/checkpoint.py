@@ -1,7 +1,7 @@
 """Resumable draft training: everything a run needs to continue bit for bit, written atomically.
 
 A checkpoint folder holds ``checkpoint.json`` (the manifest: config, step, held-out history, the
-calls so far, and the parts with their SHA-256) and the parts ``state-<step>.NNN``: one
+calls so far, and the parts with their SHA-256) and the parts ``state-<step>-<tag>.NNN``: one
 ``torch.save`` payload (draft weights, AdamW moments, RNG states, loss history, best draft) cut
 into pieces of at most ``part_mb`` MiB, so each travels as its own file. Parts are written first
 under new names, the manifest last by rename: a process killed mid-write leaves the previous
@@ -129,8 +129,9 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
     blob = buf.getvalue()
     size = max(1, int(ck.part_mb * 2**20))
     parts = []
+    tag = uuid.uuid4().hex[:8]  # each write's own names: one at the same step never overwrites the live parts
     for i, lo in enumerate(range(0, len(blob), size)):
-        name = f"state-{state.step:09d}.{i:03d}"
+        name = f"state-{state.step:09d}-{tag}.{i:03d}"
         chunk = blob[lo : lo + size]
         _atomic_write(ck.dir / name, chunk)
         parts.append({"name": name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
@@ -145,7 +146,7 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
     path = ck.dir / MANIFEST
     _atomic_write(path, (json.dumps(manifest, indent=1) + "\n").encode())
     keep = {p["name"] for p in parts}
-    for old in ck.dir.glob("state-*.*"):  # the previous checkpoint's parts, now superseded
+    for old in [*ck.dir.glob("state-*.*"), *ck.dir.glob(".state-*.tmp-*")]:  # superseded, or a killed write's
         if old.name not in keep:
             old.unlink(missing_ok=True)
     return path
@@ -216,7 +217,7 @@ def load_checkpoint(folder: Path, manifest: Mapping[str, Any]) -> dict[str, Any]
         if not path.is_file():
             raise EngineInputError(f"--resume: part {p['name']} of {folder / MANIFEST} is missing "
                                    f"(step {manifest['step']}, {len(manifest['parts'])} parts); copy every "
-                                   f"state-{manifest['step']:09d}.* file next to the manifest")
+                                   f"state-{manifest['step']:09d}-* file next to the manifest")
         chunk = path.read_bytes()
         if len(chunk) != p["bytes"] or hashlib.sha256(chunk).hexdigest() != p["sha256"]:
             raise EngineInputError(f"--resume: part {path} is corrupt: {len(chunk)} bytes with SHA-256 "

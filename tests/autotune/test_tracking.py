@@ -14,6 +14,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 
 from autotune import results
+from autotune.errors import InputError
 from autotune.storage import parse_storage
 from autotune.tracking import (
     Tracker,
@@ -297,3 +298,5 @@ def test_a_relative_sqlite_tracking_uri_is_made_absolute_where_the_command_runs(
     assert check_tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     assert check_tracking_uri("none") is None
     assert check_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    with pytest.raises(InputError, match="needs a file"):
+        check_tracking_uri("sqlite:///:memory:")

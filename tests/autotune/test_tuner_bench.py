@@ -261,7 +261,8 @@ def test_measure_options_are_refused_naming_them(tmp_path, capsys):
     cache = str(tmp_path / "grid.jsonl")
     for argv, says in ((["--extrapolate-slow", "1"], "--extrapolate-slow: must be a ratio > 1"),
                        (["--validate", "2"], "--validate: must be >= 0, and given only with --extrapolate-slow"),
-                       (["--only", "budget"], "--only"), (["--only", "nope=1"], "nope")):
+                       (["--only", "budget"], "--only"), (["--only", "nope=1"], "nope"),
+                       (["--only", "budget=["], "the value is not YAML")):
         assert bench.main(["measure", str(exp_path), "--cache", cache, *argv]) == 2
         assert says in capsys.readouterr().err
     no_ladder = tiny_experiment(tmp_path / "flat", space=SPACE, fidelity={"rungs": []})

@@ -24,6 +24,7 @@ def test_also_reads_a_named_config_with_yaml_values():
     ("w:budgett=3", "unknown EngineConfig field(s) ['budgett']"),
     ("w:verify=ddtree,budget=0", "budget"),
     ("w:verify=chain,draft_path=generic", "draft_path is --paths'"),
+    ("w:budget=[", "a value is not YAML"),
 ])
 def test_also_refuses_a_bad_config_naming_it(text, says):
     gb = load_benchmark("gpu_bench")
@@ -38,3 +39,12 @@ def test_a_bad_also_exits_2_before_loading(capsys):
         gb.main(["pair", "--also", "w:top_k=zero"])
     assert exit_.value.code == 2
     assert "--also" in capsys.readouterr().err
+
+
+def test_an_also_name_the_pair_uses_is_refused(capsys):
+    gb = load_benchmark("gpu_bench")
+    for argv in (["--also", "chain:verify=chain"], ["--budget", "30", "--also", "ddtree-b30:budget=30"],
+                 ["--also", "w:budget=3", "--also", "w:budget=4"]):
+        with pytest.raises(SystemExit) as exit_:
+            gb.main(["pair", *argv])
+        assert exit_.value.code == 2 and "the name is taken" in capsys.readouterr().err
