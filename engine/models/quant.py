@@ -10,7 +10,9 @@ weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is o
 Until such a kernel exists, a layer dequantizes its whole weight per call (on the CPU this is the
 intended form), in float32, then casts to the activation dtype: the values a dequantized load copies
 into its parameters (gguf's reference, bit for bit: ``tests/engine/models/test_quant.py``), so a model
-decodes the same tokens whichever way its weights are kept, in any dtype.
+decodes the same tokens whichever way its weights are kept (tested on the CPU in float32). On CUDA in
+bf16 a group of mixed formats runs as separate products where the dequantized twin fuses them, with
+other launch plans, so the two can round apart at near-ties; each is still exact against its own AR.
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ def set_rng_states(states: Mapping[str, Any], sampler: torch.Generator) -> None:
     random.setstate(states["python"])
     sampler.set_state(states["sampler"])
     if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        saved = states["cuda"]  # a machine with fewer (or more) GPUs: the ones both have
+        for i in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[i], i)
 
 
 def data_fingerprint(tokens: Tensor, lens: Tensor, prompt_lens: Tensor) -> str:
