@@ -51,6 +51,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kernel_timing import graph_breakdown  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 
 import engine  # noqa: E402
@@ -438,65 +439,6 @@ def section_profile(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def _short(kernel: str) -> str:
-    """A kernel's name without its argument list and namespaces (cuBLAS and ATen names run to 500
-    characters); template arguments stay (an elementwise kernel is named by its functor)."""
-    name = kernel.replace("(anonymous namespace)::", "").replace("at::native::", "").replace("void ", "")
-    depth = 0
-    for i, ch in enumerate(name):
-        depth += (ch == "<") - (ch == ">")
-        if ch == "(" and depth == 0:
-            name = name[:i]
-            break
-    return name.replace("c10::", "").replace("std::", "").strip()[:110]
-
-
-@torch.inference_mode()  # the decoder's buffers are inference tensors
-def _graph_breakdown(dec, key: tuple, replays: int) -> dict:
-    """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
-    kernels in launch order from the profiler (the first replay's), grouped by name. The root
-    position is put back before every replay, so each replays the same step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = dec.graphs.graph(key)
-    start = dec.start.clone()
-
-    def replay() -> None:
-        dec.start.copy_(start)
-        graph.replay()
-
-    for _ in range(3):
-        replay()
-    _sync()
-    walls, cold = [], []
-    for i in range(2 * replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if i % 2:  # the GPU kept busy while the graph is launched: its own time, launch hidden
-            torch.cuda._sleep(1_000_000)
-        e0.record()
-        graph.replay()  # the copy of the root position is left out of the time
-        e1.record()
-        e1.synchronize()
-        (walls if i % 2 else cold).append(1000 * e0.elapsed_time(e1))
-        dec.start.copy_(start)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        _sync()
-    kernels = sorted((ev for ev in prof.events()
-                      if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.device_time
-                      and "Memcpy" not in ev.name and "Memset" not in ev.name),  # the root's copy-back
-                     key=lambda ev: ev.time_range.start)
-    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0.0
-    grouped: dict[str, list[float]] = {}
-    for ev in kernels:
-        grouped.setdefault(_short(ev.name), []).append(ev.device_time)
-    return {"wall_us": statistics.median(walls), "wall_spread": [min(walls), max(walls)],
-            "cold_us": statistics.median(cold),
-            "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
-            "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
-            "order": [(_short(ev.name), round(ev.device_time, 2)) for ev in kernels]}
-
-
 def section_graphs(args) -> tuple[str, dict]:
     """Each captured step graph alone (AR; DDTree's propose and verify): wall time, kernel count and
     kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
@@ -520,7 +462,7 @@ def section_graphs(args) -> tuple[str, dict]:
                 for key in dec.graphs.keys():
                     if key[-1] != cfg.kernels or (key[0] == "ar") != (label == "ar"):
                         continue
-                    rep = _graph_breakdown(dec, key, args.repeats)
+                    rep = graph_breakdown(dec, key, args.repeats)
                     name = f"{target}/{label}/{key[0]}@{key[1]}"
                     report["runs"][name] = rep
                     lines.append(f"| {target} | {label} | {key[0]} (keys {key[1]}) | {rep['wall_us']:.1f} | "

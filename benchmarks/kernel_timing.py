@@ -1,5 +1,6 @@
 """GPU time of one kernel launch, as the kernel benchmarks take it: launches captured in one CUDA graph
-(no launch overhead between them), the graph replayed a few times, the median kept."""
+(no launch overhead between them), the graph replayed a few times, the median kept; and a decode
+step's captured graph replayed alone, its kernels by name (``graph_breakdown``, gpu_bench's graphs)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,62 @@ def time_us(fn, reps: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(1000.0 * a.elapsed_time(b) / LAUNCHES)
     return statistics.median(times)
+
+
+def short_kernel_name(kernel: str) -> str:
+    """A kernel's name without its argument list and namespaces (cuBLAS and ATen names run to 500
+    characters); template arguments stay (an elementwise kernel is named by its functor)."""
+    name = kernel.replace("(anonymous namespace)::", "").replace("at::native::", "").replace("void ", "")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name.replace("c10::", "").replace("std::", "").strip()[:110]
+
+
+@torch.inference_mode()  # the decoder's buffers are inference tensors
+def graph_breakdown(dec, key: tuple, replays: int) -> dict:
+    """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
+    kernels in launch order from the profiler (the first replay's), grouped by name. The root
+    position is put back before every replay, so each replays the same step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = dec.graphs.graph(key)
+    start = dec.start.clone()
+
+    def replay() -> None:
+        dec.start.copy_(start)
+        graph.replay()
+
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    walls, cold = [], []
+    for i in range(2 * replays):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if i % 2:  # the GPU kept busy while the graph is launched: its own time, launch hidden
+            torch.cuda._sleep(1_000_000)
+        e0.record()
+        graph.replay()  # the copy of the root position is left out of the time
+        e1.record()
+        e1.synchronize()
+        (walls if i % 2 else cold).append(1000 * e0.elapsed_time(e1))
+        dec.start.copy_(start)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    kernels = sorted((ev for ev in prof.events()
+                      if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.device_time
+                      and "Memcpy" not in ev.name and "Memset" not in ev.name),  # the root's copy-back
+                     key=lambda ev: ev.time_range.start)
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0.0
+    grouped: dict[str, list[float]] = {}
+    for ev in kernels:
+        grouped.setdefault(short_kernel_name(ev.name), []).append(ev.device_time)
+    return {"wall_us": statistics.median(walls), "wall_spread": [min(walls), max(walls)],
+            "cold_us": statistics.median(cold),
+            "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
+            "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
+            "order": [(short_kernel_name(ev.name), round(ev.device_time, 2)) for ev in kernels]}
