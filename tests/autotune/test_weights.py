@@ -39,8 +39,8 @@ def _in(folder: Path, args: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """A tiny Q8_0 GGUF target and a two-trial sweep of it with ``model.weights: native``, its
-    storages (autotune.db, mlflow.db) in a fresh folder."""
+    """A tiny Q8_0 GGUF target and a two-trial sweep of it with ``model.weights: native``, with the
+    default storages (autotune.db, mlflow.db) in a fresh folder."""
     folder = tmp_path_factory.mktemp("native")
     (folder / "exp").mkdir()
     write_gguf(folder / "exp" / "target.gguf", tiny_hf("qwen3"), "qwen3", gguf.GGMLQuantizationType.Q8_0,
@@ -48,9 +48,7 @@ def swept(tmp_path_factory):
     exp = tiny_experiment(folder / "exp", model={**MODEL, "weights": "native"}, study={"n_trials": 2, "seed": 0})
     # plain prompts: the file has no chat template for the helper's chat line
     (folder / "exp" / "prompts.jsonl").write_text('{"prompt": "the sea of day is"}\n{"prompt": "the key of night"}\n')
-    # an absolute MLflow URI: MLflow caches a store per URI string in the process, so the default
-    # relative sqlite:///mlflow.db could reach another test's folder when run in the same worker
-    assert _in(folder, ["sweep", str(exp), "--no-progress", "--tracking-uri", f"sqlite:///{folder / 'mlflow.db'}"]) == 0
+    assert _in(folder, ["sweep", str(exp), "--no-progress"]) == 0
     return folder
 
 
