@@ -215,8 +215,7 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
                   "ladder": [[r.prompts, r.max_new_tokens] for r in ladder], "warmup": m.warmup, "repeats": repeats,
                   "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         cache_path.write_text(json.dumps(header) + "\n", encoding="utf-8")
-    set_sizes = [min(len(w.prompts), exp.workload.n_prompts) if exp.workload.n_prompts else len(w.prompts)
-                 for w in workloads]
+    set_sizes = [len(w.prompts) for w in workloads]  # (load_workload selected n_prompts already)
     last_rung = fidelity_key(ladder[-1].prompts, ladder[-1].max_new_tokens, full_tokens) if ladder else None
     reference_rung = next((e["fidelities"].get(last_rung) for e in done.values() if e.get("role") == "reference"),
                           None) if last_rung else None
