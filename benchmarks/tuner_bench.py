@@ -322,6 +322,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--extrapolate-slow", type=float, default=None, metavar="RATIO",
                    help="a config RATIO times or more behind the reference at the last rung is not measured "
                         "in full: its full fidelity is estimated from the rung (tuner_grid's docstring)")
+    m.add_argument("--measure-twins", action="store_true",
+                   help="measure configs that differ only in a dimension the target cannot see (rollback on a "
+                        "dense target, kernels off CUDA) too, instead of giving them their twin's measurement")
     m.add_argument("--validate", type=int, default=0, metavar="N",
                    help="with --extrapolate-slow: measure the first N slow configs in full anyway, the "
                         "estimate kept beside (default 0)")
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.validate)
             n = measure_grid(exp, exp.search_space, Path(args.cache), repeats,
                              only=parse_only(args.only, exp.search_space), extrapolate_slow=args.extrapolate_slow,
-                             validate=args.validate)
+                             validate=args.validate, measure_twins=args.measure_twins)
             print(f"measured: {n}\ncache: {args.cache}")
             return 0
         return _replay_main(args)
@@ -401,6 +404,10 @@ def _replay_main(args: argparse.Namespace) -> int:
     guessed = sum("extrapolated" in (e["fidelities"].get(FULL) or {}) for e in cache.entries.values())
     if guessed:
         print(f"extrapolated: {guessed} config(s)' full fidelity estimated from the rung (tuner_grid)")
+    twins = sum("same_program_as" in e for e in cache.entries.values())
+    if twins:
+        print(f"twins: {twins} config(s) run another's program (a dimension the target cannot see) and carry "
+              "its measurement (tuner_grid)")
     print(f"table: {out / 'table.md'}\nruns: {out / 'runs.json'}\nplot: {png or 'none (no matplotlib)'}")
     return 0
 

@@ -10,6 +10,13 @@ decodes. Its value cannot be the optimum (it is RATIO times behind a config the 
 the estimate feeds is the time a strategy without the ladder spends on it. ``--validate N`` also
 measures the first N such configs in full and keeps the estimate beside, so the scaling is checked
 on the same run.
+
+Configs that differ only in a dimension the target cannot see (``autotune.dimensions``: ``rollback`` on
+a dense target, ``kernels`` off CUDA, ``grammar`` without tools) run the same decode program: the
+first is measured, the others get its fidelities and name it (``"same_program_as"``), so the grid
+costs what its distinct programs cost. A strategy that searches such a dimension (``before``) still
+pays a measurement for each twin it picks; the replay draws its noise from the one measured spread.
+``--measure-twins`` measures every twin instead.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune import experiment, fidelity
+from autotune import dimensions, experiment, fidelity
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.fidelity import FidelitySpec
@@ -181,11 +188,12 @@ def extrapolated(rung: dict[str, Any], rung_prompts: int, rung_tokens: int, set_
 
 def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Path, repeats: int,
                  out: Any = None, only: dict[str, Any] | None = None, extrapolate_slow: float | None = None,
-                 validate: int = 0) -> int:
+                 validate: int = 0, measure_twins: bool = False) -> int:
     """Measure every config of ``space`` (and AR, the reference) at every fidelity; returns how many
     configs were measured now (the others were in the cache). ``only``: grid configs with those
     fields; ``extrapolate_slow``: a config that far behind the reference at the last rung gets its
-    full fidelity estimated (module docstring), the first ``validate`` of them measured as well."""
+    full fidelity estimated (module docstring), the first ``validate`` of them measured as well;
+    ``measure_twins``: measure configs that run another's program too (module docstring)."""
     from autotune.worker import Worker
 
     out = out or sys.stdout  # read when called (a test's captured stdout), not at import
@@ -219,9 +227,23 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
     last_rung = fidelity_key(ladder[-1].prompts, ladder[-1].max_new_tokens, full_tokens) if ladder else None
     reference_rung = next((e["fidelities"].get(last_rung) for e in done.values() if e.get("role") == "reference"),
                           None) if last_rung else None
-    measured, validated = 0, 0
+    ignored = () if measure_twins else dimensions.irrelevant(
+        space, dimensions.facts_from({**worker.limits(), "device": worker.pair.device}), fixed)
+    programs = {program_key(e["config"], ignored): e["config"] for e in done.values()
+                if e.get("role") == "grid" and "same_program_as" not in e}
+    measured, validated, measured_now = 0, 0, {}
     for i, (role, config) in enumerate(wanted):
         if config_key(config) in done:
+            continue
+        twin = programs.get(program_key(config, ignored)) if role == "grid" else None
+        if twin is not None:
+            fids = (done.get(config_key(twin)) or {}).get("fidelities") or measured_now[config_key(twin)]
+            line = {"kind": "config", "role": role, "config": config, "fidelities": fids,
+                    "same_program_as": {"config": twin, "fixed": [d.to_dict() for d in ignored]}}
+            with cache_path.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+            print(f"[{i + 1}/{len(wanted)}] {role} {config_label(config)}: the program of {config_label(twin)} "
+                  f"({dimensions.describe(ignored)})", file=out, flush=True)
             continue
         fids = {}
         full_job = Job(trial=i, role=role, config=config, max_new_tokens=full_tokens,
@@ -254,9 +276,18 @@ def measure_grid(exp: experiment.Experiment, space: SearchSpace, cache_path: Pat
             reference_rung = fids.get(last_rung)
         with cache_path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps({"kind": "config", "role": role, "config": config, "fidelities": fids}) + "\n")
+        if role == "grid":
+            programs[program_key(config, ignored)] = config
+            measured_now[config_key(config)] = fids
         measured += 1
         print(f"[{i + 1}/{len(wanted)}] {role} {config_label(config)}: {_outcome(fids[FULL])}", file=out, flush=True)
     return measured
+
+
+def program_key(config: dict[str, Any], ignored: tuple[dimensions.FixedDimension, ...]) -> str:
+    """The decode program a config runs: its key with the dimensions the target cannot see set to
+    their fixed values (``autotune.dimensions``)."""
+    return config_key(full_config({**config, **{d.name: d.value for d in ignored}}))
 
 
 def _slow(rung: dict[str, Any] | None, reference: dict[str, Any] | None, ratio: float) -> bool:

@@ -268,3 +268,37 @@ def test_measure_options_are_refused_naming_them(tmp_path, capsys):
     no_ladder = tiny_experiment(tmp_path / "flat", space=SPACE, fidelity={"rungs": []})
     assert bench.main(["measure", str(no_ladder), "--cache", cache, "--extrapolate-slow", "2"]) == 2
     assert "needs the experiment's fidelity ladder" in capsys.readouterr().err
+
+
+def test_configs_that_differ_only_where_the_target_cannot_see_are_measured_once(tmp_path, capsys):
+    """rollback on the tiny pair's dense target: the grid's replay and fast configs run one decode
+    program, so the second carries the first's measurement and names it (and why); the replay counts
+    it; --measure-twins measures both; a later call over the cache keeps the twin."""
+    bench = _bench()
+    space = {**SPACE, "rollback": {"type": "categorical", "choices": ["replay", "fast"]}}
+    exp_path = tiny_experiment(tmp_path / "exp", space=space, measure={"warmup": 0, "repeats": 2, "max_rel_mad": 0.5})
+    cache = tmp_path / "grid.jsonl"
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache), "--only", "verify=chain"]) == 0
+    out = capsys.readouterr().out
+    grid = [json.loads(line) for line in cache.read_text().splitlines()[1:]]
+    grid = [c for c in grid if c["role"] == "grid"]
+    assert sorted(c["config"]["rollback"] for c in grid) == ["fast", "replay"]
+    measured, twin = sorted(grid, key=lambda c: "same_program_as" in c)
+    assert "same_program_as" not in measured
+    assert twin["same_program_as"]["config"] == measured["config"]
+    assert twin["same_program_as"]["fixed"][0]["name"] == "rollback"
+    assert "dense target" in twin["same_program_as"]["fixed"][0]["why"]
+    assert twin["fidelities"] == measured["fidelities"] and "the program of" in out and "measured: 3" in out
+    # the ddtree half later: its twins found among this call's lines and the cache's
+    assert bench.main(["measure", str(exp_path), "--cache", str(cache)]) == 0
+    lines = [json.loads(line) for line in cache.read_text().splitlines()[1:]]
+    assert sum("same_program_as" in c for c in lines) == 3 and len(lines) == 2 + 6
+    capsys.readouterr()
+    assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "before", "--seeds", "1",
+                       "--n-trials", "4", "--out", str(tmp_path / "out")]) == 0
+    assert "twins: 3 config(s)" in capsys.readouterr().out
+    every = tmp_path / "every.jsonl"
+    assert bench.main(["measure", str(exp_path), "--cache", str(every), "--only", "verify=chain",
+                       "--measure-twins"]) == 0
+    assert not any("same_program_as" in json.loads(line) for line in every.read_text().splitlines()[1:])
+    assert "measured: 4" in capsys.readouterr().out
