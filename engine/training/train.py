@@ -247,14 +247,19 @@ def train_draft(
     (default: curves.png in the checkpoint folder)."""
     device = target.device
     kept, data = _device_sequences(sequences, prompt_lens, cfg, device)
-    draft = _starting_draft(target, cfg, mask_token_id, init)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lens = torch.tensor([s.numel() for s in data], device=device)
     plens = torch.tensor([p for _, p in kept], device=device)
     tokens_all = torch.cat(data)
     meta = {"config": None, "mask_token_id": mask_token_id, "target": target_record(target),
             "data": data_fingerprint(tokens_all, lens, plens), "lineage": lineage}
     manifest = _resumable(resume, init, cfg, meta)  # checked before the feature pass, which can take minutes
+    # a resumed run continues the checkpoint's draft as built: a warm start's architecture (its
+    # target layers, rope, head sizes) is not the one the target's config would give a new draft
+    saved = (manifest or {}).get("draft_config")
+    draft = _starting_draft(target, cfg, mask_token_id, init) if saved is None else (
+        DFlashDraft(DFlashConfig(**{**saved, "target_layer_ids": tuple(saved["target_layer_ids"])})).to(device))
+    meta["draft_config"] = asdict(draft.cfg)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.perf_counter()
     store = TokenStore(tokens=tokens_all, feats=target_features(target, data, draft.cfg.target_layer_ids,
                                                                 store=cfg.feature_store),

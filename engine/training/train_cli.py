@@ -91,9 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--resume", metavar="DIR",
                    help="continue the run checkpointed in DIR (and keep checkpointing there unless "
                         "--checkpoint-dir says otherwise): give the first call's flags and data (--data; the "
-                        "architecture flags left out keep the checkpoint's values); only "
-                        "--steps, --time-budget, --wall-budget, --val-every, --feature-store and the generation "
-                        "flags may change")
+                        "architecture flags left out keep the checkpoint's values). What may change: "
+                        "the length and budgets (--steps, --time-budget, --wall-budget, --stop-after), "
+                        "--val-every, --feature-store, the generation flags (--gen-batch-size, "
+                        "--gen-max-new-tokens), how checkpoints are written (--checkpoint-dir, --checkpoint-every, "
+                        "--part-mb, --state-dtype), --device, --out and --no-progress; any other change is refused "
+                        "naming the flag")
     t.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="end this call after N steps (checkpoint written); the schedule still runs over --steps")
     t.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -2,6 +2,7 @@
 never stopped, bit for bit on a CPU; checkpoints are atomic, split into checked parts, and refuse
 to continue a different run."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -293,3 +294,42 @@ def test_a_warm_started_run_resumes_with_its_architecture_and_history(tmp_path, 
     summary = json.loads((tmp_path / "b" / "training.json").read_text())
     assert summary["config"]["layers"] == 1 and summary["config"]["block_size"] == 4
     assert summary["steps"] == 8 and summary["init_training"]["steps"] == 3 and summary["total_steps"] == 11
+
+
+def test_a_warm_start_with_its_own_architecture_resumes_as_that_draft(pair, data, tmp_path):
+    """--init with a draft the target's config would not build (other target layers, rope, width, two
+    heads): the checkpoint records the draft's own config, so the resumed call rebuilds that draft and
+    ends where the uninterrupted warm-started run ends."""
+    from engine.models.draft import DFlashConfig, DFlashDraft
+
+    tc = pair.target.cfg
+    own = DFlashConfig(hidden_size=tc.hidden_size, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=96, vocab_size=tc.vocab_size, target_layer_ids=(0, 2),
+                       num_target_layers=tc.num_hidden_layers, block_size=CFG.block_size,
+                       mask_token_id=pair.tokenizer.mask_id, head_dim=32, rope_theta=5e5)
+    torch.manual_seed(0)
+    init = DFlashDraft(own)
+    straight, _ = _train(pair, data, tmp_path / "straight", init=copy.deepcopy(init))  # trained in place
+    _train(pair, data, tmp_path / "cut", init=copy.deepcopy(init), stop_after=K1)
+    assert read_manifest(tmp_path / "cut")["draft_config"]["target_layer_ids"] == [0, 2]
+    resumed, _ = _train(pair, data, tmp_path / "cut", resume=tmp_path / "cut")
+    assert resumed.cfg == own
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_resume_help_names_every_setting_a_resume_may_change():
+    """--resume's help is the user's list of what may differ between calls: each field the checkpoint
+    lets change (RESUMABLE_CHANGES) is named there by its flag."""
+    import argparse
+
+    from engine.training.train_cli import add_parser
+
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices["train-draft"]
+    flags = {o for a in sub._actions for o in a.option_strings}
+    text = " ".join(next(a for a in sub._actions if "--resume" in a.option_strings).help.split())
+    for field in ckpt.RESUMABLE_CHANGES:
+        flag = "--" + field.removesuffix("_s").replace("_", "-")
+        assert flag in flags and flag in text, field
