@@ -16,7 +16,9 @@ already in the cache is not measured again (an interrupted run resumes).
 ``--only KEY=VALUE,...`` measures a part of the grid (the cache grows call by call);
 ``--extrapolate-slow RATIO`` estimates the full fidelity of a config that far behind the reference
 at the rung instead of measuring it (``tuner_grid``: an overnight experiment's slow paths would
-take hours), ``--validate N`` checks the estimate on N of them.
+take hours), ``--validate N`` checks the estimate on N of them. Configs that differ only in a
+dimension the target cannot see (``rollback`` on a dense target) are measured once and the twins
+carry that measurement (``--measure-twins`` measures each).
 
 **replay** runs the real driver (``autotune.sweep.run_sweep``: sampler, pruner, fidelity ladder,
 dimension fixing, confirmation) with a :class:`ReplayWorker` in place of the engine: it implements
@@ -188,11 +190,14 @@ class Run:
 
 
 def replay(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: int, n_trials: int,
-           target: float) -> Run:
-    """One sweep of ``strategy`` against the cache; its regret over simulated time."""
+           target: float, timeout_s: float | None = None) -> Run:
+    """One sweep of ``strategy`` against the cache; its regret over simulated time. ``timeout_s``: the
+    sweep's ``--timeout`` on the simulated clock (no trial starts after it; the running ones and the
+    confirmation finish, as in a real sweep)."""
     worker = ReplayWorker(cache, seed, strategy.fix_dimensions)
     workloads = [SimpleNamespace(**w) for w in cache.header["workloads"]]
-    return sweep_run(exp, cache, strategy, seed, n_trials, target, worker, workloads)
+    return sweep_run(exp, cache, strategy, seed, n_trials, target, worker, workloads, timeout_s,
+                     clock=lambda: worker.clock)
 
 
 def strategy_experiment(exp: experiment.Experiment, strategy: Strategy, seed: int,
@@ -204,12 +209,15 @@ def strategy_experiment(exp: experiment.Experiment, strategy: Strategy, seed: in
 
 
 def sweep_run(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: int, n_trials: int,
-              target: float, worker: Any, workloads: list[Any], timeout_s: float | None = None) -> Run:
+              target: float, worker: Any, workloads: list[Any], timeout_s: float | None = None,
+              clock: Any = None) -> Run:
     """One sweep of ``strategy`` with ``worker`` (a ``ReplayWorker``, or a live one: the worker's
     ``measure`` interface, ``finished[(trial, role)]`` the seconds at which each trial's last job
-    ended and ``clock`` the seconds so far), its regret over that time against the cache's truth."""
+    ended and ``clock`` the seconds so far), its regret over that time against the cache's truth.
+    ``clock``: what ``timeout_s`` is measured on (default the wall clock)."""
     opts = SweepOptions(n_trials=n_trials, storage=parse_storage("memory"), study_name=f"{strategy.name}-{seed}",
-                        tracking_uri=None, progress=False, timeout_s=timeout_s)
+                        tracking_uri=None, progress=False, timeout_s=timeout_s,
+                        **({} if clock is None else {"clock": clock}))
     with contextlib.redirect_stderr(io.StringIO()):  # the sweep's per-trial lines: the table says it all
         outcome = run_sweep(strategy_experiment(exp, strategy, seed, n_trials), opts, workloads,
                             executor=LocalExecutor(lambda: worker), out=io.StringIO())
@@ -335,6 +343,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--target", type=float, default=0.02, help="regret counted as reached (default 0.02: 2%%)")
     r.add_argument("--at", type=float, default=600.0, help="simulated seconds at which the table reads the "
                    "study's pick (default 600: what a 10-minute sweep would give)")
+    r.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="each sweep's --timeout in simulated seconds: no trial starts after it, the confirmation "
+                        "still runs (the sweep time column says when it ended)")
     r.add_argument("--out", default="reports/tuner_bench", help="folder for table.md, regret.png, runs.json")
     return p
 
@@ -384,13 +395,15 @@ def _replay_main(args: argparse.Namespace) -> int:
         raise InputError("--seeds", None, "must be >= 1", args.seeds)
     if not args.at > 0:
         raise InputError("--at", None, "must be simulated seconds > 0", args.at)
+    if args.timeout is not None and not args.timeout > 0:
+        raise InputError("--timeout", None, "must be simulated seconds > 0", args.timeout)
     if not 0 <= args.target < 1:
         raise InputError("--target", None, "must be a regret fraction >= 0 and < 1", args.target)
     n_trials = args.n_trials or exp.study.n_trials
     if n_trials < 1:
         raise InputError("--n-trials", None, "must be >= 1", n_trials)
     cache = Cache.read(Path(args.cache))
-    runs = [replay(exp, cache, STRATEGIES[name], seed, n_trials, args.target)
+    runs = [replay(exp, cache, STRATEGIES[name], seed, n_trials, args.target, args.timeout)
             for name, seed in itertools.product(names, range(args.seeds))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -302,3 +302,22 @@ def test_configs_that_differ_only_where_the_target_cannot_see_are_measured_once(
                        "--measure-twins"]) == 0
     assert not any("same_program_as" in json.loads(line) for line in every.read_text().splitlines()[1:])
     assert "measured: 4" in capsys.readouterr().out
+
+
+def test_a_replayed_sweeps_timeout_runs_on_the_simulated_clock(tmp_path):
+    """--timeout 5: the synthetic configs cost ~1-3 simulated seconds a pass, so the sweep starts no
+    trial after 5 simulated seconds and ends with fewer trials than the 8 asked for, although its
+    wall time is a fraction of a second (on the wall clock every trial would start)."""
+    bench = _bench()
+    exp_path = tiny_experiment(tmp_path / "exp", space=SPACE)
+    exp = experiment.load(exp_path)
+    cache = tmp_path / "grid.jsonl"
+    _synthetic_cache(bench, exp, cache)
+    runs = {}
+    for name, extra in (("all", []), ("timed", ["--timeout", "5"])):
+        assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "random", "--seeds", "1",
+                           "--n-trials", "8", "--out", str(tmp_path / name), *extra]) == 0
+        runs[name] = json.loads((tmp_path / name / "runs.json").read_text())[0]
+    assert runs["timed"]["trials"] < runs["all"]["trials"]
+    assert runs["timed"]["end_s"] < runs["all"]["end_s"]
+    assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--timeout", "0"]) == 2
