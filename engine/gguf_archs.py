@@ -84,6 +84,13 @@ class Metadata:
             found = found[0]
         return found
 
+    def count(self, name: str, default: Any = _MISSING) -> int:
+        """A size or count: a whole number >= 1 (a corrupt file's 0 would divide by zero later)."""
+        found = self(name, default)
+        if isinstance(found, bool) or not isinstance(found, (int, np.integer)) or found < 1:
+            raise self.refuse(f"{self.arch}.{name} must be a whole number >= 1, but got {found!r}")
+        return int(found)
+
     def real(self, name: str, default: float) -> float:
         """A float32 key as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07):
         the value the model's config.json said, whatever arithmetic reads it."""
@@ -135,17 +142,17 @@ _DENSE_BLOCK = {
 
 
 def dense_target(key: Metadata, tensors: dict) -> GgufTarget:
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
+    hidden, heads = key.count("embedding_length"), key.count("attention.head_count")
+    head_dim = key.count("attention.key_length", hidden // heads)
     _common_checks(key, tensors, head_dim)
-    rope_dim = int(key("rope.dimension_count", head_dim))
+    rope_dim = key.count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise key.refuse(f"{key.arch}.rope.dimension_count {rope_dim} must equal the head dim {head_dim} "
                          "(partial RoPE is not supported for dense targets)")
     cfg = DenseConfig(
-        vocab_size=_vocab(tensors), hidden_size=hidden, num_hidden_layers=int(key("block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        intermediate_size=int(key("feed_forward_length")), head_dim=head_dim,
+        vocab_size=_vocab(tensors), hidden_size=hidden, num_hidden_layers=key.count("block_count"),
+        num_attention_heads=heads, num_key_value_heads=key.count("attention.head_count_kv", heads),
+        intermediate_size=key.count("feed_forward_length"), head_dim=head_dim,
         rms_norm_eps=key.real("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=key.real("rope.freq_base", 10000.0),
         qk_norm="blk.0.attn_q_norm.weight" in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
@@ -199,26 +206,28 @@ _ONE_PLUS = ("output_norm", "attn_norm", "post_attention_norm", "attn_q_norm", "
 
 
 def hybrid_target(key: Metadata, tensors: dict) -> GgufTarget:
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
+    hidden, heads = key.count("embedding_length"), key.count("attention.head_count")
+    head_dim = key.count("attention.key_length", hidden // heads)
     _common_checks(key, tensors, head_dim)
-    rope_dim = int(key("rope.dimension_count", head_dim))
+    rope_dim = key.count("rope.dimension_count", head_dim)
     # rope.dimension_sections (interleaved M-RoPE) splits the rotary pairs between time, height and
     # width positions; for text all three are the token's position, which is plain RoPE.
-    hv, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-    if hv <= 0 or inner % hv:
+    hv, inner = key.count("ssm.time_step_rank"), key.count("ssm.inner_size")
+    if inner % hv:
         raise key.refuse(f"{key.arch}.ssm.inner_size {inner} must be a multiple of ssm.time_step_rank {hv} "
                          "(the value heads)")
-    nextn = int(key("nextn_predict_layers", 0))
+    blocks, nextn = key.count("block_count"), int(key("nextn_predict_layers", 0))
+    if not 0 <= nextn < blocks:
+        raise key.refuse(f"{key.arch}.nextn_predict_layers {nextn} must be >= 0 and below block_count {blocks}")
     fields = dict(
-        vocab_size=_vocab(tensors), hidden_size=hidden, num_hidden_layers=int(key("block_count")) - nextn,
-        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
-        intermediate_size=int(key("feed_forward_length")), linear_num_key_heads=int(key("ssm.group_count")),
-        linear_num_value_heads=hv, linear_key_head_dim=int(key("ssm.state_size")),
-        linear_value_head_dim=inner // hv, linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
+        vocab_size=_vocab(tensors), hidden_size=hidden, num_hidden_layers=blocks - nextn,
+        num_attention_heads=heads, num_key_value_heads=key.count("attention.head_count_kv", heads), head_dim=head_dim,
+        intermediate_size=key.count("feed_forward_length"), linear_num_key_heads=key.count("ssm.group_count"),
+        linear_num_value_heads=hv, linear_key_head_dim=key.count("ssm.state_size"),
+        linear_value_head_dim=inner // hv, linear_conv_kernel_dim=key.count("ssm.conv_kernel"),
         partial_rotary_factor=rope_dim / head_dim, rope_theta=key.real("rope.freq_base", 10_000_000.0),
         rms_norm_eps=key.real("attention.layer_norm_rms_epsilon", 1e-6),
-        full_attention_interval=int(key("full_attention_interval", 4)),
+        full_attention_interval=key.count("full_attention_interval", 4),
         attention_bias=any(split_name(n)[1:] == ("attn_q", "bias") for n in tensors),
         tie_word_embeddings="output.weight" not in tensors, max_position_embeddings=int(key("context_length", 262144)),
     )

@@ -178,6 +178,8 @@ def qwen35_header(tmp_path_factory):
     ({"qwen35.attention.value_length": 32}, r"qwen35.attention.value_length 32 must equal attention.key_length 64"),
     ({"qwen35.rope.scaling.type": "yarn"}, r"qwen35.rope.scaling.type 'yarn' is not supported \(only none\)"),
     ({"qwen35.feed_forward_length": [512, 512, 256, 512]}, r"qwen35.feed_forward_length differs between layers"),
+    ({"qwen35.ssm.time_step_rank": 0}, r"qwen35.ssm.time_step_rank must be a whole number >= 1, but got 0"),
+    ({"qwen35.nextn_predict_layers": 4}, r"qwen35.nextn_predict_layers 4 must be >= 0 and below block_count 4"),
 ])
 def test_bad_qwen35_metadata_is_refused_by_key(qwen35_header, change, message):
     path, meta, tensors = qwen35_header
