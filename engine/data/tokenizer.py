@@ -206,8 +206,11 @@ def _pre_regexes(pre: str) -> tuple[re.Pattern, ...]:
               rf"|[{S}]*[\r\n]+|[{S}]+(?![^{S}])|[{S}]+")
     for names, exprs in PRE_TOKENIZERS:
         if pre in names:
-            table = {"gpt2": gpt2, "digits": rf"[{N}]", "llama3": llama3,
-                     "qwen2": llama3.replace(f"[{N}]{{1,3}}", f"[{N}]")}
+            qwen2 = llama3.replace(f"[{N}]{{1,3}}", f"[{N}]")
+            table = {"gpt2": gpt2, "digits": rf"[{N}]", "llama3": llama3, "qwen2": qwen2}
+            if "qwen35" in exprs:  # Qwen3.5's: qwen2's with combining marks (M) kept in words, not punctuation
+                M = _unicode_class("M")
+                table["qwen35"] = qwen2.replace(f"?[{L}]+", f"?[{L}{M}]+").replace(f"[^{S}{L}{N}]", f"[^{S}{L}{M}{N}]")
             return tuple(re.compile(table[e]) for e in exprs)
     known = sorted(n for names, _ in PRE_TOKENIZERS for n in names)
     raise EngineInputError(f"GGUF tokenizer.ggml.pre = {pre!r} is not supported; supported: {known}")
@@ -219,6 +222,7 @@ PRE_TOKENIZERS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), ("digits", "gpt2")),
     (("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"), ("llama3",)),
     (("qwen2", "stablelm2", "deepseek-r1-qwen"), ("qwen2",)),
+    (("qwen35",), ("qwen35",)),
 )
 
 

@@ -88,6 +88,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+        # out_proj's input order, where it is not the value heads' (a GGUF's out_proj kept in blocks
+        # whose columns llama.cpp tiled and whose blocks span heads: engine.gguf_loading sets it)
+        self.register_buffer("out_order", None, persistent=False)
 
     def forward(self, x: Tensor, p: _Pass, layer: int) -> Tensor:
         t, cache = x.shape[0], p.state
@@ -104,7 +107,8 @@ class GatedDeltaNet(nn.Module):
         else:
             out = tree_delta_rule(q, k, v, g, beta, p.parents, cache.rec[layer])
         # the norm rounds the float32 output to the model's dtype (z's) itself
-        return self.out_proj(self.norm(out, z.view(t, self.hv, self.dv)).reshape(t, -1))
+        y = self.norm(out, z.view(t, self.hv, self.dv)).reshape(t, -1)
+        return self.out_proj(y if self.out_order is None else y.index_select(1, self.out_order))
 
 
 class GatedAttention(AttentionProjections):

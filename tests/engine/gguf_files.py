@@ -39,15 +39,50 @@ def bpe_tokenizer():
     return tok
 
 
+# Qwen3.5's extra fields, shaped so every projection's rows are whole blocks of every format: value
+# heads (64 wide) narrower than a K block (256), two value heads per key head (llama.cpp tiles them).
+TINY_QWEN35 = dict(num_hidden_layers=4, full_attention_interval=2, head_dim=64, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=64,
+                   linear_conv_kernel_dim=4,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
 def tiny_hf(arch: str, **overrides):
-    """A seeded transformers model of ``arch`` (llama, qwen2, qwen3) shaped as ``TINY_HF`` | ``overrides``."""
+    """A seeded transformers model of ``arch`` (llama, qwen2, qwen3, qwen35) shaped as ``TINY_HF`` (and
+    ``TINY_QWEN35``) | ``overrides``. Qwen3.5's zero-initialised norms and its decay parameters are
+    moved off their init (so their layout matters) to values llama.cpp's float32 rewrites (1 + w,
+    -exp(A_log)) give back exactly when undone (``_round_trip_stable``)."""
     import transformers
 
     cls, cfg_cls = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config)}[arch]
+                    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+                    "qwen35": (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig)}[arch]
     torch.manual_seed(7)
-    return cls(cfg_cls(**(TINY_HF | overrides))).eval()
+    model = cls(cfg_cls(**(TINY_HF | (TINY_QWEN35 if arch == "qwen35" else {}) | overrides))).eval()
+    if arch == "qwen35":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias", "A_log")):
+                    p.add_(0.3 * torch.randn_like(p))
+                    p.copy_(_round_trip_stable(name, p))
+    return model
+
+
+def _round_trip_stable(name: str, p: torch.Tensor) -> torch.Tensor:
+    """``p`` moved (by an ulp or so) to values its GGUF rewrite and its inverse give back bit for bit:
+    (w + 1) - 1 and log(exp(x)) round in float32, which is the file's precision, not the loader's."""
+    for _ in range(8):
+        if name.endswith("A_log"):
+            back = torch.log(torch.exp(p).double()).float()  # the file's -exp(x) in float32, read back
+        elif name.endswith("norm.weight") and ".linear_attn." not in name:
+            back = (p + 1) - 1
+        else:
+            return p
+        if torch.equal(back, p):
+            return p
+        p = back
+    raise AssertionError(f"{name}: no float32 round-trip fixed point")
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,14 +91,16 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specials: tuple[str, ...] = (),
-               chat_template: str | None = None, qtypes: dict | None = None) -> None:
-    """``hf`` (a transformers Llama/Qwen3 model) as llama.cpp writes it: its config as GGUF keys,
-    its weights by llama.cpp's names (Q/K permuted to interleaved RoPE pairs for ``llama``),
-    matrices quantised to ``qtype`` (F32 by default) or, per tensor, to ``qtypes``' type for its name
-    without ``.weight`` (``blk.1.ffn_down``) or its role (``attn_v``, ``output``, ``token_embd``), as
-    llama.cpp's mixes (Q4_K_M) do; ``quantize`` makes the blocks. The vocabulary: ``tokenizer``'s (an
-    HF ``tokenizers`` BPE: its tokens, merges, ``specials`` as control tokens and ``<|im_end|>`` as
-    EOS) with ``chat_template``, else placeholder tokens."""
+               chat_template: str | None = None, qtypes: dict | None = None, mtp: bool = False) -> None:
+    """``hf`` (a transformers Llama/Qwen2/Qwen3/Qwen3.5 model) as llama.cpp writes it: its config as
+    GGUF keys, its weights by llama.cpp's names and layouts (Q/K permuted to interleaved RoPE pairs for
+    ``llama``; Qwen3.5's rewrites: ``_qwen35_tensors``), matrices quantised to ``qtype`` (F32 by
+    default) or, per tensor, to ``qtypes``' type for its name without ``.weight`` (``blk.1.ffn_down``)
+    or its role (``attn_v``, ``output``, ``token_embd``), as llama.cpp's mixes (Q4_K_M) do; ``quantize``
+    makes the blocks. The vocabulary: ``tokenizer``'s (an HF ``tokenizers`` BPE: its tokens, merges,
+    ``specials`` as control tokens and ``<|im_end|>`` as EOS) with ``chat_template``, else placeholder
+    tokens. ``mtp`` (qwen35): one multi-token-prediction layer after the model's, as the converter
+    appends Qwen3.5's (random tensors: the engine skips them)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
@@ -73,15 +110,30 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(c.num_hidden_layers + (1 if mtp else 0))
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "qwen35":  # as the converter's Qwen3NextModel / Qwen3_5TextModel add them
+        w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+        w.add_ssm_state_size(c.linear_key_head_dim)
+        w.add_ssm_group_count(c.linear_num_key_heads)
+        w.add_ssm_time_step_rank(c.linear_num_value_heads)
+        w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+        # transformers 5 keeps the interval as layer_types; llama.cpp reads only the interval
+        every = c.layer_types.index("full_attention") + 1
+        assert all((t == "full_attention") == ((i + 1) % every == 0) for i, t in enumerate(c.layer_types))
+        w.add_full_attention_interval(every)
+        w.add_rope_dimension_count(int(head_dim * c.rope_parameters["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # the converter's default interleaved M-RoPE split
+        if mtp:
+            w.add_nextn_predict_layers(1)
+    else:
+        w.add_rope_dimension_count(head_dim)
     w.add_tokenizer_model("gpt2")
     if tokenizer is None:
         w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
@@ -95,6 +147,22 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
         w.add_eos_token_id(tokenizer.token_to_id("<|im_end|>"))
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    tensors = _qwen35_tensors(hf, mtp) if arch == "qwen35" else _dense_tensors(hf, arch, head_dim)
+    for gname, arr in tensors.items():
+        stem = gname.removesuffix(".weight")
+        kind = qtypes.get(stem, qtypes.get(stem.split(".")[2] if stem.startswith("blk.") else stem, qtype))
+        if arr.ndim == 2 and kind != gguf.GGMLQuantizationType.F32 and not stem.endswith("ssm_conv1d"):
+            w.add_tensor(gname, quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _dense_tensors(hf, arch: str, head_dim: int) -> dict[str, np.ndarray]:
+    c = hf.config
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     if c.tie_word_embeddings:
         sd.pop("lm_head.weight")
@@ -103,6 +171,7 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
         exponents = torch.arange(0, head_dim, 2).double() / head_dim
         plain = 1.0 / (c.rope_parameters["rope_theta"] ** exponents)
         sd["rope_freqs"] = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
+    out = {}
     for name, arr in sd.items():
         parts = name.removeprefix("model.").split(".")
         if parts[0] == "layers":
@@ -112,18 +181,69 @@ def write_gguf(path, hf, arch: str = "qwen3", qtype=None, tokenizer=None, specia
                 heads = c.num_attention_heads if role == "self_attn.q_proj" else c.num_key_value_heads
                 arr = _llamacpp_permute(arr, heads)
         else:
-            gname = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}[".".join(parts)]
-        stem = gname.removesuffix(".weight")
-        kind = qtypes.get(stem, qtypes.get(stem.split(".")[-1] if stem.startswith("blk.") else stem, qtype))
-        if arr.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, quantize(arr, kind), raw_dtype=kind)
+            gname = _TOP_TO_GGUF[".".join(parts)]
+        out[gname] = arr
+    return out
+
+
+_TOP_TO_GGUF = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}
+_QWEN35_TO_GGUF = _HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
+                                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+                                 "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+                                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+                                 "linear_attn.out_proj": "ssm_out"}
+
+
+def _qwen35_tensors(hf, mtp: bool) -> dict[str, np.ndarray]:
+    """Qwen3.5's tensors as llama.cpp's converter rewrites them: value heads from grouped by key head
+    to tiled (where there are more value heads than key heads), then A_log as -exp(A_log), dt_bias
+    renamed, the conv squeezed to [C, K], and the zero-centred norms (all but the gated one) as 1 + w."""
+    c = hf.config
+    hk, hv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+    qk = 2 * hk * c.linear_key_head_dim
+
+    def tiled(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        # [..., hk, hv / hk, width, ...] -> [..., hv / hk, hk, width, ...] along ``dim``
+        shape = list(t.shape)
+        grouped = t.reshape(*shape[:dim], hk, hv // hk, width, *shape[dim + 1:])
+        return grouped.transpose(dim, dim + 1).reshape(shape)
+
+    out = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] != "layers":
+            stem = ".".join(parts)
+            out[_TOP_TO_GGUF[stem]] = (t + 1 if stem == "norm.weight" else t).numpy()
+            continue
+        layer, role, suffix = parts[1], ".".join(parts[2:-1]), parts[-1]
+        if hk != hv and role.split(".")[0] == "linear_attn":
+            if role in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+                t = torch.cat([t[:qk], tiled(t[qk:], 0, dv)])
+            elif role == "linear_attn.in_proj_z":
+                t = tiled(t, 0, dv)
+            elif role in ("linear_attn.in_proj_a", "linear_attn.in_proj_b") or suffix in ("A_log", "dt_bias"):
+                t = tiled(t, 0, 1)
+            elif role == "linear_attn.out_proj":
+                t = tiled(t, 1, dv)
+        if suffix == "A_log":
+            out[f"blk.{layer}.ssm_a"] = (-torch.exp(t)).numpy()
+        elif suffix == "dt_bias":
+            out[f"blk.{layer}.ssm_dt.bias"] = t.numpy()
+        elif role == "linear_attn.conv1d":
+            out[f"blk.{layer}.ssm_conv1d.{suffix}"] = t.squeeze(1).numpy()
         else:
-            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            one_plus = role.endswith("norm") and role != "linear_attn.norm"
+            out[f"blk.{layer}.{_QWEN35_TO_GGUF[role]}.{suffix}"] = (t + 1 if one_plus else t).numpy()
+    if mtp:  # the converter's MTP layer: a full-attention block and the nextn projections (random here)
+        gen = np.random.default_rng(0)
+        n, hidden = c.num_hidden_layers, c.hidden_size
+        for role, shape in (("attn_q", (2 * c.num_attention_heads * c.head_dim, hidden)), ("attn_norm", (hidden,)),
+                            ("nextn.eh_proj", (hidden, 2 * hidden)), ("nextn.enorm", (hidden,))):
+            out[f"blk.{n}.{role}.weight"] = gen.standard_normal(shape).astype(np.float32)
+    return out
 
 
 # ------------------------------------------------------------------------ blocks for the K formats

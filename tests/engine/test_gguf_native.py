@@ -28,6 +28,14 @@ CASES = {
     "qwen2-q5_k-bias": ("qwen2", Q.Q5_K, {}, {}, {"Q5_K": 15}),
     "llama-q4_1-q4_0-q5_0": ("llama", Q.Q4_1, {"attn_output": Q.Q4_0, "ffn_down": Q.Q5_0, "output": Q.Q8_0}, {},
                              {"Q4_1": 10, "Q4_0": 2, "Q5_0": 2, "Q8_0": 1}),
+    "qwen3-q4_k_m-tied": ("qwen3", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}, {"tie_word_embeddings": True},
+                          {"Q4_K": 10, "Q6_K": 4}),
+    # Qwen3.5 (issue #28): 2 Gated DeltaNet layers (in_proj qkv/z/b/a, out_proj, MLP: 8 each) and 2
+    # attention layers (7 each), the head. Q8_0 blocks (32 wide) move with the value heads (64 wide)
+    # llama.cpp tiled; Q4_K blocks (256) cannot: out_proj reads its input permuted instead.
+    "qwen35-q8_0": ("qwen35", Q.Q8_0, {}, {}, {"Q8_0": 31}),
+    "qwen35-q4_k_m": ("qwen35", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}, {},
+                      {"Q4_K": 24, "Q6_K": 7}),
 }
 CONFIGS = [EngineConfig(verify="ar"), EngineConfig(verify="chain", block_size=8),
            EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8)]

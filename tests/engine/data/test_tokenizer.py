@@ -53,6 +53,8 @@ def _hf_pre(pre: str):
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + ("{1,3}" if pre == "llama-bpe" else "")
              + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    if pre == "qwen35":  # Qwen3.5's tokenizer.json: combining marks belong to words
+        regex = regex.replace(r"?\p{L}+", r"?[\p{L}\p{M}]+").replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]")
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
@@ -94,14 +96,15 @@ def _samples(n: int = 300) -> list[str]:
     rng = random.Random(0)
     out = ["", " ", "   ", "\n\n\n", "a  b", "x\t\ty", "trailing   ", "1234567890", "3.14159 and 2,718", "it's I'M",
            "def f(x):\n    return x ** 2  # square\n", "<|im_start|>user\nHi<|im_end|>\n", "<|im_end|><|im_end|>",
-           "Café déjà vu. Ωμέγα 中文 😀👍🏽", "\u00a0nbsp\u2003em\u3000ideo", "①½²Ⅻ٣ numbers", "<|im_start", "{}[]()"]
+           "Café déjà vu. Ωμέγα 中文 😀👍🏽", "\u00a0nbsp\u2003em\u3000ideo", "①½²Ⅻ٣ numbers", "<|im_start", "{}[]()",
+           "cafe\u0301 nai\u0308ve नमस्ते \u0301x -\u0308-"]  # combining marks: where qwen35 splits unlike qwen2
     out += [line for line in _corpus(40)]
     while len(out) < n:
         out.append("".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 40))))
     return out
 
 
-@pytest.mark.parametrize("pre", ["smollm", "gpt2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["smollm", "gpt2", "llama-bpe", "qwen2", "qwen35"])
 def test_ids_match_tokenizers_bpe(trained, pre):
     tokens, merges = trained
     ours = GGUFTokenizer.from_metadata(_meta(tokens, merges, pre))
