@@ -216,12 +216,13 @@ def _quant_cases():
         # and 176-byte blocks; others by their count): what the launch specialises
         aligned = ("x_ptr", "h_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
             ("row_halves",) if fmt.row_bytes(k) % 32 == 0 else ())
-        widest = min(plan.verify.row_block, quant_kernel.ROW_BLOCK.get(name, rows_linear.ROW_BLOCK))
-        for cls, cfg, block_m in (("step", plan.step, rows_linear.STEP_ROWS), ("verify", plan.verify, widest)):
+        for cls, cfg, rows in (("step", plan.step, rows_linear.STEP_ROWS),
+                               ("verify", plan.verify, rows_linear.MAX_ROWS)):
+            block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)
             yield (f"quant {name} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel, types,
                    dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                         GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False), cfg.num_warps,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False), warps,
                    rows_linear.stages_for(cfg, block_m, 2), aligned)
 
 

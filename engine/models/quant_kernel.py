@@ -16,9 +16,11 @@ same order, the parts added in order by the last one to finish). Hence:
 
 - row invariance: a row's bits do not depend on how many rows share the launch (1 to ``MAX_ROWS``,
   step and verify launches alike), as for the dense kernel: a verify's rows round as AR steps do;
-- native = dequantized: the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit
-  (tested in Triton's interpreter for every format; on the GPU by ``test_quant_kernel.py``'s CUDA tests,
-  which also hold if the matrix unit's order depends only on the K partition, as ``linear.py`` relies on).
+- native = dequantized: the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit,
+  so a native target decodes its dequantized twin's tokens. Checked in Triton's interpreter for every
+  format; on a GPU it holds where the matrix unit's sums depend on the K partition only (what
+  ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
+  ``benchmarks/kernel_bench.py quant`` check it there.
 
 Rows past ``MAX_ROWS`` (long prefills, shared by AR and speculative decoding) dequantize the weight once
 and take cuBLAS, as the dense path does past the same bound.
@@ -54,7 +56,12 @@ MAX_ROWS = rows_linear.MAX_ROWS  # every row count a decode step reaches (engine
 # Rows a program takes at most, where a plan's 128 (a tile's float32 sums, 64 registers a thread) and
 # the format's decode would spill registers (benchmarks/kernel_check.py); more rows take more row blocks,
 # which never changes a row's sums
-ROW_BLOCK = {"Q6_K": 64}
+ROW_BLOCK_CAP = {"Q6_K": 64}
+# Values of a weight tile a thread decodes at most where the blocks are not 16-byte aligned (all but
+# Q4_K's 144 and Q5_K's 176 bytes): their loads go through registers, not asynchronous copies, and the
+# pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
+# 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
+REGISTER_VALUES = 32
 
 
 def group_size(fmt: BlockFormat, block_k: int) -> int:
@@ -71,7 +78,7 @@ def use_kernel(x: Tensor, blocks: Tensor, fmt: BlockFormat, bias: Tensor | None 
     if not fused.use_kernels(x, *([] if bias is None else [bias])):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= MAX_ROWS and blocks.is_cuda
+    return (x.dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= MAX_ROWS and blocks.device == x.device
             and blocks.stride(-1) == 1 and blocks.stride(0) % 2 == 0 and (bias is None or bias.dtype == x.dtype))
 
 
@@ -81,6 +88,18 @@ def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor 
     weight (``linear.plan_for_shape``: a file's, the tuned one, or ``default_plan``)."""
     plan = rows_linear.plan_for_shape(blocks.shape[0], cols, blocks.device)
     return kernel_linear(x, blocks, fmt, cols, bias, plan.for_rows(x.numel() // cols))
+
+
+def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
+    """(rows a program, warps) of ``cfg``'s launch for ``rows`` rows of this format: the plan's, with at
+    most ``ROW_BLOCK_CAP`` rows a program, and for blocks not 16-byte aligned warps enough that a thread
+    decodes at most ``REGISTER_VALUES`` values a tile (at most 8)."""
+    widest = min(cfg.row_block, ROW_BLOCK_CAP.get(fmt.name, rows_linear.ROW_BLOCK))
+    block_m = min(widest, max(16, triton.next_power_of_2(rows)))
+    warps = cfg.num_warps
+    if fmt.nbytes % 16:
+        warps = max(warps, min(8, cfg.block_n * cfg.block_k // (32 * REGISTER_VALUES)))
+    return block_m, warps
 
 
 def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None,
@@ -96,7 +115,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    block_m = min(cfg.row_block, ROW_BLOCK.get(fmt.name, rows_linear.ROW_BLOCK), max(16, triton.next_power_of_2(m)))
+    block_m, warps = launch_shape(fmt, cfg, m)
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
@@ -111,7 +130,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
         halves.stride(0), k_iters, split, tiles, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
         NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), HAS_BIAS=bias is not None,
         EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
-        INTERPRET=rows_linear._INTERPRET, num_warps=cfg.num_warps, num_stages=stages,
+        INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
     )
     return out.view(*lead, n)
 
@@ -152,41 +171,58 @@ if triton is not None:
             tl.int32) & 0xFFFF
 
     @triton.jit
-    def _decode(h_ptr, block_half, j, jh, jg, mask, FMT: tl.constexpr):
+    def _float(q, offset: tl.constexpr):
+        """float(q - offset), exactly, for int32 0 <= q < 2**22, without an int -> float conversion (a
+        quarter-rate instruction: at a few-row product's pace the decode would wait on it): q's bits under
+        the exponent of 2**23 are the float 2**23 + q; less 2**23 + offset, exactly."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+    @triton.jit
+    def _nibble_shift(jg, ri, GROUP: tl.constexpr):
+        """The 32-value formats' nibble of each value (values 0-15 of a block low, 16-31 high), times 4:
+        by its lane in a 32-value group (the same for every tile: computed once), or by its 16-value
+        group's place in the block."""
+        if GROUP == 32:
+            return (ri // 16) * 4
+        else:
+            return (jg % 32 // 16) * 4
+
+    @triton.jit
+    def _decode(h_ptr, block_half, jg, ri, jh, mask, FMT: tl.constexpr, GROUP: tl.constexpr):
         """The float32 values [BLOCK_N, G, GROUP] of one K tile, as ``quant.py``'s decoders compute them.
-        ``block_half`` [BLOCK_N, G, 1]: each group's block start in half-words; ``j`` [1, G, GROUP]: each
-        value's index in its block; ``jh`` [1, G, GROUP // 2]: each pair's (its first value's index // 2:
-        the offsets below are in half-words, contiguous runs the compiler can see); ``jg`` [1, G, 1]:
-        each group's first value."""
+        ``block_half`` [BLOCK_N, G, 1]: each group's block start in half-words; ``jg`` [1, G, 1]: each
+        group's first value's index in its block; ``ri`` [1, 1, GROUP]: a value's lane in its group;
+        ``jh`` [1, G, GROUP // 2]: each pair of values' first index // 2 (the loads' offsets are in
+        half-words, contiguous runs the compiler can see). Per-value work is the bits and two float
+        operations; what a group or a lane shares is computed per group or once."""
         if FMT == 0:  # Q4_0: d, 16 bytes of nibbles (values 0-15 low, 16-31 high); d * (q - 8)
-            q = ((_bytes(h_ptr, block_half, 1 + jh % 8, mask) >> ((j // 16) * 4)) & 15) - 8
-            w = _f16_at(h_ptr, block_half, 0, mask) * q.to(tl.float32)
+            q = (_bytes(h_ptr, block_half, 1 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 8)
         elif FMT == 1:  # Q4_1: d, m, nibbles; d * q + m
-            q = (_bytes(h_ptr, block_half, 2 + jh % 8, mask) >> ((j // 16) * 4)) & 15
-            w = _f16_at(h_ptr, block_half, 0, mask) * q.to(tl.float32) + _f16_at(h_ptr, block_half, 2, mask)
+            q = (_bytes(h_ptr, block_half, 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
         elif FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: d, (m,) 32 fifth bits (a little-endian uint32), nibbles
             at: tl.constexpr = 2 if FMT == 2 else 4
             high = _u16(h_ptr, block_half, at, mask) | (_u16(h_ptr, block_half, at + 2, mask) << 16)
-            q = (_bytes(h_ptr, block_half, at // 2 + 2 + jh % 8, mask) >> ((j // 16) * 4)) & 15
-            q = q | (((high >> j) & 1) << 4)
+            q = (_bytes(h_ptr, block_half, at // 2 + 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            q = q | (((high >> (jg % 32 + ri)) & 1) << 4)
             if FMT == 2:  # d * (q - 16)
-                w = _f16_at(h_ptr, block_half, 0, mask) * (q - 16).to(tl.float32)
+                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 16)
             else:  # d * q + m
-                w = _f16_at(h_ptr, block_half, 0, mask) * q.to(tl.float32) + _f16_at(h_ptr, block_half, 2, mask)
-        elif FMT == 4:  # Q8_0: d, 32 int8; q * d
-            q = _bytes(h_ptr, block_half, 1 + jh, mask).to(tl.int8).to(tl.float32)
-            w = q * _f16_at(h_ptr, block_half, 0, mask)
+                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
+        elif FMT == 4:  # Q8_0: d, 32 int8; q * d (a byte b holds the int8 (b ^ 128) - 128)
+            w = _float(_bytes(h_ptr, block_half, 1 + jh, mask) ^ 128, 128) * _f16_at(h_ptr, block_half, 0, mask)
         elif FMT == 7:  # Q6_K: 128 bytes of nibbles, 64 of 2-bit tops, 16 int8 scales, d
-            # value j: half h = j // 128, its 32-value group g4 = j % 128 // 32, lane j % 32
+            # a value's half h = j // 128, its 32-value group g4 = j % 128 // 32 (one per 16-value group), lane
+            g4 = jg % 128 // 32
             low = _bytes(h_ptr, block_half, (jh // 64) * 32 + (jh % 64 // 16 % 2) * 16 + jh % 16, mask)
             top = _bytes(h_ptr, block_half, 64 + (jh // 64) * 16 + jh % 16, mask)
-            g4 = j % 128 // 32
-            q = (((low >> ((g4 // 2) * 4)) & 15) | (((top >> (g4 * 2)) & 3) << 4)) - 32
+            q = ((low >> ((g4 // 2) * 4)) & 15) | (((top >> (g4 * 2)) & 3) << 4)
             pair = _u16(h_ptr, block_half, 192 + (jg // 32) * 2, mask)  # the scales of 16-value groups 2i, 2i + 1
             sc = ((pair >> ((jg // 16 % 2) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
-            w = (_f16_at(h_ptr, block_half, 208, mask) * sc) * q.to(tl.float32)
+            w = (_f16_at(h_ptr, block_half, 208, mask) * sc) * _float(q, 32)
         else:  # Q4_K (5) / Q5_K (6): d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: fifth bits,) nibbles
-            sub = jg // 32  # the sub-block: 8 of 32 values
+            sub = jg // 32  # the sub-block: 8 of 32 values (one per group)
             lo = sub % 4
             at = (lo // 2) * 2  # the byte pair holding sub-block lo's, its byte lo % 2
             a = (_u16(h_ptr, block_half, 4 + at, mask) >> ((lo % 2) * 8)) & 0xFF
@@ -195,12 +231,12 @@ if triton is not None:
             sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
             mn = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
             nib: tl.constexpr = 8 if FMT == 5 else 24  # where the nibbles start (half-words)
-            q = (_bytes(h_ptr, block_half, nib + (jh // 32) * 16 + jh % 16, mask) >> ((j // 32 % 2) * 4)) & 15
+            q = (_bytes(h_ptr, block_half, nib + (jh // 32) * 16 + jh % 16, mask) >> ((sub % 2) * 4)) & 15
             if FMT == 6:
-                q = q | (((_bytes(h_ptr, block_half, 8 + jh % 16, mask) >> (j // 32)) & 1) << 4)
+                q = q | (((_bytes(h_ptr, block_half, 8 + jh % 16, mask) >> sub) & 1) << 4)
             step = _f16_at(h_ptr, block_half, 0, mask) * sc.to(tl.float32)
             shift = _f16_at(h_ptr, block_half, 2, mask) * mn.to(tl.float32)
-            w = step * q.to(tl.float32) - shift
+            w = step * _float(q, 0) - shift
         return w
 
     # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
@@ -238,7 +274,7 @@ if triton is not None:
                 wmask = mn[:, None, None] & (col < k_hi)
                 mk = (k0 + rk) < k_hi
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
-            w = _decode(h_ptr, block_half, jg + ri, jg // 2 + rh, jg, wmask, FMT)
+            w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
             w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
             # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
             w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))
