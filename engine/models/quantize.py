@@ -19,10 +19,11 @@ import re
 import torch
 from torch import Tensor, nn
 
+from engine.models.common import FusedLinear
 from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantFusedLinear, QuantLinear, fusable
 
 GROUP_MAX_EPS = 1e-15  # a group whose largest magnitude is below this is stored as zeros (llama.cpp's)
-CHUNK_VALUES = 1 << 24  # values quantized at once: bounds the temporaries of a 27B-shape lm_head
+CHUNK_VALUES = 1 << 25  # values quantized at once: bounds the temporaries (a 27B-shape lm_head has 1.3e9)
 
 
 def _f16_bytes(v: Tensor) -> Tensor:
@@ -268,8 +269,6 @@ def q4_k_m_format(name: str, layer: int | None, n_layers: int, v_index: int | No
 def _parts(module: nn.Module, child_name: str, child: nn.Module) -> list[tuple[str, Tensor, Tensor | None]] | None:
     """(name, weight, bias) of each float projection ``child`` holds (a ``FusedLinear``: each part, its
     rows as views), or None where it holds none."""
-    from engine.models.common import FusedLinear
-
     if isinstance(child, FusedLinear):
         parts = module.FUSED[child_name]
         biases = child.bias.split(child.sizes) if child.bias is not None else [None] * len(parts)

@@ -164,6 +164,24 @@ def test_widths_that_are_not_whole_k_blocks_take_llamacpps_fallbacks():
         quantize_model_(odd, "q2_k")
 
 
+def test_a_quantized_hybrid_target_decodes_and_speculation_equals_ar():
+    """A loaded tiny hybrid pair (Gated DeltaNet and attention layers, fused groups) quantized in place:
+    its groups become blocks (the GDN's four input projections one ``QuantFusedLinear``), and DDTree and
+    chain commit AR's tokens (float32 on the CPU: the PyTorch form)."""
+    import engine
+    from engine import EngineConfig
+
+    pair = engine.load("tiny-hybrid", "oracle:0.3", device="cpu", dtype="float32")
+    formats = quantize_model_(pair.target)
+    assert formats and set(formats.values()) <= {"Q5_0", "Q8_0"}  # 64-wide rows: the 32-value fallbacks
+    assert isinstance(pair.target.layers[0].linear_attn.in_proj, QuantFusedLinear)
+    ids = pair.encode("Hello there")
+    ar = engine.generate(pair, ids, EngineConfig(verify="ar"), 24, ignore_eos=True).tokens
+    for cfg in (EngineConfig(verify="chain"), EngineConfig(verify="ddtree", budget=8, top_k=3)):
+        gen = engine.generate(pair, ids, cfg, 24, ignore_eos=True)
+        assert gen.tokens == ar and gen.stats.acceptance_length > 1.0, cfg
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the shape presets are built on a GPU")
 def test_on_the_gpu_a_quantized_preset_decodes_its_twins_tokens_and_speculation_equals_ar():
     """SmolLM2-135M's shapes with random weights, quantized in memory (its 576-wide rows: Q5_0 and Q8_0;
