@@ -204,7 +204,7 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.fmt, self.in_features, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        # the kernel for a draft's projections too (``free_rows_``): it reads a quarter of the bytes
+        # the kernel for a draft's projections too (``free_rows_``): it reads the blocks, not a dequantized copy
         if quant_kernel.use_kernel(x, self.blocks, self.fmt, self.bias):
             return quant_kernel.linear(x, self.blocks, self.fmt, self.in_features, self.bias)
         w = self.dequantized(x.dtype)
