@@ -9,6 +9,8 @@
     python benchmarks/kernel_bench.py attention             # decode attention by keys per span and block
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
     python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
+    python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
+                                                            # dequantize-then-multiply and the bf16 weight
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_timing import LAUNCHES  # noqa: E402
 from kernel_timing import time_us as _time
 from linear_bench import LINEAR_NARROW_TILES, LINEAR_SHAPES, LINEAR_TILES, bench_blas, bench_linear, bench_plans  # noqa: E402
+from quant_bench import QUANT_SHAPES, bench_quant  # noqa: E402
 
 from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
@@ -262,8 +265,8 @@ def bench_attention() -> tuple[list[dict], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans"])
-    ap.add_argument("--shapes", nargs="+", help="linear, plans: the weights whose label starts so (or NxK)")
+    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant"])
+    ap.add_argument("--shapes", nargs="+", help="linear, plans, quant: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
                     help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
     ap.add_argument("--keep-step", action="store_true",
@@ -292,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"--rows {args.rows} lie in 1..1024", file=sys.stderr)
             return 2
         return _report(args, *bench_plans(shapes, args.rows, args.keep_step))
+    if args.kernel == "quant":
+        shapes = [s for s in QUANT_SHAPES if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
+                                                                     for w in args.shapes)]
+        if not shapes:
+            print(f"quant: --shapes {args.shapes} match none of {[s[0] for s in QUANT_SHAPES]}", file=sys.stderr)
+            return 2
+        return _report(args, *bench_quant(shapes))
     if args.kernel == "linear":
         shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))

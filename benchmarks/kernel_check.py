@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.decoding import tree_kernel  # noqa: E402
 from engine.models import attention as split_attention  # noqa: E402
-from engine.models import delta_rule, fused, topk  # noqa: E402
+from engine.models import delta_rule, fused, quant_kernel, topk  # noqa: E402
 from engine.models import linear as rows_linear  # noqa: E402
+from engine.models.quant import FORMATS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
@@ -48,6 +49,14 @@ MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwe
              # shape's 37.3 -> 31.6 and 12.8 -> 12.3, against the spill-free 8 warps
              "step attention bf16 head_dim=128": "measured faster than 8 warps with its spills (8B shape)",
              "step attention bf16 head_dim=256": "measured faster than 8 warps with its spills (27B shape)"}
+# Weights kept in GGUF blocks (quant_kernel), on their plans: a Q4_K_M 27B shape's (the MLP, head and fused
+# groups in Q4_K; the head and down projections in Q6_K; a mixed attention group's parts on default
+# plans), SmolLM2's Q4_1 file, and every other format on one weight
+QUANT_CASES = ([(n, k, "Q4_K") for n, k in ((16480, 5120), (14336, 5120), (34816, 5120), (5120, 17408),
+                                            (5120, 6144), (4096, 12288), (12288, 5120))]
+               + [(248320, 5120, "Q6_K"), (5120, 17408, "Q6_K"), (1024, 5120, "Q6_K")]
+               + [(n, k, "Q4_1") for n, k in DEFAULT_LINEAR_SHAPES[:5]]
+               + [(576, 1536, name) for name in FORMATS if name != "Q4_1"])
 # (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported
 TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
                (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
@@ -130,6 +139,7 @@ def cases():
             yield (f"linear {where} {n}x{k} {cls} M<={block_m}", rows_linear._linear_kernel, lin,
                    dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                         BLOCK_M=block_m, INTERPRET=False), cfg.num_warps, stages, lin_aligned)
+    yield from _quant_cases()
     tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
                      dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
                      edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
@@ -192,6 +202,28 @@ def cases():
             yield (f"gdn inputs {dtype} {'commit' if commit else 'record'}", fused._gdn_inputs_kernel, gdn,
                    dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64, COMMIT=commit,
                         RECORD=record), 4, 3)
+
+
+def _quant_cases():
+    """The in-register kernel's step and verify launches of ``QUANT_CASES`` in bf16, as
+    ``quant_kernel.kernel_linear`` launches them."""
+    types = dict(x_ptr="*bf16", h_ptr="*fp16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
+                 M="i32", N="i32", K="i32", sxm="i32", row_halves="i32", k_iters="i32", split="i32", tiles="i32")
+    for n, k, name in QUANT_CASES:
+        fmt = FORMATS[name]
+        plan = rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)
+        # the blocks' rows start 16-byte aligned where a row's bytes are a multiple of 16 (Q4_K, Q5_K: 144
+        # and 176-byte blocks; others by their count): what the launch specialises
+        aligned = ("x_ptr", "h_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
+            ("row_halves",) if fmt.row_bytes(k) % 32 == 0 else ())
+        for cls, cfg, rows in (("step", plan.step, rows_linear.STEP_ROWS),
+                               ("verify", plan.verify, rows_linear.MAX_ROWS)):
+            block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)
+            yield (f"quant {name} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel, types,
+                   dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
+                        GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False), warps,
+                   rows_linear.stages_for(cfg, block_m, 2), aligned)
 
 
 def _shard(text: str) -> tuple[int, int]:

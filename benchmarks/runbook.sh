@@ -112,7 +112,8 @@ if wanted kernels; then
   stage kernel_check 900 $PY benchmarks/kernel_check.py
   stage kernel_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_delta_rule.py \
     tests/engine/models/test_linear.py tests/engine/models/test_fused.py tests/engine/models/test_attention.py \
-    tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_topk.py
+    tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_topk.py \
+    tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py
 fi
 wanted gpu-tests && stage gpu_tests 1800 $PY -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
   tests/engine/models/test_hybrid.py

@@ -218,10 +218,13 @@ def file_plans() -> dict[tuple[int, int], LinearPlan]:
 def plan_for(weight: Tensor) -> LinearPlan:
     """``weight``'s plan on its GPU: the file's (``ENGINE_LINEAR_PLANS``), else the tuned one, else
     ``default_plan``."""
-    dev = weight.device
+    return plan_for_shape(*weight.shape, weight.device)
+
+
+def plan_for_shape(n: int, k: int, dev: torch.device) -> LinearPlan:
+    """``plan_for`` of an ``[n, k]`` weight on ``dev`` (a weight held otherwise: GGUF blocks, ``quant_kernel``)."""
     if dev not in _CAPABILITY:  # (a CPU tensor reaches here in Triton's interpreter only: the CPU tests)
         _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-    n, k = weight.shape
     plan = file_plans().get((n, k)) or TUNED.get(_CAPABILITY[dev], {}).get((n, k))
     return plan if plan is not None else default_plan(n, k)
 

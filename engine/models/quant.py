@@ -7,12 +7,15 @@ consecutive inputs of one row). Rows are contiguous and start on a block boundar
 can later read a tile of rows x blocks in place and dequantize in registers; and the rows of two
 weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is one block tensor).
 
-Until such a kernel exists, a layer dequantizes its whole weight per call (on the CPU this is the
-intended form), in float32, then casts to the activation dtype: the values a dequantized load copies
-into its parameters (gguf's reference, bit for bit: ``tests/engine/models/test_quant.py``), so a model
-decodes the same tokens whichever way its weights are kept (tested on the CPU in float32). On CUDA in
-bf16 a group of mixed formats runs as separate products where the dequantized twin fuses them, with
-other launch plans, so the two can round apart at near-ties; each is still exact against its own AR.
+On CUDA with the kernels on, a decode step's rows (up to ``linear.MAX_ROWS``) take the few-row kernel of
+``engine.models.quant_kernel``, which reads the blocks and dequantizes in registers; elsewhere (the CPU,
+float32, longer prefills, ``kernels: eager``) a layer dequantizes its whole weight per call, in float32,
+then casts to the activation dtype. Both give the values a dequantized load copies into its parameters
+(gguf's reference, bit for bit: ``tests/engine/models/test_quant.py``), multiplied as the dense kernel
+multiplies them, so a model decodes the same tokens whichever way its weights are kept (tested on the
+CPU in float32). On CUDA in bf16 a group of mixed formats runs as separate products where the
+dequantized twin fuses them, with other launch plans, so the two can round apart at near-ties; each is
+still exact against its own AR.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models import linear as rows_linear
+from engine.models import quant_kernel
 
 QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
 # How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
@@ -170,8 +174,9 @@ class QuantLinear(nn.Module):
     same ``in_features``, ``out_features``, ``bias`` and call. There is no ``weight``: code that would
     read one fails loudly instead of reading bytes as numbers (``dequantized`` gives the values).
 
-    Each call dequantizes the weight in the activation dtype and multiplies as ``common.Linear``
-    does (through ``engine.models.linear``: a decode step's rows round alike on CUDA)."""
+    A decode step's half-precision rows on CUDA take ``quant_kernel`` (the blocks read in place and
+    dequantized in registers: a verify's rows round as AR steps do); any other call dequantizes the
+    weight in the activation dtype and multiplies as ``common.Linear`` does."""
 
     row_invariant = True
 
@@ -199,6 +204,9 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.fmt, self.in_features, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        # the kernel for a draft's projections too (``free_rows_``): it reads the blocks, not a dequantized copy
+        if quant_kernel.use_kernel(x, self.blocks, self.fmt, self.bias):
+            return quant_kernel.linear(x, self.blocks, self.fmt, self.in_features, self.bias)
         w = self.dequantized(x.dtype)
         if not self.row_invariant:
             return F.linear(x, w, self.bias)

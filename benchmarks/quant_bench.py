@@ -1,0 +1,89 @@
+"""Weights kept in GGUF blocks on the GPU (`quant`): the in-register kernel (``engine.models.quant_kernel``)
+against the weight dequantized per call and then multiplied (what a native load did before it), and
+against the bf16 weight on the dense few-row kernel (a dequantized load). Run through
+``benchmarks/kernel_bench.py quant``."""
+
+from __future__ import annotations
+
+import torch
+from kernel_timing import time_us as _time
+
+# (label, N, K, formats): SmolLM2-135M's fused weights (its GGUF is Q4_1; K = 576 is not whole 256-value
+# blocks, so no K format) and the Qwen3.5-27B shape's MLP and output projections (a Q4_K_M file: Q4_K,
+# Q6_K for the down projections of some layers and the head)
+QUANT_SHAPES = [
+    ("SmolLM2 qkv", 960, 576, ("Q4_1", "Q8_0")), ("SmolLM2 gate_up", 3072, 576, ("Q4_1", "Q8_0")),
+    ("SmolLM2 down", 576, 1536, ("Q4_1", "Q4_K", "Q6_K")), ("SmolLM2 lm_head", 49152, 576, ("Q4_1", "Q8_0")),
+    ("27B down", 5120, 17408, ("Q4_K", "Q6_K")), ("27B gate or up", 17408, 5120, ("Q4_K",)),
+    ("27B gate_up", 34816, 5120, ("Q4_K",)), ("27B o_proj", 5120, 6144, ("Q4_K", "Q8_0")),
+    ("27B lm_head", 248320, 5120, ("Q6_K",)),
+]
+QUANT_ROWS = (1, 16, 33)  # an AR step, a step launch's widest, a budget-32 verify
+ROTATE_BYTES = 256 * 2**20  # weight copies cycled through, so that a launch reads its weight from HBM (L2: 50 MB)
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, -(-ROTATE_BYTES // nbytes))
+
+
+def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = None, rows: tuple[int, ...] = QUANT_ROWS
+                ) -> tuple[list[dict], list[str]]:
+    """GPU us per call at each row count for each weight and format: the in-register kernel on the
+    weight's plan, the weight dequantized then multiplied (``quant.dequantize`` + ``linear.linear``), and
+    the bf16 weight on the dense kernel; the kernel's weight stream in GB/s at 1 row; whether its output
+    equals the dequantize-then-multiply one bit for bit at every row count (the exactness claim of
+    ``quant_kernel``: native and dequantized weights decode alike) and a row's bits at 1 row equal its
+    bits among the most rows (row invariance)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for label, n, k, formats in shapes or QUANT_SHAPES:
+        out += _quant_shape(label, n, k, formats, rows, gen)
+        torch.cuda.empty_cache()
+    lines = ["| weights | format | MB | " + " | ".join(f"{m} rows: kernel / dequantize / bf16 us" for m in rows)
+             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant |",
+             "|---|---|---|" + "---|" * (len(rows) + 3)]
+    lines += [f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.1f} | "
+              + " | ".join(f"{r['kernel'][m]:.1f} / {r['dequantize'][m]:.1f} / {r['bf16'][m]:.1f}" for m in rows)
+              + f" | {r['gbs']:.0f} | {'y' if r['bits_equal_dequantized'] else 'n'} | "
+              f"{'y' if r['row_invariant'] else 'n'} |" for r in out]
+    return out, lines
+
+
+def _rotating(copies: list[torch.Tensor]):
+    """A call that returns the next of ``copies`` each time (a launch reads a weight L2 does not hold)."""
+    calls = iter(range(1 << 30))
+    return lambda: copies[next(calls) % len(copies)]
+
+
+def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tuple[int, ...],
+                 gen: torch.Generator) -> list[dict]:
+    from engine.models import linear as lin
+    from engine.models import quant_kernel
+    from engine.models.quant import FORMATS, dequantize
+    from engine.models.quantize import quantize
+
+    dense = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(_copies(2 * n * k))]
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+    pick_dense = _rotating(dense)
+    bf16 = {m: _time(lambda m=m: lin.linear(xs[m], pick_dense())) for m in rows}
+    out = []
+    for name in formats:
+        fmt = FORMATS[name]
+        first = quantize(dense[0], fmt)
+        pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+        kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
+        deq = {m: _time(lambda m=m, f=fmt, p=pick: lin.linear(xs[m], dequantize(p(), f, k, torch.bfloat16)))
+               for m in rows}
+        w = dequantize(first, fmt, k, torch.bfloat16)
+        bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), lin.linear(xs[m], w)) for m in rows)
+        many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
+        invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
+        row = {"shape": f"{label} ({n} x {k})", "format": name, "bytes": first.numel(), "kernel": kernel,
+               "dequantize": deq, "bf16": bf16, "gbs": first.numel() / kernel[rows[0]] / 1e3,
+               "bits_equal_dequantized": bits, "row_invariant": invariant}
+        out.append(row)
+        print(f"{row['shape']} {name}: " + ", ".join(
+            f"{m} rows {kernel[m]:.1f} us (dequantize {deq[m]:.1f}, bf16 {bf16[m]:.1f})" for m in rows)
+            + f"; {row['gbs']:.0f} GB/s; bits = dequantized: {bits}; row-invariant: {invariant}", flush=True)
+    return out

@@ -1,0 +1,304 @@
+"""The few-row product of a weight kept in its GGUF blocks: ``x @ W^T`` with W read as bytes and
+dequantized in registers, one launch (Triton), for AR steps, verifies, replays and draft blocks.
+
+A decode step streams every weight once; kept in its blocks a Q4_K weight is 4.5 bits a value where
+its bf16 twin is 16, so the step reads ~3.5x fewer bytes. Dequantizing the whole weight per call (the
+PyTorch form, ``quant.QuantLinear`` on the CPU) reads the blocks, writes the bf16 weight and reads it
+again: slower than the bf16 model. Here each program reads a tile of block bytes, decodes it into the
+values ``quant.dequantize`` gives (same float32 operations: every product of a scale and a quantized
+value is exact in float32, so the one rounding each value has is the same whether or not the compiler
+fuses it into an FMA), rounds them to the activations' dtype as a dequantized load does, and multiplies
+as ``engine.models.linear``'s kernel does.
+
+Exactness. Everything after the decode is ``linear._linear_kernel``'s arithmetic on the same plan (the
+weight's ``LinearPlan`` by shape: the same ``split`` and ``block_k``, so the same sums over K in the
+same order, the parts added in order by the last one to finish). Hence:
+
+- row invariance: a row's bits do not depend on how many rows share the launch (1 to ``MAX_ROWS``,
+  step and verify launches alike), as for the dense kernel: a verify's rows round as AR steps do;
+- native = dequantized: the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit,
+  so a native target decodes its dequantized twin's tokens. Checked in Triton's interpreter for every
+  format; on a GPU it holds where the matrix unit's sums depend on the K partition only (what
+  ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
+  ``benchmarks/kernel_bench.py quant`` check it there.
+
+Rows past ``MAX_ROWS`` (long prefills, shared by AR and speculative decoding) dequantize the weight once
+and take cuBLAS, as the dense path does past the same bound.
+
+Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order. A
+K tile of ``BLOCK_K`` values is read as ``G`` groups of ``GROUP`` values (a group: the values that
+share one scale; 32, or 16 for Q6_K): per group its block's scales, per value its quantized bits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from engine.models import fused
+from engine.models import linear as rows_linear
+
+if TYPE_CHECKING:  # quant.py calls this module: the format's type only, no import cycle
+    from engine.models.quant import BlockFormat
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - installs without Triton dequantize per call
+    triton = None
+
+# The formats this kernel decodes, by the code the kernel branches on (a constexpr: one compiled
+# variant per format).
+KERNEL_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+MAX_ROWS = rows_linear.MAX_ROWS  # every row count a decode step reaches (engine.config.MAX_BUDGET + 1)
+# Rows a program takes at most, where a plan's 128 (a tile's float32 sums, 64 registers a thread) and
+# the format's decode would spill registers (benchmarks/kernel_check.py); more rows take more row blocks,
+# which never changes a row's sums
+ROW_BLOCK_CAP = {"Q6_K": 64}
+# Values of a weight tile a thread decodes at most where the blocks are not 16-byte aligned (all but
+# Q4_K's 144 and Q5_K's 176 bytes): their loads go through registers, not asynchronous copies, and the
+# pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
+# 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
+REGISTER_VALUES = 32
+
+
+def group_size(fmt: BlockFormat, block_k: int) -> int:
+    """Values per group of a K tile: those sharing one scale (Q6_K: 16; the others: 32), at most the tile."""
+    return min(16 if fmt.name == "Q6_K" else 32, block_k)
+
+
+def use_kernel(x: Tensor, blocks: Tensor, fmt: BlockFormat, bias: Tensor | None = None) -> bool:
+    """Whether ``x`` against these blocks takes the kernel: the kernels on (``fused.use_kernels``: CUDA,
+    no gradient, ``kernels: fused`` and ``ENGINE_KERNELS``), half-precision rows, 1 to ``MAX_ROWS`` of
+    them, a format the kernel decodes, rows of blocks it can read in place."""
+    if triton is None or fmt.name not in KERNEL_FORMATS:
+        return False
+    if not fused.use_kernels(x, *([] if bias is None else [bias])):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype in (torch.bfloat16, torch.float16) and 1 <= rows <= MAX_ROWS and blocks.device == x.device
+            and blocks.stride(-1) == 1 and blocks.stride(0) % 2 == 0 and (bias is None or bias.dtype == x.dtype))
+
+
+def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, W, bias)`` for W = the blocks' ``[N, cols]`` weight in ``x``'s dtype, where
+    ``use_kernel`` says the kernel takes it: on the launch the dense kernel's plan gives an ``[N, cols]``
+    weight (``linear.plan_for_shape``: a file's, the tuned one, or ``default_plan``)."""
+    plan = rows_linear.plan_for_shape(blocks.shape[0], cols, blocks.device)
+    return kernel_linear(x, blocks, fmt, cols, bias, plan.for_rows(x.numel() // cols))
+
+
+def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
+    """(rows a program, warps) of ``cfg``'s launch for ``rows`` rows of this format: the plan's, with at
+    most ``ROW_BLOCK_CAP`` rows a program, and for blocks not 16-byte aligned warps enough that a thread
+    decodes at most ``REGISTER_VALUES`` values a tile (at most 8)."""
+    widest = min(cfg.row_block, ROW_BLOCK_CAP.get(fmt.name, rows_linear.ROW_BLOCK))
+    block_m = min(widest, max(16, triton.next_power_of_2(rows)))
+    warps = cfg.num_warps
+    if fmt.nbytes % 16:
+        warps = max(warps, min(8, cfg.block_n * cfg.block_k // (32 * REGISTER_VALUES)))
+    return block_m, warps
+
+
+def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None,
+                  cfg: rows_linear.LinearConfig) -> Tensor:
+    """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
+    weight's plan). On CPU tensors it runs only in Triton's interpreter (the CPU tests)."""
+    n = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
+        f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
+    assert x.shape[-1] == cols and cols % fmt.values == 0, (tuple(x.shape), cols, fmt.name)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    block_m, warps = launch_shape(fmt, cfg, m)
+    row_blocks = triton.cdiv(m, block_m)
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
+    split = triton.cdiv(cols, k_iters * cfg.block_k)
+    stages = rows_linear.stages_for(cfg, block_m, x.element_size())
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    tickets = rows_linear._tickets(x.device, tiles * row_blocks)
+    halves = blocks.view(torch.float16)  # the same bytes read as half-words (blocks and fields start even)
+    _quant_kernel[(tiles, split, row_blocks)](
+        x2, halves, bias if bias is not None else out, out, parts, tickets, m, n, cols, x2.stride(0),
+        halves.stride(0), k_iters, split, tiles, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
+        NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), HAS_BIAS=bias is not None,
+        EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
+        INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
+    )
+    return out.view(*lead, n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _f16_at(h_ptr, block_half, offset: tl.constexpr, mask):
+        """The fp16 at byte ``offset`` of each group's block (``block_half``: the block's start in halves)."""
+        return tl.load(h_ptr + block_half + offset // 2, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _round(w, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+        """float32 -> ``dtype`` to nearest even. Triton 3.9's interpreter rounds float32 -> bf16 half up
+        and drops the carry into the exponent, so there the bits are rounded by hand (finite values: the
+        loader refuses NaN and inf scales); a GPU converts in one instruction."""
+        if INTERPRET and dtype == tl.bfloat16:
+            bits = w.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return w.to(dtype, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _bytes(h_ptr, block_half, at, mask):
+        """The byte of each value [BLOCK_N, G, GROUP], read two at a time: ``at`` [1, G, GROUP // 2], the
+        half-word of each pair of neighbouring values 2i, 2i + 1 in its block (in every format the two
+        sit in one half-word, the even value's in its low byte). Blocks of 18, 22, 34 or 210 bytes are
+        only 2-byte aligned: half-words are the widest loads they all allow, half as many as bytes."""
+        pair = tl.load(h_ptr + block_half + at, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        pair = pair.to(tl.int32) & 0xFFFF
+        both = tl.join(pair & 0xFF, pair >> 8)  # [BLOCK_N, G, GROUP // 2, 2]: the even value's byte, the odd's
+        return tl.reshape(both, (both.shape[0], both.shape[1], both.shape[2] * 2))
+
+    @triton.jit
+    def _u16(h_ptr, block_half, offset, mask):
+        """The little-endian uint16 at the even byte ``offset`` of each group's block."""
+        return tl.load(h_ptr + block_half + offset // 2, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(
+            tl.int32) & 0xFFFF
+
+    @triton.jit
+    def _float(q, offset: tl.constexpr):
+        """float(q - offset), exactly, for int32 0 <= q < 2**22, without an int -> float conversion (a
+        quarter-rate instruction: at a few-row product's pace the decode would wait on it): q's bits under
+        the exponent of 2**23 are the float 2**23 + q; less 2**23 + offset, exactly."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+    @triton.jit
+    def _nibble_shift(jg, ri, GROUP: tl.constexpr):
+        """The 32-value formats' nibble of each value (values 0-15 of a block low, 16-31 high), times 4:
+        by its lane in a 32-value group (the same for every tile: computed once), or by its 16-value
+        group's place in the block."""
+        if GROUP == 32:
+            return (ri // 16) * 4
+        else:
+            return (jg % 32 // 16) * 4
+
+    @triton.jit
+    def _decode(h_ptr, block_half, jg, ri, jh, mask, FMT: tl.constexpr, GROUP: tl.constexpr):
+        """The float32 values [BLOCK_N, G, GROUP] of one K tile, as ``quant.py``'s decoders compute them.
+        ``block_half`` [BLOCK_N, G, 1]: each group's block start in half-words; ``jg`` [1, G, 1]: each
+        group's first value's index in its block; ``ri`` [1, 1, GROUP]: a value's lane in its group;
+        ``jh`` [1, G, GROUP // 2]: each pair of values' first index // 2 (the loads' offsets are in
+        half-words, contiguous runs the compiler can see). Per-value work is the bits and two float
+        operations; what a group or a lane shares is computed per group or once."""
+        if FMT == 0:  # Q4_0: d, 16 bytes of nibbles (values 0-15 low, 16-31 high); d * (q - 8)
+            q = (_bytes(h_ptr, block_half, 1 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 8)
+        elif FMT == 1:  # Q4_1: d, m, nibbles; d * q + m
+            q = (_bytes(h_ptr, block_half, 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
+        elif FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: d, (m,) 32 fifth bits (a little-endian uint32), nibbles
+            at: tl.constexpr = 2 if FMT == 2 else 4
+            high = _u16(h_ptr, block_half, at, mask) | (_u16(h_ptr, block_half, at + 2, mask) << 16)
+            q = (_bytes(h_ptr, block_half, at // 2 + 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+            q = q | (((high >> (jg % 32 + ri)) & 1) << 4)
+            if FMT == 2:  # d * (q - 16)
+                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 16)
+            else:  # d * q + m
+                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
+        elif FMT == 4:  # Q8_0: d, 32 int8; q * d (a byte b holds the int8 (b ^ 128) - 128)
+            w = _float(_bytes(h_ptr, block_half, 1 + jh, mask) ^ 128, 128) * _f16_at(h_ptr, block_half, 0, mask)
+        elif FMT == 7:  # Q6_K: 128 bytes of nibbles, 64 of 2-bit tops, 16 int8 scales, d
+            # a value's half h = j // 128, its 32-value group g4 = j % 128 // 32 (one per 16-value group), lane
+            g4 = jg % 128 // 32
+            low = _bytes(h_ptr, block_half, (jh // 64) * 32 + (jh % 64 // 16 % 2) * 16 + jh % 16, mask)
+            top = _bytes(h_ptr, block_half, 64 + (jh // 64) * 16 + jh % 16, mask)
+            q = ((low >> ((g4 // 2) * 4)) & 15) | (((top >> (g4 * 2)) & 3) << 4)
+            pair = _u16(h_ptr, block_half, 192 + (jg // 32) * 2, mask)  # the scales of 16-value groups 2i, 2i + 1
+            sc = ((pair >> ((jg // 16 % 2) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
+            w = (_f16_at(h_ptr, block_half, 208, mask) * sc) * _float(q, 32)
+        else:  # Q4_K (5) / Q5_K (6): d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: fifth bits,) nibbles
+            sub = jg // 32  # the sub-block: 8 of 32 values (one per group)
+            lo = sub % 4
+            at = (lo // 2) * 2  # the byte pair holding sub-block lo's, its byte lo % 2
+            a = (_u16(h_ptr, block_half, 4 + at, mask) >> ((lo % 2) * 8)) & 0xFF
+            mb = (_u16(h_ptr, block_half, 8 + at, mask) >> ((lo % 2) * 8)) & 0xFF
+            r = (_u16(h_ptr, block_half, 12 + at, mask) >> ((lo % 2) * 8)) & 0xFF
+            sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
+            mn = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+            nib: tl.constexpr = 8 if FMT == 5 else 24  # where the nibbles start (half-words)
+            q = (_bytes(h_ptr, block_half, nib + (jh // 32) * 16 + jh % 16, mask) >> ((sub % 2) * 4)) & 15
+            if FMT == 6:
+                q = q | (((_bytes(h_ptr, block_half, 8 + jh % 16, mask) >> sub) & 1) << 4)
+            step = _f16_at(h_ptr, block_half, 0, mask) * sc.to(tl.float32)
+            shift = _f16_at(h_ptr, block_half, 2, mask) * mn.to(tl.float32)
+            w = step * _float(q, 0) - shift
+        return w
+
+    # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
+    # tile decoded from its blocks instead of loaded.
+    @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
+    def _quant_kernel(x_ptr, h_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_halves, k_iters,
+                      split, tiles, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+        G: tl.constexpr = BLOCK_K // GROUP
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        row_block = tl.program_id(2)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        rg = tl.arange(0, G)[None, :, None] * GROUP  # [1, G, 1]: each group's first column in the tile
+        ri = tl.arange(0, GROUP)[None, None, :]  # [1, 1, GROUP]
+        rh = tl.arange(0, GROUP // 2)[None, None, :]  # [1, 1, GROUP // 2]: pairs of values
+        mn = rn < N
+        mm = rm < M
+        row_half = rn[:, None, None].to(tl.int64) * row_halves  # [BLOCK_N, 1, 1]
+        k_lo = part * k_iters * BLOCK_K
+        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            col = k0 + rg  # [1, G, 1]
+            block_half = row_half + (col // VALUES) * (NBYTES // 2)  # [BLOCK_N, G, 1]
+            jg = col % VALUES
+            if EVEN_K:
+                wmask = mn[:, None, None]
+                xt = tl.load(x_ptrs, mask=mm[None, :], other=0.0)
+            else:
+                wmask = mn[:, None, None] & (col < k_hi)
+                mk = (k0 + rk) < k_hi
+                xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
+            w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
+            w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
+            # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
+            w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))
+            if INTERPRET:  # the sum over K in order, one product at a time (linear.py's, the same bits)
+                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(w, xt, acc)
+            x_ptrs += BLOCK_K
+        out_offs = rm[None, :].to(tl.int64) * N + rn[:, None]  # out [M, N]; acc is its transpose
+        omask = mn[:, None] & mm[None, :]
+        if split > 1:  # linear.py's protocol: the last part to finish adds the parts in order 0..split-1
+            tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
+            tl.debug_barrier()
+            ticket_at = ticket_ptr + row_block * tiles + tile
+            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+            if ticket == split - 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for p in range(0, split):
+                    acc += tl.load(part_ptr + p * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(ticket_at, 0)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -1,0 +1,174 @@
+"""The in-register kernel of GGUF blocks (``engine.models.quant_kernel``): in Triton's interpreter on the
+CPU (its dot an explicit ordered sum, as ``test_linear.py`` runs the dense kernel), every format's product
+equals the weight dequantized and multiplied by the dense kernel on the same launch, bit for bit, and a
+row's bits do not depend on the rows beside it; on a GPU the same through the engine's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models import fused
+from engine.models import linear as lin
+from engine.models import quant_kernel as qk
+from engine.models.common import Linear
+from engine.models.quant import FORMATS, QuantLinear, dequantize
+from tests.engine.gguf_files import random_blocks
+
+pytest.importorskip("triton")
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    # scales up to 0.05: products of the size a model's weights have, rounding in bf16 as they do
+    return torch.from_numpy(random_blocks(Q[name], n, k, seed, scale=0.05)).to(DEVICE)
+
+
+def _x(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _reference(x, blocks, fmt, k, bias, cfg):
+    """What the kernel must equal: the values a dequantized load holds, on the dense kernel's launch."""
+    return lin._kernel_linear(x, dequantize(blocks, fmt, k, x.dtype), bias, cfg)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # -0.0 != 0.0, NaN payloads compared too
+
+
+def _width(name: str, blocks: float) -> int:
+    return int(FORMATS[name].values * blocks)
+
+
+# (K in 32-value blocks, launch): K in blocks of 64 split in 2 with a ragged last part (EVEN_K off: K = 96);
+# K blocks of 16 (a group of 16 values: half a 32-value block); tiles of 512 over several blocks, the
+# last masked past K (for the K formats: 3 super-blocks, a tile and a half)
+LAUNCHES = [(3, lin.LinearConfig(64, 64, 2)), (2, lin.LinearConfig(32, 16, 3)), (3, lin.LinearConfig(32, 512, 1))]
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("launch", range(len(LAUNCHES)), ids=["k64-split2", "k16-split3", "k512"])
+def test_the_kernel_equals_dequantize_then_the_dense_kernel_bit_for_bit(name, launch):
+    """Every format, in bf16, with a bias, N = 100 (not a multiple of the tile): the kernel decodes the
+    values ``quant.dequantize`` gives (gguf's reference), rounds them as a dequantized load does and
+    sums them in the dense kernel's order. A float64 product checks that both are the product."""
+    fmt = FORMATS[name]
+    count, cfg = LAUNCHES[launch]
+    if fmt.values == 256:  # super-blocks: 2, or 1 in tiles of 16 (16 tiles), or 3 in one tile and a half
+        count = {64: 2, 16: 1, 512: 3}[cfg.block_k]
+    k = _width(name, count)
+    blocks = _blocks(name, 100, k, seed=k + len(name))
+    x, bias = _x(5, k, torch.bfloat16, seed=1), _x(1, 100, torch.bfloat16, seed=2)[0]
+    got = qk.kernel_linear(x, blocks, fmt, k, bias, cfg)
+    want = _reference(x, blocks, fmt, k, bias, cfg)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 100)
+    assert torch.equal(_bits(got), _bits(want))
+    exact = x.double() @ dequantize(blocks, fmt, k).double().T + bias.double()
+    assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+def test_half_precision_too(name):
+    """fp16 activations: the values rounded to fp16 (which the interpreter rounds to nearest itself)."""
+    fmt = FORMATS[name]
+    k = _width(name, 2)
+    blocks = _blocks(name, 40, k, seed=3)
+    x = _x(3, k, torch.float16, seed=4)
+    cfg = lin.LinearConfig(32, 64, 2)
+    assert torch.equal(_bits(qk.kernel_linear(x, blocks, fmt, k, None, cfg)), _bits(_reference(x, blocks, fmt, k,
+                                                                                                 None, cfg)))
+
+
+# A plan whose step and verify launches differ in tile width, warps and stages (as tuned ones do), K in
+# three parts
+ROW_PLAN = lin.LinearPlan(lin.LinearConfig(64, 64, 3, 4, 3), lin.LinearConfig(128, 64, 3, 8, 4))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_rows_bits_do_not_depend_on_its_launch(name):
+    """Row invariance (a verify's rows must round as AR steps do): a row alone (the step launch), among 7
+    and among 33 (the verify launch) gives the same bits wherever it sits; Q6_K, whose programs take at most
+    64 rows (``quant_kernel.ROW_BLOCK_CAP``), among 70 too (two row blocks)."""
+    fmt = FORMATS[name]
+    k = _width(name, 2 if fmt.values == 256 else 9)
+    blocks = _blocks(name, 72, k, seed=5)
+    rows = 70 if name == "Q6_K" else 33
+    x = _x(rows, k, torch.bfloat16, seed=6)
+    whole = qk.kernel_linear(x, blocks, fmt, k, None, ROW_PLAN.for_rows(rows))
+    for pick in ([0], [32], list(range(3, 10)), [9, 2, 30, 0, 17, 4, 11] + ([69] if rows > 33 else [])):
+        got = qk.kernel_linear(x[pick], blocks, fmt, k, None, ROW_PLAN.for_rows(len(pick)))
+        assert torch.equal(_bits(got), _bits(whole[pick])), f"rows {pick}"
+
+
+def test_every_format_has_a_kernel_and_a_group_within_a_tile():
+    assert set(qk.KERNEL_FORMATS) == set(FORMATS)
+    assert qk.group_size(FORMATS["Q6_K"], 128) == 16 and qk.group_size(FORMATS["Q4_K"], 128) == 32
+    assert qk.group_size(FORMATS["Q4_0"], 16) == 16
+
+
+def test_dispatch_takes_the_kernel_for_a_steps_rows_and_dequantizes_otherwise(monkeypatch):
+    """``QuantLinear`` takes the kernel where the kernels are on (here forced on the CPU: Triton's
+    interpreter), on the plan an ``[N, K]`` weight has, for half-precision rows up to ``MAX_ROWS``; float32,
+    more rows, or the kernels off dequantize the weight and multiply (``kernels: eager``, the CPU)."""
+    fmt = FORMATS["Q8_0"]
+    layer = QuantLinear(fmt, 96, 40, bias=True, blocks=_blocks("Q8_0", 40, 96, seed=7))
+    with torch.no_grad():
+        layer.bias.copy_(_x(1, 40, torch.float32, seed=8)[0])
+    layer = layer.to(torch.bfloat16)
+    x = _x(3, 96, torch.bfloat16, seed=9)
+    assert not qk.use_kernel(x, layer.blocks, fmt, layer.bias) or DEVICE == "cuda"  # no CUDA: the PyTorch form
+    monkeypatch.setattr(fused, "use_kernels", lambda *tensors: True)
+    calls = []
+    kernel = qk.kernel_linear
+    monkeypatch.setattr(qk, "kernel_linear", lambda *a: calls.append(a[-1]) or kernel(*a))
+    plan = lin.plan_for_shape(40, 96, x.device)
+    assert torch.equal(layer(x), _reference(x, layer.blocks, fmt, 96, layer.bias, plan.step))
+    assert calls == [plan.step]
+    assert not qk.use_kernel(x.float(), layer.blocks, fmt)  # float32: dequantize, then cuBLAS / the CPU
+    big = torch.zeros(qk.MAX_ROWS + 1, 96, dtype=torch.bfloat16, device=DEVICE)
+    assert not qk.use_kernel(big, layer.blocks, fmt)  # a long prefill: dequantize once, then a GEMM
+    big[:3] = x
+    assert torch.equal(layer(big), F.linear(big, layer.dequantized(torch.bfloat16), layer.bias))
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+
+GPU_CASES = [("Q4_1", 960, 576), ("Q8_0", 49152, 576), ("Q4_0", 576, 1536), ("Q5_0", 576, 1536), ("Q5_1", 576, 1536),
+             ("Q4_K", 576, 1536), ("Q5_K", 576, 1536), ("Q6_K", 576, 1536), ("Q4_K", 34816, 5120),
+             ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q6_K", 1024, 5120)]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the matrix unit's own order: on a GPU")
+@pytest.mark.parametrize(("name", "n", "k"), GPU_CASES, ids=lambda c: str(c))
+def test_on_the_gpu_native_equals_dequantized_and_rows_round_alike(name, n, k):
+    """Through the engine's dispatch in bf16 on the GPU, SmolLM2's and the 27B shape's weights (tuned and
+    default plans): the blocks' product equals the dequantized weight's (``Linear``, the dense kernel)
+    bit for bit at 1 to 200 rows, and a row's bits are the same alone, among 7, 16, 17, 33, 65 and 200."""
+    previous = fused.set_kernels(True)
+    try:
+        fmt = FORMATS[name]
+        from engine.models.quantize import quantize
+
+        weight = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        layer = QuantLinear(fmt, k, n, blocks=quantize(weight, fmt))
+        twin = Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            twin.weight.copy_(layer.dequantized(torch.bfloat16))
+        x = torch.randn(200, k, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            whole = layer(x)
+            assert torch.equal(whole, twin(x))
+            exact = F.linear(x.float(), twin.weight.float())
+            assert float((whole.float() - exact).norm() / exact.norm()) < 1e-2
+            for rows in ([0], [199], list(range(7)), list(range(16)), list(range(17)), list(range(33)),
+                         list(range(100, 165)), [150, 3, 77, 0, 199, 42, 8]):
+                got = layer(x[rows])
+                assert torch.equal(got, whole[rows]), f"{len(rows)} rows"
+                assert torch.equal(got, twin(x[rows])), f"{len(rows)} rows against the dequantized weight"
+    finally:
+        fused.set_kernels(previous)
