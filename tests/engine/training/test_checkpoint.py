@@ -264,6 +264,23 @@ def test_an_int8_checkpoint_is_a_third_of_the_size_and_resumes_close(pair, data,
     assert loss > 0.01 and weight > 0.01
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_int8_checkpoint_written_on_the_gpu_resumes_close_on_the_gpu(data, tmp_path):
+    """The moments coded and decoded as CUDA tensors (the device's train_long.sh writes int8):
+    the resumed run's later losses stay within 0.05 of the uninterrupted one's (bf16 autocast on
+    the GPU: not bit for bit even in float32)."""
+    gpu = engine.load("tiny-dense", "none", device="cuda", dtype="float32")
+    seqs, plens = data
+    run = dict(log=lambda m: None)
+    train_draft(gpu.target, seqs, plens, CFG, gpu.tokenizer.mask_id, checkpoint=CheckpointConfig(tmp_path / "a"), **run)
+    ck = CheckpointConfig(tmp_path / "b", state_dtype="int8")
+    train_draft(gpu.target, seqs, plens, CFG, gpu.tokenizer.mask_id, checkpoint=ck, stop_after=K1, **run)
+    assert _state(tmp_path / "b")["optimizer"]["state"][0]["exp_avg"]["codec"] == "ratio8"
+    train_draft(gpu.target, seqs, plens, CFG, gpu.tokenizer.mask_id, checkpoint=ck, resume=tmp_path / "b", **run)
+    a, b = _state(tmp_path / "a")["history"], _state(tmp_path / "b")["history"]
+    assert (b[K1:, 0] - a[K1:, 0]).abs().max() <= 0.05
+
+
 def test_smollm2_drafts_int8_state_is_the_size_the_docs_give(tmp_path):
     """The 3-layer SmolLM2 draft (7.64 M parameters): 44.1 MiB in int8 with the best draft beside
     the latest (29.6 without it; docs/own-model.md, the model card, benchmarks/DEVICE.md), in three
