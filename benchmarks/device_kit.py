@@ -160,8 +160,8 @@ def stage_checkpoint(ck: Path, out: Path, last_budget: int, stash_budget: int) -
                                f"(step {manifest['step']}); stage a whole checkpoint")
     plan = plan_carries([(p["name"], p["bytes"]) for p in manifest["parts"]],
                         (MANIFEST, (ck / MANIFEST).stat().st_size), last_budget, stash_budget)
-    for old in _ck_groups(out):
-        shutil.rmtree(out / old)
+    for old in [p for p in out.glob("ck*") if p.is_dir() and (p.name == "ck" or p.name[2:].isdigit())]:
+        shutil.rmtree(old)
     names = ["ck"] if len(plan) == 1 else [f"ck{i + 1}" for i in range(len(plan))]
     for name, files in zip(names, plan, strict=True):
         (out / name).mkdir(parents=True)
