@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engine.config import EngineInputError
 from engine.models.dense import DenseModel
+from engine.training.quantized_state import decode_moments, encode_moments
 
 FORMAT = 1
 MANIFEST = "checkpoint.json"
@@ -41,7 +42,9 @@ MANIFEST = "checkpoint.json"
 RESUMABLE_CHANGES = frozenset({"steps", "time_budget_s", "val_every", "feature_store", "gen_batch_size",
                                "gen_max_new_tokens"})
 HISTORY_KEYS = ("loss", "acc1", "chain_al")
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --state-dtype: the weights' dtype in the checkpoint; int8 stores the AdamW moments as 8-bit codes
+# (quantized_state.py) beside bfloat16 weights.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ class CheckpointConfig:
     part_mb: float = 15.0  # largest part file, MiB (a device call brings files of at most 16 MiB back)
     # float32: a resume is exact. bfloat16 halves the checkpoint (weights, best weights and AdamW
     # moments rounded once per checkpoint, float32 again on resume): for a state that must travel
-    # through size-capped transfers, where a GPU run is not bitwise reproducible anyway.
+    # through size-capped transfers, where a GPU run is not bitwise reproducible anyway. int8: a
+    # third of float32's bytes (bfloat16 weights, 8-bit blockwise moments), a resume as close.
     state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -117,9 +121,10 @@ def save_checkpoint(ck: CheckpointConfig, state: RunState, draft: torch.nn.Modul
     ck.dir.mkdir(parents=True, exist_ok=True)
     best_is_current = state.best is not None and state.best[1] == state.step
     dtype = STATE_DTYPES[ck.state_dtype]
+    moments = encode_moments(opt.state_dict()) if ck.state_dtype == "int8" else _cast(opt.state_dict(), dtype)
     payload = {
         "draft": _cast(draft.state_dict(), dtype),
-        "optimizer": _cast(opt.state_dict(), dtype),
+        "optimizer": moments,
         "rng": rng_states(sampler),
         # float64 keeps every logged float exactly (they are float32 values read back)
         "history": torch.tensor([[h[k] for k in HISTORY_KEYS] for h in state.history], dtype=torch.float64),
@@ -236,7 +241,7 @@ def restore(payload: Mapping[str, Any], manifest: Mapping[str, Any], draft: torc
             opt: torch.optim.Optimizer, sampler: torch.Generator) -> RunState:
     """Put the checkpoint back into ``draft``, ``opt`` and the RNGs; the run's state to continue from."""
     draft.load_state_dict(payload["draft"])
-    opt.load_state_dict(payload["optimizer"])
+    opt.load_state_dict(decode_moments(payload["optimizer"]))  # int8 moments back to float32
     set_rng_states(payload["rng"], sampler)
     history = [dict(zip(HISTORY_KEYS, row, strict=True)) for row in payload["history"].tolist()]
     best = None
@@ -258,3 +263,25 @@ def target_record(target: DenseModel) -> dict[str, Any]:
     sample = w[:: max(1, w.numel() // 65536)].to(torch.bfloat16).float().cpu()
     return {"config": json.loads(json.dumps(asdict(target.cfg))),
             "embedding_sample_sha256": hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]}
+
+
+def export_draft(folder: Path, out: Path, training: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write the draft a checkpoint holds (its best held-out weights, else its latest) to ``out`` in
+    the public DFlash layout, in bfloat16, with ``training`` (a training.json) in its config; no
+    target needed. Returns the manifest. For a checkpoint that came back without its draft folder."""
+    from engine.loading import save_draft_folder
+    from engine.models.draft import DFlashConfig, DFlashDraft
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    saved = manifest.get("draft_config")
+    if saved is None:
+        raise EngineInputError(f"{folder / MANIFEST}: no 'draft_config' (written before drafts were recorded); "
+                               f"its draft is train-draft --out's folder")
+    payload = load_checkpoint(folder, manifest)
+    best = manifest["best"]
+    weights = payload["draft"] if best is None or best["is_current"] else payload["best"]
+    draft = DFlashDraft(DFlashConfig(**{**saved, "target_layer_ids": tuple(saved["target_layer_ids"])}))
+    draft.load_state_dict({k: v.float() for k, v in weights.items()})
+    save_draft_folder(draft.to(torch.bfloat16), Path(out), extra={"training": dict(training)} if training else None)
+    return manifest

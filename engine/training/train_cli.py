@@ -85,9 +85,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
     t.add_argument("--part-mb", type=float, default=15.0,
                    help="checkpoint part files of at most this many MiB, each its own file (default 15)")
-    t.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="checkpoint weights and AdamW moments in float32 (a resume is exact) or bfloat16 (half "
-                        "the size, rounded once per checkpoint; for state that must travel through size limits)")
+    t.add_argument("--state-dtype", choices=["float32", "bfloat16", "int8"], default="float32",
+                   help="checkpoint weights and AdamW moments in float32 (a resume is exact), bfloat16 (half "
+                        "the size, rounded once per checkpoint) or int8 (a third: bfloat16 weights, 8-bit "
+                        "blockwise moments); the last two resume close, not exact: for state that must travel "
+                        "through size limits")
     t.add_argument("--resume", metavar="DIR",
                    help="continue the run checkpointed in DIR (and keep checkpointing there unless "
                         "--checkpoint-dir says otherwise): give the first call's flags and data (--data; the "
