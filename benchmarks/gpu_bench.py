@@ -5,6 +5,8 @@ the large shape presets against the HBM roofline.
         --sets humaneval chat agent --n-prompts 6 --max-new-tokens 128 --md pair.md --out pair.json
     python benchmarks/gpu_bench.py hf    --target smollm2-135m-instruct --sets humaneval --md hf.md
     python benchmarks/gpu_bench.py large --md large.md --out large.json
+    python benchmarks/gpu_bench.py oracle --presets qwen35-27b-shape --n-prompts 6 --new-tokens 64 \
+        --oracles oracle:0.1 oracle:0.5 oracle:0.9 oracle:0.1,0.5,0.9 --md oracle.md --out oracle.json
 
 Sets may be named workloads or JSONL files (``benchmarks/export_workload.py`` writes them for a
 machine without the assets). Every section prints a markdown table (``--md`` also writes it) and
@@ -16,7 +18,9 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR,
   an inexact prompt shown with its first divergence, both runs' top-2 logit margins there (AR's /
   the config's) and the verdict (``engine.Divergence``: numeric tie or mismatch), and a float32
-  pass checks that the runtime path stays exact.
+  pass checks that the runtime path stays exact. ``--mix SET SET ...`` adds one set that interleaves
+  those sets' prompts (the first of each, then the second of each, ...); under every set's table, each
+  adaptive config (``--adaptive``, an ``--also`` with ``policy=adaptive``) against the best fixed one.
 - ``hf``: the same weights through ``transformers`` ``LlamaForCausalLM.generate`` (greedy, its
   default dynamic cache; ``--hf-static`` adds its static cache, which may compile first), decode
   TPS = (N - 1) new tokens over the time of a N-token generation minus a 1-token one.
@@ -24,6 +28,13 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
   break-even AL each implies (step ms / AR ms per token).
+- ``oracle`` (``oracle_bars.py``): the adaptive step policy on a large preset (default
+  ``qwen35-27b-shape``) with ``oracle:P`` drafts of known acceptance (``--oracles``; ``oracle:P1,P2,...``
+  gives prompt i P number i mod its length): AR, chain, DDTree at each ``--budgets`` budget and the
+  adaptive policy up to the largest, every output checked against AR, and each set's bar (adaptive
+  against the best of AR and the fixed budgets). The preset's DFlash draft runs at its cost on the
+  captured runtime, its logits the oracle's (``TaughtOracleDrafter``, taught AR's text). ``--device
+  cpu`` runs it on the tiny presets (a check, not a timing).
 - ``profile``: where a step's time goes, for ``--presets`` (or ``--target``/``--draft``): the
   kernels of a few AR steps and DDTree steps under the PyTorch profiler (graph replays included),
   grouped by name, with the sum of kernel time against the wall time of the steps (the gap is
@@ -51,12 +62,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import oracle_bars  # noqa: E402
 from kernel_timing import graph_breakdown  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
 from engine.data.workloads import load_workload  # noqa: E402
+from engine.registry import parse_oracle  # noqa: E402
 
 
 def _env() -> dict:
@@ -80,6 +93,16 @@ def _spread(xs: list[float]) -> str:
 def _prompts(pair, spec: str, n: int) -> list[list[int]]:
     wl = load_workload(spec, Path.cwd(), n, 0, split="eval")
     return [pair.encode(p) for p in wl.prompts]
+
+
+def interleave(groups: list[list]) -> list:
+    """The first of each group, then the second of each, ... (a group that runs out drops out): one
+    set whose traffic changes every prompt (``--mix``)."""
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
+
+
+def _mix_name(specs: list[str]) -> str:
+    return "mix(" + "+".join(Path(s).stem for s in specs) + ")"
 
 
 def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True,
@@ -119,6 +142,31 @@ def _named_config(text: str) -> tuple[str, dict]:
     return name, fields
 
 
+def _oracle_spec(text: str) -> str:
+    """``--oracles``: an ``oracle:P[,P...]`` draft spec, refused at parse time with the engine's message."""
+    if not text.startswith("oracle:"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected oracle:P or oracle:P1,P2,... (e.g. oracle:0.1,0.5,0.9)")
+    try:
+        parse_oracle(text)
+    except EngineInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _adaptive_vs_fixed(set_name: str, rows: dict, configs: list[tuple[str, dict]], paths: list[str]) -> list[str]:
+    """Per path, each adaptive config's decode tok/s over the best fixed (non-AR, non-adaptive) config's."""
+    lines = []
+    for path in paths:
+        tps = {name: statistics.median(rows[f"{name}/{path}"]["tps"]) for name, _ in configs}
+        fixed = [n for n, f in configs if n != "ar" and f.get("policy") != "adaptive"]
+        best = max(fixed, key=tps.__getitem__)
+        for name, fields in configs:
+            if fields.get("policy") == "adaptive":
+                lines.append(f"| {set_name} | {path} | {best} {tps[best]:.1f} | {name} {tps[name]:.1f} | "
+                             f"**{tps[name] / tps[best]:.3f}x** |")
+    return lines
+
+
 def section_pair(args) -> tuple[str, dict]:
     pair = engine.load(args.target, args.draft, device="cuda", dtype=args.dtype)
     ddtree = dict(verify="ddtree", budget=args.budget, top_k=args.top_k)
@@ -129,8 +177,13 @@ def section_pair(args) -> tuple[str, dict]:
     lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
              "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
     report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
-    for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
+    encoded = {spec: _prompts(pair, spec, args.n_prompts) for spec in dict.fromkeys(args.sets + (args.mix or []))}
+    sets = [(spec, Path(spec).stem, encoded[spec]) for spec in args.sets]
+    if args.mix:
+        sets.append(("mix:" + ",".join(args.mix), _mix_name(args.mix), interleave([encoded[s] for s in args.mix])))
+    summary = ["| set | path | best fixed config (tok/s) | adaptive config (tok/s) | adaptive / best fixed |",
+               "|" + "---|" * 5]
+    for spec, set_name, prompts in sets:
         ar_cfg = EngineConfig(verify="ar")  # the reference: every config's forensics re-run this AR
         ref_runs = _timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
         reference = ref_runs[0].outputs
@@ -156,11 +209,15 @@ def section_pair(args) -> tuple[str, dict]:
                 rows[f"{name}/{path}"] = row
                 front = ph["draft"] + ph["topk"] + ph["tree"]
                 back = ph["verify"] + ph["walk"] + ph["commit"]
-                lines.append(f"| {Path(spec).stem} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
+                lines.append(f"| {set_name} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
                              f"{row['ms_per_step']:.2f} | {front:.2f} | {back:.2f} | {row['speedup']:.2f}x | "
                              f"{exact}/{len(prompts)}{_divergence_note(divs)} |")
                 print(lines[-1], flush=True)
         report["sets"][spec] = rows
+        summary += _adaptive_vs_fixed(set_name, rows, configs, args.paths)
+    if len(summary) > 2:
+        lines += ["", *summary]
+        print("\n".join(summary[2:]), flush=True)
     if args.fp32_check:
         del pair
         gc.collect()
@@ -487,10 +544,16 @@ def section_graphs(args) -> tuple[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile", "graphs"])
+    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "oracle", "profile", "graphs"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
     ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
+    ap.add_argument("--mix", nargs="+", default=None, metavar="SET",
+                    help="pair: one more set interleaving these sets' prompts (--n-prompts of each), e.g. "
+                         "--mix humaneval chat agent")
+    ap.add_argument("--oracles", nargs="+", type=_oracle_spec, metavar="oracle:P[,P...]",
+                    default=["oracle:0.1", "oracle:0.5", "oracle:0.9", "oracle:0.1,0.5,0.9"],
+                    help="oracle: the draft sets; a list gives prompt i its P number i mod the list's length")
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=22)
@@ -506,20 +569,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="pair: timed generations end at a stop token (a solution's end) instead of running on "
                          "to --max-new-tokens (the warm-up still runs every prompt to full length)")
-    ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=["generic", "runtime"],
-                    help="pair: the draft paths to time (our AR is always timed on the runtime path)")
+    ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=None,
+                    help="pair: the draft paths to time (default generic runtime; our AR is always timed on the "
+                         "runtime path); oracle: the paths AR and the drafts run on (default runtime: graphs on CUDA)")
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=None,
-                    help="large/profile: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape)")
+                    help="large/profile/oracle: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape, "
+                         "for oracle: qwen35-27b-shape; oracle on the CPU: tiny-dense or tiny-hybrid)")
     ap.add_argument("--trace", default=None, help="profile: write Chrome traces into this folder")
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
-    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed pass for the large presets")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets (and oracle)")
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="new tokens per timed pass for the large presets (and each oracle prompt)")
     ap.add_argument("--reference-src", default=".ref",
                     help="reference: folder holding the fetched z-lab/dflash package `dflash/`")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf and reference sections as a check")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf, reference and oracle sections as a check")
     ap.add_argument("--kernels", choices=["on", "off"], default="on",
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
@@ -532,11 +598,22 @@ def main(argv: list[str] | None = None) -> int:
         if name in taken:
             ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
         taken.append(name)
+    if args.mix is not None and len(set(args.mix)) < 2:
+        ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
+    if args.section == "oracle":
+        short = [s for s in args.oracles if len(parse_oracle(s)) > args.n_prompts]
+        if short:
+            ap.error(f"--n-prompts {args.n_prompts} leaves some P of {short} without a prompt: give at least "
+                     f"{max(len(parse_oracle(s)) for s in short)}")
+        if any(b < 1 for b in args.budgets):
+            ap.error(f"--budgets {args.budgets}: every budget must be >= 1")
     args.presets_given = args.presets is not None
     if args.presets is None:
-        args.presets = ["qwen3-8b-shape", "qwen35-27b-shape"]
+        args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
+    if args.paths is None:
+        args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
     if args.device != "cpu" and not torch.cuda.is_available():
-        print("gpu_bench needs CUDA (or --device cpu for the hf and reference sections)", file=sys.stderr)
+        print("gpu_bench needs CUDA (or --device cpu for the hf, reference and oracle sections)", file=sys.stderr)
         return 2
     if args.device == "cpu" and args.section in ("pair", "large", "profile", "graphs"):
         print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
@@ -549,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
-                "profile": section_profile, "graphs": section_graphs}
+                "oracle": lambda a: oracle_bars.run(a, _env(), _timed), "profile": section_profile,
+                "graphs": section_graphs}
     md, report = sections[args.section](args)
     env = report["env"]
     header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"
