@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -63,36 +62,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import oracle_bars  # noqa: E402
-from kernel_timing import graph_breakdown  # noqa: E402
+from bench_common import env_record, set_prompts, spread, sync, timed  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
+from step_profile import section_graphs, section_profile  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
-from engine.data.workloads import load_workload  # noqa: E402
 from engine.registry import parse_oracle  # noqa: E402
-
-
-def _env() -> dict:
-    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
-           else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
-    from engine.models import fused
-
-    return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python " + " ".join(sys.argv), "triton_kernels": fused.kernels_enabled()}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
-
-
-def _prompts(pair, spec: str, n: int) -> list[list[int]]:
-    wl = load_workload(spec, Path.cwd(), n, 0, split="eval")
-    return [pair.encode(p) for p in wl.prompts]
 
 
 def interleave(groups: list[list]) -> list:
@@ -103,16 +79,6 @@ def interleave(groups: list[list]) -> list:
 
 def _mix_name(specs: list[str]) -> str:
     return "mix(" + "+".join(Path(s).stem for s in specs) + ")"
-
-
-def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True,
-           ar_config: EngineConfig | None = None):
-    # Warm-up: every prompt at full length, so that every key-span bucket the timed passes reach has
-    # its graphs captured (one short prompt left the others' captures in the first timed pass: AR's
-    # 363 against 824 tok/s on HumanEval, 2026-12-01 evening).
-    engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
-    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos, ar_config=ar_config)
-            for _ in range(repeats)]
 
 
 def _divergence_note(divs: list) -> str:
@@ -176,8 +142,8 @@ def section_pair(args) -> tuple[str, dict]:
     configs += args.also
     lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
              "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
-    report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
-    encoded = {spec: _prompts(pair, spec, args.n_prompts) for spec in dict.fromkeys(args.sets + (args.mix or []))}
+    report: dict = {"env": env_record(), "dtype": args.dtype, "sets": {}}
+    encoded = {spec: set_prompts(pair, spec, args.n_prompts) for spec in dict.fromkeys(args.sets + (args.mix or []))}
     sets = [(spec, Path(spec).stem, encoded[spec]) for spec in args.sets]
     if args.mix:
         sets.append(("mix:" + ",".join(args.mix), _mix_name(args.mix), interleave([encoded[s] for s in args.mix])))
@@ -185,14 +151,14 @@ def section_pair(args) -> tuple[str, dict]:
                "|" + "---|" * 5]
     for spec, set_name, prompts in sets:
         ar_cfg = EngineConfig(verify="ar")  # the reference: every config's forensics re-run this AR
-        ref_runs = _timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
+        ref_runs = timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
         reference = ref_runs[0].outputs
         ar_tps = statistics.median(r.decode_tps for r in ref_runs)
         rows = {}
         for name, params in configs:
             for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
-                runs = ref_runs if (name == "ar" and path != "generic") else _timed(
+                runs = ref_runs if (name == "ar" and path != "generic") else timed(
                     pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos,
                     ar_config=ar_cfg)
                 tps = [r.decode_tps for r in runs]
@@ -209,7 +175,7 @@ def section_pair(args) -> tuple[str, dict]:
                 rows[f"{name}/{path}"] = row
                 front = ph["draft"] + ph["topk"] + ph["tree"]
                 back = ph["verify"] + ph["walk"] + ph["commit"]
-                lines.append(f"| {set_name} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
+                lines.append(f"| {set_name} | {name} | {path} | {spread(tps)} | {al:.2f} | "
                              f"{row['ms_per_step']:.2f} | {front:.2f} | {back:.2f} | {row['speedup']:.2f}x | "
                              f"{exact}/{len(prompts)}{_divergence_note(divs)} |")
                 print(lines[-1], flush=True)
@@ -223,7 +189,7 @@ def section_pair(args) -> tuple[str, dict]:
         gc.collect()
         torch.cuda.empty_cache()
         p32 = engine.load(args.target, args.draft, device="cuda", dtype="float32")
-        prompts = _prompts(p32, args.sets[0], 2)
+        prompts = set_prompts(p32, (args.sets or args.mix)[0], 2)
         ref = engine.bench(p32, EngineConfig(verify="ar"), prompts, 64, ignore_eos=True).outputs
         checks = {}
         for name, params in configs[1:]:
@@ -265,10 +231,10 @@ def section_hf(args) -> tuple[str, dict]:
     pair = engine.load(args.target, "none", device=args.device, dtype=args.dtype)
     hf = _hf_llama(pair)
     lines = ["| set | engine | decode TPS | equal to our AR |", "|---|---|---|---|"]
-    report: dict = {"env": _env(), "sets": {}}
+    report: dict = {"env": env_record(), "sets": {}}
     for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
-        ours = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
+        prompts = set_prompts(pair, spec, args.n_prompts)
+        ours = timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
         rows = {"ours": [r.decode_tps for r in ours]}
         impls = ("dynamic", "static") if args.hf_static else ("dynamic",)
         for impl in impls:
@@ -282,11 +248,11 @@ def section_hf(args) -> tuple[str, dict]:
                         kw["cache_implementation"] = "static"
                     times = []
                     for n_new in (1, args.max_new_tokens):
-                        _sync()
+                        sync()
                         t0 = time.perf_counter()
                         with torch.inference_mode():
                             out = hf.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-                        _sync()
+                        sync()
                         times.append(time.perf_counter() - t0)
                     total_new += args.max_new_tokens - 1
                     total_s += times[1] - times[0]
@@ -297,10 +263,10 @@ def section_hf(args) -> tuple[str, dict]:
             rows[impl] = tps
             rows[f"{impl}_equal"] = equal
         report["sets"][spec] = rows
-        lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {_spread(rows['ours'])} | - |")
+        lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {spread(rows['ours'])} | - |")
         print(lines[-1], flush=True)
         for impl in impls:
-            lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {_spread(rows[impl])} | "
+            lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {spread(rows[impl])} | "
                          f"{rows[impl + '_equal']}/{len(prompts)} |")
             print(lines[-1], flush=True)
         for impl in impls:
@@ -335,12 +301,12 @@ def section_reference(args) -> tuple[str, dict]:
     draft = ref.DFlashDraftModel.from_pretrained(str(folder), torch_dtype=pair.target.dtype).to(pair.target.device)
     draft.eval()
     lines = ["| set | engine | decode TPS | AL | prompts with the same AL sequence as ours |", "|---|---|---|---|---|"]
-    report: dict = {"env": _env(), "sets": {}}
+    report: dict = {"env": env_record(), "sets": {}}
     for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
+        prompts = set_prompts(pair, spec, args.n_prompts)
         rows = {}
         for path in ("runtime", "generic"):
-            runs = _timed(pair, EngineConfig(verify="chain", draft_path=path), prompts, args.max_new_tokens,
+            runs = timed(pair, EngineConfig(verify="chain", draft_path=path), prompts, args.max_new_tokens,
                           args.repeats)
             rows[path] = {"tps": [r.decode_tps for r in runs], "al": runs[-1].acceptance_length}
             if path == "runtime":
@@ -369,7 +335,7 @@ def section_reference(args) -> tuple[str, dict]:
                            ("reference", "DFlash reference dflash_generate")):
             r = rows[key]
             extra = f"{r['same_al_sequence']}/{len(prompts)}" if key == "reference" else "-"
-            lines.append(f"| {name} | {label} | {_spread(r['tps'])} | {r['al']:.2f} | {extra} |")
+            lines.append(f"| {name} | {label} | {spread(r['tps'])} | {r['al']:.2f} | {extra} |")
             print(lines[-1], flush=True)
         ratio = statistics.median(rows["runtime"]["tps"]) / statistics.median(tps)
         lines.append(f"| {name} | ours (runtime) / reference | {ratio:.2f}x | | |")
@@ -399,7 +365,7 @@ def section_large(args) -> tuple[str, dict]:
     lines = [f"Device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
              "| preset | AR ms/token | roofline ms/token | % of roofline | budget | step ms | verify ms | "
              "verify / AR step | break-even AL |", "|" + "---|" * 9]
-    report: dict = {"env": _env(), "copy_bandwidth": bw, "presets": {}}
+    report: dict = {"env": env_record(), "copy_bandwidth": bw, "presets": {}}
     prompt = list(range(10, 10 + args.context))
     for target in args.presets:
         pair = engine.load(target, f"{target}-dflash", device="cuda", dtype="bfloat16")
@@ -413,22 +379,22 @@ def section_large(args) -> tuple[str, dict]:
         kv_per_token = attn_layers * 2 * c.num_key_value_heads * head_dim * pair.target.dtype.itemsize
         bytes_per_token = weights + kv_per_token * (args.context + args.new_tokens / 2)
         roof_ms = 1000 * bytes_per_token / bw
-        ar = _timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
+        ar = timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
         ar_ms = [1000 * r.decode_s / max(r.steps, 1) for r in ar]
         rep = {"weights_bytes": weights, "bytes_per_token": bytes_per_token, "roofline_ms": roof_ms,
                "ar_ms": ar_ms, "budgets": {}}
         med_ar = statistics.median(ar_ms)
-        lines.append(f"| {target} | {_spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
+        lines.append(f"| {target} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
                      "| - | - | - | - | - |")
         print(lines[-1], flush=True)
         for budget in args.budgets:
             cfg = EngineConfig(verify="ddtree", budget=budget, top_k=8)
-            runs = _timed(pair, cfg, [prompt], args.new_tokens, args.repeats)
+            runs = timed(pair, cfg, [prompt], args.new_tokens, args.repeats)
             step = [1000 * r.decode_s / max(r.steps, 1) for r in runs]
             r0 = runs[-1]
             verify = (r0.phase_ms["verify"] + r0.phase_ms["walk"] + r0.phase_ms["commit"]) / max(r0.steps, 1)
             rep["budgets"][budget] = {"step_ms": step, "verify_ms": verify}
-            lines.append(f"| {target} | | | | {budget} | {_spread(step)} | {verify:.2f} | "
+            lines.append(f"| {target} | | | | {budget} | {spread(step)} | {verify:.2f} | "
                          f"{verify / med_ar:.2f}x | {statistics.median(step) / med_ar:.2f} |")
             print(lines[-1], flush=True)
         report["presets"][target] = rep
@@ -438,108 +404,33 @@ def section_large(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def _profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, trace: Path | None,
-                   name: str) -> tuple[list[str], dict]:
-    """Kernels of one generation after a warm-up one (graphs captured), grouped by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)  # warm-up: captures, allocations
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        gen = engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)
-    if trace is not None:
-        trace.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace / f"{name}.json"))
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        dev_us = ev.device_time  # microseconds on the device (0 for host events)
-        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and dev_us:
-            kernels.setdefault(ev.name, []).append(dev_us)
-    steps = max(gen.stats.steps, 1)
-    total_us = sum(sum(v) for v in kernels.values())
-    wall_ms = 1000 * gen.stats.decode_s / steps
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
-    lines = [f"**{name}**: {steps} steps, wall {wall_ms:.2f} ms/step, kernels {total_us / 1000 / steps:.2f} ms/step "
-             f"({sum(len(v) for v in kernels.values()) / steps:.0f} launches/step; includes the prefill)", "",
-             "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
-    for kname, times in top:
-        lines.append(f"| `{kname[:90]}` | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | "
-                     f"{100 * sum(times) / max(total_us, 1e-9):.1f}% |")
-    rep = {"steps": steps, "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_us / 1000 / steps,
-           "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
-           "top": {k: [len(v), sum(v)] for k, v in top}}
-    return lines, rep
-
-
-def section_profile(args) -> tuple[str, dict]:
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
-    lines: list[str] = []
-    report: dict = {"env": _env(), "runs": {}}
-    trace = Path(args.trace) if args.trace else None
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        if target.endswith("-shape"):
-            prompts = [list(range(10, 10 + args.context))]
-        else:
-            prompts = _prompts(pair, args.sets[0], 1)
-        for label, cfg in (("ar", EngineConfig(verify="ar")),
-                           (f"ddtree-b{args.budget}", EngineConfig(verify="ddtree", budget=args.budget,
-                                                                   top_k=args.top_k)),
-                           ("ar-generic", EngineConfig(verify="ar", draft_path="generic"))):
-            name = f"{target}-{label}"
-            part, rep = _profile_steps(pair, cfg, prompts[0], args.new_tokens, trace, name)
-            lines.extend(part + [""])
-            report["runs"][name] = rep
-            print("\n".join(part), flush=True)
-        del pair
-        gc.collect()
-        torch.cuda.empty_cache()
-    return "\n".join(lines), report
-
-
-def section_graphs(args) -> tuple[str, dict]:
-    """Each captured step graph alone (AR; DDTree's propose and verify): wall time, kernel count and
-    kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
-    from engine.decoding.runtime import decoder_for
-
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
-    lines = ["| target | config | graph | wall us (launch hidden) | wall us (idle GPU) | kernels | kernel us (sum) "
-             "| first-to-last us | gaps (wall - kernel us) | us per kernel |", "|" + "---|" * 10]
-    report: dict = {"env": _env(), "runs": {}}
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        prompt = list(range(10, 10 + args.context)) if target.endswith("-shape") else _prompts(pair, args.sets[0], 1)[0]
-        for budget in args.budgets:
-            configs = [("ar", EngineConfig(verify="ar")),
-                       (f"ddtree-b{budget}", EngineConfig(verify="ddtree", budget=budget, top_k=args.top_k))]
-            for label, cfg in configs:
-                if label == "ar" and budget != args.budgets[0]:
-                    continue
-                engine.generate(pair, prompt, cfg, args.new_tokens, ignore_eos=True)
-                dec = decoder_for(pair, pair._workspace, graphs=True)
-                for key in dec.graphs.keys():
-                    if key[-1] != cfg.kernels or (key[0] == "ar") != (label == "ar"):
-                        continue
-                    rep = graph_breakdown(dec, key, args.repeats)
-                    name = f"{target}/{label}/{key[0]}@{key[1]}"
-                    report["runs"][name] = rep
-                    lines.append(f"| {target} | {label} | {key[0]} (keys {key[1]}) | {rep['wall_us']:.1f} | "
-                                 f"{rep['cold_us']:.1f} | {rep['kernels']} | {rep['kernel_us']:.1f} | "
-                                 f"{rep['span_us']:.1f} | "
-                                 f"{rep['wall_us'] - rep['kernel_us']:.1f} | "
-                                 f"{rep['wall_us'] / max(rep['kernels'], 1):.2f} |")
-                    print(lines[-1], flush=True)
-                dec.graphs.clear()
-        for name, rep in report["runs"].items():
-            if not name.startswith(f"{target}/"):
-                continue
-            lines += ["", f"**{name}**: kernels by name (calls, us per replay)", "",
-                      "| kernel | calls | us | share |", "|---|---|---|---|"]
-            for kname, n, us in rep["grouped"][:14]:
-                lines.append(f"| `{kname}` | {n} | {us:.1f} | {100 * us / max(rep['kernel_us'], 1e-9):.0f}% |")
-        del pair
-        gc.collect()
-        torch.cuda.empty_cache()
-    return "\n".join(lines), report
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (exit 2, naming the flag), then the sections' defaults."""
+    taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
+    for name, _ in args.also:  # the table's rows are named by config: two of one name would mix
+        if name in taken:
+            ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
+        taken.append(name)
+    if not args.sets and args.section not in ("large", "oracle") and not (args.section == "pair" and args.mix):
+        ap.error(f"--sets: section {args.section} needs at least one set" + (" (or --mix)" if args.section == "pair"
+                                                                              else ""))
+    if args.mix is not None and len(set(args.mix)) < 2:
+        ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
+    if args.section == "oracle":
+        short = [s for s in args.oracles if len(parse_oracle(s)) > args.n_prompts]
+        if short:
+            ap.error(f"--n-prompts {args.n_prompts} leaves some P of {short} without a prompt: give at least "
+                     f"{max(len(parse_oracle(s)) for s in short)}")
+        try:  # the configs the section will time, refused here rather than after the preset is built
+            for _, fields in oracle_bars.configs_for(args.budgets, args.top_k)[0]:
+                EngineConfig(**fields)
+        except EngineInputError as exc:
+            ap.error(f"--budgets {' '.join(map(str, args.budgets))} --top-k {args.top_k}: {exc}")
+    args.presets_given = args.presets is not None
+    if args.presets is None:
+        args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
+    if args.paths is None:
+        args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -547,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("section", choices=["pair", "hf", "reference", "large", "oracle", "profile", "graphs"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
-    ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
+    ap.add_argument("--sets", nargs="*", default=["humaneval", "chat", "agent"],
+                    help="named workloads or JSONL files (pair: none, with --mix, times the mix alone)")
     ap.add_argument("--mix", nargs="+", default=None, metavar="SET",
                     help="pair: one more set interleaving these sets' prompts (--n-prompts of each), e.g. "
                          "--mix humaneval chat agent")
@@ -593,25 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
-    for name, _ in args.also:  # the table's rows are named by config: two of one name would mix
-        if name in taken:
-            ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
-        taken.append(name)
-    if args.mix is not None and len(set(args.mix)) < 2:
-        ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
-    if args.section == "oracle":
-        short = [s for s in args.oracles if len(parse_oracle(s)) > args.n_prompts]
-        if short:
-            ap.error(f"--n-prompts {args.n_prompts} leaves some P of {short} without a prompt: give at least "
-                     f"{max(len(parse_oracle(s)) for s in short)}")
-        if any(b < 1 for b in args.budgets):
-            ap.error(f"--budgets {args.budgets}: every budget must be >= 1")
-    args.presets_given = args.presets is not None
-    if args.presets is None:
-        args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
-    if args.paths is None:
-        args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
+    _check_args(ap, args)
     if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_bench needs CUDA (or --device cpu for the hf, reference and oracle sections)", file=sys.stderr)
         return 2
@@ -626,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
-                "oracle": lambda a: oracle_bars.run(a, _env(), _timed), "profile": section_profile,
+                "oracle": oracle_bars.run, "profile": section_profile,
                 "graphs": section_graphs}
     md, report = sections[args.section](args)
     env = report["env"]

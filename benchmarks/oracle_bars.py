@@ -28,9 +28,10 @@ from __future__ import annotations
 import gc
 import statistics
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+from bench_common import env_record, spread, timed
 
 import engine
 from engine import EngineConfig
@@ -62,10 +63,6 @@ def al_by_p(prompts: Sequence, ps: Sequence[float]) -> dict[float, float]:
     return {p: tokens[p] / steps[p] for p in sorted(steps) if steps[p]}
 
 
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
-
-
 def configs_for(budgets: Sequence[int], top_k: int) -> tuple[list[tuple[str, dict]], list[str], str]:
     """(every config's name and fields, the fixed budgets' names, the adaptive config's name): chain, DDTree
     at each budget, the adaptive policy up to the largest (its budgets halving from it, as many as given)."""
@@ -89,8 +86,8 @@ def bar_of(ps: Sequence[float], rows: dict, ar_tps: float, fixed: list[str], ada
 
 
 def _time_set(pair, configs: list[tuple[str, dict]], path: str, prompts: list[list[int]], ps: list[float],
-              reference: list[list[int]], ar_cfg: EngineConfig, ar_tps: float, args, timed: Callable,
-              set_name: str, block: int) -> tuple[dict, list[str]]:
+              reference: list[list[int]], ar_cfg: EngineConfig, ar_tps: float, args, set_name: str,
+              block: int) -> tuple[dict, list[str]]:
     """Every config on one oracle set: its rows (for the JSON) and table lines."""
     rows, table = {}, []
     for name, params in configs:
@@ -106,7 +103,7 @@ def _time_set(pair, configs: list[tuple[str, dict]], path: str, prompts: list[li
                             if p.divergence is not None]}
         expected = (lambda p: f" ({chain_al(p, block - 1):.2f})") if name == "chain" else (lambda p: "")
         shown = ", ".join(f"{p:g}: {al:.2f}{expected(p)}" for p, al in by_p.items())
-        table.append(f"| {set_name} | {name} | {_spread(tps)} | {row['tps_median'] / ar_tps:.2f}x | {row['al']:.2f} "
+        table.append(f"| {set_name} | {name} | {spread(tps)} | {row['tps_median'] / ar_tps:.2f}x | {row['al']:.2f} "
                      f"| {shown} | {row['ms_per_step']:.2f} | {row['exact']}/{len(prompts)} |")
         print(table[-1], flush=True)
     return rows, table
@@ -119,10 +116,10 @@ def _bar_line(set_name: str, path: str, bar: dict, rows: dict, adaptive: str) ->
             f"{'met' if bar['met'] else 'not met'} | {chosen} |")
 
 
-def run(args, env: dict, timed: Callable) -> tuple[str, dict]:
-    """The section (``gpu_bench.py oracle``): its markdown and JSON report. ``timed``: ``gpu_bench._timed``."""
+def run(args) -> tuple[str, dict]:
+    """The section (``gpu_bench.py oracle``): its markdown and JSON report."""
     lines: list[str] = []
-    report: dict = {"env": env, "presets": {}}
+    report: dict = {"env": env_record(), "presets": {}}
     configs, fixed, adaptive = configs_for(args.budgets, args.top_k)
     for target in args.presets:
         draft = f"{target}-dflash" if f"{target}-dflash" in DRAFTS else "random"
@@ -150,7 +147,7 @@ def run(args, env: dict, timed: Callable) -> tuple[str, dict]:
             pair.drafter = oracle = TaughtOracleDrafter(base.draft, base.target,
                                                         [p + t for p, t in zip(prompts, taught, strict=True)])
             head = (f"**{target}** ({path}; draft {draft} under the taught oracle, block {block}; {len(prompts)} "
-                    f"prompts x {args.context} random tokens, {args.new_tokens} new; AR {_spread(ar_tps)} tok/s, "
+                    f"prompts x {args.context} random tokens, {args.new_tokens} new; AR {spread(ar_tps)} tok/s, "
                     f"{ar_ms:.2f} ms/step; AR's timed outputs equal its taught text: {same})")
             lines += [head, "", "| set | config | decode TPS | x AR | AL | AL by P (chain: expected) | ms/step | "
                       "exact |", "|" + "---|" * 8]
@@ -163,7 +160,7 @@ def run(args, env: dict, timed: Callable) -> tuple[str, dict]:
                 ps = oracle.assign(parse_oracle(spec))
                 name = spec.removeprefix("oracle:")
                 rows, table = _time_set(pair, configs, path, prompts, ps, reference, ar_cfg,
-                                        statistics.median(ar_tps), args, timed, name, block)
+                                        statistics.median(ar_tps), args, name, block)
                 bar = bar_of(ps, rows, statistics.median(ar_tps), fixed, adaptive)
                 bars.append(_bar_line(name, path, bar, rows, adaptive))
                 print(bars[-1], flush=True)

@@ -63,7 +63,8 @@ def test_a_mix_interleaves_its_sets_prompts():
     (["oracle", "--oracles", "random"], "expected oracle:P or oracle:P1,P2,..."),
     (["oracle", "--oracles", "oracle:1.2"], "0 <= P <= 1"),
     (["oracle", "--n-prompts", "2", "--oracles", "oracle:0.1,0.5,0.9"], "give at least 3"),
-    (["oracle", "--budgets", "0", "8"], "every budget must be >= 1"),
+    (["oracle", "--budgets", "0", "8"], "--budgets 0 8 --top-k 8: EngineConfig.budget must be >= 1"),
+    (["oracle", "--top-k", "0"], "EngineConfig.top_k must be >= 1"),
 ])
 def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
     gb = load_benchmark("gpu_bench")

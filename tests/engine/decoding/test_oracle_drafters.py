@@ -7,8 +7,10 @@ import torch
 
 import engine
 from engine import EngineConfig, EngineInputError
+from engine.decoding import runtime
 from engine.decoding.drafters import OracleDrafter, TaughtOracleDrafter
 from engine.registry import check_draft_spec, parse_oracle
+from tests.engine.decoding.runtime_helpers import NoHostRead
 
 TEXTS = ["Hello there, how are you today?", "def add(a, b):\n    return", "The weather is", "Once upon a time"]
 
@@ -109,6 +111,27 @@ def test_the_taught_oracle_gives_each_text_its_p_on_the_runtime_and_generic_loop
     assert half.exact_match == 1.0 and 1.6 < half.acceptance_length < 2.6  # (chain at P = 0.5: 2.0 expected)
 
 
+def test_the_taught_oracles_proposal_reads_nothing_back_on_the_host(monkeypatch):
+    """Every step the runtime would capture (propose, verify; the adaptive policy's too) with the oracle's
+    logits: no op that reads a device value back (it would invalidate a CUDA graph's capture)."""
+    pair, prompts, ar = _taught("tiny-dense", 24)
+    pair.drafter.assign([0.3])
+    original, kinds = runtime.Graphs.run, set()
+
+    def checked(graphs, key, fn, *args):
+        def guarded(*a):
+            with NoHostRead():
+                return fn(*a)
+        kinds.add(key[0])
+        return original(graphs, key, guarded, *args)
+
+    monkeypatch.setattr(runtime.Graphs, "run", checked)
+    for cfg in (EngineConfig(verify="ddtree", budget=8, draft_path="runtime"),
+                EngineConfig(verify="ddtree", budget=8, policy="adaptive", policy_levels=2, draft_path="runtime")):
+        assert engine.bench(pair, cfg, prompts[:1], 24, reference=ar[:1], ignore_eos=True).exact_match == 1.0
+    assert kinds == {"propose", "verify"}
+
+
 def test_the_taught_oracle_on_a_text_it_was_not_taught_is_slow_but_exact():
     pair, _, _ = _taught("tiny-dense")
     pair.drafter.assign([0.0])
@@ -125,3 +148,30 @@ def test_the_taught_oracle_refuses_bad_probabilities_and_a_longer_block():
             pair.drafter.assign(bad)
     with pytest.raises(EngineInputError, match="a block of 32 was asked for"):
         engine.generate(pair, prompts[0], EngineConfig(verify="chain", block_size=32, draft_path="runtime"), 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_the_taught_oracle_on_captured_graphs_equals_ar_in_bfloat16_and_follows_each_assign(target):
+    """What ``gpu_bench.py oracle`` times: the taught oracle inside the runtime's CUDA graphs (AR's
+    text taught from the graphs' AR), fixed, chain and adaptive steps equal to AR; a later ``assign``
+    changes the P the same captured proposals read."""
+    pair = engine.load(target, "random", device="cuda", dtype="bfloat16")
+    prompts = [pair.encode(t) for t in TEXTS[:3]]
+    ar_cfg = EngineConfig(verify="ar", draft_path="runtime")
+    taught = engine.bench(pair, ar_cfg, prompts, 56, ignore_eos=True).outputs
+    ar = [t[:40] for t in taught]
+    base = pair.drafter
+    pair.drafter = oracle = TaughtOracleDrafter(base.draft, base.target, [p + t for p, t in zip(prompts, taught,
+                                                                                                 strict=True)])
+    oracle.assign([0.0, 1.0])
+    chain = EngineConfig(verify="chain", draft_path="runtime")
+    first = engine.bench(pair, chain, prompts, 40, reference=ar, ignore_eos=True)
+    assert first.loops == {"graphs": 3} and first.exact_match == 1.0
+    als = [r.acceptance_length for r in first.prompts]
+    assert als[0] == als[2] == 16.0 and als[1] < 1.2, als
+    for cfg in (EngineConfig(verify="ddtree", budget=32, draft_path="runtime"),
+                EngineConfig(verify="ddtree", budget=32, policy="adaptive", policy_levels=3, draft_path="runtime")):
+        assert engine.bench(pair, cfg, prompts, 40, reference=ar, ignore_eos=True, ar_config=ar_cfg).exact_match == 1.0
+    oracle.assign([1.0])
+    assert engine.bench(pair, chain, prompts, 40, reference=ar, ignore_eos=True).acceptance_length < 1.2
