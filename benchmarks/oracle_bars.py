@@ -146,6 +146,8 @@ def run(args) -> tuple[str, dict]:
             ar_ms = 1000 * ar_runs[-1].decode_s / max(ar_runs[-1].steps, 1)
             pair.drafter = oracle = TaughtOracleDrafter(base.draft, base.target,
                                                         [p + t for p, t in zip(prompts, taught, strict=True)])
+            # graphs captured over another path's oracle would read its tables: a new decoder
+            pair._runtime_decoder = None
             head = (f"**{target}** ({path}; draft {draft} under the taught oracle, block {block}; {len(prompts)} "
                     f"prompts x {args.context} random tokens, {args.new_tokens} new; AR {spread(ar_tps)} tok/s, "
                     f"{ar_ms:.2f} ms/step; AR's timed outputs equal its taught text: {same})")

@@ -9,6 +9,7 @@ import engine
 from engine import EngineConfig, EngineInputError
 from engine.decoding import runtime
 from engine.decoding.drafters import OracleDrafter, TaughtOracleDrafter
+from engine.decoding.policy import StepCosts
 from engine.registry import check_draft_spec, parse_oracle
 from tests.engine.decoding.runtime_helpers import NoHostRead
 
@@ -102,9 +103,10 @@ def test_the_taught_oracle_gives_each_text_its_p_on_the_runtime_and_generic_loop
         assert chain.loops == {path: 3} and chain.exact_match == 1.0
         als = [r.acceptance_length for r in chain.prompts]
         assert als[0] == als[2] == 16.0 and als[1] < 1.2, als  # (a decoy may be the true token: 1 in 272)
-        adaptive = engine.bench(pair, EngineConfig(verify="ddtree", budget=16, policy="adaptive", policy_levels=2,
-                                                   draft_path=path), prompts, 40, reference=ar, ignore_eos=True)
-        assert adaptive.exact_match == 1.0
+        cfg = EngineConfig(verify="ddtree", budget=16, policy="adaptive", policy_levels=2, draft_path=path)
+        pair.step_costs(cfg, costs=StepCosts({0: 1.0, 8: 1.4, 16: 1.6}))  # (scripted: nothing measured)
+        adaptive = engine.bench(pair, cfg, prompts, 40, reference=ar, ignore_eos=True)
+        assert adaptive.exact_match == 1.0 and {0, 16} <= set(adaptive.step_budgets)  # AR steps at P = 1
     pair.drafter.assign([0.5])  # in place: the same tables, another P
     half = engine.bench(pair, EngineConfig(verify="chain", draft_path="runtime"), prompts, 40, reference=ar,
                         ignore_eos=True)
@@ -126,8 +128,9 @@ def test_the_taught_oracles_proposal_reads_nothing_back_on_the_host(monkeypatch)
         return original(graphs, key, guarded, *args)
 
     monkeypatch.setattr(runtime.Graphs, "run", checked)
-    for cfg in (EngineConfig(verify="ddtree", budget=8, draft_path="runtime"),
-                EngineConfig(verify="ddtree", budget=8, policy="adaptive", policy_levels=2, draft_path="runtime")):
+    adaptive = EngineConfig(verify="ddtree", budget=8, policy="adaptive", policy_levels=2, draft_path="runtime")
+    pair.step_costs(adaptive, costs=StepCosts({0: 1.0, 4: 1.2, 8: 1.3}))
+    for cfg in (EngineConfig(verify="ddtree", budget=8, draft_path="runtime"), adaptive):
         assert engine.bench(pair, cfg, prompts[:1], 24, reference=ar[:1], ignore_eos=True).exact_match == 1.0
     assert kinds == {"propose", "verify"}
 
