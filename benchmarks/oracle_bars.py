@@ -8,7 +8,7 @@ Per preset (random weights; its ``-dflash`` draft, ``random`` for a preset witho
    and the text the oracle is taught), then ``--repeats`` timed passes whose outputs are the reference.
 3. The preset's DFlash draft becomes a ``TaughtOracleDrafter``: it runs as it would (its cost on the
    captured runtime) and its logits are replaced by the oracle's, the truth read from the taught text.
-   ``OracleDrafter`` (``--draft oracle:P``) runs the target 15 times per proposal on the host: it
+   ``OracleDrafter`` (``--draft oracle:P``) runs the target block - 1 times a proposal on the host: it
    could not time a policy against AR.
 4. Per ``--oracles`` set (``oracle:P``; ``oracle:P1,P2,...``: prompt i takes P number i mod the
    list's length, the engine's rule): chain, DDTree at each ``--budgets`` budget and the adaptive

@@ -1,9 +1,10 @@
 """Drafters: who proposes the block. A DFlash draft model, or the oracle test draft (on the host, or
 taught for the GPU's captured runtime).
 
-Every drafter answers ``propose(seq, start, block_size, window, features)`` with logits [B-1, V] for the
-block slots after the root ``seq[start]``; what happens to the logits (host or device top-k,
-chain or tree) is the decode loop's business, so every drafter works with every path.
+Every drafter answers ``propose(seq, start, block_size, window, features)`` with logits [B-1, V]
+for the block slots after the root ``seq[start]``; what happens to the logits (host or device
+top-k, chain or tree) is the decode loop's business, so every drafter works with every path (the
+runtime's captured steps take a DFlash draft's ``propose_static``: ``engine.decoding.runtime``).
 """
 
 from __future__ import annotations
@@ -153,10 +154,10 @@ class OracleDrafter:
     break there while trees recover through side branches. Deterministic in (seed, position).
 
     ``p`` may list one P per prompt (``oracle:0.1,0.5,0.9``): the k-th distinct prompt this draft
-    meets takes ``p[k % len(p)]``, and keeps it in every later generation (timing passes, warm-ups,
-    the adaptive policy's cost measurement alike). A generation's prompt is read as the tokens before
-    its first proposal's root: every generation's first step proposes (the adaptive policy's first
-    choice assumes every node accepted), so that is the prompt and its first token.
+    meets (k from 0) takes ``p[k % len(p)]``, and keeps it in every later generation (timing passes,
+    warm-ups, the adaptive policy's cost measurement alike). A generation's prompt is read as the
+    tokens before its first proposal's root (the first new token): every generation's first step
+    proposes (the adaptive policy's first choice assumes every node accepted).
     """
 
     def __init__(self, target: nn.Module, p: float | Sequence[float], seed: int = 0, block_size: int = 16) -> None:
@@ -300,8 +301,8 @@ class TaughtOracleDrafter(DFlashDrafter):
         oracle's ranks on top; no host read."""
         n = logits.shape[0]
         if n > self._draw.shape[1]:
-            raise EngineInputError(f"the taught oracle draws {self._draw.shape[1]} slots a proposal (the draft's "
-                             f"block {self.block_size}), but a block of {n + 1} was asked for")
+            raise EngineInputError(f"the taught oracle draws {self._draw.shape[1]} slots a proposal (the "
+                                   f"draft's block {self.block_size}), but a block of {n + 1} was asked for")
         width = self._texts.shape[1]
         span = min(width, seq.numel())
         agree = (self._texts[:, :span] == seq[:span]) & (self._columns[:span] <= start)
