@@ -4,7 +4,11 @@ the large shape presets against the HBM roofline.
     python benchmarks/gpu_bench.py pair  --target smollm2-135m-instruct --draft smollm2-135m-dflash \
         --sets humaneval chat agent --n-prompts 6 --max-new-tokens 128 --md pair.md --out pair.json
     python benchmarks/gpu_bench.py hf    --target smollm2-135m-instruct --sets humaneval --md hf.md
+    python benchmarks/gpu_bench.py pair  --adaptive --sets --mix humaneval chat agent --n-prompts 12 \
+        --budget 48 --also b32:verify=ddtree,budget=32,top_k=8 --paths runtime --md mix.md
     python benchmarks/gpu_bench.py large --md large.md --out large.json
+    python benchmarks/gpu_bench.py oracle --presets qwen35-27b-shape --n-prompts 6 --new-tokens 64 \
+        --oracles oracle:0.1 oracle:0.5 oracle:0.9 oracle:0.1,0.5,0.9 --md oracle.md --out oracle.json
 
 Sets may be named workloads or JSONL files (``benchmarks/export_workload.py`` writes them for a
 machine without the assets). Every section prints a markdown table (``--md`` also writes it) and
@@ -16,7 +20,9 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   runtime AR; in the dtype asked for (bf16 by default) each prompt's output is compared with AR,
   an inexact prompt shown with its first divergence, both runs' top-2 logit margins there (AR's /
   the config's) and the verdict (``engine.Divergence``: numeric tie or mismatch), and a float32
-  pass checks that the runtime path stays exact.
+  pass checks that the runtime path stays exact. ``--mix SET SET ...`` adds one set that interleaves
+  those sets' prompts (the first of each, then the second of each, ...); under every set's table, each
+  adaptive config (``--adaptive``, an ``--also`` with ``policy=adaptive``) against the best fixed one.
 - ``hf``: the same weights through ``transformers`` ``LlamaForCausalLM.generate`` (greedy, its
   default dynamic cache; ``--hf-static`` adds its static cache, which may compile first), decode
   TPS = (N - 1) new tokens over the time of a N-token generation minus a 1-token one.
@@ -24,14 +30,23 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
   break-even AL each implies (step ms / AR ms per token).
-- ``profile``: where a step's time goes, for ``--presets`` (or ``--target``/``--draft``): the
-  kernels of a few AR steps and DDTree steps under the PyTorch profiler (graph replays included),
-  grouped by name, with the sum of kernel time against the wall time of the steps (the gap is
-  launch and host time). ``--trace DIR`` also writes Chrome traces.
+- ``oracle`` (``oracle_bars.py``): the adaptive step policy on a large preset (default
+  ``qwen35-27b-shape``) with ``oracle:P`` drafts of known acceptance (``--oracles``; ``oracle:P1,P2,...``
+  gives prompt i P number i mod its length): AR, chain, DDTree at each ``--budgets`` budget and the
+  adaptive policy up to the largest, every output checked against AR, and each set's bar (adaptive
+  against the best of AR and the fixed budgets). The preset's DFlash draft runs at its cost on the
+  captured runtime, its logits the oracle's (``TaughtOracleDrafter``, taught AR's text). ``--device
+  cpu`` runs it on the tiny presets (a check, not a timing).
+- ``profile`` (``step_profile.py``, as ``graphs``): where a step's time goes, for ``--presets`` (or
+  ``--target``/``--draft``): the kernels of a few AR steps and DDTree steps under the PyTorch
+  profiler (graph replays included), grouped by name, with the sum of kernel time against the wall
+  time of the steps (the gap is launch and host time). ``--trace DIR`` also writes Chrome traces.
 - ``graphs``: each captured step graph replayed alone (AR; DDTree's propose and verify, per
   ``--budgets``): wall time against the sum of its kernels' time, kernel counts, the kernels by
   name (``--out``: every kernel in launch order). ``--target smollm2-135m-shape --draft
   engine/checkpoints/smollm2-135m-dflash`` times the pair's shapes without its asset wheel.
+
+What the sections share (the environment record, timed passes, a set's prompts) is ``bench_common.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +54,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -51,45 +65,24 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernel_timing import graph_breakdown  # noqa: E402
+import oracle_bars  # noqa: E402
+from bench_common import env_record, set_prompts, spread, sync, timed  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
+from step_profile import section_graphs, section_profile  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
-from engine.data.workloads import load_workload  # noqa: E402
+from engine.registry import parse_oracle  # noqa: E402
 
 
-def _env() -> dict:
-    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
-           else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
-    from engine.models import fused
-
-    return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "python " + " ".join(sys.argv), "triton_kernels": fused.kernels_enabled()}
+def interleave(groups: list[list]) -> list:
+    """The first of each group, then the second of each, ... (a group that runs out drops out): one
+    set whose traffic changes every prompt (``--mix``)."""
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
-
-
-def _prompts(pair, spec: str, n: int) -> list[list[int]]:
-    wl = load_workload(spec, Path.cwd(), n, 0, split="eval")
-    return [pair.encode(p) for p in wl.prompts]
-
-
-def _timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True,
-           ar_config: EngineConfig | None = None):
-    # Warm-up: every prompt at full length, so that every key-span bucket the timed passes reach has
-    # its graphs captured (one short prompt left the others' captures in the first timed pass: AR's
-    # 363 against 824 tok/s on HumanEval, 2026-12-01 evening).
-    engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
-    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos, ar_config=ar_config)
-            for _ in range(repeats)]
+def _mix_name(specs: list[str]) -> str:
+    return "mix(" + "+".join(Path(s).stem for s in specs) + ")"
 
 
 def _divergence_note(divs: list) -> str:
@@ -119,6 +112,31 @@ def _named_config(text: str) -> tuple[str, dict]:
     return name, fields
 
 
+def _oracle_spec(text: str) -> str:
+    """``--oracles``: an ``oracle:P[,P...]`` draft spec, refused at parse time with the engine's message."""
+    if not text.startswith("oracle:"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected oracle:P or oracle:P1,P2,... (e.g. oracle:0.1,0.5,0.9)")
+    try:
+        parse_oracle(text)
+    except EngineInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _adaptive_vs_fixed(set_name: str, rows: dict, configs: list[tuple[str, dict]], paths: list[str]) -> list[str]:
+    """Per path, each adaptive config's decode tok/s over the best fixed (non-AR, non-adaptive) config's."""
+    lines = []
+    for path in paths:
+        tps = {name: statistics.median(rows[f"{name}/{path}"]["tps"]) for name, _ in configs}
+        fixed = [n for n, f in configs if n != "ar" and f.get("policy") != "adaptive"]
+        best = max(fixed, key=tps.__getitem__)
+        for name, fields in configs:
+            if fields.get("policy") == "adaptive":
+                lines.append(f"| {set_name} | {path} | {best} {tps[best]:.1f} | {name} {tps[name]:.1f} | "
+                             f"**{tps[name] / tps[best]:.3f}x** |")
+    return lines
+
+
 def section_pair(args) -> tuple[str, dict]:
     pair = engine.load(args.target, args.draft, device="cuda", dtype=args.dtype)
     ddtree = dict(verify="ddtree", budget=args.budget, top_k=args.top_k)
@@ -128,18 +146,23 @@ def section_pair(args) -> tuple[str, dict]:
     configs += args.also
     lines = ["| set | config | path | decode TPS | AL | ms/step | draft+topk+tree ms | verify(+walk+commit) ms "
              "| speedup vs our AR | exact (bf16) |", "|" + "---|" * 10]
-    report: dict = {"env": _env(), "dtype": args.dtype, "sets": {}}
-    for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
+    report: dict = {"env": env_record(), "dtype": args.dtype, "sets": {}}
+    encoded = {spec: set_prompts(pair, spec, args.n_prompts) for spec in dict.fromkeys(args.sets + (args.mix or []))}
+    sets = [(spec, Path(spec).stem, encoded[spec]) for spec in args.sets]
+    if args.mix:
+        sets.append(("mix:" + ",".join(args.mix), _mix_name(args.mix), interleave([encoded[s] for s in args.mix])))
+    summary = ["| set | path | best fixed config (tok/s) | adaptive config (tok/s) | adaptive / best fixed |",
+               "|" + "---|" * 5]
+    for spec, set_name, prompts in sets:
         ar_cfg = EngineConfig(verify="ar")  # the reference: every config's forensics re-run this AR
-        ref_runs = _timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
+        ref_runs = timed(pair, ar_cfg, prompts, args.max_new_tokens, args.repeats, ignore_eos=not args.stop_at_eos)
         reference = ref_runs[0].outputs
         ar_tps = statistics.median(r.decode_tps for r in ref_runs)
         rows = {}
         for name, params in configs:
             for path in args.paths:
                 cfg = EngineConfig(**params, draft_path=path)
-                runs = ref_runs if (name == "ar" and path != "generic") else _timed(
+                runs = ref_runs if (name == "ar" and path != "generic") else timed(
                     pair, cfg, prompts, args.max_new_tokens, args.repeats, reference, ignore_eos=not args.stop_at_eos,
                     ar_config=ar_cfg)
                 tps = [r.decode_tps for r in runs]
@@ -156,17 +179,21 @@ def section_pair(args) -> tuple[str, dict]:
                 rows[f"{name}/{path}"] = row
                 front = ph["draft"] + ph["topk"] + ph["tree"]
                 back = ph["verify"] + ph["walk"] + ph["commit"]
-                lines.append(f"| {Path(spec).stem} | {name} | {path} | {_spread(tps)} | {al:.2f} | "
+                lines.append(f"| {set_name} | {name} | {path} | {spread(tps)} | {al:.2f} | "
                              f"{row['ms_per_step']:.2f} | {front:.2f} | {back:.2f} | {row['speedup']:.2f}x | "
                              f"{exact}/{len(prompts)}{_divergence_note(divs)} |")
                 print(lines[-1], flush=True)
         report["sets"][spec] = rows
+        summary += _adaptive_vs_fixed(set_name, rows, configs, args.paths)
+    if len(summary) > 2:
+        lines += ["", *summary]
+        print("\n".join(summary[2:]), flush=True)
     if args.fp32_check:
         del pair
         gc.collect()
         torch.cuda.empty_cache()
         p32 = engine.load(args.target, args.draft, device="cuda", dtype="float32")
-        prompts = _prompts(p32, args.sets[0], 2)
+        prompts = set_prompts(p32, (args.sets or args.mix)[0], 2)
         ref = engine.bench(p32, EngineConfig(verify="ar"), prompts, 64, ignore_eos=True).outputs
         checks = {}
         for name, params in configs[1:]:
@@ -208,10 +235,10 @@ def section_hf(args) -> tuple[str, dict]:
     pair = engine.load(args.target, "none", device=args.device, dtype=args.dtype)
     hf = _hf_llama(pair)
     lines = ["| set | engine | decode TPS | equal to our AR |", "|---|---|---|---|"]
-    report: dict = {"env": _env(), "sets": {}}
+    report: dict = {"env": env_record(), "sets": {}}
     for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
-        ours = _timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
+        prompts = set_prompts(pair, spec, args.n_prompts)
+        ours = timed(pair, EngineConfig(verify="ar"), prompts, args.max_new_tokens, args.repeats)
         rows = {"ours": [r.decode_tps for r in ours]}
         impls = ("dynamic", "static") if args.hf_static else ("dynamic",)
         for impl in impls:
@@ -225,11 +252,11 @@ def section_hf(args) -> tuple[str, dict]:
                         kw["cache_implementation"] = "static"
                     times = []
                     for n_new in (1, args.max_new_tokens):
-                        _sync()
+                        sync()
                         t0 = time.perf_counter()
                         with torch.inference_mode():
                             out = hf.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-                        _sync()
+                        sync()
                         times.append(time.perf_counter() - t0)
                     total_new += args.max_new_tokens - 1
                     total_s += times[1] - times[0]
@@ -240,10 +267,10 @@ def section_hf(args) -> tuple[str, dict]:
             rows[impl] = tps
             rows[f"{impl}_equal"] = equal
         report["sets"][spec] = rows
-        lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {_spread(rows['ours'])} | - |")
+        lines.append(f"| {Path(spec).stem} | ours (runtime AR) | {spread(rows['ours'])} | - |")
         print(lines[-1], flush=True)
         for impl in impls:
-            lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {_spread(rows[impl])} | "
+            lines.append(f"| {Path(spec).stem} | transformers generate ({impl} cache) | {spread(rows[impl])} | "
                          f"{rows[impl + '_equal']}/{len(prompts)} |")
             print(lines[-1], flush=True)
         for impl in impls:
@@ -278,12 +305,12 @@ def section_reference(args) -> tuple[str, dict]:
     draft = ref.DFlashDraftModel.from_pretrained(str(folder), torch_dtype=pair.target.dtype).to(pair.target.device)
     draft.eval()
     lines = ["| set | engine | decode TPS | AL | prompts with the same AL sequence as ours |", "|---|---|---|---|---|"]
-    report: dict = {"env": _env(), "sets": {}}
+    report: dict = {"env": env_record(), "sets": {}}
     for spec in args.sets:
-        prompts = _prompts(pair, spec, args.n_prompts)
+        prompts = set_prompts(pair, spec, args.n_prompts)
         rows = {}
         for path in ("runtime", "generic"):
-            runs = _timed(pair, EngineConfig(verify="chain", draft_path=path), prompts, args.max_new_tokens,
+            runs = timed(pair, EngineConfig(verify="chain", draft_path=path), prompts, args.max_new_tokens,
                           args.repeats)
             rows[path] = {"tps": [r.decode_tps for r in runs], "al": runs[-1].acceptance_length}
             if path == "runtime":
@@ -312,7 +339,7 @@ def section_reference(args) -> tuple[str, dict]:
                            ("reference", "DFlash reference dflash_generate")):
             r = rows[key]
             extra = f"{r['same_al_sequence']}/{len(prompts)}" if key == "reference" else "-"
-            lines.append(f"| {name} | {label} | {_spread(r['tps'])} | {r['al']:.2f} | {extra} |")
+            lines.append(f"| {name} | {label} | {spread(r['tps'])} | {r['al']:.2f} | {extra} |")
             print(lines[-1], flush=True)
         ratio = statistics.median(rows["runtime"]["tps"]) / statistics.median(tps)
         lines.append(f"| {name} | ours (runtime) / reference | {ratio:.2f}x | | |")
@@ -342,7 +369,7 @@ def section_large(args) -> tuple[str, dict]:
     lines = [f"Device-to-device copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
              "| preset | AR ms/token | roofline ms/token | % of roofline | budget | step ms | verify ms | "
              "verify / AR step | break-even AL |", "|" + "---|" * 9]
-    report: dict = {"env": _env(), "copy_bandwidth": bw, "presets": {}}
+    report: dict = {"env": env_record(), "copy_bandwidth": bw, "presets": {}}
     prompt = list(range(10, 10 + args.context))
     for target in args.presets:
         pair = engine.load(target, f"{target}-dflash", device="cuda", dtype="bfloat16")
@@ -356,22 +383,22 @@ def section_large(args) -> tuple[str, dict]:
         kv_per_token = attn_layers * 2 * c.num_key_value_heads * head_dim * pair.target.dtype.itemsize
         bytes_per_token = weights + kv_per_token * (args.context + args.new_tokens / 2)
         roof_ms = 1000 * bytes_per_token / bw
-        ar = _timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
+        ar = timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
         ar_ms = [1000 * r.decode_s / max(r.steps, 1) for r in ar]
         rep = {"weights_bytes": weights, "bytes_per_token": bytes_per_token, "roofline_ms": roof_ms,
                "ar_ms": ar_ms, "budgets": {}}
         med_ar = statistics.median(ar_ms)
-        lines.append(f"| {target} | {_spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
+        lines.append(f"| {target} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
                      "| - | - | - | - | - |")
         print(lines[-1], flush=True)
         for budget in args.budgets:
             cfg = EngineConfig(verify="ddtree", budget=budget, top_k=8)
-            runs = _timed(pair, cfg, [prompt], args.new_tokens, args.repeats)
+            runs = timed(pair, cfg, [prompt], args.new_tokens, args.repeats)
             step = [1000 * r.decode_s / max(r.steps, 1) for r in runs]
             r0 = runs[-1]
             verify = (r0.phase_ms["verify"] + r0.phase_ms["walk"] + r0.phase_ms["commit"]) / max(r0.steps, 1)
             rep["budgets"][budget] = {"step_ms": step, "verify_ms": verify}
-            lines.append(f"| {target} | | | | {budget} | {_spread(step)} | {verify:.2f} | "
+            lines.append(f"| {target} | | | | {budget} | {spread(step)} | {verify:.2f} | "
                          f"{verify / med_ar:.2f}x | {statistics.median(step) / med_ar:.2f} |")
             print(lines[-1], flush=True)
         report["presets"][target] = rep
@@ -381,116 +408,48 @@ def section_large(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def _profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, trace: Path | None,
-                   name: str) -> tuple[list[str], dict]:
-    """Kernels of one generation after a warm-up one (graphs captured), grouped by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)  # warm-up: captures, allocations
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        gen = engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)
-    if trace is not None:
-        trace.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace / f"{name}.json"))
-    kernels: dict[str, list[float]] = {}
-    for ev in prof.events():
-        dev_us = ev.device_time  # microseconds on the device (0 for host events)
-        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and dev_us:
-            kernels.setdefault(ev.name, []).append(dev_us)
-    steps = max(gen.stats.steps, 1)
-    total_us = sum(sum(v) for v in kernels.values())
-    wall_ms = 1000 * gen.stats.decode_s / steps
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
-    lines = [f"**{name}**: {steps} steps, wall {wall_ms:.2f} ms/step, kernels {total_us / 1000 / steps:.2f} ms/step "
-             f"({sum(len(v) for v in kernels.values()) / steps:.0f} launches/step; includes the prefill)", "",
-             "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
-    for kname, times in top:
-        lines.append(f"| `{kname[:90]}` | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | "
-                     f"{100 * sum(times) / max(total_us, 1e-9):.1f}% |")
-    rep = {"steps": steps, "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_us / 1000 / steps,
-           "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
-           "top": {k: [len(v), sum(v)] for k, v in top}}
-    return lines, rep
-
-
-def section_profile(args) -> tuple[str, dict]:
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
-    lines: list[str] = []
-    report: dict = {"env": _env(), "runs": {}}
-    trace = Path(args.trace) if args.trace else None
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        if target.endswith("-shape"):
-            prompts = [list(range(10, 10 + args.context))]
-        else:
-            prompts = _prompts(pair, args.sets[0], 1)
-        for label, cfg in (("ar", EngineConfig(verify="ar")),
-                           (f"ddtree-b{args.budget}", EngineConfig(verify="ddtree", budget=args.budget,
-                                                                   top_k=args.top_k)),
-                           ("ar-generic", EngineConfig(verify="ar", draft_path="generic"))):
-            name = f"{target}-{label}"
-            part, rep = _profile_steps(pair, cfg, prompts[0], args.new_tokens, trace, name)
-            lines.extend(part + [""])
-            report["runs"][name] = rep
-            print("\n".join(part), flush=True)
-        del pair
-        gc.collect()
-        torch.cuda.empty_cache()
-    return "\n".join(lines), report
-
-
-def section_graphs(args) -> tuple[str, dict]:
-    """Each captured step graph alone (AR; DDTree's propose and verify): wall time, kernel count and
-    kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
-    from engine.decoding.runtime import decoder_for
-
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
-    lines = ["| target | config | graph | wall us (launch hidden) | wall us (idle GPU) | kernels | kernel us (sum) "
-             "| first-to-last us | gaps (wall - kernel us) | us per kernel |", "|" + "---|" * 10]
-    report: dict = {"env": _env(), "runs": {}}
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        prompt = list(range(10, 10 + args.context)) if target.endswith("-shape") else _prompts(pair, args.sets[0], 1)[0]
-        for budget in args.budgets:
-            configs = [("ar", EngineConfig(verify="ar")),
-                       (f"ddtree-b{budget}", EngineConfig(verify="ddtree", budget=budget, top_k=args.top_k))]
-            for label, cfg in configs:
-                if label == "ar" and budget != args.budgets[0]:
-                    continue
-                engine.generate(pair, prompt, cfg, args.new_tokens, ignore_eos=True)
-                dec = decoder_for(pair, pair._workspace, graphs=True)
-                for key in dec.graphs.keys():
-                    if key[-1] != cfg.kernels or (key[0] == "ar") != (label == "ar"):
-                        continue
-                    rep = graph_breakdown(dec, key, args.repeats)
-                    name = f"{target}/{label}/{key[0]}@{key[1]}"
-                    report["runs"][name] = rep
-                    lines.append(f"| {target} | {label} | {key[0]} (keys {key[1]}) | {rep['wall_us']:.1f} | "
-                                 f"{rep['cold_us']:.1f} | {rep['kernels']} | {rep['kernel_us']:.1f} | "
-                                 f"{rep['span_us']:.1f} | "
-                                 f"{rep['wall_us'] - rep['kernel_us']:.1f} | "
-                                 f"{rep['wall_us'] / max(rep['kernels'], 1):.2f} |")
-                    print(lines[-1], flush=True)
-                dec.graphs.clear()
-        for name, rep in report["runs"].items():
-            if not name.startswith(f"{target}/"):
-                continue
-            lines += ["", f"**{name}**: kernels by name (calls, us per replay)", "",
-                      "| kernel | calls | us | share |", "|---|---|---|---|"]
-            for kname, n, us in rep["grouped"][:14]:
-                lines.append(f"| `{kname}` | {n} | {us:.1f} | {100 * us / max(rep['kernel_us'], 1e-9):.0f}% |")
-        del pair
-        gc.collect()
-        torch.cuda.empty_cache()
-    return "\n".join(lines), report
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check alone (exit 2, naming the flag), then the sections' defaults."""
+    taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
+    for name, _ in args.also:  # the table's rows are named by config: two of one name would mix
+        if name in taken:
+            ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
+        taken.append(name)
+    if not args.sets and args.section not in ("large", "oracle") and not (args.section == "pair" and args.mix):
+        ap.error(f"--sets: section {args.section} needs at least one set" + (" (or --mix)" if args.section == "pair"
+                                                                              else ""))
+    if args.mix is not None and len(set(args.mix)) < 2:
+        ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
+    if args.section == "oracle":
+        short = [s for s in args.oracles if len(parse_oracle(s)) > args.n_prompts]
+        if short:
+            ap.error(f"--n-prompts {args.n_prompts} leaves some P of {short} without a prompt: give at least "
+                     f"{max(len(parse_oracle(s)) for s in short)}")
+        try:  # the configs the section will time, refused here rather than after the preset is built
+            for _, fields in oracle_bars.configs_for(args.budgets, args.top_k)[0]:
+                EngineConfig(**fields)
+        except EngineInputError as exc:
+            ap.error(f"--budgets {' '.join(map(str, args.budgets))} --top-k {args.top_k}: {exc}")
+    args.presets_given = args.presets is not None
+    if args.presets is None:
+        args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
+    if args.paths is None:
+        args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "profile", "graphs"])
+    ap.add_argument("section", choices=["pair", "hf", "reference", "large", "oracle", "profile", "graphs"])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-dflash")
-    ap.add_argument("--sets", nargs="+", default=["humaneval", "chat", "agent"])
+    ap.add_argument("--sets", nargs="*", default=["humaneval", "chat", "agent"],
+                    help="named workloads or JSONL files (pair: none, with --mix, times the mix alone)")
+    ap.add_argument("--mix", nargs="+", default=None, metavar="SET",
+                    help="pair: one more set interleaving these sets' prompts (--n-prompts of each), e.g. "
+                         "--mix humaneval chat agent")
+    ap.add_argument("--oracles", nargs="+", type=_oracle_spec, metavar="oracle:P[,P...]",
+                    default=["oracle:0.1", "oracle:0.5", "oracle:0.9", "oracle:0.1,0.5,0.9"],
+                    help="oracle: the draft sets; a list gives prompt i its P number i mod the list's length")
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=22)
@@ -506,20 +465,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="pair: timed generations end at a stop token (a solution's end) instead of running on "
                          "to --max-new-tokens (the warm-up still runs every prompt to full length)")
-    ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=["generic", "runtime"],
-                    help="pair: the draft paths to time (our AR is always timed on the runtime path)")
+    ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=None,
+                    help="pair: the draft paths to time (default generic runtime; our AR is always timed on the "
+                         "runtime path); oracle: the paths AR and the drafts run on (default runtime: graphs on CUDA)")
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--presets", nargs="+", default=None,
-                    help="large/profile: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape)")
+                    help="large/profile/oracle: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape, "
+                         "for oracle: qwen35-27b-shape; oracle on the CPU: tiny-dense or tiny-hybrid)")
     ap.add_argument("--trace", default=None, help="profile: write Chrome traces into this folder")
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets")
-    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed pass for the large presets")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens for the large presets (and oracle)")
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="new tokens per timed pass for the large presets (and each oracle prompt)")
     ap.add_argument("--reference-src", default=".ref",
                     help="reference: folder holding the fetched z-lab/dflash package `dflash/`")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf and reference sections as a check")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf, reference and oracle sections as a check")
     ap.add_argument("--kernels", choices=["on", "off"], default="on",
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
@@ -527,16 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
-    for name, _ in args.also:  # the table's rows are named by config: two of one name would mix
-        if name in taken:
-            ap.error(f"--also {name}: the name is taken (the pair's own and earlier --also: {taken})")
-        taken.append(name)
-    args.presets_given = args.presets is not None
-    if args.presets is None:
-        args.presets = ["qwen3-8b-shape", "qwen35-27b-shape"]
+    _check_args(ap, args)
     if args.device != "cpu" and not torch.cuda.is_available():
-        print("gpu_bench needs CUDA (or --device cpu for the hf and reference sections)", file=sys.stderr)
+        print("gpu_bench needs CUDA (or --device cpu for the hf, reference and oracle sections)", file=sys.stderr)
         return 2
     if args.device == "cpu" and args.section in ("pair", "large", "profile", "graphs"):
         print(f"section {args.section!r} measures the GPU paths: it needs --device cuda", file=sys.stderr)
@@ -549,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,
-                "profile": section_profile, "graphs": section_graphs}
+                "oracle": oracle_bars.run, "profile": section_profile,
+                "graphs": section_graphs}
     md, report = sections[args.section](args)
     env = report["env"]
     header = f"`{env['command']}`\n\n{env['gpu']}, torch {env['torch']}, {env['date']}\n\n"

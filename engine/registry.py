@@ -1,7 +1,8 @@
 """One registry of named models, and the resolution of every target / draft spec.
 
 Target specs: a registry name, an HF folder (config.json + safetensors), or a ``.gguf`` file.
-Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` or ``none``.
+Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` (``oracle:P1,P2,...``:
+P per prompt) or ``none``.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ DRAFTS: dict[str, DraftPreset] = {
         "qwen35-27b-shape", _shape_draft,
     ),
 }
-SPECIAL_DRAFTS = ("random", "oracle:P", "none")
+SPECIAL_DRAFTS = ("random", "oracle:P[,P...]", "none")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -240,15 +241,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def parse_oracle(spec: str) -> float:
+def parse_oracle(spec: str) -> tuple[float, ...]:
+    """``oracle:P`` or ``oracle:P1,P2,...`` -> the corruption probabilities, one per prompt in turn
+    (``OracleDrafter``: the k-th distinct prompt takes the k-th, cycling), each in [0, 1]."""
     raw = spec.split(":", 1)[1]
-    try:
-        p = float(raw)
-    except ValueError:
-        raise EngineInputError(f"draft {spec!r}: oracle:P needs a probability P in [0, 1], got {raw!r}") from None
-    if not 0.0 <= p <= 1.0:
-        raise EngineInputError(f"draft {spec!r}: oracle:P needs 0 <= P <= 1, but got P={p}")
-    return p
+    items = raw.split(",")
+    ps = []
+    for i, item in enumerate(items):
+        where = f"P={item!r}" if len(items) == 1 else f"P number {i + 1} ({item!r})"
+        try:
+            p = float(item)
+        except ValueError:
+            raise EngineInputError(f"draft {spec!r}: oracle:P[,P...] needs probabilities P in [0, 1], but "
+                                   f"{where} is not a number") from None
+        if not 0.0 <= p <= 1.0:  # (NaN fails it too)
+            raise EngineInputError(f"draft {spec!r}: oracle:P[,P...] needs 0 <= P <= 1, but got {where}")
+        ps.append(p)
+    return tuple(ps)
 
 
 def check_target_spec(spec: str) -> None:

@@ -1,19 +1,26 @@
-"""Drafters: who proposes the block. A DFlash draft model, or the oracle test draft.
+"""Drafters: who proposes the block. A DFlash draft model, or the oracle test draft (on the host, or
+taught for the GPU's captured runtime).
 
-Both answer ``propose(seq, start, block_size, window, features)`` with logits [B-1, V] for the
-block slots after the root ``seq[start]``; what happens to the logits (host or device top-k,
-chain or tree) is the decode loop's business, so every drafter works with every path.
+Every drafter answers ``propose(seq, start, block_size, window, features)`` with logits [B-1, V]
+for the block slots after the root ``seq[start]``; what happens to the logits (host or device
+top-k, chain or tree) is the decode loop's business, so every drafter works with every path (the
+runtime's captured steps take a DFlash draft's ``propose_static``: ``engine.decoding.runtime``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
+from engine.config import EngineInputError
 from engine.models.common import free_rows_, fuse_projections_
 from engine.models.draft import DFlashDraft
+
+# The oracle's logit for its first rank (the next ranks one less each): far above any other.
+_TOP = 20.0
 
 
 class Drafter(Protocol):
@@ -141,22 +148,34 @@ class DFlashDrafter:
 
 
 class OracleDrafter:
-    """Test draft: the target's true greedy continuation, each slot corrupted with probability p.
+    """Test draft: the target's true greedy continuation, each slot corrupted with probability P.
 
     A corrupted slot ranks a wrong token first and keeps the true token at rank 1..3, so chains
     break there while trees recover through side branches. Deterministic in (seed, position).
+
+    ``p`` may list one P per prompt (``oracle:0.1,0.5,0.9``): the k-th distinct prompt this draft
+    meets (k from 0) takes ``p[k % len(p)]``, and keeps it in every later generation (timing passes,
+    warm-ups, the adaptive policy's cost measurement alike). A generation's prompt is read as the
+    tokens before its first proposal's root (the first new token): every generation's first step
+    proposes (the adaptive policy's first choice assumes every node accepted).
     """
 
-    def __init__(self, target: nn.Module, p: float, seed: int = 0, block_size: int = 16) -> None:
+    def __init__(self, target: nn.Module, p: float | Sequence[float], seed: int = 0, block_size: int = 16) -> None:
         self.target = target
-        self.p = p
+        self.ps = (float(p),) if isinstance(p, (int, float)) else tuple(float(x) for x in p)
+        if not self.ps:
+            raise EngineInputError("OracleDrafter needs at least one probability")
         self.seed = seed
         self.block_size = block_size
         self.feature_layers: tuple[int, ...] = ()
         self._cache = None
         self._cache_len = 0
+        self._by_prompt: dict[tuple[int, ...], float] = {}
+        self._p = self.ps[0]  # this generation's
+        self._fresh = True  # the next proposal is a generation's first
 
     def reset(self) -> None:
+        self._fresh = True
         if self._cache is not None:
             self._cache.reset()
 
@@ -165,12 +184,25 @@ class OracleDrafter:
             self._cache_len = max(need, 2 * self._cache_len)
             self._cache = self.target.new_cache(self._cache_len)
 
+    def p_for(self, prompt: Sequence[int]) -> float:
+        """The P of a generation whose first proposal comes after ``prompt`` (assigned on first sight)."""
+        if len(self.ps) == 1:
+            return self.ps[0]
+        key = tuple(int(t) for t in prompt)
+        if key not in self._by_prompt:
+            self._by_prompt[key] = self.ps[len(self._by_prompt) % len(self.ps)]
+        return self._by_prompt[key]
+
     def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
         depth = block_size - 1
         self._ensure_cache(start + block_size + 2)
         cache = self._cache
         if cache.length > start + 1:  # a new generation with a shorter prefix: start over
             cache.reset()
+            self._fresh = True
+        if self._fresh:  # (not on a cache grown mid-generation, which starts over from position 0 too)
+            self._p = self.p_for(seq[:start].tolist())
+            self._fresh = False
         if cache.length < start + 1:
             logits, _ = self.target(seq[cache.length : start + 1], cache, cache.length, last_only=True)
         else:  # nothing new committed since the last proposal cannot happen: every step commits >= 1
@@ -191,17 +223,100 @@ class OracleDrafter:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + start)
         n = truth.numel()
         logits = torch.randn(n, vocab, generator=gen)  # background well below the top ranks
-        corrupt = torch.rand(n, generator=gen) < self.p
+        corrupt = torch.rand(n, generator=gen) < self._p
         decoys = torch.randint(0, vocab, (n, 3), generator=gen)
         true_rank = torch.randint(1, 4, (n,), generator=gen)
         truth_cpu = truth.cpu()
         for j in range(n):
             t = int(truth_cpu[j])
             if not corrupt[j]:
-                logits[j, t] = 20.0
+                logits[j, t] = _TOP
                 continue
             ranked = [int(d) for d in decoys[j] if int(d) != t][: int(true_rank[j])]
             for r, d in enumerate(ranked):
-                logits[j, d] = 20.0 - r
-            logits[j, t] = 20.0 - len(ranked)
+                logits[j, d] = _TOP - r
+            logits[j, t] = _TOP - len(ranked)
         return logits.to(truth.device)
+
+
+class TaughtOracleDrafter(DFlashDrafter):
+    """The ``oracle:P`` draft where drafts run on the GPU: on the captured runtime, at a DFlash draft's cost.
+
+    ``OracleDrafter`` finds the truth by running the target ``block - 1`` times per proposal on the
+    host: more than the verify it feeds costs, and never captured, so it cannot time a policy against
+    AR. This one is taught the truth instead: ``texts``, each a prompt followed by the target's own
+    greedy continuation (AR's output, a block past the generation's end). Each proposal runs the
+    DFlash ``draft`` as ``DFlashDrafter`` does (its cost, its context buffers, the runtime's shapes),
+    then replaces its logits on the device: the generation's text is the taught one that agrees with
+    the committed tokens at most positions, and each slot gets ``OracleDrafter``'s ranks (the true
+    token first, or, corrupted with the text's probability P, one to three wrong tokens first and the
+    true one after them) above the draft's own logits, shifted to at most 0, which rank the rest. The
+    draws are tables made once from ``seed`` and read at the root's position, so a captured proposal
+    needs no host; ``assign`` sets each text's P in place (captured graphs stay valid). A generation
+    whose text was not taught, or that left it (an inexact one), proposes wrong tokens: slower,
+    never inexact: every committed token is the target's.
+    """
+
+    def __init__(self, draft: DFlashDraft, target: nn.Module, texts: Sequence[Sequence[int]], seed: int = 0) -> None:
+        super().__init__(draft, target)
+        if not texts or not all(texts):
+            raise EngineInputError("TaughtOracleDrafter needs at least one text, none of them empty")
+        device = draft.fc.weight.device
+        width = max(len(t) for t in texts)
+        table = torch.full((len(texts), width), -1, dtype=torch.long)
+        for i, text in enumerate(texts):
+            table[i, : len(text)] = torch.tensor(list(text), dtype=torch.long)
+        depth = self.block_size - 1
+        vocab = target.lm_head.out_features
+        gen = torch.Generator().manual_seed(seed)
+        self._texts = table.to(device)
+        self._columns = torch.arange(max(width, depth), device=device)
+        self._draw = torch.rand(width, depth, generator=gen).to(device)  # a slot is corrupted where < P
+        self._decoys = torch.randint(0, vocab, (width, depth, 3), generator=gen).to(device)
+        self._true_rank = torch.randint(1, 4, (width, depth), generator=gen).to(device)
+        self._p = torch.zeros(len(texts), device=device)
+        self.ps_by_text: list[float] = [0.0] * len(texts)
+
+    def assign(self, ps: Sequence[float]) -> list[float]:
+        """Text i's P becomes ``ps[i % len(ps)]`` (``oracle:P1,P2,...``'s rule: the texts in the order
+        taught); returns them."""
+        if not ps or not all(0.0 <= p <= 1.0 for p in ps):
+            raise EngineInputError(f"assign needs probabilities in [0, 1], but got {list(ps)}")
+        self.ps_by_text = [float(ps[i % len(ps)]) for i in range(len(self.ps_by_text))]
+        self._p.copy_(torch.tensor(self.ps_by_text))
+        return self.ps_by_text
+
+    @torch.inference_mode()
+    def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
+        logits = super().propose(seq, start, block_size, window, features)
+        return self._oracle(logits, seq, torch.tensor([start], device=seq.device))
+
+    def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
+                       context: tuple[Tensor, Tensor], key_len: int, context_rows: int | None = None) -> Tensor:
+        logits = super().propose_static(seq, start, block_size, window, features, context, key_len, context_rows)
+        return self._oracle(logits, seq, start)
+
+    def _oracle(self, logits: Tensor, seq: Tensor, start: Tensor) -> Tensor:
+        """The draft's ``logits`` [n, V] for the slots after the root at ``start`` ([1] long) with the
+        oracle's ranks on top; no host read."""
+        n = logits.shape[0]
+        if n > self._draw.shape[1]:
+            raise EngineInputError(f"the taught oracle draws {self._draw.shape[1]} slots a proposal (the "
+                                   f"draft's block {self.block_size}), but a block of {n + 1} was asked for")
+        width = self._texts.shape[1]
+        span = min(width, seq.numel())
+        agree = (self._texts[:, :span] == seq[:span]) & (self._columns[:span] <= start)
+        row = agree.sum(1).argmax().view(1)  # the taught text this generation follows
+        slots = self._columns[:n]
+        truth = self._texts.index_select(0, row)[0].index_select(0, (start + 1 + slots).clamp(max=width - 1))
+        truth = truth.clamp(min=0)  # past the text: some token (a step past the generation's end)
+        at = start.clamp(max=width - 1)
+        corrupt = self._draw.index_select(0, at)[0, :n] < self._p.index_select(0, row)
+        decoys = self._decoys.index_select(0, at)[0, :n]
+        rank = self._true_rank.index_select(0, at)[0, :n]
+        out = logits - logits.amax(-1, keepdim=True)
+        first = self._columns[:3]
+        used = corrupt[:, None] & (first[None, :] < rank[:, None])  # the wrong tokens ranked above the truth
+        out = out.scatter(1, decoys, torch.where(used, (_TOP - first).to(out.dtype), out.gather(1, decoys)))
+        top = torch.where(corrupt, _TOP - rank, _TOP).to(out.dtype)
+        return out.scatter(1, truth[:, None], top[:, None])

@@ -48,3 +48,39 @@ def test_an_also_name_the_pair_uses_is_refused(capsys):
         with pytest.raises(SystemExit) as exit_:
             gb.main(["pair", *argv])
         assert exit_.value.code == 2 and "the name is taken" in capsys.readouterr().err
+
+
+def test_a_mix_interleaves_its_sets_prompts():
+    gb = load_benchmark("gpu_bench")
+    assert gb.interleave([["h1", "h2", "h3"], ["c1"], ["a1", "a2"]]) == ["h1", "c1", "a1", "h2", "a2", "h3"]
+    assert gb._mix_name(["humaneval", ".device/workloads/eval_chat.jsonl", "agent"]) == "mix(humaneval+eval_chat+agent)"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["pair", "--mix", "humaneval"], "a mix interleaves at least two different sets"),
+    (["pair", "--mix", "chat", "chat"], "a mix interleaves at least two different sets"),
+    (["oracle", "--oracles", "oracle:0.1,x"], "P number 2 ('x') is not a number"),
+    (["oracle", "--oracles", "random"], "expected oracle:P or oracle:P1,P2,..."),
+    (["oracle", "--oracles", "oracle:1.2"], "0 <= P <= 1"),
+    (["oracle", "--n-prompts", "2", "--oracles", "oracle:0.1,0.5,0.9"], "give at least 3"),
+    (["oracle", "--budgets", "0", "8"], "--budgets 0 8 --top-k 8: EngineConfig.budget must be >= 1"),
+    (["oracle", "--top-k", "0"], "EngineConfig.top_k must be >= 1"),
+])
+def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
+    gb = load_benchmark("gpu_bench")
+    with pytest.raises(SystemExit) as exit_:
+        gb.main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():
+    gb = load_benchmark("gpu_bench")
+    configs = [("ar", dict(verify="ar")), ("chain", dict(verify="chain")), ("ddtree-b48", dict(budget=48)),
+               ("ddtree-b48-adaptive", dict(budget=48, policy="adaptive")), ("b32", dict(budget=32)),
+               ("a2", dict(budget=32, policy="adaptive"))]
+    tps = {"ar": 1000.0, "chain": 2000.0, "ddtree-b48": 2600.0, "ddtree-b48-adaptive": 2730.0, "b32": 2500.0,
+           "a2": 2900.0}
+    rows = {f"{n}/runtime": {"tps": [t - 10, t, t + 50]} for n, t in tps.items()}
+    assert gb._adaptive_vs_fixed("mix(x+y)", rows, configs, ["runtime"]) == [
+        "| mix(x+y) | runtime | ddtree-b48 2600.0 | ddtree-b48-adaptive 2730.0 | **1.050x** |",
+        "| mix(x+y) | runtime | ddtree-b48 2600.0 | a2 2900.0 | **1.115x** |"]

@@ -1,0 +1,53 @@
+"""What the GPU benchmarks share (``gpu_bench.py`` and its sections' modules): the run's environment
+record, timed passes, a set's prompts, the spread of a few timings."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import engine
+from engine import EngineConfig
+from engine.data.workloads import load_workload
+
+
+def env_record() -> dict:
+    """The GPU (or CPU), torch, the date, the command line and whether the Triton kernels are on."""
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
+           else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    from engine.models import fused
+
+    return {"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python " + " ".join(sys.argv), "triton_kernels": fused.kernels_enabled()}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def spread(xs: list[float]) -> str:
+    """``median (min..max)`` to one decimal."""
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
+
+
+def set_prompts(pair, spec: str, n: int) -> list[list[int]]:
+    """The first ``n`` eval prompts of a named workload or JSONL file, encoded by ``pair``."""
+    wl = load_workload(spec, Path.cwd(), n, 0, split="eval")
+    return [pair.encode(p) for p in wl.prompts]
+
+
+def timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, reference=None, ignore_eos: bool = True,
+          ar_config: EngineConfig | None = None) -> list:
+    """``repeats`` passes of ``engine.bench`` after an untimed one (``BenchResult``s)."""
+    # Warm-up: every prompt at full length, so that every key-span bucket the timed passes reach has
+    # its graphs captured (one short prompt left the others' captures in the first timed pass: AR's
+    # 363 against 824 tok/s on HumanEval, 2026-12-01 evening).
+    engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
+    return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos, ar_config=ar_config)
+            for _ in range(repeats)]
