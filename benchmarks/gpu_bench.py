@@ -29,7 +29,9 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
 - ``large``: ``qwen3-8b-shape`` and ``qwen35-27b-shape`` with their random 5-layer drafts: AR ms
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
-  break-even AL each implies (step ms / AR ms per token).
+  break-even AL each implies (step ms / AR ms per token). ``--weights q4_k_m``: the targets' projections
+  quantized in memory to a Q4_K_M-like mix and kept in their blocks (``engine.models.quantize``), the
+  roofline's bytes those held (issue #28).
 - ``oracle`` (``oracle_bars.py``): the adaptive step policy on a large preset (default
   ``qwen35-27b-shape``) with ``oracle:P`` drafts of known acceptance (``--oracles``; ``oracle:P1,P2,...``
   gives prompt i P number i mod its length): AR, chain, DDTree at each ``--budgets`` budget and the
@@ -57,6 +59,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -72,6 +75,8 @@ from step_profile import section_graphs, section_profile  # noqa: E402
 
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
+from engine.models.quant import QuantLinear, weight_bytes  # noqa: E402
+from engine.models.quantize import RECIPES, quantize_model_  # noqa: E402
 from engine.registry import parse_oracle  # noqa: E402
 
 
@@ -373,9 +378,11 @@ def section_large(args) -> tuple[str, dict]:
     prompt = list(range(10, 10 + args.context))
     for target in args.presets:
         pair = engine.load(target, f"{target}-dflash", device="cuda", dtype="bfloat16")
-        weights = sum(p.numel() * p.element_size() for n, p in pair.target.named_parameters()
-                      if "embed_tokens" not in n or pair.target.cfg.tie_word_embeddings)
-        weights += pair.target.cfg.hidden_size * pair.target.dtype.itemsize  # one embedding row
+        formats = None
+        if args.weights != "bf16":  # before the first generation: captured graphs keep the weights they saw
+            formats = quantize_model_(pair.target, args.weights)
+            pair.weights = "native"
+        weights = bytes_read_per_token(pair.target)
         c = pair.target.cfg
         types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
         attn_layers = sum(t == "full_attention" for t in types)
@@ -385,10 +392,12 @@ def section_large(args) -> tuple[str, dict]:
         roof_ms = 1000 * bytes_per_token / bw
         ar = timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
         ar_ms = [1000 * r.decode_s / max(r.steps, 1) for r in ar]
-        rep = {"weights_bytes": weights, "bytes_per_token": bytes_per_token, "roofline_ms": roof_ms,
-               "ar_ms": ar_ms, "budgets": {}}
+        rep = {"weights": args.weights, "weights_bytes": weights, "bytes_per_token": bytes_per_token,
+               "roofline_ms": roof_ms, "ar_ms": ar_ms, "budgets": {},
+               "formats": None if formats is None else dict(Counter(formats.values()))}
         med_ar = statistics.median(ar_ms)
-        lines.append(f"| {target} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
+        name = target if formats is None else f"{target} ({args.weights})"
+        lines.append(f"| {name} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
                      "| - | - | - | - | - |")
         print(lines[-1], flush=True)
         for budget in args.budgets:
@@ -398,7 +407,7 @@ def section_large(args) -> tuple[str, dict]:
             r0 = runs[-1]
             verify = (r0.phase_ms["verify"] + r0.phase_ms["walk"] + r0.phase_ms["commit"]) / max(r0.steps, 1)
             rep["budgets"][budget] = {"step_ms": step, "verify_ms": verify}
-            lines.append(f"| {target} | | | | {budget} | {spread(step)} | {verify:.2f} | "
+            lines.append(f"| {name} | | | | {budget} | {spread(step)} | {verify:.2f} | "
                          f"{verify / med_ar:.2f}x | {statistics.median(step) / med_ar:.2f} |")
             print(lines[-1], flush=True)
         report["presets"][target] = rep
@@ -406,6 +415,15 @@ def section_large(args) -> tuple[str, dict]:
         gc.collect()
         torch.cuda.empty_cache()
     return "\n".join(lines), report
+
+
+def bytes_read_per_token(target: torch.nn.Module) -> int:
+    """The weight bytes an AR step reads: every stored weight once (quantized blocks at their size),
+    of the embedding one row (it is gathered), unless the output head multiplies by it (tied, float)."""
+    embed = target.embed_tokens.weight
+    head = getattr(target.lm_head, "weight", None) if not isinstance(target.lm_head, QuantLinear) else None
+    read = weight_bytes(target) + embed.shape[1] * embed.element_size()
+    return read if head is embed else read - embed.numel() * embed.element_size()
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -471,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
+    ap.add_argument("--weights", choices=["bf16", *RECIPES], default="bf16",
+                    help="large: the presets' projections as bf16 floats (default) or quantized in memory to a "
+                         "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
+                         "kept in their blocks (issue #28); the roofline counts the bytes held")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/oracle: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape, "
                          "for oracle: qwen35-27b-shape; oracle on the CPU: tiny-dense or tiny-hybrid)")

@@ -84,3 +84,25 @@ def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():
     assert gb._adaptive_vs_fixed("mix(x+y)", rows, configs, ["runtime"]) == [
         "| mix(x+y) | runtime | ddtree-b48 2600.0 | ddtree-b48-adaptive 2730.0 | **1.050x** |",
         "| mix(x+y) | runtime | ddtree-b48 2600.0 | a2 2900.0 | **1.115x** |"]
+
+
+def test_the_large_rooflines_bytes_are_what_a_step_reads_float_or_quantized():
+    """``large --weights``: the bytes an AR step reads are the stored weights once, one embedding row
+    (the float head reads the whole embedding only when tied to it); quantized in memory to the
+    q4_k_m mix, the projections count at their blocks' size, fewer bytes than the floats."""
+    import engine
+    from engine.models.quantize import quantize_model_
+
+    gb = load_benchmark("gpu_bench")
+    for name in ("tiny-dense", "tiny-hybrid"):
+        target = engine.load(name, "none", device="cpu", dtype="float32").target
+        embed = target.embed_tokens.weight
+        tied = target.lm_head.weight is embed
+        floats = sum(p.numel() * p.element_size() for n, p in target.named_parameters()
+                     if "embed_tokens" not in n or tied) + embed.shape[1] * embed.element_size()
+        assert gb.bytes_read_per_token(target) == floats
+        formats = quantize_model_(target, "q4_k_m")
+        assert formats and gb.bytes_read_per_token(target) < floats
+    with pytest.raises(SystemExit) as exit_:
+        gb.main(["large", "--weights", "q2_k"])
+    assert exit_.value.code == 2
