@@ -250,11 +250,13 @@ class PrefixCache:
                 break
             node = child
         per_token = _token_bytes(cache, ws.features if features else None)
+        length, checkpoints = self._fit(seq, pos, per_token, checkpoints,
+                                        self.budget_bytes - sum(n.nbytes() for n in path))
+        if length == 0:
+            return  # nothing fits beside what the path holds (what is cached stays)
+        seq = seq[:length]
         new_states = [c for c in checkpoints if not self._has_state(c, seq)]
-        state_bytes = sum(sum(t.numel() * t.element_size() for t in checkpoints[c]) for c in new_states)
-        need = (len(seq) - pos) * per_token + state_bytes
-        if need > self.budget_bytes - sum(n.nbytes() for n in path):
-            return  # it cannot fit even alone: kept nothing (what is cached stays)
+        need = max(0, length - pos) * per_token + sum(_state_bytes(checkpoints[c]) for c in new_states)
         self._evict(self.budget_bytes - need, set(path))
         # now the insert proper: split where the sequence leaves an edge, then one new leaf
         node, pos = self._root, 0
@@ -276,10 +278,25 @@ class PrefixCache:
             at = self._node_ending_at(c, seq)
             if at is not None and at.state is None:
                 at.state = state
-                self.bytes += sum(t.numel() * t.element_size() for t in state)
+                self.bytes += _state_bytes(state)
             if at is not None:
                 at.state_used = self._clock
         self._evict(self.budget_bytes, set())
+
+    def _fit(self, seq: list[int], pos: int, per_token: int, checkpoints: dict[int, tuple[Tensor, Tensor]],
+             room: int) -> tuple[int, dict[int, tuple[Tensor, Tensor]]]:
+        """The longest part of ``seq`` (the tree holds its first ``pos`` tokens) whose new positions
+        and states fit in ``room`` bytes, and the checkpoints kept with it: on a dense target the
+        first tokens that fit; on a recurrent one up to the deepest checkpoint that fits with the
+        states before it. (0, {}): nothing fits."""
+        if not checkpoints:
+            return min(len(seq), pos + max(room, 0) // per_token), {}
+        for end in sorted(checkpoints, reverse=True):
+            kept = {c: st for c, st in checkpoints.items() if c <= end}
+            new = [c for c in kept if not self._has_state(c, seq)]
+            if max(0, end - pos) * per_token + sum(_state_bytes(kept[c]) for c in new) <= room:
+                return end, kept
+        return 0, {}
 
     def _has_state(self, position: int, seq: list[int]) -> bool:
         node, pos = self._root, 0
@@ -354,6 +371,10 @@ def _common(edge: list[int], seq: Sequence[int], pos: int, limit: int) -> int:
     while m < top and edge[m] == seq[pos + m]:
         m += 1
     return m
+
+
+def _state_bytes(state: tuple[Tensor, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state)
 
 
 def _token_bytes(cache, features: Tensor | None) -> int:

@@ -350,6 +350,8 @@ def test_full_queue_gets_503_with_retry_after_and_a_dropped_stream_frees_the_eng
     (["serve", "missing.yaml"], "config file not found"),
     (["serve", "{cfg}", "--port", "70000"], "--port: must be between 0 and 65535"),
     (["serve", "{cfg}", "--max-queue", "-1"], "--max-queue: must be >= 0"),
+    (["serve", "{cfg}", "--prefix-cache-mb", "-1"], "--prefix-cache-mb: must be a finite number >= 0"),
+    (["serve", "{cfg}", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number >= 0"),
     (["serve", "{flat}"], "needs a 'model' section"),
     (["serve", "{bad}"], "EngineConfig.budget must be >= 1"),
     # the oracle draft proposes on the host: refused before serving, not at each request

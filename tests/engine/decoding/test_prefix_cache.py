@@ -130,11 +130,14 @@ def test_eviction_keeps_the_budget_and_an_evicted_prompt_is_cold_again(target):
     assert again.tokens == _reference(pair, first, cfg)
     latest = engine.generate(pair, first, cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
     assert latest.stats.cached_tokens == len(first) - 1 and latest.tokens == again.tokens
-    # a generation too large for the whole budget keeps nothing and breaks nothing
+    # a generation larger than the whole budget keeps what fits: a dense target's first positions, a
+    # hybrid's positions up to a state checkpoint that fits with them (none here)
     tiny = PrefixCache(one // 4, chunk=CHUNK)
-    for _ in range(2):
+    fits = 0 if target == "tiny-hybrid" else tiny.budget_bytes // (one // (len(first) + MAX_NEW - 1))
+    for want in (0, fits):
         gen = engine.generate(pair, first, cfg, MAX_NEW, ignore_eos=True, prefix_cache=tiny)
-        assert gen.stats.cached_tokens == 0 and tiny.bytes == 0 and gen.tokens == again.tokens
+        assert gen.stats.cached_tokens == want and gen.tokens == again.tokens
+        assert tiny.bytes <= tiny.budget_bytes and (tiny.bytes > 0) == (target == "tiny-dense")
 
 
 def test_features_come_only_from_speculative_generations():
