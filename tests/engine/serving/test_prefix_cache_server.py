@@ -4,22 +4,18 @@ by the official `openai` client: multi-turn chats report `usage.prompt_tokens_de
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 import engine
 from engine import EngineConfig
 from engine.data.prompts import Prompt
 from engine.serving import server as srv
 from engine.serving.text import TextStream
+from tests.engine.serving import live_server
 
 CFG = EngineConfig(verify="ddtree", budget=8, top_k=2, draft_path="runtime")  # the runtime's steps, eagerly
 MAX = 12
@@ -46,24 +42,8 @@ def reference():
     return answer
 
 
-@contextlib.contextmanager
-def live(pair, **kw) -> Iterator[str]:
-    """The engine's app on a free loopback port until the block ends; yields its base URL."""
-    app = srv.create_app(pair, CFG, "tiny", **kw)
-    sock = srv._bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+def live(pair, **kw):
+    return live_server.live(pair, CFG, **kw)
 
 
 def _client(url: str) -> openai.OpenAI:
