@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     s.add_argument("--max-queue", type=int, default=32, help="waiting requests before 503 (default 32)")
+    s.add_argument("--prefix-cache-mb", type=float, default=1024,
+                   help="device memory (MiB) for the prefix cache of earlier prompts and answers (default 1024; "
+                        "0: off)")
 
     s = sub.add_parser("dashboard", help="start the MLflow UI on 127.0.0.1")
     s.add_argument("--tracking-uri", default=DEFAULT_TRACKING,
@@ -277,6 +280,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError("--port", None, "must be between 0 and 65535", args.port)
     if args.max_queue < 0:
         raise InputError("--max-queue", None, "must be >= 0", args.max_queue)
+    if not 0 <= args.prefix_cache_mb < float("inf"):  # (NaN too)
+        raise InputError("--prefix-cache-mb", None, "must be a finite number >= 0 (0: no prefix cache)",
+                         args.prefix_cache_mb)
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key", None, "must not be empty", args.api_key)
     if not Path(args.config).is_file():
@@ -285,7 +291,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine import EngineInputError, serve
 
     try:
-        return serve(args.config, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue)
+        return serve(args.config, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                     prefix_cache_mb=args.prefix_cache_mb)
     except EngineInputError as exc:
         raise InputError(args.config, None, str(exc)) from None
 

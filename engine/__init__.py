@@ -1,7 +1,8 @@
 """DFlash + DDTree speculative decoding engine: exact, switchable paths, per-phase timing.
 
 The front door: what ``autotune`` (and any other caller) uses; nothing deeper is a contract.
-``serve`` (the OpenAI-compatible server) loads its web stack on first use. ``WEIGHTS``: how
+``serve`` (the OpenAI-compatible server) loads its web stack on first use. ``PrefixCache``: earlier
+prompts' and answers' positions kept for ``generate(..., prefix_cache=...)`` (the server's). ``WEIGHTS``: how
 ``load`` may hold a target's weights (``dequantized``, ``native``)."""
 
 from engine.api import Pair, bench, diagnose, load
@@ -10,6 +11,7 @@ from engine.data.prompts import Prompt
 from engine.data.workloads import Workload, load_workload
 from engine.decoding.decode import generate
 from engine.decoding.grammar import CompiledGrammar
+from engine.decoding.prefix_cache import PrefixCache
 from engine.decoding.stats import (
     VERDICTS,
     BenchResult,
@@ -38,6 +40,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "Pair",
+    "PrefixCache",
     "Prompt",
     "PromptResult",
     "Workload",

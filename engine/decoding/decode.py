@@ -38,6 +38,7 @@ from engine.decoding.policy import (
     root_row,
     root_tree,
 )
+from engine.decoding.prefix_cache import PrefixCache
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree, walk_device, walk_host
@@ -55,22 +56,24 @@ def _use_runtime(pair, cfg: EngineConfig, gs: GrammarState | None, use_runtime: 
 def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                 stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
                 gs: GrammarState | None = None, use_runtime: bool | None = None,
-                record_margins: bool = False) -> Generation:
+                record_margins: bool = False, prefix_cache: PrefixCache | None = None) -> Generation:
     """Plain decoding, one target forward per token; greedy or position-keyed sampling.
 
     With a grammar state ``gs`` the logits are masked at every step (inside ``verify``).
     ``use_runtime`` (default: as ``cfg.draft_path`` says) runs the runtime (``engine.decoding.runtime``).
-    ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``)."""
+    ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``). ``prefix_cache``: the
+    prompt's prefill reuses it (``loop.prefill``)."""
     target, stats = pair.target, GenerationStats()
     ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
     if _use_runtime(pair, cfg, gs, use_runtime):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
-        return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins)
+        return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins,
+                            prefix_cache=prefix_cache)
     margins = ws.margin_buffer() if record_margins else None  # before the prefill: allocation is not timed
     bits = new_bitmask(1, gs.words) if gs is not None else None
     out, t0, t_first, done = begin(pair, ws, prompt, cfg, (), stats, timer, gs, bits, on_tokens, stop_ids,
-                                   max_new_tokens, record_margins)
+                                   max_new_tokens, record_margins, prefix_cache=prefix_cache)
     tok = ws.seq[len(prompt)]
     while not done:
         pos = ws.cache.length
@@ -96,7 +99,8 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
 def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
                          stop_ids: Sequence[int] = (), on_tokens: OnTokens | None = None,
                          gs: GrammarState | None = None, use_runtime: bool | None = None,
-                         record_margins: bool = False, step_costs: StepCosts | None = None) -> Generation:
+                         record_margins: bool = False, step_costs: StepCosts | None = None,
+                         prefix_cache: PrefixCache | None = None) -> Generation:
     """draft -> tree -> verify -> walk -> commit. A grammar state ``gs`` masks the walk's target
     logits at every tree node (``cfg.grammar == "walk"``, grammar time inside ``walk``) or is
     advanced on the committed tokens only (``commit``, grammar time inside ``commit``).
@@ -105,7 +109,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     grammar cut's token: from its masked row).
     ``cfg.policy == "adaptive"`` (DDTree): each step's budget is the policy's (``engine.decoding.policy``;
     0: the root alone, no draft), from ``step_costs``, by default the pair's measured table
-    (``Pair.step_costs``, measured before this generation's first step on its first use)."""
+    (``Pair.step_costs``, measured before this generation's first step on its first use).
+    ``prefix_cache``: the prompt's prefill reuses it (``loop.prefill``)."""
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
@@ -127,12 +132,12 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     if on_runtime:  # (never with replay rollback on a hybrid target)
         dec = runtime.decoder_for(pair, ws, graphs=device.type == "cuda")
         return dec.generate(prompt, cfg, max_new_tokens, stop_ids, on_tokens, timer, gs, record_margins, block,
-                            n_verify, policy)
+                            n_verify, policy, prefix_cache)
     walk_grammar = gs is not None and cfg.grammar == "walk"
     bits = new_bitmask(n_verify, gs.words) if gs is not None else None
     margins = ws.margin_buffer() if record_margins else None
     out, t0, t_first, done = begin(pair, ws, prompt, cfg, drafter.feature_layers, stats, timer, gs, bits, on_tokens,
-                                   stop_ids, max_new_tokens, record_margins)
+                                   stop_ids, max_new_tokens, record_margins, prefix_cache=prefix_cache)
 
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached
@@ -282,7 +287,7 @@ def _max_nodes(top_k: int, depth: int) -> int:
 def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int,
              ignore_eos: bool = False, on_tokens: OnTokens | None = None,
              grammar: CompiledGrammar | None = None, record_margins: bool = False,
-             step_costs: StepCosts | None = None) -> Generation:
+             step_costs: StepCosts | None = None, prefix_cache: PrefixCache | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt``, stopping after the tokenizer's stop
     token unless ``ignore_eos`` (fixed-length runs for benchmarks and tests).
 
@@ -303,6 +308,10 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
 
     ``step_costs``: the adaptive policy's cost table (``cfg.policy == "adaptive"``); by default the
     pair's (``Pair.step_costs``: measured on this prompt the first time a config needs one).
+
+    ``prefix_cache`` (``engine.decoding.prefix_cache``): the prompt's longest cached prefix is reused
+    and only the rest prefilled (``GenerationStats.cached_tokens``); the prompt and the output are kept
+    in it after (the prompt alone when the generation ends in an exception, ``on_tokens``'s included).
     """
     if not prompt:
         raise EngineInputError("prompt is empty: at least one token is needed")
@@ -317,8 +326,19 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
                                    f"but target {pair.target_name!r} has {vocab}: compile it with this pair")
         gs = grammar.state()
     with fused.using_kernels(cfg.kernels == "fused"):
-        if cfg.verify == "ar":
-            return generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
-                               record_margins=record_margins)
-        return generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
-                                    record_margins=record_margins, step_costs=step_costs)
+        try:
+            if cfg.verify == "ar":
+                gen = generate_ar(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
+                                  record_margins=record_margins, prefix_cache=prefix_cache)
+            else:
+                gen = generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
+                                           record_margins=record_margins, step_costs=step_costs,
+                                           prefix_cache=prefix_cache)
+        except BaseException:
+            if prefix_cache is not None:
+                prefix_cache.commit(None)  # the prompt's positions, if its prefill ran
+            raise
+        if prefix_cache is not None:  # (after the generation's timing: a copy on the device)
+            prefix_cache.commit(gen.tokens)
+            gen.stats.cached_tokens = prefix_cache.last_hit
+        return gen

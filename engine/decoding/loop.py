@@ -17,6 +17,7 @@ from torch import Tensor
 from engine.config import EngineConfig
 from engine.decoding import tree_kernel
 from engine.decoding.grammar import GrammarState, mask_logits
+from engine.decoding.prefix_cache import PrefixCache
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import PHASES, Generation, GenerationStats
 from engine.decoding.tree import Tree, ancestor_mask, build_tree_host, chain_tree
@@ -184,14 +185,20 @@ def truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]
 
 
 def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
-            constrain: Callable[[Tensor], Tensor] | None = None, record_margins: bool = False) -> int:
+            constrain: Callable[[Tensor], Tensor] | None = None, record_margins: bool = False,
+            prefix_cache: PrefixCache | None = None) -> int:
     """The prompt's forward: its K/V (and draft features) cached, ``seq`` holding the prompt and
-    the first new token, which is returned. ``constrain`` masks the last logits (a grammar)."""
+    the first new token, which is returned. ``constrain`` masks the last logits (a grammar).
+    ``prefix_cache``: the longest cached prefix reused, the rest forwarded in the decode steps' form
+    (``PrefixCache.prefill``)."""
     n, seq = len(prompt), ws.seq
     seq[:n] = torch.tensor(prompt, device=seq.device)
-    logits, f = pair.target(seq[:n], ws.cache, 0, feature_layers=feature_layers, last_only=True)
-    if ws.features is not None and f is not None:
-        ws.features[:n] = f
+    if prefix_cache is not None:
+        logits = prefix_cache.prefill(pair.target, ws, prompt, feature_layers)
+    else:
+        logits, f = pair.target(seq[:n], ws.cache, 0, feature_layers=feature_layers, last_only=True)
+        if ws.features is not None and f is not None:
+            ws.features[:n] = f
     if constrain is not None:
         logits = constrain(logits)
     if record_margins:
@@ -203,14 +210,16 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
 def begin(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
           stats: GenerationStats, timer: PhaseTimer, gs: GrammarState | None, bits: Tensor | None,
           on_tokens: OnTokens | None, stop_ids: Sequence[int], max_new_tokens: int, record_margins: bool,
-          after_prefill: Callable[[], None] | None = None) -> tuple[list[int], float, float, bool]:
+          after_prefill: Callable[[], None] | None = None, prefix_cache: PrefixCache | None = None
+          ) -> tuple[list[int], float, float, bool]:
     """A generation's start, as every loop takes it: the prompt's prefill (its token masked by the
-    grammar ``gs`` through ``bits``), ``after_prefill`` (more of the prompt's processing, timed as
-    prefill), the grammar advanced on the first token, which goes to ``on_tokens``.
+    grammar ``gs`` through ``bits``; with ``prefix_cache``, of what is not cached), ``after_prefill``
+    (more of the prompt's processing, timed as prefill), the grammar advanced on the first token,
+    which goes to ``on_tokens``.
     Returns (the tokens so far, t0, the first token's time, whether the generation is done)."""
     t0 = timer.now()
     constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, feature_layers, constrain, record_margins)]
+    out = [prefill(pair, ws, prompt, cfg, feature_layers, constrain, record_margins, prefix_cache)]
     if after_prefill is not None:
         after_prefill()
     if gs is not None:

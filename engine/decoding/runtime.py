@@ -349,15 +349,15 @@ class RuntimeDecoder:
 
     def _begin(self, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int], on_tokens,
                timer, gs: GrammarState | None, bits: Tensor | None, record: bool, stop_ids: Sequence[int],
-               max_new_tokens: int) -> tuple[GenerationStats, list[int], float, float, bool]:
-        """The eager prefill (``loop.begin``; with ``feature_layers``, the draft's context K/V of the
-        prompt too, timed as prefill like the target's K/V), then the root's position handed to the
-        device."""
+               max_new_tokens: int, prefix_cache) -> tuple[GenerationStats, list[int], float, float, bool]:
+        """The eager prefill (``loop.begin``, with ``prefix_cache`` if any; with ``feature_layers``, the
+        draft's context K/V of the prompt too, timed as prefill like the target's K/V), then the root's
+        position handed to the device."""
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "runtime")
         draft_context = (lambda: self.pair.drafter.fill_context(self._draft_context(), self.ws.features,
                                                                 len(prompt))) if feature_layers else None
         out, t0, t_first, done = loop.begin(self.pair, self.ws, prompt, cfg, feature_layers, stats, timer, gs, bits,
-                                            on_tokens, stop_ids, max_new_tokens, record, draft_context)
+                                            on_tokens, stop_ids, max_new_tokens, record, draft_context, prefix_cache)
         self.start.fill_(len(prompt))
         return stats, out, t0, t_first, done
 
@@ -386,7 +386,7 @@ class RuntimeDecoder:
 
     def generate(self, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int, stop_ids: Sequence[int],
                  on_tokens, timer, gs: GrammarState | None = None, record_margins: bool = False, block: int = 1,
-                 n_verify: int = 1, policy: AdaptivePolicy | None = None) -> Generation:
+                 n_verify: int = 1, policy: AdaptivePolicy | None = None, prefix_cache=None) -> Generation:
         """One loop for AR (``cfg.verify == "ar"``: each step the root alone) and speculative
         decoding (each step a ``propose`` graph, the draft's ``block`` and a tree of ``n_verify``
         nodes at most, then the step over it). A grammar state ``gs``: AR masks each step's logits
@@ -404,7 +404,7 @@ class RuntimeDecoder:
         host_bits = bits[0] if ar_mask else new_bitmask(1, gs.words) if gs is not None else None
         feature_layers = self.pair.drafter.feature_layers if speculative else ()
         stats, out, t0, t_first, done = self._begin(prompt, cfg, feature_layers, on_tokens, timer, gs, host_bits,
-                                                    record_margins, stop_ids, max_new_tokens)
+                                                    record_margins, stop_ids, max_new_tokens, prefix_cache)
         # A grammar may cut a speculative step after its commit: the replaced recurrent state is kept,
         # set after the prefill (its reset clears it); a step that keeps it is another graph.
         keep = self.recurrent and gs is not None and speculative

@@ -28,6 +28,7 @@ class GenerationStats:
     # (the runtime's steps as CUDA graphs). A config asks for a draft path; this is what ran.
     loop: str = "generic"
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens reused from a prefix cache (engine.decoding.prefix_cache), not prefilled
     decode_s: float = 0.0  # first emitted token -> last emitted token
     total_s: float = 0.0
     # The adaptive step policy (engine.decoding.policy; empty under the fixed one): per step, the budget

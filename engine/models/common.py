@@ -142,12 +142,13 @@ def context_mask(start: int, tree: VerifyTree | None, t: int, device: torch.devi
     return torch.cat([ctx, inner], dim=1)
 
 
-def attention_layout(start: int, tree: VerifyTree | None, t: int, device: torch.device) -> Tensor | StepKeys:
+def attention_layout(start: int, tree: VerifyTree | None, t: int, device: torch.device,
+                     as_steps: bool = False) -> Tensor | StepKeys:
     """How a forward of ``t`` tokens at ``start`` attends. A prefill (``start`` 0, no tree) takes the
-    mask of ``context_mask``; every other forward continues a sequence (an AR step, a verify, a replay)
-    and is a decode step: ``StepKeys``, so that its rows round as AR steps at their positions do and
-    speculative decoding commits AR's tokens in half precision too."""
-    if start == 0 and tree is None:
+    mask of ``context_mask`` unless ``as_steps``; every other forward continues a sequence (an AR step,
+    a verify, a replay) and is a decode step: ``StepKeys``, so that its rows round as AR steps at their
+    positions do and speculative decoding commits AR's tokens in half precision too."""
+    if start == 0 and tree is None and not as_steps:
         return context_mask(start, tree, t, device)
     start_t = torch.tensor([start], device=device)
     if tree is None:
@@ -192,7 +193,8 @@ class TargetModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def forward(self, tokens: Tensor, cache, start: int, tree: VerifyTree | None = None,
-                feature_layers: Sequence[int] = (), last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+                feature_layers: Sequence[int] = (), last_only: bool = False, as_steps: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
         """tokens [T] at positions start.. (or start + tree depths), positions known on the host (a
         prefill, the generic loop); K/V land in slots start..start+T-1. ``forward_static`` is the
         same layers with the positions, slots and key layout held on the device (the runtime).
@@ -200,11 +202,13 @@ class TargetModel(nn.Module):
         Returns logits [T, V] (or [1, V] with last_only) and the outputs of ``feature_layers``
         concatenated on the feature axis, [T, len * H] (None when no layers are asked). Without a
         tree the tokens are committed (cache.length = start + T); with a tree the caller commits the
-        accepted path (``cache.commit_path``, or on a hybrid restore + replay)."""
+        accepted path (``cache.commit_path``, or on a hybrid restore + replay). ``as_steps``: a forward
+        at 0 takes the decode steps' layout too (``attention_layout``; the prefix cache's prefill:
+        every row then rounds as an AR step at its position, ``engine.decoding.prefix_cache``)."""
         t = tokens.shape[0]
         self._begin(cache, start, tree, t)
         positions = new_positions(start, tree, t, tokens.device)
-        mask = attention_layout(start, tree, t, tokens.device)
+        mask = attention_layout(start, tree, t, tokens.device, as_steps)
         logits, features = self._forward(tokens, positions, cache, start, mask, tree, feature_layers, last_only)
         if tree is None:
             cache.length = start + t

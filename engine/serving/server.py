@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding.decode import generate
+from engine.decoding.prefix_cache import PrefixCache
 from engine.files import preview
+from engine.serving.metrics import Metrics, Outcome
 from engine.serving.openai_schema import (
     ApiError,
     ChatBody,
@@ -48,6 +49,7 @@ from engine.serving.openai_schema import (
 from engine.serving.text import TextStream
 
 DEFAULT_MAX_QUEUE = 32  # waiting requests beyond the one running
+DEFAULT_PREFIX_CACHE_MB = 1024  # the prefix cache's budget on the device, MiB (0: off)
 log = logging.getLogger("engine.serving")
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")  # metric labels
 
@@ -59,84 +61,14 @@ class _Stop(Exception):
     """Raised inside the decode loop's token hook to end a generation early."""
 
 
-@dataclass
-class Outcome:
-    text: str
-    finish_reason: str  # stop | length
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Metrics:
-    """Counters and gauges for /metrics, updated from the engine thread and the event loop."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.prompt_tokens = self.completion_tokens = 0
-        self.steps = self.step_tokens = 0  # speculative steps and the tokens they accepted (AL = ratio)
-        self.decode_s = 0.0
-        self.decode_tokens = 0
-        self.last_decode_tps = 0.0
-        self.last_al = 0.0
-
-    def count_request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            self.requests[(endpoint, status)] += 1
-
-    def record(self, outcome: Outcome, stats: Any | None) -> None:
-        with self.lock:
-            self.prompt_tokens += outcome.prompt_tokens
-            self.completion_tokens += outcome.completion_tokens
-            if stats is not None:  # a generation cut short by a stop string or a disconnect has none
-                self.steps += len(stats.accept_lengths)
-                self.step_tokens += sum(stats.accept_lengths)
-                self.decode_s += stats.decode_s
-                self.decode_tokens += max(stats.new_tokens - 1, 0)
-                self.last_decode_tps = stats.decode_tps
-                self.last_al = stats.acceptance_length
-
-    def render(self, queue_depth: int, running: int, capacity: int) -> str:
-        with self.lock:
-            rows = [
-                ("requests_total", "counter", "HTTP requests by endpoint and status code.",
-                 [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())]),
-                ("prompt_tokens_total", "counter", "Prompt tokens of served generations.", [("", self.prompt_tokens)]),
-                ("completion_tokens_total", "counter", "Generated tokens.", [("", self.completion_tokens)]),
-                ("speculative_steps_total", "counter", "Speculative decode steps (verify passes).", [("", self.steps)]),
-                ("accepted_tokens_total", "counter", "Tokens committed by speculative steps.",
-                 [("", self.step_tokens)]),
-                ("acceptance_length", "gauge", "Mean tokens committed per speculative step since start.",
-                 [("", self.step_tokens / self.steps if self.steps else 0.0)]),
-                ("acceptance_length_last", "gauge", "Acceptance length of the last finished generation.",
-                 [("", self.last_al)]),
-                ("decode_seconds_total", "counter", "Decode time (first to last token) of finished generations.",
-                 [("", self.decode_s)]),
-                ("decode_tokens_per_second", "gauge", "Decode tokens/s over all finished generations.",
-                 [("", self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0)]),
-                ("decode_tokens_per_second_last", "gauge", "Decode tokens/s of the last finished generation.",
-                 [("", self.last_decode_tps)]),
-                ("queue_depth", "gauge", "Requests waiting for the engine.", [("", queue_depth)]),
-                ("running", "gauge", "Generations running now (0 or 1).", [("", running)]),
-                ("queue_capacity", "gauge", "Waiting requests accepted before 503.", [("", capacity)]),
-            ]
-        out = []
-        for name, kind, help_text, samples in rows:
-            out += [f"# HELP autotune_{name} {help_text}", f"# TYPE autotune_{name} {kind}"]
-            out += [f"autotune_{name}{labels} {_num(v)}" for labels, v in samples]
-        return "\n".join(out) + "\n"
-
-
-def _num(v: float) -> str:
-    return str(v) if isinstance(v, int) else repr(float(v))
-
-
 class Runner:
-    """The single engine thread and its bounded queue (admission counts waiting + running)."""
+    """The single engine thread and its bounded queue (admission counts waiting + running), and the
+    pair's prefix cache (None: off), which only the engine thread touches."""
 
-    def __init__(self, pair: Any, max_queue: int) -> None:
+    def __init__(self, pair: Any, max_queue: int, prefix_cache: PrefixCache | None = None) -> None:
         self.pair = pair
         self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
         self.metrics = Metrics()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = threading.Lock()
@@ -190,8 +122,9 @@ class Runner:
                 raise _Stop
 
         stats = None
+        cache = self.prefix_cache
         try:
-            stats = generate(pair, job.ids, job.cfg, job.max_tokens, on_tokens=on_tokens).stats
+            stats = generate(pair, job.ids, job.cfg, job.max_tokens, on_tokens=on_tokens, prefix_cache=cache).stats
         except _Stop:
             pass
         finally:
@@ -202,7 +135,9 @@ class Runner:
         if tail and sink is not None:
             sink(tail)
         reason = "stop" if stream.stopped_by else "length"
-        outcome = Outcome(stream.text, reason, len(job.ids), stream.n_tokens)
+        # (a generation cut short by _Stop has no stats; it stopped after its prefill, the cache's last)
+        cached = stats.cached_tokens if stats is not None else cache.last_hit if cache is not None else 0
+        outcome = Outcome(stream.text, reason, len(job.ids), stream.n_tokens, cached)
         self.metrics.record(outcome, stats)
         self.served += 1
         return outcome
@@ -215,9 +150,11 @@ class Runner:
 # --- the app --------------------------------------------------------------------------------------
 
 
-def _usage(o: Outcome) -> dict[str, int]:
+def _usage(o: Outcome) -> dict[str, Any]:
+    """OpenAI's usage object: ``prompt_tokens_details.cached_tokens`` the prompt tokens the prefix cache gave."""
     return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-            "total_tokens": o.prompt_tokens + o.completion_tokens}
+            "total_tokens": o.prompt_tokens + o.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
 
 
 def _sse(obj: Any) -> str:
@@ -225,18 +162,22 @@ def _sse(obj: Any) -> str:
 
 
 def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
-    """The FastAPI app serving ``pair`` with ``cfg``; requests may override temperature and seed."""
+               max_queue: int = DEFAULT_MAX_QUEUE, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> FastAPI:
+    """The FastAPI app serving ``pair`` with ``cfg``; requests may override temperature and seed.
+    ``prefix_cache_mb``: the prefix cache's budget in MiB (``engine.decoding.prefix_cache``; 0: off)."""
     if pair.tokenizer is None:
         raise EngineInputError(f"target {pair.target_name!r} has no tokenizer: the server needs one to read text")
     if max_queue < 0:
         raise EngineInputError(f"max_queue must be >= 0, but got {max_queue}")
+    if not 0 <= prefix_cache_mb < float("inf"):  # (NaN too)
+        raise EngineInputError(f"prefix_cache_mb must be a finite number >= 0 (0: no prefix cache), but got "
+                               f"{prefix_cache_mb}")
     # refused now, not at each request: a request with tools brings a grammar wherever cfg places one
     reason = pair.refusal(cfg, constrained=cfg.grammar != "off")
     if reason is not None:
         raise EngineInputError(f"the engine cannot serve draft_path='runtime' with verify={cfg.verify!r} on this "
                                f"pair: {reason}; draft_path='generic' or 'auto' can")
-    runner = Runner(pair, max_queue)
+    runner = Runner(pair, max_queue, PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None)
     replies = _Replies(pair, cfg, runner, model_name)
     created = int(time.time())
 
@@ -276,7 +217,9 @@ def create_app(pair: Any, cfg: EngineConfig, model_name: str, api_key: str | Non
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         waiting, running = runner.depth()
-        return PlainTextResponse(runner.metrics.render(waiting, running, runner.max_queue),
+        cache = runner.prefix_cache
+        return PlainTextResponse(runner.metrics.render(waiting, running, runner.max_queue,
+                                                       cache.stats() if cache is not None else None),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
@@ -422,11 +365,15 @@ def warm_up(pair: Any, cfg: EngineConfig) -> dict[int, float] | None:
 
 
 def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE) -> int:
+          max_queue: int = DEFAULT_MAX_QUEUE, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> int:
     """Load the config's pair and serve it until Ctrl-C; returns the exit status 0.
 
     ``port`` 0 picks a free port; the address actually bound is printed on the ``serving:`` line.
+    ``prefix_cache_mb``: the prefix cache's budget on the device in MiB (0: off; docs/serving.md).
     """
+    if not 0 <= prefix_cache_mb < float("inf"):  # (NaN too)
+        raise EngineInputError(f"prefix_cache_mb must be a finite number >= 0 (0: no prefix cache), but got "
+                               f"{prefix_cache_mb}")
     import uvicorn
 
     from engine.api import load
@@ -438,7 +385,7 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
         pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")),
                     weights=str(model.get("weights", "dequantized")))  # a native study's export serves native
         name = str(model.get("name") or Path(target).name)
-        app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue)
+        app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb)
         costs = warm_up(pair, cfg)
     except BaseException:
         sock.close()
@@ -455,8 +402,8 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     print(f"serving: http://{bound_host}:{bound_port}/v1", flush=True)
     print(f"model: {name}\nconfig: {config_path}\nverify: {cfg.verify}\ndevice: {pair.device}\n"
-          f"weights: {pair.weights}\napi_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}",
-          flush=True)
+          f"weights: {pair.weights}\napi_key: {'required' if api_key else 'none'}\nqueue_capacity: {max_queue}\n"
+          f"prefix_cache_mb: {prefix_cache_mb:g}", flush=True)
     if costs is not None:  # the adaptive policy's table, measured before the first request
         print("step_costs_ms: " + " ".join(f"{b}:{ms:.3g}" for b, ms in sorted(costs.items())), flush=True)
     if not api_key and not _loopback(host):
@@ -468,8 +415,9 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
         pass
     finally:
         sock.close()
-    m = runner.metrics
+    m, pc = runner.metrics, runner.prefix_cache
     print(f"stopped: served {runner.served} generations\nprompt_tokens: {m.prompt_tokens}\n"
           f"completion_tokens: {m.completion_tokens}\n"
-          f"acceptance_length: {m.step_tokens / m.steps if m.steps else 0.0:.4g}", flush=True)
+          f"acceptance_length: {m.step_tokens / m.steps if m.steps else 0.0:.4g}\n"
+          f"prompt_tokens_cached: {pc.cached_tokens if pc is not None else 0}", flush=True)
     return 0

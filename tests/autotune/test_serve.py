@@ -145,7 +145,10 @@ def test_models_and_plain_equals_stream_at_temperature_0(server, pair):
     plain = _chat(client, stream=False)
     streamed = _chat(client, stream=True)
     assert plain[0] and plain[:2] == streamed[:2]
-    assert plain[2].model_dump() == streamed[2].model_dump()
+    # the same usage, but the second request found the first's prompt in the prefix cache (on by default)
+    assert plain[2].model_dump(exclude={"prompt_tokens_details"}) == streamed[2].model_dump(
+        exclude={"prompt_tokens_details"})
+    assert streamed[2].prompt_tokens_details.cached_tokens == streamed[2].prompt_tokens - 1
     assert plain[2].completion_tokens == 40 and plain[1] == "length"
     # and it is exactly what AR decoding of the same chat gives
     ids = pair.encode(Prompt(messages=tuple(MESSAGES)))
@@ -347,6 +350,8 @@ def test_full_queue_gets_503_with_retry_after_and_a_dropped_stream_frees_the_eng
     (["serve", "missing.yaml"], "config file not found"),
     (["serve", "{cfg}", "--port", "70000"], "--port: must be between 0 and 65535"),
     (["serve", "{cfg}", "--max-queue", "-1"], "--max-queue: must be >= 0"),
+    (["serve", "{cfg}", "--prefix-cache-mb", "-1"], "--prefix-cache-mb: must be a finite number >= 0"),
+    (["serve", "{cfg}", "--prefix-cache-mb", "nan"], "--prefix-cache-mb: must be a finite number >= 0"),
     (["serve", "{flat}"], "needs a 'model' section"),
     (["serve", "{bad}"], "EngineConfig.budget must be >= 1"),
     # the oracle draft proposes on the host: refused before serving, not at each request
