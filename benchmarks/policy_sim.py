@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-every", type=int, default=8)
     ap.add_argument("--probe-max", type=int, default=EngineConfig.probe_max)
     ap.add_argument("--calibration-window", type=int, default=16)
+    ap.add_argument("--switch-margin", type=float, default=EngineConfig.switch_margin)
     ap.add_argument("--costs", default=H200_COSTS, help=f"budget:ms,... a step (default the H200's: {H200_COSTS})")
     ap.add_argument("--ar-ms", type=float, default=H200_AR_MS, help="plain AR's ms a step (the reference)")
     ap.add_argument("--lag", type=int, default=1, help="steps launched before one is read (runtime 1, generic 0)")
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cfg = EngineConfig(verify="ddtree", budget=args.budget, top_k=args.top_k, policy="adaptive",
                        policy_levels=args.levels, probe_every=args.probe_every, probe_max=args.probe_max,
-                       calibration_window=args.calibration_window)
+                       calibration_window=args.calibration_window, switch_margin=args.switch_margin)
     costs = parse_costs(args.costs)
     costs.check(policy_budgets(cfg.budget, cfg.policy_levels))
     cache = Path(args.cache) if args.cache else None

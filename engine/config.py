@@ -24,6 +24,7 @@ MAX_SEED = 2**63 - 1
 MAX_POLICY_LEVELS = 10  # budget / 2**9: below 2 nodes for every budget MAX_BUDGET allows
 MAX_PROBE_EVERY = 1024  # also probe_max's bound: the catch-up proposal's block + probe_max - 1 context rows
 MAX_CALIBRATION_WINDOW = 1 << 16
+MAX_SWITCH_MARGIN = 10.0  # 10x: the configured tree always (a fixed policy with AR's fallback off)
 
 
 class EngineInputError(ValueError):
@@ -80,6 +81,12 @@ class EngineConfig:
         of the draft's context (a fixed window: one captured graph), once per probe.
     calibration_window (adaptive): steps the calibration of the draft's probabilities remembers
         (an exponential decay of 1 - 1/window on the observed and predicted sums).
+    switch_margin (adaptive): another budget (a smaller tree, or 0: an AR step) replaces the
+        configured tree only when its expected rate beats the tree's by this fraction (0.1: 10%). The
+        estimates are noisy and the argmax of noisy rates leaves the tree too often where its cost
+        barely depends on the budget (``benchmarks/policy_sim.py``: 0.95-0.99 of fixed DDTree-48 at
+        0, 1.00 at 0.1 on the SmolLM2 pair); a draft that fails is still left for AR, which then
+        wins by ~35% there.
     """
 
     verify: str = "ddtree"
@@ -104,6 +111,7 @@ class EngineConfig:
     # turns good again waits at most 63 AR steps to be noticed.
     probe_max: int = 64
     calibration_window: int = 16
+    switch_margin: float = 0.1
 
     def __post_init__(self) -> None:
         _choice("verify", self.verify, VERIFY_MODES)
@@ -118,6 +126,10 @@ class EngineConfig:
         # probe_max existed, with probe_every above its default, keeps meaning what it meant)
         _int_at_least("probe_max", self.probe_max, 2, MAX_PROBE_EVERY)
         _int_at_least("calibration_window", self.calibration_window, 1, MAX_CALIBRATION_WINDOW)
+        _float_in("switch_margin", self.switch_margin, low=0.0, low_open=False)
+        if self.switch_margin > MAX_SWITCH_MARGIN:
+            raise EngineInputError(f"EngineConfig.switch_margin must be <= {MAX_SWITCH_MARGIN} (a fraction of the "
+                                   f"tree's rate), but got {self.switch_margin}")
         _int_at_least("budget", self.budget, 1, MAX_BUDGET)
         _int_at_least("top_k", self.top_k, 1, MAX_TOP_K)
         _int_at_least("target_feat_ctx", self.target_feat_ctx, 0, MAX_TARGET_FEAT_CTX)
@@ -163,7 +175,7 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-_ADAPTIVE_ONLY = frozenset({"policy_levels", "probe_every", "probe_max", "calibration_window"})
+_ADAPTIVE_ONLY = frozenset({"policy_levels", "probe_every", "probe_max", "calibration_window", "switch_margin"})
 _TREE_ONLY = frozenset({"budget", "top_k", "proposal_temp", "chain_seed", "policy"}) | _ADAPTIVE_ONLY
 _NOT_APPLICABLE = {"ddtree": frozenset(), "chain": _TREE_ONLY,
                    "ar": _TREE_ONLY | {"target_feat_ctx", "rollback", "block_size"}}

@@ -24,7 +24,11 @@ Stages, each a pure function or a small record:
    is), so a shell seldom verified follows what the draft showed nearer the root.
 3. **Choose** (``choose_budget``): E[AL](b) = 1 + min(calibrated E[accepted](b), b, depth), and the
    budget maximising E[AL](b) / ms(b) over ``StepCosts``, the step's cost at each budget (measured for
-   this pair on this device, ``decode.measure_step_costs``, or given).
+   this pair on this device, ``decode.measure_step_costs``, or given), provided it beats the
+   configured tree (the largest budget) by ``switch_margin``: the estimates are noisy, and where a
+   tree's cost barely depends on its budget the argmax of noisy rates gave up the largest tree on
+   steps it would have won. Until a generation's first tree step is read back there is no estimate:
+   the configured tree runs.
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
    non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. A probe
@@ -149,15 +153,22 @@ def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
 
 
 def choose_budget(budgets: Sequence[int], accepts: Sequence[float], ratios: Sequence[float], costs: StepCosts,
-                  depth: int) -> tuple[int, float]:
+                  depth: int, margin: float = 0.0) -> tuple[int, float]:
     """(the budget maximising E[AL](b) / ms(b), its E[AL]): E[AL](b) = 1 + min(ratio(b) * accepts(b),
-    b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget."""
+    b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget. ``margin``
+    (``EngineConfig.switch_margin``): the largest budget of finite cost (the configured tree) stays
+    unless that rate beats its own by more than this fraction."""
     best, best_al, best_rate = budgets[0], 1.0, -1.0
+    top = None  # (budget, E[AL], rate) of the largest finite budget
     for b, a, ratio in zip(budgets, accepts, ratios, strict=True):
         al = 1.0 + min(ratio * a, b, depth)
         rate = al / costs.ms[b]
         if rate > best_rate:
             best, best_al, best_rate = b, al, rate
+        if math.isfinite(costs.ms[b]) and (top is None or b > top[0]):
+            top = (b, al, rate)
+    if top is not None and best != top[0] and best_rate <= (1.0 + margin) * top[2]:
+        return top[0], top[1]
     return best, best_al
 
 
@@ -197,6 +208,7 @@ class AdaptivePolicy:
     # over-confidence depends on the node's place in the tree
     calibrations: list[Calibration]
     probe_max: int | None = None  # the probes' interval's cap (None: ``probe_every``, no back-off)
+    margin: float = 0.0  # ``EngineConfig.switch_margin``
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
     interval: int = 0  # the steps from one probe to the next now (0: ``probe_every``; ``choose``)
@@ -206,7 +218,7 @@ class AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
         return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets],
-                   cfg.probe_max)
+                   cfg.probe_max, cfg.switch_margin)
 
     @property
     def cap(self) -> int:
@@ -226,11 +238,19 @@ class AdaptivePolicy:
 
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
-        # Before any tree step: every node assumed accepted (the first step probes optimistically).
-        fresh = self.accepts is None
-        accepts = [float(min(b, self.depth)) for b in self.budgets] if fresh else self.calibrated(self.accepts)
+        # Before any tree step read back (a generation's first steps: two on the runtime, which reads a
+        # step after launching the next) there is no estimate: the configured tree, the largest finite
+        # budget, as a fixed policy would run it. (Every node assumed accepted instead ties every budget
+        # of at least the depth, and the tie went to the cheapest: budget 24 on the steps where the
+        # draft accepts most, the opening of a generation, AL 6.0 observed against the largest tree's.)
+        if self.accepts is None:
+            tree = [c for c in self.budgets if c > 0 and math.isfinite(self.costs.ms[c])]
+            if tree:
+                self.ar_streak, self.interval = 0, self.probe_every
+                return tree[-1], 1.0 + min(tree[-1], self.depth)
+        accepts = self.calibrated(self.accepts) if self.accepts is not None else [0.0] * len(self.budgets)
         ratios = [1.0] * len(self.budgets)  # (calibrated already)
-        b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth)
+        b, al = choose_budget(self.budgets, accepts, ratios, self.costs, self.depth, self.margin)
         if b > 0:  # a tree chosen on its own merit: the draft is worth its cost, probes start over
             self.interval = self.probe_every
         else:
