@@ -342,7 +342,8 @@ def _memory(study: optuna.Study, w: results.Winner | None) -> list[str]:
     if w is not None and w.trial in recorded:
         m = recorded[w.trial].user_attrs["memory"]
         parts = ", ".join(f"{k} {vram_size(v)}" for k, v in sorted(m["parts"].items(), key=lambda kv: -kv[1]) if v)
-        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}** ({parts}).", ""]
+        plan = f"; planned {vram_size(m['planned_total'])}" if m.get("planned_total") else ""
+        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).", ""]
     over = results.over_vram(study)
     if over:
         L += [f"**{len(over)} trial(s) over the limit**: infeasible, never the winner; one over it by its plan was "

@@ -108,7 +108,8 @@ class Record:
     per_prompt_tps: list[float] = field(default_factory=list)
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
     peak_memory_bytes: int = 0
-    # engine.MemoryBreakdown.to_dict() at the job's memory_at: measured on CUDA, else planned; over_vram:
+    # engine.MemoryBreakdown.to_dict() at the job's memory_at: measured on CUDA (with the plan's
+    # "planned_total"), else planned; over_vram:
     # why its plan is over the job's vram_limit (nothing measured; the driver records it infeasible)
     memory: dict[str, Any] = field(default_factory=dict)
     over_vram: str | None = None
@@ -304,7 +305,8 @@ class Worker:
                            for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
         if at is not None and str(self.pair.device).startswith("cuda"):  # before forensics add graphs
-            rec.memory = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained).to_dict()
+            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained)
+            rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"]}  # the plan, to compare
         if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
             # is cheap on purpose: the full measurement diagnoses its divergences
             self._diagnose(rec, cfg, reference, diverged)

@@ -117,9 +117,15 @@ def measure_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
     """The measured breakdown after ``config`` decoded on ``pair`` (on CUDA: ``peak_bytes`` is
     ``torch.cuda.max_memory_allocated`` over the passes): the static parts from the tensors the pair
     holds now (``held_memory``), the graphs' pool from the allocator, and the rest of the peak as
-    activations (with whatever small buffers no part names)."""
+    activations (with whatever small buffers no part names).
+
+    The pool counts whole: what a capture freed stays the graph's (its replays write there), yet the
+    allocator counts only what is still allocated; so the total is the allocated peak plus the pool's
+    freed part, which no other allocation can take."""
     parts = held_memory(pair)
-    parts["activations"] = max(int(peak_bytes) - sum(parts.values()), 0)
+    pool_allocated = _pool(pair)[1]
+    held = sum(parts.values()) - parts["graph_pools"] + pool_allocated  # allocated, in the peak
+    parts["activations"] = max(int(peak_bytes) - held, 0)
     return MemoryBreakdown("measured", parts, prompt_tokens, new_tokens,
                            _loop(pair, config, pair.target.device, constrained))
 
@@ -137,7 +143,7 @@ def held_memory(pair) -> dict[str, int]:
     decoder = getattr(pair, "_runtime_decoder", None)
     if decoder is not None and decoder.ws is ws:
         parts["draft_context"] += _bytes(decoder._draft_kv or ())
-        parts["graph_pools"] = _pool_bytes(pair.target.device, decoder.graphs._pool)
+        parts["graph_pools"] = _pool(pair)[0]
     drafter = pair.drafter
     if isinstance(drafter, DFlashDrafter):  # the generic loop's context K/V
         parts["draft_context"] += _bytes([drafter._ctx_k, drafter._ctx_v])
@@ -285,14 +291,18 @@ def _cache_parts(cache: KVCache) -> dict[str, int]:
     return parts
 
 
-def _pool_bytes(device: torch.device, pool: Any) -> int:
-    """Bytes allocated in the captured graphs' memory pool ``pool`` on ``device``, from the CUDA
-    allocator's snapshot (its segments name the pool that owns them)."""
+def _pool(pair) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the memory pool of the pair's captured graphs, from the CUDA
+    allocator's snapshot (its segments name the pool that owns them); (0, 0) without one."""
+    decoder = getattr(pair, "_runtime_decoder", None)
+    device = pair.target.device
+    pool = None if decoder is None or decoder.ws is not pair._workspace else decoder.graphs._pool
     if device.type != "cuda" or pool is None:
-        return 0
+        return 0, 0
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return sum(int(seg.get("allocated_size", 0)) for seg in torch.cuda.memory_snapshot()
-               if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool))
+    segments = [seg for seg in torch.cuda.memory_snapshot()
+                if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
+    return sum(int(seg["total_size"]) for seg in segments), sum(int(seg["allocated_size"]) for seg in segments)
 
 
 def _feature_width(pair) -> int:

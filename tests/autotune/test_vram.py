@@ -10,6 +10,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from autotune_helpers import tiny_experiment
 from optuna.trial import TrialState
 
@@ -168,3 +169,21 @@ def test_autotune_plan_prints_every_part_and_what_fits(tmp_path, capsys):
 def test_autotune_plan_bad_input_exits_2_naming_it(tmp_path, capsys, flags, model, message):
     code, out, err = _plan(tmp_path, capsys, *flags, **model)
     assert code == 2 and out == "" and message in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_trial_records_its_measured_peak_beside_its_plan(tmp_path):
+    exp = experiment.load(tiny_experiment(tmp_path, space=GRID, engine={"top_k": 3},
+                                          model={**MODEL, "device": "cuda", "vram_limit": "8GiB"},
+                                          study={"n_trials": 4, "sampler": "grid", "seed": 0}))
+    opts = SweepOptions(n_trials=4, storage=parse_storage("memory"), study_name="vram-cuda", tracking_uri=None,
+                        progress=False)
+    study = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO()).study
+    done = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    assert len(done) >= 5 and not results.over_vram(study)
+    for t in done:
+        m = t.user_attrs["memory"]
+        assert m["kind"] == t.user_attrs["peak_memory_kind"] == "measured" and m["planned_total"] > 0
+        assert t.user_attrs["peak_memory_bytes"] == m["total"] >= m["parts"]["target_weights"] > 0
+        print(f"trial {t.number} ({st.role_of(t)}): measured {m['total']:,} B, planned {m['planned_total']:,} B")
