@@ -170,10 +170,13 @@ def release_memory(pair) -> None:
         torch.cuda.empty_cache()
 
 
-def reserve_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int) -> None:
+def reserve_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
+                   constrained: bool = False) -> None:
     """``release_memory``, then the workspace for generations of up to ``prompt_tokens + new_tokens``
     under ``config`` allocated once at ``plan_memory``'s length (and a hybrid's per-node records at
-    its tree): no generation of the workload grows it, as growing doubles it."""
+    its tree, and with ``constrained`` the state a grammar's cut restores): no generation of the
+    workload grows it (growing doubles it), and nothing of it is first allocated inside a captured
+    graph's pool, where it would count twice."""
     _check_lengths(prompt_tokens, new_tokens)
     speculative = _speculative(pair, config)
     release_memory(pair)
@@ -181,6 +184,8 @@ def reserve_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
                         _feature_width(pair) if speculative else 0)
     if speculative and isinstance(ws.cache, HybridCache):
         ws.cache.reserve_tree(verify_shape(pair, config)[1])
+        if constrained:  # (``HybridCache.commit_recurrent`` would make it on the first commit that keeps it)
+            ws.cache.rec_prev = torch.empty_like(ws.cache.rec)
 
 
 def largest_budget(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, limit: int,

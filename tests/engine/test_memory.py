@@ -61,6 +61,8 @@ def test_plan_equals_what_the_pair_allocates(target, name):
         kept = plan_memory(pair, cfg, longest, new, constrained=True).parts["recurrent_state"]
         recurrent = pair._workspace.cache.rec.numel() * 4 if target == "tiny-hybrid" else 0
         assert kept - plan.parts["recurrent_state"] == recurrent
+        reserve_memory(pair, cfg, longest, new, constrained=True)  # made up front, not inside a captured step
+        assert held_memory(pair)["recurrent_state"] == kept
     assert pair._workspace.max_len == workspace_length(pair, cfg, longest, new)
     # the parts, by other arithmetic: every parameter once; K/V [layers, slots, kv_heads, head_dim] twice
     assert plan.parts["target_weights"] == _weight_bytes(pair.target)
