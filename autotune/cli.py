@@ -1,4 +1,4 @@
-"""`autotune sweep|status|best|report|export|serve|dashboard` (docs/architecture.md: a stable contract).
+"""`autotune sweep|plan|status|best|report|export|serve|dashboard` (docs/architecture.md: a stable contract).
 
 Exit status: 0 done; 2 bad input (the message names the file or flag, the key, the rule and the
 value, and nothing was created); 130 after Ctrl-C (the running trial is failed cleanly first).
@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ray-address", help="Ray cluster to join: auto or HOST:PORT (default: start a local one)")
     s.add_argument("--trial-timeout", help="Ray: kill and restart a worker whose trial runs longer: 10m, 600s")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("plan", help="the device memory the experiment's configs need, per part, and what fits "
+                       "model.vram_limit (planned: no GPU needed)")
+    s.add_argument("experiment", help="experiment YAML (experiments/*.yaml)")
+    s.add_argument("--context", help="tokens to plan for, a prompt and max_new_tokens (default: the workload's "
+                   "longest prompt plus max_new_tokens)")
+    s.add_argument("--vram-limit", help="plan against this limit instead of model.vram_limit: 24GiB, 22.5GB, "
+                   "8000MiB or bytes")
 
     s = sub.add_parser("status", help="list the studies in a storage")
     s.add_argument("--storage", default=DEFAULT_STORAGE, help=STORAGE_HELP)
@@ -165,6 +173,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return run_sweep(exp, opts, workloads, executor=executor).exit_code
     except EngineInputError as exc:  # e.g. a draft made for another target, found when the pair loads
         raise InputError(str(exp.path), "model", f"the engine refused to load the pair ({exc})") from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autotune import experiment, plan, vram
+
+    # Every input is checked before the model loads.
+    limit = vram.parse_size(args.vram_limit, "--vram-limit", None) if args.vram_limit is not None else None
+    context = None
+    if args.context is not None:
+        if not re.fullmatch(r"\d+", args.context.strip()) or int(args.context) < 2:
+            raise InputError("--context", None, "must be a whole number of tokens, at least 2", args.context)
+        context = int(args.context)
+    exp = experiment.load(args.experiment)
+    plan.run(exp, experiment.load_workloads(exp), context, limit)
+    return EXIT_OK
 
 
 def _open(args: argparse.Namespace) -> Any:
@@ -353,7 +376,7 @@ def _answers_within(proc: subprocess.Popen, url: str, seconds: float) -> bool:
     return False
 
 
-COMMANDS = {"sweep": cmd_sweep, "status": cmd_status, "best": cmd_best, "report": cmd_report,
+COMMANDS = {"sweep": cmd_sweep, "plan": cmd_plan, "status": cmd_status, "best": cmd_best, "report": cmd_report,
             "export": cmd_export, "serve": cmd_serve, "dashboard": cmd_dashboard}
 
 

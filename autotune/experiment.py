@@ -19,6 +19,7 @@ from autotune.errors import _MISSING, InputError
 from autotune.fidelity import MAX_STOP_RATIO, FidelitySpec, Rung
 from autotune.files import read_jsonl_lines, read_yaml_file
 from autotune.space import SearchSpace, load_space
+from autotune.vram import parse_size
 
 NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SAMPLERS = ("tpe", "gp", "random", "grid")
@@ -42,6 +43,9 @@ class ModelSpec:
     # how the target holds its weights (engine.WEIGHTS): "native" keeps a GGUF's quantized projections
     # in their blocks. A fixed model setting, never searched: it changes the model that is measured.
     weights: str = "dequantized"
+    # bytes of device memory a config may take at the workload's longest context (autotune.vram): one
+    # over it is infeasible; None: no limit
+    vram_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ class Experiment:
                         self.measure.exactness],
             "engine": sorted(self.engine),
         }
+        if m.vram_limit is not None:  # it decides which trials are feasible; absent, older studies resume
+            data["vram_limit"] = m.vram_limit
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -242,14 +248,16 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
 def _model(where: str, raw: dict, base: Path) -> ModelSpec:
     from engine import WEIGHTS
 
-    s = _Section(where, "model", raw, {"target", "draft", "device", "dtype", "weights"})
+    s = _Section(where, "model", raw, {"target", "draft", "device", "dtype", "weights", "vram_limit"})
     target, draft = s.get("target", str), s.get("draft", str)
     device = s.get("device", str, "auto")
     if not _DEVICE_RE.match(device):
         raise InputError(where, "model.device", "must be auto, cpu, mps, cuda or cuda:N", device)
+    limit = raw.get("vram_limit")
     return ModelSpec(target=_resolve_model_path(target, base), draft=_resolve_model_path(draft, base),
                      device=device, dtype=s.choice("dtype", DTYPES, "auto"),
-                     weights=s.choice("weights", WEIGHTS, "dequantized"))
+                     weights=s.choice("weights", WEIGHTS, "dequantized"),
+                     vram_limit=None if limit is None else parse_size(limit, where, "model.vram_limit"))
 
 
 def _resolve_model_path(spec: str, base: Path) -> str:

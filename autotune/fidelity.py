@@ -36,6 +36,7 @@ a smaller workload (the CPU quickstart, the tests) is measured in full at once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,9 +88,10 @@ def jobs(full: Job, ladder: tuple[Rung, ...], spec: FidelitySpec) -> list[Job]:
     """The jobs of one trial: each rung with the spec's passes, capped by the full measurement's (no
     re-measurement of a noisy rung: its spread speaks), then the full measurement."""
     warmup, repeats = min(full.warmup, spec.rung_warmup), min(full.repeats, spec.rung_repeats)
-    return [Job(trial=full.trial, role=full.role, config=full.config, max_new_tokens=r.max_new_tokens,
-                warmup=warmup, repeats=repeats, max_rel_mad=full.max_rel_mad,
-                remeasure_if_noisy=False, prompts=r.prompts, rung=i) for i, r in enumerate(ladder)] + [full]
+    # (dataclasses.replace: the rest of the full job, its memory plan's context and limit, carries over)
+    return [dataclasses.replace(full, max_new_tokens=r.max_new_tokens, warmup=warmup, repeats=repeats,
+                                remeasure_if_noisy=False, prompts=r.prompts, rung=i)
+            for i, r in enumerate(ladder)] + [full]
 
 
 def stage(job: Job, ladder: tuple[Rung, ...]) -> str | None:

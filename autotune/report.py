@@ -4,7 +4,8 @@ Sections: the winner and whether it is a positive conclusion, exactness failures
 divergence's top-2 logit margins and verdict: numeric tie or mismatch), top trials with spread,
 speedup vs AR and the baseline each speedup used (and which ones a restart reused), break-even AL
 and oracle gate per workload, the per-phase breakdown (and what the phases do not account for),
-which path won and by how much, failures.
+which path won and by how much, device memory (the limit, the winner's peak per part, the trials
+over the limit), failures.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from autotune import measure, results  # noqa: E402
 from autotune import study as st  # noqa: E402
 from autotune.dimensions import describe as describe_fixed  # noqa: E402
 from autotune.study import role_of  # noqa: E402
+from autotune.vram import size as vram_size  # noqa: E402
 
 PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
 COVERAGE_TOLERANCE = 0.05  # phases must add up to the step time within a few percent
@@ -99,7 +101,8 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
           f"- workloads: {a.get('workloads')} (hash {a.get('workload_hash')})",
           f"- trials: {counts['finished']} finished ({counts['complete']} complete, {counts['pruned']} pruned, "
           f"{counts['fail']} failed of which {counts['interrupted']} interrupted), {counts['infeasible']} infeasible, "
-          f"{counts['refused']} refused by the engine",
+          f"{counts['refused']} refused by the engine"
+          + (f", {counts['over_vram']} over the memory limit" if counts["over_vram"] else ""),
           f"- exactness: {a.get('exactness')}"]
     if "fixed_dimensions" in a:  # dimensions whose value cannot matter here were not searched
         L.append(f"- fixed, not searched: {describe_fixed(a['fixed_dimensions']) or 'none'}")
@@ -142,7 +145,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
     L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study, w),
-          *_stopped(study), *_refusals(study), *_failures(study)]
+          *_memory(study, w), *_stopped(study), *_refusals(study), *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
 
@@ -324,6 +327,35 @@ def _paths(study: optuna.Study, w: results.Winner | None) -> list[str]:
         L.append(f"- `{path}`: best value {t.value:.2f} (trial {t.number}); the winner is {margin:+.1%} "
                  f"ahead{tied}.")
     return L + [""]
+
+
+def _memory(study: optuna.Study, w: results.Winner | None) -> list[str]:
+    """The limit, the winner's peak per part, and each trial over the limit: by how much, its largest
+    part, measured or planned (``autotune.vram``). Nothing when no trial recorded its memory."""
+    limit = (study.user_attrs.get("model") or {}).get("vram_limit")
+    recorded = {t.number: t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("memory")}
+    if not recorded:
+        return []
+    L = ["## Device memory", "", f"Limit: {vram_size(limit) if limit else 'none'} (`model.vram_limit`). A trial's "
+         "peak at the workload's longest prompt plus `max_new_tokens`, per part (`engine.memory`): measured on CUDA "
+         "over the measured passes, planned elsewhere (`autotune plan` prints the plan).", ""]
+    if w is not None and w.trial in recorded:
+        m = recorded[w.trial].user_attrs["memory"]
+        parts = ", ".join(f"{k} {vram_size(v)}" for k, v in sorted(m["parts"].items(), key=lambda kv: -kv[1]) if v)
+        plan = f"; planned {vram_size(m['planned_total'])}" if m.get("planned_total") else ""
+        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).", ""]
+    over = results.over_vram(study)
+    if over:
+        L += [f"**{len(over)} trial(s) over the limit**: infeasible, never the winner; one over it by its plan was "
+              "not measured.", "", "| trial | peak | over by | largest part | peak is | config |",
+              "|---|---|---|---|---|---|"]
+        for t in over:
+            m = t.user_attrs["memory"]
+            part, cfg = m["dominant"], _cfg_short(t.user_attrs.get("config", {}))
+            L.append(f"| {t.number} | {vram_size(m['total'])} | {vram_size(m['total'] - limit)} | {part} "
+                     f"({vram_size(m['parts'][part])}) | {m['kind']} | `{cfg}` |")
+        L.append("")
+    return L
 
 
 def _stopped(study: optuna.Study) -> list[str]:

@@ -37,8 +37,15 @@ def refused(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def infeasible(study: optuna.Study) -> list[FrozenTrial]:
-    """Measured, completed trials that broke a constraint (exactness); refused ones are apart."""
-    return [t for t in completed(study) if not feasible(t) and t.user_attrs.get("refused") is None]
+    """Measured, completed trials whose output broke exactness (constraint ``exactness``); refused ones
+    and those over the memory limit are apart (``refused``, ``over_vram``)."""
+    return [t for t in completed(study) if t.constraints.get("exactness", 0.0) > 0]
+
+
+def over_vram(study: optuna.Study) -> list[FrozenTrial]:
+    """Completed trials over ``model.vram_limit`` (constraint ``vram``): refused on their plan, or
+    measured over it (``autotune.vram``)."""
+    return [t for t in completed(study) if t.constraints.get("vram", 0.0) > 0]
 
 
 def state_counts(study: optuna.Study) -> dict[str, int]:
@@ -50,6 +57,7 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     counts["interrupted"] = sum(bool(t.user_attrs.get("interrupted")) for t in trials)
     counts["infeasible"] = len(infeasible(study))
     counts["refused"] = len(refused(study))
+    counts["over_vram"] = len(over_vram(study))
     return counts
 
 
@@ -272,6 +280,7 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "trials_running": counts["running"],
         "trials_infeasible": counts["infeasible"],
         "trials_refused": counts["refused"],
+        "trials_over_vram": counts["over_vram"],
     }
     if "fixed_dimensions" in study.user_attrs:  # dimensions not searched, and why (autotune.dimensions)
         out["fixed_dimensions"] = describe_fixed(study.user_attrs["fixed_dimensions"]) or None

@@ -90,7 +90,7 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, exp: Experiment,
         for key, value in {"experiment": exp.name, "experiment_path": str(exp.path), "objective": exp.objective,
                            "model": {"target": exp.model.target, "draft": exp.model.draft,
                                      "device": exp.model.device, "dtype": exp.model.dtype,
-                                     "weights": exp.model.weights},
+                                     "weights": exp.model.weights, "vram_limit": exp.model.vram_limit},
                            "fixed_engine": exp.fixed_engine, "exactness": exp.measure.exactness,
                            "created": _now(), **meta}.items():
             study.set_user_attr(key, value)

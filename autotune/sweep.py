@@ -31,7 +31,7 @@ from optuna.samplers import GridSampler
 from optuna.trial import TrialState
 from tqdm import tqdm
 
-from autotune import confirm, dimensions, fidelity, measure, results
+from autotune import confirm, dimensions, fidelity, measure, results, vram
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import Executor, LocalExecutor
@@ -135,6 +135,7 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, BudgetLock(opts.storage,
                                                                                              opts.study_name))
     driver.workers = workers
+    driver.memory_at = vram.memory_at(device.get("longest_prompt"), exp.workload.max_new_tokens)
     status, code = "FINISHED", 0
     try:
         tracker.sync()  # trials finished (or just failed as stale) before a crash get their runs now
@@ -214,6 +215,7 @@ class _Driver:
         self.popped: optuna.trial.Trial | None = None  # asked, not yet submitted (an interrupt may land here)
         self.progress: Progress | None = None
         self._identities: dict[str, dict[str, Any] | None] = {}  # worker -> identity (fixed per process)
+        self.memory_at: tuple[int, int] | None = None  # where each trial's memory is planned (vram.memory_at)
 
     # ---------------------------------------------------------------- the loop
     def loop(self, started: float) -> None:
@@ -352,7 +354,8 @@ class _Driver:
             trial.set_user_attr(key, value)
         m = self.exp.measure
         full = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
-                   warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad)
+                   warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad, memory_at=self.memory_at,
+                   vram_limit=self.exp.model.vram_limit)
         # the cheap rungs first (fewer passes), then the full measurement
         first, *todo = fidelity.jobs(full, self.exp.ladder, self.exp.fidelity)
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
@@ -368,7 +371,7 @@ class _Driver:
         if job is None:
             return  # not a trial of this loop (cannot happen with the executors here)
         stopped = None
-        if rec.rung is not None and rec.ok and rec.refused is None:
+        if rec.rung is not None and rec.ok and rec.refused is None and rec.over_vram is None:
             try:
                 stopped = self._rung_done(job, rec)
             except ValueError as exc:  # NaN or negative rate: fail fast, never guess a value
@@ -435,8 +438,8 @@ class _Driver:
             tqdm.write(f"trial {trial.number} FAIL: {rec.fail_reason}", file=sys.stderr)
             self.study.tell(trial, state=TrialState.FAIL)
             return
-        if rec.refused is not None:
-            self.tell_refused(trial, rec.refused)
+        if rec.refused is not None or rec.over_vram is not None:
+            self.tell_refused(trial, rec.refused or rec.over_vram, rec.memory if rec.refused is None else None)
             return
         if rec.pruned:  # a partial figure, never a value
             if stopped is not None:  # at a cheap fidelity rung (its figures are in the trial's `fidelity`)
@@ -459,6 +462,13 @@ class _Driver:
         if not reported:
             for step, tps in enumerate(rec.per_prompt_tps):
                 trial.report(tps, step)
+        self._constrain(trial, rec)
+        self.study.tell(trial, score.value)
+
+    def _constrain(self, trial: optuna.trial.Trial, rec: Record) -> None:
+        """A measured trial's constraints: ``exactness`` (under ``exactness: strict``) and, under
+        ``model.vram_limit``, ``vram`` (its peak, measured or planned: ``autotune.vram``); each
+        violation said on stderr."""
         if self.exp.measure.exactness == "strict":
             trial.set_constraint("exactness", measure.exactness_violation(rec.exact_match))
         if rec.exact_match is not None and rec.exact_match < 1.0:
@@ -466,21 +476,31 @@ class _Driver:
             tqdm.write(f"trial {trial.number} INEXACT: exact_match={rec.exact_match:.2f} first_divergence="
                        f"{rec.first_divergence} prompts={rec.inexact_prompts[:4]} "
                        f"verdicts={rec.divergence_verdicts} -> {verdict}", file=sys.stderr)
-        self.study.tell(trial, score.value)
+        over = vram.record(trial, rec.memory, self.exp.model.vram_limit)
+        if over is not None:
+            tqdm.write(f"trial {trial.number} OVER VRAM: {over} -> INFEASIBLE", file=sys.stderr)
 
-    def tell_refused(self, trial: optuna.trial.Trial, reason: str) -> None:
-        """A config the engine cannot run as asked (``draft_path: runtime`` where the runtime cannot
-        run it): a complete, infeasible trial (constraint ``runnable`` 1, value 0), so that TPE learns
-        to avoid the region (a failed trial would teach it nothing) and it never wins. A baseline or
-        reference the engine refuses is a failure: nothing can be compared without it."""
-        trial.set_user_attr("refused", reason)
+    def tell_refused(self, trial: optuna.trial.Trial, reason: str, memory: dict[str, Any] | None = None) -> None:
+        """A config that cannot run as asked, nothing measured: the engine refuses it (``draft_path:
+        runtime`` where the runtime cannot run it), or with ``memory`` (its plan, ``autotune.vram``) it
+        needs more than ``model.vram_limit``. A complete, infeasible trial (constraint ``runnable`` 1,
+        or ``vram``: the fraction over the limit; value 0), so that TPE learns to avoid the region (a
+        failed trial would teach it nothing) and it never wins. A baseline or reference refused is a
+        failure: nothing can be compared without it."""
+        if memory is None:
+            trial.set_user_attr("refused", reason)
+        else:
+            vram.record(trial, memory, self.exp.model.vram_limit)
+        what = "refused by the engine" if memory is None else "not measured, over the memory limit"
         if trial.user_attrs.get("role", "search") != "search":
-            trial.set_user_attr("fail_reason", f"refused by the engine: {reason}")
-            tqdm.write(f"trial {trial.number} FAIL: refused by the engine: {reason}", file=sys.stderr)
+            trial.set_user_attr("fail_reason", f"{what}: {reason}")
+            tqdm.write(f"trial {trial.number} FAIL: {what}: {reason}", file=sys.stderr)
             self.study.tell(trial, state=TrialState.FAIL)
             return
-        trial.set_constraint("runnable", 1.0)
-        tqdm.write(f"trial {trial.number} REFUSED: {reason} -> INFEASIBLE", file=sys.stderr)
+        if memory is None:
+            trial.set_constraint("runnable", 1.0)
+        tqdm.write(f"trial {trial.number} {'REFUSED' if memory is None else 'OVER VRAM'}: {reason} -> INFEASIBLE",
+                   file=sys.stderr)
         self.study.tell(trial, 0.0)
 
     def score_attrs(self, number: int, rec: Record, score: measure.Score) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from autotune.study import role_of
 _STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.PRUNED: "FINISHED", TrialState.FAIL: "FAILED"}
 _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "speedup_vs_ar", "break_even_al",
             "exact_match", "step_ms", "e2e_tps_median", "ar_decode_tps", "oracle_gate_fraction",
-            "oracle_gate_tps", "peak_memory_bytes", "util_percent", "trial_wall_s", "engine_s", "inexact_count",
+            "oracle_gate_tps", "peak_memory_bytes", "vram_limit_bytes", "util_percent", "trial_wall_s", "engine_s",
+            "inexact_count",
             "partial_decode_tps",  # a pruned trial's partial figure (it has no value)
             "policy_ar_step_fraction", "policy_predicted_al", "policy_observed_al")  # the adaptive policy's
 # a trial's records logged as JSON artifacts (per_workload.json holds each workload's budget histogram too;
@@ -77,6 +78,44 @@ def run_name(t: FrozenTrial) -> str:
         return f"AR baseline (worker {a.get('worker', '?')}, #{t.number})"
     label = config_label(a.get("config", {}))
     return f"{'reference ' if role == 'reference' else ''}{label} (#{t.number})"
+
+
+def trial_tags(t: FrozenTrial, config: dict[str, Any]) -> dict[str, str]:
+    """A trial run's tags: its number, role, state, worker and feasibility, its path, and why it failed,
+    was refused, went over the memory limit, or reused a baseline."""
+    a = t.user_attrs
+    tags = {"autotune.trial": str(t.number), "autotune.role": role_of(t), "role": role_of(t),
+            "autotune.state": t.state.name, "worker": str(a.get("worker", "")), "feasible": str(_feasible(t))}
+    tags.update({k: str(config[k]) for k in ("verify", "draft_path", "rollback") if k in config})
+    # why it failed, was refused by the engine, or is over model.vram_limit (by how much, which part dominates)
+    tags.update({k: str(a[k])[:4000] for k in ("fail_reason", "refused", "over_vram") if a.get(k)})
+    if a.get("peak_memory_kind"):  # peak_memory_bytes measured on CUDA, or planned (autotune.vram)
+        tags["peak_memory_kind"] = str(a["peak_memory_kind"])
+    if a.get("noisy"):
+        tags["noisy"] = "true"
+    if a.get("baseline_trial") is not None:  # the AR trial its speedup divides by
+        tags["baseline_trial"] = str(a["baseline_trial"])
+    if a.get("baseline_reused"):
+        tags["baseline_reused"] = "true"
+    return tags
+
+
+def trial_metrics(t: FrozenTrial) -> dict[str, float]:
+    """A trial run's metrics: ``_METRICS``, its value, the phases per step, the divergence verdicts,
+    the adaptive policy's steps per budget and the peak memory per part."""
+    a = t.user_attrs
+    metrics = {k: a[k] for k in _METRICS if isinstance(a.get(k), (int, float)) and not isinstance(a.get(k), bool)}
+    if t.value is not None:
+        metrics["value"] = t.value
+    for phase, ms in a.get("phase_ms_per_step", {}).items():
+        metrics[f"phase_ms.{phase}"] = ms
+    for verdict, n in a.get("divergence_verdicts", {}).items():  # "numeric tie" -> verdict.numeric_tie
+        metrics[f"verdict.{verdict.replace(' ', '_')}"] = n
+    for budget, n in (a.get("budget_histogram") or {}).items():  # the adaptive policy's steps per budget
+        metrics[f"budget_steps.{budget}"] = n
+    for part, n in ((a.get("memory") or {}).get("parts") or {}).items():  # the peak per part (engine.memory)
+        metrics[f"memory.{part}"] = n
+    return metrics
 
 
 def conclusion(w: results.Winner | None) -> tuple[str, str]:
@@ -275,33 +314,12 @@ class Tracker:
         """The trial's nested run; then (``refresh``) the parent run's winner, which it may change."""
         a = t.user_attrs
         config = applicable_config(a.get("config", {}))
-        tags = {"mlflow.parentRunId": self.parent, "autotune.trial": str(t.number), "autotune.role": role_of(t),
-                "role": role_of(t), "autotune.state": t.state.name, "worker": str(a.get("worker", "")),
-                "feasible": str(_feasible(t))}
-        tags.update({k: str(config[k]) for k in ("verify", "draft_path", "rollback") if k in config})
-        if a.get("fail_reason"):
-            tags["fail_reason"] = str(a["fail_reason"])[:4000]
-        if a.get("refused"):
-            tags["refused"] = str(a["refused"])[:4000]
-        if a.get("noisy"):
-            tags["noisy"] = "true"
-        if a.get("baseline_trial") is not None:  # the AR trial its speedup divides by
-            tags["baseline_trial"] = str(a["baseline_trial"])
-        if a.get("baseline_reused"):
-            tags["baseline_reused"] = "true"
+        tags = {"mlflow.parentRunId": self.parent, **trial_tags(t, config)}
         run = self.client.create_run(self.experiment_id, run_name=run_name(t), tags=tags,
                                      start_time=_ms(t.datetime_start))
         rid = run.info.run_id
         self._log_params(rid, {**config, **{f"param.{k}": v for k, v in t.params.items()}})
-        metrics = {k: a[k] for k in _METRICS if isinstance(a.get(k), (int, float)) and not isinstance(a.get(k), bool)}
-        if t.value is not None:
-            metrics["value"] = t.value
-        for phase, ms in a.get("phase_ms_per_step", {}).items():
-            metrics[f"phase_ms.{phase}"] = ms
-        for verdict, n in a.get("divergence_verdicts", {}).items():  # "numeric tie" -> verdict.numeric_tie
-            metrics[f"verdict.{verdict.replace(' ', '_')}"] = n
-        for budget, n in (a.get("budget_histogram") or {}).items():  # the adaptive policy's steps per budget
-            metrics[f"budget_steps.{budget}"] = n
+        metrics = trial_metrics(t)
         self._log_metrics(rid, metrics)
         for i, tps in enumerate(a.get("decode_tps_runs", [])):
             self.client.log_metric(rid, "decode_tps_run", tps, step=i)

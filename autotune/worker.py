@@ -25,7 +25,6 @@ import hashlib
 import os
 import socket
 import statistics
-import threading
 import time
 import traceback
 from collections import Counter
@@ -34,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune import measure
+from autotune import measure, vram
+from autotune.utilisation import Utilisation
 
 # Told where a job is, e.g. "pass 2/3: humaneval 4/12" (a progress display; called between generations).
 ProgressCallback = Callable[[str], None]
@@ -59,6 +59,11 @@ class Job:
     remeasure_if_noisy: bool = True
     prompts: int | None = None  # measure the first N prompts of every set only (a fidelity rung); None: all
     rung: int | None = None  # the fidelity rung this job measures (autotune.fidelity); None: the full measurement
+    # (longest prompt, max_new_tokens) of the whole workload: where the config's device memory is planned,
+    # reserved and measured (autotune.vram.memory_at; None: not at all); over vram_limit bytes by its plan,
+    # the config is not measured
+    memory_at: tuple[int, int] | None = None
+    vram_limit: int | None = None
 
 
 @dataclass
@@ -103,6 +108,11 @@ class Record:
     per_prompt_tps: list[float] = field(default_factory=list)
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
     peak_memory_bytes: int = 0
+    # engine.MemoryBreakdown.to_dict() at the job's memory_at: measured on CUDA (with the plan's
+    # "planned_total"), else planned; over_vram:
+    # why its plan is over the job's vram_limit (nothing measured; the driver records it infeasible)
+    memory: dict[str, Any] = field(default_factory=dict)
+    over_vram: str | None = None
     loops: dict[str, int] = field(default_factory=dict)  # generations per decode loop that ran (engine stats)
     elapsed_s: float = 0.0
     engine_s: float = 0.0  # wall time inside the engine: bench passes, forensics (overhead = trial wall − this)
@@ -131,6 +141,7 @@ class Worker:
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
+        self._reserved: tuple[Any, ...] | None = None  # (config, memory_at) the pair's buffers were reserved for
 
     def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
@@ -232,7 +243,7 @@ class Worker:
                      device=self.pair.device, dtype=self.pair.dtype)
         self._engine_s = 0.0
         t0 = time.perf_counter()
-        with _Utilisation(self.pair.device) as util:
+        with Utilisation(self.pair.device) as util:
             every_prompt = self.sets
             try:
                 if job.prompts is not None:  # a fidelity rung: the first prompts of every set, for this job
@@ -259,10 +270,25 @@ class Worker:
         import engine
 
         cfg = engine.EngineConfig.from_dict(job.config, source=f"trial {job.trial}")
-        rec.refused = self.pair.refusal(cfg, cfg.grammar != "off" and self._has_tools)
+        constrained = cfg.grammar != "off" and self._has_tools
+        rec.refused = self.pair.refusal(cfg, constrained)
         if rec.refused is not None:
             return
+        at = job.memory_at
+        if at is not None:  # the plan first: a config over the limit is refused before anything runs
+            rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained).to_dict()
+            rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
+            if rec.over_vram is not None:
+                return
+        known = len(self._reference)
         reference = self.reference(job.max_new_tokens, cfg.to_dict())
+        if at is None:
+            self._reserved = None
+        elif (cfg, at) != self._reserved or len(self._reference) != known:
+            # this config's buffers alone, at the planned length: no other config's graphs or workspace
+            # (nor the AR reference's just decoded) in its peak; kept for its next job (a rung, the full)
+            engine.reserve_memory(self.pair, cfg, *at, constrained)
+            self._reserved = (cfg, at)
         for w in range(job.warmup):
             self._pass(cfg, job.max_new_tokens, f"warm-up {w + 1}/{job.warmup}")
         passes = []
@@ -278,6 +304,9 @@ class Worker:
                 passes += [self._pass(cfg, job.max_new_tokens, f"noisy, pass {job.repeats + i + 1}/{2 * job.repeats}")
                            for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
+        if at is not None and str(self.pair.device).startswith("cuda"):  # before forensics add graphs
+            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained)
+            rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"]}  # the plan, to compare
         if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
             # is cheap on purpose: the full measurement diagnoses its divergences
             self._diagnose(rec, cfg, reference, diverged)
@@ -416,63 +445,6 @@ def _free_device_memory(device: str) -> None:
             torch.cuda.empty_cache()
         except RuntimeError:
             pass  # a poisoned context refuses this too; the record already says why
-
-
-class _Utilisation:
-    """Utilisation of this worker's device while one job runs.
-
-    GPU: NVML utilisation of the worker's GPU (``torch.cuda.utilization``, which maps
-    ``CUDA_VISIBLE_DEVICES`` to the NVML index), sampled every 0.2 s, and the device memory in use.
-    CPU: this process's CPU time over wall time (100 = one core busy the whole time).
-    """
-
-    def __init__(self, device: str) -> None:
-        self.device = str(device)
-        self.result: dict[str, Any] = {}
-        self._samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _Utilisation:
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
-        if self.device.startswith("cuda") and _nvml_reading(self.device) is not None:
-            self._thread = threading.Thread(target=self._sample, name="autotune-nvml", daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while (value := _nvml_reading(self.device)) is not None:
-            self._samples.append(value)
-            if self._stop.wait(0.2):
-                return
-
-    def __exit__(self, *exc: object) -> None:
-        wall = max(time.perf_counter() - self._wall, 1e-9)
-        cpu_percent = round(100.0 * (time.process_time() - self._cpu) / wall, 1)
-        if self._thread is None:
-            self.result = {"kind": "cpu", "percent": cpu_percent}
-            return
-        self._stop.set()
-        self._thread.join()
-        try:
-            import torch
-
-            mem: int | None = int(torch.cuda.device_memory_used(self.device))
-        except Exception:  # NVML gone meanwhile: the utilisation samples still stand
-            mem = None
-        percent = round(sum(self._samples) / len(self._samples), 1) if self._samples else None
-        self.result = {"kind": "gpu", "percent": percent, "samples": len(self._samples), "memory_used_bytes": mem,
-                       "cpu_percent": cpu_percent}
-
-
-def _nvml_reading(device: str) -> int | None:
-    """GPU utilisation in percent, or None where NVML (the nvidia-ml-py package or the driver) is missing."""
-    try:
-        import torch
-
-        return int(torch.cuda.utilization(device))
-    except Exception:  # no pynvml, no driver, a poisoned context: report CPU facts only
-        return None
 
 
 def _pass_tps(results: Sequence[Any]) -> float:

@@ -3,7 +3,8 @@
 The front door: what ``autotune`` (and any other caller) uses; nothing deeper is a contract.
 ``serve`` (the OpenAI-compatible server) loads its web stack on first use. ``PrefixCache``: earlier
 prompts' and answers' positions kept for ``generate(..., prefix_cache=...)`` (the server's). ``WEIGHTS``: how
-``load`` may hold a target's weights (``dequantized``, ``native``)."""
+``load`` may hold a target's weights (``dequantized``, ``native``). The device memory of a pair
+decoding a config, per part, planned or measured: ``engine.memory`` (``plan_memory`` and the rest)."""
 
 from engine.api import Pair, bench, diagnose, load
 from engine.config import EngineConfig, EngineInputError
@@ -23,11 +24,22 @@ from engine.decoding.stats import (
     policy_summary,
 )
 from engine.files import MAX_WORKLOAD_BYTES, FileRefused, parse_json, preview, read_text, read_yaml
+from engine.memory import (
+    MEMORY_PARTS,
+    MemoryBreakdown,
+    largest_budget,
+    longest_context,
+    measure_memory,
+    plan_memory,
+    release_memory,
+    reserve_memory,
+)
 from engine.models.fused import check_environment
 from engine.models.quant import WEIGHTS
 from engine.registry import check_model_spec
 
 __all__ = [
+    "MEMORY_PARTS",
     "VERDICTS",
     "WEIGHTS",
     "BenchResult",
@@ -39,6 +51,7 @@ __all__ = [
     "MAX_WORKLOAD_BYTES",
     "Generation",
     "GenerationStats",
+    "MemoryBreakdown",
     "Pair",
     "PrefixCache",
     "Prompt",
@@ -50,13 +63,19 @@ __all__ = [
     "diagnose",
     "first_divergence",
     "generate",
+    "largest_budget",
     "load",
     "load_workload",
+    "longest_context",
+    "measure_memory",
     "parse_json",
+    "plan_memory",
     "policy_summary",
     "preview",
     "read_text",
     "read_yaml",
+    "release_memory",
+    "reserve_memory",
     "serve",
 ]
 

@@ -64,7 +64,7 @@ def generate_ar(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: 
     ``record_margins``: ``Generation.margins`` (``Workspace.margin_buffer``). ``prefix_cache``: the
     prompt's prefill reuses it (``loop.prefill``)."""
     target, stats = pair.target, GenerationStats()
-    ws = pair.workspace(len(prompt) + max_new_tokens + 2, feature_dim=0)
+    ws = pair.workspace(workspace_length(pair, cfg, len(prompt), max_new_tokens), feature_dim=0)
     timer = PhaseTimer(ws.seq.device)
     if _use_runtime(pair, cfg, gs, use_runtime):
         dec = runtime.decoder_for(pair, ws, graphs=ws.seq.device.type == "cuda")
@@ -114,16 +114,14 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     target, drafter, stats = pair.target, pair.drafter, GenerationStats()
     if drafter is None:
         raise EngineInputError(f"verify={cfg.verify!r} needs a draft, but the pair was loaded without one")
-    block = cfg.block_size or drafter.block_size
+    block, n_verify = verify_shape(pair, cfg)
     depth = block - 1
     on_runtime = _use_runtime(pair, cfg, gs, use_runtime)
     # (before the workspace: measuring decodes; on the loop this generation runs, whose steps cost otherwise)
     policy = _policy(pair, cfg, prompt, depth, step_costs, on_runtime)
-    n_verify = (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
-    # room past the last root for a step launched ahead (engine.decoding.runtime): its block and its tree
-    ws = pair.workspace(n + max_new_tokens + n_verify + 2 * block + 1, feature_dim=feat_dim)
+    ws = pair.workspace(workspace_length(pair, cfg, n, max_new_tokens), feature_dim=feat_dim)
     cache, seq, feats = ws.cache, ws.seq, ws.features
     device = seq.device
     drafter.reset()
@@ -272,6 +270,24 @@ def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_token
                 per_step.append(1000.0 * stats.decode_s / max(stats.steps, 1))
             ms[b] = max(statistics.median(per_step[1:]), 1e-6)
     return StepCosts(ms)
+
+
+def verify_shape(pair, cfg: EngineConfig) -> tuple[int, int]:
+    """(the draft's block, the most rows a verify of ``cfg`` runs: its tree's nodes, the root
+    included) on ``pair``; a chain verifies the block's depth."""
+    block = cfg.block_size or pair.drafter.block_size
+    depth = block - 1
+    return block, (depth if cfg.verify == "chain" else min(cfg.budget, _max_nodes(cfg.top_k, depth))) + 1
+
+
+def workspace_length(pair, cfg: EngineConfig, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Slots of the workspace (``Pair.workspace``) a generation of ``cfg`` decodes in: the prompt, the
+    new tokens and one more; a speculative one also room past the last root for a step launched
+    ahead (engine.decoding.runtime): its block and its tree. ``engine.memory`` plans from it."""
+    if cfg.verify == "ar":
+        return prompt_tokens + max_new_tokens + 2
+    block, n_verify = verify_shape(pair, cfg)
+    return prompt_tokens + max_new_tokens + n_verify + 2 * block + 1
 
 
 def _max_nodes(top_k: int, depth: int) -> int:

@@ -1,0 +1,177 @@
+"""``autotune plan EXPERIMENT``: the device memory a sweep's configs need, per part, at the workload's
+longest prompt plus ``max_new_tokens`` (or ``--context N``: a prompt of N - max_new_tokens), against
+``model.vram_limit``, and the largest tree budget and the longest context that fit it.
+
+Planned (``engine.plan_memory``: shapes and dtypes), so no GPU is needed: an experiment for CUDA on
+a machine without one loads its pair on the CPU, in the dtype it would have on the GPU, and plans
+it for CUDA (its captured graphs' pool included). Three configs: the AR baseline, the reference
+DDTree config, and the search space's hungriest corner (every memory-relevant choice, with the
+budget and top-k at their highest). Ends with a greppable ``key: value`` summary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from autotune import vram
+from autotune.errors import InputError
+from autotune.experiment import Experiment
+from autotune.study import REFERENCE
+from autotune.tracking import config_label
+from autotune.worker import Worker
+
+# Search dimensions that change what a config holds: every choice is planned. Budget and top-k only
+# grow the tree: planned at their highest.
+_CHOICES = ("verify", "draft_path", "rollback", "block_size", "grammar")
+_HIGHEST = ("budget", "top_k")
+MAX_CORNERS = 512  # configs planned for the space's hungriest (each plan is arithmetic: milliseconds)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One config's plan: its label in the table and its breakdown."""
+
+    name: str
+    config: Any  # engine.EngineConfig
+    plan: Any  # engine.MemoryBreakdown
+
+
+def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int | None,
+        out: TextIO = sys.stdout) -> None:
+    """Print the plan of ``exp`` (``context``: ``--context``; ``limit``: ``--vram-limit``, else the
+    experiment's ``model.vram_limit``)."""
+    import torch
+
+    import engine
+
+    want = exp.model.device
+    on_cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
+    dtype = exp.model.dtype if exp.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    load_on = want if not on_cuda or torch.cuda.is_available() else "cpu"  # weights priced in `dtype` anyway
+    try:
+        worker = Worker.load(exp.model.target, exp.model.draft, load_on, dtype, workloads, exp.fixed_engine,
+                             weights=exp.model.weights)
+    except engine.EngineInputError as exc:
+        raise InputError(str(exp.path), "model", f"the engine refused to load the pair ({exc})") from None
+    facts = worker.limits()
+    new = exp.workload.max_new_tokens
+    prompt = _prompt_tokens(exp, facts, context, new)
+    kw = {"device": "cuda" if on_cuda else want if want != "auto" else "cpu", "dtype": getattr(torch, dtype)}
+    pair = worker.pair
+    plans = _plans(exp, pair, prompt, new, worker, kw)
+    limit = limit if limit is not None else exp.model.vram_limit
+    most = facts.get("context") or 1 << 20
+    print(f"plan: {exp.name} ({exp.path})", file=out)
+    print(f"model: target {exp.model.target}, draft {exp.model.draft}, weights {exp.model.weights}; planned for "
+          f"{kw['device']} in {dtype}", file=out)
+    print(f"context: {prompt + new:,} tokens ({'--context' if context else 'longest prompt'} {prompt:,} + "
+          f"max_new_tokens {new:,})", file=out)
+    print(f"vram_limit: {vram.size(limit) if limit else 'none'}", file=out)
+    print("", file=out)
+    _table(plans, limit, out)
+    for p in plans:
+        print(f"- {p.name}: `{config_label(p.config.to_dict()) if p.config.verify != 'ar' else 'verify=ar'}` "
+              f"({p.plan.loop} loop)", file=out)
+    print("", file=out)
+    hungriest = plans[-1]
+    tree = next((p for p in reversed(plans) if p.config.verify == "ddtree"), None)
+    budget = longest = None
+    if limit is not None:
+        if tree is not None:
+            budget = engine.largest_budget(pair, tree.config, prompt, new, limit, **kw)
+            print(f"largest tree budget that fits: {budget if budget is not None else 'none'} (at {prompt + new:,} "
+                  f"tokens, the {tree.name}'s other settings: top_k {tree.config.top_k})", file=out)
+        fits = {p.name: engine.longest_context(pair, p.config, new, limit, most, **kw) for p in plans}
+        print("longest context that fits: " + ", ".join(
+            f"{name} {_tokens(n, most)}" for name, n in fits.items()), file=out)
+        longest = fits[hungriest.name]
+        print("", file=out)
+    summary = {"context": prompt + new, "vram_limit_bytes": limit, **{
+        f"{p.name.split()[0].lower()}_bytes": p.plan.total for p in plans},
+        "dominant": hungriest.plan.dominant,
+        "fits": None if limit is None else hungriest.plan.total <= limit,
+        "largest_budget": budget, "longest_context": longest}
+    for key, value in summary.items():
+        print(f"{key}: {'none' if value is None else ('yes' if value else 'no') if isinstance(value, bool) else value}",
+              file=out)
+
+
+def _prompt_tokens(exp: Experiment, facts: dict[str, Any], context: int | None, new: int) -> int:
+    """The prompt planned for: ``--context`` less ``max_new_tokens``, else the longest prompt; the
+    whole must fit the target's context, as a sweep requires (``sweep._check_fits``)."""
+    if context is not None and context <= new:
+        raise InputError("--context", None, f"must be more than workload.max_new_tokens ({new}): it is a prompt "
+                         "and the new tokens", context)
+    prompt = context - new if context is not None else int(facts.get("longest_prompt") or 1)
+    most = facts.get("context")
+    if most and prompt + new > most:
+        where, key = ("--context", None) if context is not None else (str(exp.path), "workload.max_new_tokens")
+        raise InputError(where, key, f"the prompt ({prompt:,} tokens) plus max_new_tokens must fit the target's "
+                         f"context of {most:,} tokens ({prompt + new:,} do not)", context or new)
+    return prompt
+
+
+def _plans(exp: Experiment, pair: Any, prompt: int, new: int, worker: Worker, kw: dict[str, Any]) -> list[Planned]:
+    """The AR baseline's, the reference's and the space's hungriest config's plans (the two
+    speculative ones only with a draft)."""
+    from engine import EngineConfig, EngineInputError, plan_memory
+
+    tools = worker.limits()["tools"]
+
+    def planned(name: str, values: dict[str, Any]) -> Planned:
+        cfg = EngineConfig.from_dict(values, source=name)
+        return Planned(name, cfg, plan_memory(pair, cfg, prompt, new, constrained=tools and cfg.grammar != "off", **kw))
+
+    fixed = exp.fixed_engine
+    out = [planned("AR baseline", {**fixed, "verify": "ar"})]
+    if pair.drafter is None:
+        return out
+    out.append(planned("reference", {**REFERENCE, **fixed}))
+    corners = []
+    for values in itertools.islice(_corners(exp), MAX_CORNERS):
+        try:
+            corners.append(planned("hungriest in the space", values))
+        except EngineInputError:
+            continue  # a corner the engine refuses is never a trial either
+    if corners:
+        out.append(max(corners, key=lambda p: p.plan.total))
+    return out
+
+
+def _corners(exp: Experiment) -> Iterator[dict[str, Any]]:
+    """Configs of the space at every memory-relevant choice, budget and top-k at their highest."""
+    options = []
+    for p in exp.space.params:
+        values = list(p.choices) if p.type == "categorical" else [p.high]
+        if p.name in _HIGHEST:
+            options.append([(p.name, max(v for v in values if v is not None))])
+        elif p.name in _CHOICES:
+            options.append([(p.name, v) for v in values])
+    for combo in itertools.product(*options):
+        yield {**exp.fixed_engine, **exp.fixed_dimension_values, **dict(combo)}
+
+
+def _table(plans: list[Planned], limit: int | None, out: TextIO) -> None:
+    """Bytes per part (the parts every config leaves at 0 left out), the total, and whether it fits."""
+    from engine import MEMORY_PARTS
+
+    print("| part | " + " | ".join(p.name for p in plans) + " |", file=out)
+    print("|---" * (len(plans) + 1) + "|", file=out)
+    for part in MEMORY_PARTS:
+        if any(p.plan.parts[part] for p in plans):
+            print(f"| {part} | " + " | ".join(vram.size(p.plan.parts[part]) for p in plans) + " |", file=out)
+    print("| **total** | " + " | ".join(f"**{vram.size(p.plan.total)}**" for p in plans) + " |", file=out)
+    if limit is not None:
+        print("| fits | " + " | ".join("yes" if p.plan.total <= limit else f"no: {vram.size(p.plan.total - limit)} "
+                                      "over" for p in plans) + " |", file=out)
+    print("", file=out)
+
+
+def _tokens(n: int | None, most: int) -> str:
+    if n is None:
+        return "none"
+    return f"{n:,} (the target's context)" if n >= most else f"{n:,}"

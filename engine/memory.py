@@ -1,0 +1,393 @@
+"""Device memory of a loaded pair decoding one config, per part: planned from shapes and dtypes
+(any device, the meta device included: a 27B shape's plan allocates nothing) and measured on CUDA.
+
+The parts (``MEMORY_PARTS``) are what a generation holds at its longest: the target's and the
+draft's weights, the workspace sized for ``prompt_tokens + new_tokens`` (``decode.workspace_length``:
+the target's K/V, a hybrid target's recurrent state and per-node tree records, the target features
+the draft reads, the draft's context K/V), the captured CUDA graphs' pool, and the largest
+transient (``activations``: a prefill of the whole prompt, or a verify step and its proposal).
+
+Planned static parts are the bytes of the tensors the engine allocates (the caches are built on the
+meta device to be counted); ``reserve_memory`` allocates the workspace at exactly that length, so
+that no generation of a workload grows it (growth doubles it) and the measured buffers equal the
+plan. The transients are an estimate from the layers' widths (``_forward_bytes``): the loosest part
+of a plan. Measured (``measure_memory``): the same static parts from the tensors the pair holds, the
+graphs' pool from the CUDA allocator's snapshot, and the rest of the measured peak as activations.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
+from engine.decoding import runtime
+from engine.decoding.decode import verify_shape, workspace_length
+from engine.decoding.drafters import DFlashDrafter, OracleDrafter
+from engine.models.attention import SPLIT_KEYS
+from engine.models.dense import KVCache
+from engine.models.hybrid import HybridModel
+from engine.models.hybrid_cache import HybridCache
+from engine.models.quant import QuantLinear
+
+MEMORY_PARTS = {
+    "target_weights": "the target's parameters and buffers (quantized blocks at their size in bytes)",
+    "draft_weights": "the draft's (a DFlash draft borrows the target's embedding and head)",
+    "kv_cache": "the target's attention K/V for every workspace slot",
+    "recurrent_state": "a hybrid target's Gated DeltaNet recurrent and conv state",
+    "tree_state": "a hybrid target's per-node records of a verify at the config's tree",
+    "features": "the target features the draft reads, one row per workspace slot",
+    "draft_context": "the draft's context K/V per slot (an oracle draft: its own target cache)",
+    "graph_pools": "the captured CUDA graphs' memory pool (the runtime's steps, on CUDA)",
+    "activations": "the largest transient: the prompt's prefill, or a step and its proposal",
+}
+KINDS = ("planned", "measured")
+_OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")  # a layer's projections that read its mixer's output
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per part (``MEMORY_PARTS``, every part present) of one config on one pair, for a
+    generation of ``prompt_tokens`` + ``new_tokens``; ``kind``: ``planned`` or ``measured``; ``loop``:
+    the decode loop it was planned or measured for (``graphs``, ``runtime`` or ``generic``)."""
+
+    kind: str
+    parts: dict[str, int] = field(hash=False)
+    prompt_tokens: int
+    new_tokens: int
+    loop: str
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def dominant(self) -> str:
+        """The largest part (the first in ``MEMORY_PARTS`` order on a tie)."""
+        return max(self.parts, key=lambda k: self.parts[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "total": self.total, "dominant": self.dominant, "parts": dict(self.parts),
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "loop": self.loop}
+
+
+def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, *, device: str | None = None,
+                dtype: torch.dtype | None = None, constrained: bool = False) -> MemoryBreakdown:
+    """What ``config`` needs on ``pair`` for a generation of ``prompt_tokens + new_tokens``, from
+    shapes and dtypes alone (nothing is allocated). ``device`` / ``dtype``: plan as if the pair were
+    loaded there, in that dtype (``autotune plan`` of a CUDA experiment on a CPU; the quantized
+    blocks keep their size); ``constrained``: a prompt has a grammar (a hybrid keeps the state a
+    grammar cut restores)."""
+    _check_lengths(prompt_tokens, new_tokens)
+    dev = torch.device(device or pair.target.device)
+    dt = dtype or pair.target.dtype
+    size = torch.empty((), dtype=dt, device="meta").element_size()
+    speculative = _speculative(pair, config)
+    length = workspace_length(pair, config, prompt_tokens, new_tokens)
+    n_verify = verify_shape(pair, config)[1] if speculative else 1
+    cache = _meta_cache(pair.target, length, n_verify if speculative else 0, dt)
+    if constrained and speculative and isinstance(cache, HybridCache):
+        cache.rec_prev = torch.empty_like(cache.rec)  # kept for a grammar's cut (``keep_previous``)
+    parts = dict.fromkeys(MEMORY_PARTS, 0)
+    parts["target_weights"] = _module_bytes(pair.target, pair.target.dtype, dt)
+    parts["draft_weights"] = _draft_bytes(pair, dt)
+    parts.update(_cache_parts(cache))
+    feature_width = _feature_width(pair) if speculative else 0
+    parts["features"] = length * feature_width * size
+    parts["draft_context"] = _planned_draft_context(pair, length, dt) if speculative else 0
+    loop = _loop(pair, config, dev, constrained)
+    prefill = _forward_bytes(pair.target, prompt_tokens, prompt_tokens, size, 1, feature_width, True,
+                             dev.type == "cuda")
+    step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative)
+    if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
+        parts["graph_pools"], parts["activations"] = step, prefill
+    else:
+        parts["activations"] = max(prefill, step)
+    return MemoryBreakdown("planned", parts, prompt_tokens, new_tokens, loop)
+
+
+def measure_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, peak_bytes: int,
+                   constrained: bool = False) -> MemoryBreakdown:
+    """The measured breakdown after ``config`` decoded on ``pair`` (on CUDA: ``peak_bytes`` is
+    ``torch.cuda.max_memory_allocated`` over the passes): the static parts from the tensors the pair
+    holds now (``held_memory``), the graphs' pool from the allocator, and the rest of the peak as
+    activations (with whatever small buffers no part names).
+
+    The pool counts whole: what a capture freed stays the graph's (its replays write there), yet the
+    allocator counts only what is still allocated; so the total is the allocated peak plus the pool's
+    freed part, which no other allocation can take."""
+    parts = held_memory(pair)
+    pool_allocated = _pool(pair)[1]
+    held = sum(parts.values()) - parts["graph_pools"] + pool_allocated  # allocated, in the peak
+    parts["activations"] = max(int(peak_bytes) - held, 0)
+    return MemoryBreakdown("measured", parts, prompt_tokens, new_tokens,
+                           _loop(pair, config, pair.target.device, constrained))
+
+
+def held_memory(pair) -> dict[str, int]:
+    """Bytes of the tensors ``pair`` holds now, per part (``activations`` 0: nothing transient is
+    held between generations)."""
+    parts = dict.fromkeys(MEMORY_PARTS, 0)
+    parts["target_weights"] = _module_bytes(pair.target)
+    parts["draft_weights"] = _draft_bytes(pair)
+    ws = pair._workspace
+    if ws is not None:
+        parts.update(_cache_parts(ws.cache))
+        parts["features"] = _bytes([ws.features])
+    decoder = getattr(pair, "_runtime_decoder", None)
+    if decoder is not None and decoder.ws is ws:
+        parts["draft_context"] += _bytes(decoder._draft_kv or ())
+        parts["graph_pools"] = _pool(pair)[0]
+    drafter = pair.drafter
+    if isinstance(drafter, DFlashDrafter):  # the generic loop's context K/V
+        parts["draft_context"] += _bytes([drafter._ctx_k, drafter._ctx_v])
+    elif isinstance(drafter, OracleDrafter) and drafter._cache is not None:
+        parts["draft_context"] += _bytes(_tensors(vars(drafter._cache).values()))
+    return parts
+
+
+def release_memory(pair) -> None:
+    """Drop the decode buffers and captured graphs ``pair`` keeps between generations (the next one
+    allocates and captures anew): what a config's memory is measured from, so that no other config's
+    graphs or larger workspace count in it. On CUDA the freed memory goes back to the device."""
+    pair._workspace = None
+    if hasattr(pair, "_runtime_decoder"):
+        del pair._runtime_decoder
+    drafter = pair.drafter
+    if isinstance(drafter, DFlashDrafter):
+        drafter._ctx_k = drafter._ctx_v = None
+        drafter.reset()
+    elif isinstance(drafter, OracleDrafter):
+        drafter._cache, drafter._cache_len = None, 0
+    gc.collect()  # a captured graph's pool is given back only once the graph object is gone
+    if pair.target.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reserve_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
+                   constrained: bool = False) -> None:
+    """``release_memory``, then the workspace for generations of up to ``prompt_tokens + new_tokens``
+    under ``config`` allocated once at ``plan_memory``'s length (and a hybrid's per-node records at
+    its tree, and with ``constrained`` the state a grammar's cut restores): no generation of the
+    workload grows it (growing doubles it), and nothing of it is first allocated inside a captured
+    graph's pool, where it would count twice."""
+    _check_lengths(prompt_tokens, new_tokens)
+    speculative = _speculative(pair, config)
+    release_memory(pair)
+    ws = pair.workspace(workspace_length(pair, config, prompt_tokens, new_tokens),
+                        _feature_width(pair) if speculative else 0)
+    if speculative and isinstance(ws.cache, HybridCache):
+        ws.cache.reserve_tree(verify_shape(pair, config)[1])
+        if constrained:  # (``HybridCache.commit_recurrent`` would make it on the first commit that keeps it)
+            ws.cache.rec_prev = torch.empty_like(ws.cache.rec)
+
+
+def largest_budget(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, limit: int,
+                   **plan_kw: Any) -> int | None:
+    """The largest DDTree ``budget`` (``config`` otherwise as it is) whose plan fits ``limit`` bytes;
+    None when even a budget of 1 does not. The plan grows with the budget until the tree holds every
+    node ``top_k`` and the block allow: past that the largest budget is ``MAX_BUDGET``."""
+    if config.verify != "ddtree":
+        raise EngineInputError(f"a tree budget applies to verify='ddtree', not {config.verify!r}")
+    return _largest(1, MAX_BUDGET, lambda b: plan_memory(pair, config.replace(budget=b), prompt_tokens,
+                                                         new_tokens, **plan_kw).total <= limit)
+
+
+def longest_context(pair, config: EngineConfig, new_tokens: int, limit: int, most: int,
+                    **plan_kw: Any) -> int | None:
+    """The longest context (a prompt and ``new_tokens``, at most ``most`` tokens) whose plan under
+    ``config`` fits ``limit`` bytes; None when not even a one-token prompt does."""
+    if most <= new_tokens:
+        return None
+    prompt = _largest(1, most - new_tokens, lambda p: plan_memory(pair, config, p, new_tokens, **plan_kw).total
+                      <= limit)
+    return None if prompt is None else prompt + new_tokens
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _check_lengths(prompt_tokens: int, new_tokens: int) -> None:
+    if prompt_tokens < 1 or new_tokens < 1:
+        raise EngineInputError(f"a memory plan needs a prompt and new tokens (>= 1 each), but got "
+                               f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}")
+
+
+def _speculative(pair, config: EngineConfig) -> bool:
+    """Whether ``config`` drafts; one that would on a pair without a draft is refused, as decoding it is."""
+    if config.verify != "ar" and pair.drafter is None:
+        raise EngineInputError(f"verify={config.verify!r} needs a draft, but the pair was loaded without one")
+    return config.verify != "ar"
+
+
+def _largest(low: int, high: int, fits) -> int | None:
+    """The largest n in [low, high] with ``fits(n)`` (monotone: true up to some n, then false)."""
+    if not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _tensors(values: Iterable[Any]) -> list[Tensor]:
+    """The tensors among ``values`` and inside the tuples among them (a cache's fields)."""
+    out: list[Tensor] = []
+    for v in values:
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out += _tensors(v)
+    return out
+
+
+def _bytes(tensors: Iterable[Tensor | None]) -> int:
+    """Bytes of the distinct tensors given (None skipped)."""
+    unique = {id(t): t for t in tensors if t is not None}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _module_bytes(module: nn.Module, loaded: torch.dtype | None = None, priced: torch.dtype | None = None,
+                  skip: set[int] | None = None) -> int:
+    """Bytes of ``module``'s parameters and buffers (a tied weight once; ``skip``: ids counted elsewhere).
+    Tensors in the ``loaded`` dtype are priced in ``priced`` (a plan for another dtype); the RoPE
+    frequencies stay float32 and quantized blocks stay bytes, as loading keeps them."""
+    named = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
+    seen: dict[int, tuple[str, Tensor]] = {}
+    for name, t in named.items():
+        if skip is None or id(t) not in skip:
+            seen.setdefault(id(t), (name, t))
+    total = 0
+    for name, t in seen.values():
+        size = t.element_size()
+        if priced is not None and t.dtype == loaded and t.is_floating_point() and not name.endswith("inv_freq"):
+            size = torch.empty((), dtype=priced, device="meta").element_size()
+        total += t.numel() * size
+    return total
+
+
+def _draft_bytes(pair, priced: torch.dtype | None = None) -> int:
+    if not isinstance(pair.drafter, DFlashDrafter):
+        return 0  # an oracle draft is the target itself; none: no draft
+    shared = {id(t) for t in [*pair.target.parameters(), *pair.target.buffers()]}
+    draft = pair.drafter.draft
+    return _module_bytes(draft, draft.fc.weight.dtype if priced else None, priced, shared)
+
+
+def _meta_cache(target: nn.Module, length: int, tree: int, dtype: torch.dtype) -> KVCache:
+    """The target's cache of ``length`` slots on the meta device (``new_cache``'s, counted, not allocated)."""
+    meta = torch.device("meta")
+    if isinstance(target, HybridModel):
+        return HybridCache(target.cfg, length, meta, dtype, tree)
+    c = target.cfg
+    return KVCache(c.num_hidden_layers, length, c.num_key_value_heads, c.dim_per_head, meta, dtype)
+
+
+def _cache_parts(cache: KVCache) -> dict[str, int]:
+    """A target cache's bytes as parts: K/V, a hybrid's recurrent state and its per-node records."""
+    parts = {"kv_cache": _bytes([cache.k, cache.v])}
+    if isinstance(cache, HybridCache):
+        parts["recurrent_state"] = _bytes([cache.rec, cache.conv, cache.conv_prev, cache.rec_prev])
+        parts["tree_state"] = _bytes([cache.tree_conv, *cache.tree_inputs])
+    return parts
+
+
+def _pool(pair) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the memory pool of the pair's captured graphs, from the CUDA
+    allocator's snapshot (its segments name the pool that owns them); (0, 0) without one."""
+    decoder = getattr(pair, "_runtime_decoder", None)
+    device = pair.target.device
+    pool = None if decoder is None or decoder.ws is not pair._workspace else decoder.graphs._pool
+    if device.type != "cuda" or pool is None:
+        return 0, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments = [seg for seg in torch.cuda.memory_snapshot()
+                if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
+    return sum(int(seg["total_size"]) for seg in segments), sum(int(seg["allocated_size"]) for seg in segments)
+
+
+def _feature_width(pair) -> int:
+    drafter = pair.drafter
+    return len(drafter.feature_layers) * pair.target.cfg.hidden_size if drafter is not None else 0
+
+
+def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
+    drafter = pair.drafter
+    if isinstance(drafter, DFlashDrafter):  # [layers, length, kv_heads, head_dim], K and V (``new_context``)
+        c = drafter.draft.cfg
+        size = torch.empty((), dtype=dtype, device="meta").element_size()
+        return 2 * c.num_hidden_layers * length * c.num_key_value_heads * c.dim_per_head * size
+    if isinstance(drafter, OracleDrafter):  # its own target cache, about as long as the workspace
+        return sum(_cache_parts(_meta_cache(pair.target, length, 0, dtype)).values())
+    return 0
+
+
+def _loop(pair, config: EngineConfig, device: torch.device, constrained: bool) -> str:
+    """The loop ``config`` runs on ``pair`` were it on ``device`` (``runtime.loop_for``'s rule; a
+    config the runtime refuses is planned on the generic loop, as ``auto`` would run it)."""
+    if config.draft_path == "generic" or runtime.refusal(pair, config, constrained) is not None:
+        return "generic"
+    return "graphs" if torch.device(device).type == "cuda" else "runtime"
+
+
+def _layer_width(layer: nn.Module) -> int:
+    """Values per row a layer holds at once beyond the residual stream, at most: its mixer's input
+    projections' outputs three times over (the outputs, their normed / rotated or float32 forms, the
+    mixer's output), or its MLP's gate and up outputs and their product."""
+    mixer = mlp = 0
+    for name, m in layer.named_modules():
+        width = getattr(m, "out_features", None)
+        if width is None and hasattr(m, "sizes"):  # a fused group: its parts stacked
+            width = sum(m.sizes)
+        if width is None or name.rpartition(".")[2] in _OUTPUT_PROJECTIONS:
+            continue
+        if name.startswith("mlp."):
+            mlp += width
+        else:
+            mixer += width
+    return max(3 * mixer, 3 * mlp // 2)
+
+
+def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_rows: int, feature_width: int,
+                   prefill: bool, cuda: bool = True) -> int:
+    """Transient bytes of a forward of ``rows`` tokens over ``keys`` keys through ``model``'s layers
+    (an estimate): the residual stream and the widest layer's temporaries, the target features
+    gathered, the logits rows; a prefill's mask and the attention's masked product over every key
+    pair (SDPA; off CUDA its math path also holds every head's float32 scores), a decode step's
+    split-attention partials (float32, per span of ``SPLIT_KEYS``); and a quantized weight
+    dequantized for a call (float32, then the dtype). The features are gathered layer by layer and
+    concatenated after the last: beside the widest layer, their rows once; after it, twice."""
+    cfg = model.cfg
+    heads, head_dim = cfg.num_attention_heads, getattr(cfg, "dim_per_head", None) or cfg.head_dim
+    if prefill:  # the [rows, keys] bool mask (made, then joined) and SDPA's bias in the dtype; K/V per query head
+        attend = rows * keys * (2 + size + (0 if cuda else 4 * heads)) + 2 * rows * heads * head_dim * size
+    else:
+        attend = math.ceil(keys / SPLIT_KEYS) * rows * heads * (head_dim + 2) * 4
+    features = rows * feature_width * size
+    layer = rows * size * max(_layer_width(layer) for layer in model.layers) + attend
+    total = 3 * rows * cfg.hidden_size * size + max(layer + features, 2 * features)
+    total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
+    blocks = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if blocks:
+        total += max(m.out_features * m.in_features for m in blocks) * (4 + size)
+    return total
+
+
+def _step_bytes(pair, config: EngineConfig, context: int, length: int, n_verify: int, size: int,
+                feature_width: int, speculative: bool) -> int:
+    """A decode step's transient at the longest key span (the runtime's bucket, within the workspace's
+    ``length``): the verify of ``n_verify`` rows (AR: one), and with a draft its proposal (the block's
+    rows and as many context rows, its logits and their top-k in float32)."""
+    keys = runtime.bucket_for(context + n_verify, length)
+    sampled = 16 if config.temperature > 0 else 0  # float64 logits and their noise, per row
+    verify = _forward_bytes(pair.target, n_verify, keys, size, n_verify, feature_width, False)
+    verify += n_verify * pair.target.cfg.vocab_size * sampled
+    if not speculative or not isinstance(pair.drafter, DFlashDrafter):
+        return verify
+    block = verify_shape(pair, config)[0]
+    draft = _forward_bytes(pair.drafter.draft, 2 * block, keys, size, 0, feature_width, False)
+    return verify + draft + (block - 1) * pair.target.cfg.vocab_size * (size + 8)

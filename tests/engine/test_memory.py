@@ -1,0 +1,186 @@
+"""The device memory planner (``engine.memory``) on the CPU: each planned part against the tensors a
+pair really allocates once it decoded (the workspace reserved at the planned length never grows), a
+27B shape planned on the meta device (nothing allocated), another dtype priced, the largest budget
+and longest context that fit a limit, and a native GGUF target's blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import engine
+from engine import EngineConfig, EngineInputError
+from engine.api import Pair
+from engine.decoding.decode import workspace_length
+from engine.decoding.drafters import DFlashDrafter
+from engine.memory import held_memory, plan_memory, release_memory, reserve_memory
+from engine.models.common import fuse_projections_
+from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
+from engine.models.hybrid import HybridModel
+from engine.models.hybrid_config import HybridConfig
+from tests.engine.engine_pairs import pair_for
+
+STATIC = ("target_weights", "draft_weights", "kv_cache", "recurrent_state", "tree_state", "features", "draft_context")
+CONFIGS = {
+    "ar": EngineConfig(verify="ar"),
+    "chain-generic": EngineConfig(verify="chain", draft_path="generic", block_size=6),
+    "ddtree-runtime": EngineConfig(verify="ddtree", draft_path="runtime", budget=9, top_k=3),
+    "ddtree-grammar": EngineConfig(verify="ddtree", draft_path="runtime", budget=5, top_k=2, grammar="commit"),
+}
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 260, (k,), generator=gen).tolist() for k in (n // 2, n, 3)]
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    """Every parameter and buffer once (tied weights once), as ``numel * element_size``."""
+    unique = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_plan_equals_what_the_pair_allocates(target, name):
+    pair = pair_for(target, "random")
+    cfg, new = CONFIGS[name], 10
+    if cfg.rollback == "fast" and target == "tiny-hybrid" and name == "chain-generic":
+        cfg = cfg.replace(rollback="replay")  # the generic loop's other rollback, on the hybrid
+    prompts = _prompts(24)
+    longest = max(map(len, prompts))
+    plan = plan_memory(pair, cfg, longest, new)  # (no prompt has tools: no grammar)
+    reserve_memory(pair, cfg, longest, new)
+    for prompt in prompts:  # shorter prompts after the longest: nothing grows
+        engine.generate(pair, prompt, cfg, new, ignore_eos=True)
+    held = held_memory(pair)
+    assert {k: held[k] for k in STATIC} == {k: plan.parts[k] for k in STATIC}
+    if cfg.grammar != "off":  # prompts with tools: a hybrid keeps the state a grammar's cut restores
+        kept = plan_memory(pair, cfg, longest, new, constrained=True).parts["recurrent_state"]
+        recurrent = pair._workspace.cache.rec.numel() * 4 if target == "tiny-hybrid" else 0
+        assert kept - plan.parts["recurrent_state"] == recurrent
+        reserve_memory(pair, cfg, longest, new, constrained=True)  # made up front, not inside a captured step
+        assert held_memory(pair)["recurrent_state"] == kept
+    assert pair._workspace.max_len == workspace_length(pair, cfg, longest, new)
+    # the parts, by other arithmetic: every parameter once; K/V [layers, slots, kv_heads, head_dim] twice
+    assert plan.parts["target_weights"] == _weight_bytes(pair.target)
+    assert plan.parts["draft_weights"] == _weight_bytes(pair.drafter.draft)
+    c = pair.target.cfg
+    layers = c.layer_types.count("full_attention") if target == "tiny-hybrid" else c.num_hidden_layers
+    assert plan.parts["kv_cache"] == 2 * layers * pair._workspace.max_len * c.num_key_value_heads * 16 * 4
+    speculative = cfg.verify != "ar"
+    assert (plan.parts["features"] > 0) == (plan.parts["draft_context"] > 0) == speculative
+    assert (plan.parts["tree_state"] > 0) == (speculative and target == "tiny-hybrid")
+    assert plan.parts["activations"] > 0 and plan.parts["graph_pools"] == 0  # no graphs off CUDA
+    assert plan.kind == "planned" and plan.total == sum(plan.parts.values())
+    assert plan.loop == ("generic" if cfg.draft_path == "generic" else "runtime")
+
+
+def test_release_drops_every_buffer_and_the_plan_grows_with_the_tree_and_the_context():
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", draft_path="runtime", budget=4, top_k=3)
+    engine.generate(pair, _prompts(12)[1], cfg, 6, ignore_eos=True)
+    assert held_memory(pair)["kv_cache"] > 0
+    release_memory(pair)
+    held = held_memory(pair)
+    assert held["kv_cache"] == held["features"] == held["draft_context"] == 0
+    assert held["target_weights"] == _weight_bytes(pair.target)
+    totals = [plan_memory(pair, cfg.replace(budget=b), 50, 10).total for b in (2, 4, 8, 16)]
+    assert totals == sorted(set(totals))  # strictly more with every budget
+    lengths = [plan_memory(pair, cfg, p, 10).total for p in (10, 20, 40)]
+    assert lengths == sorted(set(lengths))
+
+
+def test_largest_budget_and_longest_context_fit_the_limit_exactly():
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=22, top_k=3)
+    limit = plan_memory(pair, cfg.replace(budget=12), 40, 8).total
+    assert engine.largest_budget(pair, cfg, 40, 8, limit) == 12
+    assert engine.largest_budget(pair, cfg, 40, 8, limit - 1) == 11
+    assert engine.largest_budget(pair, cfg, 40, 8, 1000) is None  # not even one node fits 1000 bytes
+    limit = plan_memory(pair, cfg, 100, 8).total
+    assert engine.longest_context(pair, cfg, 8, limit, most=4096) == 108
+    assert engine.longest_context(pair, cfg, 8, 10**12, most=4096) == 4096  # the target's context bounds it
+    with pytest.raises(EngineInputError, match="verify='ddtree'"):
+        engine.largest_budget(pair, cfg.replace(verify="chain"), 40, 8, limit)
+
+
+def test_another_dtype_and_device_are_priced_not_loaded():
+    pair = pair_for("tiny-hybrid", "random")
+    cfg = EngineConfig(budget=6, top_k=2)
+    f32 = plan_memory(pair, cfg, 30, 8)
+    bf16 = plan_memory(pair, cfg, 30, 8, device="cuda", dtype=torch.bfloat16)
+    freqs = pair.target.inv_freq.numel() * 4  # the RoPE frequencies stay float32
+    assert bf16.parts["target_weights"] - freqs == (f32.parts["target_weights"] - freqs) // 2
+    assert bf16.parts["kv_cache"] == f32.parts["kv_cache"] // 2
+    assert bf16.parts["recurrent_state"] < f32.parts["recurrent_state"]  # conv halves; the recurrence stays float32
+    assert bf16.loop == "graphs" and bf16.parts["graph_pools"] > 0  # on CUDA the steps are captured
+
+
+def test_a_pair_without_a_draft_plans_ar_and_refuses_speculation():
+    pair = pair_for("tiny-dense", "none")
+    assert plan_memory(pair, EngineConfig(verify="ar"), 20, 5).parts["draft_weights"] == 0
+    with pytest.raises(EngineInputError, match="needs a draft"):
+        plan_memory(pair, EngineConfig(), 20, 5)
+    with pytest.raises(EngineInputError, match="prompt_tokens=0"):
+        plan_memory(pair, EngineConfig(verify="ar"), 0, 5)
+
+
+def _meta_pair_27b() -> Pair:
+    """Qwen3.5-27B's shapes (the registry's qwen35-27b-shape) and a 5-layer draft, on the meta device."""
+    cfg = HybridConfig(vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
+                       num_key_value_heads=4, head_dim=256, intermediate_size=17408, linear_num_key_heads=16,
+                       linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                       full_attention_interval=4)
+    draft_cfg = DFlashConfig(hidden_size=5120, num_hidden_layers=5, num_attention_heads=24, num_key_value_heads=4,
+                             intermediate_size=17408, vocab_size=248320, target_layer_ids=default_target_layer_ids(64),
+                             num_target_layers=64, head_dim=256)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            target = fuse_projections_(HybridModel(cfg))
+            draft = DFlashDraft(draft_cfg)
+    finally:
+        torch.set_default_dtype(before)
+    return Pair(target, DFlashDrafter(draft, target), None, "qwen35-27b-shape", "draft", "meta", "bfloat16")
+
+
+def test_a_27b_shape_plan_costs_nothing():
+    pair = _meta_pair_27b()
+    cfg = EngineConfig(budget=22)
+    plan = plan_memory(pair, cfg, 32768 - 256, 256, device="cuda")
+    assert all(p.is_meta for p in pair.target.parameters())
+    params = sum(p.numel() for p in pair.target.parameters())
+    assert plan.parts["target_weights"] == 2 * params + pair.target.inv_freq.numel() * 4
+    assert 26e9 < params < 28e9
+    slots = workspace_length(pair, cfg, 32768 - 256, 256)
+    assert plan.parts["kv_cache"] == 2 * 16 * slots * 4 * 256 * 2  # 16 attention layers of 64, bf16
+    assert plan.parts["features"] == slots * 5 * 5120 * 2  # five target layers feed the draft
+    assert plan.dominant == "target_weights" and plan.loop == "graphs"
+    assert 60 * 2**30 < plan.total < 80 * 2**30
+    assert engine.longest_context(pair, cfg, 256, plan.total, most=262144, device="cuda") == 32768
+
+
+def test_native_blocks_are_planned_at_their_bytes(tmp_path):
+    pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
+
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, tiny_hf("qwen3"), "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer=bpe_tokenizer())
+    native, twin = (engine.load(str(path), "random", device="cpu", dtype="float32", weights=w)
+                    for w in ("native", "dequantized"))
+    cfg = EngineConfig(verify="ar")
+    plan, twin_plan = plan_memory(native, cfg, 20, 8), plan_memory(twin, cfg, 20, 8)
+    summary = native.weight_summary()
+    freqs = native.target.inv_freq.numel() * 4  # not a stored weight
+    assert plan.parts["target_weights"] == summary["weight_bytes"] + freqs < twin_plan.parts["target_weights"]
+    blocks = max(m.out_features * m.in_features for m in native.target.modules() if hasattr(m, "blocks"))
+    assert plan.parts["activations"] - twin_plan.parts["activations"] == blocks * (4 + 4)  # dequantized per call
+    reserve_memory(native, cfg, 20, 8)
+    engine.generate(native, list(range(5, 25)), cfg, 8, ignore_eos=True)
+    assert held_memory(native)["target_weights"] == plan.parts["target_weights"]
+    assert math.isclose(plan.total, sum(plan.parts.values()))

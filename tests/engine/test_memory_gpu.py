@@ -1,0 +1,63 @@
+"""``engine.memory`` on CUDA (skipped without it), issue #28's bar: the planned static parts equal the
+tensors the pair holds, and a generation's measured peak (``torch.cuda.max_memory_allocated``, after a
+warm-up that captures the graphs) is within 10% of the plan's total, for the Qwen3-8B and Qwen3.5-27B
+timing shapes at long contexts; the SmolLM2 shape is printed beside them (fixed allocations, such as
+cuBLAS's workspace, weigh more in a 135M model's peak: 25% there).
+
+    pytest -q -s -n 0 tests/engine/test_memory_gpu.py    # -s prints plan against measurement, per part
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from engine import EngineConfig
+from engine.memory import MEMORY_PARTS, held_memory, measure_memory, plan_memory, reserve_memory
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.gpu]
+
+SMOLLM2_DRAFT = str(Path(engine.__file__).parent / "checkpoints" / "smollm2-135m-dflash")
+# target, draft, context (prompt + new tokens), new tokens, the bar on |measured - planned| / measured
+CASES = [("smollm2-135m-shape", SMOLLM2_DRAFT, 4096, 64, 0.25),
+         ("qwen3-8b-shape", "qwen3-8b-shape-dflash", 8192, 64, 0.10),
+         ("qwen35-27b-shape", "qwen35-27b-shape-dflash", 16384, 64, 0.10)]
+CONFIGS = {"ar": EngineConfig(verify="ar"), "ddtree-graphs": EngineConfig(budget=22, top_k=8),
+           "chain-generic": EngineConfig(verify="chain", draft_path="generic")}
+STATIC = ("target_weights", "draft_weights", "kv_cache", "recurrent_state", "tree_state", "features", "draft_context")
+
+
+@pytest.mark.parametrize("target,draft,context,new,bar", CASES, ids=[c[0] for c in CASES])
+def test_measured_peak_within_the_bar_of_the_plan(target, draft, context, new, bar):
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()  # what other tests left: not this pair's
+    pair = engine.load(target, draft, device="cuda", dtype="bfloat16")
+    prompt = torch.randint(10, pair.target.cfg.vocab_size, (context - new,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    try:
+        for name, cfg in CONFIGS.items():
+            plan = plan_memory(pair, cfg, len(prompt), new)
+            reserve_memory(pair, cfg, len(prompt), new)
+            engine.bench(pair, cfg, [prompt], new, ignore_eos=True)  # warm-up: kernels compiled, graphs captured
+            peak = engine.bench(pair, cfg, [prompt], new, ignore_eos=True).peak_memory_bytes - before
+            measured = measure_memory(pair, cfg, len(prompt), new, peak)
+            held = held_memory(pair)
+            rows.append((name, plan, measured))
+            assert {k: held[k] for k in STATIC} == {k: plan.parts[k] for k in STATIC}, name
+            assert abs(measured.total - plan.total) <= bar * measured.total, (name, plan.total, measured.total)
+    finally:
+        for name, plan, measured in rows:
+            print(f"\n{target} {name} at {context} tokens ({plan.loop}): planned {plan.total / 2**30:.3f} GiB, "
+                  f"measured {measured.total / 2**30:.3f} GiB ({(plan.total - measured.total) / measured.total:+.1%})")
+            for part in MEMORY_PARTS:
+                print(f"  {part:16s} planned {plan.parts[part] / 2**20:10.1f} MiB   "
+                      f"measured {measured.parts[part] / 2**20:10.1f} MiB")
+        del pair
+        gc.collect()
+        torch.cuda.empty_cache()
