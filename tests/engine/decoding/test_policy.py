@@ -369,3 +369,32 @@ def test_a_larger_trees_calibrated_estimate_never_falls_below_a_smaller_ones():
     ratios = [c.ratio for c in weak.calibrations]  # (toward 1: as the draft says)
     assert ratios[2] == ratios[3] == 1.0 and ratios[1] < 0.35
     assert weak.calibrated([0.0, 1.0, 2.0, 3.0]) == pytest.approx([0.0, ratios[1], 2 * ratios[1], 3 * ratios[1]])
+
+
+def test_another_budget_replaces_the_configured_tree_only_when_it_beats_it_by_the_margin():
+    """switch_margin: the largest finite budget (the configured tree) stays unless another budget's
+    expected rate is more than that fraction above its own; a draft that fails is still left for AR."""
+    near = [0.0, 1.9, 2.5, 2.9]  # budget 4: 3.5 / 1.1 = 3.18 a ms; budget 8: 3.9 / 1.2 = 3.25, the best anyway
+    assert choose_budget(BUDGETS, [0.0, 1.9, 3.0, 3.0], AS_IS, CHEAP, depth=7)[0] == 4  # 4.0/1.1 > 4.0/1.2
+    assert choose_budget(BUDGETS, [0.0, 1.9, 3.0, 3.0], AS_IS, CHEAP, depth=7, margin=0.1)[0] == 8  # 9% < 10%
+    assert choose_budget(BUDGETS, [0.0, 1.9, 3.0, 3.0], AS_IS, CHEAP, depth=7, margin=0.05)[0] == 4
+    assert choose_budget(BUDGETS, near, AS_IS, CHEAP, depth=7, margin=0.1) == (8, 3.9)
+    weak = [0.0, 0.05, 0.05, 0.05]  # AR: 1 a ms against the tree's 1.05 / 1.2: AR wins by 14%
+    assert choose_budget(BUDGETS, weak, AS_IS, CHEAP, depth=7, margin=0.1)[0] == 0
+    assert choose_budget(BUDGETS, weak, AS_IS, CHEAP, depth=7, margin=0.2)[0] == 8
+    # the largest budget of finite cost is the one kept
+    no8 = StepCosts({0: 1.0, 2: 1.05, 4: 1.1, 8: math.inf})
+    assert choose_budget(BUDGETS, [0.0, 1.9, 1.95, 3.0], AS_IS, no8, depth=7, margin=0.1)[0] == 4
+
+
+def test_a_generation_opens_with_the_configured_tree_and_the_margin_comes_from_the_config():
+    """No estimate before the first tree step is read back (two steps on the runtime): the largest
+    tree runs, as a fixed policy would, not the cheapest of the trees that tie at full acceptance."""
+    cfg = EngineConfig(verify="ddtree", budget=8, policy="adaptive", policy_levels=3, switch_margin=0.25)
+    policy = AdaptivePolicy.for_config(cfg, depth=3, costs=CHEAP)
+    assert policy.margin == 0.25
+    assert policy.choose() == (8, 4.0) and policy.choose() == (8, 4.0)
+    with pytest.raises(EngineInputError, match="switch_margin must be >= 0.0"):
+        EngineConfig(switch_margin=-0.1)
+    with pytest.raises(EngineInputError, match="switch_margin must be <= 10.0"):
+        EngineConfig(switch_margin=11.0)
