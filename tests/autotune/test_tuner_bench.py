@@ -117,7 +117,7 @@ def test_a_cache_measured_before_a_config_field_existed_still_answers(tmp_path):
     exp = experiment.load(tiny_experiment(tmp_path / "exp", space=SPACE))
     cache = tmp_path / "grid.jsonl"
     _synthetic_cache(bench, exp, cache)
-    added = ("policy", "policy_levels", "probe_every", "probe_max", "calibration_window")
+    added = ("policy", "policy_levels", "probe_every", "probe_max", "calibration_window", "switch_margin")
     old = []
     for line in cache.read_text().splitlines():
         obj = json.loads(line)
