@@ -153,6 +153,12 @@ def stage_checkpoint(ck: Path, out: Path, last_budget: int, stash_budget: int) -
     if not (ck / MANIFEST).is_file():
         raise EngineInputError(f"--checkpoint {str(ck)!r}: no {MANIFEST} there (a train-draft --checkpoint-dir "
                                f"folder, or --receive's keep/ck)")
+    staged = [p for p in out.glob("ck*") if p.is_dir() and (p.name == "ck" or p.name[2:].isdigit())]
+    if any(ck.resolve() == p.resolve() or p.resolve() in ck.resolve().parents for p in staged):
+        # staging replaces those folders: the source would be deleted before it is copied
+        raise EngineInputError(f"--checkpoint {str(ck)!r}: that is a staged copy in {str(out)!r}, which staging "
+                               f"replaces; stage from the checkpoint kept by --receive (.device/keep/ck) or "
+                               f"train-draft's --checkpoint-dir")
     manifest = read_manifest(ck)
     missing, corrupt = checked_parts(ck, manifest)
     if missing or corrupt:

@@ -103,6 +103,11 @@ def test_staged_groups_gathered_one_call_at_a_time_give_the_checkpoint_back(tiny
     device = tmp_path / "device"
     groups = kit.stage_checkpoint(src, device, last_budget=130_000, stash_budget=120_000)
     assert len(groups) >= 3 and groups == [f"ck{i + 1}" for i in range(len(groups))]
+    # a staged copy as the source: staging would delete it before copying; refused, nothing touched
+    before = sorted(p.name for p in (device / groups[-1]).iterdir())
+    with pytest.raises(engine.EngineInputError, match="a staged copy"):
+        kit.stage_checkpoint(device / groups[-1], device, last_budget=130_000, stash_budget=120_000)
+    assert sorted(p.name for p in (device / groups[-1]).iterdir()) == before
     assert (device / groups[-1] / MANIFEST).is_file()
     for g in groups:
         assert sum(p.stat().st_size for p in (device / g).iterdir()) <= (130_000 if g == groups[-1] else 120_000)

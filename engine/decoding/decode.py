@@ -5,6 +5,7 @@ Chain verify is the degenerate tree (one path), so both speculative modes share 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -352,9 +353,14 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
                                            prefix_cache=prefix_cache)
         except BaseException:
             if prefix_cache is not None:
-                prefix_cache.commit(None)  # the prompt's positions, if its prefill ran
+                with contextlib.suppress(Exception):  # the generation's own error is the one to report
+                    prefix_cache.commit(None)  # the prompt's positions, if its prefill ran
             raise
         if prefix_cache is not None:  # (after the generation's timing: a copy on the device)
-            prefix_cache.commit(gen.tokens)
             gen.stats.cached_tokens = prefix_cache.last_hit
+            try:
+                prefix_cache.commit(gen.tokens)
+            except torch.OutOfMemoryError:
+                # the answer is whole: a cache that cannot grow on this device is emptied, not the request failed
+                prefix_cache.clear()
         return gen

@@ -157,7 +157,7 @@ class OracleDrafter:
     meets (k from 0) takes ``p[k % len(p)]``, and keeps it in every later generation (timing passes,
     warm-ups, the adaptive policy's cost measurement alike). A generation's prompt is read as the
     tokens before its first proposal's root (the first new token): every generation's first step
-    proposes (the adaptive policy's first choice assumes every node accepted).
+    proposes (the adaptive policy runs the configured tree until its first estimate).
     """
 
     def __init__(self, target: nn.Module, p: float | Sequence[float], seed: int = 0, block_size: int = 16) -> None:

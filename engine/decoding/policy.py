@@ -155,9 +155,9 @@ def root_tree(root: Tensor) -> tuple[Tree, Tensor]:
 def choose_budget(budgets: Sequence[int], accepts: Sequence[float], ratios: Sequence[float], costs: StepCosts,
                   depth: int, margin: float = 0.0) -> tuple[int, float]:
     """(the budget maximising E[AL](b) / ms(b), its E[AL]): E[AL](b) = 1 + min(ratio(b) * accepts(b),
-    b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget. ``margin``
-    (``EngineConfig.switch_margin``): the largest budget of finite cost (the configured tree) stays
-    unless that rate beats its own by more than this fraction."""
+    b, depth), a tree accepting at most one node per depth. Ties go to the smaller budget, except that
+    the largest budget of finite cost (the configured tree) stays unless the best rate beats its own
+    by more than ``margin`` (``EngineConfig.switch_margin``; at 0, a tie with it keeps it)."""
     best, best_al, best_rate = budgets[0], 1.0, -1.0
     top = None  # (budget, E[AL], rate) of the largest finite budget
     for b, a, ratio in zip(budgets, accepts, ratios, strict=True):

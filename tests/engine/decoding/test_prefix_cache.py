@@ -249,3 +249,22 @@ def test_prefill_spans_end_at_chunk_multiples_and_a_hybrid_checkpoint():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrefixCache(**kwargs)
+
+
+def test_a_cache_that_cannot_grow_is_emptied_and_the_answer_still_returned(monkeypatch):
+    """Out of device memory while keeping a finished generation: the request keeps its answer and
+    its cached_tokens; the cache is emptied (it cannot grow here), not the request failed."""
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=2)
+    cache = PrefixCache(BIG, chunk=CHUNK)
+    ids = pair.encode(SYSTEM + TURNS[1])
+    engine.generate(pair, ids, cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
+    assert cache.bytes > 0
+
+    def full(tokens):
+        raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+
+    monkeypatch.setattr(cache, "commit", full)
+    gen = engine.generate(pair, ids, cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
+    assert gen.tokens == _reference(pair, ids, cfg) and gen.stats.cached_tokens == len(ids) - 1
+    assert cache.bytes == 0
