@@ -279,7 +279,10 @@ def export_draft(folder: Path, out: Path, training: Mapping[str, Any] | None = N
         raise EngineInputError(f"{folder / MANIFEST}: no 'draft_config' (written before drafts were recorded); "
                                f"its draft is train-draft --out's folder")
     payload = load_checkpoint(folder, manifest)
-    best = manifest["best"]
+    best = manifest.get("best")
+    if best is not None and (not isinstance(best, dict) or not isinstance(best.get("is_current"), bool)):
+        raise EngineInputError(f"{folder / MANIFEST}: 'best' must be null or an object with a boolean "
+                               f"'is_current', got {best!r}")
     weights = payload["draft"] if best is None or best["is_current"] else payload["best"]
     draft = DFlashDraft(DFlashConfig(**{**saved, "target_layer_ids": tuple(saved["target_layer_ids"])}))
     draft.load_state_dict({k: v.float() for k, v in weights.items()})

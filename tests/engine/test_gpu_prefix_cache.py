@@ -90,3 +90,21 @@ def test_bf16_sessions_with_the_cache_equal_cold_runs(target, cfg):
             assert hit.tokens == cold.tokens, (target, text[:12], turn)
             assert turn == 0 or hit.stats.cached_tokens > 0
             prompt = prompt + hit.tokens + pair.encode(f" and then, turn {turn}?")
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "smollm2-135m-shape"])
+def test_a_long_prompt_hit_inside_a_chunk_equals_a_cold_run(target):
+    """An agent's prompt spans several 512-row chunks: hits that end inside a chunk (about 700 and
+    1,100 tokens into a ~1,500-token prompt) leave prefills whose first chunk is short and whose
+    step attention runs over 257-512 query rows in one launch; each answer equals a cold run."""
+    pair = _pair(target)
+    cfg = EngineConfig(verify="ddtree", rollback="fast", budget=16, top_k=4)
+    base = pair.encode("You are an agent with tools. " * 300)[:1500]
+    assert len(base) == 1500
+    cache = PrefixCache(BIG)
+    for cut in (700, 1100, 1500):
+        prompt = base[:cut]
+        hit = engine.generate(pair, prompt, cfg, 32, ignore_eos=True, prefix_cache=cache)
+        cold = engine.generate(pair, prompt, cfg, 32, ignore_eos=True, prefix_cache=PrefixCache(BIG))
+        assert hit.tokens == cold.tokens, (target, cut)
+        assert cut == 700 or hit.stats.cached_tokens >= 699
