@@ -328,7 +328,10 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
 
     ``prefix_cache`` (``engine.decoding.prefix_cache``): the prompt's longest cached prefix is reused
     and only the rest prefilled (``GenerationStats.cached_tokens``); the prompt and the output are kept
-    in it after (the prompt alone when the generation ends in an exception, ``on_tokens``'s included).
+    in it after. A generation that ends in an exception keeps its prompt, and the tokens it delivered
+    where the exception says which (a ``committed`` attribute: the ``on_tokens`` ids so far, as a
+    server's stop string or cancelled request raises; their positions were committed before the hook
+    saw them).
     """
     if not prompt:
         raise EngineInputError("prompt is empty: at least one token is needed")
@@ -351,10 +354,11 @@ def generate(pair, prompt: Sequence[int], cfg: EngineConfig, max_new_tokens: int
                 gen = generate_speculative(pair, prompt, cfg, max_new_tokens, stop_ids, on_tokens, gs,
                                            record_margins=record_margins, step_costs=step_costs,
                                            prefix_cache=prefix_cache)
-        except BaseException:
+        except BaseException as exc:
             if prefix_cache is not None:
                 with contextlib.suppress(Exception):  # the generation's own error is the one to report
-                    prefix_cache.commit(None)  # the prompt's positions, if its prefill ran
+                    # the prompt's positions, if its prefill ran; and the tokens the hook saw, if known
+                    prefix_cache.commit(getattr(exc, "committed", None))
             raise
         if prefix_cache is not None:  # (after the generation's timing: a copy on the device)
             gen.stats.cached_tokens = prefix_cache.last_hit

@@ -58,7 +58,12 @@ ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"
 
 
 class _Stop(Exception):
-    """Raised inside the decode loop's token hook to end a generation early."""
+    """Raised inside the decode loop's token hook to end a generation early; ``committed``: the ids
+    the hook was given so far (the prefix cache keeps their positions: ``engine.generate``)."""
+
+    def __init__(self, committed: list[int]) -> None:
+        super().__init__()
+        self.committed = list(committed)
 
 
 class Runner:
@@ -112,14 +117,17 @@ class Runner:
         pair = self.pair
         stream = TextStream(pair.tokenizer.decode, pair.stop_ids, job.stops)
 
+        emitted: list[int] = []
+
         def on_tokens(ids: list[int]) -> None:
+            emitted.extend(ids)  # committed by the engine before it calls the hook
             if self.closing.is_set() or (cancelled is not None and cancelled.is_set()):
-                raise _Stop
+                raise _Stop(emitted)
             delta = stream.push(ids)
             if delta and sink is not None:
                 sink(delta)
             if stream.stopped_by == "string":
-                raise _Stop
+                raise _Stop(emitted)
 
         stats = None
         cache = self.prefix_cache

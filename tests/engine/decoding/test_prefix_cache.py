@@ -268,3 +268,35 @@ def test_a_cache_that_cannot_grow_is_emptied_and_the_answer_still_returned(monke
     gen = engine.generate(pair, ids, cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
     assert gen.tokens == _reference(pair, ids, cfg) and gen.stats.cached_tokens == len(ids) - 1
     assert cache.bytes == 0
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_a_generation_stopped_by_its_hook_keeps_the_tokens_it_delivered(target):
+    """A server's stop string raises from the token hook with the ids delivered so far (``committed``):
+    the cache keeps their positions (a hybrid: up to its last state checkpoint), so the
+    next turn, which carries the answer, hits past the prompt and still equals a cold run."""
+    pair = pair_for(target, "random")
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=2)
+    cache = PrefixCache(BIG, chunk=CHUNK)
+    ids = pair.encode(SYSTEM + TURNS[1])
+    seen: list[int] = []
+
+    class Stop(Exception):
+        def __init__(self, committed):
+            super().__init__()
+            self.committed = list(committed)
+
+    def hook(tokens):
+        seen.extend(tokens)
+        if len(seen) >= 12:
+            raise Stop(seen)
+
+    with pytest.raises(Stop):
+        engine.generate(pair, ids, cfg, MAX_NEW, ignore_eos=True, on_tokens=hook, prefix_cache=cache)
+    follow = ids + seen + pair.encode(" and then?")
+    gen = engine.generate(pair, follow, cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
+    if target == "tiny-dense":
+        assert gen.stats.cached_tokens == len(ids) + len(seen) - 1
+    else:  # the state after the cut answer is checkpointed only where the loop left it exactly there
+        assert len(ids) - 1 <= gen.stats.cached_tokens <= len(ids) + len(seen) - 1
+    assert gen.tokens == _reference(pair, follow, cfg)
