@@ -26,9 +26,12 @@ class CtrlC:
         self._previous: Any = None
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.immediate:
-            raise KeyboardInterrupt
         self.pending = True
+        if self.immediate:
+            # also pending: raised inside a finalizer (a garbage-collection callback, which the engine's
+            # memory release runs between configs) Python prints and drops it; the next checkpoint
+            # then still ends the sweep
+            raise KeyboardInterrupt
 
     def __enter__(self) -> CtrlC:
         if threading.current_thread() is threading.main_thread():
