@@ -33,14 +33,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU
-    yield
-    torch.set_num_threads(before)
-
-
 def _written(tmp_path, arch: str, overrides: dict, options: dict):
     hf = tiny_hf(arch, **overrides)
     path = tmp_path / "model.gguf"

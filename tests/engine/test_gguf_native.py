@@ -41,14 +41,6 @@ CONFIGS = [EngineConfig(verify="ar"), EngineConfig(verify="chain", block_size=8)
            EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a shared CPU
-    yield
-    torch.set_num_threads(before)
-
-
 def _file(tmp_path, case: str):
     arch, qtype, qtypes, overrides, _ = CASES[case]
     path = tmp_path / f"{case}.gguf"
