@@ -310,6 +310,33 @@ def _tickets(device: torch.device, tiles: int) -> Tensor:
 
 if triton is not None:
 
+    @triton.jit
+    def store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm, mn,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A tile's sums ``acc`` [BLOCK_N, BLOCK_M] (out's transpose) into ``out``, with the bias; split
+        over K, each part's sum then a ticket: the part that takes the last one adds every part in order
+        0..split-1 (the same bits whichever finished last) and resets the ticket. Shared by every
+        few-row kernel (``quant_kernel``'s too), so their rows round alike."""
+        out_offs = rm[None, :].to(tl.int64) * N + rn[:, None]
+        omask = mn[:, None] & mm[None, :]
+        if split > 1:
+            tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
+            ticket_at = ticket_ptr + row_block * tiles + tile
+            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+            if ticket == split - 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for p in range(0, split):
+                    acc += tl.load(part_ptr + p * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(ticket_at, 0)  # ready for the next launch
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
     # Not specialised on the rows or the split: an AR step and a verify run one compiled variant
     # per BLOCK_M, and the parts of K sit where they sit whatever the rows. A part starts at a
     # multiple of BLOCK_K (k_iters blocks a part): the compiler knows its alignment, so the tiles
@@ -345,24 +372,5 @@ if triton is not None:
                 acc = tl.dot(w, xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out_offs = rm[None, :].to(tl.int64) * N + rn[:, None]  # out [M, N]; acc is its transpose
-        omask = mn[:, None] & mm[None, :]
-        if split > 1:
-            # This part's sum, then a ticket: the part that takes the last one adds every part in
-            # order 0..split-1 (the same bits whichever finished last) and resets the ticket.
-            tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
-            tl.debug_barrier()  # every thread's partial sums stored before the ticket is taken
-            ticket_at = ticket_ptr + row_block * tiles + tile
-            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-            if ticket == split - 1:
-                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                for p in range(0, split):
-                    acc += tl.load(part_ptr + p * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
-                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(ticket_at, 0)  # ready for the next launch
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,
+                   mn, HAS_BIAS, BLOCK_N, BLOCK_M)

@@ -136,6 +136,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
 
 
 if triton is not None:
+    from engine.models.linear import store_rows
 
     @triton.jit
     def _f16_at(h_ptr, block_half, offset: tl.constexpr, mask):
@@ -283,22 +284,6 @@ if triton is not None:
             else:
                 acc = tl.dot(w, xt, acc)
             x_ptrs += BLOCK_K
-        out_offs = rm[None, :].to(tl.int64) * N + rn[:, None]  # out [M, N]; acc is its transpose
-        omask = mn[:, None] & mm[None, :]
-        if split > 1:  # linear.py's protocol: the last part to finish adds the parts in order 0..split-1
-            tl.store(part_ptr + part * M * N + out_offs, acc, mask=omask)
-            tl.debug_barrier()
-            ticket_at = ticket_ptr + row_block * tiles + tile
-            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-            if ticket == split - 1:
-                acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                for p in range(0, split):
-                    acc += tl.load(part_ptr + p * M * N + out_offs, mask=omask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
-                tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(ticket_at, 0)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        # linear.py's store: the split's parts added in order 0..split-1, the bias, the rows rounded alike
+        store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,
+                   mn, HAS_BIAS, BLOCK_N, BLOCK_M)
