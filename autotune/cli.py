@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
     s.add_argument("--max-queue", type=int, default=32, help="waiting requests before 503 (default 32)")
+    # engine.DEFAULT_PREFIX_CACHE_MB, written out: the CLI parses its flags without importing torch
     s.add_argument("--prefix-cache-mb", type=float, default=1024,
                    help="device memory (MiB) for the prefix cache of earlier prompts and answers (default 1024; "
                         "0: off)")

@@ -66,7 +66,8 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
     worker: str | None = None  # every candidate on one worker: ratios measured side by side
     for number, cfg in chosen:
         job = Job(trial=number, role="confirm", config=cfg, max_new_tokens=exp.workload.max_new_tokens,
-                  warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False)
+                  warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False,
+                  prefix_cache_mb=exp.workload.prefix_cache_mb)
         rec = measure_now(job, worker)
         worker = worker or (rec.worker if rec.ok else None)
         role = st.role_of(study.get_trials(deepcopy=False)[number])
@@ -75,7 +76,7 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
             dropped.append({"trial": number, "role": role, "reason": rec.fail_reason if not rec.ok
                             else f"output differs from AR on the re-measurement (exact {rec.exact_match:.2f})"})
             continue
-        c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.decode_tps_runs, m.max_rel_mad))
+        c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.runs(exp.objective), m.max_rel_mad))
         cands.append((c, rec))
         ar = c if role == "baseline" else ar
         ref = c if role == "reference" else ref
@@ -87,8 +88,10 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
                                                     "dropped": dropped})
         return
     ar_tps = ar.score.median if ar else None
+    # break-even AL compares a step with AR's decode rate, whatever the objective
+    ar_decode = next((measure.median_of(r.decode_tps_runs) for c, r in cands if c is ar), None)
     conf = {
-        "finished_trials": finished, "repeats": m.confirm_repeats, "worker": worker,
+        "finished_trials": finished, "repeats": m.confirm_repeats, "worker": worker, "objective": exp.objective,
         "when": st._now(), "winner": win.trial, "ties": [c.trial for c in measure.ties([c for c, _ in cands])],
         "ar_median_tps": ar_tps, "winner_median_tps": win.score.median, "winner_spread": win.score.spread,
         "winner_speedup_vs_ar": measure.speedup(win.score.median, ar_tps),
@@ -97,7 +100,8 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
         "dropped": dropped,
         "candidates": [{"trial": c.trial, "config": c.config, "score": c.score.to_dict(),
                         "speedup_vs_ar": measure.speedup(c.score.median, ar_tps),
-                        "break_even_al": measure.break_even_al(r.step_ms, ar_tps) if c is not ar else None,
+                        "break_even_al": measure.break_even_al(r.step_ms, ar_decode) if c is not ar else None,
+                        "decode_tps_median": measure.median_of(r.decode_tps_runs),
                         "exact_match": r.exact_match} for c, r in cands],
     }
     study.set_user_attr("confirmation", conf)

@@ -195,7 +195,7 @@ class _Driver:
         m = self.exp.measure
         full = Job(trial=trial.number, role=role, config=config, max_new_tokens=self.exp.workload.max_new_tokens,
                    warmup=m.warmup, repeats=m.repeats, max_rel_mad=m.max_rel_mad, memory_at=self.memory_at,
-                   vram_limit=self.exp.model.vram_limit)
+                   vram_limit=self.exp.model.vram_limit, prefix_cache_mb=self.exp.workload.prefix_cache_mb)
         # the cheap rungs first (fewer passes), then the full measurement
         first, *todo = fidelity.jobs(full, self.exp.ladder, self.exp.fidelity)
         prune = self._pruning_callback(trial) if role == "search" and self.exp.study.pruner != "none" else None
@@ -239,7 +239,8 @@ class _Driver:
         role = st.role_of(job.trial)
         base = None if role == "baseline" else st.nearest_baseline(self.study, rec.trial, rec.worker, self.wl_hash)
         measured = fidelity.rung_record(rung, rec.rung, rec, self.exp.measure.max_rel_mad,
-                                        fidelity.measured_at(base, rung) if base is not None else None)
+                                        fidelity.measured_at(base, rung) if base is not None else None,
+                                        self.exp.objective)
         done = [*job.trial.user_attrs.get("fidelity", []), measured]
         job.trial.set_user_attr("fidelity", done)
         if role != "search":  # the baseline and the reference are measured in full: the yardsticks
@@ -286,12 +287,13 @@ class _Driver:
                 trial.set_user_attr("pruned_at_rung", rec.rung)
                 tqdm.write(f"trial {trial.number} PRUNED: {stopped}", file=sys.stderr)
             else:  # by the pruner, after the first measured pass
-                trial.set_user_attr("decode_tps_runs", rec.decode_tps_runs)
-            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs), stopped or (
-                "the pruner: its per-prompt tok/s after the first pass were significantly below the best trial's"))
+                trial.set_user_attr(f"{self.exp.objective}_runs", rec.runs(self.exp.objective))
+            unit = "session" if self.exp.objective == "session_tps" else "prompt"
+            st.tell_pruned(self.study, trial, measure.median_of(rec.runs(self.exp.objective)), stopped or (
+                f"the pruner: its per-{unit} tok/s after the first pass were significantly below the best trial's"))
             return
         try:
-            score = measure.score(rec.decode_tps_runs, self.exp.measure.max_rel_mad)
+            score = measure.score(rec.runs(self.exp.objective), self.exp.measure.max_rel_mad)
         except ValueError as exc:  # NaN or negative rate: fail fast, never guess a value
             trial.set_user_attr("fail_reason", f"bad measurement: {exc}")
             self.study.tell(trial, state=TrialState.FAIL)
@@ -300,7 +302,8 @@ class _Driver:
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
         if not reported:
-            for step, tps in enumerate(rec.per_prompt_tps):
+            for step, tps in enumerate(rec.per_session_tps if self.exp.objective == "session_tps"
+                                       else rec.per_prompt_tps):
                 trial.report(tps, step)
         self._constrain(trial, rec)
         self.study.tell(trial, score.value)
@@ -344,14 +347,21 @@ class _Driver:
         self.study.tell(trial, 0.0)
 
     def score_attrs(self, number: int, rec: Record, score: measure.Score) -> dict[str, Any]:
+        """The trial's attributes. ``score`` is the objective's (``spread``, ``rel_mad``, ``noisy`` and
+        ``speedup_vs_ar`` are its); ``decode_tps_median`` is always decode tok/s, and under
+        ``session_tps`` the session figures sit beside it (``session_tps_median`` the objective's)."""
         is_base = rec.role == "baseline"
         # A baseline is its own AR reference; everything else is compared with the nearest one.
         base = st.nearest_baseline(self.study, number, rec.worker, self.wl_hash)
-        ar_tps = score.median if is_base else (base.user_attrs.get("decode_tps_median") if base else None)
+        decode = measure.median_of(rec.decode_tps_runs)
+        ar_tps = decode if is_base else (base.user_attrs.get("decode_tps_median") if base else None)
+        sessions = self.exp.objective == "session_tps"
+        ar_value = ar_tps if not sessions else score.median if is_base else (
+            base.user_attrs.get("session_tps_median") if base else None)
         phase_sum = sum(rec.phase_ms_per_step.values())
         attrs: dict[str, Any] = {
             "decode_tps_runs": rec.decode_tps_runs, "e2e_tps_runs": rec.e2e_tps_runs,
-            "decode_tps_median": score.median, "spread": score.spread, "rel_mad": score.rel_mad,
+            "decode_tps_median": decode, "spread": score.spread, "rel_mad": score.rel_mad,
             "noisy": score.noisy, "remeasured": rec.remeasured,
             "e2e_tps_median": measure.median_of(rec.e2e_tps_runs),
             "acceptance_length": rec.acceptance_length, "al_histogram": rec.al_histogram, "steps": rec.steps,
@@ -368,13 +378,20 @@ class _Driver:
             "policy_ar_step_fraction": measure.ar_step_fraction(rec.budget_histogram),
             "policy_predicted_al": rec.policy_predicted_al, "policy_observed_al": rec.policy_observed_al,
             "decode_loops": rec.loops,  # what ran: `auto` takes the runtime's graphs or the generic loop
-            "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
+            "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_value),
             "baseline_trial": number if is_base else (base.number if base else None),
             # the baseline was measured by another worker and reused by this one (after a restart)
             "baseline_reused": not is_base and base is not None and base.user_attrs.get("worker") != rec.worker,
         }
+        if sessions:  # the objective's figures, and decode's speedup beside them
+            attrs.update(session_tps_runs=rec.session_tps_runs, session_tps_median=score.median,
+                         per_session_tps=rec.per_session_tps, ar_session_tps=ar_value,
+                         decode_speedup_vs_ar=measure.speedup(decode, ar_tps), ttft_first_ms=rec.ttft_first_ms,
+                         ttft_later_ms=rec.ttft_later_ms, cached_share_later=rec.cached_share_later,
+                         turns=rec.turns, sessions_cut=rec.sessions_cut)
         if is_base:
-            prev_tps = base.user_attrs.get("decode_tps_median") if base else None
+            key = "session_tps_median" if sessions else "decode_tps_median"
+            prev_tps = base.user_attrs.get(key) if base else None
             attrs["ar_drift"] = measure.speedup(score.median, prev_tps)  # machine drift between baselines
             attrs["break_even_al"] = None  # AR has no speculative step to break even with
         else:
@@ -391,6 +408,10 @@ class _Driver:
             per_set[name]["policy_ar_step_fraction"] = measure.ar_step_fraction(s.get("budget_histogram", {}))
             per_set[name].update(ar_decode_tps=ar_set, speedup_vs_ar=measure.speedup(s["decode_tps_median"], ar_set),
                                  oracle_gate=gate.to_dict() if gate else None)
+            if sessions:
+                ar_sess = s["session_tps_median"] if is_base else base_sets.get(name, {}).get("session_tps_median")
+                per_set[name].update(ar_session_tps=ar_sess,
+                                     session_speedup_vs_ar=measure.speedup(s["session_tps_median"], ar_sess))
         attrs["per_set"] = per_set
         return attrs
 

@@ -25,7 +25,11 @@ NAMED_WORKLOADS = ("humaneval", "chat", "agent")
 SAMPLERS = ("tpe", "gp", "random", "grid")
 PRUNERS = ("none", "wilcoxon")
 EXACTNESS = ("strict", "report")
-OBJECTIVES = ("decode_tps",)  # docs/measurement.md: end-to-end tok/s is logged, never the objective
+# docs/measurement.md: decode tok/s chooses a decoding path (end-to-end tok/s is logged, never the
+# objective); session tok/s (completion tokens / the session's time, prefill and prefix cache
+# included) scores multi-turn sessions replayed as a client drives the server
+OBJECTIVES = ("decode_tps", "session_tps")
+SESSION_KEYS = ("min_turns", "prefix_cache_mb")  # workload keys of session_tps only
 EXECUTORS = ("local", "ray")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_AR_DRIFT = 100.0  # measure.max_ar_drift at most (baselines 101x apart)
@@ -51,9 +55,12 @@ class ModelSpec:
 @dataclass(frozen=True)
 class WorkloadSpec:
     sets: tuple[str, ...]  # named sets, or JSONL paths resolved against the experiment's folder
-    n_prompts: int = 4
-    max_new_tokens: int = 64
+    n_prompts: int = 4  # prompts per set; sessions per set under objective session_tps
+    max_new_tokens: int = 64  # per prompt; per turn for sessions
     seed: int = 0
+    sessions: bool = False  # objective session_tps: every set is multi-turn sessions (engine.load_sessions)
+    min_turns: int = 4  # a named session set's sessions have at least this many model turns
+    prefix_cache_mb: float = 1024.0  # the replay's prefix cache (engine.DEFAULT_PREFIX_CACHE_MB; 0: none)
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,8 @@ class Experiment:
         data = {
             "model": [m.target, m.draft, m.device, m.dtype, *([m.weights] if m.weights != "dequantized" else [])],
             "workload": [[_content_id(s) for s in self.workload.sets], self.workload.n_prompts,
-                         self.workload.max_new_tokens, self.workload.seed],
+                         self.workload.max_new_tokens, self.workload.seed,
+                         *([self.workload.min_turns, self.workload.prefix_cache_mb] if self.workload.sessions else [])],
             "space": self.search_space.fingerprint(),
             "objective": self.objective,
             "measure": [self.measure.warmup, self.measure.repeats, self.measure.max_rel_mad,
@@ -223,14 +231,14 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
         raise InputError(where, "name", "must match [A-Za-z0-9][A-Za-z0-9_.-]*", name)
 
     model = _model(where, top.get("model", dict), path.parent)
-    workload = _workload(where, top.get("workload", dict), path.parent)
+    objective = top.choice("objective", OBJECTIVES, "decode_tps")
+    workload = _workload(where, top.get("workload", dict), path.parent, objective == "session_tps")
     space_ref = top.get("search_space", str)
     space_path = (path.parent / space_ref).resolve()
     if not space_path.is_file():
         raise InputError(where, "search_space", "must name an existing file (relative to the experiment)",
                          space_ref)
     space = load_space(space_path)
-    objective = top.choice("objective", OBJECTIVES, "decode_tps")
     measure = _measure(where, top.get("measure", dict, {}))
     study = _study(where, top.get("study", dict, {}))
     executor = _executor(where, top.get("executor", dict, {}))
@@ -268,8 +276,16 @@ def _resolve_model_path(spec: str, base: Path) -> str:
     return str((base / spec).resolve())
 
 
-def _workload(where: str, raw: dict, base: Path) -> WorkloadSpec:
-    s = _Section(where, "workload", raw, {"sets", "n_prompts", "max_new_tokens", "seed"})
+def _workload(where: str, raw: dict, base: Path, sessions: bool = False) -> WorkloadSpec:
+    """``workload``; with ``sessions`` (objective session_tps) its sets are session sets
+    (``engine.SESSION_SETS``, or JSONL files of sessions) and ``min_turns`` / ``prefix_cache_mb`` apply."""
+    from engine import DEFAULT_PREFIX_CACHE_MB, SESSION_SETS
+
+    s = _Section(where, "workload", raw, {"sets", "n_prompts", "max_new_tokens", "seed", *SESSION_KEYS})
+    if not sessions and (given := [k for k in SESSION_KEYS if k in raw]):
+        raise InputError(where, f"workload.{given[0]}", "only applies with objective: session_tps (multi-turn "
+                         "sessions)", raw[given[0]])
+    names = SESSION_SETS if sessions else NAMED_WORKLOADS
     sets = s.get("sets", list)
     if not sets:
         raise InputError(where, "workload.sets", "must list at least one workload", sets)
@@ -278,25 +294,34 @@ def _workload(where: str, raw: dict, base: Path) -> WorkloadSpec:
         key = f"workload.sets[{i}]"
         if not isinstance(spec, str) or not spec:
             raise InputError(where, key, "must be a workload name or a JSONL path", spec)
-        if spec in NAMED_WORKLOADS:
+        if spec in names:
             resolved.append(spec)
             continue
+        if sessions and spec in NAMED_WORKLOADS:
+            raise InputError(where, key, f"has no multi-turn sessions; objective session_tps replays one of "
+                             f"{list(SESSION_SETS)} or a .jsonl file of sessions", spec)
         if not spec.endswith(".jsonl"):
-            raise InputError(where, key, f"must be one of {list(NAMED_WORKLOADS)} or a path to a .jsonl file",
-                             spec)
+            raise InputError(where, key, f"must be one of {list(names)} or a path to a .jsonl file", spec)
         file = (base / spec).resolve()
         if not file.is_file():
             raise InputError(where, key, "JSONL file must exist (paths are relative to the experiment)", spec)
-        _check_jsonl(file)
+        _check_jsonl(file, sessions)
         resolved.append(str(file))
     if len(set(resolved)) != len(resolved):
         raise InputError(where, "workload.sets", "must not list a workload twice", sets)
+    cache_mb = s.get("prefix_cache_mb", (int, float), DEFAULT_PREFIX_CACHE_MB)
+    if not 0 <= cache_mb < float("inf"):  # NaN fails this too
+        raise InputError(where, "workload.prefix_cache_mb", "must be a finite number of MiB >= 0 (0: every turn "
+                         "prefilled whole)", cache_mb)
     return WorkloadSpec(sets=tuple(resolved), n_prompts=s.integer("n_prompts", 4, low=1),
-                        max_new_tokens=s.integer("max_new_tokens", 64, low=2), seed=s.integer("seed", 0))
+                        max_new_tokens=s.integer("max_new_tokens", 64, low=2), seed=s.integer("seed", 0),
+                        sessions=sessions, min_turns=s.integer("min_turns", 4, low=1),
+                        prefix_cache_mb=float(cache_mb))
 
 
-def _check_jsonl(file: Path) -> None:
-    """Catch a broken line with its number here; the engine's loader does the full parse."""
+def _check_jsonl(file: Path, sessions: bool = False) -> None:
+    """Catch a broken line with its number here; the engine's loader does the full parse. A session
+    (``sessions``) is a line of messages that ends with a request, not an assistant message."""
     lines = read_jsonl_lines(file)
     if not lines:
         raise InputError(str(file), None, "JSONL workload must hold at least one prompt line")
@@ -307,6 +332,14 @@ def _check_jsonl(file: Path) -> None:
         tools = obj.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise InputError(f"{file}:{n}", "tools", "must be a list of tool objects", tools)
+        if sessions:
+            msgs = obj.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise InputError(f"{file}:{n}", "messages", "a session (objective session_tps) needs messages, "
+                                 "not a prompt string", start)
+            if isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+                raise InputError(f"{file}:{n}", "messages", "a session must end with its last turn's request (a "
+                                 "user or tool message), not an assistant message", start)
 
 
 def _measure(where: str, raw: dict) -> MeasureSpec:
@@ -443,12 +476,14 @@ def _check_models(where: str, model: ModelSpec) -> None:
 
 def load_workloads(exp: Experiment) -> list[Any]:
     """Select the prompts of every workload set (deterministic by seed); refusals are input errors."""
-    from engine import EngineInputError, load_workload
+    from engine import EngineInputError, load_sessions, load_workload
 
+    w = exp.workload
     out = []
-    for i, spec in enumerate(exp.workload.sets):
+    for i, spec in enumerate(w.sets):
         try:
-            out.append(load_workload(spec, exp.base_dir, exp.workload.n_prompts, exp.workload.seed))
+            out.append(load_sessions(spec, exp.base_dir, w.n_prompts, w.seed, w.min_turns) if w.sessions
+                       else load_workload(spec, exp.base_dir, w.n_prompts, w.seed))
         except EngineInputError as exc:
             raise InputError(str(exp.path), f"workload.sets[{i}]", f"the engine refuses this workload ({exc})",
                              spec) from None

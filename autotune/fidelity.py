@@ -103,14 +103,17 @@ def stage(job: Job, ladder: tuple[Rung, ...]) -> str | None:
 
 
 def rung_record(rung: Rung, index: int, rec: Record, max_rel_mad: float,
-                ar: dict[str, Any] | None) -> dict[str, Any]:
+                ar: dict[str, Any] | None, objective: str = "decode_tps") -> dict[str, Any]:
     """What one rung measured (JSON-friendly), with its speedup over AR measured on the same slice
-    (``ar``: the baseline's record of this rung, None when there is none)."""
-    score = measure.score(rec.decode_tps_runs, max_rel_mad)
+    (``ar``: the baseline's record of this rung, None when there is none). ``median`` and ``spread``
+    are the ``objective``'s (a session rung's slice: its first sessions, shorter replies)."""
+    score = measure.score(rec.runs(objective), max_rel_mad)
     ar_tps = ar.get("median") if ar else None
     return {"rung": index, "prompts": rung.prompts, "max_new_tokens": rung.max_new_tokens,
-            "decode_tps_runs": rec.decode_tps_runs, "median": score.median, "spread": score.spread,
-            "ar_decode_tps": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
+            "decode_tps_runs": rec.decode_tps_runs,
+            **({"session_tps_runs": rec.session_tps_runs} if objective == "session_tps" else {}),
+            "median": score.median, "spread": score.spread,
+            f"ar_{objective}": ar_tps, "speedup_vs_ar": measure.speedup(score.median, ar_tps),
             "acceptance_length": rec.acceptance_length, "exact_match": rec.exact_match,
             "elapsed_s": round(rec.elapsed_s, 4), "engine_s": round(rec.engine_s, 4)}
 

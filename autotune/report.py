@@ -5,7 +5,8 @@ divergence's top-2 logit margins and verdict: numeric tie or mismatch), top tria
 speedup vs AR and the baseline each speedup used (and which ones a restart reused), break-even AL
 and oracle gate per workload, the per-phase breakdown (and what the phases do not account for),
 which path won and by how much, device memory (the limit, the winner's peak per part, the trials
-over the limit), failures.
+over the limit), failures. A study of ``objective: session_tps`` ranks by session tok/s and adds
+"Sessions": both objectives side by side, with time to first token and the prefix cache's share.
 """
 
 from __future__ import annotations
@@ -31,11 +32,20 @@ PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
 COVERAGE_TOLERANCE = 0.05  # phases must add up to the step time within a few percent
 
 
+# what each objective's tok/s is, in a table header and in the winner's line
+UNITS = {"decode_tps": ("decode tok/s", "decode-only"),
+         "session_tps": ("session tok/s", "session tok/s (completion tokens / session time, prefill included)")}
+
+
+def _unit(study: optuna.Study, long: bool = False) -> str:
+    return UNITS.get(results.objective(study), UNITS["decode_tps"])[int(long)]
+
+
 def write_report(study: optuna.Study, out_dir: Path, top: int = 10) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ranked = results.ranked(study)
     w = results.winner(study)
-    pngs = [p for p in (_plot_top(ranked[:top], out_dir), _plot_speedup(study, out_dir),
+    pngs = [p for p in (_plot_top(study, ranked[:top], out_dir), _plot_speedup(study, out_dir),
                         _plot_phases(ranked[:5], out_dir), _plot_al(study, w, out_dir),
                         _plot_paths(study, w, out_dir)) if p is not None]
     md = out_dir / "report.md"
@@ -124,15 +134,16 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                 else "**not confirmed** (the confirmation phase did not run)")
         base = results.winner_baseline(study, w)
         L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
-              f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** decode-only "
+              f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** {_unit(study, long=True)} "
               f"(conservative {w.value:.2f}), speedup vs AR {_fmt(w.speedup_vs_ar)}x "
               f"(AR {_fmt(w.ar_median_tps)} tok/s{f'; baseline: {base}' if base else ''}).", "",
               f"`{_cfg_short(w.config)}`", ""]
         L += _conclusions(w)
     L += _confirmation(study)
     L += _exactness(study)
+    key = results.median_key(study)
     L += ["## Top trials", "", "By search value (median − spread of the search's passes); ★ marks the winner.", "",
-          "| trial | role | path | decode tok/s (median ± spread) | value | speedup vs AR | "
+          f"| trial | role | path | {_unit(study)} (median ± spread) | value | speedup vs AR | "
           "AR baseline | AL | break-even AL | exact | noisy | config |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in ranked[:top]:
@@ -140,11 +151,12 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
         base = _fmt(u.get("baseline_trial")) + (" (reused)" if u.get("baseline_reused") else "")
         star = " ★" if w is not None and t.number == w.trial else ""
         L.append(f"| {t.number}{star} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
-                 f"{_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
+                 f"{_fmt(u.get(key))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
                  f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
-    L += ["", *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]), *_paths(study, w),
+    L += ["", *_sessions(study, w), *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]),
+          *_paths(study, w),
           *_memory(study, w), *_stopped(study), *_refusals(study), *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
@@ -182,7 +194,7 @@ def _confirmation(study: optuna.Study) -> list[str]:
         return []
     L = ["## Confirmation", "", f"The top configs re-measured with {conf['repeats']} repeats after "
          f"{conf['finished_trials']} trials; differences within the spread are ties, broken toward the simpler "
-         "config.", "", "| trial | decode tok/s (median ± spread) | speedup vs AR | break-even AL | tied | config |",
+         "config.", "", f"| trial | {_unit(study)} (median ± spread) | speedup vs AR | break-even AL | tied | config |",
          "|---|---|---|---|---|---|"]
     for c in sorted(conf["candidates"], key=lambda c: -c["score"]["median"]):
         sc = c["score"]
@@ -244,17 +256,49 @@ def _baselines(study: optuna.Study) -> list[str]:
          "and prompt set. A worker that starts without one (after a restart) reuses the study's latest baseline "
          "measured under the same identity (machine, models, prompts, settings, code) within "
          "`measure.baseline_max_age`. AR baselines measured:", "",
-         "| trial | worker | AR tok/s (median ± spread) | drift vs previous | speedups using it |",
+         f"| trial | worker | AR {_unit(study)} (median ± spread) | drift vs previous | speedups using it |",
          "|---|---|---|---|---|"]
+    key = results.median_key(study)
     for t in base:
         u = t.user_attrs
-        L.append(f"| {t.number} | {u.get('worker')} | {_fmt(u.get('decode_tps_median'))} ± {_fmt(u.get('spread'))} "
+        L.append(f"| {t.number} | {u.get('worker')} | {_fmt(u.get(key))} ± {_fmt(u.get('spread'))} "
                  f"| {_fmt(u.get('ar_drift'), 3)} | {users[t.number]} |")
     L.append("")
     for r in st.baseline_reuses(study):
         age = "" if r.get("age_s") is None else f", measured {r['age_s'] / 60:.0f} min before"
         L.append(f"- baseline: trial {r['trial']}, reused by the restart at {r['at']} (worker {r['worker']}{age})")
     return L + ([""] if L[-1] else [])
+
+
+def _sessions(study: optuna.Study, w: results.Winner | None) -> list[str]:
+    """Both objectives side by side (a session study only): the winner, the best of each path, the
+    reference and the AR baseline, per workload set."""
+    if results.objective(study) != "session_tps":
+        return []
+    shown = [t for t in results.completed(study) if w is not None and t.number == w.trial]
+    shown += [t for _, t in results.best_per_path(study, w)]
+    shown += [t for t in results.completed(study) if role_of(t) in ("reference", "baseline")][-2:]
+    L = ["## Sessions", "", "Each session replayed turn by turn, every turn sending the conversation so far "
+         "(AR's replies in place of the script's), through one prefix cache per set and pass as a server keeps "
+         "it. Session tok/s = completion tokens / the turns' time, prefill included (the objective); decode "
+         "tok/s = the same turns' decode only. Time to first token (TTFT): the prefill of what the cache did "
+         "not hold, and the first token. Cached: the later turns' prompt tokens the cache gave.", "",
+         "| trial | role | workload | session tok/s | speedup | decode tok/s | decode speedup | TTFT first turn "
+         "(ms) | TTFT later turns (ms) | cached | sessions / turns | config |", "|" + "---|" * 12]
+    cut: list[str] = []
+    for t in {t.number: t for t in shown}.values():
+        u = t.user_attrs
+        for name, s in u.get("per_set", {}).items():
+            cells = [t.number, role_of(t), name, _fmt(s.get("session_tps_median")),
+                     _fmt(s.get("session_speedup_vs_ar")), _fmt(s.get("decode_tps_median")),
+                     _fmt(s.get("speedup_vs_ar")), _fmt(s.get("ttft_first_ms"), 1), _fmt(s.get("ttft_later_ms"), 1),
+                     "–" if s.get("cached_share_later") is None else f"{s['cached_share_later']:.0%}",
+                     f"{_fmt(s.get('sessions'))} / {_fmt(s.get('turns'))}", f"`{_cfg_short(u.get('config', {}))}`"]
+            L.append("| " + " | ".join(map(str, cells)) + " |")
+        cut += [f"- trial {t.number}: {k}: {v}" for k, v in (u.get("sessions_cut") or {}).items()]
+    if cut:
+        L += ["", "Sessions the replay ended early (the conversation outgrew the target's context):", *cut[:10]]
+    return L + [""]
 
 
 def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
@@ -267,8 +311,8 @@ def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
          "gate is the TPS of an ideal per-step switch between speculation and AR (an upper bound for any "
          "gating policy). An adaptive-policy trial (`policy: adaptive`) shows the budgets it chose, as "
          "budget:steps (0: plain AR steps), and its tok/s is what such a switch achieved; its AL counts its "
-         "AR steps as 1.", "", "| trial | workload | tok/s | AR tok/s | speedup | AL | break-even AL | steps "
-         "beating break-even | oracle-gate tok/s | budgets chosen (steps) |", "|" + "---|" * 10]
+         "AR steps as 1.", "", "| trial | workload | decode tok/s | AR decode tok/s | speedup | AL | break-even AL "
+         "| steps beating break-even | oracle-gate tok/s | budgets chosen (steps) |", "|" + "---|" * 10]
     for t in {t.number: t for t in shown}.values():
         for name, s in t.user_attrs.get("per_set", {}).items():
             g = s.get("oracle_gate") or {}
@@ -401,16 +445,16 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _plot_top(trials: list[FrozenTrial], out: Path) -> Path | None:
+def _plot_top(study: optuna.Study, trials: list[FrozenTrial], out: Path) -> Path | None:
     if not trials:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(trials) + 1.5))
     labels = [f"#{t.number} {results.path_of(t.user_attrs.get('config', {}))}" for t in trials][::-1]
-    med = [t.user_attrs.get("decode_tps_median", 0.0) for t in trials][::-1]
+    med = [t.user_attrs.get(results.median_key(study), 0.0) for t in trials][::-1]
     err = [t.user_attrs.get("spread", 0.0) for t in trials][::-1]
     ax.barh(labels, med, xerr=err, color=["tab:gray" if role_of(t) == "baseline" else "tab:blue"
                                           for t in trials][::-1], capsize=3)
-    ax.set_xlabel("decode-only tok/s (median ± 1.4826·MAD)")
+    ax.set_xlabel(f"{_unit(study, long=True)}: median ± 1.4826·MAD")
     ax.set_title("Top feasible trials")
     return _save(fig, out / "top_trials.png")
 

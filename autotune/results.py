@@ -18,6 +18,16 @@ from autotune.dimensions import describe as describe_fixed
 from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
 
 
+def objective(study: optuna.Study) -> str:
+    """What the study maximises (the experiment's ``objective``; a study made before the key: decode)."""
+    return study.user_attrs.get("objective") or "decode_tps"
+
+
+def median_key(study: optuna.Study) -> str:
+    """The trial attribute holding the objective's median: ``decode_tps_median``, ``session_tps_median``."""
+    return f"{objective(study)}_median"
+
+
 def feasible(t: FrozenTrial) -> bool:
     return all(v <= 0 for v in t.constraints.values())
 
@@ -105,13 +115,14 @@ def ar_drift(study: optuna.Study) -> Drift | None:
     (lowest and highest median) of the first machine that drifted, else None."""
     groups: dict[str, list[ArMeasurement]] = {}
     worker_machine: dict[str, str] = {}
+    key = median_key(study)  # the confirmation re-measures the objective: compared in its unit
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
-        if role_of(t) != "baseline" or a.get("decode_tps_median") is None:
+        if role_of(t) != "baseline" or a.get(key) is None:
             continue
         machine = _machine(t)
         worker_machine[a.get("worker", "")] = machine
-        groups.setdefault(machine, []).append(ArMeasurement(f"trial {t.number}", a["decode_tps_median"],
+        groups.setdefault(machine, []).append(ArMeasurement(f"trial {t.number}", a[key],
                                                             a.get("spread", 0.0)))
     conf = study.user_attrs.get("confirmation") or {}
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
@@ -148,15 +159,22 @@ class Winner:
     device: str
     workload_hash: str
     drift: Drift | None = None  # AR baselines that disagree: no "confirmed" or positive conclusion across it
+    # what median_tps, spread, value, speedup_vs_ar and ar_median_tps measure (results.objective);
+    # decode_tps: the winner's decode tok/s where the objective is another
+    objective: str = "decode_tps"
+    decode_tps: float | None = None
 
     def figures(self, digits: int) -> dict[str, float | None]:
         """The measured figures rounded to ``digits`` (None where not measured), under one set of
-        names: what ``summary`` and ``export.provenance`` print under theirs."""
+        names: what ``summary`` and ``export.provenance`` print under theirs. The objective's median
+        and AR's are named after it (``decode_tps``, ``ar_decode_tps``; ``session_tps``, ...), with
+        ``decode_tps`` beside them under another objective."""
         def r(v: float | None) -> float | None:
             return None if v is None else round(v, digits)
 
-        return {"decode_tps": r(self.median_tps), "spread": r(self.spread), "value": r(self.value),
-                "speedup_vs_ar": r(self.speedup_vs_ar), "ar_decode_tps": r(self.ar_median_tps),
+        other = {"decode_tps": r(self.decode_tps)} if self.objective != "decode_tps" else {}
+        return {self.objective: r(self.median_tps), "spread": r(self.spread), "value": r(self.value),
+                "speedup_vs_ar": r(self.speedup_vs_ar), f"ar_{self.objective}": r(self.ar_median_tps), **other,
                 "acceptance_length": r(self.acceptance_length), "break_even_al": r(self.break_even_al)}
 
     def to_dict(self) -> dict[str, Any]:
@@ -176,7 +194,8 @@ def winner(study: optuna.Study) -> Winner | None:
             positive_vs_ar=conf.get("positive_vs_ar"), positive_vs_reference=conf.get("positive_vs_reference"),
             acceptance_length=t.user_attrs.get("acceptance_length"), break_even_al=cand.get("break_even_al"),
             exact_match=cand.get("exact_match"), device=t.user_attrs.get("device", ""),
-            workload_hash=t.user_attrs.get("workload_hash", ""),
+            workload_hash=t.user_attrs.get("workload_hash", ""), objective=objective(study),
+            decode_tps=cand.get("decode_tps_median", t.user_attrs.get("decode_tps_median")),
         )
         return _across(w, ar_drift(study))
     top = ranked(study)
@@ -186,11 +205,12 @@ def winner(study: optuna.Study) -> Winner | None:
     a = t.user_attrs
     return Winner(
         trial=t.number, role=role_of(t), config=a.get("config", {}), confirmed=False,
-        median_tps=a.get("decode_tps_median", 0.0), spread=a.get("spread", 0.0), value=t.value or 0.0,
-        speedup_vs_ar=a.get("speedup_vs_ar"), ar_median_tps=a.get("ar_decode_tps"), positive_vs_ar=None,
+        median_tps=a.get(median_key(study), 0.0), spread=a.get("spread", 0.0), value=t.value or 0.0,
+        speedup_vs_ar=a.get("speedup_vs_ar"), ar_median_tps=a.get(f"ar_{objective(study)}"), positive_vs_ar=None,
         positive_vs_reference=None, acceptance_length=a.get("acceptance_length"),
         break_even_al=a.get("break_even_al"), exact_match=a.get("exact_match"), device=a.get("device", ""),
-        workload_hash=a.get("workload_hash", ""), drift=ar_drift(study),
+        workload_hash=a.get("workload_hash", ""), drift=ar_drift(study), objective=objective(study),
+        decode_tps=a.get("decode_tps_median"),
     )
 
 
@@ -297,11 +317,12 @@ def summary(study: optuna.Study) -> dict[str, Any]:
         "best_role": w.role,
         "best_path": path_of(w.config),
         "best_confirmed": w.confirmed,
-        "best_decode_tps": f["decode_tps"],
+        f"best_{w.objective}": f[w.objective],
         "best_spread": f["spread"],
         "best_value": f["value"],
         "best_speedup_vs_ar": f["speedup_vs_ar"],
-        "ar_decode_tps": f["ar_decode_tps"],
+        f"ar_{w.objective}": f[f"ar_{w.objective}"],
+        **({"best_decode_tps": f["decode_tps"]} if w.objective != "decode_tps" else {}),
         "ar_baseline": winner_baseline(study, w),
         "best_acceptance_length": f["acceptance_length"],
         "best_break_even_al": f["break_even_al"],

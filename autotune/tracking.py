@@ -39,7 +39,10 @@ _METRICS = ("decode_tps_median", "spread", "rel_mad", "acceptance_length", "spee
             "oracle_gate_tps", "peak_memory_bytes", "vram_limit_bytes", "util_percent", "trial_wall_s", "engine_s",
             "inexact_count",
             "partial_decode_tps",  # a pruned trial's partial figure (it has no value)
-            "policy_ar_step_fraction", "policy_predicted_al", "policy_observed_al")  # the adaptive policy's
+            "policy_ar_step_fraction", "policy_predicted_al", "policy_observed_al",  # the adaptive policy's
+            # a session study's (objective session_tps): beside decode's, never instead
+            "session_tps_median", "ar_session_tps", "decode_speedup_vs_ar", "ttft_first_ms", "ttft_later_ms",
+            "cached_share_later")
 # a trial's records logged as JSON artifacts (per_workload.json holds each workload's budget histogram too;
 # divergences: at most worker.MAX_DIAGNOSED small records)
 _ARTIFACTS = (("al_histogram", "al_histogram.json"), ("per_set", "per_workload.json"),
@@ -148,10 +151,12 @@ def winner_metrics(w: results.Winner | None, counts: dict[str, int]) -> dict[str
     out: dict[str, float] = {"configs_measured": counts["finished"], "baselines_measured": counts["baselines"]}
     if w is None:
         return out
-    figures = {"winner.decode_tps_median": w.median_tps, "winner.decode_tps_spread": w.spread,
+    obj = w.objective  # the objective's figures under its name; decode tok/s always
+    figures = {f"winner.{obj}_median": w.median_tps, f"winner.{obj}_spread": w.spread,
                "winner.conservative_tps": w.value, "winner.speedup_vs_ar": w.speedup_vs_ar,
                "winner.acceptance_length": w.acceptance_length, "winner.exact_match": w.exact_match,
-               "winner.break_even_al": w.break_even_al, "ar.decode_tps_median": w.ar_median_tps}
+               "winner.break_even_al": w.break_even_al, f"ar.{obj}_median": w.ar_median_tps,
+               **({"winner.decode_tps_median": w.decode_tps} if obj != "decode_tps" else {})}
     out.update({k: float(v) for k, v in figures.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return out
 
@@ -164,7 +169,8 @@ def headline(study_name: str, w: results.Winner | None) -> str:
     speedup = "n/a" if w.speedup_vs_ar is None else f"{w.speedup_vs_ar:.2f}x"
     al = "" if w.acceptance_length is None else f", AL {w.acceptance_length:.2f}"
     exact = {"true": "exact", "false": "INEXACT", "unknown": "exactness unknown"}[exactness(w)]
-    return (f"{study_name}: {config_label(w.config)} {speedup} AR, {w.median_tps:.1f} tok/s{al}, {exact}, "
+    unit = "session tok/s" if w.objective == "session_tps" else "tok/s"
+    return (f"{study_name}: {config_label(w.config)} {speedup} AR, {w.median_tps:.1f} {unit}{al}, {exact}, "
             f"{conclusion(w)[0]}")
 
 

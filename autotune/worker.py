@@ -13,6 +13,13 @@ measurement protocol of docs/measurement.md for one config:
    target's top-2 logit margins there (``engine.diagnose``: a numeric tie or a mismatch), after the
    measured passes.
 
+A session workload (``engine.load_sessions``: the experiment's ``objective: session_tps``) is
+replayed turn by turn: AR first (``engine.replay_sessions``, its own replies fed back), which fixes
+every turn's request; then each pass decodes those requests in order through one fresh prefix cache
+per set (``Job.prefix_cache_mb``), as a server meets them, and records each turn's time to first
+token, cached tokens and time. Session tok/s = completion tokens / the turns' time, prefill included;
+decode tok/s is measured on the same turns. Exactness is per turn, against AR's.
+
 Each record also carries the worker's utilisation during the job (NVML GPU utilisation on a GPU,
 process CPU time over wall time on a CPU) and whether the engine error it hit leaves the device
 unusable (then the Ray executor restarts the worker process).
@@ -64,6 +71,8 @@ class Job:
     # the config is not measured
     memory_at: tuple[int, int] | None = None
     vram_limit: int | None = None
+    # a session workload's prefix cache, MiB (a fresh one per set and pass; 0: none); prompts ignore it
+    prefix_cache_mb: float = 0.0
 
 
 @dataclass
@@ -85,6 +94,17 @@ class Record:
     dtype: str = ""
     decode_tps_runs: list[float] = field(default_factory=list)
     e2e_tps_runs: list[float] = field(default_factory=list)
+    # a session workload (empty / None otherwise): per pass, completion tokens / the turns' time (prefill
+    # included); per session its median over passes; time to first token (ms, median over passes and
+    # turns) of first and later turns; the later turns' prompt share the prefix cache gave; sessions
+    # the replay ended early ("set[i]" -> why)
+    session_tps_runs: list[float] = field(default_factory=list)
+    per_session_tps: list[float] = field(default_factory=list)
+    ttft_first_ms: float | None = None
+    ttft_later_ms: float | None = None
+    cached_share_later: float | None = None
+    turns: int = 0
+    sessions_cut: dict[str, str] = field(default_factory=dict)
     remeasured: bool = False
     acceptance_length: float = 0.0
     al_histogram: dict[str, int] = field(default_factory=dict)
@@ -124,6 +144,10 @@ class Record:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def runs(self, objective: str) -> list[float]:
+        """The measured passes of ``objective`` (``decode_tps`` or ``session_tps``): what is scored."""
+        return self.session_tps_runs if objective == "session_tps" else self.decode_tps_runs
+
 
 class Worker:
     """Owns a loaded ``engine.Pair`` and the encoded prompts; measures one config per call."""
@@ -138,6 +162,17 @@ class Worker:
         # two JSONL files may share a stem; the set name keys per-set results, so keep it unique
         names = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
         self.sets = [(n, [pair.encode(p) for p in w.prompts]) for n, w in zip(names, workloads, strict=True)]
+        # session workloads: the sessions themselves (self.sets holds each one's whole script encoded:
+        # its last request but for the replies, for limits()); a job measures their turns (_turn_sets)
+        self.session_mode = any(getattr(w, "sessions", False) for w in workloads)
+        if self.session_mode and not all(getattr(w, "sessions", False) for w in workloads):
+            raise ValueError("a worker measures prompt workloads or session workloads, not both")
+        self.sessions = [(n, list(w.prompts)) for n, w in zip(names, workloads, strict=True)] if self.session_mode \
+            else []
+        self._replays: dict[tuple[Any, ...], list[Any]] = {}  # reference key -> engine.SessionReplay per set
+        self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
+        self._cut: dict[str, str] = {}  # the current job's sessions AR's replay ended early, and why
+        self._cache_mb = 0.0  # the current session job's prefix cache budget (Job.prefix_cache_mb)
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
@@ -212,20 +247,47 @@ class Worker:
             ar["draft_path"] = self.pair.ar_twin(cfg, cfg.grammar != "off" and self._has_tools).draft_path
         return ar
 
-    def reference(self, max_new_tokens: int, config: dict[str, Any] | None = None) -> list[list[list[int]]]:
+    def reference(self, max_new_tokens: int, config: dict[str, Any] | None = None,
+                  prefix_cache_mb: float = 0.0) -> list[list[list[int]]]:
         """The AR outputs (the ground truth for exactness), computed once per length and per way
         of decoding that actually differs on this machine (on a CPU every AR config runs the same
-        loop and kernels: one reference)."""
+        loop and kernels: one reference). For sessions: each turn's, session after session, from
+        AR's replay (``prefix_cache_mb``: through a prefix cache of that budget)."""
         import engine
 
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
-        key = (max_new_tokens, tuple(len(ps) for _, ps in self.sets),  # a rung's slice has its own
-               *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools))
+        key = self._reference_key(max_new_tokens, cfg, prefix_cache_mb)
         if key not in self._reference:
-            self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens,
-                                                 on_prompt=self._ticker("AR outputs", name)).outputs
-                                    for name, prompts in self.sets]
+            if self.session_mode:  # AR's replies fix every later turn's request
+                self._replays[key] = [engine.replay_sessions(self.pair, cfg, sessions, max_new_tokens,
+                                                             _prefix_cache(prefix_cache_mb),
+                                                             on_turn=self._ticker("AR sessions", name))
+                                      for name, sessions in self.sessions]
+                self._reference[key] = [r.outputs for r in self._replays[key]]
+            else:
+                self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens,
+                                                     on_prompt=self._ticker("AR outputs", name)).outputs
+                                        for name, prompts in self.sets]
         return self._reference[key]
+
+    def _reference_key(self, max_new_tokens: int, cfg: Any, prefix_cache_mb: float) -> tuple[Any, ...]:
+        """What AR's outputs depend on here: the length, a rung's slice, the loop and kernels, and for
+        sessions whether a prefix cache prefills them (in the decode steps' form)."""
+        sliced = tuple(len(ps) for _, ps in (self.sessions if self.session_mode else self.sets))
+        return (max_new_tokens, sliced, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools),
+                *((prefix_cache_mb > 0,) if self.session_mode else ()))
+
+    def _turn_sets(self, max_new_tokens: int, config: dict[str, Any], prefix_cache_mb: float) -> None:
+        """A session job measures the turns AR's replay asked (its reference's): they become the
+        job's prompt sets (``measure`` restores the sessions' after the job)."""
+        import engine
+
+        cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
+        replays = self._replays[self._reference_key(max_new_tokens, cfg, prefix_cache_mb)]
+        self.sets = [(name, list(r.prompts)) for (name, _), r in zip(self.sessions, replays, strict=True)]
+        self._session_of = [list(r.session_of) for r in replays]
+        self._cut = {f"{name}[{i}]": why for (name, _), r in zip(self.sessions, replays, strict=True)
+                     for i, why in r.cut.items()}
 
     def _ticker(self, stage: str, set_name: str) -> Callable[[int, int], None] | None:
         """``engine.bench``'s ``on_prompt`` for the current job's progress callback (None: none)."""
@@ -244,10 +306,11 @@ class Worker:
         self._engine_s = 0.0
         t0 = time.perf_counter()
         with Utilisation(self.pair.device) as util:
-            every_prompt = self.sets
+            every_prompt, every_session = self.sets, self.sessions
             try:
                 if job.prompts is not None:  # a fidelity rung: the first prompts of every set, for this job
                     self.sets = [(name, prompts[:job.prompts]) for name, prompts in every_prompt]
+                    self.sessions = [(name, sessions[:job.prompts]) for name, sessions in every_session]
                 self._measure(job, rec, on_first_pass)
             except KeyboardInterrupt:
                 raise
@@ -259,7 +322,7 @@ class Worker:
                 rec.device_unusable = device_unusable(exc)
                 _free_device_memory(self.pair.device)
             finally:
-                self.sets = every_prompt
+                self.sets, self.sessions = every_prompt, every_session
                 self._on_progress = None  # this job's: nothing may tell it once the job is over
         rec.elapsed_s = time.perf_counter() - t0
         rec.engine_s = self._engine_s
@@ -281,7 +344,10 @@ class Worker:
             if rec.over_vram is not None:
                 return
         known = len(self._reference)
-        reference = self.reference(job.max_new_tokens, cfg.to_dict())
+        cache_mb = self._cache_mb = job.prefix_cache_mb if self.session_mode else 0.0
+        reference = self.reference(job.max_new_tokens, cfg.to_dict(), cache_mb)
+        if self.session_mode:
+            self._turn_sets(job.max_new_tokens, cfg.to_dict(), cache_mb)
         if at is None:
             self._reserved = None
         elif (cfg, at) != self._reserved or len(self._reference) != known:
@@ -294,11 +360,11 @@ class Worker:
         passes = []
         for i in range(job.repeats):
             passes.append(self._pass(cfg, job.max_new_tokens, f"pass {i + 1}/{job.repeats}"))
-            if i == 0 and on_first_pass is not None and on_first_pass(_per_prompt_tps(passes[0])):
+            if i == 0 and on_first_pass is not None and on_first_pass(self._per_unit_tps(passes[0])):
                 rec.pruned = True
                 break
         if not rec.pruned and job.remeasure_if_noisy:
-            first = measure.score([_pass_tps(p) for p in passes], job.max_rel_mad)
+            first = measure.score([self._objective_tps(p) for p in passes], job.max_rel_mad)
             if first.noisy:
                 rec.remeasured = True
                 passes += [self._pass(cfg, job.max_new_tokens, f"noisy, pass {job.repeats + i + 1}/{2 * job.repeats}")
@@ -312,14 +378,26 @@ class Worker:
             self._diagnose(rec, cfg, reference, diverged)
 
     def _pass(self, cfg: Any, max_new_tokens: int, stage: str) -> list[Any]:
+        """One pass over every set (a session set's turns in order, through one fresh prefix cache of
+        the job's budget)."""
         import engine
 
         t0 = time.perf_counter()
         try:
-            return [engine.bench(self.pair, cfg, prompts, max_new_tokens, on_prompt=self._ticker(stage, name))
+            return [engine.bench(self.pair, cfg, prompts, max_new_tokens, on_prompt=self._ticker(stage, name),
+                                 prefix_cache=_prefix_cache(self._cache_mb) if self.session_mode else None)
                     for name, prompts in self.sets]
         finally:
             self._engine_s += time.perf_counter() - t0
+
+    def _objective_tps(self, results: Sequence[Any]) -> float:
+        """The rate one pass is scored by: session tok/s for sessions, else decode tok/s."""
+        return _pass_session_tps(results) if self.session_mode else _pass_tps(results)
+
+    def _per_unit_tps(self, results: Sequence[Any]) -> list[float]:
+        """What the pruner compares after the first pass: each session's rate, else each prompt's."""
+        return [v for r, of in zip(results, self._session_of, strict=True) for v in _session_tps(r, of)] \
+            if self.session_mode else _per_prompt_tps(results)
 
     def _diagnose(self, rec: Record, cfg: Any, reference: list[list[list[int]]],
                   diverged: dict[tuple[int, int], list[int]]) -> None:
@@ -370,6 +448,8 @@ class Worker:
         }
         rec.per_prompt_tps = [statistics.median(vals) for vals in zip(*(_per_prompt_tps(p) for p in passes),
                                                                       strict=True)]
+        if self.session_mode:
+            self._fill_sessions(rec, passes)
         rec.peak_memory_bytes = max(r.peak_memory_bytes for p in passes for r in p)
         rec.loops = dict(sum((Counter(r.loops) for r in first), Counter()))
         exact, checked, divergences = 0, 0, []
@@ -400,8 +480,21 @@ class Worker:
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
                 **_policy_record(results[:1]),
+                **(_session_figures(results, [self._session_of[j]] * len(results)) if self.session_mode else {}),
             }
         return diverged
+
+    def _fill_sessions(self, rec: Record, passes: list[list[Any]]) -> None:
+        """A session job's own figures (``Record.session_tps_runs`` and the rest)."""
+        rec.session_tps_runs = [_pass_session_tps(p) for p in passes]
+        rec.per_session_tps = [statistics.median(vals) for vals in zip(*(self._per_unit_tps(p) for p in passes),
+                                                                       strict=True)]
+        figures = _session_figures([r for p in passes for r in p],
+                                   [of for _ in passes for of in self._session_of])
+        rec.ttft_first_ms, rec.ttft_later_ms = figures["ttft_first_ms"], figures["ttft_later_ms"]
+        rec.cached_share_later = figures["cached_share_later"]
+        rec.turns = sum(len(of) for of in self._session_of)
+        rec.sessions_cut = dict(self._cut)
 
 
 def _policy_record(results: Sequence[Any]) -> dict[str, Any]:
@@ -461,3 +554,46 @@ def _pass_step_ms(results: Sequence[Any]) -> float:
 
 def _per_prompt_tps(results: Sequence[Any]) -> list[float]:
     return [p.decode_tps for r in results for p in r.prompts]
+
+
+def _prefix_cache(mb: float) -> Any:
+    """A fresh prefix cache of ``mb`` MiB (None for 0: every turn prefilled whole)."""
+    import engine
+
+    return engine.PrefixCache(int(mb * 2**20)) if mb > 0 else None
+
+
+def _pass_session_tps(results: Sequence[Any]) -> float:
+    """Session tok/s of one pass: every turn's new tokens / every turn's time (prefill included): the
+    sessions' completion tokens over their wall time in the engine."""
+    seconds = sum(p.total_s for r in results for p in r.prompts)
+    return sum(p.new_tokens for r in results for p in r.prompts) / seconds if seconds > 0 else 0.0
+
+
+def _session_tps(result: Any, session_of: Sequence[int]) -> list[float]:
+    """Each session's tok/s in one set's pass (``session_of``: each turn's session), in session order."""
+    tokens: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for p, s in zip(result.prompts, session_of, strict=True):
+        tokens[s] = tokens.get(s, 0) + p.new_tokens
+        seconds[s] = seconds.get(s, 0.0) + p.total_s
+    return [tokens[s] / seconds[s] if seconds[s] > 0 else 0.0 for s in sorted(tokens)]
+
+
+def _session_figures(results: Sequence[Any], ofs: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Session figures of BenchResults (``ofs``: each one's turns' sessions): session tok/s (median
+    over the results: one set's passes), time to first token of first and later turns (ms, median
+    over every result's turns), the later turns' share of prompt tokens the cache gave (the first
+    result), and the first result's sessions and turns."""
+    first, later = [], []
+    for r, of in zip(results, ofs, strict=True):
+        for i, (p, s) in enumerate(zip(r.prompts, of, strict=True)):
+            (first if i == 0 or of[i - 1] != s else later).append(1000.0 * p.ttft_s)
+    of0, r0 = ofs[0], results[0]
+    later0 = [p for i, p in enumerate(r0.prompts) if i > 0 and of0[i - 1] == of0[i]]
+    prompt_later = sum(p.prompt_tokens for p in later0)
+    return {"session_tps_median": statistics.median(_pass_session_tps([r]) for r in results),
+            "ttft_first_ms": statistics.median(first) if first else None,
+            "ttft_later_ms": statistics.median(later) if later else None,
+            "cached_share_later": sum(p.cached_tokens for p in later0) / prompt_later if prompt_later else None,
+            "sessions": len(set(of0)), "turns": len(of0)}

@@ -6,13 +6,14 @@ prompts' and answers' positions kept for ``generate(..., prefix_cache=...)`` (th
 ``load`` may hold a target's weights (``dequantized``, ``native``). The device memory of a pair
 decoding a config, per part, planned or measured: ``engine.memory`` (``plan_memory`` and the rest)."""
 
-from engine.api import Pair, bench, diagnose, load
+from engine.api import Pair, bench, diagnose, load, replay_sessions
 from engine.config import EngineConfig, EngineInputError
 from engine.data.prompts import Prompt
+from engine.data.sessions import SESSION_SETS, load_sessions
 from engine.data.workloads import Workload, load_workload
 from engine.decoding.decode import generate
 from engine.decoding.grammar import CompiledGrammar
-from engine.decoding.prefix_cache import PrefixCache
+from engine.decoding.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from engine.decoding.stats import (
     VERDICTS,
     BenchResult,
@@ -20,6 +21,7 @@ from engine.decoding.stats import (
     Generation,
     GenerationStats,
     PromptResult,
+    SessionReplay,
     first_divergence,
     policy_summary,
 )
@@ -39,6 +41,7 @@ from engine.models.quant import WEIGHTS
 from engine.registry import check_model_spec
 
 __all__ = [
+    "DEFAULT_PREFIX_CACHE_MB",
     "MEMORY_PARTS",
     "VERDICTS",
     "WEIGHTS",
@@ -56,6 +59,8 @@ __all__ = [
     "PrefixCache",
     "Prompt",
     "PromptResult",
+    "SESSION_SETS",
+    "SessionReplay",
     "Workload",
     "bench",
     "check_environment",
@@ -65,6 +70,7 @@ __all__ = [
     "generate",
     "largest_budget",
     "load",
+    "load_sessions",
     "load_workload",
     "longest_context",
     "measure_memory",
@@ -74,6 +80,7 @@ __all__ = [
     "preview",
     "read_text",
     "read_yaml",
+    "replay_sessions",
     "release_memory",
     "reserve_memory",
     "serve",

@@ -19,7 +19,16 @@ from engine.decoding.drafters import Drafter
 from engine.decoding.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
 from engine.decoding.loop import Workspace
 from engine.decoding.policy import StepCosts
-from engine.decoding.stats import PHASES, BenchResult, Divergence, Generation, PromptResult, first_divergence
+from engine.decoding.prefix_cache import PrefixCache
+from engine.decoding.stats import (
+    PHASES,
+    BenchResult,
+    Divergence,
+    Generation,
+    PromptResult,
+    SessionReplay,
+    first_divergence,
+)
 from engine.registry import load_drafter, load_target, resolve_device, resolve_dtype
 
 
@@ -247,6 +256,7 @@ def bench(
     grammars: Sequence[CompiledGrammar | None] | None = None,
     ar_config: EngineConfig | None = None,
     on_prompt: Callable[[int, int], None] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> BenchResult:
     """One measured pass of ``config`` over ``prompts``; caches reset between generations.
 
@@ -259,6 +269,9 @@ def bench(
     tool-call grammar (compiled before the pass, outside the measured time).
     ``on_prompt(done, total)`` is called after each generation, outside its timed decode (a
     progress display: ``autotune sweep``'s bar shows the prompt a trial is on).
+    ``prefix_cache``: one cache through the pass, as a server keeps it: each prompt reuses what the
+    earlier ones left (a session's turns, ``replay_sessions``); ``PromptResult.cached_tokens`` says how
+    much. Without it every prompt is prefilled whole.
     """
     if reference is not None and len(reference) != len(prompts):
         raise EngineInputError(f"reference has {len(reference)} outputs for {len(prompts)} prompts")
@@ -274,13 +287,15 @@ def bench(
     gens: list[Generation] = []
     results: list[PromptResult] = []
     for i, prompt in enumerate(prompts):
-        g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos, grammar=grammars[i])
+        g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos, grammar=grammars[i],
+                     prefix_cache=prefix_cache)
         gens.append(g)
         div = first_divergence(g.tokens, reference[i]) if reference is not None else None
         results.append(PromptResult(
             index=i, prompt_tokens=len(prompt), new_tokens=g.stats.new_tokens, decode_s=g.stats.decode_s,
             total_s=g.stats.total_s, decode_tps=g.stats.decode_tps, acceptance_length=g.stats.acceptance_length,
             steps=g.stats.steps, exact=None if reference is None else div is None, first_divergence=div,
+            cached_tokens=g.stats.cached_tokens, ttft_s=g.stats.total_s - g.stats.decode_s,
         ))
         if on_prompt is not None:
             on_prompt(i + 1, len(prompts))
@@ -310,3 +325,48 @@ def bench(
         step_budgets=[b for g in gens for b in g.stats.step_budgets],
         predicted_al=[a for g in gens for a in g.stats.predicted_al],
     )
+
+
+def replay_sessions(pair: Pair, config: EngineConfig, sessions: Sequence[Any], max_new_tokens: int,
+                    prefix_cache: PrefixCache | None = None,
+                    on_turn: Callable[[int, int], None] | None = None) -> SessionReplay:
+    """Multi-turn sessions (``engine.data.sessions``) replayed as a client drives a server: each turn
+    sends the whole conversation so far, ``config``'s own earlier replies in place of the script's
+    assistant messages (as text, the way the server returns them), decoded under the session's
+    tool-call grammar where ``config`` places one, through ``prefix_cache`` if given (one cache for
+    every turn and session, as a server keeps it). A turn whose request and ``max_new_tokens`` would
+    outgrow the target's context ends its session (``SessionReplay.cut`` says where), as a server
+    refuses it. ``on_turn(session, turns)`` is called after each session.
+
+    The requests depend on the replies, so the AR replay fixes them: a sweep replays AR once and
+    measures every config on AR's requests (``bench`` of ``SessionReplay.prompts`` with one prefix
+    cache), which are a speculative config's own wherever it is exact.
+    """
+    from engine.data.prompts import Prompt
+    from engine.data.sessions import check_session, request, turns
+    from engine.serving.text import TextStream
+
+    context = getattr(getattr(pair.target, "cfg", None), "max_position_embeddings", None)
+    out = SessionReplay()
+    for s, session in enumerate(sessions):
+        check_session(session, f"session {s}")
+        replies: list[str] = []
+        for t in range(turns(session)):
+            ids = pair.encode(Prompt(messages=tuple(request(session, replies)), tools=session.tools))
+            if context is not None and len(ids) + max_new_tokens > context:
+                out.cut[s] = (f"turn {t + 1}: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
+                              f"target's context of {context}")
+                break
+            g = generate(pair, ids, config, max_new_tokens, grammar=pair.grammar_of(ids, config),
+                         prefix_cache=prefix_cache)
+            stream = TextStream(pair.tokenizer.decode, pair.stop_ids, ())
+            stream.push(g.tokens)
+            stream.finish()
+            replies.append(stream.text)
+            out.prompts.append(ids)
+            out.outputs.append(g.tokens)
+            out.replies.append(stream.text)
+            out.session_of.append(s)
+        if on_turn is not None:
+            on_turn(s + 1, len(sessions))
+    return out

@@ -47,6 +47,7 @@ from engine.data.datasets import (
     openai_tool,
 )
 from engine.data.prompts import Prompt
+from engine.data.workloads import Workload, read_jsonl, workload_hash
 
 SESSION_SETS = ("agent", "chat")
 BFCL_MULTI_TURN = ("multi_turn_base", "multi_turn_long_context")
@@ -157,3 +158,26 @@ def named_sessions(name: str, n: int, min_turns: int = 4, seed: int = 0,
     fit = sorted((p for p in pool if turns(p) >= min_turns),
                  key=lambda p: hashlib.sha256(json.dumps(p.to_json(), sort_keys=True).encode()).hexdigest())
     return random.Random(seed).sample(fit, min(n, len(fit)))
+
+
+def load_sessions(spec: str, base_dir: Path, n: int, seed: int = 0, min_turns: int = 1,
+                  cache_dir: Path | None = None) -> Workload:
+    """A session workload: ``n`` sessions of a named set (``SESSION_SETS``, at least ``min_turns`` model
+    turns each: ``named_sessions``), or of a JSONL file of sessions (relative to ``base_dir``; every
+    line must be one: ``check_session``; ``n`` chosen by ``seed`` as ``load_workload`` chooses)."""
+    if spec in SESSION_SETS:
+        return _workload(spec, named_sessions(spec, n, min_turns, seed, cache_dir))
+    if n < 1:
+        raise EngineInputError(f"n must be >= 1, but got {n}")
+    path = Path(spec)
+    path = path if path.is_absolute() else Path(base_dir) / path
+    pool = read_jsonl(path)
+    for i, p in enumerate(pool, 1):
+        check_session(p, f"{path}:{i}")
+    chosen = pool if len(pool) <= n else random.Random(seed).sample(pool, n)
+    return _workload(path.stem, chosen)
+
+
+def _workload(name: str, chosen: Sequence[Prompt]) -> Workload:
+    prompts = tuple(chosen)
+    return Workload(name=name, prompts=prompts, hash=workload_hash(prompts), sessions=True)

@@ -22,6 +22,8 @@ class Workload:
     name: str
     prompts: tuple[Prompt, ...]
     hash: str
+    # each prompt is a multi-turn session (engine.data.sessions.load_sessions), replayed turn by turn
+    sessions: bool = False
 
 
 def _prompt_from_record(rec: Any, where: str) -> Prompt:

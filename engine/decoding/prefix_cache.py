@@ -37,6 +37,9 @@ from torch import Tensor
 
 from engine.models import fused
 
+# the server's budget unless told (--prefix-cache-mb), and a session workload's (autotune's
+# workload.prefix_cache_mb): llama-server's cache_prompt is on by default too
+DEFAULT_PREFIX_CACHE_MB = 1024
 PREFILL_CHUNK = 512  # rows per prefill forward; <= linear.MAX_ROWS, where the row-invariant kernel stops
 
 

@@ -211,6 +211,20 @@ class PromptResult:
     exact: bool | None  # equal to the AR output token for token (None: not checked)
     first_divergence: int | None  # first differing position among new tokens
     divergence: Divergence | None = None  # why it differs (re-run with margins, outside the measured time)
+    cached_tokens: int = 0  # prompt tokens a prefix cache gave (``bench(..., prefix_cache=...)``), not prefilled
+    ttft_s: float = 0.0  # time to first token: the prefill (of what was not cached) and the first token
+
+
+@dataclass
+class SessionReplay:
+    """Sessions replayed turn by turn (``engine.api.replay_sessions``): each turn's request, encoded
+    (the conversation so far, earlier replies included), in order, and what the config answered."""
+
+    prompts: list[list[int]] = field(default_factory=list)  # session after session, turn after turn
+    outputs: list[list[int]] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)  # each output as a server returns it (no stop token)
+    session_of: list[int] = field(default_factory=list)  # each turn's session (an index into those given)
+    cut: dict[int, str] = field(default_factory=dict)  # sessions that ended before their last turn, and why
 
 
 @dataclass

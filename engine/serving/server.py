@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding.decode import generate
-from engine.decoding.prefix_cache import PrefixCache
+from engine.decoding.prefix_cache import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from engine.files import preview
 from engine.serving.metrics import Metrics, Outcome
 from engine.serving.openai_schema import (
@@ -49,7 +49,6 @@ from engine.serving.openai_schema import (
 from engine.serving.text import TextStream
 
 DEFAULT_MAX_QUEUE = 32  # waiting requests beyond the one running
-DEFAULT_PREFIX_CACHE_MB = 1024  # the prefix cache's budget on the device, MiB (0: off)
 log = logging.getLogger("engine.serving")
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")  # metric labels
 

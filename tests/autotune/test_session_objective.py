@@ -1,0 +1,110 @@
+"""``objective: session_tps``: multi-turn sessions replayed through a prefix cache, scored by session
+tok/s (prefill included) with decode tok/s beside it, on the tiny pair, end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from autotune_helpers import tiny_experiment
+
+from autotune import experiment, export, results
+from autotune.errors import InputError
+from autotune.report import write_report
+from autotune.storage import parse_storage
+from autotune.sweep import SweepOptions, run_sweep
+
+SESSIONS = [
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+                  {"role": "assistant", "content": "x"}, {"role": "user", "content": "and then?"},
+                  {"role": "assistant", "content": "y"}, {"role": "user", "content": "more"}]},
+    {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "z"},
+                  {"role": "user", "content": "now subtract"}]},
+]
+WORKLOAD = {"sets": ["sessions.jsonl"], "n_prompts": 2, "max_new_tokens": 8, "seed": 0, "prefix_cache_mb": 64}
+
+
+def _experiment(tmp_path, lines=None, **sections):
+    (tmp_path / "sessions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines or SESSIONS))
+    return tiny_experiment(tmp_path, name="sess", **{"objective": "session_tps", "workload": WORKLOAD, **sections})
+
+
+@pytest.mark.parametrize("change,key,rule", [
+    ({"workload": {**WORKLOAD, "sets": ["humaneval"]}}, "workload.sets[0]", "has no multi-turn sessions"),
+    ({"workload": {**WORKLOAD, "sets": ["prompts.jsonl"]}}, "messages", "needs messages, not a prompt string"),
+    ({"workload": {**WORKLOAD, "prefix_cache_mb": -1}}, "workload.prefix_cache_mb", "finite number of MiB >= 0"),
+    ({"workload": {**WORKLOAD, "min_turns": 0}}, "workload.min_turns", ">= 1"),
+    ({"objective": "decode_tps", "workload": {**WORKLOAD, "sets": ["prompts.jsonl"]}}, "workload.prefix_cache_mb",
+     "only applies with objective: session_tps"),
+])
+def test_a_session_workload_is_checked_before_anything_runs(tmp_path, change, key, rule):
+    with pytest.raises(InputError, match=rule) as err:
+        experiment.load(_experiment(tmp_path, **change))
+    assert key in str(err.value)
+
+
+def test_a_session_must_end_with_a_request_named_by_line(tmp_path):
+    ends_on_a_reply = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    with pytest.raises(InputError, match=r"sessions.jsonl:2.*must end with its last turn's request"):
+        experiment.load(_experiment(tmp_path, lines=[SESSIONS[0], ends_on_a_reply]))
+
+
+def test_the_cache_budget_is_part_of_what_a_session_study_measured(tmp_path):
+    a = experiment.load(_experiment(tmp_path))
+    b = experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "prefix_cache_mb": 0}))
+    assert a.workload.sessions and a.workload.prefix_cache_mb == 64.0 and b.workload.prefix_cache_mb == 0.0
+    assert a.fingerprint() != b.fingerprint()
+
+
+def _sweep(tmp_path, **sections):
+    exp = experiment.load(_experiment(tmp_path, study={"n_trials": 3, "sampler": "random", "pruner": "none",
+                                                       "seed": 0}, **sections))
+    opts = SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="sess", tracking_uri=None,
+                        progress=False)
+    out = io.StringIO()
+    outcome = run_sweep(exp, opts, experiment.load_workloads(exp), out=out)
+    assert outcome.exit_code == 0, out.getvalue()
+    return outcome.study, out.getvalue()
+
+
+def test_a_session_sweep_ranks_by_session_tps_and_reports_both_objectives(tmp_path):
+    study, summary = _sweep(tmp_path)
+    trials = {t.number: t for t in results.completed(study)}
+    base = next(t for t in trials.values() if t.user_attrs["role"] == "baseline").user_attrs
+    assert base["ar_session_tps"] == base["session_tps_median"] and base["speedup_vs_ar"] == 1.0
+    for t in trials.values():
+        a = t.user_attrs
+        assert a["exact_match"] == 1.0 and a["turns"] == 5 and a["sessions_cut"] == {}
+        assert t.value == pytest.approx(a["session_tps_median"] - a["spread"])  # the objective is scored
+        assert a["session_tps_median"] != a["decode_tps_median"]  # prefill is in one, not the other
+        assert len(a["session_tps_runs"]) == len(a["decode_tps_runs"]) == 2 and len(a["per_session_tps"]) == 2
+        assert a["speedup_vs_ar"] == pytest.approx(a["session_tps_median"] / a["ar_session_tps"])
+        assert a["decode_speedup_vs_ar"] == pytest.approx(a["decode_tps_median"] / a["ar_decode_tps"])
+        assert a["cached_share_later"] > 0.5 and a["ttft_first_ms"] > 0 and a["ttft_later_ms"] > 0
+        s = a["per_set"]["sessions"]
+        assert (s["sessions"], s["turns"]) == (2, 5) and s["session_tps_median"] > 0
+    w = results.winner(study)
+    assert w.objective == "session_tps" and w.decode_tps is not None
+    assert f"best_session_tps: {w.figures(3)['session_tps']}" in summary and "best_decode_tps:" in summary
+    assert "ar_session_tps:" in summary
+    report = write_report(study, tmp_path / "report")[0].read_text()
+    assert "## Sessions" in report and "session tok/s (median ± spread)" in report
+    assert "| TTFT first turn (ms) | TTFT later turns (ms) |" in report
+    doc = export.provenance(study, w)
+    assert doc["objective"] == "session_tps" and doc["session_tps"] == w.figures(4)["session_tps"]
+    assert "decode_tps" in doc and "ar_session_tps" in doc
+
+
+def test_without_a_prefix_cache_every_turn_is_prefilled_whole(tmp_path):
+    study, _ = _sweep(tmp_path, workload={**WORKLOAD, "prefix_cache_mb": 0})
+    for t in results.completed(study):
+        assert t.user_attrs["cached_share_later"] == 0.0 and t.user_attrs["exact_match"] == 1.0
+
+
+def test_the_serve_flag_default_is_the_engine_s():
+    import engine
+    from autotune.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "best.yaml"])
+    assert args.prefix_cache_mb == engine.DEFAULT_PREFIX_CACHE_MB

@@ -1,0 +1,89 @@
+"""Sessions replayed turn by turn (engine.replay_sessions) and measured through one prefix cache
+(engine.bench(..., prefix_cache=...)), on the tiny dense target: what a session study measures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import engine
+from engine.data.prompts import Prompt
+
+SESSIONS = [
+    Prompt(messages=({"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"},
+                     {"role": "assistant", "content": "scripted"}, {"role": "user", "content": "and then?"},
+                     {"role": "assistant", "content": "scripted"}, {"role": "user", "content": "more"})),
+    Prompt(messages=({"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "scripted"},
+                     {"role": "user", "content": "now subtract"})),
+]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def pair() -> engine.Pair:
+    return engine.load("tiny-dense", "oracle:0.3", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def replay(pair):
+    ar = engine.EngineConfig(verify="ar")
+    return engine.replay_sessions(pair, ar, SESSIONS, NEW, engine.PrefixCache(64 << 20))
+
+
+def test_each_turn_sends_the_conversation_with_the_earlier_replies(pair, replay):
+    assert replay.session_of == [0, 0, 0, 1, 1] and replay.cut == {}
+    assert len(replay.prompts) == len(replay.outputs) == len(replay.replies) == 5
+    for i in (1, 2, 4):  # a later turn's request holds the reply before it, not the script's message
+        assert replay.replies[i - 1] in pair.tokenizer.decode(replay.prompts[i])
+        assert len(replay.prompts[i]) > len(replay.prompts[i - 1])
+    assert "scripted" not in pair.tokenizer.decode(replay.prompts[2])
+
+
+@pytest.mark.parametrize("config", [engine.EngineConfig(verify="ar"),
+                                    engine.EngineConfig(verify="ddtree", budget=6, top_k=2),
+                                    engine.EngineConfig(verify="chain", draft_path="generic")])
+def test_measured_through_one_cache_the_turns_equal_the_replay_and_reuse_the_earlier_turns(pair, replay, config):
+    res = engine.bench(pair, config, replay.prompts, NEW, reference=replay.outputs,
+                       prefix_cache=engine.PrefixCache(64 << 20))
+    assert [p.exact for p in res.prompts] == [True] * 5
+    # each turn reuses the longest prefix it shares with an earlier turn's prompt and answer: a later
+    # turn its whole previous request (and more), a session's first turn what it shares with the other
+    # session (the chat template's opening)
+    seen: list[list[int]] = []
+    for p, prompt, out in zip(res.prompts, replay.prompts, replay.outputs, strict=True):
+        assert p.cached_tokens == min(max((_common(prompt, s) for s in seen), default=0), len(prompt) - 1)
+        seen.append([*prompt, *out])
+    assert all(res.prompts[i].cached_tokens >= len(replay.prompts[i - 1]) for i in (1, 2, 4))
+    assert all(0 < p.ttft_s <= p.total_s for p in res.prompts)
+    cold = engine.bench(pair, config, replay.prompts, NEW)  # no cache: every turn prefilled whole
+    assert cold.outputs == res.outputs and all(p.cached_tokens == 0 for p in cold.prompts)
+
+
+def test_a_turn_past_the_context_ends_its_session(pair):
+    too_long = pair.target.cfg.max_position_embeddings  # any request plus this many new tokens overflows
+    got = engine.replay_sessions(pair, engine.EngineConfig(verify="ar"), SESSIONS[1:], too_long)
+    assert got.prompts == [] and list(got.cut) == [0]
+    assert "turn 1" in got.cut[0] and "exceed the target's context of" in got.cut[0]
+
+
+def test_a_session_file_is_read_whole_and_refused_by_line(tmp_path):
+    good = tmp_path / "s.jsonl"
+    good.write_text("".join(json.dumps(p.to_json()) + "\n" for p in SESSIONS))
+    w = engine.load_sessions(str(good), tmp_path, n=5)
+    assert w.sessions and w.name == "s" and list(w.prompts) == SESSIONS
+    assert len(engine.load_sessions("s.jsonl", tmp_path, n=1, seed=3).prompts) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(SESSIONS[0].to_json()) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    with pytest.raises(engine.EngineInputError, match=r"bad.jsonl:2: a session's messages must end"):
+        engine.load_sessions(str(bad), tmp_path, n=2)
+    with pytest.raises(engine.EngineInputError, match="humaneval' not found"):  # no session set of that name
+        engine.load_sessions("humaneval", tmp_path, n=2)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
