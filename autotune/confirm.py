@@ -46,11 +46,13 @@ def picks(study: optuna.Study, confirm_top: int) -> list[tuple[int, dict[str, An
 
 
 def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: Any,
-        on_start: Callable[[int], None] | None = None) -> None:
+        on_start: Callable[[int], None] | None = None, memory_at: tuple[int, int] | None = None) -> None:
     """Re-measure ``picks`` and record the winner (the study's ``confirmation``); nothing when the
     phase is off or already ran over this many finished trials. ``on_start(n)``: the phase starts
     with n configs (a progress bar's label). If every re-measurement is dropped, the study's
-    ``confirmation_failed`` keeps the reasons (the report names them)."""
+    ``confirmation_failed`` keeps the reasons (the report names them). ``memory_at``: where the trials'
+    memory was planned and reserved (``Job.memory_at``), so each re-measured config holds its own
+    buffers at that length, as in its trial, not the last trial's."""
     m = exp.measure
     finished = st.n_finished(study)
     done = study.user_attrs.get("confirmation")
@@ -67,13 +69,16 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
     for number, cfg in chosen:
         job = Job(trial=number, role="confirm", config=cfg, max_new_tokens=exp.workload.max_new_tokens,
                   warmup=m.warmup, repeats=m.confirm_repeats, max_rel_mad=m.max_rel_mad, remeasure_if_noisy=False,
-                  prefix_cache_mb=exp.workload.prefix_cache_mb)
+                  prefix_cache_mb=exp.workload.prefix_cache_mb, memory_at=memory_at,
+                  vram_limit=exp.model.vram_limit)
         rec = measure_now(job, worker)
         worker = worker or (rec.worker if rec.ok else None)
         role = st.role_of(study.get_trials(deepcopy=False)[number])
         inexact = m.exactness == "strict" and rec.exact_match is not None and rec.exact_match < 1
-        if not rec.ok or inexact:
+        unmeasured = rec.refused or rec.over_vram  # (its trial ran: the machine or the limit changed since)
+        if not rec.ok or inexact or unmeasured:
             dropped.append({"trial": number, "role": role, "reason": rec.fail_reason if not rec.ok
+                            else f"not measured: {unmeasured}" if unmeasured
                             else f"output differs from AR on the re-measurement (exact {rec.exact_match:.2f})"})
             continue
         c = measure.Candidate(trial=number, config=cfg, score=measure.score(rec.runs(exp.objective), m.max_rel_mad))

@@ -419,7 +419,7 @@ class _Driver:
     def confirm(self) -> None:
         """The confirmation phase (``autotune.confirm``) on this driver's workers."""
         confirm.run(self.exp, self.study, self._measure_now, self.tracker,
-                    self.progress.confirming if self.progress else None)
+                    self.progress.confirming if self.progress else None, memory_at=self.memory_at)
         if self.progress:
             self.progress.update(self.study)  # the bar ends on the winner the summary and the report name
 

@@ -187,3 +187,29 @@ def test_on_cuda_each_trial_records_its_measured_peak_beside_its_plan(tmp_path):
         assert m["kind"] == t.user_attrs["peak_memory_kind"] == "measured" and m["planned_total"] > 0
         assert t.user_attrs["peak_memory_bytes"] == m["total"] >= m["parts"]["target_weights"] > 0
         print(f"trial {t.number} ({st.role_of(t)}): measured {m['total']:,} B, planned {m['planned_total']:,} B")
+
+
+def test_the_confirmation_re_measures_each_config_at_the_trials_memory_position(tmp_path):
+    """Each re-measured config reserves its own buffers at the length its trial had (Job.memory_at),
+    not whatever the last trial left reserved."""
+    from autotune.executors.local import LocalExecutor
+
+    seen: list[tuple[str, tuple[int, int] | None]] = []
+
+    class Recording(Worker):
+        def measure(self, job, on_first_pass=None, on_progress=None):
+            seen.append((job.role, job.memory_at))
+            return super().measure(job, on_first_pass, on_progress)
+
+    exp = experiment.load(tiny_experiment(tmp_path, space=GRID, model=MODEL, engine={"top_k": 3},
+                                          study={"n_trials": 3, "sampler": "grid", "seed": 0}))
+    workloads = experiment.load_workloads(exp)
+    executor = LocalExecutor(lambda: Recording.load(exp.model.target, exp.model.draft, exp.model.device,
+                                                    exp.model.dtype, workloads, exp.fixed_engine))
+    opts = SweepOptions(n_trials=3, storage=parse_storage("memory"), study_name="conf", tracking_uri=None,
+                        progress=False)
+    outcome = run_sweep(exp, opts, workloads, executor=executor, out=io.StringIO())
+    assert outcome.study.user_attrs["confirmation"]["candidates"]
+    positions = {at for _, at in seen}
+    assert len(positions) == 1 and None not in positions  # the trials' and the confirmation's alike
+    assert [role for role, _ in seen].count("confirm") >= 2
