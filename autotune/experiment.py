@@ -240,6 +240,11 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
                          space_ref)
     space = load_space(space_path)
     measure = _measure(where, top.get("measure", dict, {}))
+    if model.device.startswith("cuda") and measure.warmup < 1:
+        # the first generation of a config on CUDA captures its decode step's graphs and tunes its
+        # kernels: counted, it would be measured as if it were decoding (device "auto" decides later)
+        raise InputError(where, "measure.warmup", "must be >= 1 on CUDA: the first pass captures the CUDA graphs "
+                         "and must not be timed", measure.warmup)
     study = _study(where, top.get("study", dict, {}))
     executor = _executor(where, top.get("executor", dict, {}))
     fidelity = _fidelity(where, top.get("fidelity", dict, {}), workload)
