@@ -260,6 +260,14 @@ def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_token
     that captures the steps' graphs and warms the kernels), on the loop ``use_runtime`` names (as
     ``generate_speculative`` takes it: a grammar can send a generation to the generic loop)."""
     budgets = policy_budgets(cfg.budget, cfg.policy_levels)
+    # Inside the buffers already held (a sweep reserves them at its planned length, and a generation
+    # shorter than new_tokens asks for fewer slots than this would): the workspace grows by doubling,
+    # so a few slots more would double the peak. The prompt's head gives way, where that costs at most
+    # half of it: the steps are then timed at a slightly shorter context.
+    held = pair._workspace.max_len if pair._workspace is not None else 0
+    over = workspace_length(pair, cfg, len(prompt), new_tokens) - held
+    if held and 0 < over <= len(prompt) // 2:
+        prompt = prompt[over:]
     ms = {}
     with fused.using_kernels(cfg.kernels == "fused"):
         for b in budgets:

@@ -398,3 +398,19 @@ def test_a_generation_opens_with_the_configured_tree_and_the_margin_comes_from_t
         EngineConfig(switch_margin=-0.1)
     with pytest.raises(EngineInputError, match="switch_margin must be <= 10.0"):
         EngineConfig(switch_margin=11.0)
+
+
+def test_measuring_the_step_costs_stays_inside_the_reserved_buffers():
+    """A sweep reserves the workspace at the workload's length; a generation shorter than the step
+    costs' measurement must not grow it (growing doubles it, and the peak with it)."""
+    from engine import reserve_memory
+
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=4, top_k=2, policy="adaptive", policy_levels=2, draft_path="generic")
+    ids = _prompt(pair) * 4  # long enough that its head can give way to the measurement's 32 tokens
+    reserve_memory(pair, cfg, len(ids), 8)
+    held = pair._workspace.max_len
+    pair._step_costs.clear()
+    gen = generate_speculative(pair, ids, cfg, 8)  # measures the table first
+    assert pair._workspace.max_len == held
+    assert gen.tokens == generate_ar(pair, ids, EngineConfig(verify="ar"), 8).tokens
