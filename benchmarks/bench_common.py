@@ -3,6 +3,7 @@ record, timed passes, a set's prompts, the spread of a few timings."""
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import sys
@@ -10,9 +11,10 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 import engine
-from engine import EngineConfig
+from engine import EngineConfig, EngineInputError
 from engine.data.workloads import load_workload
 
 
@@ -51,3 +53,26 @@ def timed(pair, cfg: EngineConfig, prompts, max_new: int, repeats: int, referenc
     engine.bench(pair, cfg, prompts, max_new, ignore_eos=True)
     return [engine.bench(pair, cfg, prompts, max_new, reference=reference, ignore_eos=ignore_eos, ar_config=ar_config)
             for _ in range(repeats)]
+
+
+def named_config(text: str, flag: str, forbidden: dict[str, str] | None = None) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` (a benchmark's ``flag``: ``--also``, ``--config``) -> (name, EngineConfig
+    fields), each value read as YAML (numbers, null); refused at parse time, before any model loads,
+    naming the field and the rule. ``forbidden``: fields the command sets itself -> why."""
+    name, sep, body = text.partition(":")
+    pairs = [item.partition("=") for item in body.split(",")] if body else []
+    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
+                                         "winner:verify=ddtree,budget=30")
+    try:
+        fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{flag} {name}: a value is not YAML ({str(exc).splitlines()[0]})") from None
+    for key, why in (forbidden or {}).items():
+        if key in fields:
+            raise argparse.ArgumentTypeError(f"{flag} {name}: {why}")
+    try:
+        EngineConfig.from_dict(fields, source=f"{flag} {name}")
+    except EngineInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, fields

@@ -63,13 +63,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import oracle_bars  # noqa: E402
-from bench_common import env_record, set_prompts, spread, sync, timed  # noqa: E402
+from bench_common import env_record, named_config, set_prompts, spread, sync, timed  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 from step_profile import section_graphs, section_profile  # noqa: E402
 
@@ -97,24 +96,9 @@ def _divergence_note(divs: list) -> str:
 
 
 def _named_config(text: str) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` (``--also``) -> (name, EngineConfig fields), each value read as YAML (numbers,
-    null); refused at parse time, before any model loads, naming the field and the rule."""
-    name, sep, body = text.partition(":")
-    pairs = [item.partition("=") for item in body.split(",")] if body else []
-    if not sep or not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
-                                         "winner:verify=ddtree,budget=30")
-    try:
-        fields = {k.strip(): yaml.safe_load(v) for k, _, v in pairs}
-    except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"--also {name}: a value is not YAML ({str(exc).splitlines()[0]})") from None
-    if "draft_path" in fields:
-        raise argparse.ArgumentTypeError(f"--also {name}: draft_path is --paths' (every config runs on each)")
-    try:
-        EngineConfig.from_dict(fields, source=f"--also {name}")
-    except EngineInputError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return name, fields
+    """``NAME:KEY=VALUE,...`` (``--also``) -> (name, EngineConfig fields) (``bench_common.named_config``);
+    draft_path is ``--paths``'."""
+    return named_config(text, "--also", forbidden={"draft_path": "draft_path is --paths' (every config runs on each)"})
 
 
 def _oracle_spec(text: str) -> str:

