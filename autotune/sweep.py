@@ -130,7 +130,8 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
     driver = _Driver(exp, opts, study, executor, tracker, wl_hash, out, ctrl_c, BudgetLock(opts.storage,
                                                                                              opts.study_name))
     driver.workers = workers
-    driver.memory_at = vram.memory_at(device.get("longest_prompt"), exp.workload.max_new_tokens)
+    driver.memory_at = vram.memory_at(device.get("longest_prompt"), exp.workload.max_new_tokens,
+                                      device.get("session_turns", 0))
     status, code = "FINISHED", 0
     try:
         tracker.sync()  # trials finished (or just failed as stale) before a crash get their runs now

@@ -184,11 +184,15 @@ class Worker:
         dimensions matter (``autotune.dimensions``): whether the target carries recurrent state and
         whether a prompt has tools; and how the target holds its weights (:meth:`weights`: the
         report's model line)."""
+        import engine
+
         cfg = getattr(self.pair.target, "cfg", None)
         return {"context": getattr(cfg, "max_position_embeddings", None),
                 "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0),
                 "recurrent_state": bool(getattr(self.pair.target, "has_recurrent", False)),
-                "tools": self._has_tools, "weights": self.weights()}
+                "tools": self._has_tools, "weights": self.weights(),
+                # a session workload's most model turns (0: prompts): where vram.memory_at plans its last request
+                "session_turns": max((engine.session_turns(p) for _, ps in self.sessions for p in ps), default=0)}
 
     def environment(self) -> dict[str, Any]:
         """What an AR measurement here depends on beyond the job and the experiment: the host, the
@@ -277,6 +281,22 @@ class Worker:
         return (max_new_tokens, sliced, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools),
                 *((prefix_cache_mb > 0,) if self.session_mode else ()))
 
+    def _session_turns(self, job: Job, cfg: Any, rec: Record, at: tuple[int, int] | None,
+                       constrained: bool) -> tuple[int, int] | None:
+        """A session job's turns as its prompt sets (``_turn_sets``), and where its memory is planned:
+        ``at``, or the longest request AR's replay sent where a reply re-encoded longer than the plan
+        allowed (``vram.memory_at``), planned again (``rec.over_vram`` set when that is over the limit)."""
+        import engine
+
+        self._turn_sets(job.max_new_tokens, cfg.to_dict(), self._cache_mb)
+        longest = max((len(p) for _, ps in self.sets for p in ps), default=0)
+        if at is None or longest <= at[0]:
+            return at
+        at = (longest, at[1])
+        rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained).to_dict()
+        rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
+        return at
+
     def _turn_sets(self, max_new_tokens: int, config: dict[str, Any], prefix_cache_mb: float) -> None:
         """A session job measures the turns AR's replay asked (its reference's): they become the
         job's prompt sets (``measure`` restores the sessions' after the job)."""
@@ -347,7 +367,9 @@ class Worker:
         cache_mb = self._cache_mb = job.prefix_cache_mb if self.session_mode else 0.0
         reference = self.reference(job.max_new_tokens, cfg.to_dict(), cache_mb)
         if self.session_mode:
-            self._turn_sets(job.max_new_tokens, cfg.to_dict(), cache_mb)
+            at = self._session_turns(job, cfg, rec, at, constrained)
+            if rec.over_vram is not None:
+                return
         if at is None:
             self._reserved = None
         elif (cfg, at) != self._reserved or len(self._reference) != known:

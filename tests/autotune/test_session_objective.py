@@ -108,3 +108,30 @@ def test_the_serve_flag_default_is_the_engine_s():
 
     args = build_parser().parse_args(["serve", "best.yaml"])
     assert args.prefix_cache_mb == engine.DEFAULT_PREFIX_CACHE_MB
+
+
+def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
+    """The longest prompt of a session workload is a whole script; the replies that replace its
+    answers may each be max_new_tokens long, so the plan covers every request the replay sends."""
+    import engine
+    from autotune import vram
+    from autotune.worker import Job, Worker
+
+    assert vram.memory_at(100, 8, session_turns=3) == (116, 8) and vram.memory_at(100, 8) == (100, 8)
+    exp = experiment.load(_experiment(tmp_path))
+    w = exp.workload
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                         experiment.load_workloads(exp), exp.fixed_engine)
+    facts = worker.limits()
+    assert facts["session_turns"] == 3
+    at = vram.memory_at(facts["longest_prompt"], w.max_new_tokens, facts["session_turns"])
+    replay = engine.replay_sessions(worker.pair, engine.EngineConfig(verify="ar"),
+                                    [p for _, ps in worker.sessions for p in ps], w.max_new_tokens)
+    longest = max(len(p) for p in replay.prompts)
+    # the tiny byte-level model's replies are bytes that decode to U+FFFD, three bytes again when the next
+    # turn encodes them: longer than the plan allowed, so the job plans again at what the replay sent
+    assert longest > at[0]
+    job = Job(trial=1, role="search", config={"verify": "ar"}, max_new_tokens=w.max_new_tokens, warmup=0,
+              repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=w.prefix_cache_mb)
+    rec = worker.measure(job)
+    assert rec.ok and rec.exact_match == 1.0 and rec.memory["prompt_tokens"] == longest
