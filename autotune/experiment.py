@@ -253,6 +253,7 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
         space.grid()  # refuses continuous or oversized spaces now, not mid-sweep
     if check_models:
         _check_models(where, model)
+    _check_weights_dimension(where, model, space, check_models)
     return Experiment(name=name, path=path, model=model, workload=workload, search_space=space,
                       objective=objective, measure=measure, study=study, executor=executor,
                       engine=tuple(sorted(engine_fixed.items())), fidelity=fidelity)
@@ -477,6 +478,25 @@ def _check_models(where: str, model: ModelSpec) -> None:
         engine.check_model_spec(model.target, model.draft, model.weights)
     except EngineInputError as exc:
         raise InputError(where, "model.weights", f"must suit model.target ({exc})", model.weights) from None
+
+
+def _check_weights_dimension(where: str, model: ModelSpec, space: SearchSpace, check_models: bool) -> None:
+    """A search space that tunes ``weights`` (each config on a pair loaded that way): not with a
+    ``model.weights`` fixed to another form, and ``native`` only for a target that can be held so."""
+    param = next((p for p in space.params if p.name == "weights"), None)
+    if param is None:
+        return
+    if model.weights != "dequantized":
+        raise InputError(where, "model.weights", "is both fixed here and searched by the search space's `weights`; "
+                         "give one", model.weights)
+    if check_models and "native" in param.choices:
+        import engine
+
+        try:
+            engine.check_model_spec(model.target, model.draft, "native")
+        except engine.EngineInputError as exc:
+            raise InputError(str(space.path), "weights.choices", f"native must suit model.target ({exc})",
+                             list(param.choices)) from None
 
 
 def load_workloads(exp: Experiment) -> list[Any]:

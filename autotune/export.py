@@ -64,6 +64,9 @@ def build(study: optuna.Study) -> dict[str, Any]:
     # to the winner's verify mode: an AR winner carries no budget it was never tuned at
     engine_fields = EngineConfig.from_dict(dict(w.config), source=f"trial {w.trial}").applicable()
     model = dict(study.user_attrs.get("model", {}))
+    # a searched `weights` is how the model is loaded: the model section's, as model.weights is
+    if engine_fields.get("weights") is not None:
+        model["weights"] = engine_fields.pop("weights")
     return {"engine": engine_fields, "model": model, "provenance": provenance(study, w)}
 
 

@@ -155,9 +155,9 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                  f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
                  f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
-    L += ["", *_sessions(study, w), *_baselines(study), *_per_workload(study, w), *_phases(ranked[:5]),
-          *_paths(study, w),
-          *_memory(study, w), *_stopped(study), *_refusals(study), *_failures(study)]
+    L += ["", *_sessions(study, w), *_weights_forms(study), *_baselines(study), *_per_workload(study, w),
+          *_phases(ranked[:5]), *_paths(study, w), *_memory(study, w), *_stopped(study), *_refusals(study),
+          *_failures(study)]
     L += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in pngs), ""]
     return "\n".join(L)
 
@@ -298,6 +298,56 @@ def _sessions(study: optuna.Study, w: results.Winner | None) -> list[str]:
         cut += [f"- trial {t.number}: {k}: {v}" for k, v in (u.get("sessions_cut") or {}).items()]
     if cut:
         L += ["", "Sessions the replay ended early (the conversation outgrew the target's context):", *cut[:10]]
+    return L + [""]
+
+
+def _weights_forms(study: optuna.Study) -> list[str]:
+    """What the target's weight form does (a study that searched ``weights``): per form, the best
+    feasible config and AR where measured, and the acceptance of configs measured in both forms
+    alike but for it (quantized blocks dequantized per call against weights dequantized on load)."""
+    done = [t for t in results.completed(study) if results.feasible(t) and t.user_attrs.get("config")]
+    default = (study.user_attrs.get("model") or {}).get("weights") or "dequantized"
+
+    def form(t: FrozenTrial) -> str:
+        return t.user_attrs["config"].get("weights") or default
+
+    if not any(t.user_attrs["config"].get("weights") for t in done):
+        return []
+    key, unit = results.median_key(study), _unit(study)
+    L = ["## Weights: native vs dequantized", "", "`native` keeps the GGUF's quantized projections in their blocks "
+         "(dequantized per call, in registers on CUDA); `dequantized` turns them into the model's dtype on load. "
+         "Each config is exact against AR with its own weights.", "",
+         f"| weights | best config (trial) | {unit} | AL | AR {unit} (trial) |", "|---|---|---|---|---|"]
+    for f in sorted({form(t) for t in done}):
+        mine = sorted((t for t in done if form(t) == f), key=lambda t: -(t.value or 0.0))
+        spec = [t for t in mine if t.user_attrs["config"].get("verify") != "ar"]
+        ar = [t for t in mine if t.user_attrs["config"].get("verify") == "ar"]
+        best = spec[0] if spec else None
+        cells = [f, "–", "–", "–", "–"]
+        if best is not None:
+            u = best.user_attrs
+            cells[1:4] = [f"`{_cfg_short(u['config'])}` ({best.number})", _fmt(u.get(key)),
+                          _fmt(u.get("acceptance_length"))]
+        if ar:
+            cells[4] = f"{_fmt(ar[0].user_attrs.get(key))} ({ar[0].number})"
+        L.append("| " + " | ".join(cells) + " |")
+    twins: dict[str, dict[str, FrozenTrial]] = {}
+    for t in sorted(done, key=lambda t: -(t.value or 0.0)):  # each form's best measurement of the config
+        rest = {k: v for k, v in t.user_attrs["config"].items() if k != "weights"}
+        twins.setdefault(repr(sorted(rest.items())), {}).setdefault(form(t), t)
+    both = [by for by in twins.values() if len(by) > 1 and next(iter(by.values())).user_attrs["config"].get(
+        "verify") != "ar"]
+    if both:
+        forms = sorted({f for by in both for f in by})
+        L += ["", "The same config in both forms:", "", "| config | " + " | ".join(f"AL {f}" for f in forms) + " | "
+              + " | ".join(f"{unit} {f}" for f in forms) + " |", "|" + "---|" * (1 + 2 * len(forms))]
+        for by in both:
+            t0 = next(iter(by.values()))
+            cfg = {k: v for k, v in t0.user_attrs["config"].items() if k != "weights"}
+            cells = [f"`{_cfg_short(cfg)}`"] + [_fmt(by[f].user_attrs.get("acceptance_length")) if f in by else "–"
+                                                 for f in forms]
+            cells += [_fmt(by[f].user_attrs.get(key)) if f in by else "–" for f in forms]
+            L.append("| " + " | ".join(cells) + " |")
     return L + [""]
 
 

@@ -173,6 +173,9 @@ class Worker:
         self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
         self._cut: dict[str, str] = {}  # the current job's sessions AR's replay ended early, and why
         self._cache_mb = 0.0  # the current session job's prefix cache budget (Job.prefix_cache_mb)
+        # the pair per weights form (EngineConfig.weights, a search dimension): the loaded one, and the
+        # other loaded on the first job that names it (same target, draft, device and dtype)
+        self._pairs: dict[str, Any] = {getattr(pair, "weights", "dequantized"): pair} if pair is not None else {}
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
@@ -244,7 +247,7 @@ class Worker:
         speculative config is exact when it equals AR decoded the same way."""
         import engine
 
-        paths = {k: config[k] for k in ("draft_path", "kernels") if config and k in config}
+        paths = {k: config[k] for k in ("draft_path", "kernels", "weights") if config and k in config}
         ar = {**self.fixed, **paths, "verify": "ar"}
         if config and "draft_path" in config:
             cfg = engine.EngineConfig.from_dict({**self.fixed, **config}, source="AR reference")
@@ -274,11 +277,25 @@ class Worker:
                                         for name, prompts in self.sets]
         return self._reference[key]
 
+    def _pair_for(self, config: dict[str, Any]) -> Any:
+        """The pair holding the target's weights as ``config`` names them (``EngineConfig.weights``;
+        None: the loaded pair). The other form is loaded on first use and kept: a study searching
+        ``weights`` holds both (docs/measurement.md)."""
+        want = config.get("weights")
+        if want is None or want in self._pairs:
+            return self._pairs.get(want, self.pair)
+        import engine
+
+        p = self.pair
+        self._pairs[want] = engine.load(p.target_name, p.draft_name, device=p.device, dtype=p.dtype, weights=want)
+        return self._pairs[want]
+
     def _reference_key(self, max_new_tokens: int, cfg: Any, prefix_cache_mb: float) -> tuple[Any, ...]:
         """What AR's outputs depend on here: the length, a rung's slice, the loop and kernels, and for
         sessions whether a prefix cache prefills them (in the decode steps' form)."""
         sliced = tuple(len(ps) for _, ps in (self.sessions if self.session_mode else self.sets))
-        return (max_new_tokens, sliced, *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools),
+        return (max_new_tokens, sliced, getattr(self.pair, "weights", None),
+                *self.pair.decode_paths(cfg, cfg.grammar != "off" and self._has_tools),
                 *((prefix_cache_mb > 0,) if self.session_mode else ()))
 
     def _session_turns(self, job: Job, cfg: Any, rec: Record, at: tuple[int, int] | None,
@@ -326,8 +343,9 @@ class Worker:
         self._engine_s = 0.0
         t0 = time.perf_counter()
         with Utilisation(self.pair.device) as util:
-            every_prompt, every_session = self.sets, self.sessions
+            every_prompt, every_session, loaded = self.sets, self.sessions, self.pair
             try:
+                self.pair = self._pair_for(job.config)  # (the weights it names: another pair, loaded once)
                 if job.prompts is not None:  # a fidelity rung: the first prompts of every set, for this job
                     self.sets = [(name, prompts[:job.prompts]) for name, prompts in every_prompt]
                     self.sessions = [(name, sessions[:job.prompts]) for name, sessions in every_session]
@@ -342,7 +360,7 @@ class Worker:
                 rec.device_unusable = device_unusable(exc)
                 _free_device_memory(self.pair.device)
             finally:
-                self.sets, self.sessions = every_prompt, every_session
+                self.sets, self.sessions, self.pair = every_prompt, every_session, loaded
                 self._on_progress = None  # this job's: nothing may tell it once the job is over
         rec.elapsed_s = time.perf_counter() - t0
         rec.engine_s = self._engine_s

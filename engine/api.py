@@ -141,11 +141,15 @@ class Pair:
         return self._grammars[key]
 
     def refusal(self, config: EngineConfig, constrained: bool = False) -> str | None:
-        """Why ``config`` cannot run on this pair as asked (None: it can): ``draft_path="runtime"``
-        where the runtime cannot run it (``engine.decoding.runtime.refusal``). ``constrained``: a prompt has
-        a grammar that ``config`` places."""
+        """Why ``config`` cannot run on this pair as asked (None: it can): it names weights the pair
+        does not hold (``EngineConfig.weights``), or ``draft_path="runtime"`` where the runtime cannot
+        run it (``engine.decoding.runtime.refusal``). ``constrained``: a prompt has a grammar that
+        ``config`` places."""
         from engine.decoding import runtime
 
+        if config.weights is not None and config.weights != self.weights:
+            return (f"weights={config.weights}: this pair holds its target's weights {self.weights} (load it with "
+                    f"weights={config.weights!r})")
         return runtime.refusal(self, config, constrained) if config.draft_path == "runtime" else None
 
     def grammar_of(self, prompt: Sequence[int], config: EngineConfig) -> CompiledGrammar | None:

@@ -161,7 +161,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or model.get("dtype", "auto")
     if args.max_new_tokens < 1:
         raise EngineInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    pair = load(target, draft, device=device, dtype=dtype, weights=args.weights or model.get("weights", "dequantized"))
+    if args.weights and cfg.weights and args.weights != cfg.weights:
+        raise EngineInputError(f"--weights {args.weights}: the config decodes with weights={cfg.weights}; give one")
+    pair = load(target, draft, device=device, dtype=dtype,
+                weights=args.weights or cfg.weights or model.get("weights", "dequantized"))
     if args.prompt_ids:
         ids = _parse_ids(args.prompt_ids)
         vocab = pair.target.cfg.vocab_size

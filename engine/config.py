@@ -12,6 +12,9 @@ DRAFT_PATHS = ("auto", "generic", "runtime")
 GRAMMAR_MODES = ("off", "walk", "commit")
 KERNEL_MODES = ("fused", "eager")
 POLICIES = ("fixed", "adaptive")
+# How a target's GGUF weights are held (engine.load(..., weights=), EngineConfig.weights): every tensor
+# dequantized into the model's dtype, or the quantized projections kept in their blocks
+WEIGHTS = ("dequantized", "native")
 # Upper bounds: what one step can run. A verify's budget + 1 rows stay within the few-row linear
 # kernel's reach (engine.models.linear.MAX_ROWS = 1024); the rest bound what no draft or search
 # space needs, so that a typo (1e30) is refused here rather than failing every trial allocating.
@@ -81,6 +84,10 @@ class EngineConfig:
         of the draft's context (a fixed window: one captured graph), once per probe.
     calibration_window (adaptive): steps the calibration of the draft's probabilities remembers
         (an exponential decay of 1 - 1/window on the observed and predicted sums).
+    weights: the target's weights this config decodes with (``WEIGHTS``): a pair holds one form
+        (``engine.load(..., weights=)``), and ``Pair.refusal`` refuses a config that names the other;
+        ``None`` (the default): as the pair holds them. A sweep searching it measures each config on a
+        pair loaded that way, exact against AR with the same weights; an export puts it in ``model``.
     switch_margin (adaptive): another budget (a smaller tree, or 0: an AR step) replaces the
         configured tree only when its expected rate beats the tree's by this fraction (0.1: 10%). The
         estimates are noisy and the argmax of noisy rates leaves the tree too often where its cost
@@ -112,8 +119,11 @@ class EngineConfig:
     probe_max: int = 64
     calibration_window: int = 16
     switch_margin: float = 0.1
+    weights: str | None = None
 
     def __post_init__(self) -> None:
+        if self.weights is not None:
+            _choice("weights", self.weights, WEIGHTS)
         _choice("verify", self.verify, VERIFY_MODES)
         _choice("rollback", self.rollback, ROLLBACK_MODES)
         _choice("draft_path", self.draft_path, DRAFT_PATHS)
@@ -169,6 +179,8 @@ class EngineConfig:
         skip = _NOT_APPLICABLE[self.verify]
         if self.verify == "ddtree" and self.policy == "fixed":
             skip = skip | _ADAPTIVE_ONLY
+        if self.weights is None:  # as the pair holds them: nothing to say
+            skip = skip | {"weights"}
         return {k: v for k, v in self.to_dict().items() if k not in skip}
 
     def replace(self, **changes: Any) -> EngineConfig:

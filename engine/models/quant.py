@@ -32,8 +32,9 @@ from engine.models import quant_kernel
 
 QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
 # How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
-# into the model's dtype, or the projections of a format below kept in their blocks.
-WEIGHTS = ("dequantized", "native")
+# into the model's dtype, or the projections of a format below kept in their blocks. (Defined with the
+# configs, which name it too: EngineConfig.weights.)
+from engine.config import WEIGHTS  # noqa: E402, F401  (re-exported: engine.models.quant.WEIGHTS)
 
 
 @dataclass(frozen=True)

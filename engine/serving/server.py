@@ -390,7 +390,8 @@ def serve(config_path: str, host: str = "127.0.0.1", port: int = 8000, api_key: 
     try:
         target, draft = str(model["target"]), str(model.get("draft") or "none")
         pair = load(target, draft, device=str(model.get("device", "auto")), dtype=str(model.get("dtype", "auto")),
-                    weights=str(model.get("weights", "dequantized")))  # a native study's export serves native
+                    # a native study's export serves native; a config that names its weights, those
+                    weights=str(cfg.weights or model.get("weights", "dequantized")))
         name = str(model.get("name") or Path(target).name)
         app = create_app(pair, cfg, name, api_key=api_key, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb)
         costs = warm_up(pair, cfg)

@@ -1,0 +1,97 @@
+"""``weights`` as a search dimension (issue #28): each config measured on a pair that holds the GGUF
+target's weights as it names them (quantized blocks, or dequantized on load), exact against AR with
+the same weights; the report compares the forms; the export loads the winner's form."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import yaml
+from autotune_helpers import tiny_experiment
+
+import engine
+from autotune import experiment, export, results
+from autotune.errors import InputError
+from autotune.report import write_report
+from autotune.storage import parse_storage
+from autotune.sweep import SweepOptions, run_sweep
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+SPACE = {"verify": {"type": "categorical", "choices": ["ar", "ddtree"]},
+         "weights": {"type": "categorical", "choices": ["dequantized", "native"]}}
+
+
+@pytest.fixture
+def target(tmp_path):
+    from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
+
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, tiny_hf("qwen3"), "qwen3", gguf.GGMLQuantizationType.Q8_0, tokenizer=bpe_tokenizer())
+    return path
+
+
+def _exp(tmp_path, target, **sections):
+    path = tiny_experiment(tmp_path / "exp", name="w", space=SPACE, **{
+        "model": {"target": str(target), "draft": "oracle:0.3", "device": "cpu", "dtype": "float32"},
+        "engine": {"budget": 4, "top_k": 2},
+        "study": {"n_trials": 8, "sampler": "grid", "pruner": "none", "seed": 0}, **sections})
+    (tmp_path / "exp" / "prompts.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "hello there"}\n')
+    return path
+
+
+def test_a_pair_refuses_a_config_that_names_the_other_weights(target):
+    pair = engine.load(str(target), "random", device="cpu", dtype="float32", weights="native")
+    assert pair.refusal(engine.EngineConfig(weights="native")) is None
+    assert "holds its target's weights native" in pair.refusal(engine.EngineConfig(weights="dequantized"))
+    with pytest.raises(engine.EngineInputError, match="weights must be one of"):
+        engine.EngineConfig(weights="q4")
+
+
+def test_each_form_is_measured_on_its_own_pair_and_exact_against_its_own_ar(tmp_path, target):
+    exp = experiment.load(_exp(tmp_path, target))
+    opts = SweepOptions(n_trials=8, storage=parse_storage("memory"), study_name="w", tracking_uri=None,
+                        progress=False)
+    outcome = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO())
+    study = outcome.study
+    search = [t for t in results.completed(study) if t.user_attrs["role"] == "search"]
+    assert sorted((t.params["verify"], t.params["weights"]) for t in search) == [
+        ("ar", "dequantized"), ("ar", "native"), ("ddtree", "dequantized"), ("ddtree", "native")]
+    held = {}
+    for t in search:
+        a = t.user_attrs
+        assert a["exact_match"] == 1.0 and a["config"]["weights"] == t.params["weights"]
+        held.setdefault(t.params["weights"], set()).add(a["memory"]["parts"]["target_weights"])
+    # planned on the pair that ran it: the blocks take fewer bytes than the float weights
+    assert len(held["native"]) == len(held["dequantized"]) == 1 and max(held["native"]) < min(held["dequantized"])
+    report = write_report(study, tmp_path / "report")[0].read_text()
+    assert "## Weights: native vs dequantized" in report and "The same config in both forms:" in report
+    section = report.split("## Weights: native vs dequantized")[1].split("\n## ")[0]
+    assert "| native |" in section and "| dequantized |" in section
+    doc = export.build(study)
+    w = results.winner(study)
+    assert "weights" not in doc["engine"]
+    assert doc["model"]["weights"] == (w.config.get("weights") or "dequantized")
+
+
+def test_weights_searched_where_they_cannot_be_is_refused(tmp_path, target):
+    with pytest.raises(InputError, match="both fixed here and searched") as err:
+        experiment.load(_exp(tmp_path, target, model={"target": str(target), "draft": "random", "device": "cpu",
+                                                      "dtype": "float32", "weights": "native"}))
+    assert "model.weights" in str(err.value)
+    with pytest.raises(InputError, match="native must suit model.target") as err:
+        experiment.load(_exp(tmp_path, target, model={"target": "tiny-dense", "draft": "random", "device": "cpu",
+                                                      "dtype": "float32"}))
+    assert "weights.choices" in str(err.value)
+
+
+def test_an_export_that_names_native_weights_serves_them(tmp_path, target):
+    from engine.serving.server import load_served
+
+    doc = {"engine": {"verify": "ar"}, "model": {"target": str(target), "draft": "none", "weights": "native"}}
+    f = tmp_path / "best.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    cfg, model = load_served(f)
+    assert model["weights"] == "native" and cfg.weights is None
