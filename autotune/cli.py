@@ -229,9 +229,11 @@ def cmd_best(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return EXIT_OK
     p = doc["provenance"]
-    for key in ("study", "trial", "role", "confirmed", "reliable", "unreliable_because", "decode_tps",
-                "decode_tps_spread", "speedup_vs_ar", "ar_decode_tps", "positive_vs_ar", "acceptance_length",
-                "break_even_al", "exact_match", "device", "workload_hash"):
+    obj = p.get("objective") or "decode_tps"  # (an export made before the key: decode)
+    beside = ("decode_tps",) if obj != "decode_tps" else ()
+    for key in ("study", "trial", "role", "confirmed", "reliable", "unreliable_because", obj, f"{obj}_spread",
+                "speedup_vs_ar", f"ar_{obj}", *beside, "positive_vs_ar", "acceptance_length", "break_even_al",
+                "exact_match", "device", "workload_hash"):
         if key == "unreliable_because" and key not in p:
             continue
         print(f"{key}: {'none' if p.get(key) is None else p.get(key)}")

@@ -289,7 +289,7 @@ class _Driver:
             else:  # by the pruner, after the first measured pass
                 trial.set_user_attr(f"{self.exp.objective}_runs", rec.runs(self.exp.objective))
             unit = "session" if self.exp.objective == "session_tps" else "prompt"
-            st.tell_pruned(self.study, trial, measure.median_of(rec.runs(self.exp.objective)), stopped or (
+            st.tell_pruned(self.study, trial, measure.median_of(rec.decode_tps_runs), stopped or (
                 f"the pruner: its per-{unit} tok/s after the first pass were significantly below the best trial's"))
             return
         try:

@@ -240,15 +240,20 @@ def load(path: str | Path, *, check_models: bool = True) -> Experiment:
                          space_ref)
     space = load_space(space_path)
     measure = _measure(where, top.get("measure", dict, {}))
-    if model.device.startswith("cuda") and measure.warmup < 1:
-        # the first generation of a config on CUDA captures its decode step's graphs and tunes its
-        # kernels: counted, it would be measured as if it were decoding (device "auto" decides later)
-        raise InputError(where, "measure.warmup", "must be >= 1 on CUDA: the first pass captures the CUDA graphs "
-                         "and must not be timed", measure.warmup)
     study = _study(where, top.get("study", dict, {}))
     executor = _executor(where, top.get("executor", dict, {}))
     fidelity = _fidelity(where, top.get("fidelity", dict, {}), workload)
     engine_fixed = _engine_fixed(where, top.get("engine", dict, {}), space)
+    if model.device.startswith("cuda"):
+        # the first generation of a config on CUDA captures its decode step's graphs and tunes its
+        # kernels: counted, it would be measured as if it were decoding (device "auto" decides later)
+        for key, value in (("measure.warmup", measure.warmup), ("fidelity.rung_warmup", fidelity.rung_warmup)):
+            if value < 1:
+                raise InputError(where, key, "must be >= 1 on CUDA: the first pass captures the CUDA graphs and must "
+                                 "not be timed", value)
+    if engine_fixed.get("weights") not in (None, model.weights):
+        raise InputError(where, "engine.weights", f"must be model.weights ({model.weights}): the pair is loaded as "
+                         "model.weights says; set that instead", engine_fixed["weights"])
     if study.sampler == "grid":
         space.grid()  # refuses continuous or oversized spaces now, not mid-sweep
     if check_models:
@@ -512,6 +517,9 @@ def load_workloads(exp: Experiment) -> list[Any]:
         except EngineInputError as exc:
             raise InputError(str(exp.path), f"workload.sets[{i}]", f"the engine refuses this workload ({exc})",
                              spec) from None
+        if not out[-1].prompts:
+            raise InputError(str(exp.path), "workload.min_turns", f"no session of {spec} has that many model turns",
+                             w.min_turns)
     return out
 
 

@@ -136,7 +136,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
         L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
               f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** {_unit(study, long=True)} "
               f"(conservative {w.value:.2f}), speedup vs AR {_fmt(w.speedup_vs_ar)}x "
-              f"(AR {_fmt(w.ar_median_tps)} tok/s{f'; baseline: {base}' if base else ''}).", "",
+              f"(AR {_fmt(w.ar_median_tps)} {_unit(study)}{f'; baseline: {base}' if base else ''}).", "",
               f"`{_cfg_short(w.config)}`", ""]
         L += _conclusions(w)
     L += _confirmation(study)
@@ -277,10 +277,12 @@ def _sessions(study: optuna.Study, w: results.Winner | None) -> list[str]:
         return []
     shown = [t for t in results.completed(study) if w is not None and t.number == w.trial]
     shown += [t for _, t in results.best_per_path(study, w)]
-    shown += [t for t in results.completed(study) if role_of(t) in ("reference", "baseline")][-2:]
+    for role in ("reference", "baseline"):  # one of each (the latest)
+        shown += [t for t in results.completed(study) if role_of(t) == role][-1:]
     L = ["## Sessions", "", "Each session replayed turn by turn, every turn sending the conversation so far "
-         "(AR's replies in place of the script's), through one prefix cache per set and pass as a server keeps "
-         "it. Session tok/s = completion tokens / the turns' time, prefill included (the objective); decode "
+         "(the baseline AR's replies in place of the script's: the same requests for every config), through one "
+         "prefix cache per set and pass as a server keeps it. Session tok/s = completion tokens / the turns' "
+         "time, prefill included (the objective); decode "
          "tok/s = the same turns' decode only. Time to first token (TTFT): the prefill of what the cache did "
          "not hold, and the first token. Cached: the later turns' prompt tokens the cache gave.", "",
          "| trial | role | workload | session tok/s | speedup | decode tok/s | decode speedup | TTFT first turn "

@@ -191,8 +191,9 @@ def description(study_name: str, w: results.Winner | None, counts: dict[str, int
                  "false": f"**INEXACT** (exact match {w.exact_match or 0.0:.2f})",
                  "unknown": "exactness not measured"}[exactness(w)]
         confirmed = "confirmed by re-measurement" if w.confirmed else "not confirmed"
+        unit = "session tok/s" if w.objective == "session_tps" else "tok/s decode-only"
         L += [f"Trial {w.trial} ({w.role}), `{config_label(w.config)}`: {speedup}: "
-              f"{w.median_tps:.2f} ± {w.spread:.2f} tok/s decode-only{ar} (conservative score "
+              f"{w.median_tps:.2f} ± {w.spread:.2f} {unit}{ar} (conservative score "
               f"{w.value:.2f} = median − spread{al}); {exact}; {confirmed}.", ""]
     L += [f"**Conclusion: {conclusion(w)[0]}.** {conclusion(w)[1]}", ""]
     L += [f"Measured {counts['finished']} configs and {counts['baselines']} AR baselines "

@@ -169,13 +169,15 @@ class Worker:
             raise ValueError("a worker measures prompt workloads or session workloads, not both")
         self.sessions = [(n, list(w.prompts)) for n, w in zip(names, workloads, strict=True)] if self.session_mode \
             else []
-        self._replays: dict[tuple[Any, ...], list[Any]] = {}  # reference key -> engine.SessionReplay per set
+        # (length, slice, weights, cache) -> the baseline AR's replay per set (_replay)
+        self._replays: dict[tuple[Any, ...], list[Any]] = {}
         self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
         self._cut: dict[str, str] = {}  # the current job's sessions AR's replay ended early, and why
         self._cache_mb = 0.0  # the current session job's prefix cache budget (Job.prefix_cache_mb)
         # the pair per weights form (EngineConfig.weights, a search dimension): the loaded one, and the
         # other loaded on the first job that names it (same target, draft, device and dtype)
         self._pairs: dict[str, Any] = {getattr(pair, "weights", "dequantized"): pair} if pair is not None else {}
+        self._last_pair = pair  # the pair the last job ran on (a switch releases its buffers)
         self._has_tools = any(getattr(p, "tools", None) for _, ps in self.sets for p in ps)
         # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
@@ -258,19 +260,21 @@ class Worker:
                   prefix_cache_mb: float = 0.0) -> list[list[list[int]]]:
         """The AR outputs (the ground truth for exactness), computed once per length and per way
         of decoding that actually differs on this machine (on a CPU every AR config runs the same
-        loop and kernels: one reference). For sessions: each turn's, session after session, from
-        AR's replay (``prefix_cache_mb``: through a prefix cache of that budget)."""
+        loop and kernels: one reference). For sessions: each turn's, session after session, on the
+        requests of the baseline AR's replay (``_replay``; ``prefix_cache_mb``: through a prefix
+        cache of that budget), decoded by this config's AR twin."""
         import engine
 
         cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
         key = self._reference_key(max_new_tokens, cfg, prefix_cache_mb)
         if key not in self._reference:
-            if self.session_mode:  # AR's replies fix every later turn's request
-                self._replays[key] = [engine.replay_sessions(self.pair, cfg, sessions, max_new_tokens,
-                                                             _prefix_cache(prefix_cache_mb),
-                                                             on_turn=self._ticker("AR sessions", name))
-                                      for name, sessions in self.sessions]
-                self._reference[key] = [r.outputs for r in self._replays[key]]
+            if self.session_mode:
+                replays = self._replay(max_new_tokens, prefix_cache_mb)
+                self._reference[key] = [
+                    r.outputs if cfg == self._replay_config() else engine.bench(
+                        self.pair, cfg, r.prompts, max_new_tokens, prefix_cache=_prefix_cache(prefix_cache_mb),
+                        on_prompt=self._ticker("AR outputs", name)).outputs
+                    for (name, _), r in zip(self.sessions, replays, strict=True)]
             else:
                 self._reference[key] = [engine.bench(self.pair, cfg, prompts, max_new_tokens,
                                                      on_prompt=self._ticker("AR outputs", name)).outputs
@@ -280,15 +284,21 @@ class Worker:
     def _pair_for(self, config: dict[str, Any]) -> Any:
         """The pair holding the target's weights as ``config`` names them (``EngineConfig.weights``;
         None: the loaded pair). The other form is loaded on first use and kept: a study searching
-        ``weights`` holds both (docs/measurement.md)."""
-        want = config.get("weights")
-        if want is None or want in self._pairs:
-            return self._pairs.get(want, self.pair)
+        ``weights`` holds both pairs' weights (docs/measurement.md). A switch releases the buffers
+        and graph pools of the pair the last job ran on, so that only its weights stay in the peak."""
         import engine
 
-        p = self.pair
-        self._pairs[want] = engine.load(p.target_name, p.draft_name, device=p.device, dtype=p.dtype, weights=want)
-        return self._pairs[want]
+        want = config.get("weights")
+        chosen = self.pair if want is None else self._pairs.get(want)
+        if chosen is None:
+            p = self.pair
+            chosen = self._pairs[want] = engine.load(p.target_name, p.draft_name, device=p.device, dtype=p.dtype,
+                                                     weights=want)
+        if self._last_pair is not None and chosen is not self._last_pair:
+            engine.release_memory(self._last_pair)
+            self._reserved = None
+        self._last_pair = chosen
+        return chosen
 
     def _reference_key(self, max_new_tokens: int, cfg: Any, prefix_cache_mb: float) -> tuple[Any, ...]:
         """What AR's outputs depend on here: the length, a rung's slice, the loop and kernels, and for
@@ -305,7 +315,7 @@ class Worker:
         allowed (``vram.memory_at``), planned again (``rec.over_vram`` set when that is over the limit)."""
         import engine
 
-        self._turn_sets(job.max_new_tokens, cfg.to_dict(), self._cache_mb)
+        self._turn_sets(job.max_new_tokens, self._cache_mb)
         longest = max((len(p) for _, ps in self.sets for p in ps), default=0)
         if at is None or longest <= at[0]:
             return at
@@ -314,13 +324,32 @@ class Worker:
         rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
         return at
 
-    def _turn_sets(self, max_new_tokens: int, config: dict[str, Any], prefix_cache_mb: float) -> None:
-        """A session job measures the turns AR's replay asked (its reference's): they become the
-        job's prompt sets (``measure`` restores the sessions' after the job)."""
+    def _replay_config(self) -> Any:
+        """The AR config whose replay fixes a session workload's requests: the baseline's."""
         import engine
 
-        cfg = engine.EngineConfig.from_dict(self.ar_config(config), source="AR reference")
-        replays = self._replays[self._reference_key(max_new_tokens, cfg, prefix_cache_mb)]
+        return engine.EngineConfig.from_dict(self.ar_config(), source="AR baseline")
+
+    def _replay(self, max_new_tokens: int, prefix_cache_mb: float) -> list[Any]:
+        """The sessions replayed once by the baseline's AR (its own replies fed back), per set: every
+        turn's request, the same for every config of this length, slice and weights (a config on
+        another loop or kernels is exact against its AR twin on these requests, not on a replay of
+        its own, whose bf16 replies could differ)."""
+        import engine
+
+        key = (max_new_tokens, tuple(len(ps) for _, ps in self.sessions), getattr(self.pair, "weights", None),
+               prefix_cache_mb > 0)
+        if key not in self._replays:
+            self._replays[key] = [engine.replay_sessions(self.pair, self._replay_config(), sessions, max_new_tokens,
+                                                         _prefix_cache(prefix_cache_mb),
+                                                         on_turn=self._ticker("AR sessions", name))
+                                  for name, sessions in self.sessions]
+        return self._replays[key]
+
+    def _turn_sets(self, max_new_tokens: int, prefix_cache_mb: float) -> None:
+        """A session job measures the turns of the baseline AR's replay: they become the job's prompt
+        sets (``measure`` restores the sessions' after the job)."""
+        replays = self._replay(max_new_tokens, prefix_cache_mb)
         self.sets = [(name, list(r.prompts)) for (name, _), r in zip(self.sessions, replays, strict=True)]
         self._session_of = [list(r.session_of) for r in replays]
         self._cut = {f"{name}[{i}]": why for (name, _), r in zip(self.sessions, replays, strict=True)
@@ -532,7 +561,10 @@ class Worker:
         figures = _session_figures([r for p in passes for r in p],
                                    [of for _ in passes for of in self._session_of])
         rec.ttft_first_ms, rec.ttft_later_ms = figures["ttft_first_ms"], figures["ttft_later_ms"]
-        rec.cached_share_later = figures["cached_share_later"]
+        later = [p for r, of in zip(passes[0], self._session_of, strict=True)
+                 for i, p in enumerate(r.prompts) if i > 0 and of[i - 1] == of[i]]
+        prompt_later = sum(p.prompt_tokens for p in later)
+        rec.cached_share_later = sum(p.cached_tokens for p in later) / prompt_later if prompt_later else None
         rec.turns = sum(len(of) for of in self._session_of)
         rec.sessions_cut = dict(self._cut)
 

@@ -32,6 +32,8 @@ from bench_common import env_record, named_config, spread  # noqa: E402
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
 
+REPLAY = EngineConfig(verify="ar")  # the config whose replay fixes the requests and answers them
+
 
 def _later(session_of: list[int]) -> list[bool]:
     """Per turn: whether it is a later turn of its session (not the first)."""
@@ -44,8 +46,13 @@ def measure(pair: engine.Pair, cfg: EngineConfig, replay: engine.SessionReplay, 
     def cache() -> engine.PrefixCache | None:
         return engine.PrefixCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
 
+    # exact against AR decoded the way cfg decodes (its loop and kernels: in bf16 two loops round
+    # otherwise), on the replay's requests
+    twin = pair.ar_twin(cfg)
+    reference = replay.outputs if twin == REPLAY else engine.bench(pair, twin, replay.prompts, new,
+                                                                   prefix_cache=cache()).outputs
     engine.bench(pair, cfg, replay.prompts, new, prefix_cache=cache())  # graphs captured, kernels warm
-    runs = [engine.bench(pair, cfg, replay.prompts, new, reference=replay.outputs, prefix_cache=cache())
+    runs = [engine.bench(pair, cfg, replay.prompts, new, reference=reference, prefix_cache=cache())
             for _ in range(repeats)]
     later = _later(replay.session_of)
     first_ms = [1000 * p.ttft_s for r in runs for p, lt in zip(r.prompts, later, strict=True) if not lt]
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
         sessions = engine.load_sessions(args.sessions, Path.cwd(), args.n, args.seed, args.min_turns).prompts
-        replay = engine.replay_sessions(pair, EngineConfig(verify="ar"), sessions, args.max_new_tokens,
+        replay = engine.replay_sessions(pair, REPLAY, sessions, args.max_new_tokens,
                                         engine.PrefixCache(int(args.prefix_cache_mb * 2**20)))
     except EngineInputError as exc:
         print(f"session_bench: error: {exc}", file=sys.stderr)

@@ -413,7 +413,8 @@ class RayExecutor(Executor):
         return {"device": device, "dtype": self._facts.get("dtype") or self.spec.dtype,
                 "workers": [s.worker_id for s in self._slots],
                 "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
-                **{k: self._facts.get(k) for k in ("weights", "context", "longest_prompt", "recurrent_state", "tools")}}
+                **{k: self._facts.get(k) for k in ("weights", "context", "longest_prompt", "recurrent_state", "tools",
+                                                      "session_turns")}}
 
     def environment(self, worker: str) -> dict[str, Any]:
         if worker not in self._environments:

@@ -135,3 +135,23 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
               repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=w.prefix_cache_mb)
     rec = worker.measure(job)
     assert rec.ok and rec.exact_match == 1.0 and rec.memory["prompt_tokens"] == longest
+
+
+def test_every_config_is_measured_on_the_requests_of_one_replay(tmp_path):
+    """Configs whose AR twins decode on other loops (generic, runtime) answer the same requests: the
+    baseline AR's replay, made once; each is exact against its own twin on them."""
+    from autotune.worker import Job, Worker
+
+    exp = experiment.load(_experiment(tmp_path, model={"target": "tiny-dense", "draft": "random", "device": "cpu",
+                                                      "dtype": "float32"}))
+    w = exp.workload
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                         experiment.load_workloads(exp), exp.fixed_engine)
+    for path in ("generic", "runtime"):
+        job = Job(trial=1, role="search", config={"verify": "chain", "draft_path": path},
+                  max_new_tokens=w.max_new_tokens, warmup=0, repeats=1, max_rel_mad=0.5,
+                  prefix_cache_mb=w.prefix_cache_mb)
+        rec = worker.measure(job)
+        assert rec.ok and rec.refused is None and rec.exact_match == 1.0 and rec.turns == 5
+    assert len(worker._replays) == 1
+    assert len(worker._reference) == 2  # one AR twin per loop, both on the replay's requests
