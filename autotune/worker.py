@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import measure, vram
+from autotune import sessions as sess
 from autotune.utilisation import Utilisation
 
 # Told where a job is, e.g. "pass 2/3: humaneval 4/12" (a progress display; called between generations).
@@ -269,10 +270,10 @@ class Worker:
         key = self._reference_key(max_new_tokens, cfg, prefix_cache_mb)
         if key not in self._reference:
             if self.session_mode:
-                replays = self._replay(max_new_tokens, prefix_cache_mb)
+                replays, own = self._replay(max_new_tokens, prefix_cache_mb), cfg == self._replay_config()
                 self._reference[key] = [
-                    r.outputs if cfg == self._replay_config() else engine.bench(
-                        self.pair, cfg, r.prompts, max_new_tokens, prefix_cache=_prefix_cache(prefix_cache_mb),
+                    r.outputs if own else engine.bench(
+                        self.pair, cfg, r.prompts, max_new_tokens, prefix_cache=sess.prefix_cache(prefix_cache_mb),
                         on_prompt=self._ticker("AR outputs", name)).outputs
                     for (name, _), r in zip(self.sessions, replays, strict=True)]
             else:
@@ -341,7 +342,7 @@ class Worker:
                prefix_cache_mb > 0)
         if key not in self._replays:
             self._replays[key] = [engine.replay_sessions(self.pair, self._replay_config(), sessions, max_new_tokens,
-                                                         _prefix_cache(prefix_cache_mb),
+                                                         sess.prefix_cache(prefix_cache_mb),
                                                          on_turn=self._ticker("AR sessions", name))
                                   for name, sessions in self.sessions]
         return self._replays[key]
@@ -454,18 +455,18 @@ class Worker:
         t0 = time.perf_counter()
         try:
             return [engine.bench(self.pair, cfg, prompts, max_new_tokens, on_prompt=self._ticker(stage, name),
-                                 prefix_cache=_prefix_cache(self._cache_mb) if self.session_mode else None)
+                                 prefix_cache=sess.prefix_cache(self._cache_mb) if self.session_mode else None)
                     for name, prompts in self.sets]
         finally:
             self._engine_s += time.perf_counter() - t0
 
     def _objective_tps(self, results: Sequence[Any]) -> float:
         """The rate one pass is scored by: session tok/s for sessions, else decode tok/s."""
-        return _pass_session_tps(results) if self.session_mode else _pass_tps(results)
+        return sess.pass_session_tps(results) if self.session_mode else _pass_tps(results)
 
     def _per_unit_tps(self, results: Sequence[Any]) -> list[float]:
         """What the pruner compares after the first pass: each session's rate, else each prompt's."""
-        return [v for r, of in zip(results, self._session_of, strict=True) for v in _session_tps(r, of)] \
+        return [v for r, of in zip(results, self._session_of, strict=True) for v in sess.per_session_tps(r, of)] \
             if self.session_mode else _per_prompt_tps(results)
 
     def _diagnose(self, rec: Record, cfg: Any, reference: list[list[list[int]]],
@@ -549,22 +550,18 @@ class Worker:
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
                 **_policy_record(results[:1]),
-                **(_session_figures(results, [self._session_of[j]] * len(results)) if self.session_mode else {}),
+                **(sess.set_figures(results, self._session_of[j]) if self.session_mode else {}),
             }
         return diverged
 
     def _fill_sessions(self, rec: Record, passes: list[list[Any]]) -> None:
         """A session job's own figures (``Record.session_tps_runs`` and the rest)."""
-        rec.session_tps_runs = [_pass_session_tps(p) for p in passes]
+        rec.session_tps_runs = [sess.pass_session_tps(p) for p in passes]
         rec.per_session_tps = [statistics.median(vals) for vals in zip(*(self._per_unit_tps(p) for p in passes),
                                                                        strict=True)]
-        figures = _session_figures([r for p in passes for r in p],
-                                   [of for _ in passes for of in self._session_of])
-        rec.ttft_first_ms, rec.ttft_later_ms = figures["ttft_first_ms"], figures["ttft_later_ms"]
-        later = [p for r, of in zip(passes[0], self._session_of, strict=True)
-                 for i, p in enumerate(r.prompts) if i > 0 and of[i - 1] == of[i]]
-        prompt_later = sum(p.prompt_tokens for p in later)
-        rec.cached_share_later = sum(p.cached_tokens for p in later) / prompt_later if prompt_later else None
+        rec.ttft_first_ms, rec.ttft_later_ms = sess.ttft_ms([r for p in passes for r in p],
+                                                            [of for _ in passes for of in self._session_of])
+        rec.cached_share_later = sess.cached_share(passes[0], self._session_of)
         rec.turns = sum(len(of) for of in self._session_of)
         rec.sessions_cut = dict(self._cut)
 
@@ -627,45 +624,3 @@ def _pass_step_ms(results: Sequence[Any]) -> float:
 def _per_prompt_tps(results: Sequence[Any]) -> list[float]:
     return [p.decode_tps for r in results for p in r.prompts]
 
-
-def _prefix_cache(mb: float) -> Any:
-    """A fresh prefix cache of ``mb`` MiB (None for 0: every turn prefilled whole)."""
-    import engine
-
-    return engine.PrefixCache(int(mb * 2**20)) if mb > 0 else None
-
-
-def _pass_session_tps(results: Sequence[Any]) -> float:
-    """Session tok/s of one pass: every turn's new tokens / every turn's time (prefill included): the
-    sessions' completion tokens over their wall time in the engine."""
-    seconds = sum(p.total_s for r in results for p in r.prompts)
-    return sum(p.new_tokens for r in results for p in r.prompts) / seconds if seconds > 0 else 0.0
-
-
-def _session_tps(result: Any, session_of: Sequence[int]) -> list[float]:
-    """Each session's tok/s in one set's pass (``session_of``: each turn's session), in session order."""
-    tokens: dict[int, int] = {}
-    seconds: dict[int, float] = {}
-    for p, s in zip(result.prompts, session_of, strict=True):
-        tokens[s] = tokens.get(s, 0) + p.new_tokens
-        seconds[s] = seconds.get(s, 0.0) + p.total_s
-    return [tokens[s] / seconds[s] if seconds[s] > 0 else 0.0 for s in sorted(tokens)]
-
-
-def _session_figures(results: Sequence[Any], ofs: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Session figures of BenchResults (``ofs``: each one's turns' sessions): session tok/s (median
-    over the results: one set's passes), time to first token of first and later turns (ms, median
-    over every result's turns), the later turns' share of prompt tokens the cache gave (the first
-    result), and the first result's sessions and turns."""
-    first, later = [], []
-    for r, of in zip(results, ofs, strict=True):
-        for i, (p, s) in enumerate(zip(r.prompts, of, strict=True)):
-            (first if i == 0 or of[i - 1] != s else later).append(1000.0 * p.ttft_s)
-    of0, r0 = ofs[0], results[0]
-    later0 = [p for i, p in enumerate(r0.prompts) if i > 0 and of0[i - 1] == of0[i]]
-    prompt_later = sum(p.prompt_tokens for p in later0)
-    return {"session_tps_median": statistics.median(_pass_session_tps([r]) for r in results),
-            "ttft_first_ms": statistics.median(first) if first else None,
-            "ttft_later_ms": statistics.median(later) if later else None,
-            "cached_share_later": sum(p.cached_tokens for p in later0) / prompt_later if prompt_later else None,
-            "sessions": len(set(of0)), "turns": len(of0)}

@@ -30,21 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import env_record, named_config, spread  # noqa: E402
 
 import engine  # noqa: E402
+from autotune import sessions as sess  # noqa: E402  (the sweep's session figures: the same arithmetic)
 from engine import EngineConfig, EngineInputError  # noqa: E402
 
 REPLAY = EngineConfig(verify="ar")  # the config whose replay fixes the requests and answers them
-
-
-def _later(session_of: list[int]) -> list[bool]:
-    """Per turn: whether it is a later turn of its session (not the first)."""
-    return [i > 0 and session_of[i - 1] == s for i, s in enumerate(session_of)]
 
 
 def measure(pair: engine.Pair, cfg: EngineConfig, replay: engine.SessionReplay, new: int, repeats: int,
             cache_mb: float) -> dict[str, Any]:
     """One config's passes over the replay's turns (``cache_mb``: a fresh cache a pass; 0: none)."""
     def cache() -> engine.PrefixCache | None:
-        return engine.PrefixCache(int(cache_mb * 2**20)) if cache_mb > 0 else None
+        return sess.prefix_cache(cache_mb)
 
     # exact against AR decoded the way cfg decodes (its loop and kernels: in bf16 two loops round
     # otherwise), on the replay's requests
@@ -54,17 +50,13 @@ def measure(pair: engine.Pair, cfg: EngineConfig, replay: engine.SessionReplay, 
     engine.bench(pair, cfg, replay.prompts, new, prefix_cache=cache())  # graphs captured, kernels warm
     runs = [engine.bench(pair, cfg, replay.prompts, new, reference=reference, prefix_cache=cache())
             for _ in range(repeats)]
-    later = _later(replay.session_of)
-    first_ms = [1000 * p.ttft_s for r in runs for p, lt in zip(r.prompts, later, strict=True) if not lt]
-    later_ms = [1000 * p.ttft_s for r in runs for p, lt in zip(r.prompts, later, strict=True) if lt]
-    prompt_later = sum(p.prompt_tokens for p, lt in zip(runs[0].prompts, later, strict=True) if lt)
+    first_ms, later_ms = sess.ttft_ms(runs, [replay.session_of] * len(runs))
     return {
-        "session_tps": [r.new_tokens / r.total_s for r in runs],
+        "session_tps": [sess.pass_session_tps([r]) for r in runs],
         "decode_tps": [r.decode_tps for r in runs],
-        "ttft_first_ms": statistics.median(first_ms) if first_ms else None,
-        "ttft_later_ms": statistics.median(later_ms) if later_ms else None,
-        "cached_share_later": (sum(p.cached_tokens for p, lt in zip(runs[0].prompts, later, strict=True) if lt)
-                               / prompt_later) if prompt_later else None,
+        "ttft_first_ms": first_ms,
+        "ttft_later_ms": later_ms,
+        "cached_share_later": sess.cached_share(runs[:1], [replay.session_of]),
         "acceptance_length": runs[0].acceptance_length,
         "exact": all(p.exact for r in runs for p in r.prompts),
         "inexact_turns": sorted({p.index for r in runs for p in r.prompts if not p.exact}),
