@@ -59,7 +59,9 @@ class WorkloadSpec:
     max_new_tokens: int = 64  # per prompt; per turn for sessions
     seed: int = 0
     sessions: bool = False  # objective session_tps: every set is multi-turn sessions (engine.load_sessions)
-    min_turns: int = 4  # a named session set's sessions have at least this many model turns
+    # sessions of fewer model turns are left out; None: 4 for a named set (engine.SESSION_SETS), every
+    # session of a JSONL file (the user wrote them to be replayed)
+    min_turns: int | None = None
     prefix_cache_mb: float = 1024.0  # the replay's prefix cache (engine.DEFAULT_PREFIX_CACHE_MB; 0: none)
 
 
@@ -326,7 +328,7 @@ def _workload(where: str, raw: dict, base: Path, sessions: bool = False) -> Work
                          "prefilled whole)", cache_mb)
     return WorkloadSpec(sets=tuple(resolved), n_prompts=s.integer("n_prompts", 4, low=1),
                         max_new_tokens=s.integer("max_new_tokens", 64, low=2), seed=s.integer("seed", 0),
-                        sessions=sessions, min_turns=s.integer("min_turns", 4, low=1),
+                        sessions=sessions, min_turns=s.integer("min_turns", None, low=1) if "min_turns" in raw else None,
                         prefix_cache_mb=float(cache_mb))
 
 
@@ -519,7 +521,7 @@ def load_workloads(exp: Experiment) -> list[Any]:
                              spec) from None
         if not out[-1].prompts:
             raise InputError(str(exp.path), "workload.min_turns", f"no session of {spec} has that many model turns",
-                             w.min_turns)
+                             w.min_turns if w.min_turns is not None else "unset (4 for a named set)")
     return out
 
 

@@ -106,10 +106,11 @@ def _prompt_tokens(exp: Experiment, facts: dict[str, Any], context: int | None, 
     if context is not None and context <= new:
         raise InputError("--context", None, f"must be more than workload.max_new_tokens ({new}): it is a prompt "
                          "and the new tokens", context)
-    # (a session workload: its last request, each earlier answer a reply of up to `new` tokens, as a sweep plans it)
-    prompt = context - new if context is not None else \
-        vram.memory_at(int(facts.get("longest_prompt") or 1), new, facts.get("session_turns", 0))[0]
     most = facts.get("context")
+    # (a session workload: its last request, each earlier answer a reply of up to `new` tokens, as a sweep
+    # plans it, within the context: a turn past it ends its session)
+    prompt = context - new if context is not None else \
+        vram.memory_at(int(facts.get("longest_prompt") or 1), new, facts.get("session_turns", 0), most)[0]
     if most and prompt + new > most:
         where, key = ("--context", None) if context is not None else (str(exp.path), "workload.max_new_tokens")
         raise InputError(where, key, f"the prompt ({prompt:,} tokens) plus max_new_tokens must fit the target's "

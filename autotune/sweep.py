@@ -87,14 +87,19 @@ def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, exec
 def _check_fits(exp: Experiment, described: dict[str, Any]) -> None:
     """The workload fits the loaded target's context (its longest prompt plus ``max_new_tokens``):
     checked after the model loads and before the study or MLflow is opened, so a sweep whose every
-    trial would fail allocating is refused instead (exit 2)."""
-    ctx, longest = described.get("context"), described.get("longest_prompt")
+    trial would fail allocating is refused instead (exit 2). A session workload's conversations grow
+    turn by turn, and a turn that would outgrow the context ends its session (reported, as a server
+    refuses that request): what must fit is every session's first turn."""
+    ctx = described.get("context")
+    sessions = bool(described.get("session_turns"))
+    longest = described.get("longest_first_request" if sessions else "longest_prompt")
     if not ctx or longest is None:
         return
     need = longest + exp.workload.max_new_tokens
     if need > ctx:
+        what = "the longest session's first request" if sessions else "the longest prompt"
         raise InputError(str(exp.path), "workload.max_new_tokens",
-                         f"the longest prompt ({longest:,} tokens) plus max_new_tokens must fit the target's context "
+                         f"{what} ({longest:,} tokens) plus max_new_tokens must fit the target's context "
                          f"of {ctx:,} tokens ({need:,} do not)", exp.workload.max_new_tokens)
 
 
@@ -131,7 +136,7 @@ def _sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], executor: 
                                                                                              opts.study_name))
     driver.workers = workers
     driver.memory_at = vram.memory_at(device.get("longest_prompt"), exp.workload.max_new_tokens,
-                                      device.get("session_turns", 0))
+                                      device.get("session_turns", 0), device.get("context"))
     status, code = "FINISHED", 0
     try:
         tracker.sync()  # trials finished (or just failed as stale) before a crash get their runs now

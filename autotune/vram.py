@@ -54,15 +54,21 @@ def size(n: int | float) -> str:
     return f"{int(n)} B"
 
 
-def memory_at(longest_prompt: int | None, max_new_tokens: int, session_turns: int = 0) -> tuple[int, int] | None:
+def memory_at(longest_prompt: int | None, max_new_tokens: int, session_turns: int = 0,
+              context: int | None = None) -> tuple[int, int] | None:
     """Where a trial's memory is planned and reserved: (the workload's longest prompt in tokens,
     ``max_new_tokens``), the context the sweep checks against the target's (``sweep._check_fits``);
     None when the workers did not say their longest prompt. For sessions (``session_turns``: the most
     model turns a session has) the longest prompt is a whole script, whose earlier answers the replies
-    replace: each may be ``max_new_tokens`` long, so the last turn's request is planned that much longer."""
+    replace: each may be ``max_new_tokens`` long, so the last turn's request is planned that much longer,
+    but never past the target's ``context`` (a turn that would outgrow it ends its session instead:
+    ``engine.replay_sessions``)."""
     if not longest_prompt:
         return None
-    return int(longest_prompt) + max(int(session_turns) - 1, 0) * int(max_new_tokens), int(max_new_tokens)
+    prompt = int(longest_prompt) + max(int(session_turns) - 1, 0) * int(max_new_tokens)
+    if session_turns and context:
+        prompt = max(min(prompt, int(context) - int(max_new_tokens)), 1)
+    return prompt, int(max_new_tokens)
 
 
 def over_reason(memory: dict[str, Any], limit: int | None) -> str | None:

@@ -198,7 +198,11 @@ class Worker:
                 "recurrent_state": bool(getattr(self.pair.target, "has_recurrent", False)),
                 "tools": self._has_tools, "weights": self.weights(),
                 # a session workload's most model turns (0: prompts): where vram.memory_at plans its last request
-                "session_turns": max((engine.session_turns(p) for _, ps in self.sessions for p in ps), default=0)}
+                "session_turns": max((engine.session_turns(p) for _, ps in self.sessions for p in ps), default=0),
+                # ... and its longest first request, what must fit the context (sweep._check_fits)
+                **({"longest_first_request": max((len(self.pair.encode(engine.session_request(p)))
+                                                  for _, ps in self.sessions for p in ps), default=0)}
+                   if self.session_mode else {})}
 
     def environment(self) -> dict[str, Any]:
         """What an AR measurement here depends on beyond the job and the experiment: the host, the

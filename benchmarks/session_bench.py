@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--sessions", default="agent", help="a session set (agent, chat) or a JSONL of sessions")
     ap.add_argument("--n", type=int, default=8, help="sessions (default 8)")
-    ap.add_argument("--min-turns", type=int, default=4, help="model turns a named set's session has (default 4)")
+    ap.add_argument("--min-turns", type=int, default=None,
+                    help="sessions of fewer model turns are left out (default: 4 for a named set, none for a file)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
     ap.add_argument("--repeats", type=int, default=2, help="timed passes per config and cache setting")
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="every figure as JSON")
     args = ap.parse_args(argv)
     for name in ("n", "min_turns", "max_new_tokens", "repeats"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, but got {getattr(args, name)}")
     if not 0 < args.prefix_cache_mb < float("inf"):
         ap.error(f"--prefix-cache-mb must be a finite number > 0 (the cold runs are measured beside it), "

@@ -10,6 +10,7 @@ from engine.api import Pair, bench, diagnose, load, replay_sessions
 from engine.config import EngineConfig, EngineInputError
 from engine.data.prompts import Prompt
 from engine.data.sessions import SESSION_SETS, load_sessions
+from engine.data.sessions import request_prompt as session_request
 from engine.data.sessions import turns as session_turns
 from engine.data.workloads import Workload, load_workload
 from engine.decoding.decode import generate
@@ -85,6 +86,7 @@ __all__ = [
     "release_memory",
     "reserve_memory",
     "serve",
+    "session_request",
     "session_turns",
 ]
 

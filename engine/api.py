@@ -346,8 +346,7 @@ def replay_sessions(pair: Pair, config: EngineConfig, sessions: Sequence[Any], m
     measures every config on AR's requests (``bench`` of ``SessionReplay.prompts`` with one prefix
     cache), which are a speculative config's own wherever it is exact.
     """
-    from engine.data.prompts import Prompt
-    from engine.data.sessions import check_session, request, turns
+    from engine.data.sessions import check_session, request_prompt, turns
     from engine.serving.text import TextStream
 
     context = getattr(getattr(pair.target, "cfg", None), "max_position_embeddings", None)
@@ -356,7 +355,7 @@ def replay_sessions(pair: Pair, config: EngineConfig, sessions: Sequence[Any], m
         check_session(session, f"session {s}")
         replies: list[str] = []
         for t in range(turns(session)):
-            ids = pair.encode(Prompt(messages=tuple(request(session, replies)), tools=session.tools))
+            ids = pair.encode(request_prompt(session, replies))
             if context is not None and len(ids) + max_new_tokens > context:
                 out.cut[s] = (f"turn {t + 1}: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
                               f"target's context of {context}")

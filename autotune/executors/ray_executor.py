@@ -414,7 +414,7 @@ class RayExecutor(Executor):
                 "workers": [s.worker_id for s in self._slots],
                 "executor": "ray", "restarts": sum(s.restarts for s in self._slots),
                 **{k: self._facts.get(k) for k in ("weights", "context", "longest_prompt", "recurrent_state", "tools",
-                                                      "session_turns")}}
+                                                      "session_turns", "longest_first_request")}}
 
     def environment(self, worker: str) -> dict[str, Any]:
         if worker not in self._environments:

@@ -78,6 +78,11 @@ def request(prompt: Prompt, replies: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
+def request_prompt(prompt: Prompt, replies: Sequence[str] = ()) -> Prompt:
+    """``request`` as the prompt a client sends: those messages, with the session's tools."""
+    return Prompt(messages=tuple(request(prompt, replies)), tools=prompt.tools)
+
+
 def check_session(prompt: Prompt, where: str) -> None:
     """A workload line that can be replayed: messages that end with a request (not a model message)."""
     if not prompt.messages:
@@ -160,20 +165,22 @@ def named_sessions(name: str, n: int, min_turns: int = 4, seed: int = 0,
     return random.Random(seed).sample(fit, min(n, len(fit)))
 
 
-def load_sessions(spec: str, base_dir: Path, n: int, seed: int = 0, min_turns: int = 1,
+def load_sessions(spec: str, base_dir: Path, n: int, seed: int = 0, min_turns: int | None = None,
                   cache_dir: Path | None = None) -> Workload:
-    """A session workload: ``n`` sessions of a named set (``SESSION_SETS``, at least ``min_turns`` model
-    turns each: ``named_sessions``), or of a JSONL file of sessions (relative to ``base_dir``; every
-    line must be one: ``check_session``; ``n`` chosen by ``seed`` as ``load_workload`` chooses)."""
+    """A session workload: ``n`` sessions of a named set (``SESSION_SETS``: ``named_sessions``, at least
+    ``min_turns`` model turns each, 4 when None), or of a JSONL file of sessions (relative to
+    ``base_dir``; every line must be one: ``check_session``; those of at least ``min_turns`` model
+    turns, every one when None; ``n`` chosen by ``seed`` as ``load_workload`` chooses)."""
     if spec in SESSION_SETS:
-        return _workload(spec, named_sessions(spec, n, min_turns, seed, cache_dir))
-    if n < 1:
-        raise EngineInputError(f"n must be >= 1, but got {n}")
+        return _workload(spec, named_sessions(spec, n, 4 if min_turns is None else min_turns, seed, cache_dir))
+    if n < 1 or (min_turns is not None and min_turns < 1):
+        raise EngineInputError(f"n and min_turns must be >= 1, but got n={n}, min_turns={min_turns}")
     path = Path(spec)
     path = path if path.is_absolute() else Path(base_dir) / path
     pool = read_jsonl(path)
     for i, p in enumerate(pool, 1):
         check_session(p, f"{path}:{i}")
+    pool = [p for p in pool if min_turns is None or turns(p) >= min_turns]
     chosen = pool if len(pool) <= n else random.Random(seed).sample(pool, n)
     return _workload(path.stem, chosen)
 

@@ -44,6 +44,17 @@ def test_a_session_workload_is_checked_before_anything_runs(tmp_path, change, ke
     assert key in str(err.value)
 
 
+def test_min_turns_selects_a_session_file_s_sessions_when_it_is_set(tmp_path):
+    every = experiment.load(_experiment(tmp_path))  # unset: each session of the file, whatever its turns
+    assert [len(w.prompts) for w in experiment.load_workloads(every)] == [2]
+    three = experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "min_turns": 3}))
+    assert [len(w.prompts) for w in experiment.load_workloads(three)] == [1]
+    assert three.fingerprint() != every.fingerprint()
+    four = experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "min_turns": 4}))
+    with pytest.raises(InputError, match="workload.min_turns.*no session of .*sessions.jsonl has that many"):
+        experiment.load_workloads(four)
+
+
 def test_a_session_must_end_with_a_request_named_by_line(tmp_path):
     ends_on_a_reply = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     with pytest.raises(InputError, match=r"sessions.jsonl:2.*must end with its last turn's request"):
@@ -135,6 +146,36 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
               repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=w.prefix_cache_mb)
     rec = worker.measure(job)
     assert rec.ok and rec.exact_match == 1.0 and rec.memory["prompt_tokens"] == longest
+
+
+def test_a_session_plan_stays_within_the_context_a_replay_can_reach():
+    from autotune import vram
+
+    assert vram.memory_at(100, 8, session_turns=3, context=110) == (102, 8)  # a turn past it is cut instead
+    assert vram.memory_at(100, 8, session_turns=3, context=1000) == (116, 8)
+    assert vram.memory_at(100, 8, context=50) == (100, 8)  # prompts: the sweep refuses that (_check_fits)
+
+
+def test_what_must_fit_the_context_is_each_session_s_first_request(tmp_path):
+    """A session whose script (its later turns) outgrows the context is replayed until the turn
+    that would not fit (cut and reported); only a first request that does not fit refuses the sweep."""
+    import engine
+    from autotune.sweep import _check_fits
+    from autotune.worker import Worker
+
+    long_tail = {"messages": [*SESSIONS[1]["messages"][:2], {"role": "user", "content": "go on " * 400}]}
+    exp = experiment.load(_experiment(tmp_path, lines=[SESSIONS[0], long_tail]))
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                         experiment.load_workloads(exp), exp.fixed_engine)
+    facts = worker.limits()
+    first = max(len(worker.pair.encode(engine.session_request(p))) for _, ps in worker.sessions for p in ps)
+    assert facts["longest_first_request"] == first < facts["longest_prompt"]
+    context = facts["longest_prompt"]  # the whole long script would not fit with max_new_tokens
+    _check_fits(exp, {**facts, "context": context})
+    with pytest.raises(InputError, match="longest session's first request"):
+        _check_fits(exp, {**facts, "context": first + 1})
+    with pytest.raises(InputError, match="longest prompt"):  # a prompt workload: the whole prompt must fit
+        _check_fits(exp, {**facts, "session_turns": 0, "context": context})
 
 
 def test_every_config_is_measured_on_the_requests_of_one_replay(tmp_path):

@@ -87,6 +87,22 @@ def test_a_session_file_is_read_whole_and_refused_by_line(tmp_path):
         engine.load_sessions("humaneval", tmp_path, n=2)
 
 
+def test_a_session_file_keeps_the_sessions_of_at_least_min_turns_when_it_is_set(tmp_path):
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(p.to_json()) + "\n" for p in SESSIONS))  # 3 and 2 turns
+    assert list(engine.load_sessions("s.jsonl", tmp_path, n=5).prompts) == SESSIONS  # unset: every session
+    assert list(engine.load_sessions("s.jsonl", tmp_path, n=5, min_turns=3).prompts) == SESSIONS[:1]
+    assert engine.load_sessions("s.jsonl", tmp_path, n=5, min_turns=4).prompts == ()
+    with pytest.raises(engine.EngineInputError, match="min_turns must be >= 1"):
+        engine.load_sessions("s.jsonl", tmp_path, n=5, min_turns=0)
+
+
+def test_a_session_s_first_request_is_its_script_up_to_the_first_model_turn():
+    first = engine.session_request(SESSIONS[0])
+    assert first.messages == SESSIONS[0].messages[:2] and first.tools == SESSIONS[0].tools
+    second = engine.session_request(SESSIONS[0], ["hello"])
+    assert second.messages[2] == {"role": "assistant", "content": "hello"} and len(second.messages) == 4
+
+
 def _common(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
