@@ -97,9 +97,9 @@ class Record:
     decode_tps_runs: list[float] = field(default_factory=list)
     e2e_tps_runs: list[float] = field(default_factory=list)
     # a session workload (empty / None otherwise): per pass, completion tokens / the turns' time (prefill
-    # included); per session its median over passes; time to first token (ms, median over passes and
-    # turns) of first and later turns; the later turns' prompt share the prefix cache gave; sessions
-    # the replay ended early ("set[i]" -> why)
+    # and the prefix cache's commit included); per session its median over passes; time to first token
+    # (ms, median over passes and turns) of first and later turns; the later turns' prompt share the
+    # prefix cache gave; sessions the replay ended early ("set[i]" -> why)
     session_tps_runs: list[float] = field(default_factory=list)
     per_session_tps: list[float] = field(default_factory=list)
     ttft_first_ms: float | None = None
