@@ -445,7 +445,7 @@ class Worker:
         diverged = self._fill(rec, passes, reference)
         if at is not None and str(self.pair.device).startswith("cuda"):  # before forensics add graphs
             measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained,
-                                             max(r.prefix_cache_bytes for p in passes for r in p))
+                                             prefix_cache_held=max(r.prefix_cache_bytes for p in passes for r in p))
             rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"]}  # the plan, to compare
         if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
             # is cheap on purpose: the full measurement diagnoses its divergences
