@@ -43,13 +43,14 @@ class Planned:
 
 
 def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int | None,
-        out: TextIO = sys.stdout) -> None:
+        out: TextIO | None = None) -> None:
     """Print the plan of ``exp`` (``context``: ``--context``; ``limit``: ``--vram-limit``, else the
-    experiment's ``model.vram_limit``)."""
+    experiment's ``model.vram_limit``) to ``out`` (default: ``sys.stdout`` as it is at the call)."""
     import torch
 
     import engine
 
+    out = out if out is not None else sys.stdout  # (a default bound at import would outlive a replaced stdout)
     want = exp.model.device
     on_cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
     dtype = exp.model.dtype if exp.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
