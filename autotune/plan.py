@@ -6,7 +6,8 @@ Planned (``engine.plan_memory``: shapes and dtypes), so no GPU is needed: an exp
 a machine without one loads its pair on the CPU, in the dtype it would have on the GPU, and plans
 it for CUDA (its captured graphs' pool included). Three configs: the AR baseline, the reference
 DDTree config, and the search space's hungriest corner (every memory-relevant choice, with the
-budget and top-k at their highest). Ends with a greppable ``key: value`` summary.
+budget and top-k at their highest). A session experiment's plans include its prefix cache
+(``workload.prefix_cache_mb``), as its trials' do. Ends with a greppable ``key: value`` summary.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from autotune import sessions as sess
 from autotune import vram
 from autotune.errors import InputError
 from autotune.experiment import Experiment
@@ -41,13 +43,14 @@ class Planned:
 
 
 def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int | None,
-        out: TextIO = sys.stdout) -> None:
+        out: TextIO | None = None) -> None:
     """Print the plan of ``exp`` (``context``: ``--context``; ``limit``: ``--vram-limit``, else the
-    experiment's ``model.vram_limit``)."""
+    experiment's ``model.vram_limit``) to ``out`` (default: ``sys.stdout`` as it is at the call)."""
     import torch
 
     import engine
 
+    out = out if out is not None else sys.stdout  # (a default bound at import would outlive a replaced stdout)
     want = exp.model.device
     on_cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
     dtype = exp.model.dtype if exp.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
@@ -61,6 +64,8 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     new = exp.workload.max_new_tokens
     prompt = _prompt_tokens(exp, facts, context, new)
     kw = {"device": "cuda" if on_cuda else want if want != "auto" else "cpu", "dtype": getattr(torch, dtype)}
+    cache_mb = exp.workload.prefix_cache_mb if exp.workload.sessions else 0.0  # a session sweep's, as its trials
+    kw["prefix_cache_bytes"] = sess.cache_bytes(cache_mb)
     pair = worker.pair
     plans = _plans(exp, pair, prompt, new, worker, kw)
     limit = limit if limit is not None else exp.model.vram_limit
@@ -71,6 +76,9 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     print(f"context: {prompt + new:,} tokens ({'--context' if context else 'longest prompt'} {prompt:,} + "
           f"max_new_tokens {new:,})", file=out)
     print(f"vram_limit: {vram.size(limit) if limit else 'none'}", file=out)
+    if exp.workload.sessions:
+        print(f"prefix_cache: {vram.size(kw['prefix_cache_bytes']) if cache_mb else 'none'} budget "
+              "(workload.prefix_cache_mb; planned: what it keeps of this generation)", file=out)
     print("", file=out)
     _table(plans, limit, out)
     for p in plans:

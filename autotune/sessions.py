@@ -9,11 +9,16 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def cache_bytes(mb: float) -> int:
+    """A prefix cache budget of ``mb`` MiB in bytes (``PrefixCache.budget_bytes``; 0: no cache)."""
+    return int(mb * 2**20) if mb > 0 else 0
+
+
 def prefix_cache(mb: float) -> Any:
     """A fresh prefix cache of ``mb`` MiB (None for 0: every turn prefilled whole)."""
     import engine
 
-    return engine.PrefixCache(int(mb * 2**20)) if mb > 0 else None
+    return engine.PrefixCache(cache_bytes(mb)) if mb > 0 else None
 
 
 def later_turns(session_of: Sequence[int]) -> list[bool]:
@@ -22,8 +27,9 @@ def later_turns(session_of: Sequence[int]) -> list[bool]:
 
 
 def pass_session_tps(results: Sequence[Any]) -> float:
-    """Session tok/s of one pass: every turn's new tokens / every turn's time (prefill included): the
-    sessions' completion tokens over their wall time in the engine."""
+    """Session tok/s of one pass: every turn's new tokens / every turn's time (prefill, decode and the
+    prefix cache's commit after it: ``PromptResult.total_s``): the sessions' completion tokens over
+    their wall time in the engine."""
     seconds = sum(p.total_s for r in results for p in r.prompts)
     return sum(p.new_tokens for r in results for p in r.prompts) / seconds if seconds > 0 else 0.0
 

@@ -3,9 +3,10 @@ memory against the limit (its constraint ``vram`` and the reason it is over). Th
 section is ``autotune.report``'s; ``autotune plan`` is ``autotune.plan``.
 
 A trial's memory is ``engine.memory``'s breakdown per part at the workload's longest prompt plus
-``max_new_tokens`` (:func:`memory_at`): planned before the trial is measured (a config whose plan is
-over the limit is never measured: the cheap refusal), measured on CUDA after its passes (the plan
-stands on other devices, marked ``planned``). Over the limit is infeasible, as an inexact output is:
+``max_new_tokens`` (:func:`memory_at`; a session workload's prefix cache is part ``prefix_cache``):
+planned before the trial is measured (a config whose plan is over the limit is never measured: the
+cheap refusal), measured on CUDA after its passes (the plan stands on other devices, marked
+``planned``). Over the limit is infeasible, as an inexact output is:
 never the winner, and the sampler learns the region.
 """
 

@@ -17,7 +17,8 @@ A session workload (``engine.load_sessions``: the experiment's ``objective: sess
 replayed turn by turn: AR first (``engine.replay_sessions``, its own replies fed back), which fixes
 every turn's request; then each pass decodes those requests in order through one fresh prefix cache
 per set (``Job.prefix_cache_mb``), as a server meets them, and records each turn's time to first
-token, cached tokens and time. Session tok/s = completion tokens / the turns' time, prefill included;
+token, cached tokens and time. Session tok/s = completion tokens / the turns' time, prefill and the
+cache's commit included (its memory: part ``prefix_cache`` of the plan and of the measured peak);
 decode tok/s is measured on the same turns. Exactness is per turn, against AR's.
 
 Each record also carries the worker's utilisation during the job (NVML GPU utilisation on a GPU,
@@ -96,9 +97,9 @@ class Record:
     decode_tps_runs: list[float] = field(default_factory=list)
     e2e_tps_runs: list[float] = field(default_factory=list)
     # a session workload (empty / None otherwise): per pass, completion tokens / the turns' time (prefill
-    # included); per session its median over passes; time to first token (ms, median over passes and
-    # turns) of first and later turns; the later turns' prompt share the prefix cache gave; sessions
-    # the replay ended early ("set[i]" -> why)
+    # and the prefix cache's commit included); per session its median over passes; time to first token
+    # (ms, median over passes and turns) of first and later turns; the later turns' prompt share the
+    # prefix cache gave; sessions the replay ended early ("set[i]" -> why)
     session_tps_runs: list[float] = field(default_factory=list)
     per_session_tps: list[float] = field(default_factory=list)
     ttft_first_ms: float | None = None
@@ -325,7 +326,8 @@ class Worker:
         if at is None or longest <= at[0]:
             return at
         at = (longest, at[1])
-        rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained).to_dict()
+        rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained,
+                                        prefix_cache_bytes=sess.cache_bytes(self._cache_mb)).to_dict()
         rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
         return at
 
@@ -410,13 +412,14 @@ class Worker:
         if rec.refused is not None:
             return
         at = job.memory_at
+        cache_mb = self._cache_mb = job.prefix_cache_mb if self.session_mode else 0.0
         if at is not None:  # the plan first: a config over the limit is refused before anything runs
-            rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained).to_dict()
+            rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained,
+                                            prefix_cache_bytes=sess.cache_bytes(cache_mb)).to_dict()
             rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
             if rec.over_vram is not None:
                 return
         known = len(self._reference)
-        cache_mb = self._cache_mb = job.prefix_cache_mb if self.session_mode else 0.0
         reference = self.reference(job.max_new_tokens, cfg.to_dict(), cache_mb)
         if self.session_mode:
             at = self._session_turns(job, cfg, rec, at, constrained)
@@ -445,7 +448,8 @@ class Worker:
                            for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
         if at is not None and str(self.pair.device).startswith("cuda"):  # before forensics add graphs
-            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained)
+            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained,
+                                             prefix_cache_held=max(r.prefix_cache_bytes for p in passes for r in p))
             rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"]}  # the plan, to compare
         if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
             # is cheap on purpose: the full measurement diagnoses its divergences

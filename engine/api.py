@@ -275,7 +275,9 @@ def bench(
     progress display: ``autotune sweep``'s bar shows the prompt a trial is on).
     ``prefix_cache``: one cache through the pass, as a server keeps it: each prompt reuses what the
     earlier ones left (a session's turns, ``replay_sessions``); ``PromptResult.cached_tokens`` says how
-    much. Without it every prompt is prefilled whole.
+    much, ``PromptResult.commit_s`` what keeping each prompt and output in it took (inside its
+    ``total_s``), ``BenchResult.prefix_cache_bytes`` the most it held. Without it every prompt is
+    prefilled whole.
     """
     if reference is not None and len(reference) != len(prompts):
         raise EngineInputError(f"reference has {len(reference)} outputs for {len(prompts)} prompts")
@@ -290,6 +292,7 @@ def bench(
         torch.cuda.reset_peak_memory_stats()
     gens: list[Generation] = []
     results: list[PromptResult] = []
+    held = 0  # the most the prefix cache held after a generation
     for i, prompt in enumerate(prompts):
         g = generate(pair, list(prompt), config, max_new_tokens, ignore_eos=ignore_eos, grammar=grammars[i],
                      prefix_cache=prefix_cache)
@@ -299,8 +302,10 @@ def bench(
             index=i, prompt_tokens=len(prompt), new_tokens=g.stats.new_tokens, decode_s=g.stats.decode_s,
             total_s=g.stats.total_s, decode_tps=g.stats.decode_tps, acceptance_length=g.stats.acceptance_length,
             steps=g.stats.steps, exact=None if reference is None else div is None, first_divergence=div,
-            cached_tokens=g.stats.cached_tokens, ttft_s=g.stats.total_s - g.stats.decode_s,
+            cached_tokens=g.stats.cached_tokens, ttft_s=g.stats.prefill_s, commit_s=g.stats.commit_s,
         ))
+        if prefix_cache is not None:
+            held = max(held, prefix_cache.bytes)
         if on_prompt is not None:
             on_prompt(i + 1, len(prompts))
     peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -328,6 +333,7 @@ def bench(
         loops=dict(Counter(g.stats.loop for g in gens)),
         step_budgets=[b for g in gens for b in g.stats.step_budgets],
         predicted_al=[a for g in gens for a in g.stats.predicted_al],
+        prefix_cache_bytes=held,
     )
 
 

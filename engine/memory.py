@@ -4,15 +4,19 @@
 The parts (``MEMORY_PARTS``) are what a generation holds at its longest: the target's and the
 draft's weights, the workspace sized for ``prompt_tokens + new_tokens`` (``decode.workspace_length``:
 the target's K/V, a hybrid target's recurrent state and per-node tree records, the target features
-the draft reads, the draft's context K/V), the captured CUDA graphs' pool, and the largest
-transient (``activations``: a prefill of the whole prompt, or a verify step and its proposal).
+the draft reads, the draft's context K/V), a prefix cache's copies of committed positions (a server's
+and a session sweep's, ``engine.decoding.prefix_cache``), the captured CUDA graphs' pool, and the
+largest transient (``activations``: a prefill of the whole prompt, or a verify step and its proposal).
 
 Planned static parts are the bytes of the tensors the engine allocates (the caches are built on the
 meta device to be counted); ``reserve_memory`` allocates the workspace at exactly that length, so
 that no generation of a workload grows it (growth doubles it) and the measured buffers equal the
-plan. The transients are an estimate from the layers' widths (``_forward_bytes``): the loosest part
+plan. The prefix cache is planned as what it keeps of the planned generation (its committed
+positions at the cache's per-position cost, and a hybrid's two state checkpoints), at most its
+budget. The transients are an estimate from the layers' widths (``_forward_bytes``): the loosest part
 of a plan. Measured (``measure_memory``): the same static parts from the tensors the pair holds, the
-graphs' pool from the CUDA allocator's snapshot, and the rest of the measured peak as activations.
+prefix cache's bytes as the cache counts them, the graphs' pool from the CUDA allocator's snapshot,
+and the rest of the measured peak as activations.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
 from engine.decoding import runtime
 from engine.decoding.decode import verify_shape, workspace_length
 from engine.decoding.drafters import DFlashDrafter, OracleDrafter
+from engine.decoding.prefix_cache import PrefixCache
 from engine.models.attention import SPLIT_KEYS
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
@@ -44,6 +49,8 @@ MEMORY_PARTS = {
     "tree_state": "a hybrid target's per-node records of a verify at the config's tree",
     "features": "the target features the draft reads, one row per workspace slot",
     "draft_context": "the draft's context K/V per slot (an oracle draft: its own target cache)",
+    "prefix_cache": "committed positions a prefix cache keeps across requests (K/V, draft features, a hybrid's "
+                    "state checkpoints), up to the cache's budget",
     "graph_pools": "the captured CUDA graphs' memory pool (the runtime's steps, on CUDA)",
     "activations": "the largest transient: the prompt's prefill, or a step and its proposal",
 }
@@ -78,13 +85,19 @@ class MemoryBreakdown:
 
 
 def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, *, device: str | None = None,
-                dtype: torch.dtype | None = None, constrained: bool = False) -> MemoryBreakdown:
+                dtype: torch.dtype | None = None, constrained: bool = False,
+                prefix_cache_bytes: int = 0) -> MemoryBreakdown:
     """What ``config`` needs on ``pair`` for a generation of ``prompt_tokens + new_tokens``, from
     shapes and dtypes alone (nothing is allocated). ``device`` / ``dtype``: plan as if the pair were
     loaded there, in that dtype (``autotune plan`` of a CUDA experiment on a CPU; the quantized
     blocks keep their size); ``constrained``: a prompt has a grammar (a hybrid keeps the state a
-    grammar cut restores)."""
+    grammar cut restores); ``prefix_cache_bytes``: the budget of the prefix cache the generation
+    commits into (``PrefixCache.budget_bytes``; 0: none): part ``prefix_cache`` is what the cache
+    keeps of this generation, at most the budget."""
     _check_lengths(prompt_tokens, new_tokens)
+    if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+        raise EngineInputError(f"prefix_cache_bytes must be a whole number of bytes >= 0 (0: no prefix cache), "
+                               f"but got {prefix_cache_bytes!r}")
     dev = torch.device(device or pair.target.device)
     dt = dtype or pair.target.dtype
     size = torch.empty((), dtype=dt, device="meta").element_size()
@@ -101,6 +114,8 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     feature_width = _feature_width(pair) if speculative else 0
     parts["features"] = length * feature_width * size
     parts["draft_context"] = _planned_draft_context(pair, length, dt) if speculative else 0
+    parts["prefix_cache"] = _planned_prefix_cache(pair.target, prompt_tokens, new_tokens, feature_width, dt,
+                                                  prefix_cache_bytes)
     loop = _loop(pair, config, dev, constrained)
     prefill = _forward_bytes(pair.target, prompt_tokens, prompt_tokens, size, 1, feature_width, True,
                              dev.type == "cuda")
@@ -113,16 +128,19 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
 
 
 def measure_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, peak_bytes: int,
-                   constrained: bool = False) -> MemoryBreakdown:
+                   constrained: bool = False, prefix_cache_held: int = 0) -> MemoryBreakdown:
     """The measured breakdown after ``config`` decoded on ``pair`` (on CUDA: ``peak_bytes`` is
     ``torch.cuda.max_memory_allocated`` over the passes): the static parts from the tensors the pair
-    holds now (``held_memory``), the graphs' pool from the allocator, and the rest of the peak as
+    holds now (``held_memory``), the prefix cache's ``prefix_cache_held`` bytes (the most a prefix
+    cache held in the passes, ``BenchResult.prefix_cache_bytes``: its tensors were in the peak, and
+    the cache may be gone by now), the graphs' pool from the allocator, and the rest of the peak as
     activations (with whatever small buffers no part names).
 
     The pool counts whole: what a capture freed stays the graph's (its replays write there), yet the
     allocator counts only what is still allocated; so the total is the allocated peak plus the pool's
     freed part, which no other allocation can take."""
     parts = held_memory(pair)
+    parts["prefix_cache"] = int(prefix_cache_held)
     pool_allocated = _pool(pair)[1]
     held = sum(parts.values()) - parts["graph_pools"] + pool_allocated  # allocated, in the peak
     parts["activations"] = max(int(peak_bytes) - held, 0)
@@ -130,10 +148,12 @@ def measure_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
                            _loop(pair, config, pair.target.device, constrained))
 
 
-def held_memory(pair) -> dict[str, int]:
+def held_memory(pair, prefix_cache: PrefixCache | None = None) -> dict[str, int]:
     """Bytes of the tensors ``pair`` holds now, per part (``activations`` 0: nothing transient is
-    held between generations)."""
+    held between generations); ``prefix_cache``: the cache the pair's generations commit into (its
+    ``bytes``: what it holds; None: part ``prefix_cache`` 0)."""
     parts = dict.fromkeys(MEMORY_PARTS, 0)
+    parts["prefix_cache"] = prefix_cache.bytes if prefix_cache is not None else 0
     parts["target_weights"] = _module_bytes(pair.target)
     parts["draft_weights"] = _draft_bytes(pair)
     ws = pair._workspace
@@ -195,7 +215,8 @@ def largest_budget(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
                    **plan_kw: Any) -> int | None:
     """The largest DDTree ``budget`` (``config`` otherwise as it is) whose plan fits ``limit`` bytes;
     None when even a budget of 1 does not. The plan grows with the budget until the tree holds every
-    node ``top_k`` and the block allow: past that the largest budget is ``MAX_BUDGET``."""
+    node ``top_k`` and the block allow: past that the largest budget is ``MAX_BUDGET``. ``plan_kw``:
+    ``plan_memory``'s keywords (``device``, ``dtype``, ``constrained``, ``prefix_cache_bytes``)."""
     if config.verify != "ddtree":
         raise EngineInputError(f"a tree budget applies to verify='ddtree', not {config.verify!r}")
     return _largest(1, MAX_BUDGET, lambda b: plan_memory(pair, config.replace(budget=b), prompt_tokens,
@@ -205,7 +226,8 @@ def largest_budget(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
 def longest_context(pair, config: EngineConfig, new_tokens: int, limit: int, most: int,
                     **plan_kw: Any) -> int | None:
     """The longest context (a prompt and ``new_tokens``, at most ``most`` tokens) whose plan under
-    ``config`` fits ``limit`` bytes; None when not even a one-token prompt does."""
+    ``config`` fits ``limit`` bytes; None when not even a one-token prompt does. ``plan_kw``: as
+    ``largest_budget``'s."""
     if most <= new_tokens:
         return None
     prompt = _largest(1, most - new_tokens, lambda p: plan_memory(pair, config, p, new_tokens, **plan_kw).total
@@ -327,6 +349,24 @@ def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
     if isinstance(drafter, OracleDrafter):  # its own target cache, about as long as the workspace
         return sum(_cache_parts(_meta_cache(pair.target, length, 0, dtype)).values())
     return 0
+
+
+def _planned_prefix_cache(target: nn.Module, prompt_tokens: int, new_tokens: int, feature_width: int,
+                          dtype: torch.dtype, budget: int) -> int:
+    """What a prefix cache of ``budget`` bytes keeps of one generation (``PrefixCache.commit``), at
+    most the budget: the committed positions (the prompt's and every new token's but the last, whose
+    K/V the next request computes) at the target's K/V of its attention layers per position, plus
+    the draft's features (``feature_width``: 0 unless speculative); on a hybrid target also the
+    recurrent and conv state at two checkpoints, the prompt's last token but one (a prompt of two
+    tokens or more) and the answer's end."""
+    if budget <= 0:
+        return 0
+    one = _meta_cache(target, 1, 0, dtype)  # one position's K/V; a hybrid's state (its size is per sequence)
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    total = (prompt_tokens + new_tokens - 1) * (_bytes([one.k, one.v]) + feature_width * size)
+    if isinstance(one, HybridCache):
+        total += (1 + (prompt_tokens >= 2)) * _bytes([one.rec, one.conv])
+    return min(total, budget)
 
 
 def _loop(pair, config: EngineConfig, device: torch.device, constrained: bool) -> str:

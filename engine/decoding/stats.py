@@ -30,7 +30,10 @@ class GenerationStats:
     prefill_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens reused from a prefix cache (engine.decoding.prefix_cache), not prefilled
     decode_s: float = 0.0  # first emitted token -> last emitted token
+    # start -> last emitted token, and with a prefix cache its commit (``commit_s``: a server pays it
+    # before the next request)
     total_s: float = 0.0
+    commit_s: float = 0.0  # the prefix cache's commit of the prompt and output (0: no cache)
     # The adaptive step policy (engine.decoding.policy; empty under the fixed one): per step, the budget
     # it ran (0: a plain AR step), and per tree step the calibrated E[AL] it was chosen by.
     step_budgets: list[int] = field(default_factory=list)
@@ -213,6 +216,7 @@ class PromptResult:
     divergence: Divergence | None = None  # why it differs (re-run with margins, outside the measured time)
     cached_tokens: int = 0  # prompt tokens a prefix cache gave (``bench(..., prefix_cache=...)``), not prefilled
     ttft_s: float = 0.0  # time to first token: the prefill (of what was not cached) and the first token
+    commit_s: float = 0.0  # the prefix cache's commit after the last token (inside total_s; 0: no cache)
 
 
 @dataclass
@@ -250,6 +254,9 @@ class BenchResult:
     loops: dict[str, int] = field(default_factory=dict)  # prompts per decode loop that ran (GenerationStats.loop)
     step_budgets: list[int] = field(default_factory=list)  # the adaptive policy's, as GenerationStats'
     predicted_al: list[float] = field(default_factory=list)
+    # the most bytes the prefix cache (``bench(..., prefix_cache=...)``) held after a generation of the
+    # pass (0: none): its share of peak_memory_bytes (``engine.measure_memory``'s ``prefix_cache_held``)
+    prefix_cache_bytes: int = 0
 
     @property
     def decode_tps(self) -> float:

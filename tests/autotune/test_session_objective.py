@@ -3,8 +3,10 @@ tok/s (prefill included) with decode tok/s beside it, on the tiny pair, end to e
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import time
 
 import pytest
 from autotune_helpers import tiny_experiment
@@ -95,6 +97,7 @@ def test_a_session_sweep_ranks_by_session_tps_and_reports_both_objectives(tmp_pa
         assert a["cached_share_later"] > 0.5 and a["ttft_first_ms"] > 0 and a["ttft_later_ms"] > 0
         s = a["per_set"]["sessions"]
         assert (s["sessions"], s["turns"]) == (2, 5) and s["session_tps_median"] > 0
+        assert a["memory"]["parts"]["prefix_cache"] > 0  # planned with the turns' cache (measured on CUDA)
     w = results.winner(study)
     assert w.objective == "session_tps" and w.decode_tps is not None
     assert f"best_session_tps: {w.figures(3)['session_tps']}" in summary and "best_decode_tps:" in summary
@@ -102,6 +105,7 @@ def test_a_session_sweep_ranks_by_session_tps_and_reports_both_objectives(tmp_pa
     report = write_report(study, tmp_path / "report")[0].read_text()
     assert "## Sessions" in report and "session tok/s (median ± spread)" in report
     assert "| TTFT first turn (ms) | TTFT later turns (ms) |" in report
+    assert "prefix_cache " in report.split("## Device memory")[1]  # the winner's peak per part
     doc = export.provenance(study, w)
     assert doc["objective"] == "session_tps" and doc["session_tps"] == w.figures(4)["session_tps"]
     assert "decode_tps" in doc and "ar_session_tps" in doc
@@ -146,6 +150,17 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
               repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=w.prefix_cache_mb)
     rec = worker.measure(job)
     assert rec.ok and rec.exact_match == 1.0 and rec.memory["prompt_tokens"] == longest
+    # the prefix cache the turns commit into is in the plan: what it keeps of that last turn
+    ar = engine.EngineConfig(verify="ar")
+    cached = engine.plan_memory(worker.pair, ar, longest, w.max_new_tokens, prefix_cache_bytes=64 << 20)
+    assert rec.memory["parts"]["prefix_cache"] == cached.parts["prefix_cache"] > 0
+    assert rec.memory["total"] == cached.total
+    # a limit the config fits without the cache but not with it: over, refused before it runs
+    bare = engine.plan_memory(worker.pair, ar, longest, w.max_new_tokens).total
+    over = worker.measure(dataclasses.replace(job, vram_limit=bare))
+    assert over.over_vram is not None and over.session_tps_runs == []
+    assert over.memory["parts"]["prefix_cache"] > 0 and over.memory["total"] > bare
+    assert worker.measure(dataclasses.replace(job, prefix_cache_mb=0.0, vram_limit=bare)).over_vram is None
 
 
 def test_a_session_plan_stays_within_the_context_a_replay_can_reach():
@@ -196,3 +211,52 @@ def test_every_config_is_measured_on_the_requests_of_one_replay(tmp_path):
         assert rec.ok and rec.refused is None and rec.exact_match == 1.0 and rec.turns == 5
     assert len(worker._replays) == 1
     assert len(worker._reference) == 2  # one AR twin per loop, both on the replay's requests
+
+
+def test_the_cache_s_commit_is_paid_inside_session_tps(tmp_path, monkeypatch):
+    """A turn's commit into the prefix cache is in the time session tok/s divides by: made slow, it
+    bounds the rate (each turn's few tokens over at least the commit's time)."""
+    import engine
+    from autotune.worker import Job, Worker
+
+    delay, commit = 0.2, engine.PrefixCache.commit
+
+    def slow_commit(self, tokens):
+        time.sleep(delay)
+        commit(self, tokens)
+
+    exp = experiment.load(_experiment(tmp_path))
+    w = exp.workload
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                         experiment.load_workloads(exp), exp.fixed_engine)
+    monkeypatch.setattr(engine.PrefixCache, "commit", slow_commit)
+    rec = worker.measure(Job(trial=1, role="search", config={"verify": "ar"}, max_new_tokens=w.max_new_tokens,
+                             warmup=0, repeats=1, max_rel_mad=0.5, prefix_cache_mb=w.prefix_cache_mb))
+    assert rec.ok and rec.turns == 5 and rec.cached_share_later > 0.5
+    assert 0 < rec.session_tps_runs[0] <= w.max_new_tokens / delay  # at most 8 tokens a turn, >= 0.2 s each
+
+
+def test_autotune_plan_of_a_session_experiment_plans_its_prefix_cache(tmp_path, capsys):
+    import engine
+    from autotune import cli
+    from autotune.vram import size
+
+    outs = {}
+    for mb in (64, 0):
+        (tmp_path / str(mb)).mkdir()
+        path = _experiment(tmp_path / str(mb), workload={**WORKLOAD, "prefix_cache_mb": mb})
+        assert cli.main(["plan", str(path)]) == 0
+        outs[mb] = capsys.readouterr().out
+    assert "| prefix_cache |" not in outs[0] and "prefix_cache: none budget" in outs[0]
+    out = outs[64]
+    assert "prefix_cache: 64.0 MiB budget (workload.prefix_cache_mb" in out
+    row = next(line for line in out.splitlines() if line.startswith("| prefix_cache |"))
+    summary = dict(line.split(": ", 1) for line in out.splitlines()[-9:])
+    new = WORKLOAD["max_new_tokens"]
+    pair = engine.load("tiny-dense", "oracle:0.3", device="cpu", dtype="float32")
+    plan = engine.plan_memory(pair, engine.EngineConfig(verify="ar"), int(summary["context"]) - new, new,
+                              prefix_cache_bytes=64 << 20)
+    assert row.split(" | ")[1] == size(plan.parts["prefix_cache"]) and plan.parts["prefix_cache"] > 0  # AR's column
+    assert summary["ar_bytes"] == str(plan.total)
+    bare = dict(line.split(": ", 1) for line in outs[0].splitlines()[-9:])
+    assert int(bare["ar_bytes"]) == plan.total - plan.parts["prefix_cache"]

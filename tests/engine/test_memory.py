@@ -184,3 +184,61 @@ def test_native_blocks_are_planned_at_their_bytes(tmp_path):
     engine.generate(native, list(range(5, 25)), cfg, 8, ignore_eos=True)
     assert held_memory(native)["target_weights"] == plan.parts["target_weights"]
     assert math.isclose(plan.total, sum(plan.parts.values()))
+
+
+PREFIX_CONFIGS = {k: CONFIGS[k] for k in ("ar", "chain-generic", "ddtree-runtime")}
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+@pytest.mark.parametrize("name", PREFIX_CONFIGS)
+def test_the_prefix_cache_part_is_what_the_cache_holds_after_a_generation(target, name):
+    pair = pair_for(target, "random")
+    cfg, new, prompt = PREFIX_CONFIGS[name], 10, _prompts(40)[1]
+    if target == "tiny-hybrid" and name == "chain-generic":
+        cfg = cfg.replace(rollback="replay")
+    budget = 1 << 24
+    cache = engine.PrefixCache(budget)
+    engine.generate(pair, prompt, cfg, new, ignore_eos=True, prefix_cache=cache)
+    plan = plan_memory(pair, cfg, len(prompt), new, prefix_cache_bytes=budget)
+    assert plan.parts["prefix_cache"] == held_memory(pair, cache)["prefix_cache"] == cache.bytes > 0
+    # by other arithmetic: every committed position (the last new token has no K/V yet) at K/V, plus the
+    # draft's features where it drafted, plus a hybrid's recurrent and conv state at two checkpoints
+    c, ws = pair.target.cfg, pair._workspace
+    layers = c.layer_types.count("full_attention") if target == "tiny-hybrid" else c.num_hidden_layers
+    per_position = 2 * layers * c.num_key_value_heads * 16 * 4 + (ws.features.shape[1] * 4 if cfg.verify != "ar" else 0)
+    states = 2 * (ws.cache.rec.numel() * 4 + ws.cache.conv.numel() * 4) if target == "tiny-hybrid" else 0
+    assert plan.parts["prefix_cache"] == (len(prompt) + new - 1) * per_position + states
+    assert plan.total == plan_memory(pair, cfg, len(prompt), new).total + plan.parts["prefix_cache"]
+    # a budget below that: the plan is the budget, and the cache keeps no more
+    small = plan.parts["prefix_cache"] // 3
+    cache = engine.PrefixCache(small)
+    engine.generate(pair, prompt, cfg, new, ignore_eos=True, prefix_cache=cache)
+    assert plan_memory(pair, cfg, len(prompt), new, prefix_cache_bytes=small).parts["prefix_cache"] == small
+    assert held_memory(pair, cache)["prefix_cache"] == cache.bytes <= small
+    # no cache: nothing planned or held
+    assert plan_memory(pair, cfg, len(prompt), new).parts["prefix_cache"] == held_memory(pair)["prefix_cache"] == 0
+
+
+def test_the_prefix_cache_s_bytes_leave_the_activations_residue_of_a_measured_peak():
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ar")
+    cache = engine.PrefixCache(1 << 24)
+    res = engine.bench(pair, cfg, _prompts(30), 6, ignore_eos=True, prefix_cache=cache)
+    assert res.prefix_cache_bytes == cache.bytes > 0  # the most it held: it only grew in this pass
+    assert engine.bench(pair, cfg, _prompts(30), 6, ignore_eos=True).prefix_cache_bytes == 0
+    peak = sum(held_memory(pair).values()) + 10**6
+    without = engine.measure_memory(pair, cfg, 30, 6, peak)
+    got = engine.measure_memory(pair, cfg, 30, 6, peak, prefix_cache_held=res.prefix_cache_bytes)
+    assert without.parts["prefix_cache"] == 0 and without.parts["activations"] == 10**6
+    assert got.parts["prefix_cache"] == res.prefix_cache_bytes
+    assert got.parts["activations"] == 10**6 - res.prefix_cache_bytes and got.total == without.total == peak
+
+
+def test_largest_budget_and_longest_context_count_the_prefix_cache():
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=22, top_k=3)
+    limit = plan_memory(pair, cfg, 100, 8).total
+    assert engine.longest_context(pair, cfg, 8, limit, most=4096, prefix_cache_bytes=1 << 24) < 108
+    assert engine.longest_context(pair, cfg, 8, limit, most=4096, prefix_cache_bytes=0) == 108
+    with pytest.raises(EngineInputError, match="prefix_cache_bytes must be a whole number of bytes >= 0"):
+        plan_memory(pair, cfg, 100, 8, prefix_cache_bytes=-1)

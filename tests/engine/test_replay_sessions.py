@@ -108,3 +108,26 @@ def _common(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def test_the_cache_s_commit_is_inside_each_turn_s_time(pair, replay, monkeypatch):
+    """A server pays the commit of a turn's prompt and answer before it serves the next request, so a
+    commit made slow shows in the turn's total time (what session tok/s divides by), not its TTFT."""
+    import time
+
+    delay, commit = 0.05, engine.PrefixCache.commit
+
+    def slow_commit(self, tokens):
+        time.sleep(delay)
+        commit(self, tokens)
+
+    monkeypatch.setattr(engine.PrefixCache, "commit", slow_commit)
+    res = engine.bench(pair, engine.EngineConfig(verify="ar"), replay.prompts, NEW, reference=replay.outputs,
+                       prefix_cache=engine.PrefixCache(64 << 20))
+    assert [p.exact for p in res.prompts] == [True] * 5 and res.prompts[1].cached_tokens > 0  # (still committed)
+    for p in res.prompts:
+        assert p.commit_s >= delay and p.total_s >= p.commit_s + p.decode_s
+        assert p.total_s == pytest.approx(p.ttft_s + p.decode_s + p.commit_s)
+    assert res.total_s == pytest.approx(sum(p.total_s for p in res.prompts)) and res.total_s >= 5 * delay
+    cold = engine.bench(pair, engine.EngineConfig(verify="ar"), replay.prompts[:1], NEW)
+    assert cold.prompts[0].commit_s == 0.0  # no cache, nothing committed
