@@ -328,8 +328,8 @@ def _workload(where: str, raw: dict, base: Path, sessions: bool = False) -> Work
                          "prefilled whole)", cache_mb)
     return WorkloadSpec(sets=tuple(resolved), n_prompts=s.integer("n_prompts", 4, low=1),
                         max_new_tokens=s.integer("max_new_tokens", 64, low=2), seed=s.integer("seed", 0),
-                        sessions=sessions, min_turns=s.integer("min_turns", None, low=1) if "min_turns" in raw else None,
-                        prefix_cache_mb=float(cache_mb))
+                        sessions=sessions, prefix_cache_mb=float(cache_mb),
+                        min_turns=s.integer("min_turns", None, low=1) if "min_turns" in raw else None)
 
 
 def _check_jsonl(file: Path, sessions: bool = False) -> None:
