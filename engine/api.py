@@ -214,7 +214,7 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
     ``device="meta"``: the pair of shapes and dtypes only, to plan memory on (``plan_memory`` with
     the device it would run on; ``weight_summary``; the tokenizer loads as ever): no weight is read
     or allocated (a GGUF's header, a safetensors header, a preset's config), so a 27B target plans
-    in seconds on any machine. Its ``plan_memory`` is byte for byte a real load's, in the same
+    on any machine. Its ``plan_memory`` is byte for byte a real load's, in the same
     ``dtype`` (``auto`` is float32 there: give the dtype it would run in). It cannot decode."""
     from engine.models import linear
 

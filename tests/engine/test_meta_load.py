@@ -6,14 +6,13 @@ refuses what a load refuses by shape, and refuses to decode."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import engine
 from engine import EngineConfig, EngineInputError
 from engine.memory import plan_memory, reserve_memory
+from tests.engine.gguf_files import headers_only
 
 CONFIGS = [  # (config, a prompt has a grammar)
     (EngineConfig(verify="ar"), False),
@@ -72,71 +71,12 @@ def gguf_files(tmp_path_factory):
     return files
 
 
-class _Unread:
-    """A GGUF tensor's data that fails the test on any use."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str):
-        raise AssertionError(f"tensor {self._name!r}: its data was read ({attr})")
-
-    def __array__(self, *args, **kw):
-        raise AssertionError(f"tensor {self._name!r}: its data was read")
-
-    def __getitem__(self, index):
-        raise AssertionError(f"tensor {self._name!r}: its data was read")
-
-
-@pytest.fixture
-def no_tensor_data(monkeypatch):
-    _headers_only(monkeypatch)
-
-
-def _headers_only(monkeypatch) -> None:
-    """Every GGUF tensor's data and every safetensors tensor fail the test when read (headers only)."""
-    import gguf
-
-    import engine.loading
-
-    class HeaderReader(gguf.GGUFReader):
-        def __init__(self, path, *args, **kw):
-            super().__init__(path, *args, **kw)
-            self.tensors = [t._replace(data=_Unread(t.name)) for t in self.tensors]
-
-    real_open = engine.loading.safe_open
-
-    class Headers:
-        def __init__(self, *args, **kw):
-            self._handle = real_open(*args, **kw)
-
-        def __enter__(self):
-            self._handle.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._handle.__exit__(*exc)
-
-        def keys(self):
-            return self._handle.keys()
-
-        def get_slice(self, name):
-            shape = self._handle.get_slice(name).get_shape()
-            return SimpleNamespace(get_shape=lambda: shape)
-
-        def get_tensor(self, name):
-            raise AssertionError(f"safetensors tensor {name!r} was read")
-
-    monkeypatch.setattr(gguf, "GGUFReader", HeaderReader)
-    monkeypatch.setattr(engine.loading, "safe_open", Headers)
-
-
 @pytest.mark.parametrize("weights", ["native", "dequantized"])
 @pytest.mark.parametrize("case", ["qwen3-q8_0-tied", "llama-q4_k_m", "qwen35-q4_k_m"])
 def test_a_gguf_target_plans_from_its_header_as_loaded(gguf_files, case, weights, monkeypatch):
     real = engine.load(gguf_files[case], "random", device="cpu", dtype="bfloat16", weights=weights)
     with monkeypatch.context() as patched:
-        _headers_only(patched)  # for the meta load alone
+        headers_only(patched)  # for the meta load alone
         meta = engine.load(gguf_files[case], "random", device="meta", dtype="bfloat16", weights=weights)
     _assert_plans_equal(meta, real)
     if weights == "native":  # blocks at a real load's bytes, as uint8, in the same formats
@@ -147,7 +87,8 @@ def test_a_gguf_target_plans_from_its_header_as_loaded(gguf_files, case, weights
     assert meta.encode("the sea of day") == real.encode("the sea of day")  # the tokenizer loads as ever
 
 
-def test_the_reader_patch_catches_a_real_load(gguf_files, no_tensor_data):
+def test_the_reader_patch_catches_a_real_load(gguf_files, monkeypatch):
+    headers_only(monkeypatch)
     # (the loader names a tensor it cannot read: the failed read inside its refusal)
     with pytest.raises(EngineInputError, match="its data was read"):
         engine.load(gguf_files["qwen3-q8_0-tied"], "none", device="cpu", dtype="float32", weights="native")
@@ -182,7 +123,7 @@ def test_hf_folders_plan_from_their_headers_as_loaded(tmp_path, monkeypatch):
     for target, draft in _hf_folders(tmp_path).values():
         real = engine.load(target, draft, device="cpu", dtype="bfloat16")
         with monkeypatch.context() as patched:
-            _headers_only(patched)
+            headers_only(patched)
             meta = engine.load(target, draft, device="meta", dtype="bfloat16")
         _assert_plans_equal(meta, real)
 
@@ -230,7 +171,7 @@ def test_the_smollm2_pair_plans_on_the_meta_device_as_loaded(weights, monkeypatc
     real = engine.load("smollm2-135m-instruct", "smollm2-135m-dflash", device="cpu", dtype="float32",
                        weights=weights)
     with monkeypatch.context() as patched:
-        _headers_only(patched)
+        headers_only(patched)
         meta = engine.load("smollm2-135m-instruct", "smollm2-135m-dflash", device="meta", dtype="float32",
                            weights=weights)
     _assert_plans_equal(meta, real)
