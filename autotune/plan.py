@@ -2,10 +2,12 @@
 longest prompt plus ``max_new_tokens`` (or ``--context N``: a prompt of N - max_new_tokens), against
 ``model.vram_limit``, and the largest tree budget and the longest context that fit it.
 
-Planned (``engine.plan_memory``: shapes and dtypes), so no GPU is needed: an experiment for CUDA on
-a machine without one loads its pair on the CPU, in the dtype it would have on the GPU, and plans
-it for CUDA (its captured graphs' pool included). Three configs: the AR baseline, the reference
-DDTree config, and the search space's hungriest corner (every memory-relevant choice, with the
+Planned (``engine.plan_memory``: shapes and dtypes) on a pair of shapes only (``engine.load`` on the
+meta device: a GGUF's header, a checkpoint's config and safetensors header, no weight read or
+allocated; the tokenizer loads, for the prompts' lengths), so neither a GPU nor room for the weights
+is needed: a 27B target plans on any machine, in the dtype it would have on the GPU, for the device
+the experiment names (CUDA: its captured graphs' pool included). Three configs: the AR baseline, the
+reference DDTree config, and the search space's hungriest corner (every memory-relevant choice, with the
 budget and top-k at their highest). A session experiment's plans include its prefix cache
 (``workload.prefix_cache_mb``), as its trials' do. Ends with a greppable ``key: value`` summary.
 """
@@ -54,9 +56,8 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     want = exp.model.device
     on_cuda = want.startswith("cuda") or (want == "auto" and torch.cuda.is_available())
     dtype = exp.model.dtype if exp.model.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-    load_on = want if not on_cuda or torch.cuda.is_available() else "cpu"  # weights priced in `dtype` anyway
-    try:
-        worker = Worker.load(exp.model.target, exp.model.draft, load_on, dtype, workloads, exp.fixed_engine,
+    try:  # shapes only: plan_memory of the meta pair is the loaded pair's, byte for byte
+        worker = Worker.load(exp.model.target, exp.model.draft, "meta", dtype, workloads, exp.fixed_engine,
                              weights=exp.model.weights)
     except engine.EngineInputError as exc:
         raise InputError(str(exp.path), "model", f"the engine refused to load the pair ({exc})") from None

