@@ -439,7 +439,9 @@ def _memory(study: optuna.Study, w: results.Winner | None) -> list[str]:
         m = recorded[w.trial].user_attrs["memory"]
         parts = ", ".join(f"{k} {vram_size(v)}" for k, v in sorted(m["parts"].items(), key=lambda kv: -kv[1]) if v)
         plan = f"; planned {vram_size(m['planned_total'])}" if m.get("planned_total") else ""
-        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).", ""]
+        idle = (f" The worker also held the other weight form's pair ({vram_size(m['idle_pair_bytes'])}), left "
+                "out of this peak.") if m.get("idle_pair_bytes") else ""
+        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).{idle}", ""]
     over = results.over_vram(study)
     if over:
         L += [f"**{len(over)} trial(s) over the limit**: infeasible, never the winner; one over it by its plan was "

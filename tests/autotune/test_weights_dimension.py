@@ -4,6 +4,7 @@ the same weights; the report compares the forms; the export loads the winner's f
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -95,3 +96,45 @@ def test_an_export_that_names_native_weights_serves_them(tmp_path, target):
     f.write_text(yaml.safe_dump(doc))
     cfg, model = load_served(f)
     assert model["weights"] == "native" and cfg.weights is None
+
+
+def test_the_other_forms_pair_is_left_out_of_a_measured_peak(tmp_path, target, monkeypatch):
+    """On CUDA a pass's peak (``max_memory_allocated``) counts every tensor on the device, the weights
+    of the pair the worker holds for the other form included, which the config does not use: the
+    breakdown and the verdict leave them out and the record says how much. Faked on the CPU: the
+    device's peak is a fixed figure and the worker takes it as the allocator's."""
+    import autotune.worker as worker_mod
+    from autotune import vram
+    from autotune.worker import Job, Worker
+
+    device_peak = 2**30
+    bench = engine.bench
+
+    def on_a_gpu(*args, **kw):
+        result = bench(*args, **kw)
+        return dataclasses.replace(result, peak_memory_bytes=device_peak)
+
+    monkeypatch.setattr(engine, "bench", on_a_gpu)
+    monkeypatch.setattr(worker_mod, "_peak_is_allocated", lambda device: True)
+    exp = experiment.load(_exp(tmp_path, target))
+    worker = Worker.load(str(target), "oracle:0.3", "cpu", "float32", experiment.load_workloads(exp),
+                         exp.fixed_engine)
+    at = vram.memory_at(worker.limits()["longest_prompt"], exp.workload.max_new_tokens)
+
+    def job(weights: str) -> Job:
+        return Job(trial=0, role="search", config={**exp.fixed_engine, "verify": "ddtree", "weights": weights},
+                   max_new_tokens=exp.workload.max_new_tokens, warmup=0, repeats=1, max_rel_mad=1.0,
+                   remeasure_if_noisy=False, memory_at=at)
+
+    alone = worker.measure(job("dequantized"))
+    assert alone.ok and alone.memory["kind"] == "measured" and alone.memory["idle_pair_bytes"] == 0
+    assert alone.memory["total"] == device_peak  # one pair: the device's peak is the config's
+    rec = worker.measure(job("native"))  # loads the native pair; the dequantized one stays, weights only
+    idle = engine.held_memory(worker._pairs["dequantized"])
+    held = sum(idle.values())
+    assert held == idle["target_weights"] > rec.memory["parts"]["target_weights"] > 0  # its weights alone
+    assert rec.ok and rec.peak_memory_bytes == device_peak  # the device's figure, as it was
+    assert rec.memory["idle_pair_bytes"] == held and rec.memory["total"] == device_peak - held
+    # a limit the config fits only without the other pair: feasible
+    limit = device_peak - held // 2
+    assert vram.over_reason(rec.memory, limit) is None and vram.over_reason(alone.memory, limit) is not None
