@@ -190,7 +190,7 @@ class Worker:
         unknown) and the longest prompt of the workloads, in tokens; and what decides which search
         dimensions matter (``autotune.dimensions``): whether the target carries recurrent state and
         whether a prompt has tools; and how the target holds its weights (:meth:`weights`: the
-        report's model line)."""
+        report's model line, and whether a native load would keep any projection in blocks)."""
         import engine
 
         cfg = getattr(self.pair.target, "cfg", None)
@@ -228,13 +228,15 @@ class Worker:
     def weights(self) -> dict[str, Any]:
         """How the pair holds its target's weights, in brief (``Pair.weight_summary`` without the
         per-tensor lists): ``mode`` (``engine.WEIGHTS``), ``formats`` (block format -> projections
-        kept in it), ``fallback`` (file type -> projections ``native`` could not keep), ``native_bytes``
-        and ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
+        kept in it), ``fallback`` (file type -> projections ``native`` could not keep),
+        ``native_projections`` (how many a native load holds in blocks, whichever form is loaded: 0
+        makes the ``weights`` dimension moot, ``autotune.dimensions``), ``native_bytes`` and
+        ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
         summary = self.pair.weight_summary()
         fallback = Counter(summary["fallback"].values())
         return {"mode": summary["mode"], "formats": dict(summary["formats"]),
-                "fallback": dict(sorted(fallback.items())), "native_bytes": int(summary["native_bytes"]),
-                "weight_bytes": int(summary["weight_bytes"])}
+                "fallback": dict(sorted(fallback.items())), "native_projections": int(summary["native_projections"]),
+                "native_bytes": int(summary["native_bytes"]), "weight_bytes": int(summary["weight_bytes"])}
 
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],

@@ -67,6 +67,7 @@ def test_each_form_is_measured_on_its_own_pair_and_exact_against_its_own_ar(tmp_
         held.setdefault(t.params["weights"], set()).add(a["memory"]["parts"]["target_weights"])
     # planned on the pair that ran it: the blocks take fewer bytes than the float weights
     assert len(held["native"]) == len(held["dequantized"]) == 1 and max(held["native"]) < min(held["dequantized"])
+    assert study.user_attrs["fixed_dimensions"] == []  # Q8_0 projections: native is another program
     report = write_report(study, tmp_path / "report")[0].read_text()
     assert "## Weights: native vs dequantized" in report and "The same config in both forms:" in report
     section = report.split("## Weights: native vs dequantized")[1].split("\n## ")[0]
@@ -75,6 +76,33 @@ def test_each_form_is_measured_on_its_own_pair_and_exact_against_its_own_ar(tmp_
     w = results.winner(study)
     assert "weights" not in doc["engine"]
     assert doc["model"]["weights"] == (w.config.get("weights") or "dequantized")
+
+
+def test_weights_are_not_searched_where_native_would_keep_nothing(tmp_path):
+    """An F16 GGUF: a native load keeps no projection in blocks, so the forms are one program; the sweep
+    fixes ``weights`` at the loaded form, says why, and never loads a second pair."""
+    from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
+
+    path = tmp_path / "f16.gguf"
+    write_gguf(path, tiny_hf("qwen3"), "qwen3", gguf.GGMLQuantizationType.F16, tokenizer=bpe_tokenizer())
+    exp = experiment.load(_exp(tmp_path, path, study={"n_trials": 4, "sampler": "grid", "pruner": "none",
+                                                      "seed": 0}))
+    loads = []
+    load = engine.load
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(engine, "load", lambda *a, **kw: loads.append(kw.get("weights")) or load(*a, **kw))
+    try:
+        opts = SweepOptions(n_trials=4, storage=parse_storage("memory"), study_name="w", tracking_uri=None,
+                            progress=False)
+        study = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO()).study
+    finally:
+        monkeypatch.undo()
+    (fixed,) = study.user_attrs["fixed_dimensions"]
+    assert fixed["name"] == "weights" and fixed["value"] == "dequantized" and "same program" in fixed["why"]
+    search = [t for t in results.completed(study) if t.user_attrs["role"] == "search"]
+    assert sorted(t.params["verify"] for t in search) == ["ar", "ddtree"]
+    assert all("weights" not in t.params and t.user_attrs["config"]["weights"] == "dequantized" for t in search)
+    assert loads == ["dequantized"]  # the one pair the experiment names
 
 
 def test_weights_searched_where_they_cannot_be_is_refused(tmp_path, target):
