@@ -153,7 +153,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
         L.append(f"| {t.number}{star} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
                  f"{_fmt(u.get(key))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
                  f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
-                 f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
+                 f"{_fmt(results.break_even_al(study, t))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
     L += ["", *_sessions(study, w), *_weights_forms(study), *_baselines(study), *_per_workload(study, w),
           *_phases(ranked[:5]), *_paths(study, w), *_memory(study, w), *_stopped(study), *_refusals(study),
@@ -555,7 +555,7 @@ def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path |
     hist = {int(k): v for k, v in t.user_attrs["al_histogram"].items()}
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(list(hist), list(hist.values()))
-    be = t.user_attrs.get("break_even_al")
+    be = results.break_even_al(study, t)
     if be:
         ax.axvline(be, color="red", linestyle="--", label=f"break-even AL {be:.2f}")
         ax.legend()

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import io
 
+import optuna
 import pytest
 import yaml
 from autotune_helpers import tiny_experiment
 
 import engine
-from autotune import experiment, export, results
+from autotune import confirm, experiment, export, measure, results
 from autotune.errors import InputError
 from autotune.report import write_report
 from autotune.storage import parse_storage
@@ -68,6 +69,22 @@ def test_each_form_is_measured_on_its_own_pair_and_exact_against_its_own_ar(tmp_
     # planned on the pair that ran it: the blocks take fewer bytes than the float weights
     assert len(held["native"]) == len(held["dequantized"]) == 1 and max(held["native"]) < min(held["dequantized"])
     assert study.user_attrs["fixed_dimensions"] == []  # Q8_0 projections: native is another program
+    # break-even AL against AR with the same weights: the native tree's against the native AR trial's
+    # (when the grid measured that AR after the tree, the reading side finds it: results.break_even_al)
+    by = {(t.params["verify"], t.params["weights"]): t for t in search}
+    native_ar, native_tree = by[("ar", "native")], by[("ddtree", "native")]
+    want = measure.break_even_al(native_tree.user_attrs["step_ms"], native_ar.user_attrs["decode_tps_median"])
+    assert results.break_even_al(study, native_tree) == pytest.approx(want, rel=1e-12)
+    told = native_tree.user_attrs
+    if native_ar.number < native_tree.number:
+        assert told["break_even_ar_trial"] == native_ar.number and told["break_even_al"] == pytest.approx(want)
+    else:
+        assert told["break_even_ar_trial"] is None and told["break_even_al"] is None
+    tree = by[("ddtree", "dequantized")].user_attrs  # the baseline's form: against the baseline
+    base = study.trials[tree["break_even_ar_trial"]]
+    assert base.user_attrs["role"] == "baseline"
+    assert tree["break_even_al"] == pytest.approx(measure.break_even_al(tree["step_ms"],
+                                                                        base.user_attrs["decode_tps_median"]))
     report = write_report(study, tmp_path / "report")[0].read_text()
     assert "## Weights: native vs dequantized" in report and "The same config in both forms:" in report
     section = report.split("## Weights: native vs dequantized")[1].split("\n## ")[0]
@@ -166,3 +183,55 @@ def test_the_other_forms_pair_is_left_out_of_a_measured_peak(tmp_path, target, m
     # a limit the config fits only without the other pair: feasible
     limit = device_peak - held // 2
     assert vram.over_reason(rec.memory, limit) is None and vram.over_reason(alone.memory, limit) is not None
+
+
+def _told(number: int, role: str, verify: str, weights: str | None, tps: float, step_ms: float, **attrs):
+    config = {"verify": verify, **({"weights": weights} if weights else {})}
+    return optuna.trial.create_trial(value=tps, user_attrs={
+        "role": role, "config": config, "worker": "w", "workload_hash": "h", "decode_tps_median": tps,
+        "step_ms": step_ms, **attrs})
+
+
+def _weights_study() -> optuna.Study:
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("model", {"weights": "dequantized"})
+    study.add_trial(_told(0, "baseline", "ar", None, 100.0, 10.0, break_even_al=None))
+    study.add_trial(_told(1, "search", "ddtree", "native", 150.0, 20.0, break_even_al=None, break_even_ar_trial=None))
+    study.add_trial(_told(2, "search", "ar", "native", 80.0, 12.5, break_even_al=1.25, break_even_ar_trial=0))
+    study.add_trial(_told(3, "search", "ddtree", "dequantized", 140.0, 20.0, break_even_al=2.0,
+                          break_even_ar_trial=0))
+    return study
+
+
+def test_break_even_uses_ar_with_the_configs_weights():
+    """A native config told before native AR was measured: its break-even AL is read against that AR
+    (not the dequantized baseline), and the confirmation picks that AR to re-measure beside it."""
+    study = _weights_study()
+    tree, _, tree_deq = (study.trials[i] for i in (1, 2, 3))
+    assert results.break_even_al(study, tree) == pytest.approx(20.0 / (1000.0 / 80.0))  # native AR's 12.5 ms/token
+    assert results.break_even_al(study, tree_deq) == 2.0  # as told, against the baseline
+    assert results.winner(study).break_even_al == pytest.approx(1.6)
+    assert [n for n, _ in confirm.picks(study, 1)] == [0, 1, 2]  # the winner's form's AR joins the baseline
+
+
+def test_the_confirmation_re_measures_each_forms_ar_for_its_break_even(tmp_path, target):
+    from autotune.worker import Record
+
+    study = _weights_study()
+    step_ms = {0: 10.0, 1: 25.0, 2: 12.5, 3: 20.0}  # the re-measurement's
+    tps = {0: 100.0, 1: 150.0, 2: 50.0, 3: 140.0}
+
+    def measure_now(job, worker):
+        return Record(trial=job.trial, role=job.role, worker="w", config=job.config,
+                      decode_tps_runs=[tps[job.trial]] * 2, step_ms=step_ms[job.trial], exact_match=1.0)
+
+    class Tracker:
+        def log_confirmation(self, conf):
+            pass
+
+    confirm.run(experiment.load(_exp(tmp_path, target)), study, measure_now, Tracker())
+    conf = study.user_attrs["confirmation"]
+    be = {c["trial"]: c["break_even_al"] for c in conf["candidates"]}
+    # the native tree against the native AR re-measured (20 ms/token), not the baseline (10 ms/token)
+    assert be == {0: None, 1: pytest.approx(25.0 / 20.0), 2: None} and conf["winner"] == 1
+    assert results.winner(study).break_even_al == pytest.approx(1.25)
