@@ -305,6 +305,11 @@ class Worker:
         self._last_pair = chosen
         return chosen
 
+    def pair_for(self, weights: str) -> Any:
+        """The pair holding the target's weights as ``weights`` (``engine.WEIGHTS``) says, loaded once as
+        a job naming that form loads it (``autotune plan`` plans each searched form on its own pair)."""
+        return self._pair_for({"weights": weights})
+
     def _idle_pair_bytes(self) -> int:
         """Bytes the pairs of the other weight forms hold (``engine.held_memory``: their weights, since a
         switch released their buffers), which a device's peak counts beside the job's pair."""

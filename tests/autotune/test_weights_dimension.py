@@ -95,9 +95,10 @@ def test_each_form_is_measured_on_its_own_pair_and_exact_against_its_own_ar(tmp_
     assert doc["model"]["weights"] == (w.config.get("weights") or "dequantized")
 
 
-def test_weights_are_not_searched_where_native_would_keep_nothing(tmp_path):
+def test_weights_are_not_searched_where_native_would_keep_nothing(tmp_path, capsys, monkeypatch):
     """An F16 GGUF: a native load keeps no projection in blocks, so the forms are one program; the sweep
-    fixes ``weights`` at the loaded form, says why, and never loads a second pair."""
+    fixes ``weights`` at the loaded form, says why, and never loads a second pair; nor does the plan."""
+    from autotune import cli
     from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
 
     path = tmp_path / "f16.gguf"
@@ -106,20 +107,19 @@ def test_weights_are_not_searched_where_native_would_keep_nothing(tmp_path):
                                                       "seed": 0}))
     loads = []
     load = engine.load
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(engine, "load", lambda *a, **kw: loads.append(kw.get("weights")) or load(*a, **kw))
-    try:
-        opts = SweepOptions(n_trials=4, storage=parse_storage("memory"), study_name="w", tracking_uri=None,
-                            progress=False)
-        study = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO()).study
-    finally:
-        monkeypatch.undo()
+    opts = SweepOptions(n_trials=4, storage=parse_storage("memory"), study_name="w", tracking_uri=None,
+                        progress=False)
+    study = run_sweep(exp, opts, experiment.load_workloads(exp), out=io.StringIO()).study
     (fixed,) = study.user_attrs["fixed_dimensions"]
     assert fixed["name"] == "weights" and fixed["value"] == "dequantized" and "same program" in fixed["why"]
     search = [t for t in results.completed(study) if t.user_attrs["role"] == "search"]
     assert sorted(t.params["verify"] for t in search) == ["ar", "ddtree"]
     assert all("weights" not in t.params and t.user_attrs["config"]["weights"] == "dequantized" for t in search)
     assert loads == ["dequantized"]  # the one pair the experiment names
+    capsys.readouterr()
+    assert cli.main(["plan", str(exp.path)]) == 0  # planned once, as the sweep measures: one form
+    assert loads == ["dequantized"] * 2 and "\nar_bytes: " in capsys.readouterr().out
 
 
 def test_weights_searched_where_they_cannot_be_is_refused(tmp_path, target):
@@ -235,3 +235,26 @@ def test_the_confirmation_re_measures_each_forms_ar_for_its_break_even(tmp_path,
     # the native tree against the native AR re-measured (20 ms/token), not the baseline (10 ms/token)
     assert be == {0: None, 1: pytest.approx(25.0 / 20.0), 2: None} and conf["winner"] == 1
     assert results.winner(study).break_even_al == pytest.approx(1.25)
+
+
+def test_autotune_plan_plans_each_searched_weight_form_on_its_own_pair(tmp_path, target, capsys):
+    from autotune import cli, vram
+
+    code = cli.main(["plan", str(_exp(tmp_path, target)), "--vram-limit", "1GiB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "weights dequantized (searched) and native (searched)" in out
+    header = next(line for line in out.splitlines() if line.startswith("| part |"))
+    assert header == ("| part | AR baseline (dequantized) | reference (dequantized) | hungriest in the space "
+                      "(dequantized) | AR baseline (native) | reference (native) | hungriest in the space (native) |")
+    summary = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line and " " not in line.split(":")[0])
+    sizes = {}
+    for form in ("dequantized", "native"):
+        pair = engine.load(str(target), "oracle:0.3", device="cpu", dtype="float32", weights=form)
+        want = engine.plan_memory(pair, engine.EngineConfig(verify="ar", weights=form), *vram.memory_at(
+            int(summary["context"]) - 8, 8))
+        assert summary[f"ar_bytes_{form}"] == str(want.total)
+        sizes[form] = want.parts["target_weights"]
+        assert summary[f"fits_{form}"] == "yes" and summary[f"largest_budget_{form}"] != "none"
+        assert f"largest tree budget that fits ({form}): " in out
+    assert sizes["native"] < sizes["dequantized"]  # the blocks: fewer bytes than the floats
+    assert "ar_bytes" not in summary and "fits" not in summary  # every key names its form
