@@ -363,7 +363,10 @@ def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
          "gate is the TPS of an ideal per-step switch between speculation and AR (an upper bound for any "
          "gating policy). An adaptive-policy trial (`policy: adaptive`) shows the budgets it chose, as "
          "budget:steps (0: plain AR steps), and its tok/s is what such a switch achieved; its AL counts its "
-         "AR steps as 1.", "", "| trial | workload | decode tok/s | AR decode tok/s | speedup | AL | break-even AL "
+         "AR steps as 1. Break-even and the gate compare with AR decoding the trial's weights: under a `weights` "
+         "search, a trial on the other form is compared with that form's AR (its trial: `break_even_ar_trial`), "
+         "while its speedup is against the baseline.", "",
+         "| trial | workload | decode tok/s | AR decode tok/s | speedup | AL | break-even AL "
          "| steps beating break-even | oracle-gate tok/s | budgets chosen (steps) |", "|" + "---|" * 10]
     for t in {t.number: t for t in shown}.values():
         for name, s in t.user_attrs.get("per_set", {}).items():
