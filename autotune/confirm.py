@@ -2,12 +2,14 @@
 winner.
 
 After the trials, the AR baseline, the reference DDTree config and the top ``confirm_top`` feasible
-configs are measured again with ``confirm_repeats`` passes on one worker (ratios measured on one
-machine, in one run). Differences within the spread are ties, broken toward the simpler config
-(``autotune.measure.choose_winner``); the result is the study's ``confirmation`` attribute, read by
-``autotune.results``, the report and MLflow (docs/measurement.md). A re-measurement that fails, or
-whose output no longer equals AR's under strict exactness, is dropped with its reason, which the
-sweep prints and the report names: without the AR baseline no speedup is confirmed.
+configs (and, for a config on another weight form than the baseline's, that form's best AR: its
+break-even AL is against AR with its weights) are measured again with ``confirm_repeats`` passes on
+one worker (ratios measured on one machine, in one run). Differences within the spread are ties,
+broken toward the simpler config (``autotune.measure.choose_winner``); the result is the study's
+``confirmation`` attribute, read by ``autotune.results``, the report and MLflow
+(docs/measurement.md). A re-measurement that fails, or whose output no longer equals AR's under
+strict exactness, is dropped with its reason, which the sweep prints and the report names: without
+the AR baseline no speedup is confirmed.
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ MeasureNow = Callable[[Job, "str | None"], Record]  # one job now, on that worke
 
 def picks(study: optuna.Study, confirm_top: int) -> list[tuple[int, dict[str, Any]]]:
     """(trial number, config) to re-measure: the best AR baseline, the best reference, then the
-    ``confirm_top`` best non-baseline trials; each config once."""
+    ``confirm_top`` best non-baseline trials, and for each weight form among them other than the
+    baseline's the best AR of that form (their break-even AL is against AR with their weights);
+    each config once."""
     out: list[tuple[int, dict[str, Any]]] = []
     seen: set[str] = set()
     ranked = results.ranked(study)
     chosen = ([t for t in ranked if st.role_of(t) == "baseline"][:1]  # speculation has to beat AR here too
               + [t for t in ranked if st.role_of(t) == "reference"][:1]
               + [t for t in ranked if st.role_of(t) != "baseline"][:confirm_top])
+    forms = sorted({_form(study, t) for t in chosen} - {st.weights_form(study, {})})  # (the baseline's: model.weights)
+    chosen += [ar for f in forms for ar in [t for t in ranked if _is_ar(t) and _form(study, t) == f][:1]]
     for t in chosen:
         cfg = t.user_attrs.get("config", {})
         key = repr(sorted(cfg.items()))
@@ -43,6 +49,14 @@ def picks(study: optuna.Study, confirm_top: int) -> list[tuple[int, dict[str, An
             seen.add(key)
             out.append((t.number, cfg))
     return out
+
+
+def _form(study: optuna.Study, t: optuna.trial.FrozenTrial) -> str:
+    return st.weights_form(study, t.user_attrs.get("config") or {})
+
+
+def _is_ar(t: optuna.trial.FrozenTrial) -> bool:
+    return (t.user_attrs.get("config") or {}).get("verify") == "ar"
 
 
 def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: Any,
@@ -93,8 +107,15 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
                                                     "dropped": dropped})
         return
     ar_tps = ar.score.median if ar else None
-    # break-even AL compares a step with AR's decode rate, whatever the objective
-    ar_decode = next((measure.median_of(r.decode_tps_runs) for c, r in cands if c is ar), None)
+    # break-even AL compares a step with AR's decode rate, whatever the objective, and with AR decoding
+    # the same weights: the baseline for its form, another form's re-measured AR for that form's configs
+    own_ar = {st.weights_form(study, c.config): (c, measure.median_of(r.decode_tps_runs))
+              for c, r in sorted(cands, key=lambda cr: cr[0] is ar) if c.config.get("verify") == "ar"}
+
+    def break_even(c: measure.Candidate, r: Record) -> float | None:
+        own, tps = own_ar.get(st.weights_form(study, c.config), (None, None))
+        return None if own is None or own is c else measure.break_even_al(r.step_ms, tps)
+
     conf = {
         "finished_trials": finished, "repeats": m.confirm_repeats, "worker": worker, "objective": exp.objective,
         "when": st._now(), "winner": win.trial, "ties": [c.trial for c in measure.ties([c for c, _ in cands])],
@@ -105,7 +126,7 @@ def run(exp: Experiment, study: optuna.Study, measure_now: MeasureNow, tracker: 
         "dropped": dropped,
         "candidates": [{"trial": c.trial, "config": c.config, "score": c.score.to_dict(),
                         "speedup_vs_ar": measure.speedup(c.score.median, ar_tps),
-                        "break_even_al": measure.break_even_al(r.step_ms, ar_decode) if c is not ar else None,
+                        "break_even_al": break_even(c, r),
                         "decode_tps_median": measure.median_of(r.decode_tps_runs),
                         "exact_match": r.exact_match} for c, r in cands],
     }

@@ -389,21 +389,31 @@ class _Driver:
                          decode_speedup_vs_ar=measure.speedup(decode, ar_tps), ttft_first_ms=rec.ttft_first_ms,
                          ttft_later_ms=rec.ttft_later_ms, cached_share_later=rec.cached_share_later,
                          turns=rec.turns, sessions_cut=rec.sessions_cut)
+        own = None  # the AR with this config's weights (break-even and the oracle gate compare with it)
         if is_base:
             key = "session_tps_median" if sessions else "decode_tps_median"
             prev_tps = base.user_attrs.get(key) if base else None
             attrs["ar_drift"] = measure.speedup(score.median, prev_tps)  # machine drift between baselines
             attrs["break_even_al"] = None  # AR has no speculative step to break even with
         else:
-            attrs["break_even_al"] = measure.break_even_al(rec.step_ms, ar_tps)
-            gate = measure.oracle_gate(rec.accept_lengths, rec.step_ms, ar_tps)
+            # speculation against plain decoding with the same weights: on the other weight form, that
+            # form's AR (a `verify: ar` trial of it), not the baseline (whose weights are model.weights)
+            form = rec.config.get("weights")
+            own = base if form in (None, self.exp.model.weights) else st.nearest_form_ar(
+                self.study, number, rec.worker, self.wl_hash, form)
+            own_tps = own.user_attrs.get("decode_tps_median") if own else None
+            attrs["break_even_ar_trial"] = own.number if own else None
+            attrs["break_even_al"] = measure.break_even_al(rec.step_ms, own_tps)
+            gate = measure.oracle_gate(rec.accept_lengths, rec.step_ms, own_tps)
             attrs["oracle_gate_fraction"] = gate.fraction_beating if gate else None
             attrs["oracle_gate_tps"] = gate.ideal_tps if gate else None
         base_sets = base.user_attrs.get("per_set", {}) if base else {}
+        own_sets = own.user_attrs.get("per_set", {}) if own else {}
         per_set = {}
         for name, s in rec.per_set.items():
             ar_set = s["decode_tps_median"] if is_base else base_sets.get(name, {}).get("decode_tps_median")
-            gate = None if is_base else measure.oracle_gate(s["accept_lengths"], s["step_ms"], ar_set)
+            gate = None if is_base else measure.oracle_gate(s["accept_lengths"], s["step_ms"],
+                                                            own_sets.get(name, {}).get("decode_tps_median"))
             per_set[name] = {k: v for k, v in s.items() if k != "accept_lengths"}
             per_set[name]["policy_ar_step_fraction"] = measure.ar_step_fraction(s.get("budget_histogram", {}))
             per_set[name].update(ar_decode_tps=ar_set, speedup_vs_ar=measure.speedup(s["decode_tps_median"], ar_set),

@@ -9,7 +9,10 @@ is needed: a 27B target plans on any machine, in the dtype it would have on the 
 the experiment names (CUDA: its captured graphs' pool included). Three configs: the AR baseline, the
 reference DDTree config, and the search space's hungriest corner (every memory-relevant choice, with the
 budget and top-k at their highest). A session experiment's plans include its prefix cache
-(``workload.prefix_cache_mb``), as its trials' do. Ends with a greppable ``key: value`` summary.
+(``workload.prefix_cache_mb``), as its trials' do. A space that searches ``weights`` has them planned
+per form, each on a pair held that way (the weights' bytes differ): a column per config and form, and
+the summary's keys per form (``ar_bytes_native``, ``fits_native``, ...). Ends with a greppable
+``key: value`` summary.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Planned:
     name: str
     config: Any  # engine.EngineConfig
     plan: Any  # engine.MemoryBreakdown
+    pair: Any = None  # the engine.Pair it was planned on (a weights search: the pair of its form)
 
 
 def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int | None,
@@ -71,8 +75,11 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     plans = _plans(exp, pair, prompt, new, worker, kw)
     limit = limit if limit is not None else exp.model.vram_limit
     most = facts.get("context") or 1 << 20
+    groups = _per_form(exp, worker, facts, plans, prompt, new, kw)
+    plans = [p for group in groups.values() for p in group]
+    weights = " and ".join(f"{f} (searched)" for f in groups if f) or exp.model.weights
     print(f"plan: {exp.name} ({exp.path})", file=out)
-    print(f"model: target {exp.model.target}, draft {exp.model.draft}, weights {exp.model.weights}; planned for "
+    print(f"model: target {exp.model.target}, draft {exp.model.draft}, weights {weights}; planned for "
           f"{kw['device']} in {dtype}", file=out)
     print(f"context: {prompt + new:,} tokens ({'--context' if context else 'longest prompt'} {prompt:,} + "
           f"max_new_tokens {new:,})", file=out)
@@ -86,24 +93,9 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
         print(f"- {p.name}: `{config_label(p.config.to_dict()) if p.config.verify != 'ar' else 'verify=ar'}` "
               f"({p.plan.loop} loop)", file=out)
     print("", file=out)
-    hungriest = plans[-1]
-    tree = next((p for p in reversed(plans) if p.config.verify == "ddtree"), None)
-    budget = longest = None
-    if limit is not None:
-        if tree is not None:
-            budget = engine.largest_budget(pair, tree.config, prompt, new, limit, **kw)
-            print(f"largest tree budget that fits: {budget if budget is not None else 'none'} (at {prompt + new:,} "
-                  f"tokens, the {tree.name}'s other settings: top_k {tree.config.top_k})", file=out)
-        fits = {p.name: engine.longest_context(pair, p.config, new, limit, most, **kw) for p in plans}
-        print("longest context that fits: " + ", ".join(
-            f"{name} {_tokens(n, most)}" for name, n in fits.items()), file=out)
-        longest = fits[hungriest.name]
-        print("", file=out)
-    summary = {"context": prompt + new, "vram_limit_bytes": limit, **{
-        f"{p.name.split()[0].lower()}_bytes": p.plan.total for p in plans},
-        "dominant": hungriest.plan.dominant,
-        "fits": None if limit is None else hungriest.plan.total <= limit,
-        "largest_budget": budget, "longest_context": longest}
+    summary: dict[str, Any] = {"context": prompt + new, "vram_limit_bytes": limit}
+    for form, group in groups.items():
+        summary.update(_fits(group, form, prompt, new, limit, most, kw, out))
     for key, value in summary.items():
         print(f"{key}: {'none' if value is None else ('yes' if value else 'no') if isinstance(value, bool) else value}",
               file=out)
@@ -127,16 +119,69 @@ def _prompt_tokens(exp: Experiment, facts: dict[str, Any], context: int | None, 
     return prompt
 
 
-def _plans(exp: Experiment, pair: Any, prompt: int, new: int, worker: Worker, kw: dict[str, Any]) -> list[Planned]:
+def _fits(plans: list[Planned], form: str | None, prompt: int, new: int, limit: int | None, most: int,
+          kw: dict[str, Any], out: TextIO) -> dict[str, Any]:
+    """Under a limit, the largest tree budget and the longest contexts that fit ``plans`` (one weight
+    form's, or every plan where ``weights`` is not searched), printed; their summary keys (suffixed
+    ``_<form>`` for a form)."""
+    import engine
+
+    hungriest = plans[-1]
+    tree = next((p for p in reversed(plans) if p.config.verify == "ddtree"), None)
+    budget = longest = None
+    if limit is not None:
+        if tree is not None:
+            budget = engine.largest_budget(tree.pair, tree.config, prompt, new, limit, **kw)
+            print(f"largest tree budget that fits{f' ({form})' if form else ''}: "
+                  f"{budget if budget is not None else 'none'} (at {prompt + new:,} "
+                  f"tokens, the {tree.name}'s other settings: top_k {tree.config.top_k})", file=out)
+        fits = {p.name: engine.longest_context(p.pair, p.config, new, limit, most, **kw) for p in plans}
+        print("longest context that fits: " + ", ".join(
+            f"{name} {_tokens(n, most)}" for name, n in fits.items()), file=out)
+        longest = fits[hungriest.name]
+        print("", file=out)
+    tail = f"_{form}" if form else ""
+    return {**{f"{p.name.split()[0].lower()}_bytes{tail}": p.plan.total for p in plans},
+            f"dominant{tail}": hungriest.plan.dominant,
+            f"fits{tail}": None if limit is None else hungriest.plan.total <= limit,
+            f"largest_budget{tail}": budget, f"longest_context{tail}": longest}
+
+
+def _per_form(exp: Experiment, worker: Worker, facts: dict[str, Any], plans: list[Planned], prompt: int, new: int,
+              kw: dict[str, Any]) -> dict[str | None, list[Planned]]:
+    """``plans`` (the loaded pair's) by weight form: ``{None: plans}`` unless the space searches
+    ``weights`` where it matters (``autotune.dimensions``: a native load keeps some projection in its
+    blocks); then each form's, the loaded one's named for it and the other planned on a pair held that
+    way (``Worker.pair_for``: loaded as a sweep's worker loads it)."""
+    from autotune import dimensions
+
+    param = next((p for p in exp.space.params if p.name == "weights"), None)
+    moot = dimensions.irrelevant(exp.space, dimensions.facts_from({"weights": facts.get("weights")}), exp.fixed_engine)
+    if param is None or any(f.name == "weights" for f in moot):
+        return {None: plans}
+    loaded = exp.model.weights
+    out: dict[str | None, list[Planned]] = {}
+    for form in param.choices:
+        out[form] = [Planned(f"{p.name} ({form})", p.config.replace(weights=form), p.plan, p.pair) for p in plans] \
+            if form == loaded else _plans(exp, worker.pair_for(form), prompt, new, worker, kw, form)
+    return out
+
+
+def _plans(exp: Experiment, pair: Any, prompt: int, new: int, worker: Worker, kw: dict[str, Any],
+           form: str | None = None) -> list[Planned]:
     """The AR baseline's, the reference's and the space's hungriest config's plans (the two
-    speculative ones only with a draft)."""
+    speculative ones only with a draft); ``form``: on the pair holding that weight form, each config
+    naming it."""
     from engine import EngineConfig, EngineInputError, plan_memory
 
     tools = worker.limits()["tools"]
 
     def planned(name: str, values: dict[str, Any]) -> Planned:
+        if form is not None:
+            name, values = f"{name} ({form})", {**values, "weights": form}
         cfg = EngineConfig.from_dict(values, source=name)
-        return Planned(name, cfg, plan_memory(pair, cfg, prompt, new, constrained=tools and cfg.grammar != "off", **kw))
+        return Planned(name, cfg, plan_memory(pair, cfg, prompt, new, constrained=tools and cfg.grammar != "off", **kw),
+                       pair)
 
     fixed = exp.fixed_engine
     out = [planned("AR baseline", {**fixed, "verify": "ar"})]

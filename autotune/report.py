@@ -153,7 +153,7 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
         L.append(f"| {t.number}{star} | {role_of(t)} | {results.path_of(u.get('config', {}))} | "
                  f"{_fmt(u.get(key))} ± {_fmt(u.get('spread'))} | {_fmt(t.value)} | "
                  f"{_fmt(u.get('speedup_vs_ar'))} | {base} | {_fmt(u.get('acceptance_length'))} | "
-                 f"{_fmt(u.get('break_even_al'))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
+                 f"{_fmt(results.break_even_al(study, t))} | {_fmt(u.get('exact_match'))} | {_fmt(u.get('noisy'))} | "
                  f"`{_cfg_short(u.get('config', {}))}` |")
     L += ["", *_sessions(study, w), *_weights_forms(study), *_baselines(study), *_per_workload(study, w),
           *_phases(ranked[:5]), *_paths(study, w), *_memory(study, w), *_stopped(study), *_refusals(study),
@@ -363,7 +363,10 @@ def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
          "gate is the TPS of an ideal per-step switch between speculation and AR (an upper bound for any "
          "gating policy). An adaptive-policy trial (`policy: adaptive`) shows the budgets it chose, as "
          "budget:steps (0: plain AR steps), and its tok/s is what such a switch achieved; its AL counts its "
-         "AR steps as 1.", "", "| trial | workload | decode tok/s | AR decode tok/s | speedup | AL | break-even AL "
+         "AR steps as 1. Break-even and the gate compare with AR decoding the trial's weights: under a `weights` "
+         "search, a trial on the other form is compared with that form's AR (its trial: `break_even_ar_trial`), "
+         "while its speedup is against the baseline.", "",
+         "| trial | workload | decode tok/s | AR decode tok/s | speedup | AL | break-even AL "
          "| steps beating break-even | oracle-gate tok/s | budgets chosen (steps) |", "|" + "---|" * 10]
     for t in {t.number: t for t in shown}.values():
         for name, s in t.user_attrs.get("per_set", {}).items():
@@ -439,7 +442,9 @@ def _memory(study: optuna.Study, w: results.Winner | None) -> list[str]:
         m = recorded[w.trial].user_attrs["memory"]
         parts = ", ".join(f"{k} {vram_size(v)}" for k, v in sorted(m["parts"].items(), key=lambda kv: -kv[1]) if v)
         plan = f"; planned {vram_size(m['planned_total'])}" if m.get("planned_total") else ""
-        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).", ""]
+        idle = (f" The worker also held the other weight form's pair ({vram_size(m['idle_pair_bytes'])}), left "
+                "out of this peak.") if m.get("idle_pair_bytes") else ""
+        L += [f"Winner (trial {w.trial}): {m['kind']} peak **{vram_size(m['total'])}**{plan} ({parts}).{idle}", ""]
     over = results.over_vram(study)
     if over:
         L += [f"**{len(over)} trial(s) over the limit**: infeasible, never the winner; one over it by its plan was "
@@ -553,7 +558,7 @@ def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path |
     hist = {int(k): v for k, v in t.user_attrs["al_histogram"].items()}
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(list(hist), list(hist.values()))
-    be = t.user_attrs.get("break_even_al")
+    be = results.break_even_al(study, t)
     if be:
         ax.axvline(be, color="red", linestyle="--", label=f"break-even AL {be:.2f}")
         ax.legend()

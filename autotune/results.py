@@ -15,7 +15,15 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune import measure
 from autotune.dimensions import describe as describe_fixed
-from autotune.study import FINISHED, baseline_reuse, baseline_reuses, counts_toward_budget, role_of
+from autotune.study import (
+    FINISHED,
+    baseline_reuse,
+    baseline_reuses,
+    counts_toward_budget,
+    nearest_form_ar,
+    role_of,
+    weights_form,
+)
 
 
 def objective(study: optuna.Study) -> str:
@@ -181,6 +189,18 @@ class Winner:
         return asdict(self)
 
 
+def break_even_al(study: optuna.Study, t: FrozenTrial) -> float | None:
+    """``t``'s break-even AL against AR with its own weights: as the driver recorded it, or for a
+    config on the other weight form told before any AR of that form was measured (a grid meets them in
+    any order), against the nearest AR of its form measured since (``study.nearest_form_ar``)."""
+    a = t.user_attrs
+    config = a.get("config") or {}
+    if a.get("break_even_al") is not None or role_of(t) == "baseline" or "break_even_ar_trial" not in a:
+        return a.get("break_even_al")  # (a study told before the key: as it was recorded)
+    own = nearest_form_ar(study, t.number, a.get("worker"), a.get("workload_hash"), weights_form(study, config))
+    return measure.break_even_al(a.get("step_ms") or 0.0, own.user_attrs["decode_tps_median"] if own else None)
+
+
 def winner(study: optuna.Study) -> Winner | None:
     conf = study.user_attrs.get("confirmation")
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
@@ -192,7 +212,9 @@ def winner(study: optuna.Study) -> Winner | None:
             median_tps=cand["score"]["median"], spread=cand["score"]["spread"], value=cand["score"]["value"],
             speedup_vs_ar=cand.get("speedup_vs_ar"), ar_median_tps=conf.get("ar_median_tps"),
             positive_vs_ar=conf.get("positive_vs_ar"), positive_vs_reference=conf.get("positive_vs_reference"),
-            acceptance_length=t.user_attrs.get("acceptance_length"), break_even_al=cand.get("break_even_al"),
+            acceptance_length=t.user_attrs.get("acceptance_length"),
+            # re-measured beside the AR of its weights, else as the trial measured it
+            break_even_al=cand["break_even_al"] if cand.get("break_even_al") is not None else break_even_al(study, t),
             exact_match=cand.get("exact_match"), device=t.user_attrs.get("device", ""),
             workload_hash=t.user_attrs.get("workload_hash", ""), objective=objective(study),
             decode_tps=cand.get("decode_tps_median", t.user_attrs.get("decode_tps_median")),
@@ -208,7 +230,7 @@ def winner(study: optuna.Study) -> Winner | None:
         median_tps=a.get(median_key(study), 0.0), spread=a.get("spread", 0.0), value=t.value or 0.0,
         speedup_vs_ar=a.get("speedup_vs_ar"), ar_median_tps=a.get(f"ar_{objective(study)}"), positive_vs_ar=None,
         positive_vs_reference=None, acceptance_length=a.get("acceptance_length"),
-        break_even_al=a.get("break_even_al"), exact_match=a.get("exact_match"), device=a.get("device", ""),
+        break_even_al=break_even_al(study, t), exact_match=a.get("exact_match"), device=a.get("device", ""),
         workload_hash=a.get("workload_hash", ""), drift=ar_drift(study), objective=objective(study),
         decode_tps=a.get("decode_tps_median"),
     )

@@ -325,6 +325,26 @@ def nearest_baseline(study: optuna.Study, number: int, worker: str, workload_has
     return min(candidates, key=lambda t: (abs(t.number - number), -t.number), default=None)
 
 
+def weights_form(study: optuna.Study, config: dict[str, Any]) -> str:
+    """The weight form ``config`` decodes with (``EngineConfig.weights``; unnamed: the pair's,
+    ``model.weights``)."""
+    return config.get("weights") or (study.user_attrs.get("model") or {}).get("weights") or "dequantized"
+
+
+def nearest_form_ar(study: optuna.Study, number: int, worker: str | None, workload_hash: str | None,
+                    form: str) -> FrozenTrial | None:
+    """AR decoded on the weight form ``form`` (a ``verify: ar`` config of a study searching ``weights``,
+    where ``form`` is not the baseline's): the measured one nearest in trial order on the same worker
+    and prompt set, ``number`` itself excluded; None where there is none yet."""
+    candidates = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                  if t.number != number and t.user_attrs.get("worker") == worker
+                  and t.user_attrs.get("workload_hash") == workload_hash
+                  and t.user_attrs.get("decode_tps_median") is not None
+                  and (t.user_attrs.get("config") or {}).get("verify") == "ar"
+                  and weights_form(study, t.user_attrs["config"]) == form]
+    return min(candidates, key=lambda t: (abs(t.number - number), -t.number), default=None)
+
+
 class Heartbeat:
     """Writes ``heartbeat`` on a RUNNING trial every ``HEARTBEAT_S`` so drivers on other hosts can
     tell a long trial from a dead one. The driver process stays the only writer."""

@@ -129,9 +129,10 @@ class Record:
     divergence_verdicts: dict[str, int] = field(default_factory=dict)
     per_prompt_tps: list[float] = field(default_factory=list)
     per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # the passes' peak as the device saw it (every pair the worker holds)
     # engine.MemoryBreakdown.to_dict() at the job's memory_at: measured on CUDA (with the plan's
-    # "planned_total"), else planned; over_vram:
+    # "planned_total", and "idle_pair_bytes": the other weight form's pair, in the device's peak,
+    # left out of this config's), else planned; over_vram:
     # why its plan is over the job's vram_limit (nothing measured; the driver records it infeasible)
     memory: dict[str, Any] = field(default_factory=dict)
     over_vram: str | None = None
@@ -190,7 +191,7 @@ class Worker:
         unknown) and the longest prompt of the workloads, in tokens; and what decides which search
         dimensions matter (``autotune.dimensions``): whether the target carries recurrent state and
         whether a prompt has tools; and how the target holds its weights (:meth:`weights`: the
-        report's model line)."""
+        report's model line, and whether a native load would keep any projection in blocks)."""
         import engine
 
         cfg = getattr(self.pair.target, "cfg", None)
@@ -232,13 +233,15 @@ class Worker:
     def weights(self) -> dict[str, Any]:
         """How the pair holds its target's weights, in brief (``Pair.weight_summary`` without the
         per-tensor lists): ``mode`` (``engine.WEIGHTS``), ``formats`` (block format -> projections
-        kept in it), ``fallback`` (file type -> projections ``native`` could not keep), ``native_bytes``
-        and ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
+        kept in it), ``fallback`` (file type -> projections ``native`` could not keep),
+        ``native_projections`` (how many a native load holds in blocks, whichever form is loaded: 0
+        makes the ``weights`` dimension moot, ``autotune.dimensions``), ``native_bytes`` and
+        ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
         summary = self.pair.weight_summary()
         fallback = Counter(summary["fallback"].values())
         return {"mode": summary["mode"], "formats": dict(summary["formats"]),
-                "fallback": dict(sorted(fallback.items())), "native_bytes": int(summary["native_bytes"]),
-                "weight_bytes": int(summary["weight_bytes"])}
+                "fallback": dict(sorted(fallback.items())), "native_projections": int(summary["native_projections"]),
+                "native_bytes": int(summary["native_bytes"]), "weight_bytes": int(summary["weight_bytes"])}
 
     @classmethod
     def load(cls, target: str, draft: str, device: str, dtype: str, workloads: Sequence[Any],
@@ -291,7 +294,8 @@ class Worker:
         """The pair holding the target's weights as ``config`` names them (``EngineConfig.weights``;
         None: the loaded pair). The other form is loaded on first use and kept: a study searching
         ``weights`` holds both pairs' weights (docs/measurement.md). A switch releases the buffers
-        and graph pools of the pair the last job ran on, so that only its weights stay in the peak."""
+        and graph pools of the pair the last job ran on, so that only its weights stay on the device,
+        and a measured peak leaves them out (``_idle_pair_bytes``)."""
         import engine
 
         want = config.get("weights")
@@ -305,6 +309,18 @@ class Worker:
             self._reserved = None
         self._last_pair = chosen
         return chosen
+
+    def pair_for(self, weights: str) -> Any:
+        """The pair holding the target's weights as ``weights`` (``engine.WEIGHTS``) says, loaded once as
+        a job naming that form loads it (``autotune plan`` plans each searched form on its own pair)."""
+        return self._pair_for({"weights": weights})
+
+    def _idle_pair_bytes(self) -> int:
+        """Bytes the pairs of the other weight forms hold (``engine.held_memory``: their weights, since a
+        switch released their buffers), which a device's peak counts beside the job's pair."""
+        import engine
+
+        return sum(sum(engine.held_memory(p).values()) for p in self._pairs.values() if p is not self.pair)
 
     def _reference_key(self, max_new_tokens: int, cfg: Any, prefix_cache_mb: float) -> tuple[Any, ...]:
         """What AR's outputs depend on here: the length, a rung's slice, the loop and kernels, and for
@@ -447,10 +463,14 @@ class Worker:
                 passes += [self._pass(cfg, job.max_new_tokens, f"noisy, pass {job.repeats + i + 1}/{2 * job.repeats}")
                            for i in range(job.repeats)]
         diverged = self._fill(rec, passes, reference)
-        if at is not None and str(self.pair.device).startswith("cuda"):  # before forensics add graphs
-            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes, constrained,
+        if at is not None and _peak_is_allocated(self.pair.device):  # before forensics add graphs
+            # the other weight form's pair, held for its own configs, is in the device's peak but not in
+            # this config's: left out of the breakdown and the verdict, and said (idle_pair_bytes)
+            idle = self._idle_pair_bytes()
+            measured = engine.measure_memory(self.pair, cfg, *at, rec.peak_memory_bytes - idle, constrained,
                                              prefix_cache_held=max(r.prefix_cache_bytes for p in passes for r in p))
-            rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"]}  # the plan, to compare
+            rec.memory = {**measured.to_dict(), "planned_total": rec.memory["total"],  # the plan, to compare
+                          "idle_pair_bytes": idle}
         if not rec.pruned and job.rung is None:  # a pruned trial records no exactness (sweep.tell); a rung
             # is cheap on purpose: the full measurement diagnoses its divergences
             self._diagnose(rec, cfg, reference, diverged)
@@ -605,6 +625,13 @@ def device_unusable(exc: BaseException) -> bool:
     """Whether an engine error leaves the accelerator in a state no later trial can trust."""
     text = f"{type(exc).__name__}: {exc}"
     return type(exc).__name__ == "AcceleratorError" or any(m.lower() in text.lower() for m in _DEVICE_FATAL)
+
+
+def _peak_is_allocated(device: str) -> bool:
+    """Whether a pass's peak (``BenchResult.peak_memory_bytes``) is the device allocator's
+    (``torch.cuda.max_memory_allocated``), the measured breakdown's source; elsewhere it is the
+    process's resident set, and the plan stands."""
+    return str(device).startswith("cuda")
 
 
 def _free_device_memory(device: str) -> None:

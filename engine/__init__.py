@@ -31,6 +31,7 @@ from engine.files import MAX_WORKLOAD_BYTES, FileRefused, parse_json, preview, r
 from engine.memory import (
     MEMORY_PARTS,
     MemoryBreakdown,
+    held_memory,
     largest_budget,
     longest_context,
     measure_memory,
@@ -70,6 +71,7 @@ __all__ = [
     "diagnose",
     "first_divergence",
     "generate",
+    "held_memory",
     "largest_budget",
     "load",
     "load_sessions",

@@ -272,7 +272,10 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
     checkpoint name -> its type in the file, of each tensor held as floats (names and types from the
     loader's ``weight_types``: GGUF targets only); ``fallback``: those of them that were quantized in
     the file and are not the embedding, i.e. what ``native`` asked for and could not keep (a type
-    with no native form here); ``native_bytes`` and ``weight_bytes`` (all stored weights)."""
+    with no native form here); ``native_projections``: how many projections a native load of the file
+    holds in their blocks (loaded native: ``native``'s; loaded dequantized: those it would, by
+    :func:`would_keep`), where 0 means the two forms hold the same float weights; ``native_bytes`` and
+    ``weight_bytes`` (all stored weights)."""
     native: dict[str, str] = {}
     native_bytes = 0
     for owner, module in model.named_modules():
@@ -291,5 +294,31 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
     formats: dict[str, int] = {}
     for kind in native.values():
         formats[kind] = formats.get(kind, 0) + 1
+    kept = len(native) if mode == "native" else len(would_keep(model, types))
     return {"mode": mode, "native": native, "formats": formats, "dequantized": dequantized, "fallback": fallback,
-            "native_bytes": native_bytes, "weight_bytes": weight_bytes(model)}
+            "native_projections": kept, "native_bytes": native_bytes, "weight_bytes": weight_bytes(model)}
+
+
+def would_keep(model: nn.Module, types: dict[str, str]) -> dict[str, str]:
+    """Of ``model``'s weights loaded as floats (``types``: checkpoint name -> its type in the file), those
+    a native load would keep in their blocks (name -> format), as ``gguf_loading`` chooses them: a
+    projection's weight (a linear layer's, or a part of a fused group) of a type with a native form
+    here (``FORMATS``). The embedding, norms, conv and float or fallback types stay floats either way."""
+    out = {}
+    for name, kind in types.items():
+        if kind in FORMATS and name.endswith(".weight") and _is_projection(model, name.removesuffix(".weight")):
+            out[name] = kind
+    return out
+
+
+def _is_projection(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a linear projection of ``model``: an ``nn.Linear`` there, or a part of a
+    fused group its owner has stacked (``FUSED``: after ``fuse_projections_`` the part has no module)."""
+    owner, _, attr = path.rpartition(".")
+    try:
+        parent = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    if attr in parent._modules:
+        return isinstance(parent._modules[attr], nn.Linear)
+    return any(attr in parts and group in parent._modules for group, parts in getattr(parent, "FUSED", {}).items())

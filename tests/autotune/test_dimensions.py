@@ -13,7 +13,7 @@ from autotune_helpers import TINY_SPACE, tiny_experiment
 
 from autotune import experiment
 from autotune import study as st
-from autotune.dimensions import Facts, FixedDimension, irrelevant
+from autotune.dimensions import Facts, FixedDimension, facts_from, irrelevant
 from autotune.report import write_report
 from autotune.space import load_space
 from autotune.storage import parse_storage
@@ -45,6 +45,21 @@ def test_the_facts_decide_which_dimensions_are_fixed(tmp_path):
     assert irrelevant(space, Facts(), {}) == ()  # unknown facts fix nothing
     # the baseline's grammar (the experiment's fixed value) is the one a fixed grammar takes
     assert irrelevant(space, Facts(tools=False), {"grammar": "commit"})[0].value == "commit"
+
+
+def test_weights_are_fixed_where_a_native_load_would_keep_no_projection(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"weights": {"type": "categorical", "choices": ["native", "dequantized"]},
+                                    "verify": {"type": "categorical", "choices": ["ar", "ddtree"]}}))
+    space = load_space(path)
+    # what Worker.limits() reports of a dequantized F16 GGUF: native would keep nothing
+    described = {"device": "cuda:0", "weights": {"mode": "dequantized", "native_projections": 0}}
+    (fixed,) = irrelevant(space, facts_from(described), {})
+    # at the form the workers loaded (not the space's first choice: no second pair for nothing)
+    assert (fixed.name, fixed.value) == ("weights", "dequantized") and "same program" in fixed.why
+    quantized = {"device": "cuda:0", "weights": {"mode": "dequantized", "native_projections": 15}}
+    assert irrelevant(space, facts_from(quantized), {}) == ()
+    assert irrelevant(space, facts_from({"device": "cuda:0", "weights": {"mode": "dequantized"}}), {}) == ()  # unknown
 
 
 def test_a_fixed_dimension_resolves_the_conditions_on_it(tmp_path):

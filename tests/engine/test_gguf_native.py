@@ -67,6 +67,9 @@ def test_native_decodes_as_its_dequantized_twin(case, tmp_path):
     summary, twin_summary = native.weight_summary(), twin.weight_summary()
     assert summary["mode"] == "native" and summary["formats"] == CASES[case][4]
     assert twin_summary["native"] == {} and twin_summary["native_bytes"] == 0
+    # what a native load keeps, known from either form (the weights dimension's rule: autotune.dimensions)
+    assert summary["native_projections"] == twin_summary["native_projections"] == len(summary["native"]) \
+        == sum(CASES[case][4].values())
     state = unfused_state_dict(twin.target)
     float_bytes = sum(state[name].numel() * 4 for name in summary["native"])
     assert summary["weight_bytes"] == twin_summary["weight_bytes"] - float_bytes + summary["native_bytes"]
@@ -74,6 +77,18 @@ def test_native_decodes_as_its_dequantized_twin(case, tmp_path):
     assert summary["dequantized"]["embed_tokens.weight"] == CASES[case][1].name  # gathered, not multiplied
     assert summary["dequantized"]["layers.0.input_layernorm.weight"] == "F32"
     assert set(summary["native"]) | set(summary["dequantized"]) == set(native.target.weight_types)
+
+
+def test_a_file_of_floats_keeps_no_projection_native(tmp_path):
+    """An F16 GGUF (every type a float, none with a block form) loads native as it loads dequantized:
+    both forms say so before the other is loaded (``native_projections`` 0)."""
+    path = tmp_path / "f16.gguf"
+    write_gguf(path, tiny_hf("qwen3"), "qwen3", Q.F16, tokenizer=bpe_tokenizer())
+    native, twin = _pairs(str(path))
+    for pair in (native, twin):
+        summary = pair.weight_summary()
+        assert summary["native_projections"] == 0 and summary["native"] == {} and summary["fallback"] == {}
+        assert summary["dequantized"]["layers.0.mlp.down_proj.weight"] == "F16"
 
 
 def test_q4_k_m_fuses_what_shares_a_format_and_keeps_the_rest_apart(tmp_path):
