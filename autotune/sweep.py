@@ -62,9 +62,11 @@ class SweepOutcome:
 
 
 def run_sweep(exp: Experiment, opts: SweepOptions, workloads: list[Any], *, executor: Executor | None = None,
-              out: TextIO = sys.stdout) -> SweepOutcome:
+              out: TextIO | None = None) -> SweepOutcome:
     """Run (or resume) a sweep. The inputs were validated by the caller; the model pair is loaded
-    before the storage and MLflow are opened, so a model that fails to load leaves no files behind."""
+    before the storage and MLflow are opened, so a model that fails to load leaves no files behind.
+    ``out``: where its lines go (default: ``sys.stdout`` as it is at the call, not at import)."""
+    out = out if out is not None else sys.stdout
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     done = _already_done(exp, opts)
     if done is not None:  # nothing left to measure: do not load (possibly huge) models for nothing
