@@ -116,8 +116,11 @@ def trial_metrics(t: FrozenTrial) -> dict[str, float]:
         metrics[f"verdict.{verdict.replace(' ', '_')}"] = n
     for budget, n in (a.get("budget_histogram") or {}).items():  # the adaptive policy's steps per budget
         metrics[f"budget_steps.{budget}"] = n
-    for part, n in ((a.get("memory") or {}).get("parts") or {}).items():  # the peak per part (engine.memory)
+    memory = a.get("memory") or {}
+    for part, n in (memory.get("parts") or {}).items():  # the peak per part (engine.memory)
         metrics[f"memory.{part}"] = n
+    if memory.get("idle_pair_bytes"):  # a weights search: the other form's pair, left out of that peak
+        metrics["memory.idle_pair_bytes"] = memory["idle_pair_bytes"]
     return metrics
 
 

@@ -258,3 +258,24 @@ def test_autotune_plan_plans_each_searched_weight_form_on_its_own_pair(tmp_path,
         assert f"largest tree budget that fits ({form}): " in out
     assert sizes["native"] < sizes["dequantized"]  # the blocks: fewer bytes than the floats
     assert "ar_bytes" not in summary and "fits" not in summary  # every key names its form
+
+
+def test_the_idle_pair_left_out_of_a_peak_is_logged_and_reported():
+    """What a weights search's worker held beside the winner's pair reaches MLflow and the report."""
+    from types import SimpleNamespace
+
+    from autotune.report import _memory
+    from autotune.tracking import trial_metrics
+
+    memory = {"kind": "measured", "total": 3 << 20, "dominant": "target_weights", "idle_pair_bytes": 5 << 20,
+              "parts": {"target_weights": 2 << 20, "activations": 1 << 20}, "planned_total": 3 << 20}
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(_told(0, "search", "ddtree", "native", 150.0, 20.0, memory=memory))
+    trial = study.trials[0]
+    assert trial_metrics(trial)["memory.idle_pair_bytes"] == 5 << 20
+    text = "\n".join(_memory(study, SimpleNamespace(trial=0)))
+    assert "other weight form's pair (5.0 MiB), left out of this peak" in text
+    alone = optuna.create_study(direction="maximize")
+    alone.add_trial(_told(0, "search", "ddtree", None, 150.0, 20.0, memory={**memory, "idle_pair_bytes": 0}))
+    assert "memory.idle_pair_bytes" not in trial_metrics(alone.trials[0])
+    assert "other weight form" not in "\n".join(_memory(alone, SimpleNamespace(trial=0)))
