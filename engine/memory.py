@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
+from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding import runtime
 from engine.decoding.decode import verify_shape, workspace_length
 from engine.decoding.drafters import DFlashDrafter, OracleDrafter
@@ -117,8 +118,8 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     parts["prefix_cache"] = _planned_prefix_cache(pair.target, prompt_tokens, new_tokens, feature_width, dt,
                                                   prefix_cache_bytes)
     loop = _loop(pair, config, dev, constrained)
-    prefill = _forward_bytes(pair.target, prompt_tokens, prompt_tokens, size, 1, feature_width, True,
-                             dev.type == "cuda")
+    prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
+                             prefix_cache_bytes > 0)
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
         parts["graph_pools"], parts["activations"] = step, prefill
@@ -418,6 +419,18 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     if blocks:
         total += max(m.out_features * m.in_features for m in blocks) * (4 + size)
     return total
+
+
+def _prefill_bytes(model: nn.Module, prompt_tokens: int, size: int, feature_width: int, cuda: bool,
+                   chunked: bool) -> int:
+    """The prompt's prefill transient (``loop.prefill``): one masked forward of the whole prompt, or,
+    past ``PREFILL_CHUNK`` tokens or through a prefix cache (``chunked``), ``prefill_rows`` at a time
+    in the decode steps' form, its largest the last chunk's rows over every key (on CUDA the step
+    kernel's float32 partials; elsewhere the PyTorch form's masked SDPA, as a whole prefill's)."""
+    if prompt_tokens <= prefix_cache_mod.PREFILL_CHUNK and not chunked:
+        return _forward_bytes(model, prompt_tokens, prompt_tokens, size, 1, feature_width, True, cuda)
+    rows = min(prompt_tokens, prefix_cache_mod.prefill_rows(model, prompt_tokens, prefix_cache_mod.PREFILL_CHUNK))
+    return _forward_bytes(model, rows, prompt_tokens, size, 1, feature_width, not cuda, cuda)
 
 
 def _step_bytes(pair, config: EngineConfig, context: int, length: int, n_verify: int, size: int,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
+from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding import tree_kernel
 from engine.decoding.grammar import GrammarState, mask_logits
 from engine.decoding.prefix_cache import PrefixCache
@@ -190,11 +191,20 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
     """The prompt's forward: its K/V (and draft features) cached, ``seq`` holding the prompt and
     the first new token, which is returned. ``constrain`` masks the last logits (a grammar).
     ``prefix_cache``: the longest cached prefix reused, the rest forwarded in the decode steps' form
-    (``PrefixCache.prefill``)."""
+    (``PrefixCache.prefill``). Without one, a prompt of more than ``PREFILL_CHUNK`` tokens is forwarded
+    the same way, ``prefill_rows`` at a time: a whole-prompt forward's mask and attention scores grow
+    with the prompt's square (the plan's prefill transient at 32k tokens on the Qwen3.5-27B shape:
+    8.8 GiB), a chunk's stay within ``PREFILL_TRANSIENT_BYTES``; and a long prompt's K/V, features and
+    state carry the bits a cold prefix cache's prefill gives them."""
     n, seq = len(prompt), ws.seq
     seq[:n] = torch.tensor(prompt, device=seq.device)
     if prefix_cache is not None:
         logits = prefix_cache.prefill(pair.target, ws, prompt, feature_layers)
+    elif n > prefix_cache_mod.PREFILL_CHUNK:
+        logits = prefix_cache_mod.prefill_as_steps(pair.target, ws, 0, n,
+                                                   feature_layers if ws.features is not None else (),
+                                                   prefix_cache_mod.prefill_rows(pair.target, n,
+                                                                                 prefix_cache_mod.PREFILL_CHUNK))
     else:
         logits, f = pair.target(seq[:n], ws.cache, 0, feature_layers=feature_layers, last_only=True)
         if ws.features is not None and f is not None:

@@ -30,17 +30,69 @@ bits, as a speculative step's rows may from an AR step's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from engine.models import fused
+from engine.models.attention import SPLIT_KEYS
 
 # the server's budget unless told (--prefix-cache-mb), and a session workload's (autotune's
 # workload.prefix_cache_mb): llama-server's cache_prompt is on by default too
 DEFAULT_PREFIX_CACHE_MB = 1024
-PREFILL_CHUNK = 512  # rows per prefill forward; <= linear.MAX_ROWS, where the row-invariant kernel stops
+PREFILL_CHUNK = 512  # rows per prefill forward at most; <= linear.MAX_ROWS, where the row-invariant kernel stops
+# A chunk's attention transient at most (``prefill_rows``): the step kernel reduces every key span
+# apart (float32 partials per span, row and head), so a chunk's transient grows with its rows times
+# the keys before it; at 32k tokens on the Qwen3.5-27B shape 512 rows would hold 3 GiB
+PREFILL_TRANSIENT_BYTES = 512 << 20
+MIN_PREFILL_ROWS = 16
+
+
+def prefill_rows(target, keys: int, most: int = PREFILL_CHUNK) -> int:
+    """Rows per prefill chunk whose forward reaches ``keys`` keys: at most ``most``, fewer where a
+    chunk's attention transient (the step kernel's float32 partials, ``(head_dim + 2) / SPLIT_KEYS``
+    per key, row and head; or the PyTorch form's mask and float32 scores) would pass
+    ``PREFILL_TRANSIENT_BYTES``; a power of two, so that the chunks of a shorter prompt nest in a
+    longer one's. SmolLM2's 8k context keeps 512; the 27B shape takes 256 rows at 8k, 64 at 32k."""
+    cfg = target.cfg
+    head_dim = getattr(cfg, "dim_per_head", None) or cfg.head_dim
+    per_row = max(int(keys), 1) * (1 + cfg.num_attention_heads * 4 * max(1.0, (head_dim + 2) / SPLIT_KEYS))
+    rows = int(PREFILL_TRANSIENT_BYTES // per_row)
+    rows = 1 << max(rows, 1).bit_length() - 1  # a power of two at most that
+    return max(min(rows, most), min(MIN_PREFILL_ROWS, most))
+
+
+def prefill_spans(start: int, n: int, chunk: int = PREFILL_CHUNK, also: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The forwards of a prefill in the decode steps' form from ``start`` to ``n``: chunks ending at
+    multiples of ``chunk`` (so a position's chunk is the same wherever a prefill of it started), and
+    at each boundary in ``also`` that falls inside."""
+    ends = set(range((start // chunk + 1) * chunk, n, chunk)) | {n} | {e for e in also if start < e < n}
+    spans, s = [], start
+    for e in sorted(ends):
+        spans.append((s, e))
+        s = e
+    return spans
+
+
+def prefill_as_steps(target, ws, start: int, n: int, feature_layers: Sequence[int], chunk: int = PREFILL_CHUNK,
+                     at_end: Callable[[int], None] | None = None) -> Tensor:
+    """Forward ``ws.seq[start:n]`` in the decode steps' form, span by span (``prefill_spans`` of
+    ``chunk`` rows; on a recurrent target one more boundary at ``n - 1``, where a prefix cache keeps
+    the prompt's state, so that a prefill takes the same forwards with a cache or without),
+    ``at_end(e)`` after each span, the draft's features written to ``ws.features`` where
+    ``feature_layers`` asks for them. Each forward holds a chunk's transients, not the prompt's: a
+    long prompt's prefill needs a chunk's rows over its keys, not the prompt's square. Returns the
+    last position's logits [1, V]."""
+    also = (n - 1,) if getattr(target, "has_recurrent", False) else ()
+    logits = None
+    for s, e in prefill_spans(start, n, chunk, also):
+        logits, f = target(ws.seq[s:e], ws.cache, s, feature_layers=feature_layers, last_only=True, as_steps=True)
+        if feature_layers:
+            ws.features[s:e] = f
+        if at_end is not None:
+            at_end(e)
+    return logits
 
 
 @dataclass(eq=False)
@@ -127,14 +179,14 @@ class PrefixCache:
         self.prompt_tokens += n
         self.cached_tokens += hit
         state = None
-        logits = None
-        for s, e in self._spans(hit, n, recurrent):
-            logits, f = target(ws.seq[s:e], cache, s, feature_layers=feature_layers if features else (),
-                               last_only=True, as_steps=True)
-            if features:
-                ws.features[s:e] = f
+
+        def checkpoint(e: int) -> None:
+            nonlocal state
             if recurrent and e == n - 1:  # the prompt's checkpoint (its last token is forwarded next)
                 state = (e, (cache.rec.clone(), cache.conv.clone()))
+
+        logits = prefill_as_steps(target, ws, hit, n, feature_layers if features else (),
+                                  prefill_rows(target, n, self.chunk), checkpoint)
         self._current = _Prefilled(tuple(prompt), ws, features, state)
         return logits
 
@@ -225,18 +277,6 @@ class PrefixCache:
             cache.restore((hit, rec, conv))
         else:
             cache.restore(hit)
-
-    def _spans(self, start: int, n: int, recurrent: bool) -> list[tuple[int, int]]:
-        """The prefill's forwards from ``start`` to ``n``: chunks ending at multiples of ``chunk``;
-        on a recurrent target one more boundary at ``n - 1`` (the prompt's checkpoint)."""
-        ends = set(range((start // self.chunk + 1) * self.chunk, n, self.chunk)) | {n}
-        if recurrent and start < n - 1:
-            ends.add(n - 1)
-        spans, s = [], start
-        for e in sorted(ends):
-            spans.append((s, e))
-            s = e
-        return spans
 
     # -- insert and evict -----------------------------------------------------------------------------
     def _insert(self, seq: list[int], ws, features: bool, checkpoints: dict[int, tuple[Tensor, Tensor]]) -> None:

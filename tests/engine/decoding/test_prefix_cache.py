@@ -7,7 +7,7 @@ import torch
 
 import engine
 from engine import EngineConfig, PrefixCache
-from engine.decoding.prefix_cache import _Node
+from engine.decoding.prefix_cache import _Node, prefill_spans
 from tests.engine.engine_pairs import pair_for
 
 SYSTEM = "System: you are a terse agent. Tools: get_weather(city), add(a, b). Answer in one line. "
@@ -232,13 +232,12 @@ def test_another_target_empties_the_cache():
 
 
 def test_prefill_spans_end_at_chunk_multiples_and_a_hybrid_checkpoint():
-    cache = PrefixCache(BIG, chunk=16)
-    assert cache._spans(0, 40, False) == [(0, 16), (16, 32), (32, 40)]
-    assert cache._spans(20, 40, False) == [(20, 32), (32, 40)]
-    assert cache._spans(0, 33, True) == [(0, 16), (16, 32), (32, 33)]
-    assert cache._spans(0, 34, True) == [(0, 16), (16, 32), (32, 33), (33, 34)]
-    assert cache._spans(32, 33, True) == [(32, 33)]
-    assert isinstance(cache._root, _Node)
+    assert prefill_spans(0, 40, 16) == [(0, 16), (16, 32), (32, 40)]
+    assert prefill_spans(20, 40, 16) == [(20, 32), (32, 40)]
+    assert prefill_spans(0, 33, 16, (32,)) == [(0, 16), (16, 32), (32, 33)]
+    assert prefill_spans(0, 34, 16, (33,)) == [(0, 16), (16, 32), (32, 33), (33, 34)]
+    assert prefill_spans(32, 33, 16, (32,)) == [(32, 33)]  # a boundary at the start is no span
+    assert isinstance(PrefixCache(BIG, chunk=16)._root, _Node)
 
 
 @pytest.mark.parametrize("kwargs, message", [
