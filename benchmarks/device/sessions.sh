@@ -7,7 +7,9 @@
 #   2. benchmarks/session_bench.py: 8 BFCL agent sessions of >= 4 turns (2-6k tokens of tools), 128 new
 #      tokens a turn, AR and DDTree-48 with and without the cache: session tok/s, TTFT of first and
 #      later turns (the bar: later turns >= 5x faster with the cache), every turn equal to AR's;
-#   3. `autotune sweep experiments/smollm2-sessions-h200.yaml` (objective: session_tps) for SWEEP_LIMIT s,
+#   3. benchmarks/prefill_bench.py: a long prompt's chunked prefill (the engine's way since 2026-12-05)
+#      against one whole-prompt forward, time and peak memory, SmolLM2 and the 27B shape up to 32k;
+#   4. `autotune sweep experiments/smollm2-sessions-h200.yaml` (objective: session_tps) for SWEEP_LIMIT s,
 #      then its report (both objectives side by side), brought back under $OUT/sessions_report.
 # Not run before: the limits are guesses from the single-turn timings (AR ~1 ms a token, a 5k-token
 # step-form prefill ~10 chunks of 512 rows).
@@ -21,6 +23,10 @@ section session_bench ${BENCH_LIMIT:-200} python3 benchmarks/session_bench.py --
   --sessions agent --n ${N_SESSIONS:-8} --min-turns 4 --max-new-tokens ${NEW:-128} --repeats 2 \
   --config ar:verify=ar --config ddtree48:verify=ddtree,budget=48,top_k=8,draft_path=runtime \
   --md "$OUT/session_bench.md" --out "$OUT/session_bench.json"
+section prefill_bench ${PREFILL_LIMIT:-90} python3 benchmarks/prefill_bench.py --target smollm2-135m-instruct \
+  --draft random --device cuda --dtype bfloat16 --lengths 1024 4096 7936 --repeats 3 --md "$OUT/prefill_smollm2.md"
+section prefill_bench_27b ${PREFILL27_LIMIT:-150} python3 benchmarks/prefill_bench.py --target qwen35-27b-shape \
+  --draft random --device cuda --dtype bfloat16 --lengths 4096 16384 32768 --repeats 2 --md "$OUT/prefill_27b.md"
 section session_sweep ${SWEEP_LIMIT:-220} python3 -m autotune sweep experiments/smollm2-sessions-h200.yaml \
   --n-trials ${TRIALS:-8} --timeout ${SWEEP_TIMEOUT:-150} --storage "sqlite:///$OUT/sessions.db" \
   --tracking-uri none --no-progress

@@ -1,0 +1,32 @@
+"""benchmarks/prefill_bench.py on the tiny target: a prompt past the chunk is timed in chunks and whole,
+the first token equal, the chunk's rows and the prompt's recorded; bad flags exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_modules import load_benchmark
+
+from engine.decoding import prefix_cache as prefix_cache_mod
+
+pb = load_benchmark("prefill_bench")
+TINY = ["--target", "tiny-dense", "--draft", "random", "--device", "cpu", "--dtype", "float32"]
+
+
+def test_a_long_prompt_is_timed_both_ways_and_the_engine_s_chunk_is_restored(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert pb.main([*TINY, "--lengths", "40", "600", "--repeats", "1", "--out", str(out), "--md",
+                    str(tmp_path / "p.md")]) == 0
+    got = json.loads(out.read_text())["lengths"]
+    assert got["600"]["chunked"]["rows"] == 512 and got["600"]["whole"]["rows"] == 600
+    assert got["40"]["chunked"]["rows"] == 40  # within a chunk: whole either way
+    assert all(g["chunked"]["first_token"] == g["whole"]["first_token"] for g in got.values())
+    assert "| 600 | 512 |" in capsys.readouterr().out and prefix_cache_mod.PREFILL_CHUNK == 512
+
+
+@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--lengths", "1"], ["--lengths", "100000"]])
+def test_bad_flags_exit_2(flags):
+    with pytest.raises(SystemExit) as exc:
+        pb.main([*TINY, *flags])
+    assert exc.value.code == 2
