@@ -156,7 +156,10 @@ class Experiment:
             "model": [m.target, m.draft, m.device, m.dtype, *([m.weights] if m.weights != "dequantized" else [])],
             "workload": [[_content_id(s) for s in self.workload.sets], self.workload.n_prompts,
                          self.workload.max_new_tokens, self.workload.seed,
-                         *([self.workload.min_turns, self.workload.prefix_cache_mb] if self.workload.sessions else [])],
+                         # (min_turns unset: 4, as before the key could be unset, so such a study still resumes: a named
+                         # set selects as with 4, and a file's every session as before)
+                         *([4 if self.workload.min_turns is None else self.workload.min_turns,
+                            self.workload.prefix_cache_mb] if self.workload.sessions else [])],
             "space": self.search_space.fingerprint(),
             "objective": self.objective,
             "measure": [self.measure.warmup, self.measure.repeats, self.measure.max_rel_mad,

@@ -68,11 +68,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt tokens (default 1024 4096)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transient-mib", type=float, default=None,
+                    help="the chunks' attention transient budget (PREFILL_TRANSIENT_BYTES) for this run, in MiB: "
+                         "larger means more rows a chunk (default: the engine's, 512)")
     ap.add_argument("--md", help="the table and the environment as markdown")
     ap.add_argument("--out", help="every figure as JSON")
     args = ap.parse_args(argv)
     if args.repeats < 1 or any(n < 2 for n in args.lengths):
         ap.error(f"--repeats must be >= 1 and every --lengths >= 2, but got {args.repeats} and {args.lengths}")
+    if args.transient_mib is not None and not 0 < args.transient_mib < float("inf"):
+        ap.error(f"--transient-mib must be a finite number > 0, but got {args.transient_mib}")
+    budget = prefix_cache_mod.PREFILL_TRANSIENT_BYTES
+    try:
+        if args.transient_mib is not None:
+            prefix_cache_mod.PREFILL_TRANSIENT_BYTES = int(args.transient_mib * 2**20)
+        return _run(args)
+    finally:
+        prefix_cache_mod.PREFILL_TRANSIENT_BYTES = budget
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         pair = engine.load(args.target, args.draft, device=args.device, dtype=args.dtype)
     except EngineInputError as exc:
@@ -80,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     most = getattr(pair.target.cfg, "max_position_embeddings", None)
     if most and max(args.lengths) + 2 > most:
-        ap.error(f"--lengths: {max(args.lengths)} tokens and 2 new ones exceed the target's context of {most}")
+        print(f"error: --lengths: {max(args.lengths)} tokens and 2 new ones exceed the target's context of {most}",
+              file=sys.stderr)
+        return 2
     gen = torch.Generator().manual_seed(0)
     rows, out = [], {"env": env_record(), "lengths": {}}
     for n in args.lengths:
@@ -97,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     head = ["| prompt tokens | chunk rows | chunked ms, median (min..max) | whole ms | chunked / whole "
             "| peak added: chunked | whole | first token equal |", "|---|---|---|---|---|---|---|---|"]
-    text = "\n".join([f"{pair.target_name}, {pair.device}, {pair.dtype}; {args.repeats} runs", "",
+    budget = prefix_cache_mod.PREFILL_TRANSIENT_BYTES / 2**20
+    text = "\n".join([f"{pair.target_name}, {pair.device}, {pair.dtype}; {args.repeats} runs; chunk transient "
+                      f"budget {budget:.0f} MiB", "",
                       *head, *rows, "", "```json", json.dumps(out["env"], indent=1), "```"])
     if args.md:
         Path(args.md).write_text(text + "\n")

@@ -36,7 +36,7 @@ from engine.decoding import runtime
 from engine.decoding.decode import verify_shape, workspace_length
 from engine.decoding.drafters import DFlashDrafter, OracleDrafter
 from engine.decoding.prefix_cache import PrefixCache
-from engine.models.attention import SPLIT_KEYS
+from engine.models.attention import step_split
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
 from engine.models.hybrid_cache import HybridCache
@@ -402,15 +402,15 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     (an estimate): the residual stream and the widest layer's temporaries, the target features
     gathered, the logits rows; a prefill's mask and the attention's masked product over every key
     pair (SDPA; off CUDA its math path also holds every head's float32 scores), a decode step's
-    split-attention partials (float32, per span of ``SPLIT_KEYS``); and a quantized weight
+    split-attention partials (float32, per span of ``step_split`` keys); and a quantized weight
     dequantized for a call (float32, then the dtype). The features are gathered layer by layer and
     concatenated after the last: beside the widest layer, their rows once; after it, twice."""
     cfg = model.cfg
     heads, head_dim = cfg.num_attention_heads, getattr(cfg, "dim_per_head", None) or cfg.head_dim
     if prefill:  # the [rows, keys] bool mask (made, then joined) and SDPA's bias in the dtype; K/V per query head
-        attend = rows * keys * (2 + size + (0 if cuda else 4 * heads)) + 2 * rows * heads * head_dim * size
+        attend = rows * keys * (2 + size + (0 if cuda else 4 * heads)) + 2 * keys * heads * head_dim * size
     else:
-        attend = math.ceil(keys / SPLIT_KEYS) * rows * heads * (head_dim + 2) * 4
+        attend = math.ceil(keys / step_split(head_dim, size == 4)) * rows * heads * (head_dim + 2) * 4
     features = rows * feature_width * size
     layer = rows * size * max(_layer_width(layer) for layer in model.layers) + attend
     total = 3 * rows * cfg.hidden_size * size + max(layer + features, 2 * features)
@@ -423,14 +423,19 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
 
 def _prefill_bytes(model: nn.Module, prompt_tokens: int, size: int, feature_width: int, cuda: bool,
                    chunked: bool) -> int:
-    """The prompt's prefill transient (``loop.prefill``): one masked forward of the whole prompt, or,
-    past ``PREFILL_CHUNK`` tokens or through a prefix cache (``chunked``), ``prefill_rows`` at a time
-    in the decode steps' form, its largest the last chunk's rows over every key (on CUDA the step
-    kernel's float32 partials; elsewhere the PyTorch form's masked SDPA, as a whole prefill's)."""
-    if prompt_tokens <= prefix_cache_mod.PREFILL_CHUNK and not chunked:
-        return _forward_bytes(model, prompt_tokens, prompt_tokens, size, 1, feature_width, True, cuda)
-    rows = min(prompt_tokens, prefix_cache_mod.prefill_rows(model, prompt_tokens, prefix_cache_mod.PREFILL_CHUNK))
-    return _forward_bytes(model, rows, prompt_tokens, size, 1, feature_width, not cuda, cuda)
+    """The prefill transient of a prompt of at most ``prompt_tokens`` (``loop.prefill``): one masked
+    forward of the whole prompt, up to ``PREFILL_CHUNK`` tokens; past that or through a prefix cache
+    (``chunked``), ``prefill_rows`` at a time in the decode steps' form, priced at the widest chunk
+    any such prompt forwards (``widest_chunks``: a shorter prompt can take twice the rows), on CUDA the
+    step kernel's float32 partials, elsewhere the PyTorch form's masked SDPA."""
+    chunk = prefix_cache_mod.PREFILL_CHUNK
+    whole = _forward_bytes(model, min(prompt_tokens, chunk), min(prompt_tokens, chunk), size, 1, feature_width,
+                           True, cuda)
+    if prompt_tokens <= chunk and not chunked:
+        return whole
+    steps = max(_forward_bytes(model, rows, keys, size, 1, feature_width, not cuda, cuda)
+                for rows, keys in prefix_cache_mod.widest_chunks(model, prompt_tokens, chunk, size == 4))
+    return steps if chunked else max(whole, steps)
 
 
 def _step_bytes(pair, config: EngineConfig, context: int, length: int, n_verify: int, size: int,

@@ -27,6 +27,10 @@ section prefill_bench ${PREFILL_LIMIT:-90} python3 benchmarks/prefill_bench.py -
   --draft random --device cuda --dtype bfloat16 --lengths 1024 4096 7936 --repeats 3 --md "$OUT/prefill_smollm2.md"
 section prefill_bench_27b ${PREFILL27_LIMIT:-150} python3 benchmarks/prefill_bench.py --target qwen35-27b-shape \
   --draft random --device cuda --dtype bfloat16 --lengths 4096 16384 32768 --repeats 2 --md "$OUT/prefill_27b.md"
+# the chunk's budget is a trade (fewer rows a chunk: less memory, more passes over the weights)
+section prefill_bench_27b_2g ${PREFILL27_LIMIT:-150} python3 benchmarks/prefill_bench.py --target qwen35-27b-shape \
+  --draft random --device cuda --dtype bfloat16 --lengths 16384 32768 --repeats 2 --transient-mib 2048 \
+  --md "$OUT/prefill_27b_2g.md"
 section session_sweep ${SWEEP_LIMIT:-220} python3 -m autotune sweep experiments/smollm2-sessions-h200.yaml \
   --n-trials ${TRIALS:-8} --timeout ${SWEEP_TIMEOUT:-150} --storage "sqlite:///$OUT/sessions.db" \
   --tracking-uri none --no-progress

@@ -19,8 +19,9 @@ drop up to a block at every such boundary. Memory is bounded by ``budget_bytes``
 target's device); least recently used leaves (and checkpoints on inner nodes) are evicted first.
 
 Exactness (docs/exactness.md, "The prefix cache"): with a cache every prompt is prefilled in the
-decode steps' form (``TargetModel.forward(..., as_steps=True)``, chunks of at most ``chunk`` rows
-ending at multiples of ``chunk``), so every cached position carries the bits an AR step at that
+decode steps' form (``TargetModel.forward(..., as_steps=True)``, chunks of ``prefill_rows`` rows, at
+most ``chunk``, ending at multiples of their rows; a prompt of more than ``PREFILL_CHUNK`` tokens is
+prefilled so without a cache too), so every cached position carries the bits an AR step at that
 position computes, as the decode loops' committed positions do. Where the steps are row-invariant
 (CUDA with the Triton kernels) a position's K/V, features and state depend on the tokens before it
 only, not on how they were split into chunks, steps and verifies: a hit equals a cold run (the same
@@ -33,10 +34,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from engine.models import fused
-from engine.models.attention import SPLIT_KEYS
+from engine.models.attention import step_split
 
 # the server's budget unless told (--prefix-cache-mb), and a session workload's (autotune's
 # workload.prefix_cache_mb): llama-server's cache_prompt is on by default too
@@ -49,18 +51,52 @@ PREFILL_TRANSIENT_BYTES = 512 << 20
 MIN_PREFILL_ROWS = 16
 
 
-def prefill_rows(target, keys: int, most: int = PREFILL_CHUNK) -> int:
-    """Rows per prefill chunk whose forward reaches ``keys`` keys: at most ``most``, fewer where a
-    chunk's attention transient (the step kernel's float32 partials, ``(head_dim + 2) / SPLIT_KEYS``
-    per key, row and head; or the PyTorch form's mask and float32 scores) would pass
-    ``PREFILL_TRANSIENT_BYTES``; a power of two, so that the chunks of a shorter prompt nest in a
-    longer one's. SmolLM2's 8k context keeps 512; the 27B shape takes 256 rows at 8k, 64 at 32k."""
+def _row_bytes(target, keys: int, fp32: bool) -> float:
+    """A prefill chunk's attention transient per row over ``keys`` keys: the step kernel's float32
+    partials (``(head_dim + 2)`` per span of ``step_split`` keys, per head), or the PyTorch form's
+    bool mask and float32 scores per key and head, whichever is larger."""
     cfg = target.cfg
     head_dim = getattr(cfg, "dim_per_head", None) or cfg.head_dim
-    per_row = max(int(keys), 1) * (1 + cfg.num_attention_heads * 4 * max(1.0, (head_dim + 2) / SPLIT_KEYS))
-    rows = int(PREFILL_TRANSIENT_BYTES // per_row)
+    per_key = 1 + cfg.num_attention_heads * 4 * max(1.0, (head_dim + 2) / step_split(head_dim, fp32))
+    return max(int(keys), 1) * per_key
+
+
+def prefill_rows(target, keys: int, most: int = PREFILL_CHUNK, fp32: bool | None = None) -> int:
+    """Rows per prefill chunk whose forward reaches ``keys`` keys: at most ``most``, fewer where a
+    chunk's attention transient (``_row_bytes``) would pass ``PREFILL_TRANSIENT_BYTES``; a power of
+    two, so that the chunks of a shorter prompt nest in a longer one's. ``fp32``: the activations'
+    dtype is float32 (None: the target's). SmolLM2's 8k context keeps 512; the 27B shape in bf16
+    takes 256 rows at 8k, 64 at 32k."""
+    fp32 = target.dtype == torch.float32 if fp32 is None else fp32
+    rows = int(PREFILL_TRANSIENT_BYTES // _row_bytes(target, keys, fp32))
     rows = 1 << max(rows, 1).bit_length() - 1  # a power of two at most that
     return max(min(rows, most), min(MIN_PREFILL_ROWS, most))
+
+
+def widest_chunks(target, n: int, most: int = PREFILL_CHUNK, fp32: bool | None = None) -> list[tuple[int, int]]:
+    """(rows, keys) of the widest chunk a chunked prefill of at most ``n`` tokens forwards, one per
+    row count it can take: the rows halve as the keys pass a threshold, so a prompt just short of it
+    forwards twice the rows over nearly as many keys. What a plan at ``n`` prices (the largest), so
+    that the plan never shrinks as the prompt grows."""
+    out, rows = [], None
+    lo_keys = n
+    while lo_keys >= 1:
+        rows = prefill_rows(target, lo_keys, most, fp32)
+        out.append((min(rows, lo_keys), lo_keys))
+        if rows >= most or rows >= lo_keys:
+            break
+        # the longest prompt that takes more rows than ``rows``: the step below this threshold
+        lo, hi = 1, lo_keys - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefill_rows(target, mid, most, fp32) > rows:
+                lo = mid
+            else:
+                hi = mid - 1
+        if prefill_rows(target, lo, most, fp32) <= rows:
+            break
+        lo_keys = lo
+    return out
 
 
 def prefill_spans(start: int, n: int, chunk: int = PREFILL_CHUNK, also: Sequence[int] = ()) -> list[tuple[int, int]]:

@@ -272,8 +272,15 @@ def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     if fp32:
         if launch["BLOCK_D"] >= 128:
             launch["BLOCK_N"] = 16
-        return {**launch, "SPLIT": SPLIT_KEYS}
-    return {**launch, "BLOCK_N": 32, "num_warps": 4, "SPLIT": 64 if launch["BLOCK_D"] <= 64 else SPLIT_KEYS}
+        return {**launch, "SPLIT": step_split(d, fp32)}
+    return {**launch, "BLOCK_N": 32, "num_warps": 4, "SPLIT": step_split(d, fp32)}
+
+
+def step_split(d: int, fp32: bool = False) -> int:
+    """Keys per span of the step kernel at head_dim ``d`` (``step_attention_launch``'s ``SPLIT``),
+    without Triton: what the memory plan prices its float32 partials by (one per span, row, head)."""
+    block_d = max(16, 1 << (max(int(d), 1) - 1).bit_length())
+    return SPLIT_KEYS if fp32 or block_d > 64 else 64
 
 
 # ------------------------------------------------------------------------------- kernels

@@ -15,8 +15,9 @@ That order depends on the K partition (``split`` and ``block_k``) only, never on
 its row count, warps or stages: every weight has one ``LinearPlan`` whose two launches (``step`` up
 to 16 rows: an AR step, a chain, a draft block; ``verify`` beyond) share that partition, and every
 row count from 1 to ``MAX_ROWS`` takes it. cuBLAS picks its kernels by row count, so it would round
-a verify's rows otherwise than an AR step's; it takes only what no step reaches (longer prefills,
-float32, CPU tensors). ``tests/engine/models/test_linear.py`` checks a row's bits across 1, 7, 17, 33 and 65
+a verify's rows otherwise than an AR step's; it takes only what no step reaches (forwards past
+``MAX_ROWS``, which a decode's prefill no longer makes: its chunks are of 512 rows at most; float32,
+CPU tensors). ``tests/engine/models/test_linear.py`` checks a row's bits across 1, 7, 17, 33 and 65
 rows on the GPU for every plan, and in Triton's interpreter (whose dot runs as an explicit
 sequential sum, the order the GPU's matrix unit keeps) on the CPU.
 
@@ -44,8 +45,8 @@ except ImportError:  # pragma: no cover - installs without Triton use F.linear
     triton = None
 
 # Rows the kernel takes: every decode step, verify (the engine's budgets stay below it: MAX_BUDGET in
-# engine.config), replay and draft block, and prefills this short; longer prefills take cuBLAS (a
-# prefill is shared by AR and speculative decoding, so it need not round as a step does).
+# engine.config), replay and draft block, and every prefill chunk (``prefix_cache.PREFILL_CHUNK``);
+# longer forwards (training's) take cuBLAS.
 MAX_ROWS = 1024
 ROW_BLOCK = 128  # rows per program at most (acc [block_n, 128] float32 in registers); more: row blocks
 STEP_ROWS = 16  # up to here a plan's "step" launch (BLOCK_M 16), beyond its "verify" one

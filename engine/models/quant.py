@@ -9,7 +9,7 @@ weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is o
 
 On CUDA with the kernels on, a decode step's rows (up to ``linear.MAX_ROWS``) take the few-row kernel of
 ``engine.models.quant_kernel``, which reads the blocks and dequantizes in registers; elsewhere (the CPU,
-float32, longer prefills, ``kernels: eager``) a layer dequantizes its whole weight per call, in float32,
+float32, forwards past ``MAX_ROWS``, ``kernels: eager``) a layer dequantizes its whole weight per call, in float32,
 then casts to the activation dtype. Both give the values a dequantized load copies into its parameters
 (gguf's reference, bit for bit: ``tests/engine/models/test_quant.py``), multiplied as the dense kernel
 multiplies them, so a model decodes the same tokens whichever way its weights are kept (tested on the

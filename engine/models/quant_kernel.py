@@ -22,8 +22,8 @@ same order, the parts added in order by the last one to finish). Hence:
   ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
   ``benchmarks/kernel_bench.py quant`` check it there.
 
-Rows past ``MAX_ROWS`` (long prefills, shared by AR and speculative decoding) dequantize the weight once
-and take cuBLAS, as the dense path does past the same bound.
+Rows past ``MAX_ROWS`` (a training forward's; a decode's prefill is chunked to at most 512 rows) dequantize
+the weight once and take cuBLAS, as the dense path does past the same bound.
 
 Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order. A
 K tile of ``BLOCK_K`` values is read as ``G`` groups of ``GROUP`` values (a group: the values that

@@ -52,6 +52,9 @@ def test_min_turns_selects_a_session_file_s_sessions_when_it_is_set(tmp_path):
     three = experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "min_turns": 3}))
     assert [len(w.prompts) for w in experiment.load_workloads(three)] == [1]
     assert three.fingerprint() != every.fingerprint()
+    # unset fingerprints as 4 did before the key could be unset: a study made then still resumes
+    assert every.fingerprint() == experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "min_turns": 4})
+                                                  ).fingerprint()
     four = experiment.load(_experiment(tmp_path, workload={**WORKLOAD, "min_turns": 4}))
     with pytest.raises(InputError, match="workload.min_turns.*no session of .*sessions.jsonl has that many"):
         experiment.load_workloads(four)

@@ -108,3 +108,25 @@ def test_a_long_prompt_hit_inside_a_chunk_equals_a_cold_run(target):
         cold = engine.generate(pair, prompt, cfg, 32, ignore_eos=True, prefix_cache=PrefixCache(BIG))
         assert hit.tokens == cold.tokens, (target, cut)
         assert cut == 700 or hit.stats.cached_tokens >= 699
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "smollm2-135m-shape"])
+@pytest.mark.parametrize("transient", [None, 1 << 20], ids=["default-rows", "few-rows"])
+def test_a_long_prompt_without_a_cache_is_prefilled_as_a_cold_cache_prefills_it(target, transient, monkeypatch):
+    """Without a cache a prompt past PREFILL_CHUNK is prefilled a chunk at a time in the steps' form
+    (loop.prefill): AR and DDTree share it and agree; it equals a cold cache's run; and at 16-64 rows
+    a chunk (a tiny transient budget) over ~1,500 keys it still equals the default chunks' run, since
+    the step kernels do not round by rows."""
+    from engine.decoding import prefix_cache as prefix_cache_mod
+
+    pair = _pair(target)
+    prompt = pair.encode("You are an agent with tools. " * 300)[:1500]
+    ar, dd = EngineConfig(verify="ar"), EngineConfig(verify="ddtree", rollback="fast", budget=16, top_k=4)
+    default = engine.generate(pair, prompt, ar, 32, ignore_eos=True).tokens
+    if transient is not None:
+        monkeypatch.setattr(prefix_cache_mod, "PREFILL_TRANSIENT_BYTES", transient)
+        assert prefix_cache_mod.prefill_rows(pair.target, len(prompt)) < 128
+    plain = engine.generate(pair, prompt, ar, 32, ignore_eos=True).tokens
+    assert plain == default
+    assert engine.generate(pair, prompt, dd, 32, ignore_eos=True).tokens == plain
+    assert engine.generate(pair, prompt, ar, 32, ignore_eos=True, prefix_cache=PrefixCache(BIG)).tokens == plain

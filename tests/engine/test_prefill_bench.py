@@ -25,8 +25,21 @@ def test_a_long_prompt_is_timed_both_ways_and_the_engine_s_chunk_is_restored(tmp
     assert "| 600 | 512 |" in capsys.readouterr().out and prefix_cache_mod.PREFILL_CHUNK == 512
 
 
-@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--lengths", "1"], ["--lengths", "100000"]])
+@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--lengths", "1"], ["--transient-mib", "0"]])
 def test_bad_flags_exit_2(flags):
     with pytest.raises(SystemExit) as exc:
         pb.main([*TINY, *flags])
     assert exc.value.code == 2
+
+
+def test_a_prompt_past_the_context_exits_2_and_the_budget_is_restored(capsys):
+    budget = prefix_cache_mod.PREFILL_TRANSIENT_BYTES
+    assert pb.main([*TINY, "--lengths", "100000", "--transient-mib", "1"]) == 2
+    assert "exceed the target's context" in capsys.readouterr().err
+    assert prefix_cache_mod.PREFILL_TRANSIENT_BYTES == budget
+
+
+def test_a_smaller_budget_takes_fewer_rows_a_chunk(tmp_path):
+    out = tmp_path / "p.json"
+    assert pb.main([*TINY, "--lengths", "600", "--repeats", "1", "--transient-mib", "0.1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["lengths"]["600"]["chunked"]["rows"] < 512

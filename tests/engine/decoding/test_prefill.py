@@ -89,3 +89,27 @@ def test_the_plan_prices_a_long_prompt_s_prefill_by_its_chunks():
     assert plan.parts["activations"] < 1 << 30
     short = engine.plan_memory(pair, EngineConfig(verify="ar"), 256, 256, device="cuda", dtype=torch.bfloat16)
     assert short.parts["activations"] < plan.parts["activations"]
+
+
+def test_the_plan_never_shrinks_as_the_prompt_grows():
+    """A chunk's rows halve where its keys pass a threshold: the prompt just short of it forwards twice
+    the rows over nearly the keys, so a plan at the longer prompt prices that chunk too (a sweep plans
+    at its longest prompt; ``longest_context`` searches assuming the plan only grows)."""
+    pair = engine.load("qwen35-27b-shape", "random", device="meta", dtype="bfloat16")
+    target, ar = pair.target, EngineConfig(verify="ar")
+    halvings = [k for k in range(20_000, 23_000, 4) if prefill_rows(target, k + 4) < prefill_rows(target, k)]
+    assert halvings  # (the 128 -> 64 threshold lies here for the 27B shape in bf16)
+    k = halvings[0]
+    totals = [engine.plan_memory(pair, ar, n, 256, device="cuda", dtype=torch.bfloat16).total
+              for n in (k - 4, k, k + 4, k + 8, 2 * k)]
+    assert totals == sorted(totals)
+    assert prefix_cache_mod.widest_chunks(target, k + 4) [:2] == [(prefill_rows(target, k + 4), k + 4),
+                                                                   (prefill_rows(target, k), k)]
+
+
+def test_a_narrow_head_s_step_partials_are_priced_at_its_spans():
+    """Head_dim 64 in half precision reduces spans of 64 keys (``step_attention_launch``), not 128."""
+    from engine.models.attention import SPLIT_KEYS, step_split
+
+    assert step_split(64) == 64 and step_split(64, fp32=True) == SPLIT_KEYS and step_split(128) == SPLIT_KEYS
+    assert step_split(256) == SPLIT_KEYS and step_split(48) == 64

@@ -296,3 +296,10 @@ def test_ancestor_table_lists_each_nodes_path_by_depth():
     for i in (0, 9, 32):
         path = _path(TREE_PARENTS, i)
         assert table[i, : len(path)].tolist() == path
+
+
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 80, 128, 256])
+@pytest.mark.parametrize("fp32", [False, True])
+def test_the_plan_s_step_split_is_the_kernel_s(d, fp32):
+    pytest.importorskip("triton")
+    assert split_attention.step_split(d, fp32) == split_attention.step_attention_launch(d, fp32)["SPLIT"]
