@@ -29,9 +29,10 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
 - ``large``: ``qwen3-8b-shape`` and ``qwen35-27b-shape`` with their random 5-layer drafts: AR ms
   per token against the roofline (weight + KV bytes read per token over the device-to-device copy
   bandwidth measured in the same run), the speculative step at budget {8, 16, 32, 64}, and the
-  break-even AL each implies (step ms / AR ms per token). ``--weights q4_k_m``: the targets' projections
-  quantized in memory to a Q4_K_M-like mix and kept in their blocks (``engine.models.quantize``), the
-  roofline's bytes those held (issue #28).
+  break-even AL each implies (step ms / AR ms per token). ``--weights q4_k_m``: the presets' registry
+  twins ``qwen3-8b-shape-q4_k_m`` / ``qwen35-27b-shape-q4_k_m``, their projections quantized in memory
+  to a Q4_K_M-like mix and held in their blocks (``weights="native"``; ``engine.registry.
+  quantized_preset``, built a projection at a time), the roofline's bytes those held (issue #28).
 - ``oracle`` (``oracle_bars.py``): the adaptive step policy on a large preset (default
   ``qwen35-27b-shape``) with ``oracle:P`` drafts of known acceptance (``--oracles``; ``oracle:P1,P2,...``
   gives prompt i P number i mod its length): AR, chain, DDTree at each ``--budgets`` budget and the
@@ -75,8 +76,8 @@ from step_profile import section_graphs, section_profile  # noqa: E402
 import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
 from engine.models.quant import QuantLinear, weight_bytes  # noqa: E402
-from engine.models.quantize import RECIPES, quantize_model_  # noqa: E402
-from engine.registry import parse_oracle  # noqa: E402
+from engine.models.quantize import RECIPES  # noqa: E402
+from engine.registry import TARGETS, draft_for, parse_oracle  # noqa: E402
 
 
 def interleave(groups: list[list]) -> list:
@@ -361,11 +362,9 @@ def section_large(args) -> tuple[str, dict]:
     report: dict = {"env": env_record(), "copy_bandwidth": bw, "presets": {}}
     prompt = list(range(10, 10 + args.context))
     for target in args.presets:
-        pair = engine.load(target, f"{target}-dflash", device="cuda", dtype="bfloat16")
-        formats = None
-        if args.weights != "bf16":  # before the first generation: captured graphs keep the weights they saw
-            formats = quantize_model_(pair.target, args.weights)
-            pair.weights = "native"
+        preset, draft, held = large_pair(target, args.weights)
+        pair = engine.load(preset, draft, device="cuda", dtype="bfloat16", weights=held)
+        formats = pair.weight_summary()["native"] if held == "native" else None
         weights = bytes_read_per_token(pair.target)
         c = pair.target.cfg
         types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
@@ -380,7 +379,7 @@ def section_large(args) -> tuple[str, dict]:
                "roofline_ms": roof_ms, "ar_ms": ar_ms, "budgets": {},
                "formats": None if formats is None else dict(Counter(formats.values()))}
         med_ar = statistics.median(ar_ms)
-        name = target if formats is None else f"{target} ({args.weights})"
+        name = preset
         lines.append(f"| {name} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
                      "| - | - | - | - | - |")
         print(lines[-1], flush=True)
@@ -399,6 +398,14 @@ def section_large(args) -> tuple[str, dict]:
         gc.collect()
         torch.cuda.empty_cache()
     return "\n".join(lines), report
+
+
+def large_pair(preset: str, weights: str) -> tuple[str, str | None, str]:
+    """``large``'s (target, draft, weights held) for a shape preset: with ``--weights q4_k_m`` its registry
+    twin quantized to that mix (``<preset>-q4_k_m``, built in its blocks on the GPU: ``engine.registry.
+    quantized_preset``) held native; the draft is the preset's own either way (``registry.draft_for``)."""
+    target = preset if weights == "bf16" else f"{preset}-{weights}"
+    return target, draft_for(target), "dequantized" if weights == "bf16" else "native"
 
 
 def bytes_read_per_token(target: torch.nn.Module) -> int:
@@ -435,6 +442,13 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.presets_given = args.presets is not None
     if args.presets is None:
         args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
+    if args.section == "large":  # each preset's pair named before a GPU is asked for
+        for preset in args.presets:
+            target, draft, _ = large_pair(preset, args.weights)
+            if target not in TARGETS or draft is None:
+                with_weights = f" --weights {args.weights}" if args.weights != "bf16" else ""
+                ap.error(f"--presets {preset}{with_weights}: needs the registry preset {target} and a draft preset "
+                         "for it; large times the shape presets qwen3-8b-shape and qwen35-27b-shape")
     if args.paths is None:
         args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
 
@@ -476,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=["bf16", *RECIPES], default="bf16",
                     help="large: the presets' projections as bf16 floats (default) or quantized in memory to a "
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
-                         "kept in their blocks (issue #28); the roofline counts the bytes held")
+                         "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
+                         "(issue #28); the roofline counts the bytes held")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/oracle: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape, "
                          "for oracle: qwen35-27b-shape; oracle on the CPU: tiny-dense or tiny-hybrid)")

@@ -3,18 +3,23 @@
 Target specs: a registry name, an HF folder (config.json + safetensors), or a ``.gguf`` file.
 Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` (``oracle:P1,P2,...``:
 P per prompt) or ``none``.
+
+Quantized presets (``quantized_preset``: ``qwen3-8b-shape-q4_k_m``, ``qwen35-27b-shape-q4_k_m``) are a
+float preset with its projections quantized in memory to a llama.cpp-like mix as it is built, held
+``weights="native"`` or ``"dequantized"`` as a GGUF file of that mix is, and drafted for by the float
+preset's drafts (``draft_for``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from engine.config import EngineInputError
 from engine.data.tokenizer import ByteTokenizer
@@ -34,11 +39,21 @@ class TargetPreset:
     # (device=cpu) -> (model in float32, tokenizer): built on the CPU, or on the meta device (shapes
     # only: ``host``), then cast to the pair's device and dtype by ``load_target``
     build: Callable[..., tuple[nn.Module, object]] | None
-    # Presets too large for the CPU path: built straight on the device, in the dtype asked for.
+    # Presets too large for the CPU path (and the quantized presets, ``quantized_preset``): built straight
+    # on the device, in the dtype asked for.
     build_on: Callable[[torch.device, torch.dtype], tuple[nn.Module, object]] | None = None
     # A preset read from a quantized GGUF: the same with its projections kept in their blocks
     # (weights="native"); None: the preset has no blocks to keep.
     build_native: Callable[..., tuple[nn.Module, object]] | None = None
+    # ``build_native`` of a ``build_on`` preset (a quantized shape preset: ``quantized_preset``)
+    build_native_on: Callable[[torch.device, torch.dtype], tuple[nn.Module, object]] | None = None
+    # The float preset this one quantizes (``quantized_preset``): its drafts draft for this one too.
+    base: str | None = None
+
+    @property
+    def has_blocks(self) -> bool:
+        """Whether the preset can be held with ``weights="native"`` (it has quantized blocks to keep)."""
+        return self.build_native is not None or self.build_native_on is not None
 
 
 @dataclass(frozen=True)
@@ -76,24 +91,48 @@ def init_random_(module: nn.Module, seed: int, logit_scale: float = 3.0) -> None
     float rounding (not the algorithm) decide them.
     """
     gen = torch.Generator().manual_seed(seed)
-    norms = {id(m.weight): m.zero_centred for m in module.modules() if isinstance(m, RMSNorm)}
-    embeds = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    kinds = _init_kinds(module)
     with torch.no_grad():
         for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-            if id(p) in norms:
-                p.copy_((0.0 if norms[id(p)] else 1.0) + 0.1 * torch.randn(p.shape, generator=gen))
-            elif id(p) in embeds:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
+            if kinds[name] == "bias":
                 p.zero_()
-            elif p.ndim >= 2:
-                fan_in = math.prod(p.shape[1:])
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
             else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(_seeded(kinds[name], p.shape, gen))
         head = getattr(module, "lm_head", None)
-        if head is not None and id(head.weight) not in embeds:
+        if head is not None and kinds.get("lm_head.weight") != "embed":  # (tied to the embedding: unscaled)
             head.weight.mul_(logit_scale)
+
+
+def _init_kinds(module: nn.Module) -> dict[str, str]:
+    """Parameter name (every alias of a tied one) -> how ``init_random_`` draws it: ``norm`` (1 + 0.1 N),
+    ``norm0`` (a zero-centred norm: 0.1 N), ``embed`` (N), ``bias`` (0), ``matrix`` (N / sqrt(fan-in)),
+    ``vector`` (0.1 N)."""
+    norms = {id(m.weight): m.zero_centred for m in module.modules() if isinstance(m, RMSNorm)}
+    embeds = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    kinds = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in norms:
+            kinds[name] = "norm0" if norms[id(p)] else "norm"
+        elif id(p) in embeds:
+            kinds[name] = "embed"
+        elif name.endswith("bias"):
+            kinds[name] = "bias"
+        else:
+            kinds[name] = "matrix" if p.ndim >= 2 else "vector"
+    return kinds
+
+
+def _seeded(kind: str, shape: Sequence[int], gen: torch.Generator) -> Tensor:
+    """``init_random_``'s values (float32, on ``gen``'s device) for a parameter of ``kind`` (not ``bias``)
+    and ``shape``, or for its first rows (``shape[0]`` fewer: the fan-in is a row's size)."""
+    x = torch.randn(tuple(shape), generator=gen, device=gen.device)
+    if kind in ("norm", "norm0"):
+        return (0.0 if kind == "norm0" else 1.0) + 0.1 * x
+    if kind == "embed":
+        return x
+    if kind == "matrix":
+        return x / math.sqrt(math.prod(shape[1:]))
+    return 0.1 * x
 
 
 def _tiny_dense(device: torch.device = CPU) -> tuple[nn.Module, object]:
@@ -136,9 +175,7 @@ def _smollm2_135m_instruct(weights: str = "dequantized", device: torch.device = 
 def _on_device(device: torch.device, dtype: torch.dtype, make: Callable[[], nn.Module]) -> nn.Module:
     """Build a module with its weights allocated and initialised on ``device`` in ``dtype``
     (PyTorch's default init: random, unit-scale activations; timing presets need nothing more)."""
-    if device.type not in ("cuda", "meta"):  # (meta: shapes only, nothing built)
-        raise EngineInputError("the *-shape presets are GPU timing presets (billions of random weights "
-                               f"built on the device): use device cuda, not {device.type!r}")
+    _gpu_only(device)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -146,6 +183,12 @@ def _on_device(device: torch.device, dtype: torch.dtype, make: Callable[[], nn.M
             return make()
     finally:
         torch.set_default_dtype(old)
+
+
+def _gpu_only(device: torch.device) -> None:
+    if device.type not in ("cuda", "meta"):  # (meta: shapes only, nothing built)
+        raise EngineInputError("the *-shape presets are GPU timing presets (billions of random weights "
+                               f"built on the device): use device cuda, not {device.type!r}")
 
 
 def _smollm2_135m_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, object]:
@@ -180,6 +223,109 @@ def _qwen35_27b_shape(device: torch.device, dtype: torch.dtype) -> tuple[nn.Modu
     return _on_device(device, dtype, lambda: HybridModel(cfg)), ByteTokenizer(cfg.vocab_size)
 
 
+SHAPE_SEED = 2718  # the quantized shape presets' weights: the same blocks on every load
+
+
+def quantized_preset(base: str, description: str, recipe: str = "q4_k_m", seed: int = SHAPE_SEED) -> TargetPreset:
+    """Preset ``<base>-<recipe>``: the float preset ``base`` with its projections quantized in memory to
+    ``recipe``'s llama.cpp-like mix (``quantize.recipe_formats``: each the format ``quantize_model_`` gives
+    it), its weights drawn from ``seed`` as ``init_random_`` draws them. Like a GGUF file of that mix it
+    loads ``weights="native"`` (the blocks kept) or ``"dequantized"`` (the blocks' values as floats)."""
+    return TargetPreset(f"{base}-{recipe}", description, None, build_on=partial(_quantized, base, recipe, seed, False),
+                        build_native_on=partial(_quantized, base, recipe, seed, True), base=base)
+
+
+def _quantized(base: str, recipe: str, seed: int, native: bool, device: torch.device,
+               dtype: torch.dtype) -> tuple[nn.Module, object]:
+    """``base``'s model quantized in ``recipe``'s mix on ``device`` in ``dtype`` (``quantized_preset``).
+
+    Built as a native GGUF load is (``loading.build_model`` with the plan of blocks), then filled a
+    projection at a time, by rows: each drawn, rounded to ``dtype`` and quantized, so the quantized
+    weights never exist as floats (the 27B shape builds in about the 17 GiB it holds); ``native=False``
+    holds each as its blocks' values. On the meta device nothing is drawn: blocks of the bytes a load
+    holds, the model a load gives. Each weight's values are those ``init_random_(model, seed)`` would
+    give it (a tied head: the embedding's), so a CPU preset quantized here holds the blocks
+    ``quantize_model_`` gives that preset loaded in ``dtype`` and seeded alike."""
+    from engine.loading import build_model
+    from engine.models.quant import FORMATS
+    from engine.models.quantize import recipe_formats
+
+    preset = TARGETS[base]
+    meta = torch.device("meta")
+    if preset.build_on is not None:
+        _gpu_only(device)
+        shapes, tok = preset.build_on(meta, dtype)
+    else:
+        shapes, tok = preset.build(device=meta)
+    formats = recipe_formats(shapes, recipe)
+    every = dict(shapes.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    for name, p in every.items():
+        first.setdefault(id(p), name)
+    tied = {name: first[id(every[name])] for name in formats if first[id(every[name])] != name}
+    plan = {name.removesuffix(".weight"): (FORMATS[kind], tuple(every[name].shape)) for name, kind in formats.items()}
+    model = build_model(type(shapes), shapes.cfg, device, dtype, plan if native else None)
+    for name in () if native else tied:  # the dequantized head holds its blocks' values, not the embedding's
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr,
+                nn.Parameter(torch.empty(every[name].shape, device=device, dtype=dtype)))
+    model.inv_freq = type(model).rope_freqs(model.cfg).to(device)  # (built on the meta device: unmade)
+    held = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[dtype]
+    # as a GGUF load names each tensor's type in its file: the blocks' formats, the rest held as floats
+    model.weight_types = {**{name: held for name in first.values()}, **formats}
+    if device.type != "meta":
+        kinds = _init_kinds(shapes)
+        _fill_quantized_(model, {name: (kinds[name], every[name].shape) for name in first.values()}, formats, tied,
+                         seed, native, scaled=kinds.get("lm_head.weight") not in (None, "embed"))
+    return model, tok
+
+
+@torch.no_grad()
+def _fill_quantized_(model: nn.Module, params: dict[str, tuple[str, torch.Size]], formats: dict[str, str],
+                     tied: dict[str, str], seed: int, native: bool, scaled: bool, logit_scale: float = 3.0) -> None:
+    """``init_random_``'s values (``params``: each parameter's name (a tied one's first), its kind and
+    shape; ``scaled``: the head is scaled by ``logit_scale``, untied) in its order, drawn on the
+    model's device by chunks of rows (``quantize.CHUNK_VALUES``; a tensor that size or less in one
+    draw, as ``init_random_`` draws it); each weight of ``formats`` quantized as it is drawn, into its
+    blocks (``native``) or as their values; a ``tied`` one from its source's values, last."""
+    from engine.models.quant import FORMATS, dequantize
+    from engine.models.quantize import CHUNK_VALUES, quantize
+
+    dtype = model.dtype
+    gen = torch.Generator(model.device).manual_seed(seed)
+
+    def chunks(shape: Sequence[int]) -> Iterator[tuple[int, int]]:
+        step = max(1, CHUNK_VALUES // math.prod(shape[1:]))
+        return ((lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step))
+
+    def quantized(name: str, lo: int, w: Tensor) -> None:
+        fmt = FORMATS[formats[name]]
+        blocks = quantize(w.to(dtype), fmt)  # the weight as a model in ``dtype`` holds it
+        layer = model.get_submodule(name.removesuffix(".weight"))
+        if native:
+            layer.blocks[lo : lo + len(w)] = blocks
+        else:
+            layer.weight[lo : lo + len(w)] = dequantize(blocks, fmt, w.shape[1], dtype)
+
+    for name in sorted(params):
+        kind, shape = params[name]
+        if kind == "bias":
+            model.get_parameter(name).zero_()
+            continue
+        for lo, hi in chunks(shape):
+            value = _seeded(kind, (hi - lo, *shape[1:]), gen)
+            if name == "lm_head.weight" and scaled:
+                value.mul_(logit_scale)
+            if name in formats:
+                quantized(name, lo, value)
+            else:
+                model.get_parameter(name)[lo:hi] = value
+    for name, source in tied.items():
+        values = model.get_parameter(source)
+        for lo, hi in chunks(values.shape):
+            quantized(name, lo, values[lo:hi])
+
+
 TARGETS: dict[str, TargetPreset] = {
     "smollm2-135m-instruct": TargetPreset(
         "smollm2-135m-instruct", "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), its own BPE tokenizer and "
@@ -202,6 +348,16 @@ TARGETS: dict[str, TargetPreset] = {
     "qwen35-27b-shape": TargetPreset(
         "qwen35-27b-shape", "random weights shaped like Qwen3.5-27B (hybrid: 48 Gated DeltaNet + 16 attention "
         "layers), built on the GPU: timing only", None, _qwen35_27b_shape,
+    ),
+    "qwen3-8b-shape-q4_k_m": quantized_preset(
+        "qwen3-8b-shape", "qwen3-8b-shape quantized in memory to a Q4_K_M-like mix (Q4_K; Q6_K for the output head "
+        "and llama.cpp's share of down/v projections), seeded, built a projection at a time on the GPU: timing "
+        "only; weights native keeps the blocks, dequantized holds their values (draft: qwen3-8b-shape-dflash)",
+    ),
+    "qwen35-27b-shape-q4_k_m": quantized_preset(
+        "qwen35-27b-shape", "qwen35-27b-shape quantized in memory to a Q4_K_M-like mix (Q4_K; Q6_K for the output "
+        "head and llama.cpp's share of down/v projections), seeded, built a projection at a time on the GPU: timing "
+        "only; weights native keeps the blocks, dequantized holds their values (draft: qwen35-27b-shape-dflash)",
     ),
 }
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
@@ -238,6 +394,13 @@ DRAFTS: dict[str, DraftPreset] = {
     ),
 }
 SPECIAL_DRAFTS = ("random", "oracle:P[,P...]", "none")
+
+
+def draft_for(target: str) -> str | None:
+    """The draft preset made for preset ``target`` (``DraftPreset.target``) or for the float preset it
+    quantizes (``TargetPreset.base``: a quantized shape preset pairs with its base's draft), or None."""
+    names = {target, getattr(TARGETS.get(target), "base", None)} - {None}
+    return next((d.name for d in DRAFTS.values() if d.target in names), None)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -315,11 +478,12 @@ def check_draft_spec(spec: str) -> None:
 
 def check_weights(target: str, weights: str) -> None:
     """Whether ``target`` can be held as ``weights`` (no weights are read): ``native`` keeps a GGUF's
-    quantized blocks, so a target not read from a GGUF file is refused (``load_target`` refuses it too)."""
+    quantized blocks (or a quantized preset's: ``quantized_preset``), so a target with none is refused
+    (``load_target`` refuses it too)."""
     if weights not in WEIGHTS:
         raise EngineInputError(f"weights must be one of {list(WEIGHTS)}, but got {weights!r}")
-    if weights == "native" and not target.endswith(".gguf") and (
-            target not in TARGETS or TARGETS[target].build_native is None):
+    if weights == "native" and not target.endswith(".gguf") and (target not in TARGETS or
+                                                                 not TARGETS[target].has_blocks):
         raise EngineInputError(f"weights='native' keeps a GGUF file's quantized blocks, but target {target!r} is "
                                "not read from one (a float preset or an HF folder): use weights='dequantized'")
 
@@ -342,7 +506,7 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
     check_weights(spec, weights)
     native = weights == "native"
     if spec in TARGETS and TARGETS[spec].build_on is not None:
-        model, tok = TARGETS[spec].build_on(device, dtype)
+        model, tok = (TARGETS[spec].build_native_on if native else TARGETS[spec].build_on)(device, dtype)
     elif spec in TARGETS:
         model, tok = (TARGETS[spec].build_native if native else TARGETS[spec].build)(device=host(device))
     elif spec.endswith(".gguf"):

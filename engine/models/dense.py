@@ -136,8 +136,13 @@ class DenseModel(TargetModel):
 
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__(cfg, lambda: nn.ModuleList(DenseBlock(cfg) for _ in range(cfg.num_hidden_layers)),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
-                         rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling))
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), DenseModel.rope_freqs(cfg))
+
+    @staticmethod
+    def rope_freqs(cfg: DenseConfig) -> Tensor:
+        """The RoPE frequencies (float32) a model of ``cfg`` holds: made again for one built on the meta
+        device and given memory after (``build_model`` with blocks leaves them unmade)."""
+        return rope_inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.cfg

@@ -160,9 +160,13 @@ class HybridModel(TargetModel):
         kinds = cfg.layer_types
         super().__init__(cfg, lambda: nn.ModuleList(HybridBlock(cfg, kind, kinds[:i].count(kind))
                                                     for i, kind in enumerate(kinds)),
-                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True),
-                         rope_inv_freq(cfg.rotary_dim, cfg.rope_theta))
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True), HybridModel.rope_freqs(cfg))
         self._chains: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # _chain_indices
+
+    @staticmethod
+    def rope_freqs(cfg: HybridConfig) -> Tensor:
+        """The RoPE frequencies (float32) a model of ``cfg`` holds (``DenseModel.rope_freqs``)."""
+        return rope_inv_freq(cfg.rotary_dim, cfg.rope_theta)
 
     def new_cache(self, max_len: int, max_tree: int = 0) -> HybridCache:
         """max_tree: tree nodes to allocate per-node state for now (0: on the first tree forward)."""

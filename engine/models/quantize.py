@@ -290,40 +290,57 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
     return out
 
 
+def recipe_formats(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
+    """Checkpoint name -> format of each projection weight ``quantize_model_`` quantizes in ``recipe``'s
+    mix (``q4_k_m``: ``q4_k_m_format``; a width that is not whole 256-value blocks takes the K format's
+    ``FALLBACK``; a projection not whole 32-value blocks is left out: it stays float). Reads names and
+    shapes only, so it plans a model on the meta device as ``quantize_model_`` quantizes a real one
+    (fused groups by their parts' names, as unfused)."""
+    return _formats(_projections(model), recipe)
+
+
+def _formats(found: list[tuple[nn.Module, str, str, list]], recipe: str) -> dict[str, str]:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown quantization recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    weights = {prefix + part: weight for _, _, prefix, parts in found for part, weight, _ in parts}
+    layer_of = {n: int(m.group(1)) if (m := _LAYER.search(n)) else None for n in weights}
+    n_layers = 1 + max((i for i in layer_of.values() if i is not None), default=-1)
+    v_names = [n for n in weights if n.rsplit(".", 1)[-1] == "v_proj"]
+    out: dict[str, str] = {}
+    for name, weight in weights.items():
+        kind = q4_k_m_format(name, layer_of[name], n_layers, v_names.index(name) if name in v_names else None,
+                             len(v_names))
+        cols = weight.shape[1]
+        kind = FALLBACK.get(kind, kind) if cols % QK_K else kind
+        if cols % FORMATS[kind].values == 0:  # else not whole blocks of any format: stays float
+            out[f"{name}.weight"] = kind
+    return out
+
+
 @torch.no_grad()
 def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
     """Replace ``model``'s float projections by ``QuantLinear``s holding them quantized in ``recipe``'s
-    mix (``q4_k_m``: ``q4_k_m_format``), on the weights' device, in place, one projection at a time (its
-    floats freed before the next is quantized, unless shared): a fused group whose parts share a format
+    mix (``recipe_formats``), on the weights' device, in place, one projection at a time (its floats
+    freed before the next is quantized, unless shared): a fused group whose parts share a format
     becomes one ``QuantFusedLinear``, a mixed one its parts (``quant.fusable``). A projection whose width
     is not whole 256-value blocks takes the K format's ``FALLBACK``; one not whole 32-value blocks stays
     float. The embedding and norms stay float; a tied ``lm_head`` gets its own blocks (the embedding keeps
     its floats). Returns checkpoint name -> format of each weight quantized (``quant.weights_summary``
     then reads the model as it reads a native GGUF load)."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown quantization recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     found = _projections(model)
-    names = [prefix + part for _, _, prefix, parts in found for part, _, _ in parts]
-    layer_of = {n: int(m.group(1)) if (m := _LAYER.search(n)) else None for n in names}
-    n_layers = 1 + max((i for i in layer_of.values() if i is not None), default=-1)
-    v_names = [n for n in names if n.rsplit(".", 1)[-1] == "v_proj"]
+    kinds = _formats(found, recipe)
     formats: dict[str, str] = {}
     for module, child_name, prefix, parts in found:
-        layers = []
-        for part, weight, bias in parts:
-            name = prefix + part
-            kind = q4_k_m_format(name, layer_of[name], n_layers, v_names.index(name) if name in v_names else None,
-                                 len(v_names))
-            cols = weight.shape[1]
-            kind = FALLBACK.get(kind, kind) if cols % QK_K else kind
-            if cols % FORMATS[kind].values:
-                break  # not whole blocks of any format (every part of a group has this width): stays float
-            layer = QuantLinear(FORMATS[kind], cols, weight.shape[0], bias=bias is not None,
-                                blocks=quantize(weight, FORMATS[kind]))
-            if bias is not None:
-                layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-            layers.append((part, layer, kind))
-        else:
+        # (the parts of a group share their width: all quantized, or the group stays float)
+        if all(f"{prefix}{part}.weight" in kinds for part, _, _ in parts):
+            layers = []
+            for part, weight, bias in parts:
+                kind = kinds[f"{prefix}{part}.weight"]
+                layer = QuantLinear(FORMATS[kind], weight.shape[1], weight.shape[0], bias=bias is not None,
+                                    blocks=quantize(weight, FORMATS[kind]))
+                if bias is not None:
+                    layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+                layers.append((part, layer, kind))
             quant_parts = [layer for _, layer, _ in layers]
             if len(layers) > 1 and fusable(quant_parts):
                 setattr(module, child_name, QuantFusedLinear(quant_parts))

@@ -95,6 +95,25 @@ def test_qwen35_template_validates_except_model_existence():
             experiment.load(REPO / "experiments" / "qwen35-27b-agent.yaml")
 
 
+def test_the_27b_q4_k_m_24gb_template_plans_on_any_machine(capsys):
+    """The seed user's question as an experiment: the 27B shape quantized to the Q4_K_M-like mix, held
+    native, its draft, a 24 GiB limit; ``autotune plan --context 32768`` plans it here (no GPU, no
+    weights), the target at its blocks' bytes."""
+    import engine
+    from autotune import cli, vram
+
+    exp = experiment.load(REPO / "experiments" / "qwen35-27b-q4km-24gb.yaml")
+    assert (exp.model.target, exp.model.weights) == ("qwen35-27b-shape-q4_k_m", "native")
+    assert exp.model.vram_limit == 24 << 30
+    assert cli.main(["plan", str(exp.path), "--context", "32768"]) == 0
+    out = capsys.readouterr().out
+    assert "weights native; planned for cuda in bfloat16" in out and "context: 32,768 tokens" in out
+    pair = engine.load(exp.model.target, exp.model.draft, device="meta", dtype="bfloat16", weights="native")
+    plan = engine.plan_memory(pair, engine.EngineConfig(verify="ar"), 32768 - 256, 256, device="cuda")
+    assert f"| target_weights | {vram.size(plan.parts['target_weights'])} |" in out
+    assert f"ar_bytes: {plan.total}" in out.splitlines()
+
+
 def test_fingerprint_ignores_trial_budget_but_not_the_space(tmp_path):
     a = experiment.load(tiny_experiment(tmp_path / "a"))
     b = experiment.load(tiny_experiment(tmp_path / "b", study={"n_trials": 50}))

@@ -106,3 +106,24 @@ def test_the_large_rooflines_bytes_are_what_a_step_reads_float_or_quantized():
     with pytest.raises(SystemExit) as exit_:
         gb.main(["large", "--weights", "q2_k"])
     assert exit_.value.code == 2
+
+
+def test_large_with_q4_k_m_times_the_registrys_quantized_presets_and_refuses_others(capsys):
+    """``large --weights q4_k_m`` loads each shape's registry twin ``<shape>-q4_k_m`` held native with the
+    shape's own draft (one way to build it: the preset); a preset with no such twin is refused at the
+    command line, before any GPU is asked for."""
+    import engine
+
+    gb = load_benchmark("gpu_bench")
+    assert gb.large_pair("qwen35-27b-shape", "q4_k_m") == ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash",
+                                                           "native")
+    assert gb.large_pair("qwen3-8b-shape", "bf16") == ("qwen3-8b-shape", "qwen3-8b-shape-dflash", "dequantized")
+    target, draft, weights = gb.large_pair("qwen3-8b-shape", "q4_k_m")
+    pair = engine.load(target, draft, device="meta", dtype="bfloat16", weights=weights)  # (shapes only)
+    assert set(pair.weight_summary()["formats"]) == {"Q4_K", "Q6_K"}
+    for presets in (["tiny-dense"], ["qwen3-8b-shape", "smollm2-135m-shape"]):
+        with pytest.raises(SystemExit) as exit_:
+            gb.main(["large", "--weights", "q4_k_m", "--presets", *presets])
+        assert exit_.value.code == 2
+        assert f"--presets {presets[-1]} --weights q4_k_m: needs the registry preset {presets[-1]}-q4_k_m" in \
+            capsys.readouterr().err

@@ -151,6 +151,42 @@ def test_the_shape_presets_plan_on_the_meta_device_anywhere():
     assert plan.parts["draft_weights"] > 0 and plan.loop == "graphs"
 
 
+@pytest.mark.parametrize("base", ["qwen3-8b-shape", "qwen35-27b-shape"])
+def test_the_quantized_shape_presets_plan_their_q4_k_m_bytes_on_the_meta_device(base):
+    """``<shape>-q4_k_m`` held native plans, with nothing allocated, its float shape's tensors with each
+    projection at the bytes of the blocks llama.cpp's Q4_K_M gives it (counted here from the float
+    shape's projections and ``q4_k_m_format``): about 4.8 bits a weight; held dequantized, the float
+    shape's bytes."""
+    from torch import nn
+
+    from engine.models.quant import FORMATS
+    from engine.models.quantize import q4_k_m_format
+    from engine.registry import TARGETS
+
+    pair = engine.load(f"{base}-q4_k_m", f"{base}-dflash", device="meta", dtype="bfloat16", weights="native")
+    assert all(t.is_meta for t in [*pair.target.parameters(), *pair.target.buffers()])
+    floats, _ = TARGETS[base].build_on(torch.device("meta"), torch.bfloat16)
+    linears = {name: m for name, m in floats.named_modules() if isinstance(m, nn.Linear)}
+    v = [name for name in linears if name.endswith(".v_proj")]
+    blocks = 0
+    for name, m in linears.items():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        fmt = FORMATS[q4_k_m_format(name, layer, floats.cfg.num_hidden_layers, v.index(name) if name in v else None,
+                                    len(v))]
+        assert m.in_features % 256 == 0 and fmt.name in ("Q4_K", "Q6_K")  # no fallback at these widths
+        blocks += m.out_features * m.in_features // fmt.values * fmt.nbytes
+    rest = sum(p.numel() for name, p in floats.named_parameters() if name.rpartition(".")[0] not in linears)
+    plan = plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, device="cuda")
+    assert plan.parts["target_weights"] == blocks + 2 * rest + 4 * floats.inv_freq.numel()
+    assert pair.weight_summary()["native_bytes"] == blocks
+    assert 4.75 < 8 * blocks / sum(m.weight.numel() for m in linears.values()) < 4.95
+    float_pair = engine.load(base, f"{base}-dflash", device="meta", dtype="bfloat16")
+    held_floats = engine.load(f"{base}-q4_k_m", f"{base}-dflash", device="meta", dtype="bfloat16")
+    want = plan_memory(float_pair, EngineConfig(budget=22), 4096, 256, device="cuda").parts
+    assert plan_memory(held_floats, EngineConfig(budget=22), 4096, 256, device="cuda").parts["target_weights"] == \
+        want["target_weights"] and plan.parts["draft_weights"] == want["draft_weights"]
+
+
 def test_a_meta_pair_refuses_to_decode():
     pair = engine.load("tiny-dense", "random", device="meta")
     for call in (lambda: engine.generate(pair, [5, 6, 7], EngineConfig(verify="ar"), 4),
