@@ -118,9 +118,13 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     parts["prefix_cache"] = _planned_prefix_cache(pair.target, prompt_tokens, new_tokens, feature_width, dt,
                                                   prefix_cache_bytes)
     loop = _loop(pair, config, dev, constrained)
+    # a weight in blocks is read in place by the few-row kernel on CUDA in half precision (every row count a
+    # decode forwards: steps, verifies, prefill chunks); elsewhere it is dequantized whole for each call
+    in_place = dev.type == "cuda" and size == 2 and config.kernels == "fused"
     prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
-                             prefix_cache_bytes > 0)
-    step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative)
+                             prefix_cache_bytes > 0, in_place)
+    step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
+                       in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
         parts["graph_pools"], parts["activations"] = step, prefill
     else:
@@ -397,13 +401,14 @@ def _layer_width(layer: nn.Module) -> int:
 
 
 def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_rows: int, feature_width: int,
-                   prefill: bool, cuda: bool = True) -> int:
+                   prefill: bool, cuda: bool = True, in_place: bool = False) -> int:
     """Transient bytes of a forward of ``rows`` tokens over ``keys`` keys through ``model``'s layers
     (an estimate): the residual stream and the widest layer's temporaries, the target features
     gathered, the logits rows; a prefill's mask and the attention's masked product over every key
     pair (SDPA; off CUDA its math path also holds every head's float32 scores), a decode step's
     split-attention partials (float32, per span of ``step_split`` keys); and a quantized weight
-    dequantized for a call (float32, then the dtype). The features are gathered layer by layer and
+    dequantized for a call (float32, then the dtype), unless ``in_place`` (the few-row kernel reads the
+    blocks in registers). The features are gathered layer by layer and
     concatenated after the last: beside the widest layer, their rows once; after it, twice."""
     cfg = model.cfg
     heads, head_dim = cfg.num_attention_heads, getattr(cfg, "dim_per_head", None) or cfg.head_dim
@@ -415,14 +420,14 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     layer = rows * size * max(_layer_width(layer) for layer in model.layers) + attend
     total = 3 * rows * cfg.hidden_size * size + max(layer + features, 2 * features)
     total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
-    blocks = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    blocks = [] if in_place else [m for m in model.modules() if isinstance(m, QuantLinear)]
     if blocks:
         total += max(m.out_features * m.in_features for m in blocks) * (4 + size)
     return total
 
 
 def _prefill_bytes(model: nn.Module, prompt_tokens: int, size: int, feature_width: int, cuda: bool,
-                   chunked: bool) -> int:
+                   chunked: bool, in_place: bool = False) -> int:
     """The prefill transient of a prompt of at most ``prompt_tokens`` (``loop.prefill``): one masked
     forward of the whole prompt, up to ``PREFILL_CHUNK`` tokens; past that or through a prefix cache
     (``chunked``), ``prefill_rows`` at a time in the decode steps' form, priced at the widest chunk
@@ -430,22 +435,22 @@ def _prefill_bytes(model: nn.Module, prompt_tokens: int, size: int, feature_widt
     step kernel's float32 partials, elsewhere the PyTorch form's masked SDPA."""
     chunk = prefix_cache_mod.PREFILL_CHUNK
     whole = _forward_bytes(model, min(prompt_tokens, chunk), min(prompt_tokens, chunk), size, 1, feature_width,
-                           True, cuda)
+                           True, cuda, in_place)
     if prompt_tokens <= chunk and not chunked:
         return whole
-    steps = max(_forward_bytes(model, rows, keys, size, 1, feature_width, not cuda, cuda)
+    steps = max(_forward_bytes(model, rows, keys, size, 1, feature_width, not cuda, cuda, in_place)
                 for rows, keys in prefix_cache_mod.widest_chunks(model, prompt_tokens, chunk, size == 4))
     return steps if chunked else max(whole, steps)
 
 
 def _step_bytes(pair, config: EngineConfig, context: int, length: int, n_verify: int, size: int,
-                feature_width: int, speculative: bool) -> int:
+                feature_width: int, speculative: bool, in_place: bool = False) -> int:
     """A decode step's transient at the longest key span (the runtime's bucket, within the workspace's
     ``length``): the verify of ``n_verify`` rows (AR: one), and with a draft its proposal (the block's
     rows and as many context rows, its logits and their top-k in float32)."""
     keys = runtime.bucket_for(context + n_verify, length)
     sampled = 16 if config.temperature > 0 else 0  # float64 logits and their noise, per row
-    verify = _forward_bytes(pair.target, n_verify, keys, size, n_verify, feature_width, False)
+    verify = _forward_bytes(pair.target, n_verify, keys, size, n_verify, feature_width, False, in_place=in_place)
     verify += n_verify * pair.target.cfg.vocab_size * sampled
     if not speculative or not isinstance(pair.drafter, DFlashDrafter):
         return verify

@@ -181,6 +181,15 @@ def test_native_blocks_are_planned_at_their_bytes(tmp_path):
     assert plan.parts["target_weights"] == summary["weight_bytes"] + freqs < twin_plan.parts["target_weights"]
     blocks = max(m.out_features * m.in_features for m in native.target.modules() if hasattr(m, "blocks"))
     assert plan.parts["activations"] - twin_plan.parts["activations"] == blocks * (4 + 4)  # dequantized per call
+    # planned for CUDA in bf16 the few-row kernel reads the blocks in place: no weight dequantized whole;
+    # with kernels: eager (PyTorch forms) it is, per call
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    on_gpu, twin_gpu = plan_memory(native, cfg, 20, 8, **bf16), plan_memory(twin, cfg, 20, 8, **bf16)
+    assert on_gpu.parts["activations"] == twin_gpu.parts["activations"]
+    assert on_gpu.parts["graph_pools"] == twin_gpu.parts["graph_pools"]
+    eager = EngineConfig(verify="ar", kernels="eager")
+    assert plan_memory(native, eager, 20, 8, **bf16).parts["activations"] - \
+        plan_memory(twin, eager, 20, 8, **bf16).parts["activations"] >= blocks * (4 + 2)
     reserve_memory(native, cfg, 20, 8)
     engine.generate(native, list(range(5, 25)), cfg, 8, ignore_eos=True)
     assert held_memory(native)["target_weights"] == plan.parts["target_weights"]
