@@ -241,7 +241,8 @@ def _quantized(base: str, recipe: str, seed: int, native: bool, device: torch.de
 
     Built as a native GGUF load is (``loading.build_model`` with the plan of blocks), then filled a
     projection at a time, by rows: each drawn, rounded to ``dtype`` and quantized, so the quantized
-    weights never exist as floats (the 27B shape builds in about the 17 GiB it holds); ``native=False``
+    weights never exist as floats (the 27B shape holds 16.9 GiB; its build peaked at 25.3 GiB on the H200
+    before ``fuse_projections_`` freed each group's parts, unmeasured since); ``native=False``
     holds each as its blocks' values. On the meta device nothing is drawn: blocks of the bytes a load
     holds, the model a load gives. Each weight's values are those ``init_random_(model, seed)`` would
     give it (a tied head: the embedding's), so a CPU preset quantized here holds the blocks
