@@ -156,6 +156,8 @@ class Worker:
     """Owns a loaded ``engine.Pair`` and the encoded prompts; measures one config per call."""
 
     def __init__(self, pair: Any, workloads: Sequence[Any], fixed: dict[str, Any]) -> None:
+        import engine
+
         self.pair = pair
         self._engine_s = 0.0  # seconds inside the engine during the current job
         self._on_progress: ProgressCallback | None = None  # the current job's (Worker.measure)
@@ -172,6 +174,9 @@ class Worker:
             raise ValueError("a worker measures prompt workloads or session workloads, not both")
         self.sessions = [(n, list(w.prompts)) for n, w in zip(names, workloads, strict=True)] if self.session_mode \
             else []
+        # each session's first request, encoded once: what must fit the context (limits(), sweep._check_fits)
+        self._first_request = max((len(pair.encode(engine.session_request(p))) for _, ps in self.sessions
+                                   for p in ps), default=0)
         # (length, slice, weights, cache) -> the baseline AR's replay per set (_replay)
         self._replays: dict[tuple[Any, ...], list[Any]] = {}
         self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
@@ -202,9 +207,7 @@ class Worker:
                 # a session workload's most model turns (0: prompts): where vram.memory_at plans its last request
                 "session_turns": max((engine.session_turns(p) for _, ps in self.sessions for p in ps), default=0),
                 # ... and its longest first request, what must fit the context (sweep._check_fits)
-                **({"longest_first_request": max((len(self.pair.encode(engine.session_request(p)))
-                                                  for _, ps in self.sessions for p in ps), default=0)}
-                   if self.session_mode else {})}
+                **({"longest_first_request": self._first_request} if self.session_mode else {})}
 
     def environment(self) -> dict[str, Any]:
         """What an AR measurement here depends on beyond the job and the experiment: the host, the

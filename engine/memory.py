@@ -35,7 +35,6 @@ from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding import runtime
 from engine.decoding.decode import verify_shape, workspace_length
 from engine.decoding.drafters import DFlashDrafter, OracleDrafter
-from engine.decoding.prefix_cache import PrefixCache
 from engine.models.attention import step_split
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
@@ -153,7 +152,7 @@ def measure_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: i
                            _loop(pair, config, pair.target.device, constrained))
 
 
-def held_memory(pair, prefix_cache: PrefixCache | None = None) -> dict[str, int]:
+def held_memory(pair, prefix_cache: prefix_cache_mod.PrefixCache | None = None) -> dict[str, int]:
     """Bytes of the tensors ``pair`` holds now, per part (``activations`` 0: nothing transient is
     held between generations); ``prefix_cache``: the cache the pair's generations commit into (its
     ``bytes``: what it holds; None: part ``prefix_cache`` 0)."""

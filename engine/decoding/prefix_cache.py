@@ -78,8 +78,7 @@ def widest_chunks(target, n: int, most: int = PREFILL_CHUNK, fp32: bool | None =
     row count it can take: the rows halve as the keys pass a threshold, so a prompt just short of it
     forwards twice the rows over nearly as many keys. What a plan at ``n`` prices (the largest), so
     that the plan never shrinks as the prompt grows."""
-    out, rows = [], None
-    lo_keys = n
+    out, lo_keys = [], n
     while lo_keys >= 1:
         rows = prefill_rows(target, lo_keys, most, fp32)
         out.append((min(rows, lo_keys), lo_keys))
