@@ -58,6 +58,8 @@ TRAIN_PROMPTS = 40000  # more than the training mix holds: every train prompt (e
 CALLS = {  # what each call carries besides the tracked tree
     "call1": ["smol1"],
     "call2": ["smol2", "gguf", "workloads", "assets"],
+    "join": ["smol2"],  # join.sh: when call 2 is over, the half alone, then call 2 without it
+    "call2-after-join": ["gguf", "workloads", "assets"],
     "gen": ["train", "gguf"],
     "train": ["workloads", "assets", "gguf"],
     "call3": ["wheels", "ref", "workloads", "assets", "gguf"],
