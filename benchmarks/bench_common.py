@@ -38,6 +38,17 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
 
 
+def large_pair(preset: str, weights: str) -> tuple[str, str | None, str]:
+    """A shape preset's (target, draft, weights held) for ``large``, ``profile`` and ``graphs``: with
+    ``weights`` a recipe (``q4_k_m``) its registry twin quantized to that mix (``<preset>-q4_k_m``, built in
+    its blocks on the GPU: ``engine.registry.quantized_preset``) held native; the draft is the preset's own
+    either way (``registry.draft_for``)."""
+    from engine.registry import draft_for
+
+    target = preset if weights == "bf16" else f"{preset}-{weights}"
+    return target, draft_for(target), "dequantized" if weights == "bf16" else "native"
+
+
 def set_prompts(pair, spec: str, n: int) -> list[list[int]]:
     """The first ``n`` eval prompts of a named workload or JSONL file, encoded by ``pair``."""
     wl = load_workload(spec, Path.cwd(), n, 0, split="eval")

@@ -44,6 +44,8 @@ median over ``--repeats`` timed passes after one warm-up pass, with min..max as 
   ``--target``/``--draft``): the kernels of a few AR steps and DDTree steps under the PyTorch
   profiler (graph replays included), grouped by name, with the sum of kernel time against the wall
   time of the steps (the gap is launch and host time). ``--trace DIR`` also writes Chrome traces.
+  ``--weights q4_k_m`` (as ``large``): the presets' quantized twins held in their blocks, so a quantized
+  step's kernels (``_quant_kernel``) are timed beside the rest.
 - ``graphs``: each captured step graph replayed alone (AR; DDTree's propose and verify, per
   ``--budgets``): wall time against the sum of its kernels' time, kernel counts, the kernels by
   name (``--out``: every kernel in launch order). ``--target smollm2-135m-shape --draft
@@ -69,7 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import oracle_bars  # noqa: E402
-from bench_common import env_record, named_config, set_prompts, spread, sync, timed  # noqa: E402
+from bench_common import env_record, large_pair, named_config, set_prompts, spread, sync, timed  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 from step_profile import section_graphs, section_profile  # noqa: E402
 
@@ -77,7 +79,7 @@ import engine  # noqa: E402
 from engine import EngineConfig, EngineInputError  # noqa: E402
 from engine.models.quant import QuantLinear, weight_bytes  # noqa: E402
 from engine.models.quantize import RECIPES  # noqa: E402
-from engine.registry import TARGETS, draft_for, parse_oracle  # noqa: E402
+from engine.registry import TARGETS, parse_oracle  # noqa: E402
 
 
 def interleave(groups: list[list]) -> list:
@@ -400,14 +402,6 @@ def section_large(args) -> tuple[str, dict]:
     return "\n".join(lines), report
 
 
-def large_pair(preset: str, weights: str) -> tuple[str, str | None, str]:
-    """``large``'s (target, draft, weights held) for a shape preset: with ``--weights q4_k_m`` its registry
-    twin quantized to that mix (``<preset>-q4_k_m``, built in its blocks on the GPU: ``engine.registry.
-    quantized_preset``) held native; the draft is the preset's own either way (``registry.draft_for``)."""
-    target = preset if weights == "bf16" else f"{preset}-{weights}"
-    return target, draft_for(target), "dequantized" if weights == "bf16" else "native"
-
-
 def bytes_read_per_token(target: torch.nn.Module) -> int:
     """The weight bytes an AR step reads: every stored weight once (quantized blocks at their size),
     of the embedding one row (it is gathered), unless the output head multiplies by it (tied, float)."""
@@ -442,13 +436,13 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.presets_given = args.presets is not None
     if args.presets is None:
         args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
-    if args.section == "large":  # each preset's pair named before a GPU is asked for
-        for preset in args.presets:
+    if args.section == "large" or (args.section in ("profile", "graphs") and args.presets_given):
+        for preset in args.presets:  # each preset's pair named before a GPU is asked for
             target, draft, _ = large_pair(preset, args.weights)
             if target not in TARGETS or draft is None:
                 with_weights = f" --weights {args.weights}" if args.weights != "bf16" else ""
                 ap.error(f"--presets {preset}{with_weights}: needs the registry preset {target} and a draft preset "
-                         "for it; large times the shape presets qwen3-8b-shape and qwen35-27b-shape")
+                         f"for it; {args.section} times the shape presets qwen3-8b-shape and qwen35-27b-shape")
     if args.paths is None:
         args.paths = ["runtime"] if args.section == "oracle" else ["generic", "runtime"]
 
@@ -488,12 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
     ap.add_argument("--weights", choices=["bf16", *RECIPES], default="bf16",
-                    help="large: the presets' projections as bf16 floats (default) or quantized in memory to a "
+                    help="large, and profile/graphs with --presets: the presets' projections as bf16 floats "
+                         "(default) or quantized in memory to a "
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
                          "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
                          "(issue #28); the roofline counts the bytes held")
     ap.add_argument("--presets", nargs="+", default=None,
-                    help="large/profile/oracle: shape presets (default for large: qwen3-8b-shape qwen35-27b-shape, "
+                    help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
+                         "qwen35-27b-shape, "
                          "for oracle: qwen35-27b-shape; oracle on the CPU: tiny-dense or tiny-hybrid)")
     ap.add_argument("--trace", default=None, help="profile: write Chrome traces into this folder")
     ap.add_argument("--budgets", nargs="+", type=int, default=[8, 16, 32, 64])

@@ -16,8 +16,11 @@ QUANT_SHAPES = [
     ("SmolLM2 down", 576, 1536, ("Q4_1", "Q4_K", "Q6_K")), ("SmolLM2 lm_head", 49152, 576, ("Q4_1", "Q8_0")),
     ("27B down", 5120, 17408, ("Q4_K", "Q6_K")), ("27B gate or up", 17408, 5120, ("Q4_K",)),
     ("27B gate_up", 34816, 5120, ("Q4_K",)), ("27B o_proj", 5120, 6144, ("Q4_K", "Q8_0")),
-    ("27B lm_head", 248320, 5120, ("Q6_K",)),
+    ("27B lm_head", 248320, 5120, ("Q6_K",)), ("27B GDN in_proj", 16480, 5120, ("Q4_K",)),
+    ("27B qkv", 14336, 5120, ("Q4_K",)), ("27B q_proj", 12288, 5120, ("Q4_K",)),
+    ("27B k or v", 1024, 5120, ("Q4_K", "Q6_K")),
 ]
+STEP_PRESET = "qwen35-27b-shape-q4_k_m"  # the preset whose AR step the 1-row kernel times add up to
 QUANT_ROWS = (1, 16, 33)  # an AR step, a step launch's widest, a budget-32 verify
 ROTATE_BYTES = 256 * 2**20  # weight copies cycled through, so that a launch reads its weight from HBM (L2: 50 MB)
 
@@ -46,7 +49,37 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
               + " | ".join(f"{r['kernel'][m]:.1f} / {r['dequantize'][m]:.1f} / {r['bf16'][m]:.1f}" for m in rows)
               + f" | {r['gbs']:.0f} | {'y' if r['bits_equal_dequantized'] else 'n'} | "
               f"{'y' if r['row_invariant'] else 'n'} |" for r in out]
+    if rows[0] == 1:
+        lines += ["", step_sum(out)]
     return out, lines
+
+
+def step_launches(preset: str = STEP_PRESET) -> dict[tuple[str, int, int], int]:
+    """(format, N, K) -> launches an AR step of ``preset`` makes: each projection held in blocks once
+    (built on the meta device: shapes only, as ``engine.load(device="meta")`` builds it)."""
+    from collections import Counter
+
+    import engine
+    from engine.models.quant import QuantLinear
+
+    target = engine.load(preset, "none", device="meta", dtype="bfloat16", weights="native").target
+    return dict(Counter((m.fmt.name, m.out_features, m.in_features) for m in target.modules()
+                        if isinstance(m, QuantLinear)))
+
+
+def step_sum(results: list[dict], preset: str = STEP_PRESET) -> str:
+    """The 1-row kernel times of ``results`` summed over an AR step's launches of ``preset``
+    (``step_launches``): what the projections alone cost a step, against ``gpu_bench.py large --weights
+    q4_k_m``'s AR ms/token (their gap: the step's other kernels, launch gaps, or something else). Shapes
+    not timed are named, with their share of the step's blocks."""
+    times = {(r["format"], r["n"], r["k"]): r["kernel"][1] for r in results}
+    launches = step_launches(preset)
+    timed = {key: count for key, count in launches.items() if key in times}
+    total_us = sum(count * times[key] for key, count in timed.items())
+    untimed = sorted(f"{f} {n}x{k} x{c}" for (f, n, k), c in launches.items() if (f, n, k) not in times)
+    return (f"{preset} AR step, its quantized projections' 1-row kernel times summed: {total_us / 1000:.2f} ms "
+            f"over {sum(timed.values())} of {sum(launches.values())} launches"
+            + (f" (not timed: {', '.join(untimed)})" if untimed else ""))
 
 
 def _rotating(copies: list[torch.Tensor]):
@@ -79,8 +112,8 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
         bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), lin.linear(xs[m], w)) for m in rows)
         many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
         invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
-        row = {"shape": f"{label} ({n} x {k})", "format": name, "bytes": first.numel(), "kernel": kernel,
-               "dequantize": deq, "bf16": bf16, "gbs": first.numel() / kernel[rows[0]] / 1e3,
+        row = {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "format": name, "bytes": first.numel(),
+               "kernel": kernel, "dequantize": deq, "bf16": bf16, "gbs": first.numel() / kernel[rows[0]] / 1e3,
                "bits_equal_dequantized": bits, "row_invariant": invariant}
         out.append(row)
         print(f"{row['shape']} {name}: " + ", ".join(

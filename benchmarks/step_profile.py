@@ -7,7 +7,7 @@ import gc
 from pathlib import Path
 
 import torch
-from bench_common import env_record, set_prompts
+from bench_common import env_record, large_pair, set_prompts
 from kernel_timing import graph_breakdown
 
 import engine
@@ -46,14 +46,22 @@ def profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, t
     return lines, rep
 
 
+def _targets(args) -> list[tuple[str, str, str, bool]]:
+    """(target, draft, weights held, whether it is a shape preset: random weights, a range of token ids
+    for a prompt) of each pair to time: ``--presets`` as ``large`` pairs them (``--weights``), else
+    ``--target``/``--draft`` as given."""
+    if args.presets_given:
+        return [(*large_pair(t, args.weights), t.endswith("-shape")) for t in args.presets]
+    return [(args.target, args.draft, "dequantized", args.target.endswith("-shape"))]
+
+
 def section_profile(args) -> tuple[str, dict]:
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
     lines: list[str] = []
     report: dict = {"env": env_record(), "runs": {}}
     trace = Path(args.trace) if args.trace else None
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        if target.endswith("-shape"):
+    for target, draft, weights, shape in _targets(args):
+        pair = engine.load(target, draft, device="cuda", dtype=args.dtype, weights=weights)
+        if shape:
             prompts = [list(range(10, 10 + args.context))]
         else:
             prompts = set_prompts(pair, args.sets[0], 1)
@@ -77,14 +85,12 @@ def section_graphs(args) -> tuple[str, dict]:
     kernel time, the gap between them being launch latency and idle SMs between dependent kernels."""
     from engine.decoding.runtime import decoder_for
 
-    targets = [(t, f"{t}-dflash") for t in args.presets] if args.presets_given else [(args.target, args.draft)]
     lines = ["| target | config | graph | wall us (launch hidden) | wall us (idle GPU) | kernels | kernel us (sum) "
              "| first-to-last us | gaps (wall - kernel us) | us per kernel |", "|" + "---|" * 10]
     report: dict = {"env": env_record(), "runs": {}}
-    for target, draft in targets:
-        pair = engine.load(target, draft, device="cuda", dtype=args.dtype)
-        prompt = (list(range(10, 10 + args.context)) if target.endswith("-shape")
-                  else set_prompts(pair, args.sets[0], 1)[0])
+    for target, draft, weights, shape in _targets(args):
+        pair = engine.load(target, draft, device="cuda", dtype=args.dtype, weights=weights)
+        prompt = list(range(10, 10 + args.context)) if shape else set_prompts(pair, args.sets[0], 1)[0]
         for budget in args.budgets:
             configs = [("ar", EngineConfig(verify="ar")),
                        (f"ddtree-b{budget}", EngineConfig(verify="ddtree", budget=budget, top_k=args.top_k))]

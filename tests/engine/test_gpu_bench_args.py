@@ -127,3 +127,22 @@ def test_large_with_q4_k_m_times_the_registrys_quantized_presets_and_refuses_oth
         assert exit_.value.code == 2
         assert f"--presets {presets[-1]} --weights q4_k_m: needs the registry preset {presets[-1]}-q4_k_m" in \
             capsys.readouterr().err
+
+
+def test_profile_and_graphs_take_the_quantized_twins_with_weights(capsys):
+    """``profile`` / ``graphs --presets P --weights q4_k_m`` time ``P``'s quantized twin held native (as
+    ``large`` pairs it), so a quantized step's kernels are profiled; without ``--presets`` the
+    ``--target`` / ``--draft`` pair as given; a preset with no twin is refused before a GPU is asked for."""
+    gb = load_benchmark("gpu_bench")
+    sp = load_benchmark("step_profile")
+    quantized = argparse.Namespace(presets_given=True, presets=["qwen35-27b-shape"], weights="q4_k_m")
+    assert sp._targets(quantized) == [("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash", "native", True)]
+    plain = argparse.Namespace(presets_given=False, target="smollm2-135m-instruct", draft="smollm2-135m-dflash",
+                               weights="q4_k_m")
+    assert sp._targets(plain) == [("smollm2-135m-instruct", "smollm2-135m-dflash", "dequantized", False)]
+    for section in ("profile", "graphs"):
+        with pytest.raises(SystemExit) as exit_:
+            gb.main([section, "--weights", "q4_k_m", "--presets", "tiny-dense"])
+        assert exit_.value.code == 2
+        assert "--presets tiny-dense --weights q4_k_m: needs the registry preset tiny-dense-q4_k_m" in \
+            capsys.readouterr().err

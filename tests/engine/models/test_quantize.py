@@ -204,3 +204,51 @@ def test_on_the_gpu_a_quantized_preset_decodes_its_twins_tokens_and_speculation_
     _float_twin(pair.target, torch.bfloat16)
     pair._workspace = pair._runtime_decoder = None  # new buffers, new graphs: those captured launched the blocks
     assert engine.bench(pair, ar, prompts, 48, ignore_eos=True).outputs == ref.outputs
+
+
+def test_a_q4_k_m_hybrids_decode_step_takes_the_kernel_for_every_projection(monkeypatch):
+    """Issue #28's 27B Q4_K_M AR ran far under its roofline: no projection of a step may dequantize its
+    weight per call on the GPU. A Qwen3.5-like hybrid of 256-wide rows (Q4_K, Q6_K for the head and
+    llama.cpp's down/v share) in bf16, quantized as the registry's presets are, decodes with the kernel
+    dispatch's CUDA rule applied on the CPU (the kernel itself: ``test_quant_kernel.py``): every AR step
+    launches each projection in blocks once at 1 row (the Q6_K head, the GDN's fused inputs, a mixed q/k/v
+    group's parts) and nothing is dequantized per call; the tokens equal the PyTorch form's."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    import engine
+    from engine import EngineConfig, registry
+    from engine.data.tokenizer import ByteTokenizer
+    from engine.models import quant, quant_kernel
+    from engine.models.hybrid import HybridModel
+    from engine.models.hybrid_config import HybridConfig
+
+    cfg = HybridConfig(vocab_size=300, hidden_size=256, num_hidden_layers=4, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=128, intermediate_size=512, full_attention_interval=2,
+                       linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+    base = registry.TargetPreset("q-hybrid", "test", lambda device=registry.CPU: (
+        registry._random(lambda: HybridModel(cfg), 5, device), ByteTokenizer(300)))
+    monkeypatch.setitem(registry.TARGETS, "q-hybrid", base)
+    monkeypatch.setitem(registry.TARGETS, "q-hybrid-q4_k_m", registry.quantized_preset("q-hybrid", "test"))
+    pair = engine.load("q-hybrid-q4_k_m", "none", device="cpu", dtype="bfloat16", weights="native")
+    layers = {(m.fmt.name, m.out_features, m.in_features) for m in pair.target.modules() if isinstance(m, QuantLinear)}
+    assert {f for f, _, _ in layers} == {"Q4_K", "Q6_K"} and ("Q6_K", 300, 256) in layers
+    ids, ar = list(range(10, 30)), EngineConfig(verify="ar", draft_path="runtime")
+    eager = engine.generate(pair, ids, ar, 6, ignore_eos=True).tokens
+
+    launches, per_call, dequantize = [], [], quant.dequantize
+
+    def kernel(x, blocks, fmt, cols, bias=None):  # the kernel's values (test_quant_kernel): the blocks' own
+        launches.append((fmt.name, blocks.shape[0], cols, x.numel() // cols))
+        return F.linear(x, dequantize(blocks, fmt, cols, x.dtype), bias)
+
+    monkeypatch.setattr(quant_kernel, "fused", SimpleNamespace(use_kernels=lambda *tensors: True))  # as on CUDA
+    monkeypatch.setattr(quant_kernel, "linear", kernel)
+    monkeypatch.setattr(quant, "dequantize", lambda *a, **kw: per_call.append(a[1].name) or dequantize(*a, **kw))
+    gen = engine.generate(pair, ids, ar, 6, ignore_eos=True)
+    assert gen.tokens == eager and not per_call
+    steps = [launch[:3] for launch in launches if launch[3] == 1]  # (and the prefill's head on its last row)
+    held = len([m for m in pair.target.modules() if isinstance(m, QuantLinear)])
+    assert len(steps) == gen.stats.steps * held + 1 and set(steps) == layers

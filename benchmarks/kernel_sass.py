@@ -1,0 +1,92 @@
+"""The few-row products' K loop in Hopper SASS, without a GPU: the dense bf16 kernel and the GGUF-block
+kernel (``quant_kernel``) compiled for sm_90 on a weight's 1-row (step) launch, and per weight value
+the thread instructions of one loop iteration, with registers and the loop's loads (issue #28: how
+much decode work a quantized AR step issues against the bf16 one's).
+
+    python benchmarks/kernel_sass.py                      # the 27B Q4_K_M step's weights
+    python benchmarks/kernel_sass.py --dump DIR           # also each loop's SASS, one file a kernel
+
+Static counts, not timings: an upper bound on what issue rate alone allows, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernel_check import CUOBJDUMP, compile_for_hopper, resources  # noqa: E402
+
+from engine.models import linear as rows_linear  # noqa: E402
+from engine.models import quant_kernel  # noqa: E402
+from engine.models.quant import FORMATS  # noqa: E402
+
+CASES = [(34816, 5120, "Q4_K"), (16480, 5120, "Q4_K"), (5120, 17408, "Q4_K"), (5120, 6144, "Q4_K"),
+         (14336, 5120, "Q4_K"), (5120, 17408, "Q6_K"), (248320, 5120, "Q6_K")]
+TYPES = dict(x_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32",
+             K="i32", sxm="i32", k_iters="i32", split="i32", tiles="i32")
+ALIGNED = ("x_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm")
+
+
+def loop(compiled) -> list[str]:
+    """The instructions of the kernel's longest loop (a backward branch's body)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    at = {a: i for i, (a, _) in enumerate(lines)}
+    best: list[str] = []
+    for i, (a, ins) in enumerate(lines):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [x for _, x in lines[at[int(m.group(1), 16)]: i + 1]]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def row(name: str, compiled, warps: int, values: int, dump: Path | None) -> str:
+    body = loop(compiled)
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
+    loads = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()) if k.startswith(("LDG", "LDGSTS")))
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{name.replace(' ', '_')}.sass").write_text("\n".join(body) + "\n")
+    res = resources(compiled)
+    return (f"| {name} | {res['REG']} | {warps} | {len(body)} | {len(body) * 32 * warps / values:.1f} | "
+            f"{ops.get('HGMMA.64x16x16.F32.BF16', 0) + ops.get('HGMMA.64x8x16.F32.BF16', 0)} | {loads} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dump", type=Path, help="write each loop's SASS into this folder")
+    args = ap.parse_args(argv)
+    print("| kernel (1-row step launch) | registers | warps | loop instructions a thread | thread instructions a "
+          "weight value | HGMMA | global loads a thread |\n|---|---|---|---|---|---|---|")
+    for n, k, name in CASES:
+        cfg = (rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)).step
+        fmt = FORMATS[name]
+        block_m, warps = quant_kernel.launch_shape(fmt, cfg, 1)
+        stages = rows_linear.stages_for(cfg, block_m, 2)
+        shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     BLOCK_M=block_m, INTERPRET=False)
+        dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"), shape,
+                                   cfg.num_warps, stages, (*ALIGNED, "w_ptr", "swn"))
+        print(row(f"bf16 {n}x{k}", dense, cfg.num_warps, cfg.block_n * cfg.block_k, args.dump))
+        quant = compile_for_hopper(
+            quant_kernel._quant_kernel, dict(TYPES, h_ptr="*fp16", row_halves="i32"),
+            dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
+                 GROUP=quant_kernel.group_size(fmt, cfg.block_k)), warps, stages,
+            (*ALIGNED, "h_ptr") + (("row_halves",) if fmt.row_bytes(k) % 32 == 0 else ()))
+        print(row(f"{name} {n}x{k}", quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
