@@ -207,23 +207,28 @@ def cases():
 def _quant_cases():
     """The in-register kernel's step and verify launches of ``QUANT_CASES`` in bf16, as
     ``quant_kernel.kernel_linear`` launches them."""
-    types = dict(x_ptr="*bf16", h_ptr="*fp16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32",
-                 M="i32", N="i32", K="i32", sxm="i32", row_halves="i32", k_iters="i32", split="i32", tiles="i32")
     for n, k, name in QUANT_CASES:
         fmt = FORMATS[name]
         plan = rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)
-        # the blocks' rows start 16-byte aligned where a row's bytes are a multiple of 16 (Q4_K, Q5_K: 144
-        # and 176-byte blocks; others by their count): what the launch specialises
-        aligned = ("x_ptr", "h_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
-            ("row_halves",) if fmt.row_bytes(k) % 32 == 0 else ())
         for cls, cfg, rows in (("step", plan.step, rows_linear.STEP_ROWS),
                                ("verify", plan.verify, rows_linear.MAX_ROWS)):
+            # the blocks read as words where the launch allows (quant_kernel.words_fit), else as half-words;
+            # rows start 16 units aligned where a row's bytes are a multiple of 16 units: what the launch
+            # specialises
+            words = quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
+            unit = 4 if words else 2
+            types = dict(x_ptr="*bf16", h_ptr="*i32" if words else "*fp16", b_ptr="*bf16", out_ptr="*bf16",
+                         part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32", sxm="i32", row_halves="i32",
+                         k_iters="i32", split="i32", tiles="i32")
+            aligned = ("x_ptr", "h_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
+                ("row_halves",) if fmt.row_bytes(k) % (16 * unit) == 0 else ())
             block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)
-            yield (f"quant {name} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel, types,
-                   dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
-                        GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0,
-                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False), warps,
-                   rows_linear.stages_for(cfg, block_m, 2), aligned)
+            yield (f"quant {name}{' words' if words else ''} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel,
+                   types, dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
+                               GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False,
+                               EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                               BLOCK_M=block_m, INTERPRET=False, **quant_kernel.word_constants(fmt, words)),
+                   warps, rows_linear.stages_for(cfg, block_m, 2), aligned)
 
 
 def _shard(text: str) -> tuple[int, int]:

@@ -66,12 +66,15 @@ def row(name: str, compiled, warps: int, values: int, dump: Path | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dump", type=Path, help="write each loop's SASS into this folder")
+    ap.add_argument("--half-words", action="store_true",
+                    help="compile the half-word decode for every format (the word formats' other path)")
     args = ap.parse_args(argv)
     print("| kernel (1-row step launch) | registers | warps | loop instructions a thread | thread instructions a "
           "weight value | HGMMA | global loads a thread |\n|---|---|---|---|---|---|---|")
     for n, k, name in CASES:
         cfg = (rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)).step
         fmt = FORMATS[name]
+        words = not args.half_words and quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
         block_m, warps = quant_kernel.launch_shape(fmt, cfg, 1)
         stages = rows_linear.stages_for(cfg, block_m, 2)
         shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -79,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"), shape,
                                    cfg.num_warps, stages, (*ALIGNED, "w_ptr", "swn"))
         print(row(f"bf16 {n}x{k}", dense, cfg.num_warps, cfg.block_n * cfg.block_k, args.dump))
+        unit = 4 if words else 2  # the row stride's element: a word or a half-word (aligned: 16 of them)
         quant = compile_for_hopper(
-            quant_kernel._quant_kernel, dict(TYPES, h_ptr="*fp16", row_halves="i32"),
+            quant_kernel._quant_kernel, dict(TYPES, h_ptr="*i32" if words else "*fp16", row_halves="i32"),
             dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
-                 GROUP=quant_kernel.group_size(fmt, cfg.block_k)), warps, stages,
-            (*ALIGNED, "h_ptr") + (("row_halves",) if fmt.row_bytes(k) % 32 == 0 else ()))
-        print(row(f"{name} {n}x{k}", quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
+                 GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
+            warps, stages, (*ALIGNED, "h_ptr") + (("row_halves",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()))
+        label = f"{name}{' words' if words else ''} {n}x{k}"
+        print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
     return 0
 
 

@@ -60,6 +60,18 @@ def measure(pair: engine.Pair, prompt: list[int], form: str, repeats: int) -> di
         prefix_cache_mod.PREFILL_CHUNK = chunk
 
 
+def _measure_or_oom(pair: engine.Pair, prompt: list[int], form: str, repeats: int) -> dict:
+    """``measure``, or where the GPU runs out of memory (a whole 16k-token prompt's attention scores on
+    the 27B shape: 24 GiB) the error in place of the figures, so the other form and lengths still run."""
+    try:
+        return measure(pair, prompt, form, repeats)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        print(f"{len(prompt)} tokens, {form}: out of memory ({str(exc).splitlines()[0]})", file=sys.stderr)
+        return {"prefill_s": None, "peak_bytes": None, "first_token": None, "rows": len(prompt),
+                "error": f"out of memory: {str(exc).splitlines()[0]}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -102,15 +114,18 @@ def _run(args: argparse.Namespace) -> int:
     rows, out = [], {"env": env_record(), "lengths": {}}
     for n in args.lengths:
         prompt = torch.randint(10, pair.target.cfg.vocab_size, (n,), generator=gen).tolist()
-        got = {form: measure(pair, prompt, form, args.repeats) for form in FORMS}
+        got = {form: _measure_or_oom(pair, prompt, form, args.repeats) for form in FORMS}
         out["lengths"][n] = got
-        ms = {f: [t * 1e3 for t in got[f]["prefill_s"]] for f in FORMS}
-        c, w = (statistics.median(ms[f]) for f in FORMS)
+        ms = {f: [t * 1e3 for t in got[f]["prefill_s"]] if got[f]["prefill_s"] else None for f in FORMS}
+        cell = {f: spread(ms[f]) if ms[f] else "out of memory" for f in FORMS}
+        ratio = (f"{statistics.median(ms['chunked']) / statistics.median(ms['whole']):.2f}"
+                 if ms["chunked"] and ms["whole"] else "-")
         peak = " | ".join("-" if got[f]["peak_bytes"] is None else f"{got[f]['peak_bytes'] / 2**20:.0f} MiB"
                           for f in FORMS)
-        same = "yes" if got["chunked"]["first_token"] == got["whole"]["first_token"] else "no"
-        rows.append(f"| {n} | {got['chunked']['rows']} | {spread(ms['chunked'])} | {spread(ms['whole'])} | "
-                    f"{c / w:.2f} | {peak} | {same} |")
+        firsts = [got[f]["first_token"] for f in FORMS]
+        same = "-" if None in firsts else ("yes" if firsts[0] == firsts[1] else "no")
+        rows.append(f"| {n} | {got['chunked']['rows']} | {cell['chunked']} | {cell['whole']} | "
+                    f"{ratio} | {peak} | {same} |")
         print(rows[-1], flush=True)
     head = ["| prompt tokens | chunk rows | chunked ms, median (min..max) | whole ms | chunked / whole "
             "| peak added: chunked | whole | first token equal |", "|---|---|---|---|---|---|---|---|"]

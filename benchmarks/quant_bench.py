@@ -36,19 +36,22 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
     the bf16 weight on the dense kernel; the kernel's weight stream in GB/s at 1 row; whether its output
     equals the dequantize-then-multiply one bit for bit at every row count (the exactness claim of
     ``quant_kernel``: native and dequantized weights decode alike) and a row's bits at 1 row equal its
-    bits among the most rows (row invariance)."""
+    bits among the most rows (row invariance); where the kernel reads a weight's blocks as 32-bit words,
+    the half-word decode's times on the same launches too."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for label, n, k, formats in shapes or QUANT_SHAPES:
         out += _quant_shape(label, n, k, formats, rows, gen)
         torch.cuda.empty_cache()
     lines = ["| weights | format | MB | " + " | ".join(f"{m} rows: kernel / dequantize / bf16 us" for m in rows)
-             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant |",
-             "|---|---|---|" + "---|" * (len(rows) + 3)]
+             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant | half-word decode us, 1 / most rows |",
+             "|---|---|---|" + "---|" * (len(rows) + 4)]
     lines += [f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.1f} | "
               + " | ".join(f"{r['kernel'][m]:.1f} / {r['dequantize'][m]:.1f} / {r['bf16'][m]:.1f}" for m in rows)
               + f" | {r['gbs']:.0f} | {'y' if r['bits_equal_dequantized'] else 'n'} | "
-              f"{'y' if r['row_invariant'] else 'n'} |" for r in out]
+              f"{'y' if r['row_invariant'] else 'n'} | "
+              + (f"{r['half_words'][rows[0]]:.1f} / {r['half_words'][rows[-1]]:.1f} |" if r["half_words"] else "- |")
+              for r in out]
     if rows[0] == 1:
         lines += ["", step_sum(out)]
     return out, lines
@@ -106,6 +109,11 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
         first = quantize(dense[0], fmt)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
+        # the half-word decode on the same launches, where the kernel reads this weight's blocks as words
+        plan = lin.plan_for_shape(n, k, first.device)
+        halves = ({m: _time(lambda m=m, f=fmt, p=pick, pl=plan: quant_kernel.kernel_linear(
+            xs[m], p(), f, k, None, pl.for_rows(m), words=False)) for m in rows}
+            if quant_kernel.reads_words(fmt, plan.step.block_k, first) else None)
         deq = {m: _time(lambda m=m, f=fmt, p=pick: lin.linear(xs[m], dequantize(p(), f, k, torch.bfloat16)))
                for m in rows}
         w = dequantize(first, fmt, k, torch.bfloat16)
@@ -113,10 +121,12 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
         many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
         invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
         row = {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "format": name, "bytes": first.numel(),
-               "kernel": kernel, "dequantize": deq, "bf16": bf16, "gbs": first.numel() / kernel[rows[0]] / 1e3,
+               "kernel": kernel, "half_words": halves, "dequantize": deq, "bf16": bf16,
+               "gbs": first.numel() / kernel[rows[0]] / 1e3,
                "bits_equal_dequantized": bits, "row_invariant": invariant}
         out.append(row)
         print(f"{row['shape']} {name}: " + ", ".join(
             f"{m} rows {kernel[m]:.1f} us (dequantize {deq[m]:.1f}, bf16 {bf16[m]:.1f})" for m in rows)
-            + f"; {row['gbs']:.0f} GB/s; bits = dequantized: {bits}; row-invariant: {invariant}", flush=True)
+            + f"; {row['gbs']:.0f} GB/s; bits = dequantized: {bits}; row-invariant: {invariant}"
+            + (f"; half-word decode {halves[rows[0]]:.1f} us at {rows[0]} row(s)" if halves else ""), flush=True)
     return out

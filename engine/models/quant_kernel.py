@@ -25,9 +25,17 @@ same order, the parts added in order by the last one to finish). Hence:
 Rows past ``MAX_ROWS`` (a training forward's; a decode's prefill is chunked to at most 512 rows) dequantize
 the weight once and take cuBLAS, as the dense path does past the same bound.
 
-Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order. A
-K tile of ``BLOCK_K`` values is read as ``G`` groups of ``GROUP`` values (a group: the values that
-share one scale; 32, or 16 for Q6_K): per group its block's scales, per value its quantized bits.
+Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order.
+Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
+
+- words (Q4_1, Q4_K, Q6_K: ``WORD_FORMATS``, where ``reads_words`` allows): the tile's nibbles as runs
+  of 32-bit words, each word's 8 values shifts of one register, the scales a word per block field.
+  Every load is an asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K
+  value, ``benchmarks/kernel_sass.py``);
+- half-words (every format): ``G`` groups of ``GROUP`` values (a group: the values that share one
+  scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the
+  widest load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads
+  synchronous, 29.5 a Q6_K value).
 """
 
 from __future__ import annotations
@@ -62,6 +70,14 @@ ROW_BLOCK_CAP = {"Q6_K": 64}
 # pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
 # 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
 REGISTER_VALUES = 32
+# The nibble formats whose blocks are 4-byte multiples, read as 32-bit words (one word: 8 values, the
+# loads as wide as a run of words allows) instead of half-words: (values a chunk, its words, its first
+# word in the block). A chunk is the run of bytes whose low nibbles are its first half of values and
+# whose high nibbles the second (GGUF's order): Q4_K's 64 values in 32 bytes after 16 of scales,
+# Q4_1's block of 32 in 16 bytes after d and m.
+# Q6_K's 210-byte blocks are 2-byte aligned only: its chunk, a half block of 128 values (64 bytes of
+# nibbles, 32 of top bits), is read as words that straddle two aligned ones (``_words_at``).
+WORD_FORMATS = {"Q4_1": (32, 4, 1), "Q4_K": (64, 8, 4), "Q6_K": (128, 16, 0)}
 
 
 def group_size(fmt: BlockFormat, block_k: int) -> int:
@@ -90,10 +106,31 @@ def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor 
     return kernel_linear(x, blocks, fmt, cols, bias, plan.for_rows(x.numel() // cols))
 
 
+def words_fit(fmt: BlockFormat, block_k: int, row_bytes: int) -> bool:
+    """Whether a launch of ``block_k`` can read rows of ``row_bytes`` as 32-bit words: a ``WORD_FORMATS``
+    format, a K tile of whole chunks, rows of whole words."""
+    spec = WORD_FORMATS.get(fmt.name)
+    return spec is not None and block_k % spec[0] == 0 and row_bytes % 4 == 0
+
+
+def reads_words(fmt: BlockFormat, block_k: int, blocks: Tensor) -> bool:
+    """Whether a launch of ``block_k`` reads these blocks as words: ``words_fit`` and rows that start
+    4-byte aligned (every row of a whole weight does)."""
+    return (words_fit(fmt, block_k, blocks.shape[1]) and blocks.data_ptr() % 4 == 0
+            and blocks.stride(0) % 4 == 0)
+
+
+def word_constants(fmt: BlockFormat, words: bool) -> dict[str, int | bool]:
+    """The kernel's constants of a launch that reads ``fmt``'s blocks as words (``reads_words``) or not."""
+    chunk, chunk_words, first_word = WORD_FORMATS[fmt.name] if words else (0, 0, 0)
+    return dict(WORDS=words, CHUNK=chunk, CHUNK_WORDS=chunk_words, FIRST_WORD=first_word)
+
+
 def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
     """(rows a program, warps) of ``cfg``'s launch for ``rows`` rows of this format: the plan's, with at
     most ``ROW_BLOCK_CAP`` rows a program, and for blocks not 16-byte aligned warps enough that a thread
-    decodes at most ``REGISTER_VALUES`` values a tile (at most 8)."""
+    decodes at most ``REGISTER_VALUES`` values a tile (at most 8; Q6_K's words: 130 registers a thread
+    on 8 warps, 181 on 4, sm_90)."""
     widest = min(cfg.row_block, ROW_BLOCK_CAP.get(fmt.name, rows_linear.ROW_BLOCK))
     block_m = min(widest, max(16, triton.next_power_of_2(rows)))
     warps = cfg.num_warps
@@ -103,9 +140,11 @@ def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> 
 
 
 def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None,
-                  cfg: rows_linear.LinearConfig) -> Tensor:
+                  cfg: rows_linear.LinearConfig, words: bool = True) -> Tensor:
     """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
-    weight's plan). On CPU tensors it runs only in Triton's interpreter (the CPU tests)."""
+    weight's plan), reading the blocks as words where ``reads_words`` allows and ``words`` is on (off: the
+    half-word decode, which tests and benchmarks hold the word decode against). On CPU tensors it runs
+    only in Triton's interpreter (the CPU tests)."""
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
@@ -115,6 +154,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    words = words and reads_words(fmt, cfg.block_k, blocks)
     block_m, warps = launch_shape(fmt, cfg, m)
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
@@ -124,11 +164,12 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     tickets = rows_linear._tickets(x.device, tiles * row_blocks)
-    halves = blocks.view(torch.float16)  # the same bytes read as half-words (blocks and fields start even)
+    # the same bytes read as words, or as half-words (blocks and fields start even)
+    view = blocks.view(torch.int32 if words else torch.float16)
     _quant_kernel[(tiles, split, row_blocks)](
-        x2, halves, bias if bias is not None else out, out, parts, tickets, m, n, cols, x2.stride(0),
-        halves.stride(0), k_iters, split, tiles, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
-        NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), HAS_BIAS=bias is not None,
+        x2, view, bias if bias is not None else out, out, parts, tickets, m, n, cols, x2.stride(0),
+        view.stride(0), k_iters, split, tiles, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
+        NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), **word_constants(fmt, words), HAS_BIAS=bias is not None,
         EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
         INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
     )
@@ -240,12 +281,117 @@ if triton is not None:
             w = step * _float(q, 0) - shift
         return w
 
+    @triton.jit
+    def _half_of(word):
+        """The fp16 in the low half of each int32 word, as float32 (exact)."""
+        return (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _words_at(w_ptr, byte, mask):
+        """The little-endian int32 at each even ``byte`` (of 2-byte aligned blocks): the aligned word, or
+        the high half of one and the low half of the next. The second is read only where it is needed,
+        and within the block: every field read so ends at least 2 bytes before its block's end."""
+        at = byte // 4
+        lo = tl.load(w_ptr + at, mask=mask, other=0)
+        odd = byte % 4 != 0
+        hi = tl.load(w_ptr + at + 1, mask=mask & odd, other=0)
+        return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+    @triton.jit
+    def _decode_q6_k_words(w_ptr, row_byte, k0, k_hi, mn, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """Q6_K's values [BLOCK_N, BLOCK_K] from words, as ``quant._q6_k``: a half block (128 values: its
+        value v = 64h + 32a + 16s + 4u + b) takes its low nibble from byte 32a + 16s + 4u + b of the half's
+        64 (nibble h), its top 2 bits from byte 16s + 4u + b of the half's 32 (bits 2(2h + a)), its scale
+        from int8 8H + 4h + 2a + s of the block's 16; d * scale * (q - 32)."""
+        C: tl.constexpr = BLOCK_K // 128
+        j = tl.arange(0, C * 16)  # the nibble words, 16 a half block
+        col = k0 + (j // 16) * 128
+        first = (col // 256) * 210 + (col % 256 // 128) * 64 + 4 * (j % 16)
+        low = _words_at(w_ptr, row_byte[:, None] + first[None, :], mn[:, None] & (col < k_hi)[None, :])
+        jt = tl.arange(0, C * 8)  # the top-bit words, 8 a half block
+        colt = k0 + (jt // 8) * 128
+        first = (colt // 256) * 210 + 128 + (colt % 256 // 128) * 32 + 4 * (jt % 8)
+        top = _words_at(w_ptr, row_byte[:, None] + first[None, :], mn[:, None] & (colt < k_hi)[None, :])
+        h = tl.arange(0, 2)[None, None, :, None, None, None, None]
+        a = tl.arange(0, 2)[None, None, None, :, None, None, None]
+        b = tl.arange(0, 4)[None, None, None, None, None, None, :]
+        low = (tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1)) >> (4 * h + 8 * b)) & 15
+        top = (tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1)) >> (4 * h + 2 * a + 8 * b)) & 3
+        q = _float(low | (top << 4), 32)  # [BLOCK_N, C, h, a, s, u, b]
+        cc = k0 + tl.arange(0, C) * 128  # each half block's first value
+        cmask = mn[:, None] & (cc < k_hi)[None, :]
+        block = row_byte[:, None] + ((cc // 256) * 210)[None, :]  # [BLOCK_N, C]: each block's first byte
+        sj = ((cc % 256 // 128) * 8)[None, :, None, None, None] + 4 * tl.arange(0, 2)[None, None, :, None, None] + \
+            2 * tl.arange(0, 2)[None, None, None, :, None] + tl.arange(0, 2)[None, None, None, None, :]
+        at = block[:, :, None, None, None] + 192 + (sj // 4) * 4
+        scale = _words_at(w_ptr, at, cmask[:, :, None, None, None])
+        scale = ((scale >> (8 * (sj % 4))) & 0xFF).to(tl.int8).to(tl.float32)  # [BLOCK_N, C, h, a, s]
+        dw = tl.load(w_ptr + (block + 208) // 4, mask=cmask, other=0)
+        d = _half_of(tl.where((block + 208) % 4 != 0, dw >> 16, dw))
+        w = (d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * q
+        if not EVEN_K:  # past K: +0.0, as _decode's (d * 0 * -32 is -0.0); rows past N are never stored
+            w = tl.where(cmask[:, :, None, None, None, None, None], w, 0.0)
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _decode_words(w_ptr, row_word, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+                      CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_WORD: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format, as ``_decode``
+        (and ``quant.py``) compute them, from 32-bit words: byte b of word w of a chunk holds value 4w + b
+        in its low nibble and CHUNK / 2 + 4w + b in its high one, so each word's 8 values are shifts of
+        the one register. Per value: a shift and a mask, two float operations; per chunk its block's
+        scale words. ``row_word`` [BLOCK_N]: each row's first word."""
+        C: tl.constexpr = BLOCK_K // CHUNK
+        W: tl.constexpr = CHUNK_WORDS
+        j = tl.arange(0, C * W)  # the tile's words, chunk by chunk: runs of W contiguous words
+        col = k0 + (j // W) * CHUNK  # each word's chunk's first value
+        at = (col // VALUES) * (NBYTES // 4) + FIRST_WORD + (col % VALUES // CHUNK) * W + j % W
+        words = tl.load(w_ptr + row_word[:, None] + at[None, :], mask=mn[:, None] & (col < k_hi)[None, :], other=0)
+        h = tl.arange(0, 2)[None, None, :, None, None]
+        b = tl.arange(0, 4)[None, None, None, None, :]
+        # [BLOCK_N, C, 2, W, 4]: chunk c's value c * CHUNK + h * CHUNK / 2 + 4w + b, the tile's K order, at bit
+        # 4h + 8b of its word; taken as q * 2**s in place (s = that bit mod 16: the high half-word shifted
+        # down once a word), a mask and the exponent bits of 2**23 (a float 2**23 + q * 2**s, exact while
+        # q * 2**s < 2**23), less 2**23: two operations a value where a shift, a mask and the two were four
+        at = 4 * h + 8 * b
+        place = at % 16
+        words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
+        half = tl.where(at < 16, words, (words >> 16) & 0xFFFF)
+        q = ((half & (15 << place)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        # 2**-s: the scale factors' share of the place (exact: a power of two of a normal float32)
+        unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # [1, 1, 2, 1, 4]
+        cc = k0 + tl.arange(0, C) * CHUNK  # [C]: each chunk's first value
+        block_word = row_word[:, None] + ((cc // VALUES) * (NBYTES // 4))[None, :]  # [BLOCK_N, C]
+        cmask = mn[:, None] & (cc < k_hi)[None, :]
+        head = tl.load(w_ptr + block_word, mask=cmask, other=0)  # Q4_1: d, m; Q4_K: d, dmin (fp16 each)
+        first = _half_of(head)
+        second = _half_of(head >> 16)
+        if FMT == 1:  # Q4_1: d * q + m, as (d * 2**-s) * (q * 2**s) + m: the same product, rounded once alike
+            w = (first[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
+        else:  # Q4_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h) with their 6-bit pairs
+            sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
+            shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
+            a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
+            mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+            step = first[:, :, None] * sc.to(tl.float32)
+            offset = second[:, :, None] * mins.to(tl.float32)
+            w = (step[:, :, :, None, None] * unplace) * q - offset[:, :, :, None, None]
+        # A masked chunk's words, scales and scale factors are 0, so its values are 0 * 0 + 0 or 0 * 0 - 0:
+        # +0.0, as _decode's (no select: a select a value went back and forth through packed halves)
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
     # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
     # tile decoded from its blocks instead of loaded.
     @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
     def _quant_kernel(x_ptr, h_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_halves, k_iters,
                       split, tiles, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
-                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUP: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
+                      FIRST_WORD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
         G: tl.constexpr = BLOCK_K // GROUP
         tile = tl.program_id(0)
@@ -275,8 +421,14 @@ if triton is not None:
                 wmask = mn[:, None, None] & (col < k_hi)
                 mk = (k0 + rk) < k_hi
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
-            w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
-            w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
+            if WORDS and FMT == 7:
+                w = _decode_q6_k_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, EVEN_K, BLOCK_N, BLOCK_K)
+            elif WORDS:
+                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
+                                  CHUNK_WORDS, FIRST_WORD, BLOCK_N, BLOCK_K)
+            else:
+                w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
+                w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
             # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
             w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))
             if INTERPRET:  # the sum over K in order, one product at a time (linear.py's, the same bits)

@@ -104,6 +104,47 @@ def test_a_rows_bits_do_not_depend_on_its_launch(name):
         assert torch.equal(_bits(got), _bits(whole[pick])), f"rows {pick}"
 
 
+# (format, K, launch): K tiles of one and of several chunks; Q6_K's blocks at 2 mod 4 bytes (every odd
+# block of a row) and a K tile past K (1536 in tiles of 1024: EVEN_K off, the masked half +0.0)
+WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_1", 576, lin.LinearConfig(64, 128, 1)),
+                 ("Q4_K", 768, lin.LinearConfig(32, 64, 3)), ("Q4_K", 1024, lin.LinearConfig(64, 512, 1)),
+                 ("Q6_K", 1024, lin.LinearConfig(32, 128, 2)), ("Q6_K", 1536, lin.LinearConfig(16, 1024, 1))]
+
+
+@pytest.mark.parametrize(("name", "k", "cfg"), WORD_LAUNCHES, ids=lambda c: str(c))
+def test_the_word_decode_equals_the_half_word_decode_and_dequantize(name, k, cfg):
+    """Q4_1, Q4_K and Q6_K blocks read as 32-bit words (``quant_kernel.WORD_FORMATS``): the same bits as
+    the half-word decode and as the dequantized weight on the same launch, with a bias, N = 37 (rows past
+    N masked), bf16 and fp16."""
+    fmt = FORMATS[name]
+    blocks = _blocks(name, 37, k, seed=k)
+    assert qk.reads_words(fmt, cfg.block_k, blocks)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, bias = _x(4, k, dtype, seed=11), _x(1, 37, dtype, seed=12)[0]
+        got = qk.kernel_linear(x, blocks, fmt, k, bias, cfg)
+        assert torch.equal(_bits(got), _bits(qk.kernel_linear(x, blocks, fmt, k, bias, cfg, words=False)))
+        assert torch.equal(_bits(got), _bits(_reference(x, blocks, fmt, k, bias, cfg)))
+
+
+def test_blocks_that_words_cannot_read_take_the_half_word_decode():
+    """Words need a K tile of whole chunks, rows of whole words and rows that start 4-byte aligned; any
+    other launch decodes half-words, with the same result."""
+    q6, q4k = FORMATS["Q6_K"], FORMATS["Q4_K"]
+    odd = _blocks("Q6_K", 8, 768, seed=13)  # 3 blocks a row: 630 bytes, not whole words
+    assert not qk.reads_words(q6, 256, odd) and qk.reads_words(q6, 256, _blocks("Q6_K", 8, 1024, seed=13))
+    assert not qk.reads_words(q6, 64, _blocks("Q6_K", 8, 1024, seed=13))  # a tile of half a chunk
+    assert not qk.reads_words(q4k, 32, _blocks("Q4_K", 8, 512, seed=14))
+    wide = _blocks("Q4_K", 8, 768, seed=15)
+    shifted = torch.cat([torch.zeros(8, 2, dtype=torch.uint8, device=wide.device), wide], dim=1)[:, 2:]
+    assert shifted.data_ptr() % 4 == 2 and not qk.reads_words(q4k, 64, shifted)
+    x, cfg = _x(2, 768, torch.bfloat16, seed=16), lin.LinearConfig(32, 64, 1)
+    assert torch.equal(_bits(qk.kernel_linear(x, shifted, q4k, 768, None, cfg)),
+                       _bits(qk.kernel_linear(x, wide, q4k, 768, None, cfg)))
+    got = qk.kernel_linear(_x(2, 768, torch.bfloat16, seed=17), odd, q6, 768, None, lin.LinearConfig(16, 256, 1))
+    assert torch.equal(_bits(got), _bits(_reference(_x(2, 768, torch.bfloat16, seed=17), odd, q6, 768, None,
+                                                    lin.LinearConfig(16, 256, 1))))
+
+
 def test_every_format_has_a_kernel_and_a_group_within_a_tile():
     assert set(qk.KERNEL_FORMATS) == set(FORMATS)
     assert qk.group_size(FORMATS["Q6_K"], 128) == 16 and qk.group_size(FORMATS["Q4_K"], 128) == 32
