@@ -9,6 +9,7 @@
     python benchmarks/kernel_bench.py attention             # decode attention by keys per span and block
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
     python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
+    python benchmarks/kernel_bench.py quant-tiles           # the block kernel's 1-row launches per 27B weight
     python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
                                                             # dequantize-then-multiply and the bf16 weight
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_timing import LAUNCHES  # noqa: E402
 from kernel_timing import time_us as _time
 from linear_bench import LINEAR_NARROW_TILES, LINEAR_SHAPES, LINEAR_TILES, bench_blas, bench_linear, bench_plans  # noqa: E402
-from quant_bench import QUANT_SHAPES, bench_quant  # noqa: E402
+from quant_bench import QUANT_SHAPES, TILE_SHAPES, bench_quant, bench_quant_tiles  # noqa: E402
 
 from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
@@ -263,9 +264,21 @@ def bench_attention() -> tuple[list[dict], list[str]]:
     return rows, _table("case", cols, rows)
 
 
+def _quant(args: argparse.Namespace) -> int:
+    """``quant`` and ``quant-tiles``: their weights (``--shapes``: labels' starts, quant also NxK)."""
+    table = QUANT_SHAPES if args.kernel == "quant" else TILE_SHAPES
+    shapes = [s for s in table if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
+                                                         for w in args.shapes)]
+    if not shapes:
+        print(f"{args.kernel}: --shapes {args.shapes} match none of {[s[0] for s in table]}", file=sys.stderr)
+        return 2
+    return _report(args, *(bench_quant(shapes) if args.kernel == "quant" else bench_quant_tiles(shapes)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant"])
+    ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant",
+                                           "quant-tiles"])
     ap.add_argument("--shapes", nargs="+", help="linear, plans, quant: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
                     help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
@@ -295,13 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"--rows {args.rows} lie in 1..1024", file=sys.stderr)
             return 2
         return _report(args, *bench_plans(shapes, args.rows, args.keep_step))
-    if args.kernel == "quant":
-        shapes = [s for s in QUANT_SHAPES if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
-                                                                     for w in args.shapes)]
-        if not shapes:
-            print(f"quant: --shapes {args.shapes} match none of {[s[0] for s in QUANT_SHAPES]}", file=sys.stderr)
-            return 2
-        return _report(args, *bench_quant(shapes))
+    if args.kernel in ("quant", "quant-tiles"):
+        return _quant(args)
     if args.kernel == "linear":
         shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))

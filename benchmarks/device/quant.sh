@@ -4,7 +4,8 @@
 #   1. kernel_bench quant: every weight of the 27B Q4_K_M step through the 1-row kernel (the word decode
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
 #   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes;
-#   3. the quantized GPU tests (with .device/gguf); 4. PROFILE=1: _quant_kernel's share of a step.
+#   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of four
+#      27B weights; 5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
 source benchmarks/device/sections.sh quant
 say "host: $(hostname)  python: $(python3 -V 2>&1)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
 if ls .device/gguf/*.whl >/dev/null 2>&1; then
@@ -17,6 +18,7 @@ section large_q4km ${LARGE_LIMIT:-200} python3 benchmarks/gpu_bench.py large --w
 section quant_tests ${TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
+section quant_tiles ${TILES_LIMIT:-200} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
