@@ -24,7 +24,7 @@ from tqdm import tqdm
 from autotune import measure, results
 from autotune import study as st
 from autotune.experiment import Experiment
-from autotune.worker import Job, Record
+from autotune.record import Job, Record
 
 MeasureNow = Callable[[Job, "str | None"], Record]  # one job now, on that worker if it is still there
 

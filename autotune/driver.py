@@ -22,8 +22,9 @@ from autotune.executors import Executor
 from autotune.experiment import Experiment
 from autotune.interrupt import CtrlC
 from autotune.progress import Progress
+from autotune.record import Job, Record
 from autotune.storage import BudgetLock
-from autotune.worker import Job, PassCallback, Record
+from autotune.worker import PassCallback
 from engine import EngineConfig, EngineInputError
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from autotune import measure
-from autotune.worker import Job, Record
+from autotune.record import Job, Record
 
 DEFAULT_STOP_RATIO = 2.0
 MAX_STOP_RATIO = 1000.0

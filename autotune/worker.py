@@ -37,12 +37,12 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune import measure, vram
+from autotune import measure, record, vram
 from autotune import sessions as sess
+from autotune.record import Job, Record, pass_step_ms, pass_tps, per_prompt_tps, policy_record
 from autotune.utilisation import Utilisation
 
 # Told where a job is, e.g. "pass 2/3: humaneval 4/12" (a progress display; called between generations).
@@ -54,102 +54,6 @@ MAX_DIAGNOSED = 20  # inexact prompts given divergence forensics per trial (two 
 _DEVICE_FATAL = ("illegal memory access", "device-side assert", "unspecified launch failure",
                  "misaligned address", "an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED",
                  "uncorrectable ECC error", "CUDA error: unknown error")
-
-
-@dataclass(frozen=True)
-class Job:
-    trial: int
-    role: str  # baseline | reference | search | confirm
-    config: dict[str, Any]  # EngineConfig fields of this trial (fixed fields already merged in)
-    max_new_tokens: int
-    warmup: int
-    repeats: int
-    max_rel_mad: float
-    remeasure_if_noisy: bool = True
-    prompts: int | None = None  # measure the first N prompts of every set only (a fidelity rung); None: all
-    rung: int | None = None  # the fidelity rung this job measures (autotune.fidelity); None: the full measurement
-    # (longest prompt, max_new_tokens) of the whole workload: where the config's device memory is planned,
-    # reserved and measured (autotune.vram.memory_at; None: not at all); over vram_limit bytes by its plan,
-    # the config is not measured
-    memory_at: tuple[int, int] | None = None
-    vram_limit: int | None = None
-    # a session workload's prefix cache, MiB (a fresh one per set and pass; 0: none); prompts ignore it
-    prefix_cache_mb: float = 0.0
-
-
-@dataclass
-class Record:
-    """What one job measured. Plain data (JSON-friendly), so it can cross a process boundary."""
-
-    trial: int
-    role: str
-    worker: str
-    config: dict[str, Any]
-    rung: int | None = None  # the job's fidelity rung (None: the full measurement)
-    ok: bool = True
-    fail_reason: str | None = None
-    # the engine cannot run the config as asked (engine.Pair.refusal): nothing measured, the
-    # reason kept; the driver records the trial as infeasible (constraint "runnable")
-    refused: str | None = None
-    pruned: bool = False
-    device: str = ""
-    dtype: str = ""
-    decode_tps_runs: list[float] = field(default_factory=list)
-    e2e_tps_runs: list[float] = field(default_factory=list)
-    # a session workload (empty / None otherwise): per pass, completion tokens / the turns' time (prefill
-    # and the prefix cache's commit included); per session its median over passes; time to first token
-    # (ms, median over passes and turns) of first and later turns; the later turns' prompt share the
-    # prefix cache gave; sessions the replay ended early ("set[i]" -> why)
-    session_tps_runs: list[float] = field(default_factory=list)
-    per_session_tps: list[float] = field(default_factory=list)
-    ttft_first_ms: float | None = None
-    ttft_later_ms: float | None = None
-    cached_share_later: float | None = None
-    turns: int = 0
-    sessions_cut: dict[str, str] = field(default_factory=dict)
-    remeasured: bool = False
-    acceptance_length: float = 0.0
-    al_histogram: dict[str, int] = field(default_factory=dict)
-    accept_lengths: list[int] = field(default_factory=list)
-    # the adaptive step policy (engine.decoding.policy): steps per chosen budget ("0": AR steps), and
-    # over its tree steps the mean E[AL] it chose by and the mean AL observed; empty / None when fixed
-    budget_histogram: dict[str, int] = field(default_factory=dict)
-    policy_predicted_al: float | None = None
-    policy_observed_al: float | None = None
-    steps: int = 0
-    step_ms: float = 0.0
-    phase_ms_per_step: dict[str, float] = field(default_factory=dict)
-    exact_match: float | None = None
-    first_divergence: int | None = None
-    inexact_prompts: list[str] = field(default_factory=list)  # "set[i]@position", one per distinct output
-    inexact_count: int = 0  # prompts whose output differed from AR's in any pass
-    # engine.Divergence of each inexact prompt (the first MAX_DIAGNOSED) as a dict, with its "prompt"
-    # ("set[i]"), and their count per verdict (every verdict, zeros included, once outputs are checked)
-    divergences: list[dict[str, Any]] = field(default_factory=list)
-    divergence_verdicts: dict[str, int] = field(default_factory=dict)
-    per_prompt_tps: list[float] = field(default_factory=list)
-    per_set: dict[str, dict[str, Any]] = field(default_factory=dict)
-    peak_memory_bytes: int = 0  # the passes' peak as the device saw it (every pair the worker holds)
-    # engine.MemoryBreakdown.to_dict() at the job's memory_at: measured on CUDA (with the plan's
-    # "planned_total", and "idle_pair_bytes": the other weight form's pair, in the device's peak,
-    # left out of this config's), else planned; over_vram:
-    # why its plan is over the job's vram_limit (nothing measured; the driver records it infeasible)
-    memory: dict[str, Any] = field(default_factory=dict)
-    over_vram: str | None = None
-    loops: dict[str, int] = field(default_factory=dict)  # generations per decode loop that ran (engine stats)
-    elapsed_s: float = 0.0
-    engine_s: float = 0.0  # wall time inside the engine: bench passes, forensics (overhead = trial wall − this)
-    utilisation: dict[str, Any] = field(default_factory=dict)  # {"kind": "gpu"|"cpu", "percent": ...}
-    device_unusable: bool = False  # the engine error poisoned the device: the worker process must restart
-    interrupted: bool = False  # the worker died mid-job: the trial is failed and its params retried once
-    model_loads: int = 0  # how many times this worker process loaded a model pair (Ray actors set it)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def runs(self, objective: str) -> list[float]:
-        """The measured passes of ``objective`` (``decode_tps`` or ``session_tps``): what is scored."""
-        return self.session_tps_runs if objective == "session_tps" else self.decode_tps_runs
 
 
 class Worker:
@@ -493,12 +397,12 @@ class Worker:
 
     def _objective_tps(self, results: Sequence[Any]) -> float:
         """The rate one pass is scored by: session tok/s for sessions, else decode tok/s."""
-        return sess.pass_session_tps(results) if self.session_mode else _pass_tps(results)
+        return sess.pass_session_tps(results) if self.session_mode else pass_tps(results)
 
     def _per_unit_tps(self, results: Sequence[Any]) -> list[float]:
         """What the pruner compares after the first pass: each session's rate, else each prompt's."""
         return [v for r, of in zip(results, self._session_of, strict=True) for v in sess.per_session_tps(r, of)] \
-            if self.session_mode else _per_prompt_tps(results)
+            if self.session_mode else per_prompt_tps(results)
 
     def _diagnose(self, rec: Record, cfg: Any, reference: list[list[list[int]]],
                   diverged: dict[tuple[int, int], list[int]]) -> None:
@@ -529,7 +433,7 @@ class Worker:
         prompt, keyed by (set, prompt)."""
         from engine import first_divergence
 
-        rec.decode_tps_runs = [_pass_tps(p) for p in passes]
+        rec.decode_tps_runs = [pass_tps(p) for p in passes]
         rec.e2e_tps_runs = [sum(r.new_tokens for r in p) / max(sum(r.total_s for r in p), 1e-12) for p in passes]
         # Greedy decoding makes every pass commit the same steps, so the first pass's step record
         # stands for all of them; times are medians over passes.
@@ -538,16 +442,16 @@ class Worker:
         rec.steps = sum(r.steps for r in first)
         rec.acceptance_length = sum(rec.accept_lengths) / len(rec.accept_lengths) if rec.accept_lengths else 1.0
         rec.al_histogram = {str(k): v for k, v in sorted(Counter(rec.accept_lengths).items())}
-        policy = _policy_record(first)
+        policy = policy_record(first)
         rec.budget_histogram = policy["budget_histogram"]
         rec.policy_predicted_al, rec.policy_observed_al = policy["policy_predicted_al"], policy["policy_observed_al"]
-        rec.step_ms = statistics.median(_pass_step_ms(p) for p in passes)
+        rec.step_ms = statistics.median(pass_step_ms(p) for p in passes)
         phases = first[0].phase_ms.keys()
         rec.phase_ms_per_step = {
             k: statistics.median(sum(r.phase_ms[k] for r in p) / max(sum(r.steps for r in p), 1) for p in passes)
             for k in phases
         }
-        rec.per_prompt_tps = [statistics.median(vals) for vals in zip(*(_per_prompt_tps(p) for p in passes),
+        rec.per_prompt_tps = [statistics.median(vals) for vals in zip(*(per_prompt_tps(p) for p in passes),
                                                                       strict=True)]
         if self.session_mode:
             self._fill_sessions(rec, passes)
@@ -580,7 +484,7 @@ class Worker:
                 "step_ms": statistics.median(r.step_ms for r in results),
                 "accept_lengths": als,
                 "n_prompts": len(results[0].prompts),
-                **_policy_record(results[:1]),
+                **policy_record(results[:1]),
                 **(sess.set_figures(results, self._session_of[j]) if self.session_mode else {}),
             }
         return diverged
@@ -597,26 +501,17 @@ class Worker:
         rec.sessions_cut = dict(self._cut)
 
 
-def _policy_record(results: Sequence[Any]) -> dict[str, Any]:
-    """The adaptive policy's steps over ``results`` (one pass's BenchResults, one per set or one set),
-    JSON-friendly (budgets as strings): ``engine.decoding.stats.policy_summary`` of them together."""
-    from engine import policy_summary
-
-    got = policy_summary([b for r in results for b in r.step_budgets], [p for r in results for p in r.predicted_al],
-                  [a for r in results for a in r.accept_lengths])
-    return {**got, "budget_histogram": {str(b): n for b, n in got["budget_histogram"].items()}}
-
-
 @functools.cache
 def code_hash() -> str:
-    """The code that measures, hashed: every source file of the ``engine`` package and this module
-    and ``autotune.measure`` (the protocol). Unlike the git commit it is blind to commits that touch
-    nothing here and sees uncommitted edits; a baseline is reused only by the same code."""
+    """The code that measures, hashed: every source file of the ``engine`` package, this module,
+    ``autotune.measure`` (the protocol) and ``autotune.record`` (how a pass is scored). Unlike the git
+    commit it is blind to commits that touch nothing here and sees uncommitted edits; a baseline is
+    reused only by the same code."""
     import engine
 
     root = Path(engine.__file__).resolve().parent
     files = [(f"engine/{f.relative_to(root).as_posix()}", f) for f in sorted(root.rglob("*.py"))]
-    files += [(f"autotune/{Path(m).name}", Path(m)) for m in (__file__, measure.__file__)]
+    files += [(f"autotune/{Path(m).name}", Path(m)) for m in (__file__, measure.__file__, record.__file__)]
     h = hashlib.sha256()
     for name, path in files:
         h.update(f"{name}\0{path.stat().st_size}\0".encode())
@@ -645,20 +540,3 @@ def _free_device_memory(device: str) -> None:
             torch.cuda.empty_cache()
         except RuntimeError:
             pass  # a poisoned context refuses this too; the record already says why
-
-
-def _pass_tps(results: Sequence[Any]) -> float:
-    """Decode-only TPS of one pass over every set: Σ(tokens − 1) / Σ decode seconds."""
-    tokens = sum(max(p.new_tokens - 1, 0) for r in results for p in r.prompts)
-    seconds = sum(r.decode_s for r in results)
-    return tokens / seconds if seconds > 0 else 0.0
-
-
-def _pass_step_ms(results: Sequence[Any]) -> float:
-    steps = sum(r.steps for r in results)
-    return 1000.0 * sum(r.decode_s for r in results) / steps if steps else 0.0
-
-
-def _per_prompt_tps(results: Sequence[Any]) -> list[float]:
-    return [p.decode_tps for r in results for p in r.prompts]
-

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from autotune.executors import Executor, LocalExecutor  # noqa: E402
 from autotune.executors.ray_executor import RayExecutor, WorkerSpec, default_temp_dir  # noqa: E402
-from autotune.worker import Job, Record  # noqa: E402
+from autotune.record import Job, Record  # noqa: E402
 
 CONFIGS = [
     {"verify": "chain"},
@@ -56,7 +56,8 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 torch.set_num_threads(1)
-from autotune.worker import Job, Worker
+from autotune.record import Job
+from autotune.worker import Worker
 from engine.data.workloads import load_workload
 a = json.loads(sys.argv[1])
 wl = [load_workload(a["prompts"], a["base"], a["n_prompts"], 0)]

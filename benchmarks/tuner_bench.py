@@ -83,11 +83,11 @@ from autotune import experiment, results  # noqa: E402
 from autotune import study as st  # noqa: E402
 from autotune.errors import InputError  # noqa: E402
 from autotune.executors import LocalExecutor  # noqa: E402
+from autotune.record import Job, Record  # noqa: E402
 from autotune.space import load_space  # noqa: E402
 from autotune.storage import parse_storage  # noqa: E402
 from autotune.sweep import SweepOptions, run_sweep  # noqa: E402
 from autotune.tracking import config_label  # noqa: E402
-from autotune.worker import Job, Record  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

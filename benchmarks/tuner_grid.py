@@ -33,9 +33,9 @@ from autotune import dimensions, experiment, fidelity
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.fidelity import FidelitySpec
+from autotune.record import Job
 from autotune.space import SearchSpace
 from autotune.tracking import config_label
-from autotune.worker import Job
 from engine import EngineInputError
 
 MAX_GRID = 2000  # configs measured once each: a bench grid is small by design

@@ -31,7 +31,8 @@ import tuner_bench as tb  # noqa: E402
 
 from autotune import experiment  # noqa: E402
 from autotune.errors import InputError  # noqa: E402
-from autotune.worker import Job, Record, Worker  # noqa: E402
+from autotune.record import Job, Record  # noqa: E402
+from autotune.worker import Worker  # noqa: E402
 from engine import EngineInputError  # noqa: E402
 
 

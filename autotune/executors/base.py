@@ -1,6 +1,6 @@
 """The seam between search and execution: jobs go out, records come back.
 
-The driver asks the study for a trial, turns it into a :class:`~autotune.worker.Job`, submits it,
+The driver asks the study for a trial, turns it into a :class:`~autotune.record.Job`, submits it,
 and tells the study what came back. An executor only moves jobs to warm workers and records back;
 it never touches the Optuna storage or MLflow. The local executor runs one in-process worker;
 the Ray executor (one warm actor per GPU, or N CPU actors) implements the same methods.
@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from autotune.worker import Job, PassCallback, ProgressCallback, Record
+from autotune.record import Job, Record
+from autotune.worker import PassCallback, ProgressCallback
 
 
 class Executor(abc.ABC):

@@ -6,7 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autotune.executors.base import Executor
-from autotune.worker import Job, PassCallback, Record, Worker
+from autotune.record import Job, Record
+from autotune.worker import PassCallback, Worker
 
 
 class LocalExecutor(Executor):

@@ -36,7 +36,8 @@ from typing import Any
 
 from autotune.errors import InputError
 from autotune.executors.base import Executor
-from autotune.worker import Job, PassCallback, Record, Worker
+from autotune.record import Job, Record
+from autotune.worker import PassCallback, Worker
 
 DEFAULT_WORKER = "autotune.worker:Worker"
 _WORKER_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

@@ -12,7 +12,7 @@ if ls .device/gguf/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/gguf/*.whl 2>&1 | tail -2
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
-section kernel_quant ${KQ_LIMIT:-200} python3 benchmarks/kernel_bench.py quant --md "$OUT/quant.md"
+section kernel_quant ${KQ_LIMIT:-200} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
 section large_q4km ${LARGE_LIMIT:-200} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
   --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
 section quant_tests ${TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \

@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autotune.worker import Job, PassCallback, Record, Worker
+from autotune.record import Job, Record
+from autotune.worker import PassCallback, Worker
 
 FAULTS = ("crash", "hang", "oom", "device")
 SPEC_NAME = "faulty_worker:FaultyWorker"  # the WorkerSpec.worker that names this class

@@ -17,10 +17,10 @@ from autotune import study as st
 from autotune.errors import InputError
 from autotune.executors import LocalExecutor
 from autotune.fidelity import DEFAULT_RUNG, FidelitySpec, Rung, jobs, stop_reason
+from autotune.record import Job
 from autotune.report import write_report
 from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
-from autotune.worker import Job
 
 SPACE = {"verify": {"type": "categorical", "choices": ["chain"]},
          "draft_path": {"type": "categorical", "choices": ["generic", "auto"]}}

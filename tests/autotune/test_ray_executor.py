@@ -22,8 +22,8 @@ from optuna.trial import TrialState
 from autotune import experiment
 from autotune import study as st
 from autotune.errors import InputError
+from autotune.record import Job
 from autotune.sweep import SweepOptions, run_sweep
-from autotune.worker import Job
 
 ray = pytest.importorskip("ray")
 

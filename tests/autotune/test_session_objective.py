@@ -133,7 +133,8 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
     answers may each be max_new_tokens long, so the plan covers every request the replay sends."""
     import engine
     from autotune import vram
-    from autotune.worker import Job, Worker
+    from autotune.record import Job
+    from autotune.worker import Worker
 
     assert vram.memory_at(100, 8, session_turns=3) == (116, 8) and vram.memory_at(100, 8) == (100, 8)
     exp = experiment.load(_experiment(tmp_path))
@@ -199,7 +200,8 @@ def test_what_must_fit_the_context_is_each_session_s_first_request(tmp_path):
 def test_every_config_is_measured_on_the_requests_of_one_replay(tmp_path):
     """Configs whose AR twins decode on other loops (generic, runtime) answer the same requests: the
     baseline AR's replay, made once; each is exact against its own twin on them."""
-    from autotune.worker import Job, Worker
+    from autotune.record import Job
+    from autotune.worker import Worker
 
     exp = experiment.load(_experiment(tmp_path, model={"target": "tiny-dense", "draft": "random", "device": "cpu",
                                                       "dtype": "float32"}))
@@ -220,7 +222,8 @@ def test_the_cache_s_commit_is_paid_inside_session_tps(tmp_path, monkeypatch):
     """A turn's commit into the prefix cache is in the time session tok/s divides by: made slow, it
     bounds the rate (each turn's few tokens over at least the commit's time)."""
     import engine
-    from autotune.worker import Job, Worker
+    from autotune.record import Job
+    from autotune.worker import Worker
 
     delay, commit = 0.2, engine.PrefixCache.commit
 

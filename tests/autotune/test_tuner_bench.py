@@ -207,7 +207,7 @@ class _StubWorker:
         return {"recurrent_state": False, "tools": False}
 
     def measure(self, job):
-        from autotune.worker import Record
+        from autotune.record import Record
 
         self.jobs.append(job)
         c = job.config

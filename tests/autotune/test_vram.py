@@ -19,11 +19,12 @@ from autotune import cli, experiment, results, vram
 from autotune import study as st
 from autotune.errors import InputError
 from autotune.fidelity import FidelitySpec, Rung, jobs
+from autotune.record import Job
 from autotune.report import write_report
 from autotune.storage import parse_storage
 from autotune.sweep import SweepOptions, run_sweep
 from autotune.tracking import trial_metrics, trial_tags
-from autotune.worker import Job, Worker
+from autotune.worker import Worker
 
 GRID = {"budget": {"type": "categorical", "choices": [2, 4, 8, 16]}}
 MODEL = {"target": "tiny-dense", "draft": "random", "device": "cpu", "dtype": "float32"}

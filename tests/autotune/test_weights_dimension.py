@@ -150,7 +150,8 @@ def test_the_other_forms_pair_is_left_out_of_a_measured_peak(tmp_path, target, m
     device's peak is a fixed figure and the worker takes it as the allocator's."""
     import autotune.worker as worker_mod
     from autotune import vram
-    from autotune.worker import Job, Worker
+    from autotune.record import Job
+    from autotune.worker import Worker
 
     device_peak = 2**30
     bench = engine.bench
@@ -215,7 +216,7 @@ def test_break_even_uses_ar_with_the_configs_weights():
 
 
 def test_the_confirmation_re_measures_each_forms_ar_for_its_break_even(tmp_path, target):
-    from autotune.worker import Record
+    from autotune.record import Record
 
     study = _weights_study()
     step_ms = {0: 10.0, 1: 25.0, 2: 12.5, 3: 20.0}  # the re-measurement's

@@ -12,7 +12,8 @@ import engine
 from autotune import experiment
 from autotune.errors import InputError
 from autotune.executors.ray_executor import DEFAULT_WORKER, WorkerSpec, load_worker
-from autotune.worker import Job, Worker, device_unusable
+from autotune.record import Job
+from autotune.worker import Worker, device_unusable
 
 
 def _worker(tmp_path, faults=None):
