@@ -18,9 +18,10 @@ same order, the parts added in order by the last one to finish). Hence:
   step and verify launches alike), as for the dense kernel: a verify's rows round as AR steps do;
 - native = dequantized: the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit,
   so a native target decodes its dequantized twin's tokens. Checked in Triton's interpreter for every
-  format; on a GPU it holds where the matrix unit's sums depend on the K partition only (what
-  ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
-  ``benchmarks/kernel_bench.py quant`` check it there.
+  format and both decodes; on a GPU it holds where the matrix unit's sums depend on the K partition only
+  (what ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
+  ``benchmarks/kernel_bench.py quant`` check it there. On an H100 (2026-12-05) the word decode held it at
+  every shape measured; the half-word decode did not at 576- and 960-wide weights (rows still invariant).
 
 Rows past ``MAX_ROWS`` (a training forward's; a decode's prefill is chunked to at most 512 rows) dequantize
 the weight once and take cuBLAS, as the dense path does past the same bound.
@@ -28,14 +29,15 @@ the weight once and take cuBLAS, as the dense path does past the same bound.
 Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order.
 Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 
-- words (Q4_1, Q4_K, Q6_K: ``WORD_FORMATS``, where ``reads_words`` allows): the tile's nibbles as runs
-  of 32-bit words, each word's 8 values shifts of one register, the scales a word per block field.
-  Every load is an asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K
-  value, ``benchmarks/kernel_sass.py``);
-- half-words (every format): ``G`` groups of ``GROUP`` values (a group: the values that share one
-  scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the
-  widest load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads
-  synchronous, 29.5 a Q6_K value).
+- words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
+  starting 4-byte aligned; ``WORD_FORMATS``): the tile's quantized bytes as runs of 32-bit words, each
+  word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
+  asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K value, 20.2 a Q6_K one,
+  ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100);
+- half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
+  scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
+  load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
+  29.5 a Q6_K value).
 """
 
 from __future__ import annotations
@@ -70,14 +72,15 @@ ROW_BLOCK_CAP = {"Q6_K": 64}
 # pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
 # 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
 REGISTER_VALUES = 32
-# The nibble formats whose blocks are 4-byte multiples, read as 32-bit words (one word: 8 values, the
-# loads as wide as a run of words allows) instead of half-words: (values a chunk, its words, its first
-# word in the block). A chunk is the run of bytes whose low nibbles are its first half of values and
-# whose high nibbles the second (GGUF's order): Q4_K's 64 values in 32 bytes after 16 of scales,
-# Q4_1's block of 32 in 16 bytes after d and m.
-# Q6_K's 210-byte blocks are 2-byte aligned only: its chunk, a half block of 128 values (64 bytes of
-# nibbles, 32 of top bits), is read as words that straddle two aligned ones (``_words_at``).
-WORD_FORMATS = {"Q4_1": (32, 4, 1), "Q4_K": (64, 8, 4), "Q6_K": (128, 16, 0)}
+# The formats read as 32-bit words (``_decode_words``), by name: (values a chunk, words a chunk, the chunk's
+# first byte in its block). A chunk is a run of whole words: in the nibble formats the bytes whose low
+# nibbles are its first half of values and whose high nibbles its second (GGUF's order; Q4_K and Q5_K: 64
+# values in 32 bytes, the 32-value formats their block's 16), in Q8_0 its 32 int8, in Q6_K a half block
+# (128 values: 64 bytes of nibbles, 32 of top bits). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K,
+# Q5_K) are read word by word; the others (Q4_0, Q5_0, Q8_0, Q6_K: 18, 22, 34, 210 bytes) are 2-byte aligned
+# only, their words straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
+WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 2),
+                "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
 
 def group_size(fmt: BlockFormat, block_k: int) -> int:
@@ -122,8 +125,8 @@ def reads_words(fmt: BlockFormat, block_k: int, blocks: Tensor) -> bool:
 
 def word_constants(fmt: BlockFormat, words: bool) -> dict[str, int | bool]:
     """The kernel's constants of a launch that reads ``fmt``'s blocks as words (``reads_words``) or not."""
-    chunk, chunk_words, first_word = WORD_FORMATS[fmt.name] if words else (0, 0, 0)
-    return dict(WORDS=words, CHUNK=chunk, CHUNK_WORDS=chunk_words, FIRST_WORD=first_word)
+    chunk, chunk_words, first_byte = WORD_FORMATS[fmt.name] if words else (0, 0, 0)
+    return dict(WORDS=words, CHUNK=chunk, CHUNK_WORDS=chunk_words, FIRST_BYTE=first_byte)
 
 
 def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
@@ -335,54 +338,90 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _decode_words(w_ptr, row_word, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
-                      CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_WORD: tl.constexpr,
+    def _half_at(w_ptr, byte, mask):
+        """The fp16 at each even ``byte`` as float32: the aligned word holding it, its low or high half."""
+        word = tl.load(w_ptr + byte // 4, mask=mask, other=0)
+        return _half_of(tl.where(byte % 4 != 0, word >> 16, word))
+
+    @triton.jit
+    def _decode_words(w_ptr, row_byte, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+                      CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format, as ``_decode``
-        (and ``quant.py``) compute them, from 32-bit words: byte b of word w of a chunk holds value 4w + b
-        in its low nibble and CHUNK / 2 + 4w + b in its high one, so each word's 8 values are shifts of
-        the one register. Per value: a shift and a mask, two float operations; per chunk its block's
-        scale words. ``row_word`` [BLOCK_N]: each row's first word."""
+        """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K,
+        as ``_decode`` (and ``quant.py``) compute them, from 32-bit words. In the nibble formats byte b of
+        word w of a chunk holds value 4w + b in its low nibble and CHUNK / 2 + 4w + b in its high one, so
+        each word's 8 values are shifts of the one register; in Q8_0 byte b of word w is int8 value 4w + b.
+        Per value: a mask and two float operations (the fifth bits of Q5_*: three more); per chunk its
+        block's scale fields. ``row_byte`` [BLOCK_N]: each row's first byte."""
         C: tl.constexpr = BLOCK_K // CHUNK
         W: tl.constexpr = CHUNK_WORDS
+        ALIGNED: tl.constexpr = NBYTES % 4 == 0
         j = tl.arange(0, C * W)  # the tile's words, chunk by chunk: runs of W contiguous words
         col = k0 + (j // W) * CHUNK  # each word's chunk's first value
-        at = (col // VALUES) * (NBYTES // 4) + FIRST_WORD + (col % VALUES // CHUNK) * W + j % W
-        words = tl.load(w_ptr + row_word[:, None] + at[None, :], mask=mn[:, None] & (col < k_hi)[None, :], other=0)
-        h = tl.arange(0, 2)[None, None, :, None, None]
-        b = tl.arange(0, 4)[None, None, None, None, :]
-        # [BLOCK_N, C, 2, W, 4]: chunk c's value c * CHUNK + h * CHUNK / 2 + 4w + b, the tile's K order, at bit
-        # 4h + 8b of its word; taken as q * 2**s in place (s = that bit mod 16: the high half-word shifted
-        # down once a word), a mask and the exponent bits of 2**23 (a float 2**23 + q * 2**s, exact while
-        # q * 2**s < 2**23), less 2**23: two operations a value where a shift, a mask and the two were four
-        at = 4 * h + 8 * b
-        place = at % 16
-        words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
-        half = tl.where(at < 16, words, (words >> 16) & 0xFFFF)
-        q = ((half & (15 << place)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        # 2**-s: the scale factors' share of the place (exact: a power of two of a normal float32)
-        unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # [1, 1, 2, 1, 4]
+        first = (col // VALUES) * NBYTES + FIRST_BYTE + (col % VALUES // CHUNK) * (4 * W) + 4 * (j % W)
+        wmask = mn[:, None] & (col < k_hi)[None, :]
+        if ALIGNED:
+            words = tl.load(w_ptr + (row_byte[:, None] + first[None, :]) // 4, mask=wmask, other=0)
+        else:
+            words = _words_at(w_ptr, row_byte[:, None] + first[None, :], wmask)
         cc = k0 + tl.arange(0, C) * CHUNK  # [C]: each chunk's first value
-        block_word = row_word[:, None] + ((cc // VALUES) * (NBYTES // 4))[None, :]  # [BLOCK_N, C]
+        block = row_byte[:, None] + ((cc // VALUES) * NBYTES)[None, :]  # [BLOCK_N, C]: each chunk's block
         cmask = mn[:, None] & (cc < k_hi)[None, :]
-        head = tl.load(w_ptr + block_word, mask=cmask, other=0)  # Q4_1: d, m; Q4_K: d, dmin (fp16 each)
-        first = _half_of(head)
-        second = _half_of(head >> 16)
-        if FMT == 1:  # Q4_1: d * q + m, as (d * 2**-s) * (q * 2**s) + m: the same product, rounded once alike
-            w = (first[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
-        else:  # Q4_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h) with their 6-bit pairs
-            sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
-            shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
-            a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
-            mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
-            step = first[:, :, None] * sc.to(tl.float32)
-            offset = second[:, :, None] * mins.to(tl.float32)
-            w = (step[:, :, :, None, None] * unplace) * q - offset[:, :, :, None, None]
-        # A masked chunk's words, scales and scale factors are 0, so its values are 0 * 0 + 0 or 0 * 0 - 0:
-        # +0.0, as _decode's (no select: a select a value went back and forth through packed halves)
+        d = _half_at(w_ptr, block, cmask)  # every format's first field: d
+        if FMT == 4:  # Q8_0: q * d, q the int8 (byte ^ 128) - 128
+            b8 = tl.arange(0, 4)[None, None, None, :]
+            q = _float(((tl.reshape(words, (BLOCK_N, C, W, 1)) >> (8 * b8)) & 0xFF) ^ 128, 128)
+            w = q * d[:, :, None, None]
+        else:
+            h = tl.arange(0, 2)[None, None, :, None, None]
+            u = tl.arange(0, W)[None, None, None, :, None]
+            b = tl.arange(0, 4)[None, None, None, None, :]
+            # [BLOCK_N, C, 2, W, 4]: chunk c's value c * CHUNK + h * CHUNK / 2 + 4u + b, the tile's K order, at
+            # bit 4h + 8b of its word; taken as q * 2**s in place (s = that bit mod 16: the high half-word
+            # shifted down once a word), a mask and the exponent bits of 2**23 (a float 2**23 + q * 2**s,
+            # exact while q * 2**s < 2**23), less 2**23 (and the format's offset): two operations a value
+            # where a shift, a mask and the two were four
+            at = 4 * h + 8 * b
+            place = at % 16
+            words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
+            bits = tl.where(at < 16, words, (words >> 16) & 0xFFFF) & (15 << place)
+            if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
+                if FMT == 3:  # after d and m: byte 4
+                    qh = tl.load(w_ptr + (block + 4) // 4, mask=cmask, other=0)
+                else:  # after d: byte 2
+                    qh = _words_at(w_ptr, block + 2, cmask)
+                bits = bits | (((qh[:, :, None, None, None] >> (16 * h + 4 * u + b)) & 1) << (place + 4))
+            elif FMT == 6:  # Q5_K: sub-block j's value i's fifth bit is bit j of byte i of the 32 after the scales
+                qh = tl.load(w_ptr + (block[:, :, None, None, None] + 16 + 4 * u) // 4,
+                             mask=cmask[:, :, None, None, None], other=0)
+                sub = (cc % VALUES // CHUNK)[None, :, None, None, None] * 2 + h
+                bits = bits | (((qh >> (8 * b + sub)) & 1) << (place + 4))
+            # the format's offset (Q4_0: 8, Q5_0: 16) at the place
+            offset: tl.constexpr = 8 if FMT == 0 else (16 if FMT == 2 else 0)
+            q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (offset << place).to(tl.float32))
+            # 2**-s: the scale factors' share of the place (exact: a power of two of a normal float32)
+            unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # [1, 1, 2, 1, 4]
+            if FMT == 0 or FMT == 2:  # Q4_0 / Q5_0: d * (q - offset), as (d * 2**-s) * ((q - offset) * 2**s)
+                w = (d[:, :, None, None, None] * unplace) * q
+                if not EVEN_K:  # past K: +0.0, as _decode's (0 * -8 is -0.0); rows past N are never stored
+                    w = tl.where(cmask[:, :, None, None, None], w, 0.0)
+            elif FMT == 1 or FMT == 3:  # Q4_1 / Q5_1: d * q + m: the same product, rounded once alike
+                m = _half_at(w_ptr, block + 2, cmask)
+                w = (d[:, :, None, None, None] * unplace) * q + m[:, :, None, None, None]
+            else:  # Q4_K / Q5_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h), their 6-bit pairs
+                dmin = _half_at(w_ptr, block + 2, cmask)
+                sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
+                shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
+                a = (tl.load(w_ptr + block // 4 + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                mb = (tl.load(w_ptr + block // 4 + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                r = (tl.load(w_ptr + block // 4 + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
+                mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+                step = d[:, :, None] * sc.to(tl.float32)
+                shift_by = dmin[:, :, None] * mins.to(tl.float32)
+                w = (step[:, :, :, None, None] * unplace) * q - shift_by[:, :, :, None, None]
+        # Elsewhere a masked chunk's words, scales and scale factors are 0, so its values are 0 * 0 (+ or -)
+        # 0: +0.0, as _decode's (no select: a select a value went back and forth through packed halves)
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
@@ -391,7 +430,7 @@ if triton is not None:
     def _quant_kernel(x_ptr, h_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_halves, k_iters,
                       split, tiles, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
                       GROUP: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
-                      FIRST_WORD: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FIRST_BYTE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
         G: tl.constexpr = BLOCK_K // GROUP
         tile = tl.program_id(0)
@@ -424,8 +463,8 @@ if triton is not None:
             if WORDS and FMT == 7:
                 w = _decode_q6_k_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, EVEN_K, BLOCK_N, BLOCK_K)
             elif WORDS:
-                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
-                                  CHUNK_WORDS, FIRST_WORD, BLOCK_N, BLOCK_K)
+                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
+                                  CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
                 w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads

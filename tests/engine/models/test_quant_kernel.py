@@ -104,18 +104,21 @@ def test_a_rows_bits_do_not_depend_on_its_launch(name):
         assert torch.equal(_bits(got), _bits(whole[pick])), f"rows {pick}"
 
 
-# (format, K, launch): K tiles of one and of several chunks; Q6_K's blocks at 2 mod 4 bytes (every odd
-# block of a row) and a K tile past K (1536 in tiles of 1024: EVEN_K off, the masked half +0.0)
-WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_1", 576, lin.LinearConfig(64, 128, 1)),
-                 ("Q4_K", 768, lin.LinearConfig(32, 64, 3)), ("Q4_K", 1024, lin.LinearConfig(64, 512, 1)),
-                 ("Q6_K", 1024, lin.LinearConfig(32, 128, 2)), ("Q6_K", 1536, lin.LinearConfig(16, 1024, 1))]
+# (format, K, launch) of every format: K tiles of one chunk (Q4_1, Q4_K) and of several, over several blocks;
+# blocks at 2 mod 4 bytes (every odd block of a row of the 18-, 22-, 34- and 210-byte formats); a K tile past K
+# (EVEN_K off: the masked part +0.0, where Q4_0's, Q5_0's and Q6_K's offsets would make it -0.0)
+WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_K", 768, lin.LinearConfig(32, 64, 3))] + [
+    (name, k, cfg) for name in FORMATS
+    for k, cfg in (((256, lin.LinearConfig(32, 128, 2)), (192, lin.LinearConfig(16, 256, 1)))
+                   if FORMATS[name].values == 32
+                   else ((1024, lin.LinearConfig(32, 128, 2)), (1536, lin.LinearConfig(16, 1024, 1))))]
 
 
 @pytest.mark.parametrize(("name", "k", "cfg"), WORD_LAUNCHES, ids=lambda c: str(c))
 def test_the_word_decode_equals_the_half_word_decode_and_dequantize(name, k, cfg):
-    """Q4_1, Q4_K and Q6_K blocks read as 32-bit words (``quant_kernel.WORD_FORMATS``): the same bits as
-    the half-word decode and as the dequantized weight on the same launch, with a bias, N = 37 (rows past
-    N masked), bf16 and fp16."""
+    """Every format's blocks read as 32-bit words (``quant_kernel.WORD_FORMATS``): the same bits as the
+    half-word decode and as the dequantized weight on the same launch, with a bias, N = 37 (rows past N
+    masked), bf16 and fp16."""
     fmt = FORMATS[name]
     blocks = _blocks(name, 37, k, seed=k)
     assert qk.reads_words(fmt, cfg.block_k, blocks)
