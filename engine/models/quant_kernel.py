@@ -344,7 +344,7 @@ if triton is not None:
         return _half_of(tl.where(byte % 4 != 0, word >> 16, word))
 
     @triton.jit
-    def _decode_words(w_ptr, row_byte, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+    def _decode_words(w_ptr, row_word, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
                       CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K,
@@ -352,22 +352,31 @@ if triton is not None:
         word w of a chunk holds value 4w + b in its low nibble and CHUNK / 2 + 4w + b in its high one, so
         each word's 8 values are shifts of the one register; in Q8_0 byte b of word w is int8 value 4w + b.
         Per value: a mask and two float operations (the fifth bits of Q5_*: three more); per chunk its
-        block's scale fields. ``row_byte`` [BLOCK_N]: each row's first byte."""
+        block's scale fields. ``row_word`` [BLOCK_N]: each row's first word. Blocks of whole words are
+        addressed in words (the loads' contiguity then plain to the compiler: 16-byte copies, 9.3 thread
+        instructions a Q4_K value where byte addresses made 14.5, sm_90), the others in bytes."""
         C: tl.constexpr = BLOCK_K // CHUNK
         W: tl.constexpr = CHUNK_WORDS
         ALIGNED: tl.constexpr = NBYTES % 4 == 0
         j = tl.arange(0, C * W)  # the tile's words, chunk by chunk: runs of W contiguous words
         col = k0 + (j // W) * CHUNK  # each word's chunk's first value
-        first = (col // VALUES) * NBYTES + FIRST_BYTE + (col % VALUES // CHUNK) * (4 * W) + 4 * (j % W)
         wmask = mn[:, None] & (col < k_hi)[None, :]
-        if ALIGNED:
-            words = tl.load(w_ptr + (row_byte[:, None] + first[None, :]) // 4, mask=wmask, other=0)
-        else:
-            words = _words_at(w_ptr, row_byte[:, None] + first[None, :], wmask)
         cc = k0 + tl.arange(0, C) * CHUNK  # [C]: each chunk's first value
-        block = row_byte[:, None] + ((cc // VALUES) * NBYTES)[None, :]  # [BLOCK_N, C]: each chunk's block
         cmask = mn[:, None] & (cc < k_hi)[None, :]
-        d = _half_at(w_ptr, block, cmask)  # every format's first field: d
+        if ALIGNED:
+            at = (col // VALUES) * (NBYTES // 4) + FIRST_BYTE // 4 + (col % VALUES // CHUNK) * W + j % W
+            words = tl.load(w_ptr + row_word[:, None] + at[None, :], mask=wmask, other=0)
+            block_word = row_word[:, None] + ((cc // VALUES) * (NBYTES // 4))[None, :]  # [BLOCK_N, C]
+            head = tl.load(w_ptr + block_word, mask=cmask, other=0)  # d and (Q4_1, Q5_1: m; Q4_K, Q5_K: dmin)
+            d = _half_of(head)
+            second = _half_of(head >> 16)
+        else:
+            row_byte = row_word * 4
+            first = (col // VALUES) * NBYTES + FIRST_BYTE + (col % VALUES // CHUNK) * (4 * W) + 4 * (j % W)
+            words = _words_at(w_ptr, row_byte[:, None] + first[None, :], wmask)
+            block = row_byte[:, None] + ((cc // VALUES) * NBYTES)[None, :]
+            d = _half_at(w_ptr, block, cmask)  # every format's first field: d
+            second = d  # no second field (Q4_0, Q5_0, Q8_0)
         if FMT == 4:  # Q8_0: q * d, q the int8 (byte ^ 128) - 128
             b8 = tl.arange(0, 4)[None, None, None, :]
             q = _float(((tl.reshape(words, (BLOCK_N, C, W, 1)) >> (8 * b8)) & 0xFF) ^ 128, 128)
@@ -387,13 +396,13 @@ if triton is not None:
             bits = tl.where(at < 16, words, (words >> 16) & 0xFFFF) & (15 << place)
             if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
                 if FMT == 3:  # after d and m: byte 4
-                    qh = tl.load(w_ptr + (block + 4) // 4, mask=cmask, other=0)
+                    qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
                 else:  # after d: byte 2
                     qh = _words_at(w_ptr, block + 2, cmask)
                 bits = bits | (((qh[:, :, None, None, None] >> (16 * h + 4 * u + b)) & 1) << (place + 4))
             elif FMT == 6:  # Q5_K: sub-block j's value i's fifth bit is bit j of byte i of the 32 after the scales
-                qh = tl.load(w_ptr + (block[:, :, None, None, None] + 16 + 4 * u) // 4,
-                             mask=cmask[:, :, None, None, None], other=0)
+                qh = tl.load(w_ptr + block_word[:, :, None, None, None] + 4 + u, mask=cmask[:, :, None, None, None],
+                             other=0)
                 sub = (cc % VALUES // CHUNK)[None, :, None, None, None] * 2 + h
                 bits = bits | (((qh >> (8 * b + sub)) & 1) << (place + 4))
             # the format's offset (Q4_0: 8, Q5_0: 16) at the place
@@ -406,19 +415,17 @@ if triton is not None:
                 if not EVEN_K:  # past K: +0.0, as _decode's (0 * -8 is -0.0); rows past N are never stored
                     w = tl.where(cmask[:, :, None, None, None], w, 0.0)
             elif FMT == 1 or FMT == 3:  # Q4_1 / Q5_1: d * q + m: the same product, rounded once alike
-                m = _half_at(w_ptr, block + 2, cmask)
-                w = (d[:, :, None, None, None] * unplace) * q + m[:, :, None, None, None]
+                w = (d[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
             else:  # Q4_K / Q5_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h), their 6-bit pairs
-                dmin = _half_at(w_ptr, block + 2, cmask)
                 sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
                 shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
-                a = (tl.load(w_ptr + block // 4 + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-                mb = (tl.load(w_ptr + block // 4 + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-                r = (tl.load(w_ptr + block // 4 + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+                r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
                 sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
                 mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
                 step = d[:, :, None] * sc.to(tl.float32)
-                shift_by = dmin[:, :, None] * mins.to(tl.float32)
+                shift_by = second[:, :, None] * mins.to(tl.float32)
                 w = (step[:, :, :, None, None] * unplace) * q - shift_by[:, :, :, None, None]
         # Elsewhere a masked chunk's words, scales and scale factors are 0, so its values are 0 * 0 (+ or -)
         # 0: +0.0, as _decode's (no select: a select a value went back and forth through packed halves)
@@ -463,7 +470,7 @@ if triton is not None:
             if WORDS and FMT == 7:
                 w = _decode_q6_k_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, EVEN_K, BLOCK_N, BLOCK_K)
             elif WORDS:
-                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
+                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
                                   CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
                 w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
