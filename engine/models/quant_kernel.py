@@ -292,8 +292,9 @@ if triton is not None:
     @triton.jit
     def _words_at(w_ptr, byte, mask):
         """The little-endian int32 at each even ``byte`` (of 2-byte aligned blocks): the aligned word, or
-        the high half of one and the low half of the next. The second is read only where it is needed,
-        and within the block: every field read so ends at least 2 bytes before its block's end."""
+        the high half of one and the low half of the next. The second is read only where it is needed: it
+        holds the wanted bytes' last two, so it lies within the rows (whole words from a 4-byte aligned
+        start: ``reads_words``), if past its block (Q4_0's and Q8_0's last word)."""
         at = byte // 4
         lo = tl.load(w_ptr + at, mask=mask, other=0)
         odd = byte % 4 != 0
