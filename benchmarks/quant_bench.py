@@ -135,7 +135,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
 # The 1-row launches the tile sweep tries (block_n, block_k, split, warps, stages): the tiles of the dense
 # plans and narrower, deeper, split over K (more programs a weight: the decode is latency-bound, not the
 # stream), and 8 warps (a thread decodes fewer values)
-QUANT_TILES = [(bn, bk, sp, w, 3) for bn in (32, 64, 128) for bk in (128, 256) for sp in (1, 2, 4) for w in (4, 8)]
+QUANT_TILES = [(bn, 128, sp, w, 3) for sp in (1, 2, 4) for bn in (32, 64, 128) for w in (4, 8)]
 # by their share of the 27B Q4_K_M step (the half-word decode's 1-row times x launches, 2026-12-05, H100)
 TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "Q4_K"),
                ("27B lm_head", 248320, 5120, "Q6_K"), ("27B down", 5120, 17408, "Q6_K")]
@@ -144,9 +144,10 @@ TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "
 def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
                       tiles: list[tuple[int, ...]] | None = None) -> tuple[list[dict], list[str]]:
     """GPU us of the block kernel at 1 row on each launch of ``tiles`` per weight (a launch that does
-    not fit is skipped, said so), the weight's own plan first: how much of the 1-row time the launch
-    shape leaves, ahead of a per-format plan (a plan of its own splits K its own way: native and
-    dequantized weights would then round apart, each still row-invariant on its one plan)."""
+    not fit is skipped, said so; Q6_K's also with its registers capped at 128), the weight's own plan
+    first: how much of the 1-row time the launch shape leaves, ahead of a per-format plan (a plan of its
+    own splits K its own way: native and dequantized weights would then round apart, each still
+    row-invariant on its one plan)."""
     from engine.models import linear as lin
     from engine.models import quant_kernel
     from engine.models.quant import FORMATS
@@ -161,18 +162,22 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         own = lin.plan_for_shape(n, k, first.device).step
         timed = []
+        caps = (None, 128) if name == "Q6_K" else (None,)  # Q6_K's 130-132 registers: one program an SM
         for cfg in [own] + [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]:
-            try:
-                us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k: quant_kernel.kernel_linear(x, p(), f, k, None, c))
-            except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
-                print(f"  {label} {name} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
-                continue
-            timed.append((us, cfg))
-            print(f"{label} {name} {cfg}: {us:.1f} us", flush=True)
+            for cap in caps:
+                try:
+                    us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap: quant_kernel.kernel_linear(
+                        x, p(), f, k, None, c, max_registers=r))
+                except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
+                    print(f"  {label} {name} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
+                    continue
+                launch = f"{cfg}" + (f", maxnreg {cap}" if cap else "")
+                timed.append((us, launch))
+                print(f"{label} {name} {launch}: {us:.1f} us", flush=True)
         best_us, best = min(timed, key=lambda t: t[0])
         out.append({"shape": f"{label} ({n} x {k})", "format": name, "bytes": first.numel(), "own_us": timed[0][0],
                     "own": str(own), "best_us": best_us, "best": str(best),
-                    "tried": [{"cfg": str(c), "us": u} for u, c in timed]})
+                    "tried": [{"cfg": c, "us": u} for u, c in timed]})
         del first, pick
         torch.cuda.empty_cache()
     lines = ["| weights | format | MB | own plan's 1-row us (GB/s) | fastest launch | its us (GB/s) |",

@@ -18,7 +18,7 @@ section large_q4km ${LARGE_LIMIT:-200} python3 benchmarks/gpu_bench.py large --w
 section quant_tests ${TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
-section quant_tiles ${TILES_LIMIT:-200} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
+section quant_tiles ${TILES_LIMIT:-300} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"

@@ -143,11 +143,13 @@ def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> 
 
 
 def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None,
-                  cfg: rows_linear.LinearConfig, words: bool = True) -> Tensor:
+                  cfg: rows_linear.LinearConfig, words: bool = True, max_registers: int | None = None) -> Tensor:
     """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
     weight's plan), reading the blocks as words where ``reads_words`` allows and ``words`` is on (off: the
-    half-word decode, which tests and benchmarks hold the word decode against). On CPU tensors it runs
-    only in Triton's interpreter (the CPU tests)."""
+    half-word decode, which tests and benchmarks hold the word decode against). ``max_registers``: a cap
+    on a thread's registers (ptxas ``maxnreg``; the benchmarks try it: a Q6_K step launch takes 130-132 on
+    8 warps, one program an SM, 128 two). On CPU tensors it runs only in Triton's interpreter (the CPU
+    tests)."""
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
@@ -175,6 +177,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
         NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), **word_constants(fmt, words), HAS_BIAS=bias is not None,
         EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
         INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
+        **({} if max_registers is None or rows_linear._INTERPRET else {"maxnreg": max_registers}),
     )
     return out.view(*lead, n)
 
