@@ -5,6 +5,8 @@ against the bf16 weight on the dense few-row kernel (a dequantized load). Run th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from kernel_timing import time_us as _time
 
@@ -39,10 +41,13 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
     bits among the most rows (row invariance); where the kernel reads a weight's blocks as 32-bit words,
     the half-word decode's times on the same launches too."""
     gen = torch.Generator(device="cuda").manual_seed(0)
+    step_launches()  # built first (a model on the meta device, seconds): a time limit cuts timings, not the sum
     out = []
     for label, n, k, formats in shapes or QUANT_SHAPES:
         out += _quant_shape(label, n, k, formats, rows, gen)
         torch.cuda.empty_cache()
+        if rows[0] == 1:  # the sum so far, each weight: what a cut run still tells
+            print(step_sum(out), flush=True)
     lines = ["| weights | format | MB | " + " | ".join(f"{m} rows: kernel / dequantize / bf16 us" for m in rows)
              + " | kernel GB/s at 1 row | bits = dequantized | row-invariant | half-word decode us, 1 / most rows |",
              "|---|---|---|" + "---|" * (len(rows) + 4)]
@@ -54,9 +59,13 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
               for r in out]
     if rows[0] == 1:
         lines += ["", step_sum(out)]
+        halves = [{**r, "kernel": r["half_words"]} for r in out if r["half_words"]]
+        if len(halves) == len(out):
+            lines += ["", "the half-word decode's: " + step_sum(halves)]
     return out, lines
 
 
+@functools.cache
 def step_launches(preset: str = STEP_PRESET) -> dict[tuple[str, int, int], int]:
     """(format, N, K) -> launches an AR step of ``preset`` makes: each projection held in blocks once
     (built on the meta device: shapes only, as ``engine.load(device="meta")`` builds it)."""
