@@ -171,7 +171,7 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         own = lin.plan_for_shape(n, k, first.device).step
         timed = []
-        caps = (None, 128) if name == "Q6_K" else (None,)  # Q6_K's 130-132 registers: one program an SM
+        caps = (None, 128) if name == "Q6_K" else (None,)  # over 128 registers on 8 warps: one program an SM
         for cfg in [own] + [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]:
             for cap in caps:
                 try:

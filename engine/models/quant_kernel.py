@@ -32,7 +32,7 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 - words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
   starting 4-byte aligned; ``WORD_FORMATS``): the tile's quantized bytes as runs of 32-bit words, each
   word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
-  asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K value, 20.2 a Q6_K one,
+  asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K value, 19.4 a Q6_K one,
   ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
@@ -132,8 +132,8 @@ def word_constants(fmt: BlockFormat, words: bool) -> dict[str, int | bool]:
 def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
     """(rows a program, warps) of ``cfg``'s launch for ``rows`` rows of this format: the plan's, with at
     most ``ROW_BLOCK_CAP`` rows a program, and for blocks not 16-byte aligned warps enough that a thread
-    decodes at most ``REGISTER_VALUES`` values a tile (at most 8; Q6_K's words: 130 registers a thread
-    on 8 warps, 181 on 4, sm_90)."""
+    decodes at most ``REGISTER_VALUES`` values a tile (at most 8; Q6_K's words: 128 registers a thread
+    on 8 warps, two programs an SM, sm_90)."""
     widest = min(cfg.row_block, ROW_BLOCK_CAP.get(fmt.name, rows_linear.ROW_BLOCK))
     block_m = min(widest, max(16, triton.next_power_of_2(rows)))
     warps = cfg.num_warps
@@ -147,8 +147,8 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
     weight's plan), reading the blocks as words where ``reads_words`` allows and ``words`` is on (off: the
     half-word decode, which tests and benchmarks hold the word decode against). ``max_registers``: a cap
-    on a thread's registers (ptxas ``maxnreg``; the benchmarks try it: a Q6_K step launch takes 130-132 on
-    8 warps, one program an SM, 128 two). On CPU tensors it runs only in Triton's interpreter (the CPU
+    on a thread's registers (ptxas ``maxnreg``; the benchmarks try it on Q6_K: 128 of 65,536 a thread on 8
+    warps leave two programs an SM, more one). On CPU tensors it runs only in Triton's interpreter (the CPU
     tests)."""
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
@@ -323,9 +323,18 @@ if triton is not None:
         h = tl.arange(0, 2)[None, None, :, None, None, None, None]
         a = tl.arange(0, 2)[None, None, None, :, None, None, None]
         b = tl.arange(0, 4)[None, None, None, None, None, None, :]
-        low = (tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1)) >> (4 * h + 8 * b)) & 15
-        top = (tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1)) >> (4 * h + 2 * a + 8 * b)) & 3
-        q = _float(low | (top << 4), 32)  # [BLOCK_N, C, h, a, s, u, b]
+        # In place, as _decode_words: the nibble at bit 4h + 8b of its word is q_low * 2**s (s = that bit mod
+        # 16, the high half-word shifted down once a word) under a mask; its top bits, at bit 4h + 2a + 8b of
+        # theirs, are shifted to s + 4 from the same half: (4h + 8b) - (4h + 2a + 8b) + 4 = 4 - 2a left.
+        at = 4 * h + 8 * b
+        place = at % 16
+        low = tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1))
+        top = tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1))
+        low = tl.where(at < 16, low, (low >> 16) & 0xFFFF) & (15 << place)
+        top = (tl.where(at < 16, top, (top >> 16) & 0xFFFF) << (4 - 2 * a)) & (3 << (place + 4))
+        # [BLOCK_N, C, h, a, s, u, b]: (q - 32) * 2**s, exact (q * 2**s < 2**23)
+        q = (low | top | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (32 << place).to(tl.float32))
+        unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # 2**-s
         cc = k0 + tl.arange(0, C) * 128  # each half block's first value
         cmask = mn[:, None] & (cc < k_hi)[None, :]
         block = row_byte[:, None] + ((cc // 256) * 210)[None, :]  # [BLOCK_N, C]: each block's first byte
@@ -336,7 +345,8 @@ if triton is not None:
         scale = ((scale >> (8 * (sj % 4))) & 0xFF).to(tl.int8).to(tl.float32)  # [BLOCK_N, C, h, a, s]
         dw = tl.load(w_ptr + (block + 208) // 4, mask=cmask, other=0)
         d = _half_of(tl.where((block + 208) % 4 != 0, dw >> 16, dw))
-        w = (d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * q
+        # d * scale * (q - 32) as (d * scale * 2**-s) * ((q - 32) * 2**s): the same product, rounded once alike
+        w = ((d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * unplace) * q
         if not EVEN_K:  # past K: +0.0, as _decode's (d * 0 * -32 is -0.0); rows past N are never stored
             w = tl.where(cmask[:, :, None, None, None, None, None], w, 0.0)
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
