@@ -6,19 +6,21 @@
 #   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes;
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of four
 #      27B weights; 5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
+# The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
+# on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 source benchmarks/device/sections.sh quant
 say "host: $(hostname)  python: $(python3 -V 2>&1)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
 if ls .device/gguf/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device/gguf/*.whl 2>&1 | tail -2
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
-section kernel_quant ${KQ_LIMIT:-200} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
-section large_q4km ${LARGE_LIMIT:-200} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
+section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
   --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
-section quant_tests ${TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
+section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
-section quant_tiles ${TILES_LIMIT:-300} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
+section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
