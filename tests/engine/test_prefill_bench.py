@@ -43,3 +43,30 @@ def test_a_smaller_budget_takes_fewer_rows_a_chunk(tmp_path):
     out = tmp_path / "p.json"
     assert pb.main([*TINY, "--lengths", "600", "--repeats", "1", "--transient-mib", "0.1", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["lengths"]["600"]["chunked"]["rows"] < 512
+
+
+def test_a_form_that_runs_out_of_memory_says_so_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):
+    """The 27B shape's whole 16k-token prompt does not fit an H100 (24 GiB of scores): that form's row says
+    out of memory, the other form and the other lengths are still timed, and the chunk is restored."""
+    import torch
+
+    measure = pb.measure
+
+    def whole_too_big(pair, prompt, form, repeats):
+        if form == "whole" and len(prompt) > 512:
+            pb.prefix_cache_mod.PREFILL_CHUNK = len(prompt)  # as measure sets it before the forward
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB")
+            finally:
+                pb.prefix_cache_mod.PREFILL_CHUNK = 512
+        return measure(pair, prompt, form, repeats)
+
+    monkeypatch.setattr(pb, "measure", whole_too_big)
+    out = tmp_path / "p.json"
+    assert pb.main([*TINY, "--lengths", "40", "600", "--repeats", "1", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())["lengths"]
+    assert got["600"]["whole"]["error"].startswith("out of memory") and got["600"]["whole"]["prefill_s"] is None
+    assert got["600"]["chunked"]["prefill_s"] and got["40"]["whole"]["prefill_s"]
+    captured = capsys.readouterr()
+    assert "| 600 | 512 |" in captured.out and "| out of memory | - |" in captured.out
+    assert "600 tokens, whole: out of memory" in captured.err and prefix_cache_mod.PREFILL_CHUNK == 512
