@@ -265,7 +265,7 @@ def bench_attention() -> tuple[list[dict], list[str]]:
 
 
 def _quant(args: argparse.Namespace) -> int:
-    """``quant`` and ``quant-tiles``: their weights (``--shapes``: labels' starts, quant also NxK)."""
+    """``quant`` and ``quant-tiles``: their weights (``--shapes``: labels' starts or NxK)."""
     table = QUANT_SHAPES if args.kernel == "quant" else TILE_SHAPES
     shapes = [s for s in table if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
                                                          for w in args.shapes)]
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant",
                                            "quant-tiles"])
-    ap.add_argument("--shapes", nargs="+", help="linear, plans, quant: the weights whose label starts so (or NxK)")
+    ap.add_argument("--shapes", nargs="+",
+                    help="linear, plans, quant, quant-tiles: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
                     help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
     ap.add_argument("--keep-step", action="store_true",

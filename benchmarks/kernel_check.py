@@ -217,11 +217,11 @@ def _quant_cases():
             # specialises
             words = quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
             unit = 4 if words else 2
-            types = dict(x_ptr="*bf16", h_ptr="*i32" if words else "*fp16", b_ptr="*bf16", out_ptr="*bf16",
-                         part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32", sxm="i32", row_halves="i32",
+            types = dict(x_ptr="*bf16", blocks_ptr="*i32" if words else "*fp16", b_ptr="*bf16", out_ptr="*bf16",
+                         part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32", sxm="i32", row_stride="i32",
                          k_iters="i32", split="i32", tiles="i32")
-            aligned = ("x_ptr", "h_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
-                ("row_halves",) if fmt.row_bytes(k) % (16 * unit) == 0 else ())
+            aligned = ("x_ptr", "blocks_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
+                ("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ())
             block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)
             yield (f"quant {name}{' words' if words else ''} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel,
                    types, dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,

@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print(row(f"bf16 {n}x{k}", dense, cfg.num_warps, cfg.block_n * cfg.block_k, args.dump))
         unit = 4 if words else 2  # the row stride's element: a word or a half-word (aligned: 16 of them)
         quant = compile_for_hopper(
-            quant_kernel._quant_kernel, dict(TYPES, h_ptr="*i32" if words else "*fp16", row_halves="i32"),
+            quant_kernel._quant_kernel, dict(TYPES, blocks_ptr="*i32" if words else "*fp16", row_stride="i32"),
             dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                  GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
-            warps, stages, (*ALIGNED, "h_ptr") + (("row_halves",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()))
+            warps, stages, (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()))
         label = f"{name}{' words' if words else ''} {n}x{k}"
         print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
     return 0

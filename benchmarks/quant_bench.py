@@ -142,8 +142,8 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
 
 
 # The 1-row launches the tile sweep tries (block_n, block_k, split, warps, stages): the tiles of the dense
-# plans and narrower, deeper, split over K (more programs a weight: the decode is latency-bound, not the
-# stream), and 8 warps (a thread decodes fewer values)
+# plans, narrower and wider, split over K (more programs a weight: the decode is latency-bound, not the
+# stream), on 4 and 8 warps (a thread decodes fewer values)
 QUANT_TILES = [(bn, 128, sp, w, 3) for sp in (1, 2, 4) for bn in (32, 64, 128) for w in (4, 8)]
 # by their share of the 27B Q4_K_M step (the half-word decode's 1-row times x launches, 2026-12-05, H100)
 TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "Q4_K"),

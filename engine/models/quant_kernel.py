@@ -305,6 +305,23 @@ if triton is not None:
         return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
 
     @triton.jit
+    def _half_at(w_ptr, byte, mask):
+        """The fp16 at each even ``byte`` as float32: the aligned word holding it, its low or high half."""
+        word = tl.load(w_ptr + byte // 4, mask=mask, other=0)
+        return _half_of(tl.where(byte % 4 != 0, word >> 16, word))
+
+    @triton.jit
+    def _in_half(words, at):
+        """Each word, or for a field at bit ``at`` >= 16 its high half-word shifted down (the field then at
+        ``at`` mod 16: below 2**23 however wide the values, for the in-place float of ``_decode_words``)."""
+        return tl.where(at < 16, words, (words >> 16) & 0xFFFF)
+
+    @triton.jit
+    def _unplace(place):
+        """2**-place as float32 (exact: a power of two of a normal float32)."""
+        return (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _decode_q6_k_words(w_ptr, row_byte, k0, k_hi, mn, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         """Q6_K's values [BLOCK_N, BLOCK_K] from words, as ``quant._q6_k``: a half block (128 values: its
@@ -330,11 +347,10 @@ if triton is not None:
         place = at % 16
         low = tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1))
         top = tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1))
-        low = tl.where(at < 16, low, (low >> 16) & 0xFFFF) & (15 << place)
-        top = (tl.where(at < 16, top, (top >> 16) & 0xFFFF) << (4 - 2 * a)) & (3 << (place + 4))
+        low = _in_half(low, at) & (15 << place)
+        top = (_in_half(top, at) << (4 - 2 * a)) & (3 << (place + 4))
         # [BLOCK_N, C, h, a, s, u, b]: (q - 32) * 2**s, exact (q * 2**s < 2**23)
         q = (low | top | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (32 << place).to(tl.float32))
-        unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # 2**-s
         cc = k0 + tl.arange(0, C) * 128  # each half block's first value
         cmask = mn[:, None] & (cc < k_hi)[None, :]
         block = row_byte[:, None] + ((cc // 256) * 210)[None, :]  # [BLOCK_N, C]: each block's first byte
@@ -343,19 +359,12 @@ if triton is not None:
         at = block[:, :, None, None, None] + 192 + (sj // 4) * 4
         scale = _words_at(w_ptr, at, cmask[:, :, None, None, None])
         scale = ((scale >> (8 * (sj % 4))) & 0xFF).to(tl.int8).to(tl.float32)  # [BLOCK_N, C, h, a, s]
-        dw = tl.load(w_ptr + (block + 208) // 4, mask=cmask, other=0)
-        d = _half_of(tl.where((block + 208) % 4 != 0, dw >> 16, dw))
+        d = _half_at(w_ptr, block + 208, cmask)
         # d * scale * (q - 32) as (d * scale * 2**-s) * ((q - 32) * 2**s): the same product, rounded once alike
-        w = ((d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * unplace) * q
+        w = ((d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * _unplace(place)) * q
         if not EVEN_K:  # past K: +0.0, as _decode's (d * 0 * -32 is -0.0); rows past N are never stored
             w = tl.where(cmask[:, :, None, None, None, None, None], w, 0.0)
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-    @triton.jit
-    def _half_at(w_ptr, byte, mask):
-        """The fp16 at each even ``byte`` as float32: the aligned word holding it, its low or high half."""
-        word = tl.load(w_ptr + byte // 4, mask=mask, other=0)
-        return _half_of(tl.where(byte % 4 != 0, word >> 16, word))
 
     @triton.jit
     def _decode_words(w_ptr, row_word, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
@@ -407,7 +416,7 @@ if triton is not None:
             at = 4 * h + 8 * b
             place = at % 16
             words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
-            bits = tl.where(at < 16, words, (words >> 16) & 0xFFFF) & (15 << place)
+            bits = _in_half(words, at) & (15 << place)
             if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
                 if FMT == 3:  # after d and m: byte 4
                     qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
@@ -422,8 +431,7 @@ if triton is not None:
             # the format's offset (Q4_0: 8, Q5_0: 16) at the place
             offset: tl.constexpr = 8 if FMT == 0 else (16 if FMT == 2 else 0)
             q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (offset << place).to(tl.float32))
-            # 2**-s: the scale factors' share of the place (exact: a power of two of a normal float32)
-            unplace = (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)  # [1, 1, 2, 1, 4]
+            unplace = _unplace(place)  # [1, 1, 2, 1, 4]: the scale factors' share of the place
             if FMT == 0 or FMT == 2:  # Q4_0 / Q5_0: d * (q - offset), as (d * 2**-s) * ((q - offset) * 2**s)
                 w = (d[:, :, None, None, None] * unplace) * q
                 if not EVEN_K:  # past K: +0.0, as _decode's (0 * -8 is -0.0); rows past N are never stored
@@ -446,9 +454,10 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
-    # tile decoded from its blocks instead of loaded.
+    # tile decoded from its blocks instead of loaded: ``blocks_ptr`` the blocks viewed as int32 words
+    # (WORDS) or as half-words, ``row_stride`` a row's length in that view's units.
     @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
-    def _quant_kernel(x_ptr, h_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_halves, k_iters,
+    def _quant_kernel(x_ptr, blocks_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_stride, k_iters,
                       split, tiles, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
                       GROUP: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
                       FIRST_BYTE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -465,7 +474,7 @@ if triton is not None:
         rh = tl.arange(0, GROUP // 2)[None, None, :]  # [1, 1, GROUP // 2]: pairs of values
         mn = rn < N
         mm = rm < M
-        row_half = rn[:, None, None].to(tl.int64) * row_halves  # [BLOCK_N, 1, 1]
+        row_half = rn[:, None, None].to(tl.int64) * row_stride  # [BLOCK_N, 1, 1] (half-words)
         k_lo = part * k_iters * BLOCK_K
         k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
@@ -482,12 +491,13 @@ if triton is not None:
                 mk = (k0 + rk) < k_hi
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
             if WORDS and FMT == 7:
-                w = _decode_q6_k_words(h_ptr, rn.to(tl.int64) * row_halves * 4, k0, k_hi, mn, EVEN_K, BLOCK_N, BLOCK_K)
+                w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride * 4, k0, k_hi, mn, EVEN_K, BLOCK_N,
+                                       BLOCK_K)
             elif WORDS:
-                w = _decode_words(h_ptr, rn.to(tl.int64) * row_halves, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
+                w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
                                   CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
-                w = _decode(h_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
+                w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
             # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
             w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))
