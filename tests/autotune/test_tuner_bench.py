@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from autotune_helpers import tiny_experiment
 
 from autotune import experiment
@@ -252,7 +253,26 @@ def test_slow_configs_full_fidelity_is_extrapolated_from_the_rung_and_validated(
     assert bench.Cache.read(cache).optimum(strict=True)[0] == 150.0
     rc = bench.main(["replay", str(exp_path), "--cache", str(cache), "--strategies", "before", "--seeds", "1",
                      "--n-trials", "5", "--out", str(tmp_path / "out")])
-    assert rc == 0 and "extrapolated: 1 config" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rc == 0 and "extrapolated: 1 config" in out
+    # the stub's seconds grow with the tokens, so the one validated estimate is exact
+    assert "validated: measured / estimated seconds a pass 1.00 (chain" in out
+    # --extrapolated-scale: only the estimated seconds are charged scaled, the measured ones as measured
+    from autotune.record import Job
+
+    read = bench.Cache.read(cache)
+    charged = {}
+    for scale in (1.0, 0.25):
+        worker = bench.ReplayWorker(read, seed=0, extrapolated_scale=scale)
+        for budget in (2, 4):
+            config = next(c["config"] for c in map(json.loads, cache.read_text().splitlines()[1:])
+                          if c["config"]["verify"] == "ddtree" and c["config"]["budget"] == budget)
+            job = Job(trial=0, role="grid", config=config, max_new_tokens=8, warmup=0, repeats=2, max_rel_mad=0.5)
+            charged[scale, budget] = worker.measure(job).elapsed_s
+    assert charged[0.25, 4] == pytest.approx(charged[1.0, 4] / 4) and charged[1.0, 4] == 2 * slow["seconds_per_pass"]
+    assert charged[0.25, 2] == charged[1.0, 2]
+    assert bench.main(["replay", str(exp_path), "--cache", str(cache), "--extrapolated-scale", "0"]) == 2
+    assert "--extrapolated-scale: must be a factor > 0" in capsys.readouterr().err
 
 
 def test_measure_options_are_refused_naming_them(tmp_path, capsys):
