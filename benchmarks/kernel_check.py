@@ -140,18 +140,7 @@ def cases():
                    dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                         BLOCK_M=block_m, INTERPRET=False), cfg.num_warps, stages, lin_aligned)
     yield from _quant_cases()
-    tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
-                     dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
-                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
-    for depth, k, budget in TREE_SHAPES:
-        yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
-               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
-                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
-    walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
-                path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
-    for _, _, budget in TREE_SHAPES:
-        yield (f"walk budget={budget}", tree_kernel._walk_kernel, walk,
-               dict(T_PAD=max(16, triton.next_power_of_2(budget + 1))), 4, 3)
+    yield from _tree_cases()
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
         move = dict(k_ptr=p, v_ptr=p, slot_ptr="*i64", path_ptr="*i64", al_ptr="*i64", s_layer="i32",
@@ -202,6 +191,27 @@ def cases():
             yield (f"gdn inputs {dtype} {'commit' if commit else 'record'}", fused._gdn_inputs_kernel, gdn,
                    dict(HK=16, DK=128, HV=48, DV=128, KERNEL=4, BLOCK=128, BLOCK_H=64, COMMIT=commit,
                         RECORD=record), 4, 3)
+
+
+def _tree_cases():
+    """The DDTree kernels: the tree and its mask, the walk, the adaptive policy's path probabilities."""
+    tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
+                     dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
+                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
+    for depth, k, budget in TREE_SHAPES:
+        yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
+               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
+                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
+    walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
+                path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
+    for _, _, budget in TREE_SHAPES:
+        yield (f"walk budget={budget}", tree_kernel._walk_kernel, walk,
+               dict(T_PAD=max(16, triton.next_power_of_2(budget + 1))), 4, 3)
+    paths = dict(lp_ptr="*fp32", par_ptr="*i64", dep_ptr="*i64", rank_ptr="*i64", out_ptr="*i64", T="i32", K="i32",
+                 L="i32", log_scale="fp32")
+    for _, _, budget in TREE_SHAPES:  # the adaptive policy's estimate (policy.path_probabilities)
+        yield (f"path probabilities budget={budget}", tree_kernel._path_probs_kernel, paths,
+               dict(T_PAD=max(16, triton.next_power_of_2(budget + 1))), 4, 3)
 
 
 def _quant_cases():

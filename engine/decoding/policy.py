@@ -10,8 +10,9 @@ Stages, each a pure function or a small record:
    and the builder's node list is best-first (the forced top-1 chain first), so the tree of budget b
    is the list's first b nodes: prefix sums over the tree built at the largest budget give
    E[accepted](b) for every b. The device computes only each node's path probability, in fixed
-   point (one matrix-vector product with the ancestor mask and an exp: the fewest launches); they
-   ride in the step's one readback and the host sums them.
+   point (on CUDA one launch, each node summing its path's log-probs; elsewhere a matrix-vector
+   product with the ancestor mask and an exp); they ride in the step's one readback and the host
+   sums them.
 2. **Calibrate** (``Calibration``, one per budget, of its shell: the nodes its tree adds to the next
    smaller budget's): drafts are over- or under-confident (an early checkpoint, a workload it never
    saw), and by how much depends on the node's place in the tree. A tree step observes every budget up
@@ -64,6 +65,7 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig, EngineInputError
+from engine.decoding import tree_kernel
 from engine.decoding.tree import Tree
 
 # The path probabilities travel in the step's packed integer readback as fixed point (2**-16 resolution).
@@ -118,8 +120,12 @@ def path_probabilities(top_logprobs: Tensor, tree: Tree, anc: Tensor, root: Tens
     ``top_logprobs`` [L, k]: the builder's per-depth log-probs; ``tree`` and ``anc`` (its ancestor
     mask) in the builder's order; ``root`` (``root_row``) stands for the root's log-prob: every node's
     ancestors include the root, so it adds ln(FIXED_POINT) to every path's summed log-probs and the exp
-    is the probability already scaled. Six launches, no host read (it runs inside the captured draft
-    step): the table, the per-node gather, the mask's cast, a matrix-vector product, the exp, the cast."""
+    is the probability already scaled. No host read (it runs inside the captured draft step): on CUDA
+    with the kernels on one launch (``tree_kernel.path_probabilities_kernel``, summing in another order:
+    an entry may differ by one), else six: the table, the per-node gather, the mask's cast, a
+    matrix-vector product, the exp, the cast."""
+    if tree_kernel.use_path_kernel(top_logprobs):
+        return tree_kernel.path_probabilities_kernel(top_logprobs, tree, math.log(FIXED_POINT))
     node_lp = torch.cat([root, top_logprobs.float()])[tree.depths, tree.ranks]  # depth d: row d, the root's row 0
     return torch.exp(anc.float() @ node_lp).long()
 

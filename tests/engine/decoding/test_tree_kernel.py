@@ -201,3 +201,28 @@ def test_move_accepted_rows_kernel_compacts_like_index_copy(al, max_accept):
     n = min(al, max_accept)
     assert torch.equal(k[:, : s + n], k_ref[:, : s + n]) and torch.equal(v[:, : s + n], v_ref[:, : s + n])
     assert torch.equal(k[:, s + n :], k0[:, s + n :]) and torch.equal(v[:, s + n :], v0[:, s + n :])
+
+
+# ------------------------------------------------------------------ the adaptive policy's estimate in one launch
+
+
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [(1, 3, 3, None), (5, 2, 9, 2), (7, 4, 22, None),
+                                                       (15, 8, 48, 4), (10, 16, 128, 0)])
+def test_path_probabilities_in_one_launch_equal_the_tensor_op_form_within_one(depth, k, budget, chain_seed):
+    """Node i's fixed-point probability of its whole path, walked up its parents in the kernel,
+    against the ancestor mask's product: the same up to float32 summation order (at most one unit),
+    the root's exactly FIXED_POINT; on trees with deep paths and with flat rows (probabilities near 1)."""
+    import math
+
+    from engine.decoding.policy import FIXED_POINT, path_probabilities, root_row
+    from engine.decoding.tree import ancestor_mask, build_tree_device
+    from engine.decoding.tree_kernel import path_probabilities_kernel
+
+    lp, ids = _tie_free_proposals(depth, k, seed=depth * 7 + budget)
+    for rows in (lp, lp * 1e-3):  # steep rows (small probabilities) and nearly flat ones (close to 1)
+        tree = build_tree_device(rows, ids, torch.tensor([5], device=DEVICE), budget, chain_seed)
+        ref = path_probabilities(rows, tree, ancestor_mask(tree.parents, depth), root_row(k, rows.device))
+        got = path_probabilities_kernel(rows, tree, math.log(FIXED_POINT))
+        assert got.dtype == torch.long and got.shape == ref.shape
+        assert int(got[0]) == FIXED_POINT and (got - ref).abs().max().item() <= 1
+        assert (got[1:] <= FIXED_POINT).all() and bool((ref[1:] > 0).any())
