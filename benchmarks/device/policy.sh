@@ -5,7 +5,7 @@
 # PART=pair (default; right after call 1, the stashed half; carry .device/smol2 .device/gguf
 #   .device/workloads .device/assets): installs SmolLM2, the policy's GPU tests, then `gpu_bench.py pair`
 #   with the shipped draft on HumanEval, chat and agent traffic: AR, chain, DDTree-48 and the adaptive
-#   policy up to 48, fixed budgets 22 and 32 beside (--also); then the random draft (a weak one) on
+#   policy up to 48, fixed budgets 22 and 32 and the policy up to 32 beside (--also); then the random draft (a weak one) on
 #   HumanEval. (2026-12-04, seventh session: 3 sets x 4 configs took ~100 s; 6 configs ~150 s.)
 # PART=mix (the same carry, after PART=pair on the same machine, which keeps SmolLM2): the same
 #   configs on one set interleaving the three sets' prompts (`--mix`, 3 x N_PROMPTS prompts).
@@ -21,8 +21,10 @@ source benchmarks/device/common.sh "policy_$PART"
 W=.device/workloads
 N=${N_PROMPTS:-12}
 NEW=${NEW:-128}
-# fixed budgets beside --budget's (top_k 8 as the pair's own DDTree)
-ALSO=(--also b22:verify=ddtree,budget=22,top_k=8 --also b32:verify=ddtree,budget=32,top_k=8)
+# fixed budgets beside --budget's (top_k 8 as the pair's own DDTree), and the adaptive policy up to 32
+# (2026-12-05: fixed 32 was agent traffic's best config, a budget the policy up to 48 never takes)
+ALSO=(--also b22:verify=ddtree,budget=22,top_k=8 --also b32:verify=ddtree,budget=32,top_k=8
+      --also b32-adaptive:verify=ddtree,budget=32,top_k=8,policy=adaptive)
 PAIR=(python3 benchmarks/gpu_bench.py pair --n-prompts $N --max-new-tokens $NEW --repeats 2 --paths runtime
       --budget ${BUDGET:-48} --top-k 8 --adaptive "${ALSO[@]}" --no-fp32-check)
 case $PART in
