@@ -67,6 +67,7 @@ from torch import Tensor
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding import tree_kernel
 from engine.decoding.tree import Tree
+from engine.models import fused
 
 # The path probabilities travel in the step's packed integer readback as fixed point (2**-16 resolution).
 FIXED_POINT = 1 << 16
@@ -124,7 +125,7 @@ def path_probabilities(top_logprobs: Tensor, tree: Tree, anc: Tensor, root: Tens
     with the kernels on one launch (``tree_kernel.path_probabilities_kernel``, summing in another order:
     an entry may differ by one), else six: the table, the per-node gather, the mask's cast, a
     matrix-vector product, the exp, the cast."""
-    if tree_kernel.use_path_kernel(top_logprobs):
+    if fused.use_kernels(top_logprobs):
         return tree_kernel.path_probabilities_kernel(top_logprobs, tree, math.log(FIXED_POINT))
     node_lp = torch.cat([root, top_logprobs.float()])[tree.depths, tree.ranks]  # depth d: row d, the root's row 0
     return torch.exp(anc.float() @ node_lp).long()

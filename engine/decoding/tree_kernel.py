@@ -230,11 +230,6 @@ def path_probabilities_kernel(top_logprobs: Tensor, tree: Tree, log_scale: float
     return out
 
 
-def use_path_kernel(top_logprobs: Tensor) -> bool:
-    """``path_probabilities_kernel`` for CUDA tensors with the kernels enabled."""
-    return triton is not None and top_logprobs.is_cuda and fused.kernels_enabled()
-
-
 if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "MAXD"])
