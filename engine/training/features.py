@@ -10,21 +10,27 @@ from torch import Tensor
 
 from engine.models.dense import DenseModel, forward_padded
 
-FEATURE_STORES = ("auto", "device", "host")
+FEATURE_STORES = ("auto", "device", "host", "recompute")
 # "auto" keeps the features on the GPU when they take at most this share of its free memory (the
-# draft's activations and the optimiser need the rest), in host memory otherwise.
+# draft's activations and the optimiser need the rest), else recomputes each batch's: a frozen
+# target's forward over the batch costs less than gathering its rows in host memory and copying them.
 DEVICE_FEATURE_SHARE = 0.7
 
 
-def feature_store_device(choice: str, n_bytes: int, device: torch.device, free_bytes: int | None) -> torch.device:
-    """Where ``n_bytes`` of target features go for a ``choice`` of ``FEATURE_STORES`` (``free_bytes``:
-    the device's free memory; None off CUDA, where both are the same memory)."""
-    if device.type != "cuda" or choice == "device":
-        return device
-    if choice == "host" or free_bytes is None or n_bytes > DEVICE_FEATURE_SHARE * free_bytes:
-        return torch.device("cpu")
-    return device
+def feature_placement(choice: str, n_bytes: int, device: torch.device, free_bytes: int | None) -> str:
+    """Where ``n_bytes`` of target features live for a ``choice`` of ``FEATURE_STORES``: "device",
+    "host" or "recompute" (none kept: each batch's computed by the target). ``free_bytes``: the
+    device's free memory; None off CUDA, where host and device are the same memory."""
+    if device.type != "cuda":
+        return "recompute" if choice == "recompute" else "device"
+    if choice != "auto":
+        return choice
+    return "device" if free_bytes is not None and n_bytes <= DEVICE_FEATURE_SHARE * free_bytes else "recompute"
 
+
+def features_bytes(target: DenseModel, n_tokens: int, layer_ids: Sequence[int]) -> int:
+    """Bytes of the features of ``n_tokens`` positions: one hidden state per layer read, target dtype."""
+    return n_tokens * len(layer_ids) * target.cfg.hidden_size * torch.finfo(target.dtype).bits // 8
 
 
 @dataclass
@@ -32,10 +38,18 @@ class TokenStore:
     """Every training sequence back to back on the device, with its target features alongside."""
 
     tokens: Tensor  # [N] long
-    feats: Tensor  # [N, n_ids * H] frozen target features of every position
+    feats: Tensor | None  # [N, n_ids * H] frozen target features of every position; None: recomputed
     starts: Tensor  # [S] offset of each sequence
     lens: Tensor  # [S]
     prompt_lens: Tensor  # [S]
+    target: DenseModel | None = None  # with feats None: computes a batch's features
+    layer_ids: tuple[int, ...] = ()
+
+    @property
+    def placement(self) -> str:
+        if self.feats is None:
+            return "recompute"
+        return "device" if self.feats.device == self.tokens.device else "host"
 
     def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
@@ -46,11 +60,16 @@ class TokenStore:
         j = torch.arange(width, device=lens.device)
         inside = j[None, :] < lens[:, None]
         idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
-        if self.feats.device == idx.device:
+        tokens = self.tokens[idx] * inside
+        if self.feats is None:  # the target's forward over the batch, as target_features does
+            with torch.no_grad():
+                _, feats = forward_padded(self.target, tokens, j.expand(len(pick), -1), inside,
+                                          feature_layers=self.layer_ids, logits=False)
+        elif self.feats.device == idx.device:
             feats = self.feats[idx]
         else:  # features in host memory: gathered there, one copy of the batch's rows
             feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
-        return self.tokens[idx] * inside, feats, lens, self.prompt_lens[pick]
+        return tokens, feats, lens, self.prompt_lens[pick]
 
 
 @torch.no_grad()
@@ -58,7 +77,7 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
                     tokens_per_batch: int = 32768, store: str = "device") -> Tensor:
     """Target features of every sequence, back to back ([sum of lengths, n_ids * H]), computed once
     (the target is frozen): length-bucketed batches keep padding low. In the target's dtype, on its
-    device or (``store``, one of ``FEATURE_STORES``) in host memory."""
+    device or (``store`` "host") in host memory."""
     device = target.device
     starts = [0]
     for s in seqs:
@@ -81,11 +100,7 @@ def target_features(target: DenseModel, seqs: Sequence[Tensor], layer_ids: Seque
         positions = torch.arange(width, device=device).expand(len(idx), -1)
         _, f = forward_padded(target, tokens, positions, valid, feature_layers=layer_ids, logits=False)
         if out is None:
-            n_bytes = starts[-1] * f.shape[-1] * f.element_size()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-            where = feature_store_device(store, n_bytes, device, free)
+            where = torch.device("cpu") if store == "host" else device
             # Pageable, not pinned: PyTorch's pinned allocator rounds a request up to a power of two
             # (70 GiB would ask for 128), and a batch's rows are gathered into a new tensor anyway.
             out = torch.empty(starts[-1], f.shape[-1], device=where, dtype=f.dtype)

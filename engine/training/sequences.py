@@ -17,20 +17,39 @@ from engine.config import EngineInputError
 from engine.models.dense import BatchKV, DenseModel, forward_padded
 
 
+def length_batches(lengths: Sequence[int], batch_size: int, batch_tokens: int = 0,
+                   max_new_tokens: int = 0) -> list[list[int]]:
+    """Indices of ``lengths`` in batches of similar length (sorted, shortest first): at most
+    ``batch_size`` each and, with ``batch_tokens``, at most that many cache positions (rows x (the
+    longest prompt + ``max_new_tokens``)), one prompt at least. A token budget lets short prompts
+    share a large batch: the answer's steps cost launches, not rows, at these sizes."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        # sorted: prompt i is the longest of the batch it joins
+        fits = last is not None and len(last) < batch_size and (
+            not batch_tokens or (len(last) + 1) * (lengths[i] + max_new_tokens) <= batch_tokens)
+        if fits:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @torch.inference_mode()
 def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        batch_size: int, stop_ids: Sequence[int], time_budget_s: float = 0.0,
-                       seed: int = 0) -> list[list[int] | None]:
+                       seed: int = 0, batch_tokens: int = 0) -> list[list[int] | None]:
     """Greedy answers of the target to every prompt, batched with left padding.
 
-    Prompts of similar length share a batch; the batches run in a seeded random order, so that
-    with ``time_budget_s`` (no new batch starts after it) the answered prompts are a fair sample of
-    every length, and the prompts of the batches not run get ``None``."""
+    Prompts of similar length share a batch (``length_batches``); the batches run in a seeded random
+    order, so that with ``time_budget_s`` (no new batch starts after it) the answered prompts are a
+    fair sample of every length, and the prompts of the batches not run get ``None``."""
     if not isinstance(target, DenseModel):
         raise EngineInputError("draft training supports dense targets (Llama/Qwen3 family) only")
     device, cfg = target.device, target.cfg
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    batches = [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
+    batches = length_batches([len(p) for p in prompts], batch_size, batch_tokens, max_new_tokens)
     perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
     out: list[list[int] | None] = [None for _ in prompts]
     stop = torch.tensor(list(stop_ids) or [-1], device=device)

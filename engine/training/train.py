@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import EngineInputError
+from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.training.checkpoint import (
@@ -40,7 +41,13 @@ from engine.training.checkpoint import (
     save_checkpoint,
     target_record,
 )
-from engine.training.features import FEATURE_STORES, TokenStore, target_features
+from engine.training.features import (
+    FEATURE_STORES,
+    TokenStore,
+    feature_placement,
+    features_bytes,
+    target_features,
+)
 from engine.training.progress import ProgressBar, plot_curves
 
 _TRAIN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -114,6 +121,34 @@ def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> D
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
             # norms keep their identity initialisation
     return draft
+
+
+def grow_draft(draft: DFlashDraft, layers: int, seed: int = 0) -> DFlashDraft:
+    """``draft`` with ``layers - num_hidden_layers`` new blocks after its own, computing the same
+    function: each new block's attention output and MLP down projections start at zero, so it adds
+    nothing to the residual until training moves them (its other weights start as a new draft's).
+    A warm start keeps what the shallower draft learned and gains the capacity of the deeper one."""
+    have = draft.cfg.num_hidden_layers
+    if layers < have:
+        raise EngineInputError(f"--layers {layers}: a warm start can add layers to the --init draft's {have}, "
+                               f"not remove them")
+    if layers == have:
+        return draft
+    grown = DFlashDraft(replace(draft.cfg, num_hidden_layers=layers))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(grown.named_parameters(), key=lambda kv: kv[0]):
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        for block in grown.layers[have:]:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+    missing, unexpected = grown.load_state_dict(unfused_state_dict(draft), strict=False)
+    new_blocks = tuple(f"layers.{i}." for i in range(have, layers))
+    if unexpected or not all(k.startswith(new_blocks) for k in missing):
+        raise EngineInputError(f"growing the draft: its weights do not map onto the deeper one "
+                               f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+    return grown.to(device=next(draft.parameters()).device, dtype=next(draft.parameters()).dtype)
 
 
 def sample_anchors(prompt_lens: Tensor, lens: Tensor, width: int, n: int,
@@ -261,12 +296,17 @@ def train_draft(
     meta["draft_config"] = asdict(draft.cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.perf_counter()
-    store = TokenStore(tokens=tokens_all, feats=target_features(target, data, draft.cfg.target_layer_ids,
-                                                                store=cfg.feature_store),
-                       starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=plens)
-    log(f"target features: {store.feats.numel() * store.feats.element_size() / 2**30:.1f} GiB on "
-        f"{'the device' if store.feats.device == device else 'the host'} "
-        f"in {time.perf_counter() - t0:.0f}s")
+    ids = draft.cfg.target_layer_ids
+    n_bytes = features_bytes(target, tokens_all.numel(), ids)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
+    placement = feature_placement(cfg.feature_store, n_bytes, device,
+                                  torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+    feats = None if placement == "recompute" else target_features(target, data, ids, store=placement)
+    store = TokenStore(tokens=tokens_all, feats=feats, starts=torch.cumsum(lens, 0) - lens, lens=lens,
+                       prompt_lens=plens, target=target, layer_ids=tuple(ids))
+    where = {"device": "on the device", "host": "on the host", "recompute": "recomputed each batch (not kept)"}
+    log(f"target features: {n_bytes / 2**30:.1f} GiB {where[placement]} in {time.perf_counter() - t0:.0f}s")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the data order and the anchors
     train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
     cfg = _fit_deadline(cfg, deadline, log)
@@ -442,7 +482,7 @@ def _summary(state: RunState, cfg: TrainConfig, store: TokenStore, n_train: int,
         "tokens": int(store.lens.sum()),
         "tokens_per_s": round(tokens_per_s),  # this call's
         "device": _device_name(device),
-        "feature_store": "device" if store.feats.device == device else "host",
+        "feature_store": store.placement,
         "held_out_sequences": store.lens.numel() - n_train,
         "held_out": state.val_history,
         "held_out_loss": state.best[0] if state.best is not None else None,

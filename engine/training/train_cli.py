@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineInputError
 from engine.training.checkpoint import MANIFEST, CheckpointConfig, check_resumable, read_manifest
 from engine.training.sequences import generate_responses, load_sequences, save_sequences
-from engine.training.train import TrainConfig, train_draft
+from engine.training.train import TrainConfig, grow_draft, train_draft
 
 ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
 SAVE_MARGIN_S = 15.0  # --wall-budget: seconds kept for writing the checkpoint after training
@@ -33,12 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--gen-max-new-tokens", type=int, default=256,
                    help="tokens the target answers each prompt with at most (default 256)")
     t.add_argument("--gen-batch-size", type=int, default=128, help="prompts answered together (default 128)")
+    t.add_argument("--gen-batch-tokens", type=int, default=0,
+                   help="also at most this many cache positions a batch (rows x (longest prompt + "
+                        "--gen-max-new-tokens)): with a large --gen-batch-size, short prompts share big batches "
+                        "and long ones small (0: --gen-batch-size alone)")
     t.add_argument("--gen-budget", type=float, default=0.0,
                    help="seconds of self-distillation at most: no new batch starts after it, the prompts not "
                         "answered are left out (0: no limit)")
     t.add_argument("--init", metavar="DRAFT",
-                   help="warm start: continue training this draft checkpoint (its layers, sizes, block size, "
-                        "target layers and mask token are kept)")
+                   help="warm start: continue training this draft checkpoint (its sizes, block size, target "
+                        "layers and mask token are kept; --layers above its own adds blocks after its layers that "
+                        "start as the identity, so the deeper draft begins where this one ended)")
     t.add_argument("--layers", type=int, default=None, help=f"draft layers (default {ARCH_DEFAULTS['layers']})")
     t.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     t.add_argument("--block-size", type=int, default=None,
@@ -63,10 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="held-out share of the sequences (at most 256), scored every --val-every steps; the "
                         "checkpoint written is the one with the lowest held-out loss (0: none, keep the last)")
     t.add_argument("--val-every", type=int, default=250, help="steps between held-out scorings")
-    t.add_argument("--feature-store", choices=["auto", "device", "host"], default="auto",
+    t.add_argument("--feature-store", choices=["auto", "device", "host", "recompute"], default="auto",
                    help="where the target features of every training position live: on the GPU, in host "
-                        "memory (a batch copied each step: for GPUs too small to hold them), or auto "
-                        "(the GPU when they fit in 70%% of its free memory)")
+                        "memory (a batch copied each step), nowhere (recompute: the frozen target's forward "
+                        "over each batch, for data larger than the GPU's memory), or auto (the GPU when they "
+                        "fit in 70%% of its free memory, else recompute)")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="the id the draft's masked block positions carry (default: the tokenizer's mask token)")
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -128,11 +134,18 @@ def _prompts(args: argparse.Namespace, pair, n: int) -> list[list[int]]:
 
 
 def _warm_start(args: argparse.Namespace, pair) -> tuple:
-    """The --init draft (float32), checked against the target and the flags given, and its training summary."""
+    """The --init draft (float32; grown to --layers when that asks for more), checked against the target
+    and the flags given, its training summary, and the layers it had before growing (None: not grown)."""
     from engine.loading import load_draft_folder
 
     draft = load_draft_folder(Path(args.init), pair.target, pair.target.device, torch.float32)
     have = _architecture(draft)
+    grown_from = None
+    if args.layers is not None and args.layers != have["layers"]:
+        # more layers than the --init draft: it grows (new blocks that start as the identity)
+        grown_from = have["layers"]
+        draft = grow_draft(draft, args.layers, seed=args.seed)
+        have = _architecture(draft)
     for key, value in have.items():
         asked = getattr(args, key)
         if asked is not None and asked != value:
@@ -145,9 +158,10 @@ def _warm_start(args: argparse.Namespace, pair) -> tuple:
         raise EngineInputError(f"{summary}: not JSON ({e})") from None
     if previous is not None:
         previous.pop("init_training", None)  # one level of history; total_steps carries the rest
-    print(f"warm start from {args.init}: {have['layers']} layers, block {have['block_size']}, "
+    grown = f" (grown from {grown_from}: the new ones start as the identity)" if grown_from else ""
+    print(f"warm start from {args.init}: {have['layers']} layers{grown}, block {have['block_size']}, "
           f"{_steps_so_far(previous)} steps so far", flush=True)
-    return draft, previous
+    return draft, previous, grown_from
 
 
 def _architecture(draft) -> dict[str, int]:
@@ -203,7 +217,8 @@ def _sequences(args: argparse.Namespace, pair, cfg: TrainConfig, n_prompts: int
             prompts = [ids for ids in prompts if tuple(ids) not in known]
             print(f"--gen-more: {len(seqs)} sequences reused, {len(prompts)} prompts not answered yet", flush=True)
         answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
-                                     time_budget_s=args.gen_budget, seed=args.seed)
+                                     time_budget_s=args.gen_budget, seed=args.seed,
+                                     batch_tokens=args.gen_batch_tokens)
         done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
         if len(done) < len(prompts):
             print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
@@ -231,6 +246,8 @@ def _train_config(args: argparse.Namespace, values: dict[str, int]) -> TrainConf
 def _check_flags(args: argparse.Namespace) -> None:
     if args.gen_more and not args.data:
         raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
+    if args.gen_batch_tokens < 0:
+        raise EngineInputError(f"--gen-batch-tokens must be >= 0 (0: no token budget), got {args.gen_batch_tokens}")
     for flag in ("wall_budget", "gen_budget"):
         if getattr(args, flag) < 0:
             raise EngineInputError(f"--{flag.replace('_', '-')} must be >= 0 seconds (0: no limit), "
@@ -305,12 +322,14 @@ def run(args: argparse.Namespace) -> int:
     pair = load(args.target, "none", device=args.device, dtype="auto")
     init, lineage = None, (manifest or {}).get("lineage")
     if args.init:
-        init, init_training = _warm_start(args, pair)
+        init, init_training, grown_from = _warm_start(args, pair)
         arch = _architecture(init)
         values.update({k: arch[k] for k in ARCH_DEFAULTS})
         args.intermediate_size = arch["intermediate_size"]
         cfg = _train_config(args, values)
         lineage = {"init": args.init, "init_training": init_training}
+        if grown_from is not None:
+            lineage["grown_from_layers"] = grown_from
     mask_id = _mask_id(args, pair, init)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -336,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
         # The checkpoint's whole history: what it was trained from, and how long in all.
         summary.update(init=lineage["init"], init_training=lineage["init_training"],
                        total_steps=summary["steps"] + _steps_so_far(lineage["init_training"]))
+        if "grown_from_layers" in lineage:
+            summary["grown_from_layers"] = lineage["grown_from_layers"]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)  # this call's, saving included

@@ -12,11 +12,15 @@ from engine import EngineConfig
 from engine.cli import main
 from engine.config import EngineInputError
 from engine.loading import load_draft_folder, save_draft_folder
+from engine.models.common import unfused_state_dict
 from engine.models.dense import forward_padded
-from engine.training.sequences import generate_responses, load_sequences, save_sequences
+from engine.models.draft import DFlashDraft
+from engine.training.sequences import generate_responses, length_batches, load_sequences, save_sequences
 from engine.training.train import (
     TrainConfig,
     block_batch,
+    grow_draft,
+    new_draft_for,
     learning_rate,
     sample_anchors,
     train_draft,
@@ -67,6 +71,21 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
     answers = generate_responses(pair.target, prompts, 24, batch_size=3, stop_ids=pair.stop_ids)
     for p, a in zip(prompts, answers, strict=True):
         assert a == engine.generate(pair, p, EngineConfig(verify="ar"), 24).tokens
+
+
+def test_a_token_budget_gives_short_prompts_big_batches_and_answers_stay_the_targets(pair):
+    lengths = [30, 2, 3, 90, 4, 5, 31]
+    assert length_batches(lengths, 3) == [[1, 2, 4], [5, 0, 6], [3]]  # rows alone, shortest first
+    # 100 cache positions: 10 new tokens + the longest prompt, times the rows
+    batches = length_batches(lengths, 8, batch_tokens=100, max_new_tokens=10)
+    assert batches == [[1, 2, 4, 5], [0, 6], [3]]
+    for b in batches:
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 10) <= 100
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    prompts = [pair.encode(t) for t in ["Hi", "What is 2+2?", "def f(x):", "Tell me a story about a cat", "Ok"]]
+    answers = generate_responses(pair.target, prompts, 16, batch_size=8, stop_ids=pair.stop_ids, batch_tokens=60)
+    for p, a in zip(prompts, answers, strict=True):
+        assert a == engine.generate(pair, p, EngineConfig(verify="ar"), 16).tokens
 
 
 def test_self_distillation_time_budget_keeps_a_sample_of_every_length(pair, monkeypatch):
@@ -228,17 +247,40 @@ def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
         TrainConfig(val_fraction=0.7)
 
 
+def test_recomputed_features_train_as_the_kept_ones(pair):
+    """feature_store="recompute" keeps no features: each batch's come from the target's forward over
+    it, the same numbers (float32) as the pass that keeps them, so training follows the same losses."""
+    prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(24)]
+    answers = generate_responses(pair.target, prompts, 16, batch_size=24, stop_ids=pair.stop_ids)
+    seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+    runs, drafts = {}, {}
+    for store in ("device", "recompute"):
+        cfg = TrainConfig(layers=1, block_size=4, steps=6, batch_size=4, num_anchors=4, lr=3e-3, warmup_steps=2,
+                          val_fraction=0.0, feature_store=store)
+        torch.manual_seed(0)
+        drafts[store], runs[store] = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id,
+                                                 log=lambda m: None)
+    assert runs["recompute"]["feature_store"] == "recompute" and runs["device"]["feature_store"] == "device"
+    assert runs["recompute"]["final_loss"] == pytest.approx(runs["device"]["final_loss"], rel=1e-4)
+    for (name, a), b in zip(drafts["device"].named_parameters(), drafts["recompute"].parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5, msg=name)
+    assert not torch.equal(drafts["device"].fc.weight, new_draft_for(pair.target, cfg, 0).fc.weight)  # it trained
+
+
 def test_target_features_go_to_the_gpu_only_when_they_fit():
-    """auto: the GPU while the features take at most 70% of its free memory, pinned host memory
-    beyond; device and host are taken as asked; off CUDA everything is the same memory."""
-    from engine.training.features import feature_store_device
+    """auto: the GPU while the features take at most 70% of its free memory, recomputed each batch
+    beyond; device, host and recompute are taken as asked; off CUDA host is the device's memory."""
+    from engine.training.features import feature_placement
 
     gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 2**30
-    assert feature_store_device("auto", 60 * gib, gpu, 100 * gib) == gpu
-    assert feature_store_device("auto", 80 * gib, gpu, 100 * gib) == cpu  # a 24 GB card with 12M tokens of data
-    assert feature_store_device("host", 1 * gib, gpu, 100 * gib) == cpu
-    assert feature_store_device("device", 80 * gib, gpu, 100 * gib) == gpu
-    assert feature_store_device("auto", 80 * gib, cpu, None) == cpu
+    assert feature_placement("auto", 60 * gib, gpu, 100 * gib) == "device"
+    assert feature_placement("auto", 80 * gib, gpu, 100 * gib) == "recompute"  # a 24 GB card, 12M tokens of data
+    assert feature_placement("host", 1 * gib, gpu, 100 * gib) == "host"
+    assert feature_placement("device", 80 * gib, gpu, 100 * gib) == "device"
+    assert feature_placement("recompute", 1 * gib, gpu, 100 * gib) == "recompute"
+    assert feature_placement("auto", 80 * gib, cpu, None) == "device"
+    assert feature_placement("host", 80 * gib, cpu, None) == "device"
+    assert feature_placement("recompute", 1 * gib, cpu, None) == "recompute"
     with pytest.raises(EngineInputError, match="feature_store must be one of"):
         TrainConfig(feature_store="disk")
 
@@ -286,6 +328,48 @@ def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path
     err = capsys.readouterr().err
     assert "--block-size 16 disagrees with the --init draft" in err and "block_size 8" in err
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_a_grown_draft_computes_what_it_grew_from_and_its_new_blocks_learn(pair):
+    loaded = engine.load("tiny-dense", "random", device="cpu", dtype="float32").drafter.draft
+    draft = DFlashDraft(loaded.cfg)  # as training holds it: each projection apart
+    draft.load_state_dict(unfused_state_dict(loaded))
+    grown = grow_draft(draft, draft.cfg.num_hidden_layers + 2, seed=3)
+    assert grown.cfg.num_hidden_layers == draft.cfg.num_hidden_layers + 2
+    feats = torch.randn(2, 9, len(draft.cfg.target_layer_ids) * draft.cfg.hidden_size)
+    blocks = torch.randn(2, 4, draft.cfg.hidden_size)
+    ctx_pos, q_pos = torch.arange(9).expand(2, 9), torch.arange(9, 13).expand(2, 4)
+    torch.testing.assert_close(grown(blocks, feats, ctx_pos, q_pos), draft(blocks, feats, ctx_pos, q_pos),
+                               rtol=0, atol=0)
+    # The new blocks are not dead: their zeroed output projections get a gradient.
+    grown(blocks, feats, ctx_pos, q_pos).square().sum().backward()
+    new = grown.layers[-1]
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    assert grow_draft(draft, draft.cfg.num_hidden_layers) is draft
+    with pytest.raises(EngineInputError, match="can add layers to the --init draft's"):
+        grow_draft(grown, 1)
+
+
+def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(tmp_path, capsys):
+    data = tmp_path / "sd.jsonl.gz"
+    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--prompts", QUICKSTART, "--n-prompts", "6",
+              "--gen-max-new-tokens", "24", "--batch-size", "4", "--num-anchors", "8", "--lr", "3e-3"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--layers", "1", "--block-size", "8", "--steps", "30",
+                          "--save-data", str(data)]) == 0
+    fresh_start = _step0_loss(capsys.readouterr().out)
+    assert main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--data", str(data),
+                          "--layers", "3", "--steps", "5"]) == 0
+    log = capsys.readouterr().out
+    assert "warm start from" in log and "3 layers (grown from 1" in log
+    summary = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert summary["config"]["layers"] == 3 and summary["grown_from_layers"] == 1 and summary["total_steps"] == 35
+    assert load_draft_folder(tmp_path / "b", engine.load("tiny-dense", "none", device="cpu").target, "cpu",
+                             torch.float32).cfg.num_hidden_layers == 3
+    assert _step0_loss(log) < 0.8 * fresh_start  # the grown draft starts as the trained one
+    # Fewer layers than the --init draft: a usage error naming both.
+    assert main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "b"), "--data", str(data),
+                          "--layers", "2"]) == 2
+    assert "--layers 2: a warm start can add layers to the --init draft's 3" in capsys.readouterr().err
 
 
 def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsys):
