@@ -114,12 +114,16 @@ def new_draft_for(target: DenseModel, cfg: TrainConfig, mask_token_id: int) -> D
         num_target_layers=tc.num_hidden_layers, block_size=cfg.block_size, mask_token_id=mask_token_id,
         head_dim=tc.dim_per_head, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
     ))
-    gen = torch.Generator().manual_seed(cfg.seed)
+    return _init_weights_(draft, cfg.seed)
+
+
+def _init_weights_(draft: DFlashDraft, seed: int) -> DFlashDraft:
+    """A new draft's weights: N(0, 0.02) matrices in name order from ``seed``; norms keep their identity."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(draft.named_parameters(), key=lambda kv: kv[0]):
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            # norms keep their identity initialisation
     return draft
 
 
@@ -134,12 +138,8 @@ def grow_draft(draft: DFlashDraft, layers: int, seed: int = 0) -> DFlashDraft:
                                f"not remove them")
     if layers == have:
         return draft
-    grown = DFlashDraft(replace(draft.cfg, num_hidden_layers=layers))
-    gen = torch.Generator().manual_seed(seed)
+    grown = _init_weights_(DFlashDraft(replace(draft.cfg, num_hidden_layers=layers)), seed)
     with torch.no_grad():
-        for name, p in sorted(grown.named_parameters(), key=lambda kv: kv[0]):
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         for block in grown.layers[have:]:
             block.self_attn.o_proj.weight.zero_()
             block.mlp.down_proj.weight.zero_()
@@ -295,18 +295,7 @@ def train_draft(
         DFlashDraft(DFlashConfig(**{**saved, "target_layer_ids": tuple(saved["target_layer_ids"])})).to(device))
     meta["draft_config"] = asdict(draft.cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    t0 = time.perf_counter()
-    ids = draft.cfg.target_layer_ids
-    n_bytes = features_bytes(target, tokens_all.numel(), ids)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
-    placement = feature_placement(cfg.feature_store, n_bytes, device,
-                                  torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
-    feats = None if placement == "recompute" else target_features(target, data, ids, store=placement)
-    store = TokenStore(tokens=tokens_all, feats=feats, starts=torch.cumsum(lens, 0) - lens, lens=lens,
-                       prompt_lens=plens, target=target, layer_ids=tuple(ids))
-    where = {"device": "on the device", "host": "on the host", "recompute": "recomputed each batch (not kept)"}
-    log(f"target features: {n_bytes / 2**30:.1f} GiB {where[placement]} in {time.perf_counter() - t0:.0f}s")
+    store = _token_store(target, data, tokens_all, lens, plens, draft.cfg.target_layer_ids, cfg.feature_store, log)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the data order and the anchors
     train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
     cfg = _fit_deadline(cfg, deadline, log)
@@ -416,6 +405,23 @@ def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[
     if not kept:
         raise EngineInputError("no training sequence has a response token after its prompt")
     return kept, [torch.tensor(s, device=device) for s, _ in kept]
+
+
+def _token_store(target: DenseModel, data: list[Tensor], tokens_all: Tensor, lens: Tensor, plens: Tensor,
+                 ids: Sequence[int], choice: str, log: Callable[[str], None]) -> TokenStore:
+    """The training sequences (``data``, back to back in ``tokens_all``), with the target features
+    where ``choice`` puts them."""
+    t0, device = time.perf_counter(), target.device
+    n_bytes = features_bytes(target, tokens_all.numel(), ids)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
+    placement = feature_placement(choice, n_bytes, device,
+                                  torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+    feats = None if placement == "recompute" else target_features(target, data, ids, store=placement)
+    where = {"device": "on the device", "host": "on the host", "recompute": "recomputed each batch (not kept)"}
+    log(f"target features: {n_bytes / 2**30:.1f} GiB {where[placement]} in {time.perf_counter() - t0:.0f}s")
+    return TokenStore(tokens=tokens_all, feats=feats, starts=torch.cumsum(lens, 0) - lens, lens=lens,
+                      prompt_lens=plens, target=target, layer_ids=tuple(ids))
 
 
 def _fit_deadline(cfg: TrainConfig, deadline: float | None, log: Callable[[str], None]) -> TrainConfig:

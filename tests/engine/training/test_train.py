@@ -20,8 +20,8 @@ from engine.training.train import (
     TrainConfig,
     block_batch,
     grow_draft,
-    new_draft_for,
     learning_rate,
+    new_draft_for,
     sample_anchors,
     train_draft,
 )
