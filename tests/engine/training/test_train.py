@@ -15,6 +15,7 @@ from engine.loading import load_draft_folder, save_draft_folder
 from engine.models.common import unfused_state_dict
 from engine.models.dense import forward_padded
 from engine.models.draft import DFlashDraft
+from engine.training.features import target_features
 from engine.training.sequences import generate_responses, length_batches, load_sequences, save_sequences
 from engine.training.train import (
     TrainConfig,
@@ -170,6 +171,28 @@ def test_smoke_training_learns_and_round_trips_into_exact_decoding(pair, tmp_pat
     for verify in ("chain", "ddtree"):
         out = engine.generate(trained, ids, EngineConfig(verify=verify, budget=10, top_k=3), 32, ignore_eos=True)
         assert out.tokens == ar.tokens
+    # Training's forward and decoding agree: at the anchors the chain's steps had (each root at the prompt's end
+    # plus the tokens committed before it), the blocks training scores accept exactly what decoding accepted.
+    chain = engine.generate(trained, ids, EngineConfig(verify="chain"), 32, ignore_eos=True).stats.accept_lengths
+    assert max(chain) > 1  # the smoke draft proposes something: the comparison is not of empty blocks
+    assert _teacher_forced_accepts(pair.target, loaded, ids, ar.tokens, chain[:-1]) == chain[:-1]
+
+
+def _teacher_forced_accepts(target, draft, prompt: list[int], answer: list[int], accepts: list[int]) -> list[int]:
+    """Per anchor (a decoding step's root), the tokens a chain step accepts there: 1 + the drafted prefix that
+    matches the answer, from training's batched block forward over the target's features."""
+    seq = torch.tensor(prompt + answer)
+    anchors = [len(prompt)]
+    for a in accepts[:-1]:
+        anchors.append(anchors[-1] + a)
+    at = torch.tensor(anchors)[None]
+    batch = block_batch(seq[None], torch.tensor([seq.numel()]), at, torch.ones_like(at, dtype=torch.bool),
+                        draft.cfg.block_size, draft.cfg.mask_token_id)
+    feats = target_features(target, [seq], draft.cfg.target_layer_ids)[None]
+    with torch.no_grad():
+        h = draft(target.embed_tokens(batch["tokens"]), feats, batch["ctx_pos"], batch["q_pos"], batch["mask"])
+        hit = (target.lm_head(h).argmax(-1) == batch["labels"]).view(len(anchors), -1)[:, 1:]
+    return [1 + int(row.long().cumprod(0).sum()) for row in hit]
 
 
 def test_a_deadline_bounds_training_from_after_the_target_features(pair, monkeypatch):
@@ -206,7 +229,7 @@ def test_a_deadline_bounds_training_from_after_the_target_features(pair, monkeyp
 def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
     """A held-out share is never trained on and is scored on fixed blocks; the draft returned is the
     one of the lowest held-out loss (rescoring it gives that loss)."""
-    from engine.training.features import TokenStore, target_features
+    from engine.training.features import TokenStore
     from engine.training.train import _held_out, held_out_key, held_out_stats
 
     torch.manual_seed(0)
