@@ -329,13 +329,19 @@ def _step0_loss(log: str) -> float:
     return float(next(line for line in log.splitlines() if line.startswith("step 0 loss")).split()[3])
 
 
-def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path, capsys):
+def _a_first_run(tmp_path: Path, capsys) -> tuple[list[str], Path, float]:
+    """A 1-layer draft trained 30 steps into tmp_path/a, its data saved: the flags common to the runs
+    after it, the data file and the first run's step-0 loss."""
     data = tmp_path / "sd.jsonl.gz"
     common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--prompts", QUICKSTART, "--n-prompts", "6",
               "--gen-max-new-tokens", "24", "--batch-size", "4", "--num-anchors", "8", "--lr", "3e-3"]
     assert main(common + ["--out", str(tmp_path / "a"), "--layers", "1", "--block-size", "8", "--steps", "30",
                           "--save-data", str(data)]) == 0
-    fresh_start = _step0_loss(capsys.readouterr().out)
+    return common, data, _step0_loss(capsys.readouterr().out)
+
+
+def test_warm_start_continues_the_checkpoint_and_keeps_its_architecture(tmp_path, capsys):
+    common, data, fresh_start = _a_first_run(tmp_path, capsys)
     assert main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--data", str(data),
                           "--steps", "10"]) == 0
     log = capsys.readouterr().out
@@ -374,12 +380,7 @@ def test_a_grown_draft_computes_what_it_grew_from_and_its_new_blocks_learn(pair)
 
 
 def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(tmp_path, capsys):
-    data = tmp_path / "sd.jsonl.gz"
-    common = ["train-draft", "--target", "tiny-dense", "--device", "cpu", "--prompts", QUICKSTART, "--n-prompts", "6",
-              "--gen-max-new-tokens", "24", "--batch-size", "4", "--num-anchors", "8", "--lr", "3e-3"]
-    assert main(common + ["--out", str(tmp_path / "a"), "--layers", "1", "--block-size", "8", "--steps", "30",
-                          "--save-data", str(data)]) == 0
-    fresh_start = _step0_loss(capsys.readouterr().out)
+    common, data, fresh_start = _a_first_run(tmp_path, capsys)
     assert main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--data", str(data),
                           "--layers", "3", "--steps", "5"]) == 0
     log = capsys.readouterr().out
