@@ -70,6 +70,18 @@ def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> fused.HeadNorms:
     return fused.HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred)
 
 
+def layer_outputs(outs: Sequence[Tensor], deltas: Sequence[Tensor | None]) -> Tensor | None:
+    """``cat([x + delta for each layer], -1)``: the target features of the layers read, each the layer's
+    residual ``x`` plus its MLP output ``delta`` (None: nothing to add). Both sides concatenated, then one
+    add: three launches for any number of layers, where a sum per layer and the cat took one more than
+    the layers (a decode step's feature row: 6 for 5 layers); the same elementwise add, so the same bits."""
+    if not outs:
+        return None
+    if any(d is None for d in deltas):  # (a stack whose layers return their sum already)
+        return torch.cat([x if d is None else x + d for x, d in zip(outs, deltas, strict=True)], -1)
+    return torch.cat(list(outs), -1).add_(torch.cat(list(deltas), -1))
+
+
 def final_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None, last_only: bool) -> Tensor:
     """The model's final norm of the last layer's output ``x + delta`` (of its last row only with ``last_only``)."""
     if last_only:
@@ -227,14 +239,14 @@ class TargetModel(nn.Module):
         """Every layer over ``x`` (``layer_call(layer, i, x, delta)``: a layer's input is ``x + delta``,
         the previous MLP's output, added in its first norm), the outputs of ``feature_layers``, the logits."""
         wanted = set(feature_layers)
-        feats, delta = [], None
+        outs, deltas, delta = [], [], None
         for i, layer in enumerate(self.layers):
             x, delta = layer_call(layer, i, x, delta)
-            if i in wanted:
-                feats.append(x + delta)  # the layer's output (the next norm computes the same sum)
+            if i in wanted:  # the layer's output is x + delta (the next norm computes the same sum)
+                outs.append(x)
+                deltas.append(delta)
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.
-        features = torch.cat(feats, -1) if feats else None
-        return self.lm_head(final_norm(self.norm, x, delta, last_only)), features
+        return self.lm_head(final_norm(self.norm, x, delta, last_only)), layer_outputs(outs, deltas)
 
 
 class Linear(nn.Linear):

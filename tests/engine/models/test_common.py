@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from engine.models.common import FusedLinear, fuse_projections_, unfused_state_dict
+from engine.models.common import FusedLinear, fuse_projections_, layer_outputs, unfused_state_dict
 from engine.registry import TARGETS, load_target
 
 
@@ -103,3 +103,18 @@ def test_fusion_frees_each_groups_parts_before_stacking_the_next(monkeypatch):
     common.fuse_projections_(model)
     assert len(alive) == len(sizes) > 2
     assert alive == [len(parts) - sum(sizes[:i]) for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_outputs_are_each_layers_sum_bit_for_bit(dtype):
+    """The target features in three launches equal the sum per layer then the cat, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    outs = [torch.randn(7, 48, generator=gen).to(dtype) * 10 ** k for k in range(-2, 3)]
+    deltas = [torch.randn(7, 48, generator=gen).to(dtype) for _ in outs]
+    want = torch.cat([x + d for x, d in zip(outs, deltas, strict=True)], -1)
+    before = [t.clone() for t in outs + deltas]
+    got = layer_outputs(outs, deltas)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(outs + deltas, before, strict=True))  # the layers' tensors untouched
+    assert layer_outputs([], []) is None
+    assert torch.equal(layer_outputs(outs[:2], [deltas[0], None]), torch.cat([outs[0] + deltas[0], outs[1]], -1))
