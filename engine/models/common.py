@@ -73,12 +73,15 @@ def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> fused.HeadNorms:
 def layer_outputs(outs: Sequence[Tensor], deltas: Sequence[Tensor | None]) -> Tensor | None:
     """``cat([x + delta for each layer], -1)``: the target features of the layers read, each the layer's
     residual ``x`` plus its MLP output ``delta`` (None: nothing to add). Both sides concatenated, then one
-    add: three launches for any number of layers, where a sum per layer and the cat took one more than
-    the layers (a decode step's feature row: 6 for 5 layers); the same elementwise add, so the same bits."""
+    add: three launches for any number of layers (one for a single layer), where a sum per layer and the
+    cat took one more than the layers (a decode step's feature row: 6 for 5 layers); the same elementwise
+    add, so the same bits."""
     if not outs:
         return None
     if any(d is None for d in deltas):  # (a stack whose layers return their sum already)
         return torch.cat([x if d is None else x + d for x, d in zip(outs, deltas, strict=True)], -1)
+    if len(outs) == 1:  # one layer read: its sum alone, one launch
+        return outs[0] + deltas[0]
     return torch.cat(list(outs), -1).add_(torch.cat(list(deltas), -1))
 
 

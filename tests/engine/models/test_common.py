@@ -117,4 +117,5 @@ def test_layer_outputs_are_each_layers_sum_bit_for_bit(dtype):
     assert got.dtype == dtype and torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(outs + deltas, before, strict=True))  # the layers' tensors untouched
     assert layer_outputs([], []) is None
+    assert torch.equal(layer_outputs(outs[:1], deltas[:1]), outs[0] + deltas[0])
     assert torch.equal(layer_outputs(outs[:2], [deltas[0], None]), torch.cat([outs[0] + deltas[0], outs[1]], -1))
