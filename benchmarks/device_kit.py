@@ -121,6 +121,10 @@ def build(out: Path, reference_git: str, split: int | None) -> None:
     # Each part fills a call beside the tree (call 1 carries part 1 alone), so the tree's size sets how many
     # parts there are: two while it is under ~18 MiB, three up to ~33.
     parts = cut_wheel(data, split if split is not None else LIMIT - _tree_bytes() - MARGIN)
+    room = sum(g.startswith("smol") for g in GROUPS)
+    if len(parts) > room:
+        raise SystemExit(f"the SmolLM2 wheel needs {len(parts)} parts beside this tree ({_tree_bytes() / 2**20:.1f} "
+                         f"MiB); device_kit.py packs {room} at most: shrink the tree or add smol groups and calls")
     for k, part in enumerate(parts, 1):
         (out / f"smol{k}").mkdir(exist_ok=True)
         (out / f"smol{k}" / f"part{k}").write_bytes(part)

@@ -6,6 +6,7 @@
 # too; PROFILE=1: step profiles) and the kernels alone by launch configuration (kernel_bench.py).
 source benchmarks/device/common.sh call1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
+cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
 
 rm -f /root/stash/kernels_failed
 # Cold compiles: 158 kernel configurations took over 45 s, the kernel tests over 120 s (2026-12-01 evening).

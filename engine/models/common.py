@@ -70,6 +70,9 @@ def head_norms(q_norm: RMSNorm, k_norm: RMSNorm) -> fused.HeadNorms:
     return fused.HeadNorms(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.zero_centred)
 
 
+FEATURE_ROWS_DEFERRED = 256  # rows up to which ``_stack`` sums the features in one add (``layer_outputs``)
+
+
 def layer_outputs(outs: Sequence[Tensor], deltas: Sequence[Tensor | None]) -> Tensor | None:
     """``cat([x + delta for each layer], -1)``: the target features of the layers read, each the layer's
     residual ``x`` plus its MLP output ``delta`` (None: nothing to add). Both sides concatenated, then one
@@ -78,7 +81,7 @@ def layer_outputs(outs: Sequence[Tensor], deltas: Sequence[Tensor | None]) -> Te
     add, so the same bits."""
     if not outs:
         return None
-    if any(d is None for d in deltas):  # (a stack whose layers return their sum already)
+    if any(d is None for d in deltas):  # (sums made as the layers ran: many rows)
         return torch.cat([x if d is None else x + d for x, d in zip(outs, deltas, strict=True)], -1)
     if len(outs) == 1:  # one layer read: its sum alone, one launch
         return outs[0] + deltas[0]
@@ -242,12 +245,16 @@ class TargetModel(nn.Module):
         """Every layer over ``x`` (``layer_call(layer, i, x, delta)``: a layer's input is ``x + delta``,
         the previous MLP's output, added in its first norm), the outputs of ``feature_layers``, the logits."""
         wanted = set(feature_layers)
+        # A decode step's few rows: the sums wait for one add at the end (launches are its cost); a
+        # prefill's or a training batch's many: each layer's sum at once (holding every layer's two
+        # tensors to the end would double the features' memory)
+        defer = x.shape[:-1].numel() <= FEATURE_ROWS_DEFERRED
         outs, deltas, delta = [], [], None
         for i, layer in enumerate(self.layers):
             x, delta = layer_call(layer, i, x, delta)
             if i in wanted:  # the layer's output is x + delta (the next norm computes the same sum)
-                outs.append(x)
-                deltas.append(delta)
+                outs.append(x if defer else x + delta)
+                deltas.append(delta if defer else None)
         # Layer order: target_layer_ids are ascending, as the draft's fc expects.
         return self.lm_head(final_norm(self.norm, x, delta, last_only)), layer_outputs(outs, deltas)
 

@@ -61,7 +61,8 @@ class TokenStore:
         inside = j[None, :] < lens[:, None]
         idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
         tokens = self.tokens[idx] * inside
-        if self.feats is None:  # the target's forward over the batch, as target_features does
+        if self.feats is None:  # the target's forward over the batch, as target_features does (its padding
+            # differs from that pass's buckets: the same numbers up to rounding)
             with torch.no_grad():
                 _, feats = forward_padded(self.target, tokens, j.expand(len(pick), -1), inside,
                                           feature_layers=self.layer_ids, logits=False)

@@ -140,9 +140,11 @@ def grow_draft(draft: DFlashDraft, layers: int, seed: int = 0) -> DFlashDraft:
         return draft
     grown = _init_weights_(DFlashDraft(replace(draft.cfg, num_hidden_layers=layers)), seed)
     with torch.no_grad():
-        for block in grown.layers[have:]:
-            block.self_attn.o_proj.weight.zero_()
-            block.mlp.down_proj.weight.zero_()
+        for block in grown.layers[have:]:  # (with their biases: attention_bias drafts have them)
+            for out in (block.self_attn.o_proj, block.mlp.down_proj):
+                out.weight.zero_()
+                if out.bias is not None:
+                    out.bias.zero_()
     missing, unexpected = grown.load_state_dict(unfused_state_dict(draft), strict=False)
     new_blocks = tuple(f"layers.{i}." for i in range(have, layers))
     if unexpected or not all(k.startswith(new_blocks) for k in missing):

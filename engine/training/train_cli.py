@@ -243,6 +243,16 @@ def _train_config(args: argparse.Namespace, values: dict[str, int]) -> TrainConf
     )
 
 
+def grown_but_idle(summary: dict, out: Path) -> str | None:
+    """The warning for a grown draft whose held-out scorings never beat its step 0: the draft written is
+    the --init draft with idle layers (the same proposals, more cost), None otherwise."""
+    if not summary.get("grown_from_layers") or not summary.get("held_out") or summary.get("kept_step") != 0:
+        return None
+    idle = summary["config"]["layers"] - summary["grown_from_layers"]
+    return (f"warning: no step beat the grown draft's start on the held-out set: {out} is the --init draft with "
+            f"{idle} idle layers (the same proposals, slower): keep the --init draft")
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     if args.gen_more and not args.data:
         raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
@@ -365,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
                 "sequences", "tokens", "tokens_per_s", "held_out_sequences", "held_out_loss", "kept_step",
                 "wall_seconds"):
         print(f"{key}: {summary[key]}")
+    if (warning := grown_but_idle(summary, out)) is not None:
+        print(warning, flush=True)
     if ck is not None:
         print(f"resumable: {ck.dir} (step {summary['steps']} of {summary['steps_planned']})")
     print(f"checkpoint: {out}")

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -377,6 +378,14 @@ def test_a_grown_draft_computes_what_it_grew_from_and_its_new_blocks_learn(pair)
     assert grow_draft(draft, draft.cfg.num_hidden_layers) is draft
     with pytest.raises(EngineInputError, match="can add layers to the --init draft's"):
         grow_draft(grown, 1)
+    # A draft with attention biases: the new blocks' output biases start at zero too.
+    biased = DFlashDraft(replace(draft.cfg, attention_bias=True))
+    with torch.no_grad():
+        for p in biased.parameters():
+            p.normal_(0, 0.05)
+    grown = grow_draft(biased, biased.cfg.num_hidden_layers + 1, seed=3)
+    torch.testing.assert_close(grown(blocks, feats, ctx_pos, q_pos), biased(blocks, feats, ctx_pos, q_pos),
+                               rtol=0, atol=0)
 
 
 def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(tmp_path, capsys):
@@ -390,6 +399,15 @@ def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(t
     assert load_draft_folder(tmp_path / "b", engine.load("tiny-dense", "none", device="cpu").target, "cpu",
                              torch.float32).cfg.num_hidden_layers == 3
     assert _step0_loss(log) < 0.8 * fresh_start  # the grown draft starts as the trained one
+    # (no held-out set on 6 prompts: the warning for a grown draft that never beat its start stays silent)
+    assert "idle layers" not in log
+    from engine.training.train_cli import grown_but_idle
+
+    held = [{"step": 0, "loss": 2.41}, {"step": 250, "loss": 2.59}]
+    run12 = {"grown_from_layers": 3, "kept_step": 0, "held_out": held, "config": {"layers": 5}}
+    assert "the --init draft with 2 idle layers" in grown_but_idle(run12, Path("d"))
+    assert grown_but_idle({**run12, "kept_step": 250}, Path("d")) is None
+    assert grown_but_idle({**run12, "grown_from_layers": None}, Path("d")) is None
     # Fewer layers than the --init draft: a usage error naming both.
     assert main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "b"), "--data", str(data),
                           "--layers", "2"]) == 2
