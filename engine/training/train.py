@@ -524,7 +524,7 @@ def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: t
     batches = []
     for lo in range(0, n_val, cfg.batch_size):
         pick = val_idx[lo : lo + cfg.batch_size]
-        tokens, _, seq_lens, plens = store.batch(pick)
+        tokens, seq_lens, plens = store.tokens_of(pick)
         anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
         batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
         batches.append(dict(batch, pick=pick))
