@@ -169,16 +169,17 @@ def cases():
         yield from _attention_cases(dtype)
         for d in WIDTHS + HEAD_DIMS:
             types = dict(x_ptr=p, w_ptr=p, other_ptr=p, total_ptr=p, out_ptr=p, D="i32", eps="fp32",
-                         other_heads="i32", other_tok="i32", other_head="i32")
+                         other_heads="i32", other_tok="i32", other_head="i32", tee_ptr=p, tee_stride="i32")
             launch = fused.row_launch(d)
             warps = launch.pop("num_warps")
-            for label, zc, gated, residual in (("rms_norm", False, False, False),
-                                               ("rms_norm zero-centred", True, False, False),
-                                               ("add + rms_norm zero-centred", True, False, True),
-                                               ("gated rms_norm", False, True, False)):
+            for label, zc, gated, residual, tee in (("rms_norm", False, False, False, False),
+                                                    ("rms_norm zero-centred", True, False, False, False),
+                                                    ("add + rms_norm zero-centred", True, False, True, False),
+                                                    ("add + rms_norm, features teed", False, False, True, True),
+                                                    ("gated rms_norm", False, True, False, False)):
                 yield (f"{label} {dtype} d={d}", fused._rms_norm_kernel,
                        dict(types, x_ptr="*fp32") if gated else types,  # the delta rule's float32 output
-                       dict(ZERO_CENTRED=zc, GATED=gated, RESIDUAL=residual, **launch), warps, 3)
+                       dict(ZERO_CENTRED=zc, GATED=gated, RESIDUAL=residual, TEE=tee, **launch), warps, 3)
         yield (f"silu_mul {dtype}", fused._silu_mul_kernel,
                dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32", g_stride="i32", u_stride="i32"), dict(BLOCK=2048), 4, 3)
         rope = dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, HEADS="i32", D="i32", RD="i32")
@@ -197,11 +198,14 @@ def _tree_cases():
     """The DDTree kernels: the tree and its mask, the walk, the adaptive policy's path probabilities."""
     tree = dict(lp_ptr="*fp32", ids_ptr="*i64", root_ptr="*i64", tok_ptr="*i64", par_ptr="*i64",
                      dep_ptr="*i64", rank_ptr="*i64", mask_ptr="*i1", epar_ptr="*i32", erank_ptr="*i32",
-                     edep_ptr="*i32", efinal_ptr="*i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
+                     edep_ptr="*i32", efinal_ptr="*i32", escore_ptr="*fp64", prob_ptr="*i64", log_scale="fp32",
+                     root_prob="i32", L="i32", K="i32", B="i32", N="i32", CHAIN="i32")
     for depth, k, budget in TREE_SHAPES:
-        yield (f"ddtree L={depth} k={k} budget={budget}", tree_kernel._tree_kernel, tree,
-               dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE,
-                    **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
+        for probs in (False, True):  # (True: the adaptive policy's proposal, its estimate from the same launch)
+            yield (f"ddtree L={depth} k={k} budget={budget}{' + path probabilities' if probs else ''}",
+                   tree_kernel._tree_kernel, tree,
+                   dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE, PROBS=probs,
+                        **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
                 path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
     for _, _, budget in TREE_SHAPES:

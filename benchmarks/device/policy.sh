@@ -33,7 +33,7 @@ case $PART in
     install_assets smollm2 humaneval bfcl
     section policy_tests ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
       tests/engine/decoding/test_runtime.py tests/engine/decoding/test_runtime_policy.py \
-      tests/engine/decoding/test_policy.py
+      tests/engine/decoding/test_policy.py tests/engine/decoding/test_tree_kernel.py tests/engine/models/test_common.py
     section pair_adaptive ${PAIR_LIMIT:-200} "${PAIR[@]}" --sets humaneval $W/eval_chat.jsonl agent \
       --md "$OUT/pair_adaptive.md" --out "$OUT/pair_adaptive.json"
     section weak_adaptive ${WEAK_LIMIT:-90} "${PAIR[@]}" --draft random --sets humaneval \

@@ -33,10 +33,8 @@ from engine.decoding.loop import (
 from engine.decoding.policy import (
     AdaptivePolicy,
     StepCosts,
-    path_probabilities,
     policy_budgets,
     prefix,
-    root_row,
     root_tree,
 )
 from engine.decoding.prefix_cache import PrefixCache
@@ -243,10 +241,10 @@ def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, fe
         return tree, mask, None
     with timer.phase("draft"):
         draft_logits = drafter.propose(seq, start, block, cfg.target_feat_ctx, feats)
-    tree, mask, top_lp = scored_tree(cfg, draft_logits, seq[start], timer, block - 1, host=cfg.draft_path == "generic")
+    tree, mask, probs = scored_tree(cfg, draft_logits, seq[start], timer, block - 1,
+                                    host=cfg.draft_path == "generic", path_probs=policy is not None)
     if policy is None:
         return tree, mask, None
-    probs = path_probabilities(top_lp.to(seq.device), tree, mask, root_row(top_lp.shape[1], seq.device))
     tree, mask = prefix(tree, mask, budget)
     return tree, mask, probs
 

@@ -6,6 +6,7 @@ loop) and ``engine.decoding.runtime`` (the device-resident one) import it; it im
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
@@ -15,8 +16,8 @@ import torch
 from torch import Tensor
 
 from engine.config import EngineConfig
+from engine.decoding import policy, tree_kernel
 from engine.decoding import prefix_cache as prefix_cache_mod
-from engine.decoding import tree_kernel
 from engine.decoding.grammar import GrammarState, mask_logits
 from engine.decoding.prefix_cache import PrefixCache
 from engine.decoding.sampling import select_tokens, top_margins
@@ -264,9 +265,11 @@ UNTIMED = _Untimed()
 
 
 def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: PhaseTimer | _Untimed,
-                max_depth: int, host: bool) -> tuple[Tree, Tensor, Tensor | None]:
+                max_depth: int, host: bool, path_probs: bool = False) -> tuple[Tree, Tensor, Tensor | None]:
     """topk + tree phases: the tree, its ancestor mask (``ancestor_mask(tree.parents, max_depth)``)
-    and the per-depth top-k log-probs that scored it (``policy.path_probabilities``).
+    and the per-depth top-k log-probs that scored it (None: a chain), or with ``path_probs`` (the
+    adaptive policy's estimate, a DDTree) the tree's ``policy.path_probabilities`` instead: from the
+    tree kernel's own launch where it builds the tree, else from those log-probs.
     ``host`` (the generic loop with ``draft_path="generic"``): logits go to the host, host top-k,
     heap-built tree, back to the device. Otherwise (the runtime, whose captured graphs cannot read
     the host, whatever ``cfg.draft_path`` says; the generic loop under ``auto``) everything stays on
@@ -289,6 +292,9 @@ def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: Ph
             mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().triu(-max_depth)
         elif host:
             tree = build_tree_host(top_lp, top_ids, int(root), cfg.budget, cfg.chain_seed)
+        elif path_probs and tree_kernel.use_tree_kernel(top_lp, cfg.budget, max_depth):
+            return tree_kernel.build_scored_tree_kernel(top_lp, top_ids, root, cfg.budget, cfg.chain_seed,
+                                                        math.log(policy.FIXED_POINT))
         else:
             tree, mask = tree_kernel.build_tree_and_mask(top_lp, top_ids, root, cfg.budget, cfg.chain_seed,
                                                          max_depth)
@@ -296,5 +302,10 @@ def scored_tree(cfg: EngineConfig, draft_logits: Tensor, root: Tensor, timer: Ph
             tree = tree.to(device)
         if mask is None:
             mask = ancestor_mask(tree.parents, max_depth)
-    # the per-depth log-probs the tree was scored by (on the host where ``host``; None: a chain)
-    return tree, mask, None if cfg.verify == "chain" else top_lp
+    if cfg.verify == "chain":
+        return tree, mask, None
+    if path_probs:
+        lp = top_lp.to(device)
+        return tree, mask, policy.path_probabilities(lp, tree, mask, policy.root_row(lp.shape[1], device))
+    # the per-depth log-probs the tree was scored by (on the host where ``host``)
+    return tree, mask, top_lp

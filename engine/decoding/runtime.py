@@ -59,7 +59,7 @@ from engine.decoding import loop, tree_kernel
 from engine.decoding.drafters import DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
 from engine.decoding.graphs import Graphs, Readback
-from engine.decoding.policy import AdaptivePolicy, path_probabilities, prefix, root_row
+from engine.decoding.policy import AdaptivePolicy, prefix
 from engine.decoding.sampling import select_tokens, top_margins
 from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree
@@ -204,13 +204,10 @@ class RuntimeDecoder:
         # Top-k and tree stay on the device (a captured graph cannot read the host), whatever
         # draft_path says (tests run this runtime with use_runtime=True on any config). A DDTree and its
         # mask come from one kernel launch on CUDA (engine.decoding.tree_kernel).
-        tree, anc, top_lp = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
-                                             block - 1, host=False)
-        if not adaptive:
-            return tree, anc
-        k = top_lp.shape[1]
-        root = self._constant(("root_row", k), lambda: root_row(k, self.device))
-        return tree, anc, path_probabilities(top_lp, tree, anc, root)
+        # The adaptive policy's estimate comes from the same launch (``tree_kernel.build_scored_tree_kernel``).
+        tree, anc, probs = loop.scored_tree(cfg, logits, ws.seq.index_select(0, self.start), loop.UNTIMED,
+                                            block - 1, host=False, path_probs=adaptive)
+        return (tree, anc, probs) if adaptive else (tree, anc)
 
     def _constant(self, key: object, make: Callable[[], Tensor]) -> Tensor:
         """A device constant made once (a captured step reads it instead of making it)."""

@@ -20,6 +20,8 @@ index, as do keys within 2**-39 of each other (the packed index takes the key's 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -115,6 +117,23 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
     top_logprobs, top_ids: [L, k] on one device, sorted descending along k (log-probs, <= 0);
     root_token: a 0-d or [1] long tensor. No host synchronisation: safe inside CUDA graph capture.
     """
+    tree, mask, _ = _tree_launch(top_logprobs, top_ids, root_token, budget, chain_seed, None)
+    return tree, mask
+
+
+def build_scored_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int,
+                             chain_seed: int | None, log_scale: float) -> tuple[Tree, Tensor, Tensor]:
+    """``build_tree_kernel`` and, from the same launch, ``policy.path_probabilities`` of the tree: node
+    i's exp(its path's summed log-probs + ``log_scale``) truncated to int64, entry 0 (the root)
+    exp(log_scale) exactly. The builder keeps each entry's path score (the float64 sum it ranks by),
+    so the estimate costs the adaptive policy a store per kept entry and one per node, not a launch
+    (the separate ``path_probabilities_kernel`` took ~3 us of a 1.3 ms step on an H100, 2026-12-05).
+    The exp is float32's, as the other forms'; the sum is float64's, so an entry may differ by one."""
+    return _tree_launch(top_logprobs, top_ids, root_token, budget, chain_seed, log_scale)
+
+
+def _tree_launch(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor, budget: int, chain_seed: int | None,
+                 log_scale: float | None) -> tuple[Tree, Tensor, Tensor | None]:
     depth, k = top_logprobs.shape
     if not kernel_supports(depth, k, budget):
         raise ValueError(f"tree kernel supports L <= {MAX_DEPTH}, k <= {MAX_TOP_K}, budget <= {MAX_BUDGET}; "
@@ -124,18 +143,22 @@ def build_tree_kernel(top_logprobs: Tensor, top_ids: Tensor, root_token: Tensor,
     kept, n = tree_sizes(depth, k, budget)
     entries = 1 + sum(kept)  # entry 0 is the root
     lp, ids = top_logprobs.contiguous(), top_ids.contiguous()
+    probs = log_scale is not None
     # Scratch (global memory; from the graph's pool under capture): per entry its parent entry,
-    # rank, depth and final index.
+    # rank, depth and final index (and with the probabilities its path score).
     i32 = torch.empty(4 * entries, dtype=torch.int32, device=device)
-    out = torch.empty(4, n + 1, dtype=torch.long, device=device)
+    out = torch.empty(4 + probs, n + 1, dtype=torch.long, device=device)
     mask = torch.empty(n + 1, n + 1, dtype=torch.bool, device=device)
+    scores = torch.empty(entries if probs else 1, dtype=torch.float64, device=device)
     _tree_kernel[(1,)](
         lp, ids, root_token.reshape(1), out[0], out[1], out[2], out[3], mask,
         i32[:entries], i32[entries:2 * entries], i32[2 * entries:3 * entries], i32[3 * entries:],
-        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, **kernel_launch(depth, k, budget),
+        scores, out[-1], 0.0 if log_scale is None else log_scale, round(math.exp(log_scale)) if probs else 0,
+        depth, k, budget, n, c, _FORCED_KEY, _DEPTH_TIE, PROBS=probs, **kernel_launch(depth, k, budget),
         num_warps=kernel_warps(budget),
     )
-    return Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3]), mask
+    tree = Tree(tokens=out[0], parents=out[1], depths=out[2], ranks=out[3])
+    return tree, mask, out[4] if probs else None
 
 
 def use_tree_kernel(top_logprobs: Tensor, budget: int, max_depth: int) -> bool:
@@ -320,8 +343,9 @@ if triton is not None:
 
     @triton.jit
     def _tree_kernel(lp_ptr, ids_ptr, root_ptr, tok_ptr, par_ptr, dep_ptr, rank_ptr, mask_ptr,
-                          epar_ptr, erank_ptr, edep_ptr, efinal_ptr, L, K, B, N, CHAIN,
-                          FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr, LOW: tl.constexpr,
+                          epar_ptr, erank_ptr, edep_ptr, efinal_ptr, escore_ptr, prob_ptr, log_scale, root_prob,
+                          L, K, B, N, CHAIN, FORCED_KEY: tl.constexpr, DEPTH_TIE: tl.constexpr, PROBS: tl.constexpr,
+                          LOW: tl.constexpr,
                           P_PAD: tl.constexpr, LOG_P: tl.constexpr, K_PAD: tl.constexpr, C_PAD: tl.constexpr,
                           BLOCK_M: tl.constexpr):
         # Entries: 0 the root, then depth 1's kept candidates in key order, depth 2's, ... (as
@@ -383,6 +407,8 @@ if triton is not None:
             best = _merge_ascending(best, entry, P_PAD, LOG_P)
             # the kept entries' scores, by the same float64 add as their candidates'
             pscore = tl.where(keep, tl.gather(pscore, p, 0) + tl.gather(lp_d, r, 0), 0.0)
+            if PROBS:  # the entry's path score, for its node's probability (the forced chain's too)
+                tl.store(escore_ptr + e, pscore, mask=keep)
             p_off = off
             off += m  # entry indices as build_tree_device's (ties between depths order by them)
             p_count = m
@@ -403,6 +429,10 @@ if triton is not None:
         tl.store(dep_ptr + dst, fdep.to(tl.int64), mask=chosen)
         tl.store(rank_ptr + dst, fr.to(tl.int64), mask=chosen)
         tl.store(par_ptr + dst, par.to(tl.int64), mask=chosen)
+        if PROBS:
+            sc = tl.load(escore_ptr + en, mask=chosen, other=0.0) + log_scale
+            tl.store(prob_ptr + dst, tl.exp(sc.to(tl.float32)).to(tl.int64), mask=chosen)
+            tl.store(prob_ptr, root_prob.to(tl.int64))
         tl.store(tok_ptr, tl.load(root_ptr).to(tl.int64))
         tl.store(par_ptr, tl.full([], -1, tl.int64))
         tl.store(dep_ptr, tl.zeros([], tl.int64))

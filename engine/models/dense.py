@@ -120,11 +120,12 @@ class DenseBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, cache, layer: int, start: int,
-                mask: Tensor | StepKeys) -> tuple[Tensor, Tensor]:
+                mask: Tensor | StepKeys, tee: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """This layer's input is ``x + delta`` (``delta``: the previous layer's MLP output, None for
-        the first layer). Returns the residual after attention and this layer's MLP output: each
-        residual add is fused with the norm that reads it (``RMSNorm.add_and_norm``)."""
-        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        the first layer; ``tee``: that input written there too, the previous layer's features).
+        Returns the residual after attention and this layer's MLP output: each residual add is fused
+        with the norm that reads it (``RMSNorm.add_and_norm``)."""
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta, tee)
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, cache, layer, start, mask))
         return x, self.mlp(h)
 
@@ -169,7 +170,7 @@ class DenseModel(TargetModel):
              feature_layers: Sequence[int], last_only: bool, rope: tuple[Tensor, Tensor] | None = None
              ) -> tuple[Tensor, Tensor | None]:
         cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq, x.dtype)
-        return self._stack(x, lambda layer, i, h, delta: layer(h, delta, cos, sin, cache, i, start, mask),
+        return self._stack(x, lambda layer, i, h, delta, tee: layer(h, delta, cos, sin, cache, i, start, mask, tee),
                            feature_layers, last_only)
 
 

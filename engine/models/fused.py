@@ -135,24 +135,44 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) 
         return rms_norm_torch(x, weight, eps, zero_centred)
     rows, d = _rows(x)
     out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, 1, d, 0, ZERO_CENTRED=zero_centred,
-                                       GATED=False, RESIDUAL=False, **row_launch(d))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, 1, d, 0, rows, 0,
+                                       ZERO_CENTRED=zero_centred, GATED=False, RESIDUAL=False, TEE=False,
+                                       **row_launch(d))
     return out.view(x.shape)
 
 
-def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_centred: bool = False
-                 ) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_centred: bool = False,
+                 tee: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(x + delta, rms_norm(x + delta))``: a residual add and the norm that reads it in one launch.
     The sum is rounded to the dtype (as PyTorch's add) and normalised from the rounded value, so both
-    outputs carry the bits of the two separate ops."""
+    outputs carry the bits of the two separate ops. ``tee`` (x's shape; rows may be strided, as a column
+    slice of a wider buffer): the sum written there as well, by the same launch (a decode step's
+    target features: the layer outputs the next layers' adds compute anyway)."""
     if not use_kernels(x, delta, weight):
-        return add_rms_norm_torch(x, delta, weight, eps, zero_centred)
+        total, out = add_rms_norm_torch(x, delta, weight, eps, zero_centred)
+        if tee is not None:
+            tee.copy_(total)
+        return total, out
     rows, d = _rows(x)
     dr = delta.reshape(-1, d).contiguous()
     total, out = torch.empty_like(rows), torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, dr, total, out, d, eps, 1, d, 0, ZERO_CENTRED=zero_centred,
-                                       GATED=False, RESIDUAL=True, **row_launch(d))
+    tee_rows = _tee_rows(tee, d) if tee is not None else None
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, dr, total, out, d, eps, 1, d, 0,
+                                       rows if tee_rows is None else tee_rows,
+                                       0 if tee_rows is None else tee_rows.stride(0),
+                                       ZERO_CENTRED=zero_centred, GATED=False, RESIDUAL=True,
+                                       TEE=tee_rows is not None, **row_launch(d))
     return total.view(x.shape), out.view(x.shape)
+
+
+def _tee_rows(t: Tensor, d: int) -> Tensor:
+    """``t`` as [rows, d] rows of unit column stride, a view (rows apart by any stride): where the kernel
+    writes. A tensor that cannot be such a view is refused (a copy would take the write)."""
+    rows = t.reshape(-1, d)
+    if rows.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() or rows.stride(1) != 1:
+        raise ValueError(f"tee: a [rows, {d}] view with unit column stride is needed, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+    return rows
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -169,8 +189,9 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
         g = gate.reshape(-1, d).contiguous()
         heads, s_tok, s_head = 1, d, 0
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, heads, s_tok, s_head, ZERO_CENTRED=False,
-                                       GATED=True, RESIDUAL=False, **row_launch(d))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, heads, s_tok, s_head, rows, 0,
+                                       ZERO_CENTRED=False, GATED=True, RESIDUAL=False, TEE=False,
+                                       **row_launch(d))
     return out
 
 
@@ -351,10 +372,11 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, other_ptr, total_ptr, out_ptr, D, eps, other_heads, other_tok, other_head,
-                         ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr);
-        # its row r at (r // other_heads) * other_tok + (r % other_heads) * other_head
+                         tee_ptr, tee_stride, ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr,
+                         RESIDUAL: tl.constexpr, TEE: tl.constexpr, BLOCK: tl.constexpr):
+        # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr,
+        # and with TEE to row * tee_stride of tee_ptr too); its row r at
+        # (r // other_heads) * other_tok + (r % other_heads) * other_head
         row = tl.program_id(0).to(tl.int64)  # row * D overflows int32 on long prefills of wide models
         other_row = (row // other_heads) * other_tok + (row % other_heads) * other_head
         cols = tl.arange(0, BLOCK)
@@ -364,6 +386,8 @@ if triton is not None:
         if RESIDUAL:  # the sum rounded as PyTorch's add rounds it, then normalised from that value
             x = (x + tl.load(other_ptr + other_row + cols, mask=m, other=0.0).to(tl.float32)).to(ty)
             tl.store(total_ptr + row * D + cols, x, mask=m)
+            if TEE:
+                tl.store(tee_ptr + row * tee_stride + cols, x, mask=m)
             x = x.to(tl.float32)
         if GATED:  # x may be float32 (the delta rule's output): rounded to the dtype first
             x = x.to(ty).to(tl.float32)

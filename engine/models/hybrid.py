@@ -142,11 +142,11 @@ class HybridBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, delta: Tensor | None, p: _Pass) -> tuple[Tensor, Tensor]:
-        """As ``DenseBlock.forward``: the input is ``x + delta``; returns the residual after the mixer
-        and the MLP's output, each residual add fused with the norm that reads it."""
+    def forward(self, x: Tensor, delta: Tensor | None, p: _Pass, tee: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """As ``DenseBlock.forward``: the input is ``x + delta`` (also written to ``tee``); returns the
+        residual after the mixer and the MLP's output, each residual add fused with the norm that reads it."""
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
-        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta)
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_and_norm(x, delta, tee)
         x, h = self.post_attention_layernorm.add_and_norm(x, mixer(h, p, self.slot))
         return x, self.mlp(h)
 
@@ -230,4 +230,4 @@ class HybridModel(TargetModel):
             conv_window_index(parents, self.cfg.linear_conv_kernel_dim), parents.to(torch.int32))
         p = _Pass(kv=kv, state=cache, start=start, cos=cos, sin=sin, mask=mask, conv_index=conv_index,
                   parents=parents32, tree=tree, paths=self._leaf_paths(parents32, mask) if tree else None)
-        return self._stack(x, lambda layer, i, h, delta: layer(h, delta, p), feature_layers, last_only)
+        return self._stack(x, lambda layer, i, h, delta, tee: layer(h, delta, p, tee), feature_layers, last_only)

@@ -108,8 +108,8 @@ def test_the_calibration_moves_toward_the_observed_acceptance_and_forgets_old_st
         cal.update(predicted=5.0, observed=1.0)  # the draft is five times too confident
         ratios.append(cal.ratio)
     assert all(a > b for a, b in zip(ratios, ratios[1:], strict=False))
-    # decayed sums of 4 steps (20 predicted, 4 observed) and the prior's pseudo-node: (4 + 1) / (20 + 1)
-    assert ratios[-1] == pytest.approx(5 / 21, abs=1e-3)
+    # decayed sums of 4 steps (20 predicted, 4 observed) and the prior's half pseudo-node: 4.5 / 20.5
+    assert ratios[-1] == pytest.approx(4.5 / 20.5, abs=1e-3)
     for _ in range(30):  # the text became easy: the draft is right now
         cal.update(predicted=5.0, observed=5.0)
     assert cal.ratio == pytest.approx(1.0, abs=0.02)
@@ -130,11 +130,12 @@ def test_the_policy_probes_again_after_ar_steps_and_learns_from_each_tree_step()
     for _ in range(2):  # the draft expected 6 nodes at budget 8 (1.9 at budget 2); none was accepted
         policy.record(8, estimate, [0, 0, 0, 0])
     # each budget's shell (the nodes it adds to the smaller tree): 1.9, 1.6 and 2.5 expected nodes
+    w = 0.5  # the prior's pseudo-node: half a node (policy._PRIOR)
     assert [c.ratio for c in policy.calibrations] == pytest.approx(
-        [1.0, 1 / (1.75 * 1.9 + 1), 1 / (1.75 * 1.6 + 1), 1 / (1.75 * 2.5 + 1)], rel=1e-5)
-    shells = [1.0, 1 / (1.75 * 1.9 + 1)]  # an outer shell's prior is the ratio of the shell inside it
-    shells += [(0 + shells[-1]) / (1.75 * 1.6 + 1)]
-    shells += [(0 + shells[-1]) / (1.75 * 2.5 + 1)]
+        [1.0, w / (1.75 * 1.9 + w), w / (1.75 * 1.6 + w), w / (1.75 * 2.5 + w)], rel=1e-5)
+    shells = [1.0, w / (1.75 * 1.9 + w)]  # an outer shell's prior is the ratio of the shell inside it
+    shells += [w * shells[-1] / (1.75 * 1.6 + w)]
+    shells += [w * shells[-1] / (1.75 * 2.5 + w)]
     assert policy.calibrated(estimate) == pytest.approx(
         [0.0, 1.9 * shells[1], 1.9 * shells[1] + 1.6 * shells[2], 1.9 * shells[1] + 1.6 * shells[2] + 2.5 * shells[3]])
     choices = [policy.choose()[0] for _ in range(6)]

@@ -128,9 +128,9 @@ def _only(budget: int):
 def test_the_adaptive_steps_run_the_fixed_policys_kernels_and_only_what_the_policy_needs(monkeypatch, target):
     """What each captured step of the adaptive policy adds to the step it stands for (CPU, the PyTorch
     forms: each op one launch on a GPU): an AR step is plain AR's step plus the root's target features
-    (the feature layers' residuals and MLP outputs each concatenated and one add, as the forward returns
-    them: three launches whatever the number of layers, one for a single layer, ``common.layer_outputs``)
-    and their copy into the features buffer (no walk, no K/V move, no draft context written); a tree step is the fixed
+    (one buffer, and per feature layer a copy of the sum the next layer's add computes: on a GPU the
+    add's kernel stores it there too, no launch; ``common._stack``) and their copy into the features
+    buffer (no walk, no K/V move, no draft context written); a tree step is the fixed
     policy's step plus the concatenation of its readback with the path probabilities and the path; a
     proposal the fixed one's plus at most six launches of the estimate; a proposal after AR steps (its
     wider context window) runs the same kernels as any other."""
@@ -139,8 +139,7 @@ def test_the_adaptive_steps_run_the_fixed_policys_kernels_and_only_what_the_poli
     pair = pair_for(target, "random")
     plain = _step_kernels(monkeypatch, pair, EngineConfig(verify="ar", draft_path="runtime"))[("ar",)]
     ar_step = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE), _only(0))[("verify", 0)]
-    one = len(pair.drafter.feature_layers) == 1
-    feature_copy = Counter(add=1, index_copy_=1) if one else Counter(cat=2, add_=1, index_copy_=1)
+    feature_copy = Counter(new_empty=1, copy_=len(pair.drafter.feature_layers), index_copy_=1)
     assert ar_step - plain == feature_copy and not plain - ar_step, ar_step - plain
 
     fixed = _step_kernels(monkeypatch, pair, EngineConfig(**{**ADAPTIVE, "policy": "fixed"}))

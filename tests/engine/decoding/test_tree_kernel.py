@@ -226,3 +226,49 @@ def test_path_probabilities_in_one_launch_equal_the_tensor_op_form_within_one(de
         assert got.dtype == torch.long and got.shape == ref.shape
         assert int(got[0]) == FIXED_POINT and (got - ref).abs().max().item() <= 1
         assert (got[1:] <= FIXED_POINT).all() and bool((ref[1:] > 0).any())
+
+
+@pytest.mark.parametrize("depth,k,budget,chain_seed", [(1, 3, 3, None), (5, 2, 9, 2), (7, 4, 22, None),
+                                                       (15, 8, 48, 4), (10, 16, 128, 0)])
+def test_the_tree_launch_scores_its_nodes_as_path_probabilities_within_one(depth, k, budget, chain_seed):
+    """The adaptive policy's estimate from the builder's own launch: the same tree and mask as
+    ``build_tree_kernel``, each node's fixed-point path probability within one unit of the tensor-op
+    form (float64 sums against float32), the root's exactly FIXED_POINT; the forced chain's nodes
+    scored by their log-probs, not by the key that forces them."""
+    import math
+
+    from engine.decoding.policy import FIXED_POINT, path_probabilities, root_row
+    from engine.decoding.tree import ancestor_mask
+    from engine.decoding.tree_kernel import build_scored_tree_kernel, build_tree_kernel
+
+    lp, ids = _tie_free_proposals(depth, k, seed=depth * 11 + budget)
+    root = torch.tensor([5], device=DEVICE)
+    for rows in (lp, lp * 1e-3):  # steep rows (small probabilities) and nearly flat ones (close to 1)
+        tree, mask = build_tree_kernel(rows, ids, root, budget, chain_seed)
+        scored, scored_mask, got = build_scored_tree_kernel(rows, ids, root, budget, chain_seed, math.log(FIXED_POINT))
+        _assert_same_tree(scored, tree)
+        assert torch.equal(scored_mask.cpu(), mask.cpu())
+        ref = path_probabilities(rows, tree, ancestor_mask(tree.parents, depth), root_row(k, rows.device))
+        assert got.dtype == torch.long and got.shape == ref.shape
+        assert int(got[0]) == FIXED_POINT and (got[1:] - ref[1:]).abs().max().item() <= 1
+        assert bool((ref[1:] > 0).any())
+
+
+def test_scored_tree_gives_the_policy_its_estimate_on_every_form():
+    """``loop.scored_tree(path_probs=True)``: the tree kernel's own estimate where it builds the tree, the
+    tensor-op form's elsewhere (host-built trees, kernels off): the same tree, probabilities within one."""
+    from engine.config import EngineConfig
+    from engine.decoding.loop import UNTIMED, scored_tree
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 50, generator=gen) * 3).to(DEVICE)
+    cfg = EngineConfig(verify="ddtree", budget=20, top_k=4)
+    root = torch.tensor([9], device=DEVICE)
+    tree, mask, top_lp = scored_tree(cfg, logits, root, UNTIMED, 7, host=False)
+    kernel = scored_tree(cfg, logits, root, UNTIMED, 7, host=False, path_probs=True)
+    host = scored_tree(cfg, logits, root, UNTIMED, 7, host=True, path_probs=True)
+    for t, m, p in (kernel, host):
+        _assert_same_tree(t, tree)
+        assert torch.equal(m.cpu(), mask.cpu()) and p.shape == (tree.tokens.numel(),)
+        assert (p[1:].cpu() - kernel[2][1:].cpu()).abs().max().item() <= 1 and p.device == logits.device
+    assert top_lp.shape == (7, 4)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from engine.models.common import FusedLinear, fuse_projections_, layer_outputs, unfused_state_dict
+from engine.models.common import FusedLinear, fuse_projections_, unfused_state_dict
 from engine.registry import TARGETS, load_target
 
 
@@ -105,17 +105,61 @@ def test_fusion_frees_each_groups_parts_before_stacking_the_next(monkeypatch):
     assert alive == [len(parts) - sum(sizes[:i]) for i in range(len(sizes))]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_layer_outputs_are_each_layers_sum_bit_for_bit(dtype):
-    """The target features in three launches equal the sum per layer then the cat, bit for bit."""
-    gen = torch.Generator().manual_seed(0)
-    outs = [torch.randn(7, 48, generator=gen).to(dtype) * 10 ** k for k in range(-2, 3)]
-    deltas = [torch.randn(7, 48, generator=gen).to(dtype) for _ in outs]
-    want = torch.cat([x + d for x, d in zip(outs, deltas, strict=True)], -1)
-    before = [t.clone() for t in outs + deltas]
-    got = layer_outputs(outs, deltas)
-    assert got.dtype == dtype and torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(outs + deltas, before, strict=True))  # the layers' tensors untouched
-    assert layer_outputs([], []) is None
-    assert torch.equal(layer_outputs(outs[:1], deltas[:1]), outs[0] + deltas[0])
-    assert torch.equal(layer_outputs(outs[:2], [deltas[0], None]), torch.cat([outs[0] + deltas[0], outs[1]], -1))
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers", [[0, 1], [1], [0, 1, 2, 3], [3]])
+def test_the_features_are_each_layers_output_bit_for_bit(name, dtype, layers):
+    """The target features as the next layers' adds write them (``_stack``'s tees, the last layer's
+    by the final norm's add, or its own add when the norm reads the last row alone): each feature
+    layer's ``x + delta`` as the layer returned them, in layer order, bit for bit; the logits as without
+    features. Out-of-range layers are refused."""
+    model, _ = TARGETS[name].build()
+    model = model.to(dtype).eval()
+    n = len(model.layers)
+    layers = [i % n if i < 3 else n - 1 for i in layers]
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] + out[1]))
+             for i, layer in enumerate(model.layers)]
+    tokens = torch.randint(0, 200, (9,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for last_only in (False, True):
+            plain, none = model(tokens, model.new_cache(16), 0, last_only=last_only)
+            logits, feats = model(tokens, model.new_cache(16), 0, feature_layers=list(reversed(layers)),
+                                  last_only=last_only)
+            want = torch.cat([outputs[i] for i in sorted(set(layers))], -1)
+            assert none is None and feats.dtype == dtype and torch.equal(feats, want)
+            assert torch.equal(logits, plain)
+        with pytest.raises(ValueError, match="feature_layers"):
+            model(tokens, model.new_cache(16), 0, feature_layers=[n])
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_tees_its_sum_into_a_strided_slice(dtype, monkeypatch):
+    """``fused.add_rms_norm(tee=...)``: the rounded sum written into a column slice of a wider buffer
+    too, by the kernel (on the GPU, or Triton's interpreter) and by the PyTorch form alike, the same
+    bits as the sum it returns, nothing else touched; a tee that cannot be a strided view of rows is
+    refused."""
+    from engine.models import fused
+    from tests.engine.models.test_fused import DEVICE
+
+    gen = torch.Generator().manual_seed(4)
+    x, delta = (torch.randn(5, 32, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    w = torch.randn(32, generator=gen).to(DEVICE, dtype)
+    want_total, _ = fused.add_rms_norm_torch(x, delta, w, 1e-6, False)
+    for kernels in (False, True):
+        if kernels and fused.triton is None:
+            continue
+        if not kernels or DEVICE == "cpu":  # (on a GPU the kernels' own dispatch)
+            monkeypatch.setattr(fused, "use_kernels", lambda *_t, k=kernels: k)
+        wide = torch.full((5, 96), 7.0, dtype=dtype, device=DEVICE)
+        total, _ = fused.add_rms_norm(x, delta, w, 1e-6, False, tee=wide[:, 32:64])
+        assert torch.equal(wide[:, 32:64], total)
+        assert (wide[:, :32] == 7).all() and (wide[:, 64:] == 7).all()
+        if dtype == torch.float32 or DEVICE == "cuda" or not kernels:  # (the interpreter truncates to bf16)
+            assert torch.equal(total, want_total)
+        if kernels:
+            with pytest.raises(ValueError, match="tee"):
+                fused.add_rms_norm(x, delta, w, 1e-6, False, tee=torch.empty(32, 5, dtype=dtype, device=DEVICE).t())
+        monkeypatch.undo()
