@@ -95,11 +95,15 @@ def accepted(row: dict, budget: int) -> int:
     return accepted_within(row["path"], [budget])[0] if budget > 0 else 0
 
 
-def replay(rows: list[dict], choose, record, lag: int) -> list[tuple[int, float, int]]:
+def replay(rows: list[dict], choose, record, lag: int, preview=None) -> list[tuple[int, float, int]]:
     """(budget, the E[AL] it was chosen by, accepted nodes) per step over one prompt's rows; ``record(budget,
-    row)`` is called ``lag`` steps after the step's ``choose`` (the runtime reads a step after launching the next)."""
+    row)`` is called ``lag`` steps after the step's ``choose`` (the runtime reads a step after launching the next);
+    ``preview(row)`` before the first step's ``choose`` (``AdaptivePolicy.preview``: the generation's first
+    proposal is the estimate its budget is chosen by)."""
     steps, unread, p = [], [], 0
     while p < len(rows):
+        if preview is not None and not steps:
+            preview(rows[p])
         b, expected = choose()
         a = accepted(rows[p], b)
         steps.append((b, expected, a))
@@ -136,7 +140,8 @@ def run_set(prompts: list[list[dict]], cfg: EngineConfig, depth: int, costs: Ste
         for b in budgets[1:]:
             runs[f"fixed {b}"] += replay(rows, lambda b=b: (b, 0.0), lambda *_: None, 0)
         policy = AdaptivePolicy.for_config(cfg, depth, costs)
-        runs["adaptive"] += replay(rows, policy.choose, lambda b, r, p=policy: p.observe(b, r["probs"], r["path"]), lag)
+        runs["adaptive"] += replay(rows, policy.choose, lambda b, r, p=policy: p.observe(b, r["probs"], r["path"]), lag,
+                                   lambda r, p=policy: p.preview(r["probs"]))
         runs["oracle"] += oracle(rows, budgets, costs)
     tokens = sum(len(rows) for rows in prompts)  # steps commit this many tokens whatever their budgets
     rate = {name: tokens / sum(costs.ms[b] for b, _, _ in steps) for name, steps in runs.items()}

@@ -138,8 +138,7 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
 
     while not done:
         start = cache.length  # position of the root: the last committed token, not yet cached
-        budget, expected = policy.choose() if policy is not None else (None, 0.0)
-        tree, mask, probs = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
+        budget, expected, tree, mask, probs = _chosen_proposal(drafter, cfg, seq, start, block, feats, timer, policy)
 
         with timer.phase("verify"):
             snap = cache.snapshot() if replay else None
@@ -227,6 +226,22 @@ def _policy(pair, cfg: EngineConfig, prompt: Sequence[int], depth: int, step_cos
     if cfg.verify != "ddtree" or cfg.policy != "adaptive":
         return None
     return AdaptivePolicy.for_config(cfg, depth, step_costs or pair.step_costs(cfg, prompt, use_runtime=on_runtime))
+
+
+def _chosen_proposal(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, feats: Tensor | None,
+                     timer: PhaseTimer, policy: AdaptivePolicy | None) -> tuple:
+    """(budget, the E[AL] it was chosen by, tree, mask, path probabilities): the policy's choice and
+    ``_propose``'s proposal. The generation's first proposal (no estimate yet: the configured tree) is
+    the estimate its own budget is chosen by (``policy.preview``), its tree cut to that budget (0: the
+    root alone)."""
+    budget, expected = policy.choose() if policy is not None else (None, 0.0)
+    tree, mask, probs = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
+    if policy is not None and policy.accepts is None and probs is not None:
+        policy.preview(probs[1:].tolist())
+        budget, expected = policy.choose()
+        tree, mask = prefix(tree, mask, budget) if budget > 0 else root_tree(seq[start : start + 1])
+        probs = probs if budget > 0 else None
+    return budget, expected, tree, mask, probs
 
 
 def _propose(drafter, cfg: EngineConfig, seq: Tensor, start: int, block: int, feats: Tensor | None,

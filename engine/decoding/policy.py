@@ -280,6 +280,17 @@ class AdaptivePolicy:
             self.ar_streak = 0
         return b, al
 
+    def preview(self, probs: Sequence[int]) -> None:
+        """The generation's first proposal, read before its step is chosen: its ``path_probabilities`` of
+        nodes 1..N become the estimate (the calibrations at their priors: nothing observed yet), where
+        ``choose`` would otherwise run the configured tree blind until a tree step is read back (two
+        steps on the runtime). At the 27B shape with a draft the target accepts 13 tokens a step, a
+        64-token generation is ~5 steps: its two blind steps at budget 64, where 32 was 1.2x faster a
+        step, held the policy at 0.92x the best fixed budget (H100, 2026-12-05). Once per generation:
+        the loops read a proposal early only while ``accepts`` is None."""
+        if self.accepts is None:
+            self.accepts = expected_accepts(probs, self.budgets)
+
     def calibrated(self, accepts: Sequence[float]) -> list[float]:
         """E[accepted](b) per budget, each shell's estimate (E[accepted] of its budget less the next
         smaller one's) scaled by its own ratio. A larger tree contains the smaller one, so it never

@@ -297,20 +297,29 @@ class RuntimeDecoder:
         before it are known (a step launched ahead of the one being read is launched after it). A
         captured step reads the buffers its proposal's graph returned when it was captured, so a tree
         step is keyed by the proposal it verifies too (its context rows)."""
-        budget, expected = policy.choose()
         proposal, layout, rows = None, None, None
+        if policy.accepts is None and self._ar_run == 0:
+            # The generation's first proposal, read back before its budget is chosen (``policy.preview``):
+            # one host synchronisation a generation instead of two steps at the configured tree, blind.
+            with timer.phase("draft"):
+                proposal = self.graphs.run(("propose", key_len, *key, block, cfg.kernels), self._propose, key_len,
+                                           cfg, block, block, True)
+            policy.preview(proposal[2][1:].tolist())
+        budget, expected = policy.choose()
         if budget > 0:
             if self._ar_run > policy.max_ar_run:  # the window would miss committed positions
                 raise RuntimeError(f"{self._ar_run} AR steps since the last proposal, but its context window "
                                    f"covers {policy.max_ar_run}")
             rows = block if self._ar_run == 0 else policy.catch_up_rows(block)
             self._ar_run = 0
-            with timer.phase("draft"):
-                proposal = self.graphs.run(("propose", key_len, *key, rows, cfg.kernels), self._propose, key_len,
-                                           cfg, block, rows, True)
+            if proposal is None:
+                with timer.phase("draft"):
+                    proposal = self.graphs.run(("propose", key_len, *key, rows, cfg.kernels), self._propose,
+                                               key_len, cfg, block, rows, True)
             nodes = proposal[0].size - 1
             layout = (nodes, min(block, min(budget, nodes) + 1))  # path probabilities, then path entries
-        else:
+        else:  # (a previewed proposal the policy turned down: its draft context is written all the same)
+            proposal = None
             self._ar_run += 1
         with timer.phase("verify"):
             packed, logits, path, tree = self.graphs.run(("verify", key_len, budget, rows, *step_key),

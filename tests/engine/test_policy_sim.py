@@ -71,7 +71,8 @@ def test_the_policys_replay_chooses_what_it_chooses_decoding_and_the_oracle_beat
     rows = sim.positions(pair, cfg, ids, NEW)
     gen = generate_speculative(pair, ids, cfg, NEW, use_runtime=False, step_costs=COSTS)
     policy = AdaptivePolicy.for_config(cfg, pair.drafter.block_size - 1, COSTS)
-    steps = sim.replay(rows, policy.choose, lambda b, r: policy.observe(b, r["probs"], r["path"]), 0)
+    steps = sim.replay(rows, policy.choose, lambda b, r: policy.observe(b, r["probs"], r["path"]), 0,
+                       lambda r: policy.preview(r["probs"]))
     assert [b for b, _, _ in steps] == gen.stats.step_budgets
     assert [a + 1 for _, _, a in steps] == gen.stats.accept_lengths
     assert [e for b, e, _ in steps if b] == pytest.approx(gen.stats.predicted_al)

@@ -213,7 +213,10 @@ def test_adaptive_runtime_equals_ar_through_backed_off_probes_then_trees_and_bac
     after = [n for tree, n in runs[longest:] if not tree]
     # (the last 1: the step launched before the accepted probe was read, chosen on the failed ones)
     assert before == [2, 5, 11, 11, 1], str(runs)
-    assert after == [2, 5, 11, 11, 11], str(runs)
+    # (the last cut by the generation's end: the first proposal is read before the first step is chosen, so
+    # the generation opens with AR steps, not two blind trees, and its runs end earlier)
+    assert after[:4] == [2, 5, 11, 11] and 1 <= after[4] <= 11 and len(after) == 5, str(runs)
+    assert not runs[0][0]  # the first proposal's estimate (a weak draft under these costs): AR steps at once
     assert max(n for tree, n in runs if not tree) == 11 == 12 - 1
     block = cfg.block_size
     assert {k[-2] for k in keys if k[0] == "propose"} == {block, block + 11}
