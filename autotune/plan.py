@@ -71,6 +71,8 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     kw = {"device": "cuda" if on_cuda else want if want != "auto" else "cpu", "dtype": getattr(torch, dtype)}
     cache_mb = exp.workload.prefix_cache_mb if exp.workload.sessions else 0.0  # a session sweep's, as its trials
     kw["prefix_cache_bytes"] = sess.cache_bytes(cache_mb)
+    if cache_mb:  # one cache through every session, as a trial replays them
+        kw["prefix_cache_tokens"], kw["prefix_cache_generations"] = worker.cache_load(new, facts.get("context"))
     pair = worker.pair
     plans = _plans(exp, pair, prompt, new, worker, kw)
     limit = limit if limit is not None else exp.model.vram_limit
@@ -85,8 +87,10 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
           f"max_new_tokens {new:,})", file=out)
     print(f"vram_limit: {vram.size(limit) if limit else 'none'}", file=out)
     if exp.workload.sessions:
+        kept = (f"planned: what it keeps of every session, {kw['prefix_cache_tokens']:,} positions at most (a "
+                "prefix sessions share counted once a session), within the budget") if cache_mb else "off"
         print(f"prefix_cache: {vram.size(kw['prefix_cache_bytes']) if cache_mb else 'none'} budget "
-              "(workload.prefix_cache_mb; planned: what it keeps of this generation)", file=out)
+              f"(workload.prefix_cache_mb; {kept})", file=out)
     print("", file=out)
     _table(plans, limit, out)
     for p in plans:

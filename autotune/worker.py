@@ -81,6 +81,10 @@ class Worker:
         # each session's first request, encoded once: what must fit the context (limits(), sweep._check_fits)
         self._first_request = max((len(pair.encode(engine.session_request(p))) for _, ps in self.sessions
                                    for p in ps), default=0)
+        # each session's whole script in tokens and its model turns (cache_load: what one prefix cache keeps)
+        self._scripts = [(len(script), engine.session_turns(p)) for (_, scripts), (_, ps) in
+                         zip(self.sets, self.sessions, strict=True) for script, p in zip(scripts, ps, strict=True)
+                         ] if self.session_mode else []
         # (length, slice, weights, cache) -> the baseline AR's replay per set (_replay)
         self._replays: dict[tuple[Any, ...], list[Any]] = {}
         self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
@@ -94,6 +98,30 @@ class Worker:
         # (max_new_tokens, prompts per set, decode loop, kernels as they run) -> per set outputs
         self._reference: dict[tuple[Any, ...], list[list[list[int]]]] = {}
         self._reserved: tuple[Any, ...] | None = None  # (config, memory_at) the pair's buffers were reserved for
+
+    def cache_load(self, max_new_tokens: int, context: int | None = None, replayed: bool = False
+                   ) -> tuple[int | None, int]:
+        """What one prefix cache keeps of a session workload replayed through it (``plan_memory``'s
+        ``prefix_cache_tokens`` and ``prefix_cache_generations``), at most: per session its last request
+        and answer, and each earlier answer once more (a reply the next turn re-encodes other than it was
+        generated leaves the generated tokens as a branch of their own in the cache's radix tree), summed
+        over the sessions (a prefix two sessions share counted twice); one generation per model turn.
+        The last requests are the current job's replay's (``replayed``: after ``_turn_sets``), else as
+        ``vram.memory_at`` plans the longest (each earlier answer up to ``max_new_tokens``, within
+        ``context``). (None, 1) for prompt workloads: the plan's own generation."""
+        if not self._scripts:
+            return None, 1
+        if replayed:
+            last: dict[tuple[int, int], int] = {}
+            turns: Counter = Counter()
+            for k, ((_, prompts), session_of) in enumerate(zip(self.sets, self._session_of, strict=True)):
+                for prompt, sid in zip(prompts, session_of, strict=True):
+                    last[k, sid], turns[k, sid] = len(prompt), turns[k, sid] + 1
+            sessions = [(last[key], turns[key]) for key in last]
+        else:
+            sessions = [(vram.memory_at(n, max_new_tokens, t, context)[0], t) for n, t in self._scripts if n]
+        positions = sum(n + max_new_tokens - 1 + max(t - 1, 0) * max_new_tokens for n, t in sessions)
+        return positions, max(sum(t for _, t in sessions), 1)
 
     def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
@@ -250,9 +278,17 @@ class Worker:
             return at
         at = (longest, at[1])
         rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained,
-                                        prefix_cache_bytes=sess.cache_bytes(self._cache_mb)).to_dict()
+                                        **self._cache_plan(self._cache_mb, job.max_new_tokens, True)).to_dict()
         rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
         return at
+
+    def _cache_plan(self, cache_mb: float, max_new_tokens: int, replayed: bool = False) -> dict[str, Any]:
+        """``plan_memory``'s prefix cache keywords for a job: its budget and, for sessions, what the cache
+        keeps of them all (``cache_load``; ``replayed``: from the job's replay)."""
+        context = getattr(getattr(self.pair.target, "cfg", None), "max_position_embeddings", None)
+        positions, generations = self.cache_load(max_new_tokens, context, replayed) if cache_mb else (None, 1)
+        return {"prefix_cache_bytes": sess.cache_bytes(cache_mb), "prefix_cache_tokens": positions,
+                "prefix_cache_generations": generations}
 
     def _replay_config(self) -> Any:
         """The AR config whose replay fixes a session workload's requests: the baseline's."""
@@ -338,7 +374,7 @@ class Worker:
         cache_mb = self._cache_mb = job.prefix_cache_mb if self.session_mode else 0.0
         if at is not None:  # the plan first: a config over the limit is refused before anything runs
             rec.memory = engine.plan_memory(self.pair, cfg, *at, constrained=constrained,
-                                            prefix_cache_bytes=sess.cache_bytes(cache_mb)).to_dict()
+                                            **self._cache_plan(cache_mb, job.max_new_tokens)).to_dict()
             rec.over_vram = vram.over_reason(rec.memory, job.vram_limit)
             if rec.over_vram is not None:
                 return

@@ -86,18 +86,26 @@ class MemoryBreakdown:
 
 def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int, *, device: str | None = None,
                 dtype: torch.dtype | None = None, constrained: bool = False,
-                prefix_cache_bytes: int = 0) -> MemoryBreakdown:
+                prefix_cache_bytes: int = 0, prefix_cache_tokens: int | None = None,
+                prefix_cache_generations: int = 1) -> MemoryBreakdown:
     """What ``config`` needs on ``pair`` for a generation of ``prompt_tokens + new_tokens``, from
     shapes and dtypes alone (nothing is allocated). ``device`` / ``dtype``: plan as if the pair were
     loaded there, in that dtype (``autotune plan`` of a CUDA experiment on a CPU; the quantized
     blocks keep their size); ``constrained``: a prompt has a grammar (a hybrid keeps the state a
     grammar cut restores); ``prefix_cache_bytes``: the budget of the prefix cache the generation
     commits into (``PrefixCache.budget_bytes``; 0: none): part ``prefix_cache`` is what the cache
-    keeps of this generation, at most the budget."""
+    keeps of this generation, at most the budget; ``prefix_cache_tokens`` and ``prefix_cache_generations``:
+    what it keeps over a whole workload instead (a session sweep replays every session through one
+    cache: the positions of all their requests and answers, and a hybrid's two state checkpoints per
+    generation), at most the budget."""
     _check_lengths(prompt_tokens, new_tokens)
     if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
         raise EngineInputError(f"prefix_cache_bytes must be a whole number of bytes >= 0 (0: no prefix cache), "
                                f"but got {prefix_cache_bytes!r}")
+    for key, value, least in (("prefix_cache_tokens", prefix_cache_tokens, 0),
+                              ("prefix_cache_generations", prefix_cache_generations, 1)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise EngineInputError(f"{key} must be a whole number >= {least}, but got {value!r}")
     dev = torch.device(device or pair.target.device)
     dt = dtype or pair.target.dtype
     size = torch.empty((), dtype=dt, device="meta").element_size()
@@ -114,8 +122,9 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     feature_width = _feature_width(pair) if speculative else 0
     parts["features"] = length * feature_width * size
     parts["draft_context"] = _planned_draft_context(pair, length, dt) if speculative else 0
-    parts["prefix_cache"] = _planned_prefix_cache(pair.target, prompt_tokens, new_tokens, feature_width, dt,
-                                                  prefix_cache_bytes)
+    positions = prompt_tokens + new_tokens - 1 if prefix_cache_tokens is None else prefix_cache_tokens
+    parts["prefix_cache"] = _planned_prefix_cache(pair.target, positions, prompt_tokens >= 2, feature_width, dt,
+                                                  prefix_cache_bytes, prefix_cache_generations)
     loop = _loop(pair, config, dev, constrained)
     # a weight in blocks is read in place by the few-row kernel on CUDA in half precision (every row count a
     # decode forwards: steps, verifies, prefill chunks); elsewhere it is dequantized whole for each call
@@ -355,21 +364,21 @@ def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
     return 0
 
 
-def _planned_prefix_cache(target: nn.Module, prompt_tokens: int, new_tokens: int, feature_width: int,
-                          dtype: torch.dtype, budget: int) -> int:
-    """What a prefix cache of ``budget`` bytes keeps of one generation (``PrefixCache.commit``), at
-    most the budget: the committed positions (the prompt's and every new token's but the last, whose
-    K/V the next request computes) at the target's K/V of its attention layers per position, plus
-    the draft's features (``feature_width``: 0 unless speculative); on a hybrid target also the
-    recurrent and conv state at two checkpoints, the prompt's last token but one (a prompt of two
-    tokens or more) and the answer's end."""
+def _planned_prefix_cache(target: nn.Module, positions: int, prompt_checkpoint: bool, feature_width: int,
+                          dtype: torch.dtype, budget: int, generations: int = 1) -> int:
+    """What a prefix cache of ``budget`` bytes keeps (``PrefixCache.commit``), at most the budget:
+    ``positions`` committed positions (of one generation: the prompt's and every new token's but the
+    last, whose K/V the next request computes) at the target's K/V of its attention layers per
+    position, plus the draft's features (``feature_width``: 0 unless speculative); on a hybrid target
+    also the recurrent and conv state at two checkpoints per generation, the prompt's last token but
+    one (``prompt_checkpoint``: a prompt of two tokens or more) and the answer's end."""
     if budget <= 0:
         return 0
     one = _meta_cache(target, 1, 0, dtype)  # one position's K/V; a hybrid's state (its size is per sequence)
     size = torch.empty((), dtype=dtype, device="meta").element_size()
-    total = (prompt_tokens + new_tokens - 1) * (_bytes([one.k, one.v]) + feature_width * size)
+    total = positions * (_bytes([one.k, one.v]) + feature_width * size)
     if isinstance(one, HybridCache):
-        total += (1 + (prompt_tokens >= 2)) * _bytes([one.rec, one.conv])
+        total += generations * (1 + prompt_checkpoint) * _bytes([one.rec, one.conv])
     return min(total, budget)
 
 
@@ -407,8 +416,8 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     pair (SDPA; off CUDA its math path also holds every head's float32 scores), a decode step's
     split-attention partials (float32, per span of ``step_split`` keys); and a quantized weight
     dequantized for a call (float32, then the dtype), unless ``in_place`` (the few-row kernel reads the
-    blocks in registers). The features are gathered layer by layer and
-    concatenated after the last: beside the widest layer, their rows once; after it, twice."""
+    blocks in registers). The features are one buffer from the first layer on, each feature layer's
+    slice written by the next layer's add (``common._stack``): beside the widest layer, their rows once."""
     cfg = model.cfg
     heads, head_dim = cfg.num_attention_heads, getattr(cfg, "dim_per_head", None) or cfg.head_dim
     if prefill:  # the [rows, keys] bool mask (made, then joined) and SDPA's bias in the dtype; K/V per query head
@@ -417,7 +426,7 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
         attend = math.ceil(keys / step_split(head_dim, size == 4)) * rows * heads * (head_dim + 2) * 4
     features = rows * feature_width * size
     layer = rows * size * max(_layer_width(layer) for layer in model.layers) + attend
-    total = 3 * rows * cfg.hidden_size * size + max(layer + features, 2 * features)
+    total = 3 * rows * cfg.hidden_size * size + layer + features
     total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
     blocks = [] if in_place else [m for m in model.modules() if isinstance(m, QuantLinear)]
     if blocks:

@@ -154,11 +154,31 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
               repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=w.prefix_cache_mb)
     rec = worker.measure(job)
     assert rec.ok and rec.exact_match == 1.0 and rec.memory["prompt_tokens"] == longest
-    # the prefix cache the turns commit into is in the plan: what it keeps of that last turn
+    # the prefix cache the turns commit into is in the plan: what it keeps of every session, each one's
+    # last request and answer as memory_at plans them, one generation a turn (a hybrid's checkpoints)
     ar = engine.EngineConfig(verify="ar")
-    cached = engine.plan_memory(worker.pair, ar, longest, w.max_new_tokens, prefix_cache_bytes=64 << 20)
-    assert rec.memory["parts"]["prefix_cache"] == cached.parts["prefix_cache"] > 0
+    new = w.max_new_tokens
+    planned, generations = worker.cache_load(new, facts["context"])
+    assert generations == sum(engine.session_turns(p) for _, ps in worker.sessions for p in ps)
+    assert planned == sum(vram.memory_at(n, new, t, facts["context"])[0] + new - 1 + (t - 1) * new
+                          for n, t in worker._scripts)
+    # the job planned again after its replay, from the requests it sent
+    scripts = worker.sets
+    worker._turn_sets(new, w.prefix_cache_mb)
+    positions, again = worker.cache_load(new, facts["context"], replayed=True)
+    worker.sets, worker._session_of = scripts, []  # (as measure restores them after a job)
+    assert again == generations and positions > planned  # (the replies re-encoded longer, as above)
+    cached = engine.plan_memory(worker.pair, ar, longest, new, prefix_cache_bytes=64 << 20,
+                                prefix_cache_tokens=positions, prefix_cache_generations=generations)
+    one = engine.plan_memory(worker.pair, ar, longest, w.max_new_tokens, prefix_cache_bytes=64 << 20)
+    assert rec.memory["parts"]["prefix_cache"] == cached.parts["prefix_cache"] > one.parts["prefix_cache"] > 0
     assert rec.memory["total"] == cached.total
+    # ... which is no less than what one cache holds after replaying them all (the shared prefixes are
+    # counted once a session in the plan, once in the cache's radix tree)
+    cache = engine.PrefixCache(64 << 20)
+    engine.replay_sessions(worker.pair, ar, [p for _, ps in worker.sessions for p in ps], w.max_new_tokens,
+                           prefix_cache=cache)
+    assert 0 < cache.bytes <= cached.parts["prefix_cache"]
     # a limit the config fits without the cache but not with it: over, refused before it runs
     bare = engine.plan_memory(worker.pair, ar, longest, w.max_new_tokens).total
     over = worker.measure(dataclasses.replace(job, vram_limit=bare))
@@ -259,9 +279,17 @@ def test_autotune_plan_of_a_session_experiment_plans_its_prefix_cache(tmp_path, 
     row = next(line for line in out.splitlines() if line.startswith("| prefix_cache |"))
     summary = dict(line.split(": ", 1) for line in out.splitlines()[-9:])
     new = WORKLOAD["max_new_tokens"]
+    from autotune.worker import Worker
+
+    exp = experiment.load(tmp_path / "64" / path.name)
+    worker = Worker.load(exp.model.target, exp.model.draft, "cpu", "float32", experiment.load_workloads(exp),
+                         exp.fixed_engine)
+    positions, generations = worker.cache_load(new, worker.limits()["context"])
+    assert f"{positions:,} positions at most" in out  # every session's, not one generation's
     pair = engine.load("tiny-dense", "oracle:0.3", device="cpu", dtype="float32")
     plan = engine.plan_memory(pair, engine.EngineConfig(verify="ar"), int(summary["context"]) - new, new,
-                              prefix_cache_bytes=64 << 20)
+                              prefix_cache_bytes=64 << 20, prefix_cache_tokens=positions,
+                              prefix_cache_generations=generations)
     assert row.split(" | ")[1] == size(plan.parts["prefix_cache"]) and plan.parts["prefix_cache"] > 0  # AR's column
     assert summary["ar_bytes"] == str(plan.total)
     bare = dict(line.split(": ", 1) for line in outs[0].splitlines()[-9:])

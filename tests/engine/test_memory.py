@@ -252,3 +252,24 @@ def test_largest_budget_and_longest_context_count_the_prefix_cache():
     assert engine.longest_context(pair, cfg, 8, limit, most=4096, prefix_cache_bytes=0) == 108
     with pytest.raises(EngineInputError, match="prefix_cache_bytes must be a whole number of bytes >= 0"):
         plan_memory(pair, cfg, 100, 8, prefix_cache_bytes=-1)
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_the_prefix_cache_part_of_a_whole_workload(target):
+    """``prefix_cache_tokens`` / ``prefix_cache_generations``: what one cache keeps over many generations (a
+    session sweep's), at the same bytes a position and a hybrid's two checkpoints a generation as one
+    generation's plan, within the budget; bad counts are refused by name."""
+    pair = pair_for(target, "random")
+    cfg, budget = EngineConfig(verify="ddtree", budget=8, top_k=2), 1 << 30
+    one = plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=budget).parts["prefix_cache"]
+    same = plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=budget, prefix_cache_tokens=35).parts["prefix_cache"]
+    assert same == one > 0
+    many = plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=budget, prefix_cache_tokens=35 * 4,
+                       prefix_cache_generations=4).parts["prefix_cache"]
+    assert many == 4 * one
+    capped = plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=one, prefix_cache_tokens=35 * 4,
+                         prefix_cache_generations=4).parts["prefix_cache"]
+    assert capped == one
+    for key, bad in (("prefix_cache_tokens", -1), ("prefix_cache_generations", 0), ("prefix_cache_tokens", 2.5)):
+        with pytest.raises(EngineInputError, match=f"{key} must be a whole number"):
+            plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=budget, **{key: bad})
