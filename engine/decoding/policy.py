@@ -29,7 +29,8 @@ Stages, each a pure function or a small record:
    configured tree (the largest budget) by ``switch_margin``: the estimates are noisy, and where a
    tree's cost barely depends on its budget the argmax of noisy rates gave up the largest tree on
    steps it would have won. Until a generation's first tree step is read back there is no estimate:
-   the configured tree runs.
+   its first proposal is read before its budget is chosen (``AdaptivePolicy.preview``), else the
+   configured tree runs.
 4. **Probe** (``AdaptivePolicy``): an AR step runs no draft, so no new estimate comes from it.
    While the choice stays 0, every ``probe_every``-th step proposes and verifies a tree at the best
    non-zero budget: its proposal refreshes the estimate and its acceptance the calibration. A probe
@@ -252,10 +253,11 @@ class AdaptivePolicy:
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""
         # Before any tree step read back (a generation's first steps: two on the runtime, which reads a
-        # step after launching the next) there is no estimate: the configured tree, the largest finite
-        # budget, as a fixed policy would run it. (Every node assumed accepted instead ties every budget
-        # of at least the depth, and the tie went to the cheapest: budget 24 on the steps where the
-        # draft accepts most, the opening of a generation, AL 6.0 observed against the largest tree's.)
+        # step after launching the next) and without a ``preview`` there is no estimate: the configured
+        # tree, the largest finite budget, as a fixed policy would run it. (Every node assumed accepted
+        # instead ties every budget of at least the depth, and the tie went to the cheapest: budget 24 on
+        # the steps where the draft accepts most, the opening of a generation, AL 6.0 observed against
+        # the largest tree's.)
         if self.accepts is None:
             tree = [c for c in self.budgets if c > 0 and math.isfinite(self.costs.ms[c])]
             if tree:
