@@ -141,7 +141,7 @@ def run_set(prompts: list[list[dict]], cfg: EngineConfig, depth: int, costs: Ste
             runs[f"fixed {b}"] += replay(rows, lambda b=b: (b, 0.0), lambda *_: None, 0)
         policy = AdaptivePolicy.for_config(cfg, depth, costs)
         runs["adaptive"] += replay(rows, policy.choose, lambda b, r, p=policy: p.observe(b, r["probs"], r["path"]), lag,
-                                   lambda r, p=policy: p.preview(r["probs"]))
+                                   (lambda r, p=policy: p.preview(r["probs"])) if policy.previews else None)
         runs["oracle"] += oracle(rows, budgets, costs)
     tokens = sum(len(rows) for rows in prompts)  # steps commit this many tokens whatever their budgets
     rate = {name: tokens / sum(costs.ms[b] for b, _, _ in steps) for name, steps in runs.items()}
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-max", type=int, default=EngineConfig.probe_max)
     ap.add_argument("--calibration-window", type=int, default=16)
     ap.add_argument("--switch-margin", type=float, default=EngineConfig.switch_margin)
+    ap.add_argument("--no-preview", action="store_true",
+                    help="policy_preview false: a generation's first steps run the configured tree blind")
     ap.add_argument("--costs", default=H200_COSTS, help=f"budget:ms,... a step (default the H200's: {H200_COSTS})")
     ap.add_argument("--ar-ms", type=float, default=H200_AR_MS, help="plain AR's ms a step (the reference)")
     ap.add_argument("--lag", type=int, default=1, help="steps launched before one is read (runtime 1, generic 0)")
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cfg = EngineConfig(verify="ddtree", budget=args.budget, top_k=args.top_k, policy="adaptive",
                        policy_levels=args.levels, probe_every=args.probe_every, probe_max=args.probe_max,
-                       calibration_window=args.calibration_window, switch_margin=args.switch_margin)
+                       calibration_window=args.calibration_window, switch_margin=args.switch_margin,
+                       policy_preview=not args.no_preview)
     costs = parse_costs(args.costs)
     costs.check(policy_budgets(cfg.budget, cfg.policy_levels))
     cache = Path(args.cache) if args.cache else None

@@ -23,8 +23,11 @@ N=${N_PROMPTS:-12}
 NEW=${NEW:-128}
 # fixed budgets beside --budget's (top_k 8 as the pair's own DDTree), and the adaptive policy up to 32
 # (2026-12-05: fixed 32 was agent traffic's best config, a budget the policy up to 48 never takes)
+# (2026-12-05, seventh session: the first proposal read before its budget is chosen, policy_preview; its one
+# host synchronisation a generation timed against the blind start in the same run: b48-blind)
 ALSO=(--also b22:verify=ddtree,budget=22,top_k=8 --also b32:verify=ddtree,budget=32,top_k=8
-      --also b32-adaptive:verify=ddtree,budget=32,top_k=8,policy=adaptive)
+      --also b32-adaptive:verify=ddtree,budget=32,top_k=8,policy=adaptive
+      --also b48-blind:verify=ddtree,budget=48,top_k=8,policy=adaptive,policy_preview=false)
 PAIR=(python3 benchmarks/gpu_bench.py pair --n-prompts $N --max-new-tokens $NEW --repeats 2 --paths runtime
       --budget ${BUDGET:-48} --top-k 8 --adaptive "${ALSO[@]}" --no-fp32-check)
 case $PART in

@@ -236,7 +236,7 @@ def _chosen_proposal(drafter, cfg: EngineConfig, seq: Tensor, start: int, block:
     root alone)."""
     budget, expected = policy.choose() if policy is not None else (None, 0.0)
     tree, mask, probs = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
-    if policy is not None and policy.accepts is None and probs is not None:
+    if policy is not None and policy.previews and policy.accepts is None and probs is not None:
         policy.preview(probs[1:].tolist())
         budget, expected = policy.choose()
         tree, mask = prefix(tree, mask, budget) if budget > 0 else root_tree(seq[start : start + 1])

@@ -223,6 +223,7 @@ class AdaptivePolicy:
     calibrations: list[Calibration]
     probe_max: int | None = None  # the probes' interval's cap (None: ``probe_every``, no back-off)
     margin: float = 0.0  # ``EngineConfig.switch_margin``
+    previews: bool = False  # ``EngineConfig.policy_preview``: the loops read the first proposal (``preview``)
     accepts: list[float] | None = None  # the last tree step's estimate per budget (None: none yet)
     ar_streak: int = 0
     interval: int = 0  # the steps from one probe to the next now (0: ``probe_every``; ``choose``)
@@ -232,7 +233,7 @@ class AdaptivePolicy:
         budgets = policy_budgets(cfg.budget, cfg.policy_levels)
         costs.check(budgets)
         return cls(budgets, costs, depth, cfg.probe_every, [Calibration(cfg.calibration_window) for _ in budgets],
-                   cfg.probe_max, cfg.switch_margin)
+                   cfg.probe_max, cfg.switch_margin, previews=cfg.policy_preview)
 
     @property
     def cap(self) -> int:

@@ -298,7 +298,7 @@ class RuntimeDecoder:
         captured step reads the buffers its proposal's graph returned when it was captured, so a tree
         step is keyed by the proposal it verifies too (its context rows)."""
         proposal, layout, rows = None, None, None
-        if policy.accepts is None and self._ar_run == 0:
+        if policy.previews and policy.accepts is None and self._ar_run == 0:
             # The generation's first proposal, read back before its budget is chosen (``policy.preview``):
             # one host synchronisation a generation instead of two steps at the configured tree, blind.
             with timer.phase("draft"):

@@ -399,6 +399,31 @@ def test_a_generation_opens_with_the_configured_tree_and_the_margin_comes_from_t
         EngineConfig(switch_margin=-0.1)
     with pytest.raises(EngineInputError, match="switch_margin must be <= 10.0"):
         EngineConfig(switch_margin=11.0)
+    with pytest.raises(EngineInputError, match="policy_preview must be true or false, but got 'yes'"):
+        EngineConfig(policy_preview="yes")
+    assert "policy_preview" not in EngineConfig(verify="ddtree").applicable()  # a fixed policy's: not shown
+    assert policy.previews and not AdaptivePolicy.for_config(cfg.replace(policy_preview=False), 3, CHEAP).previews
+
+
+@pytest.mark.parametrize("on_runtime", [True, False])
+def test_the_first_proposal_chooses_its_own_budget_unless_told_not_to(on_runtime):
+    """``policy_preview``: the generation's first proposal is read before its budget is chosen, so a
+    draft the costs say is not worth a tree gets AR steps from the first step; without it the
+    configured tree runs blind until a tree step is read back (two steps on the runtime, one on the
+    generic loop). Every output equals AR's either way."""
+    pair = pair_for("tiny-dense", "random")
+    ids = _prompt(pair)
+    cfg = EngineConfig(verify="ddtree", budget=4, top_k=2, policy="adaptive", policy_levels=2, probe_every=50)
+    costs = StepCosts({0: 1.0, 2: 9.0, 4: 9.0})
+    want = generate_ar(pair, ids, EngineConfig(verify="ar"), 12).tokens
+    read = generate_speculative(pair, ids, cfg, 12, step_costs=costs, use_runtime=on_runtime)
+    blind = generate_speculative(pair, ids, cfg.replace(policy_preview=False), 12, step_costs=costs,
+                                 use_runtime=on_runtime)
+    assert read.tokens == blind.tokens == want
+    assert set(read.stats.step_budgets) == {0}
+    blind_steps = 2 if on_runtime else 1
+    assert blind.stats.step_budgets[:blind_steps] == [4] * blind_steps
+    assert set(blind.stats.step_budgets[blind_steps:]) == {0}
 
 
 def test_measuring_the_step_costs_stays_inside_the_reserved_buffers():
