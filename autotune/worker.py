@@ -81,10 +81,6 @@ class Worker:
         # each session's first request, encoded once: what must fit the context (limits(), sweep._check_fits)
         self._first_request = max((len(pair.encode(engine.session_request(p))) for _, ps in self.sessions
                                    for p in ps), default=0)
-        # each session's whole script in tokens and its model turns (cache_load: what one prefix cache keeps)
-        self._scripts = [(len(script), engine.session_turns(p)) for (_, scripts), (_, ps) in
-                         zip(self.sets, self.sessions, strict=True) for script, p in zip(scripts, ps, strict=True)
-                         ] if self.session_mode else []
         # (length, slice, weights, cache) -> the baseline AR's replay per set (_replay)
         self._replays: dict[tuple[Any, ...], list[Any]] = {}
         self._session_of: list[list[int]] = []  # the current job's turns: each one's session, per set
@@ -109,7 +105,7 @@ class Worker:
         The last requests are the current job's replay's (``replayed``: after ``_turn_sets``), else as
         ``vram.memory_at`` plans the longest (each earlier answer up to ``max_new_tokens``, within
         ``context``). (None, 1) for prompt workloads: the plan's own generation."""
-        if not self._scripts:
+        if not self.session_mode:
             return None, 1
         if replayed:
             last: dict[tuple[int, int], int] = {}
@@ -118,10 +114,17 @@ class Worker:
                 for prompt, sid in zip(prompts, session_of, strict=True):
                     last[k, sid], turns[k, sid] = len(prompt), turns[k, sid] + 1
             sessions = [(last[key], turns[key]) for key in last]
-        else:
-            sessions = [(vram.memory_at(n, max_new_tokens, t, context)[0], t) for n, t in self._scripts if n]
+        else:  # the sessions as the job has them (a fidelity rung's first few), before their replay
+            sessions = [(vram.memory_at(n, max_new_tokens, t, context)[0], t) for n, t in self._scripts() if n]
         positions = sum(n + max_new_tokens - 1 + max(t - 1, 0) * max_new_tokens for n, t in sessions)
         return positions, max(sum(t for _, t in sessions), 1)
+
+    def _scripts(self) -> list[tuple[int, int]]:
+        """Each session's whole script in tokens (``self.sets`` outside a job's replay) and its model turns."""
+        import engine
+
+        return [(len(script), engine.session_turns(p)) for (_, scripts), (_, ps) in
+                zip(self.sets, self.sessions, strict=True) for script, p in zip(scripts, ps, strict=True)]
 
     def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when

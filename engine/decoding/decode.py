@@ -236,7 +236,7 @@ def _chosen_proposal(drafter, cfg: EngineConfig, seq: Tensor, start: int, block:
     root alone)."""
     budget, expected = policy.choose() if policy is not None else (None, 0.0)
     tree, mask, probs = _propose(drafter, cfg, seq, start, block, feats, timer, budget, policy)
-    if policy is not None and policy.previews and policy.accepts is None and probs is not None:
+    if policy is not None and policy.wants_preview and probs is not None:
         policy.preview(probs[1:].tolist())
         budget, expected = policy.choose()
         tree, mask = prefix(tree, mask, budget) if budget > 0 else root_tree(seq[start : start + 1])
@@ -282,6 +282,7 @@ def measure_step_costs(pair, cfg: EngineConfig, prompt: Sequence[int], new_token
     if held and 0 < over <= len(prompt) // 2:
         prompt = prompt[over:]
     ms = {}
+    cfg = cfg.replace(policy_preview=False)  # (every step's budget is forced: a first proposal read early is waste)
     with fused.using_kernels(cfg.kernels == "fused"):
         for b in budgets:
             forced = StepCosts({c: 1.0 if c == b else math.inf for c in budgets})  # the only finite cost: b

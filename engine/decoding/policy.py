@@ -283,6 +283,14 @@ class AdaptivePolicy:
             self.ar_streak = 0
         return b, al
 
+    @property
+    def wants_preview(self) -> bool:
+        """Whether a loop should read this generation's next proposal before choosing its budget
+        (``preview``): the policy previews, has no estimate yet, and some tree budget has a finite cost
+        (where only AR steps can be chosen the proposal would be wasted)."""
+        return (self.previews and self.accepts is None
+                and any(b > 0 and math.isfinite(self.costs.ms[b]) for b in self.budgets))
+
     def preview(self, probs: Sequence[int]) -> None:
         """The generation's first proposal, read before its step is chosen: its ``path_probabilities`` of
         nodes 1..N become the estimate (the calibrations at their priors: nothing observed yet), where

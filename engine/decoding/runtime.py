@@ -12,7 +12,8 @@ replayed:
   (``RuntimeDecoder._step``; one loop, ``RuntimeDecoder.generate``, runs AR and speculation);
 - the host reads one small packed tensor per step: accept length, flags and the new tokens; the
   next step is launched before that read (its position and inputs are on the device already), so
-  the host's reading and reporting overlaps the GPU's next step.
+  the host's reading and reporting overlaps the GPU's next step (the adaptive policy also reads a
+  generation's first proposal before choosing its budget: ``policy_preview``);
 
 Shapes never depend on where the sequence is: the root's position lives in a [1] device tensor,
 attention spans a power-of-two bucket of key slots with a mask, and the draft sees a fixed
@@ -290,7 +291,9 @@ class RuntimeDecoder:
                          block: int, record: bool, timer, readback: Readback) -> tuple:
         """One adaptive step launched: the policy's budget, the proposal unless it is 0, the step of
         that budget (``_policy_step``); as ``generate``'s ``launch`` returns, with (budget, the E[AL] it
-        was chosen by, the readback's layout) last.
+        was chosen by, the readback's layout) last. While the policy has no estimate (a generation's
+        first step, ``AdaptivePolicy.wants_preview``) the proposal comes first and is read back before
+        the budget is chosen (``preview``); a budget of 0 then leaves it unverified.
 
         The first proposal after AR steps recomputes the draft's context of ``catch_up_rows`` positions
         (those steps wrote none): another captured proposal, picked here, where the steps launched
@@ -298,7 +301,7 @@ class RuntimeDecoder:
         captured step reads the buffers its proposal's graph returned when it was captured, so a tree
         step is keyed by the proposal it verifies too (its context rows)."""
         proposal, layout, rows = None, None, None
-        if policy.previews and policy.accepts is None and self._ar_run == 0:
+        if policy.wants_preview and self._ar_run == 0:
             # The generation's first proposal, read back before its budget is chosen (``policy.preview``):
             # one host synchronisation a generation instead of two steps at the configured tree, blind.
             with timer.phase("draft"):

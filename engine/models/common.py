@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.config import EngineInputError
 from engine.models import attention as split_attention
 from engine.models import fused
 from engine.models import linear as rows_linear
@@ -243,7 +244,8 @@ class TargetModel(nn.Module):
         n = len(self.layers)
         wanted = sorted(set(feature_layers))
         if wanted and not 0 <= wanted[0] <= wanted[-1] < n:
-            raise ValueError(f"feature_layers {list(feature_layers)}: this model's layers are 0..{n - 1}")
+            raise EngineInputError(f"feature_layers {list(feature_layers)}: this model's layers are 0..{n - 1} "
+                                   "(a draft's target_layer_ids must name layers of its target)")
         d = x.shape[-1]
         feats = x.new_empty(*x.shape[:-1], len(wanted) * d) if wanted else None
         tees = {i: feats[..., j * d:(j + 1) * d] for j, i in enumerate(wanted)}

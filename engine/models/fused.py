@@ -148,6 +148,9 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_cent
     outputs carry the bits of the two separate ops. ``tee`` (x's shape; rows may be strided, as a column
     slice of a wider buffer): the sum written there as well, by the same launch (a decode step's
     target features: the layer outputs the next layers' adds compute anyway)."""
+    if tee is not None and (tee.shape != x.shape or tee.dtype != x.dtype or tee.device != x.device):
+        raise ValueError(f"tee: {tuple(tee.shape)} {tee.dtype} on {tee.device} where the sum is "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
     if not use_kernels(x, delta, weight):
         total, out = add_rms_norm_torch(x, delta, weight, eps, zero_centred)
         if tee is not None:

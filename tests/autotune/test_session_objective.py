@@ -161,7 +161,13 @@ def test_memory_is_planned_at_the_last_turn_a_session_can_send(tmp_path):
     planned, generations = worker.cache_load(new, facts["context"])
     assert generations == sum(engine.session_turns(p) for _, ps in worker.sessions for p in ps)
     assert planned == sum(vram.memory_at(n, new, t, facts["context"])[0] + new - 1 + (t - 1) * new
-                          for n, t in worker._scripts)
+                          for n, t in worker._scripts())
+    # a fidelity rung's job has the first sessions of each set only: its plan counts those
+    full = worker.sets, worker.sessions
+    worker.sets, worker.sessions = [(n, ps[:1]) for n, ps in full[0]], [(n, ps[:1]) for n, ps in full[1]]
+    first, first_turns = worker.cache_load(new, facts["context"])
+    worker.sets, worker.sessions = full
+    assert 0 < first < planned and first_turns == sum(engine.session_turns(ps[0]) for _, ps in full[1])
     # the job planned again after its replay, from the requests it sent
     scripts = worker.sets
     worker._turn_sets(new, w.prefix_cache_mb)

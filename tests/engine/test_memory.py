@@ -270,6 +270,7 @@ def test_the_prefix_cache_part_of_a_whole_workload(target):
     capped = plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=one, prefix_cache_tokens=35 * 4,
                          prefix_cache_generations=4).parts["prefix_cache"]
     assert capped == one
-    for key, bad in (("prefix_cache_tokens", -1), ("prefix_cache_generations", 0), ("prefix_cache_tokens", 2.5)):
+    for key, bad in (("prefix_cache_tokens", -1), ("prefix_cache_generations", 0), ("prefix_cache_tokens", 2.5),
+                     ("prefix_cache_generations", None)):
         with pytest.raises(EngineInputError, match=f"{key} must be a whole number"):
             plan_memory(pair, cfg, 30, 6, prefix_cache_bytes=budget, **{key: bad})

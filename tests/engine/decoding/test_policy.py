@@ -406,7 +406,7 @@ def test_a_generation_opens_with_the_configured_tree_and_the_margin_comes_from_t
 
 
 @pytest.mark.parametrize("on_runtime", [True, False])
-def test_the_first_proposal_chooses_its_own_budget_unless_told_not_to(on_runtime):
+def test_the_first_proposal_chooses_its_own_budget_unless_told_not_to(on_runtime, monkeypatch):
     """``policy_preview``: the generation's first proposal is read before its budget is chosen, so a
     draft the costs say is not worth a tree gets AR steps from the first step; without it the
     configured tree runs blind until a tree step is read back (two steps on the runtime, one on the
@@ -421,6 +421,14 @@ def test_the_first_proposal_chooses_its_own_budget_unless_told_not_to(on_runtime
                                  use_runtime=on_runtime)
     assert read.tokens == blind.tokens == want
     assert set(read.stats.step_budgets) == {0}
+    # where only AR steps can be chosen, no proposal is read (it would be wasted)
+    calls = []
+    for name in ("propose", "propose_static"):
+        real = getattr(pair.drafter, name)
+        monkeypatch.setattr(pair.drafter, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    only_ar = StepCosts({0: 1.0, 2: math.inf, 4: math.inf})
+    assert generate_speculative(pair, ids, cfg, 12, step_costs=only_ar, use_runtime=on_runtime).tokens == want
+    assert calls == []
     blind_steps = 2 if on_runtime else 1
     assert blind.stats.step_budgets[:blind_steps] == [4] * blind_steps
     assert set(blind.stats.step_budgets[blind_steps:]) == {0}

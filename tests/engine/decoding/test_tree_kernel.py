@@ -254,11 +254,18 @@ def test_the_tree_launch_scores_its_nodes_as_path_probabilities_within_one(depth
         assert bool((ref[1:] > 0).any())
 
 
-def test_scored_tree_gives_the_policy_its_estimate_on_every_form():
-    """``loop.scored_tree(path_probs=True)``: the tree kernel's own estimate where it builds the tree, the
-    tensor-op form's elsewhere (host-built trees, kernels off): the same tree, probabilities within one."""
+def test_scored_tree_gives_the_policy_its_estimate_on_every_form(monkeypatch):
+    """``loop.scored_tree(path_probs=True)``: the tree kernel's own estimate where it builds the tree (on
+    the CPU in Triton's interpreter), the tensor-op form's elsewhere (host-built trees): the same tree,
+    probabilities within one."""
     from engine.config import EngineConfig
+    from engine.decoding import tree_kernel
     from engine.decoding.loop import UNTIMED, scored_tree
+
+    launched = []
+    real = tree_kernel.build_scored_tree_kernel
+    monkeypatch.setattr(tree_kernel, "use_tree_kernel", lambda *_a: True)
+    monkeypatch.setattr(tree_kernel, "build_scored_tree_kernel", lambda *a: launched.append(1) or real(*a))
 
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(7, 50, generator=gen) * 3).to(DEVICE)
@@ -271,4 +278,4 @@ def test_scored_tree_gives_the_policy_its_estimate_on_every_form():
         _assert_same_tree(t, tree)
         assert torch.equal(m.cpu(), mask.cpu()) and p.shape == (tree.tokens.numel(),)
         assert (p[1:].cpu() - kernel[2][1:].cpu()).abs().max().item() <= 1 and p.device == logits.device
-    assert top_lp.shape == (7, 4)
+    assert top_lp.shape == (7, 4) and launched == [1]  # the kernel's form, once (the host form builds its own)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from engine.config import EngineInputError
 from engine.models.common import FusedLinear, fuse_projections_, unfused_state_dict
 from engine.registry import TARGETS, load_target
 
@@ -129,7 +130,7 @@ def test_the_features_are_each_layers_output_bit_for_bit(name, dtype, layers):
             want = torch.cat([outputs[i] for i in sorted(set(layers))], -1)
             assert none is None and feats.dtype == dtype and torch.equal(feats, want)
             assert torch.equal(logits, plain)
-        with pytest.raises(ValueError, match="feature_layers"):
+        with pytest.raises(EngineInputError, match="feature_layers"):
             model(tokens, model.new_cache(16), 0, feature_layers=[n])
     for h in hooks:
         h.remove()
@@ -162,4 +163,6 @@ def test_add_rms_norm_tees_its_sum_into_a_strided_slice(dtype, monkeypatch):
         if kernels:
             with pytest.raises(ValueError, match="tee"):
                 fused.add_rms_norm(x, delta, w, 1e-6, False, tee=torch.empty(32, 5, dtype=dtype, device=DEVICE).t())
+        with pytest.raises(ValueError, match=r"tee: \(4, 32\) .* where the sum is \(5, 32\)"):  # fewer rows
+            fused.add_rms_norm(x, delta, w, 1e-6, False, tee=wide[:4, :32])
         monkeypatch.undo()
