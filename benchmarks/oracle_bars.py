@@ -63,6 +63,20 @@ def al_by_p(prompts: Sequence, ps: Sequence[float]) -> dict[float, float]:
     return {p: tokens[p] / steps[p] for p in sorted(steps) if steps[p]}
 
 
+def budgets_by_p(result, ps: Sequence[float]) -> dict[float, dict[int, int]]:
+    """The adaptive policy's budgets (steps at each) of the prompts of each P: ``result.step_budgets`` holds
+    every prompt's steps in order (``PromptResult.steps`` of them each); {} under a fixed policy."""
+    flat = list(result.step_budgets)
+    if len(flat) != sum(r.steps for r in result.prompts):
+        return {}
+    out: dict[float, Counter] = {}
+    at = 0
+    for r, p in zip(result.prompts, ps, strict=True):
+        out.setdefault(p, Counter()).update(flat[at:at + r.steps])
+        at += r.steps
+    return {p: dict(sorted(c.items())) for p, c in sorted(out.items())}
+
+
 def configs_for(budgets: Sequence[int], top_k: int) -> tuple[list[tuple[str, dict]], list[str], str]:
     """(every config's name and fields, the fixed budgets' names, the adaptive config's name): chain, DDTree
     at each budget, the adaptive policy up to the largest (its budgets halving from it, as many as given)."""
@@ -99,6 +113,7 @@ def _time_set(pair, configs: list[tuple[str, dict]], path: str, prompts: list[li
             "tps": tps, "tps_median": statistics.median(tps), "al": r0.acceptance_length, "al_by_p": by_p,
             "ms_per_step": 1000 * r0.decode_s / max(r0.steps, 1), "exact": sum(bool(p.exact) for p in r0.prompts),
             "n": len(prompts), "budget_steps": dict(Counter(r0.step_budgets)),
+            "budget_steps_by_p": budgets_by_p(r0, ps),
             "divergences": [{"prompt": p.index, **p.divergence.to_dict()} for p in r0.prompts
                             if p.divergence is not None]}
         expected = (lambda p: f" ({chain_al(p, block - 1):.2f})") if name == "chain" else (lambda p: "")
@@ -111,6 +126,10 @@ def _time_set(pair, configs: list[tuple[str, dict]], path: str, prompts: list[li
 
 def _bar_line(set_name: str, path: str, bar: dict, rows: dict, adaptive: str) -> str:
     chosen = " ".join(f"{b}:{n}" for b, n in sorted(rows[adaptive]["budget_steps"].items()))
+    by_p = rows[adaptive].get("budget_steps_by_p") or {}
+    if len(by_p) > 1:  # a mix: which prompts took which budgets
+        chosen += " (" + "; ".join(f"P {p:g}: " + " ".join(f"{b}:{n}" for b, n in c.items())
+                                   for p, c in by_p.items()) + ")"
     return (f"| {set_name} | {path} | {bar['ar_tps']:.1f} | {bar['best_fixed']} {bar['best_fixed_tps']:.1f} | "
             f"{bar['adaptive_tps']:.1f} | **{bar['ratio']:.3f}x** | >= {bar['bar']:.2f}x: "
             f"{'met' if bar['met'] else 'not met'} | {chosen} |")

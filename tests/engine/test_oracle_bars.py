@@ -27,9 +27,15 @@ def test_the_section_runs_on_a_tiny_preset_exact_with_each_prompts_p(tmp_path):
     assert configs["chain"]["al_by_p"]["0.0"] == 16.0 and configs["chain"]["al_by_p"]["1.0"] < 1.2
     assert configs["ddtree-b4"]["al_by_p"]["0.0"] == 5.0  # four drafted nodes, all accepted, and the bonus token
     assert sum(configs["adaptive (0/4)"]["budget_steps"].values()) > 0
+    by_p = configs["adaptive (0/4)"]["budget_steps_by_p"]  # the mix's prompts apart: P 0 and P 1
+    assert set(by_p) == {"0.0", "1.0"} and by_p["0.0"] and by_p["1.0"]
+    assert {b: sum(c.get(b, 0) for c in by_p.values()) for b in configs["adaptive (0/4)"]["budget_steps"]} == \
+        configs["adaptive (0/4)"]["budget_steps"]
+    assert configs["chain"]["budget_steps_by_p"] == {}  # no policy: no budgets
     assert mixed["bar"]["bar"] == 1.03 and mixed["bar"]["best_fixed"] == "ddtree-b4"
     text = md.read_text()  # the chain's AL per P beside its expectation; the set's bar
     assert "| 0,1 | chain |" in text and "0: 16.00 (16.00), 1: " in text and "| >= 1.03x: " in text
+    assert "(P 0: " in text and "; P 1: " in text  # the mix's budgets per P in the bar line
 
 
 def test_the_chain_expectation_and_the_al_per_p():
@@ -39,6 +45,9 @@ def test_the_chain_expectation_and_the_al_per_p():
     results = [SimpleNamespace(steps=4, acceptance_length=3.0), SimpleNamespace(steps=10, acceptance_length=1.0),
                SimpleNamespace(steps=2, acceptance_length=6.0)]
     assert ob.al_by_p(results, [0.1, 0.9, 0.1]) == {0.1: 4.0, 0.9: 1.0}  # (12 + 12) / 6 and 10 / 10
+    bench = SimpleNamespace(prompts=results, step_budgets=[8] * 3 + [0] + [0] * 10 + [16, 0])
+    assert ob.budgets_by_p(bench, [0.1, 0.9, 0.1]) == {0.1: {0: 2, 8: 3, 16: 1}, 0.9: {0: 10}}
+    assert ob.budgets_by_p(SimpleNamespace(prompts=results, step_budgets=[]), [0.1, 0.9, 0.1]) == {}
 
 
 def test_the_configs_and_the_bar():
