@@ -6,8 +6,8 @@
 # only stashes its parts).
 # Trains for WALL seconds: resuming the checkpoint carried in, else the one an earlier call of this
 # session left in /root/stash/ck, else a new run (LAYERS, INTERMEDIATE, BLOCK, STEPS, LR, BATCH,
-# ANCHORS, MAX_SEQ_LEN, GAMMA, or INIT=draft folder to warm-start, grown to LAYERS when that is more
-# than its own; GEN_MORE=1 with .device/train carried answers the train prompts the kept data lacks,
+# ANCHORS, MAX_SEQ_LEN, GAMMA, or INIT=draft folder to warm-start, grown to LAYERS or widened to
+# INTERMEDIATE when more than its own; GEN_MORE=1 with .device/train carried answers the train prompts the kept data lacks,
 # within GEN seconds, batches of GEN_TOKENS cache positions). FEATURES: --feature-store (auto: on the
 # GPU when they fit, else recomputed each batch). The checkpoint is written at the end (STATE=int8 by
 # default), the held-out AL is scored per set (eval_draft.py as train.sh does; SKIP=eval skips it),
@@ -68,7 +68,8 @@ else
   RUN="--checkpoint-dir $CK --steps ${STEPS:-60000} --lr $LR --batch-size ${BATCH:-32} --num-anchors ${ANCHORS:-32}"
   RUN+=" --max-seq-len ${MAX_SEQ_LEN:-2048} --gamma ${GAMMA:-7}"
   if [ -n "$INIT" ]; then
-    RUN+=" --init $INIT ${LAYERS:+--layers $LAYERS}"  # more LAYERS than INIT's: the draft grows
+    # more LAYERS, or a wider INTERMEDIATE, than INIT's: the draft grows
+    RUN+=" --init $INIT ${LAYERS:+--layers $LAYERS} ${INTERMEDIATE:+--intermediate-size $INTERMEDIATE}"
   else
     RUN+=" --layers ${LAYERS:-3} --intermediate-size ${INTERMEDIATE:-640} --block-size ${BLOCK:-16}"
   fi

@@ -127,28 +127,44 @@ def _init_weights_(draft: DFlashDraft, seed: int) -> DFlashDraft:
     return draft
 
 
-def grow_draft(draft: DFlashDraft, layers: int, seed: int = 0) -> DFlashDraft:
-    """``draft`` with ``layers - num_hidden_layers`` new blocks after its own, computing the same
-    function: each new block's attention output and MLP down projections start at zero, so it adds
-    nothing to the residual until training moves them (its other weights start as a new draft's).
-    A warm start keeps what the shallower draft learned and gains the capacity of the deeper one."""
-    have = draft.cfg.num_hidden_layers
+def grow_draft(draft: DFlashDraft, layers: int, seed: int = 0, intermediate_size: int | None = None
+               ) -> DFlashDraft:
+    """``draft`` grown, computing the same function: ``layers - num_hidden_layers`` new blocks after its
+    own, each one's attention output and MLP down projections at zero, so it adds nothing to the
+    residual until training moves them (its other weights start as a new draft's); and with
+    ``intermediate_size`` above its own every block's MLP widened, the new gate and up rows as a new
+    draft's and the down projection's new columns at zero (silu(gate) * up of a new unit meets a zero
+    column: nothing added). A warm start keeps what the smaller draft learned and gains the capacity
+    of the bigger one (the shipped draft's MLP is 640 wide where its target's is 1,536)."""
+    have, width = draft.cfg.num_hidden_layers, draft.cfg.intermediate_size
+    wide = width if intermediate_size is None else intermediate_size
     if layers < have:
         raise EngineInputError(f"--layers {layers}: a warm start can add layers to the --init draft's {have}, "
                                f"not remove them")
-    if layers == have:
+    if wide < width:
+        raise EngineInputError(f"--intermediate-size {wide}: a warm start can widen the --init draft's MLP "
+                               f"({width}), not narrow it")
+    if layers == have and wide == width:
         return draft
-    grown = _init_weights_(DFlashDraft(replace(draft.cfg, num_hidden_layers=layers)), seed)
+    grown = _init_weights_(DFlashDraft(replace(draft.cfg, num_hidden_layers=layers, intermediate_size=wide)), seed)
+    old = unfused_state_dict(draft)
     with torch.no_grad():
         for block in grown.layers[have:]:  # (with their biases: attention_bias drafts have them)
             for out in (block.self_attn.o_proj, block.mlp.down_proj):
                 out.weight.zero_()
                 if out.bias is not None:
                     out.bias.zero_()
-    missing, unexpected = grown.load_state_dict(unfused_state_dict(draft), strict=False)
-    new_blocks = tuple(f"layers.{i}." for i in range(have, layers))
-    if unexpected or not all(k.startswith(new_blocks) for k in missing):
-        raise EngineInputError(f"growing the draft: its weights do not map onto the deeper one "
+        for i, block in enumerate(grown.layers[:have]):  # the old blocks' MLPs, widened
+            mlp, key = block.mlp, f"layers.{i}.mlp."
+            mlp.gate_proj.weight[:width].copy_(old.pop(key + "gate_proj.weight"))
+            mlp.up_proj.weight[:width].copy_(old.pop(key + "up_proj.weight"))
+            mlp.down_proj.weight.zero_()
+            mlp.down_proj.weight[:, :width].copy_(old.pop(key + "down_proj.weight"))
+    missing, unexpected = grown.load_state_dict(old, strict=False)
+    grown_keys = tuple(f"layers.{i}." for i in range(have, layers)) + tuple(
+        f"layers.{i}.mlp." for i in range(have))
+    if unexpected or not all(k.startswith(grown_keys) for k in missing):
+        raise EngineInputError(f"growing the draft: its weights do not map onto the bigger one "
                                f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
     return grown.to(device=next(draft.parameters()).device, dtype=next(draft.parameters()).dtype)
 

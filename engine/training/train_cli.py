@@ -141,10 +141,13 @@ def _warm_start(args: argparse.Namespace, pair) -> tuple:
     draft = load_draft_folder(Path(args.init), pair.target, pair.target.device, torch.float32)
     have = _architecture(draft)
     grown_from = None
-    if args.layers is not None and args.layers != have["layers"]:
-        # more layers than the --init draft: it grows (new blocks that start as the identity)
-        grown_from = have["layers"]
-        draft = grow_draft(draft, args.layers, seed=args.seed)
+    deeper = args.layers is not None and args.layers != have["layers"]
+    wider = args.intermediate_size is not None and args.intermediate_size != have["intermediate_size"]
+    if deeper or wider:
+        # more layers or a wider MLP than the --init draft: it grows (what is new starts as the identity)
+        grown_from = {"layers": have["layers"], "intermediate_size": have["intermediate_size"]}
+        draft = grow_draft(draft, args.layers or have["layers"], seed=args.seed,
+                           intermediate_size=args.intermediate_size)
         have = _architecture(draft)
     for key, value in have.items():
         asked = getattr(args, key)
@@ -158,9 +161,14 @@ def _warm_start(args: argparse.Namespace, pair) -> tuple:
         raise EngineInputError(f"{summary}: not JSON ({e})") from None
     if previous is not None:
         previous.pop("init_training", None)  # one level of history; total_steps carries the rest
-    grown = f" (grown from {grown_from}: the new ones start as the identity)" if grown_from else ""
-    print(f"warm start from {args.init}: {have['layers']} layers{grown}, block {have['block_size']}, "
-          f"{_steps_so_far(previous)} steps so far", flush=True)
+    grown = ""
+    if grown_from:
+        parts = [f"{grown_from['layers']} layers"] if grown_from["layers"] != have["layers"] else []
+        if grown_from["intermediate_size"] != have["intermediate_size"]:
+            parts.append(f"MLP width {grown_from['intermediate_size']}")
+        grown = f" (grown from {' and '.join(parts)}: what is new starts as the identity)"
+    print(f"warm start from {args.init}: {have['layers']} layers, MLP width {have['intermediate_size']}{grown}, "
+          f"block {have['block_size']}, {_steps_so_far(previous)} steps so far", flush=True)
     return draft, previous, grown_from
 
 
@@ -249,8 +257,12 @@ def grown_but_idle(summary: dict, out: Path) -> str | None:
     if not summary.get("grown_from_layers") or not summary.get("held_out") or summary.get("kept_step") != 0:
         return None
     idle = summary["config"]["layers"] - summary["grown_from_layers"]
+    was, now = summary.get("grown_from_intermediate_size"), summary["config"].get("intermediate_size")
+    what = [f"{idle} idle layers"] if idle else []
+    if was is not None and now is not None and now != was:
+        what.append(f"{now - was} idle MLP units a layer")
     return (f"warning: no step beat the grown draft's start on the held-out set: {out} is the --init draft with "
-            f"{idle} idle layers (the same proposals, slower): keep the --init draft")
+            f"{' and '.join(what)} (the same proposals, slower): keep the --init draft")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -339,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = _train_config(args, values)
         lineage = {"init": args.init, "init_training": init_training}
         if grown_from is not None:
-            lineage["grown_from_layers"] = grown_from
+            lineage["grown_from_layers"] = grown_from["layers"]
+            lineage["grown_from_intermediate_size"] = grown_from["intermediate_size"]
     mask_id = _mask_id(args, pair, init)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -365,8 +378,9 @@ def run(args: argparse.Namespace) -> int:
         # The checkpoint's whole history: what it was trained from, and how long in all.
         summary.update(init=lineage["init"], init_training=lineage["init_training"],
                        total_steps=summary["steps"] + _steps_so_far(lineage["init_training"]))
-        if "grown_from_layers" in lineage:
-            summary["grown_from_layers"] = lineage["grown_from_layers"]
+        for key in ("grown_from_layers", "grown_from_intermediate_size"):
+            if key in lineage:
+                summary[key] = lineage[key]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.save_dtype]
     save_draft_folder(draft.to(dtype), out, extra={"training": summary})
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)  # this call's, saving included

@@ -376,6 +376,16 @@ def test_a_grown_draft_computes_what_it_grew_from_and_its_new_blocks_learn(pair)
     new = grown.layers[-1]
     assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
     assert grow_draft(draft, draft.cfg.num_hidden_layers) is draft
+    # Wider too: every block's MLP widened, the same function; the new units learn.
+    width = draft.cfg.intermediate_size
+    wide = grow_draft(draft, draft.cfg.num_hidden_layers + 1, seed=4, intermediate_size=width + 24)
+    assert wide.cfg.intermediate_size == width + 24 and wide.layers[0].mlp.gate_proj.weight.shape[0] == width + 24
+    torch.testing.assert_close(wide(blocks, feats, ctx_pos, q_pos), draft(blocks, feats, ctx_pos, q_pos),
+                               rtol=0, atol=0)
+    wide(blocks, feats, ctx_pos, q_pos).square().sum().backward()
+    assert wide.layers[0].mlp.down_proj.weight.grad[:, width:].abs().sum() > 0
+    with pytest.raises(EngineInputError, match="can widen the --init draft's MLP"):
+        grow_draft(draft, draft.cfg.num_hidden_layers, intermediate_size=width - 1)
     with pytest.raises(EngineInputError, match="can add layers to the --init draft's"):
         grow_draft(grown, 1)
     # A draft with attention biases: the new blocks' output biases start at zero too.
@@ -393,7 +403,7 @@ def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(t
     assert main(common + ["--out", str(tmp_path / "b"), "--init", str(tmp_path / "a"), "--data", str(data),
                           "--layers", "3", "--steps", "5"]) == 0
     log = capsys.readouterr().out
-    assert "warm start from" in log and "3 layers (grown from 1" in log
+    assert "warm start from" in log and "3 layers, MLP width" in log and "(grown from 1 layers:" in log
     summary = json.loads((tmp_path / "b" / "training.json").read_text())
     assert summary["config"]["layers"] == 3 and summary["grown_from_layers"] == 1 and summary["total_steps"] == 35
     assert load_draft_folder(tmp_path / "b", engine.load("tiny-dense", "none", device="cpu").target, "cpu",
@@ -408,10 +418,26 @@ def test_warm_start_with_more_layers_grows_the_draft_and_begins_where_it_ended(t
     assert "the --init draft with 2 idle layers" in grown_but_idle(run12, Path("d"))
     assert grown_but_idle({**run12, "kept_step": 250}, Path("d")) is None
     assert grown_but_idle({**run12, "grown_from_layers": None}, Path("d")) is None
+    wider = {**run12, "grown_from_layers": 5, "grown_from_intermediate_size": 640,
+             "config": {"layers": 5, "intermediate_size": 1536}}
+    assert "the --init draft with 896 idle MLP units a layer" in grown_but_idle(wider, Path("d"))
     # Fewer layers than the --init draft: a usage error naming both.
     assert main(common + ["--out", str(tmp_path / "c"), "--init", str(tmp_path / "b"), "--data", str(data),
                           "--layers", "2"]) == 2
     assert "--layers 2: a warm start can add layers to the --init draft's 3" in capsys.readouterr().err
+    # A wider MLP: every block widened, the draft starting where it ended; a narrower one refused.
+    width = json.loads((tmp_path / "b" / "training.json").read_text())["config"]["intermediate_size"]
+    assert main(common + ["--out", str(tmp_path / "w"), "--init", str(tmp_path / "b"), "--data", str(data),
+                          "--intermediate-size", str(2 * width), "--steps", "3"]) == 0
+    log = capsys.readouterr().out
+    assert f"MLP width {2 * width} (grown from MLP width {width}:" in log
+    assert _step0_loss(log) < 0.8 * fresh_start
+    summary = json.loads((tmp_path / "w" / "training.json").read_text())
+    assert summary["grown_from_intermediate_size"] == width and summary["config"]["intermediate_size"] == 2 * width
+    assert main(common + ["--out", str(tmp_path / "n"), "--init", str(tmp_path / "w"), "--data", str(data),
+                          "--intermediate-size", str(width)]) == 2
+    assert f"--intermediate-size {width}: a warm start can widen the --init draft's MLP ({2 * width})" in \
+        capsys.readouterr().err
 
 
 def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsys):
