@@ -9,6 +9,9 @@
 #   HumanEval. (2026-12-04, seventh session: 3 sets x 4 configs took ~100 s; 6 configs ~150 s.)
 # PART=mix (the same carry, after PART=pair on the same machine, which keeps SmolLM2): the same
 #   configs on one set interleaving the three sets' prompts (`--mix`, 3 x N_PROMPTS prompts).
+# PART=early (the same carry as pair, after call 1 and the joins): an early, under-trained draft (EARLY_STEPS,
+#   default 300, of a new 3-layer draft on benchmarks/data's self-distilled answers, ~2 minutes), then the pair's
+#   configs with it on HumanEval: the issue's second weak draft (the random one is PART=pair's).
 # PART=oracle (no carry, no asset): the policy's GPU tests of the taught oracle, then `gpu_bench.py
 #   oracle` on qwen35-27b-shape (random weights, its random 5-layer DFlash draft under the taught
 #   oracle): oracle:0.1,0.5,0.9 (a mix: prompt i takes P number i mod 3) first, then P = 0.1, 0.5, 0.9
@@ -56,7 +59,22 @@ case $PART in
       --top-k 8 --oracles ${ORACLES:-oracle:0.1,0.5,0.9 oracle:0.1 oracle:0.5 oracle:0.9} \
       --md "$OUT/oracle_27b.md" --out "$OUT/oracle_27b.json"
     ;;
+  early)
+    # the issue's other weak draft, an early under-trained one: EARLY_STEPS steps of a new 3-layer draft on the
+    # committed self-distilled data (its features recomputed each batch: nothing computed up front), then the
+    # same configs as the random draft's on HumanEval, every output checked against AR's
+    join_smollm2
+    install_assets smollm2 humaneval
+    rm -rf /root/stash/early
+    section early_train ${EARLY_LIMIT:-200} python3 -m engine train-draft --target smollm2-135m-instruct \
+      --data benchmarks/data/smollm2-selfdistill.jsonl.xz --out /root/stash/early --layers 3 --intermediate-size 640 \
+      --block-size 16 --steps ${EARLY_STEPS:-300} --wall-budget ${EARLY_WALL:-150} --feature-store recompute \
+      --val-fraction 0.01 --no-progress --device cuda
+    section early_adaptive ${WEAK_LIMIT:-90} "${PAIR[@]}" --draft /root/stash/early --sets humaneval \
+      --md "$OUT/early_adaptive.md" --out "$OUT/early_adaptive.json"
+    cp /root/stash/early/training.json "$OUT/early_training.json" 2>/dev/null
+    ;;
   *)
-    say "PART=$PART: expected pair, mix or oracle"; exit 2 ;;
+    say "PART=$PART: expected pair, mix, oracle or early"; exit 2 ;;
 esac
 summary
