@@ -126,6 +126,10 @@ class Worker:
         return [(len(script), engine.session_turns(p)) for (_, scripts), (_, ps) in
                 zip(self.sets, self.sessions, strict=True) for script, p in zip(scripts, ps, strict=True)]
 
+    def _context(self) -> int | None:
+        """The target's context in tokens (None when unknown)."""
+        return getattr(getattr(self.pair.target, "cfg", None), "max_position_embeddings", None)
+
     def limits(self) -> dict[str, Any]:
         """What a sweep checks before it creates anything: the target's context (tokens; None when
         unknown) and the longest prompt of the workloads, in tokens; and what decides which search
@@ -134,8 +138,7 @@ class Worker:
         report's model line, and whether a native load would keep any projection in blocks)."""
         import engine
 
-        cfg = getattr(self.pair.target, "cfg", None)
-        return {"context": getattr(cfg, "max_position_embeddings", None),
+        return {"context": self._context(),
                 "longest_prompt": max((len(p) for _, ps in self.sets for p in ps), default=0),
                 "recurrent_state": bool(getattr(self.pair.target, "has_recurrent", False)),
                 "tools": self._has_tools, "weights": self.weights(),
@@ -288,8 +291,7 @@ class Worker:
     def _cache_plan(self, cache_mb: float, max_new_tokens: int, replayed: bool = False) -> dict[str, Any]:
         """``plan_memory``'s prefix cache keywords for a job: its budget and, for sessions, what the cache
         keeps of them all (``cache_load``; ``replayed``: from the job's replay)."""
-        context = getattr(getattr(self.pair.target, "cfg", None), "max_position_embeddings", None)
-        positions, generations = self.cache_load(max_new_tokens, context, replayed) if cache_mb else (None, 1)
+        positions, generations = self.cache_load(max_new_tokens, self._context(), replayed) if cache_mb else (None, 1)
         return {"prefix_cache_bytes": sess.cache_bytes(cache_mb), "prefix_cache_tokens": positions,
                 "prefix_cache_generations": generations}
 

@@ -102,10 +102,11 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
         raise EngineInputError(f"prefix_cache_bytes must be a whole number of bytes >= 0 (0: no prefix cache), "
                                f"but got {prefix_cache_bytes!r}")
-    for key, value, least in (("prefix_cache_tokens", prefix_cache_tokens, 0),
-                              ("prefix_cache_generations", prefix_cache_generations, 1)):
-        if (value is None and key == "prefix_cache_generations") or (
-                value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least)):
+    counts = [("prefix_cache_generations", prefix_cache_generations, 1)]
+    if prefix_cache_tokens is not None:  # (None: this generation's positions)
+        counts.append(("prefix_cache_tokens", prefix_cache_tokens, 0))
+    for key, value, least in counts:
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise EngineInputError(f"{key} must be a whole number >= {least}, but got {value!r}")
     dev = torch.device(device or pair.target.device)
     dt = dtype or pair.target.dtype

@@ -77,7 +77,10 @@ def final_norm(norm: RMSNorm, x: Tensor, delta: Tensor | None, last_only: bool, 
     """The model's final norm of the last layer's output ``x + delta`` (of its last row only with
     ``last_only``); ``tee``: that output of every row written there (the last layer's features)."""
     if tee is not None and (last_only or delta is None):  # the norm reads fewer rows (or no add): a sum of its own
-        torch.add(x, delta, out=tee) if delta is not None else tee.copy_(x)
+        if delta is None:
+            tee.copy_(x)
+        else:
+            torch.add(x, delta, out=tee)
         tee = None
     if last_only:
         x, delta = x[-1:], None if delta is None else delta[-1:]
