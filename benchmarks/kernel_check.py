@@ -233,7 +233,7 @@ def _quant_cases():
             unit = 4 if words else 2
             types = dict(x_ptr="*bf16", blocks_ptr="*i32" if words else "*fp16", b_ptr="*bf16", out_ptr="*bf16",
                          part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32", K="i32", sxm="i32", row_stride="i32",
-                         k_iters="i32", split="i32", tiles="i32")
+                         k_iters="i32", split="i32", tiles="i32", nibble="i32")
             aligned = ("x_ptr", "blocks_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
                 ("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ())
             block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)

@@ -72,6 +72,12 @@ ROW_BLOCK_CAP = {"Q6_K": 64}
 # pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
 # 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
 REGISTER_VALUES = 32
+# A nibble's mask, passed to the kernel as a runtime argument (``nibble``): the decode ANDs each value's bits
+# with it shifted to the value's place in its half-word, four masks a tile. As constants, ptxas put each back in
+# a register by a move before every LOP3 (a LOP3 takes one immediate, the exponent bits of 2**23 already one):
+# a move a value. Held in registers over the loop instead: a Q4_K value's thread instructions 9.3 -> 8.3
+# (``benchmarks/kernel_sass.py``, sm_90, 2026-12-05; Q6_K, at its 128-register cap, 18.8 -> 18.5).
+NIBBLE = 15
 # The formats read as 32-bit words (``_decode_words``), by name: (values a chunk, words a chunk, the chunk's
 # first byte in its block). A chunk is a run of whole words: in the nibble formats the bytes whose low
 # nibbles are its first half of values and whose high nibbles its second (GGUF's order; Q4_K and Q5_K: 64
@@ -173,7 +179,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     view = blocks.view(torch.int32 if words else torch.float16)
     _quant_kernel[(tiles, split, row_blocks)](
         x2, view, bias if bias is not None else out, out, parts, tickets, m, n, cols, x2.stride(0),
-        view.stride(0), k_iters, split, tiles, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
+        view.stride(0), k_iters, split, tiles, NIBBLE, FMT=KERNEL_FORMATS[fmt.name], VALUES=fmt.values,
         NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), **word_constants(fmt, words), HAS_BIAS=bias is not None,
         EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
         INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
@@ -322,7 +328,7 @@ if triton is not None:
         return (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _decode_q6_k_words(w_ptr, row_byte, k0, k_hi, mn, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _decode_q6_k_words(w_ptr, row_byte, k0, k_hi, mn, nibble, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         """Q6_K's values [BLOCK_N, BLOCK_K] from words, as ``quant._q6_k``: a half block (128 values: its
         value v = 64h + 32a + 16s + 4u + b) takes its low nibble from byte 32a + 16s + 4u + b of the half's
@@ -347,8 +353,8 @@ if triton is not None:
         place = at % 16
         low = tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1))
         top = tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1))
-        low = _in_half(low, at) & (15 << place)
-        top = (_in_half(top, at) << (4 - 2 * a)) & (3 << (place + 4))
+        low = _in_half(low, at) & (nibble << place)
+        top = (_in_half(top, at) << (4 - 2 * a)) & ((nibble >> 2) << (place + 4))
         # [BLOCK_N, C, h, a, s, u, b]: (q - 32) * 2**s, exact (q * 2**s < 2**23)
         q = (low | top | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (32 << place).to(tl.float32))
         cc = k0 + tl.arange(0, C) * 128  # each half block's first value
@@ -367,9 +373,9 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _decode_words(w_ptr, row_word, k0, k_hi, mn, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
-                      CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _decode_words(w_ptr, row_word, k0, k_hi, mn, nibble, FMT: tl.constexpr, VALUES: tl.constexpr,
+                      NBYTES: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K,
         as ``_decode`` (and ``quant.py``) compute them, from 32-bit words. In the nibble formats byte b of
         word w of a chunk holds value 4w + b in its low nibble and CHUNK / 2 + 4w + b in its high one, so
@@ -416,7 +422,7 @@ if triton is not None:
             at = 4 * h + 8 * b
             place = at % 16
             words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
-            bits = _in_half(words, at) & (15 << place)
+            bits = _in_half(words, at) & (nibble << place)
             if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
                 if FMT == 3:  # after d and m: byte 4
                     qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
@@ -456,9 +462,9 @@ if triton is not None:
     # As linear._linear_kernel (its launch, K partition, row blocks, split-K tickets), with the weight
     # tile decoded from its blocks instead of loaded: ``blocks_ptr`` the blocks viewed as int32 words
     # (WORDS) or as half-words, ``row_stride`` a row's length in that view's units.
-    @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
+    @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles", "nibble"])
     def _quant_kernel(x_ptr, blocks_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_stride, k_iters,
-                      split, tiles, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
+                      split, tiles, nibble, FMT: tl.constexpr, VALUES: tl.constexpr, NBYTES: tl.constexpr,
                       GROUP: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
                       FIRST_BYTE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
@@ -491,11 +497,11 @@ if triton is not None:
                 mk = (k0 + rk) < k_hi
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
             if WORDS and FMT == 7:
-                w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride * 4, k0, k_hi, mn, EVEN_K, BLOCK_N,
-                                       BLOCK_K)
+                w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride * 4, k0, k_hi, mn, nibble, EVEN_K,
+                                       BLOCK_N, BLOCK_K)
             elif WORDS:
-                w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, mn, FMT, VALUES, NBYTES, CHUNK,
-                                  CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
+                w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, mn, nibble, FMT, VALUES, NBYTES,
+                                  CHUNK, CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
                 w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
