@@ -146,14 +146,18 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
 # stream), on 4 and 8 warps (a thread decodes fewer values)
 QUANT_TILES = [(bn, 128, sp, w, 3) for sp in (1, 2, 4) for bn in (32, 64, 128) for w in (4, 8)]
 # by their share of the 27B Q4_K_M step (the half-word decode's 1-row times x launches, 2026-12-05, H100)
+# Q8_0 since 2026-12-05: on the H200 its word decode took 175.4 us at 1 row where the half-word decode took
+# 47.4, with 130 registers a thread on 8 warps (one program an SM); the cap of 128 is the first question
 TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "Q4_K"),
-               ("27B lm_head", 248320, 5120, "Q6_K"), ("27B down", 5120, 17408, "Q6_K")]
+               ("27B lm_head", 248320, 5120, "Q6_K"), ("27B down", 5120, 17408, "Q6_K"),
+               ("27B o_proj", 5120, 6144, "Q8_0"), ("SmolLM2 lm_head", 49152, 576, "Q8_0")]
 
 
 def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
                       tiles: list[tuple[int, ...]] | None = None) -> tuple[list[dict], list[str]]:
     """GPU us of the block kernel at 1 row on each launch of ``tiles`` per weight (a launch that does
-    not fit is skipped, said so; Q6_K's also with its registers capped at 128), the weight's own plan
+    not fit is skipped, said so; a format whose blocks are not 16-byte aligned also with its registers
+    capped at 128), the weight's own plan
     first: how much of the 1-row time the launch shape leaves, ahead of a per-format plan (a plan of its
     own splits K its own way: native and dequantized weights would then round apart, each still
     row-invariant on its one plan)."""
@@ -171,7 +175,8 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         own = lin.plan_for_shape(n, k, first.device).step
         timed = []
-        caps = (None, 128) if name == "Q6_K" else (None,)  # over 128 registers on 8 warps: one program an SM
+        # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
+        caps = (None, 128) if fmt.nbytes % 16 else (None,)
         for cfg in [own] + [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]:
             for cap in caps:
                 try:

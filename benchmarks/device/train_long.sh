@@ -8,7 +8,8 @@
 # session left in /root/stash/ck, else a new run (LAYERS, INTERMEDIATE, BLOCK, STEPS, LR, BATCH,
 # ANCHORS, MAX_SEQ_LEN, GAMMA, or INIT=draft folder to warm-start, grown to LAYERS or widened to
 # INTERMEDIATE when more than its own; GEN_MORE=1 with .device/train carried answers the train prompts the kept data lacks,
-# within GEN seconds, batches of GEN_TOKENS cache positions). FEATURES: --feature-store (auto: on the
+# within GEN seconds, batches of GEN_TOKENS cache positions; with GEN_TEMP and GEN_SAMPLES, sampled answers:
+# --gen-temperature, --gen-samples). FEATURES: --feature-store (auto: on the
 # GPU when they fit, else recomputed each batch). The checkpoint is written at the end (STATE=int8 by
 # default), the held-out AL is scored per set (eval_draft.py as train.sh does; SKIP=eval skips it),
 # and $OUT gets the manifest, training.json, curves.png, eval.json and as many parts as fit in its 8
@@ -78,6 +79,8 @@ else
     RUN+=" --gen-more --prompts $STASH/train.jsonl --n-prompts ${NPROMPTS:-40000} --gen-max-new-tokens 256"
     RUN+=" --gen-batch-size ${GEN_BATCH:-4096} --gen-batch-tokens ${GEN_TOKENS:-1200000}"
     RUN+=" --gen-budget ${GEN:-200} --save-data $STASH/selfdistill.jsonl.xz"
+    # GEN_TEMP=0.8 GEN_SAMPLES=1: one sampled answer a prompt beside the greedy ones the data holds
+    RUN+=" --gen-temperature ${GEN_TEMP:-0} --gen-samples ${GEN_SAMPLES:-1}"
   fi
   rm -rf "$DRAFT"
 fi

@@ -531,10 +531,15 @@ def held_out_key(prompt: Sequence[int]) -> bytes:
 def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: torch.device,
               keys: Sequence[bytes]) -> tuple[Tensor, list[dict[str, Tensor]]]:
     """The training sequences' indices, and fixed blocks (anchors drawn once, seeded) of the
-    held-out ones (the lowest ``keys``): every scoring sees the same blocks, so two scorings compare."""
+    held-out ones (the lowest ``keys``): every scoring sees the same blocks, so two scorings compare.
+    Sequences of one key (a prompt's answers, greedy and sampled) stay together: the last prompt held out
+    takes all of its answers, so none of them trains."""
     n = store.lens.numel()
     n_val = 0 if n < VAL_MIN_DATA else min(VAL_MAX, round(cfg.val_fraction * n))
-    order = torch.tensor(sorted(range(n), key=lambda i: keys[i]), device=device)
+    ranked = sorted(range(n), key=lambda i: keys[i])
+    while 0 < n_val < n and keys[ranked[n_val]] == keys[ranked[n_val - 1]]:
+        n_val += 1
+    order = torch.tensor(ranked, device=device)
     val_idx, train_idx = order[:n_val], order[n_val:].sort().values
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     batches = []

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 
 from engine.config import EngineInputError
 from engine.training.checkpoint import MANIFEST, CheckpointConfig, check_resumable, read_manifest
-from engine.training.sequences import generate_responses, load_sequences, save_sequences
+from engine.training.sequences import generate_responses, load_sequence_records, save_sequences
 from engine.training.train import TrainConfig, grow_draft, train_draft
 
 ARCH_DEFAULTS = dict(layers=2, block_size=16, num_target_ids=5)
@@ -37,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also at most this many cache positions a batch (rows x (longest prompt + "
                         "--gen-max-new-tokens)): with a large --gen-batch-size, short prompts share big batches "
                         "and long ones small (0: --gen-batch-size alone)")
+    t.add_argument("--gen-temperature", type=float, default=0.0,
+                   help="sample the answers at this temperature (default 0: greedy). Sampled answers give "
+                        "more sequences than there are prompts (--gen-samples) and contexts greedy decoding "
+                        "never reaches; each token is still the target's own")
+    t.add_argument("--gen-samples", type=int, default=1,
+                   help="answers a prompt gets at --gen-temperature (default 1; more needs a temperature > 0). "
+                        "With --data and --gen-more, the answers already there at that temperature count")
     t.add_argument("--gen-budget", type=float, default=0.0,
                    help="seconds of self-distillation at most: no new batch starts after it, the prompts not "
                         "answered are left out (0: no limit)")
@@ -80,8 +89,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--data", nargs="+", metavar="FILE",
                    help="reuse self-distilled sequences from these JSONL files (.jsonl, .jsonl.gz, .jsonl.xz)")
     t.add_argument("--gen-more", action="store_true",
-                   help="with --data: also self-distil the prompts that no reused sequence starts with "
-                        "(within --gen-budget), and train on both")
+                   help="with --data: also self-distil the prompts that have fewer reused answers at "
+                        "--gen-temperature than --gen-samples (within --gen-budget), and train on all")
     t.add_argument("--save-data",
                    help="write the training sequences (reused and new) to this JSONL file (.gz/.xz: compressed)")
     t.add_argument("--checkpoint-dir", metavar="DIR",
@@ -208,33 +217,41 @@ def _mask_id(args: argparse.Namespace, pair, init) -> int:
 
 
 def _sequences(args: argparse.Namespace, pair, cfg: TrainConfig, n_prompts: int
-               ) -> tuple[list[list[int]], list[int], int]:
-    """The self-distilled sequences (prompt + the target's answer) and their prompt lengths: those of
-    ``--data``, then (without it, or with ``--gen-more``) the prompts not answered yet, answered by
-    the target within ``--gen-budget``; saved to ``--save-data``. Also how many were reused."""
-    seqs, plens = [], []
+               ) -> tuple[list[list[int]], list[int], list[float], int]:
+    """The self-distilled sequences (prompt + the target's answer), their prompt lengths and answers'
+    temperatures: those of ``--data``, then (without it, or with ``--gen-more``) each prompt's answers at
+    ``--gen-temperature`` up to ``--gen-samples`` (with ``--gen-more``: less those reused at that
+    temperature), answered by the target within ``--gen-budget``; saved to ``--save-data``. Also how many
+    were reused."""
+    seqs, plens, temps = [], [], []
     for f in args.data or ():
-        more, more_plens = load_sequences(Path(f))
+        more, more_plens, more_temps = load_sequence_records(Path(f))
         seqs.extend(more)
         plens.extend(more_plens)
+        temps.extend(more_temps)
     reused = len(seqs)
     if not args.data or args.gen_more:
         prompts = _prompts(args, pair, n_prompts)
-        if args.data:  # answered already: a reused sequence starts with the prompt
-            known = {tuple(sq[:n]) for sq, n in zip(seqs, plens, strict=True)}
-            prompts = [ids for ids in prompts if tuple(ids) not in known]
-            print(f"--gen-more: {len(seqs)} sequences reused, {len(prompts)} prompts not answered yet", flush=True)
-        answers = generate_responses(pair.target, prompts, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
-                                     time_budget_s=args.gen_budget, seed=args.seed,
-                                     batch_tokens=args.gen_batch_tokens)
-        done = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None]
-        if len(done) < len(prompts):
-            print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(prompts)} prompts answered", flush=True)
+        # answered already: a reused sequence at this temperature starts with the prompt
+        have = Counter(tuple(sq[:n]) for sq, n, t in zip(seqs, plens, temps, strict=True)
+                       if t == args.gen_temperature)
+        todo = [ids for ids in prompts for _ in range(max(args.gen_samples - have[tuple(ids)], 0))]
+        if args.data:
+            print(f"--gen-more: {len(seqs)} sequences reused, {len(todo)} answers to give "
+                  f"({args.gen_samples} a prompt at temperature {args.gen_temperature:g})", flush=True)
+        # (the seed moves with the data reused: a later --gen-more draws other samples than the first)
+        answers = generate_responses(pair.target, todo, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
+                                     time_budget_s=args.gen_budget, seed=args.seed + reused,
+                                     batch_tokens=args.gen_batch_tokens, temperature=args.gen_temperature)
+        done = [(p, a) for p, a in zip(todo, answers, strict=True) if a is not None]
+        if len(done) < len(todo):
+            print(f"--gen-budget {args.gen_budget:.0f}s: {len(done)} of {len(todo)} answers given", flush=True)
         seqs.extend(p + a for p, a in done)
         plens.extend(len(p) for p, _ in done)
+        temps.extend(args.gen_temperature for _ in done)
     if args.save_data:
-        save_sequences(Path(args.save_data), seqs, plens)
-    return seqs, plens, reused
+        save_sequences(Path(args.save_data), seqs, plens, temps)
+    return seqs, plens, temps, reused
 
 
 def _train_config(args: argparse.Namespace, values: dict[str, int]) -> TrainConfig:
@@ -268,6 +285,14 @@ def grown_but_idle(summary: dict, out: Path) -> str | None:
 def _check_flags(args: argparse.Namespace) -> None:
     if args.gen_more and not args.data:
         raise EngineInputError("--gen-more adds to the sequences of --data: give --data FILE too")
+    if not math.isfinite(args.gen_temperature) or args.gen_temperature < 0:
+        raise EngineInputError(f"--gen-temperature must be a finite number >= 0 (0: greedy), "
+                               f"got {args.gen_temperature}")
+    if args.gen_samples < 1:
+        raise EngineInputError(f"--gen-samples must be >= 1 answers a prompt, got {args.gen_samples}")
+    if args.gen_samples > 1 and args.gen_temperature == 0:
+        raise EngineInputError(f"--gen-samples {args.gen_samples} at --gen-temperature 0: greedy answers to one "
+                               "prompt are one answer repeated; give a temperature > 0 (e.g. 0.8)")
     if args.gen_batch_tokens < 0:
         raise EngineInputError(f"--gen-batch-tokens must be >= 0 (0: no token budget), got {args.gen_batch_tokens}")
     for flag in ("wall_budget", "gen_budget"):
@@ -356,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     mask_id = _mask_id(args, pair, init)
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    seqs, plens, reused = _sequences(args, pair, cfg, values["n_prompts"])
+    seqs, plens, temps, reused = _sequences(args, pair, cfg, values["n_prompts"])
     gen_s = time.perf_counter() - t0
     print(f"self-distillation: {len(seqs)} sequences, {sum(map(len, seqs))} tokens, {gen_s:.0f}s", flush=True)
     deadline = None
@@ -373,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    data=args.data, prompts=args.prompts or f"default mix: {', '.join(_default_mix())}",
                    reused_sequences=reused, resumed_from=args.resume,
+                   sampled_sequences={f"{t:g}": n for t, n in sorted(Counter(t for t in temps if t).items())},
                    command="python -m engine " + " ".join(sys.argv[1:]))
     if lineage is not None:
         # The checkpoint's whole history: what it was trained from, and how long in all.

@@ -2,6 +2,7 @@
 
 import json
 import math
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from engine.models.common import unfused_state_dict
 from engine.models.dense import forward_padded
 from engine.models.draft import DFlashDraft
 from engine.training.features import target_features
-from engine.training.sequences import generate_responses, length_batches, load_sequences, save_sequences
+from engine.training.sequences import (
+    generate_responses,
+    length_batches,
+    load_sequence_records,
+    load_sequences,
+    save_sequences,
+)
 from engine.training.train import (
     TrainConfig,
     block_batch,
@@ -73,6 +80,24 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
     answers = generate_responses(pair.target, prompts, 24, batch_size=3, stop_ids=pair.stop_ids)
     for p, a in zip(prompts, answers, strict=True):
         assert a == engine.generate(pair, p, EngineConfig(verify="ar"), 24).tokens
+
+
+def test_sampled_self_distillation_draws_the_targets_tokens_reproducibly(pair):
+    """At a temperature each answer is a draw from the target's own distribution: the same seed gives the
+    same answers, another seed other ones, a prompt given twice two draws; every token is one the target
+    gives a real probability (at a temperature near 0 the draw is the greedy answer)."""
+    prompts = [pair.encode(t) for t in ["Hi", "What is 2+2?", "def f(x):", "Hi"]]
+    a = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0, seed=3)
+    assert a == generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0,
+                                   seed=3)
+    b = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0, seed=4)
+    assert a != b and a[0] != a[3]  # (tiny-dense's random weights: near-uniform distributions)
+    greedy = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids)
+    cold = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1e-4)
+    assert cold == greedy
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(EngineInputError, match="temperature must be a finite number >= 0"):
+            generate_responses(pair.target, prompts, 4, batch_size=4, stop_ids=pair.stop_ids, temperature=bad)
 
 
 def test_a_token_budget_gives_short_prompts_big_batches_and_answers_stay_the_targets(pair):
@@ -321,6 +346,14 @@ def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path)
     bad.write_text("not json\n")
     with pytest.raises(EngineInputError, match=r"bad.jsonl:1: not a sequence record"):
         load_sequences(bad)
+    # A sampled answer keeps its temperature; a greedy one writes none (files written before read the same).
+    save_sequences(tmp_path / "mixed.jsonl.xz", seqs, plens, [0.0, 0.8])
+    assert load_sequence_records(tmp_path / "mixed.jsonl.xz") == (seqs, plens, [0.0, 0.8])
+    assert load_sequences(tmp_path / "mixed.jsonl.xz") == (seqs, plens)
+    for temp in ('"hot"', "-1", "true"):
+        bad.write_text(json.dumps({"tokens": [1, 2, 3], "prompt_len": 1})[:-1] + f', "temperature": {temp}}}\n')
+        with pytest.raises(EngineInputError, match=r"bad.jsonl:1: 'temperature' must be a finite number >= 0"):
+            load_sequences(bad)
 
 
 QUICKSTART = str(Path(__file__).resolve().parents[3] / "experiments" / "prompts" / "quickstart.jsonl")
@@ -450,7 +483,8 @@ def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsy
     assert len(seqs) == 3
     assert main(common + ["--n-prompts", "6", "--out", str(tmp_path / "b"), "--data", str(first), "--gen-more",
                           "--save-data", str(both)]) == 0
-    assert "--gen-more: 3 sequences reused, 3 prompts not answered yet" in capsys.readouterr().out
+    assert "--gen-more: 3 sequences reused, 3 answers to give (1 a prompt at temperature 0)" in \
+        capsys.readouterr().out
     all_seqs, all_plens = load_sequences(both)
     assert all_seqs[:3] == seqs and len(all_seqs) == 6
     assert len({tuple(s[:n]) for s, n in zip(all_seqs, all_plens, strict=True)}) == 6  # no prompt twice
@@ -459,3 +493,51 @@ def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsy
     # --gen-more alone has nothing to add to: a usage error before any model loads.
     assert main(common + ["--out", str(tmp_path / "c"), "--gen-more"]) == 2
     assert "--gen-more adds to the sequences of --data" in capsys.readouterr().err
+    # Sampled answers on top: two a prompt at 0.8, the greedy ones kept; a second call adds only the missing.
+    sampled, more = tmp_path / "sampled.jsonl.xz", tmp_path / "more.jsonl.xz"
+    assert main(common + ["--n-prompts", "6", "--out", str(tmp_path / "s"), "--data", str(both), "--gen-more",
+                          "--gen-temperature", "0.8", "--gen-samples", "2", "--save-data", str(sampled)]) == 0
+    assert "--gen-more: 6 sequences reused, 12 answers to give (2 a prompt at temperature 0.8)" in \
+        capsys.readouterr().out
+    s_seqs, s_plens, s_temps = load_sequence_records(sampled)
+    assert s_seqs[:6] == all_seqs and s_temps == [0.0] * 6 + [0.8] * 12
+    per_prompt = Counter(tuple(s[:n]) for s, n, t in zip(s_seqs, s_plens, s_temps, strict=True) if t)
+    assert sorted(per_prompt.values()) == [2] * 6
+    assert json.loads((tmp_path / "s" / "training.json").read_text())["sampled_sequences"] == {"0.8": 12}
+    assert main(common + ["--n-prompts", "6", "--out", str(tmp_path / "t"), "--data", str(sampled), "--gen-more",
+                          "--gen-temperature", "0.8", "--gen-samples", "3", "--save-data", str(more)]) == 0
+    assert "--gen-more: 18 sequences reused, 6 answers to give (3 a prompt at temperature 0.8)" in \
+        capsys.readouterr().out
+    m_seqs, _, _ = load_sequence_records(more)
+    assert len(m_seqs) == 24 and len(set(map(tuple, m_seqs[18:])) - set(map(tuple, m_seqs[:18]))) > 0
+    # Flags that cannot make sampled data: usage errors naming the flag and the rule.
+    for flags, message in ((["--gen-samples", "2"], "--gen-samples 2 at --gen-temperature 0"),
+                           (["--gen-samples", "0"], "--gen-samples must be >= 1"),
+                           (["--gen-temperature", "-1"], "--gen-temperature must be a finite number >= 0")):
+        assert main(common + ["--out", str(tmp_path / "x"), *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_held_out_prompts_take_all_their_answers():
+    """A prompt's answers (greedy and sampled) share its held-out key: the last prompt held out takes them
+    all, so no answer of a held-out prompt trains; with one answer a prompt the split is the plain one."""
+    from engine.training import train as train_mod
+
+    class Store:  # the two things _held_out reads of a TokenStore
+        def __init__(self, n):
+            self.lens = torch.full((n,), 12)
+
+        def tokens_of(self, pick):
+            k = pick.numel()
+            return torch.ones(k, 12, dtype=torch.long), torch.full((k,), 12), torch.full((k,), 4)
+
+    cfg = TrainConfig(val_fraction=0.1, batch_size=4, num_anchors=2, block_size=4)
+    keys = [bytes([i // 3]) for i in range(60)]  # 20 prompts, 3 answers each: 10% is 6 answers, 2 prompts
+    keys[5], keys[6] = bytes([1]), bytes([1])  # prompt 1 has 4 answers, one past the first 6 in key order
+    train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), keys)
+    held = torch.cat([b["pick"] for b in batches]).tolist()
+    assert {keys[i] for i in held} == {bytes([0]), bytes([1])} and len(held) == 7
+    assert not {keys[i] for i in train_idx.tolist()} & {keys[i] for i in held}
+    assert sorted(held + train_idx.tolist()) == list(range(60))
+    train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), [bytes([i]) for i in range(60)])
+    assert torch.cat([b["pick"] for b in batches]).tolist() == list(range(6))
