@@ -32,8 +32,10 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 - words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
   starting 4-byte aligned; ``WORD_FORMATS``): the tile's quantized bytes as runs of 32-bit words, each
   word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
-  asynchronous copy the pipeline overlaps (sm_90: 9.3 thread instructions a Q4_K value, 19.4 a Q6_K one,
-  ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100);
+  asynchronous copy the pipeline overlaps (sm_90: 8.3 thread instructions a Q4_K value, 19.3 a Q6_K one,
+  ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100,
+  24.5 on an H200). Q8_0's 2-byte aligned blocks are the exception: 3.7x slower than the half-word decode
+  on an H200 (130 registers a thread on 8 warps; RESULTS.md, eighth session);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
   load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
@@ -383,7 +385,8 @@ if triton is not None:
         Per value: a mask and two float operations (the fifth bits of Q5_*: three more); per chunk its
         block's scale fields. ``row_word`` [BLOCK_N]: each row's first word. Blocks of whole words are
         addressed in words (the loads' contiguity then plain to the compiler: 16-byte copies, 9.3 thread
-        instructions a Q4_K value where byte addresses made 14.5, sm_90), the others in bytes."""
+        instructions a Q4_K value where byte addresses made 14.5, sm_90; 8.3 with ``NIBBLE``), the others in
+        bytes."""
         C: tl.constexpr = BLOCK_K // CHUNK
         W: tl.constexpr = CHUNK_WORDS
         ALIGNED: tl.constexpr = NBYTES % 4 == 0
