@@ -106,7 +106,9 @@ def _pick(logits: Tensor, temperature: float, draw: torch.Generator | None) -> T
     """Each row's next token: its argmax, or a draw from softmax(logits / temperature)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # shifted by the row's max first: however small the temperature, the scaled logits stay finite (<= 0)
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     return torch.multinomial(probs, 1, generator=draw).squeeze(1)
 
 
@@ -156,7 +158,9 @@ def load_sequence_records(path: Path) -> tuple[list[list[int]], list[int], list[
             if not ok:
                 raise EngineInputError(f"{path}:{n}: 'tokens' must be a list of token ids longer than "
                                        f"'prompt_len' (a positive integer)")
-            if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
+            # (a JSON integer past a float's range would overflow float())
+            number = (isinstance(temp, int) and abs(temp) < 1e308) or (isinstance(temp, float) and math.isfinite(temp))
+            if isinstance(temp, bool) or not number or temp < 0:
                 raise EngineInputError(f"{path}:{n}: 'temperature' must be a finite number >= 0 (the answer's "
                                        f"sampling temperature; absent or 0: greedy), got {temp!r}")
             seqs.append(tokens)

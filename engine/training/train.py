@@ -70,8 +70,8 @@ class TrainConfig:
     gen_batch_size: int = 128
     seed: int = 0
     time_budget_s: float = 0.0  # 0: no limit besides `steps`
-    # Held-out sequences (at most VAL_MAX, none under VAL_MIN_DATA) scored every `val_every` steps;
-    # the draft returned is the one with the lowest held-out loss.
+    # Held-out sequences (at most VAL_MAX and the rest of the last held-out prompt's answers, none under
+    # VAL_MIN_DATA) scored every `val_every` steps; the draft returned is the one with the lowest held-out loss.
     val_fraction: float = 0.02
     val_every: int = 250
     # Where the frozen target features of every training position live: "device" (fastest),
@@ -539,6 +539,8 @@ def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: t
     ranked = sorted(range(n), key=lambda i: keys[i])
     while 0 < n_val < n and keys[ranked[n_val]] == keys[ranked[n_val - 1]]:
         n_val += 1
+    if n_val == n:  # (every answer one prompt's: that prompt trains, nothing is held out)
+        n_val = 0
     order = torch.tensor(ranked, device=device)
     val_idx, train_idx = order[:n_val], order[n_val:].sort().values
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)

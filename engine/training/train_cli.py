@@ -74,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds for the whole command (data, features, training, saving): the training budget "
                         "shrinks to fit (0: no limit)")
     t.add_argument("--val-fraction", type=float, default=0.02,
-                   help="held-out share of the sequences (at most 256), scored every --val-every steps; the "
+                   help="held-out share of the sequences (at most 256, and the rest of the last held-out "
+                        "prompt's answers), scored every --val-every steps; the "
                         "checkpoint written is the one with the lowest held-out loss (0: none, keep the last)")
     t.add_argument("--val-every", type=int, default=250, help="steps between held-out scorings")
     t.add_argument("--feature-store", choices=["auto", "device", "host", "recompute"], default="auto",
@@ -239,9 +240,11 @@ def _sequences(args: argparse.Namespace, pair, cfg: TrainConfig, n_prompts: int
         if args.data:
             print(f"--gen-more: {len(seqs)} sequences reused, {len(todo)} answers to give "
                   f"({args.gen_samples} a prompt at temperature {args.gen_temperature:g})", flush=True)
-        # (the seed moves with the data reused: a later --gen-more draws other samples than the first)
+        # Sampled, the seed moves with the data reused and the temperature: a later --gen-more draws other samples
+        # than the first, and two temperatures other streams. (Greedy, the seed orders the batches alone.)
+        seed = args.seed if args.gen_temperature == 0 else args.seed + reused + round(args.gen_temperature * 1e6)
         answers = generate_responses(pair.target, todo, cfg.gen_max_new_tokens, cfg.gen_batch_size, pair.stop_ids,
-                                     time_budget_s=args.gen_budget, seed=args.seed + reused,
+                                     time_budget_s=args.gen_budget, seed=seed,
                                      batch_tokens=args.gen_batch_tokens, temperature=args.gen_temperature)
         done = [(p, a) for p, a in zip(todo, answers, strict=True) if a is not None]
         if len(done) < len(todo):
@@ -290,6 +293,10 @@ def _check_flags(args: argparse.Namespace) -> None:
                                f"got {args.gen_temperature}")
     if args.gen_samples < 1:
         raise EngineInputError(f"--gen-samples must be >= 1 answers a prompt, got {args.gen_samples}")
+    if args.data and not args.gen_more and (args.gen_temperature or args.gen_samples != 1):
+        raise EngineInputError(f"--gen-temperature {args.gen_temperature:g} --gen-samples {args.gen_samples} with "
+                               "--data: the reused sequences are all that trains; add --gen-more to answer the "
+                               "prompts at that temperature too")
     if args.gen_samples > 1 and args.gen_temperature == 0:
         raise EngineInputError(f"--gen-samples {args.gen_samples} at --gen-temperature 0: greedy answers to one "
                                "prompt are one answer repeated; give a temperature > 0 (e.g. 0.8)")
@@ -398,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    data=args.data, prompts=args.prompts or f"default mix: {', '.join(_default_mix())}",
                    reused_sequences=reused, resumed_from=args.resume,
-                   sampled_sequences={f"{t:g}": n for t, n in sorted(Counter(t for t in temps if t).items())},
+                   sampled_sequences={str(t): n for t, n in sorted(Counter(t for t in temps if t).items())},
                    command="python -m engine " + " ".join(sys.argv[1:]))
     if lineage is not None:
         # The checkpoint's whole history: what it was trained from, and how long in all.

@@ -84,8 +84,8 @@ def test_self_distillation_is_the_targets_own_greedy_answer(pair):
 
 def test_sampled_self_distillation_draws_the_targets_tokens_reproducibly(pair):
     """At a temperature each answer is a draw from the target's own distribution: the same seed gives the
-    same answers, another seed other ones, a prompt given twice two draws; every token is one the target
-    gives a real probability (at a temperature near 0 the draw is the greedy answer)."""
+    same answers, another seed other ones, a prompt given twice two draws; at a temperature near 0 (however
+    small: the scaled logits stay finite) the draw is the greedy answer."""
     prompts = [pair.encode(t) for t in ["Hi", "What is 2+2?", "def f(x):", "Hi"]]
     a = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0, seed=3)
     assert a == generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0,
@@ -93,8 +93,9 @@ def test_sampled_self_distillation_draws_the_targets_tokens_reproducibly(pair):
     b = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1.0, seed=4)
     assert a != b and a[0] != a[3]  # (tiny-dense's random weights: near-uniform distributions)
     greedy = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids)
-    cold = generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids, temperature=1e-4)
-    assert cold == greedy
+    for cold in (1e-4, 1e-40):
+        assert generate_responses(pair.target, prompts, 12, batch_size=4, stop_ids=pair.stop_ids,
+                                  temperature=cold) == greedy
     for bad in (-0.5, float("nan"), float("inf")):
         with pytest.raises(EngineInputError, match="temperature must be a finite number >= 0"):
             generate_responses(pair.target, prompts, 4, batch_size=4, stop_ids=pair.stop_ids, temperature=bad)
@@ -350,7 +351,7 @@ def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path)
     save_sequences(tmp_path / "mixed.jsonl.xz", seqs, plens, [0.0, 0.8])
     assert load_sequence_records(tmp_path / "mixed.jsonl.xz") == (seqs, plens, [0.0, 0.8])
     assert load_sequences(tmp_path / "mixed.jsonl.xz") == (seqs, plens)
-    for temp in ('"hot"', "-1", "true"):
+    for temp in ('"hot"', "-1", "true", "null", "9" * 400):
         bad.write_text(json.dumps({"tokens": [1, 2, 3], "prompt_len": 1})[:-1] + f', "temperature": {temp}}}\n')
         with pytest.raises(EngineInputError, match=r"bad.jsonl:1: 'temperature' must be a finite number >= 0"):
             load_sequences(bad)
@@ -512,6 +513,7 @@ def test_gen_more_answers_only_the_prompts_the_reused_data_lacks(tmp_path, capsy
     assert len(m_seqs) == 24 and len(set(map(tuple, m_seqs[18:])) - set(map(tuple, m_seqs[:18]))) > 0
     # Flags that cannot make sampled data: usage errors naming the flag and the rule.
     for flags, message in ((["--gen-samples", "2"], "--gen-samples 2 at --gen-temperature 0"),
+                           (["--data", str(both), "--gen-temperature", "0.8"], "add --gen-more to answer"),
                            (["--gen-samples", "0"], "--gen-samples must be >= 1"),
                            (["--gen-temperature", "-1"], "--gen-temperature must be a finite number >= 0")):
         assert main(common + ["--out", str(tmp_path / "x"), *flags]) == 2
@@ -541,3 +543,6 @@ def test_held_out_prompts_take_all_their_answers():
     assert sorted(held + train_idx.tolist()) == list(range(60))
     train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), [bytes([i]) for i in range(60)])
     assert torch.cat([b["pick"] for b in batches]).tolist() == list(range(6))
+    # Every answer one prompt's: holding it out would leave nothing to train on, so it trains.
+    train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), [b"p"] * 60)
+    assert batches == [] and train_idx.tolist() == list(range(60))
