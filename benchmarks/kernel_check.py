@@ -207,10 +207,12 @@ def _tree_cases():
                    dict(FORCED_KEY=tree_kernel._FORCED_KEY, DEPTH_TIE=tree_kernel._DEPTH_TIE, PROBS=probs,
                         **tree_kernel.kernel_launch(depth, k, budget)), tree_kernel.kernel_warps(budget), 3)
     walk = dict(tok_ptr="*i64", par_ptr="*i64", rank_ptr="*i64", post_ptr="*i64", start_ptr="*i64", seq_ptr="*i64",
-                path_ptr="*i64", packed_ptr="*i64", T="i32", MAXD="i32")
+                path_ptr="*i64", packed_ptr="*i64", tail_ptr="*i64", T="i32", MAXD="i32", N="i32", ENTRIES="i32")
     for _, _, budget in TREE_SHAPES:
-        yield (f"walk budget={budget}", tree_kernel._walk_kernel, walk,
-               dict(T_PAD=max(16, triton.next_power_of_2(budget + 1))), 4, 3)
+        for tail in (False, True):  # (True: the adaptive policy's step, its readback packed by the walk)
+            t_pad = max(16, triton.next_power_of_2(budget + 1))
+            yield (f"walk budget={budget}{' + policy tail' if tail else ''}", tree_kernel._walk_kernel, walk,
+                   dict(T_PAD=t_pad, N_PAD=t_pad, HAS_TAIL=tail), 4, 3)
     paths = dict(lp_ptr="*fp32", par_ptr="*i64", dep_ptr="*i64", rank_ptr="*i64", out_ptr="*i64", T="i32", K="i32",
                  L="i32", log_scale="fp32")
     for _, _, budget in TREE_SHAPES:  # the adaptive policy's estimate (policy.path_probabilities)

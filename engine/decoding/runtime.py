@@ -224,19 +224,21 @@ class RuntimeDecoder:
         result is the new token alone. Budget b > 0: ``_step`` over the first b nodes of the proposed
         tree, its packed result followed by the proposal's ``path_probabilities`` of nodes 1..N and the
         walk's first ``min(block, b + 1)`` path entries (the accepted nodes, root first; the host reads
-        the first AL): one launch more than the fixed policy's step, the concatenation, and the host
-        makes the policy's estimate and observations from them (``AdaptivePolicy.observe``)."""
+        the first AL), all written by the walk's launch (``tail``): the fixed policy's launches, and the
+        host makes the policy's estimate and observations from them (``AdaptivePolicy.observe``)."""
         if budget == 0:
             packed, logits, path = self._step(key_len, cfg, block, None, None, record, False, features=True)
             return packed, logits, path, None
         tree, anc = prefix(proposal[0], proposal[1], budget)
-        packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False)
-        accepted = path[: min(block, tree.size)]  # the walk accepts at most the block's depth (and the root)
-        return torch.cat([packed, proposal[2][1:], accepted]), logits, path, tree
+        # the walk accepts at most the block's depth (and the root): as many path entries
+        packed, logits, path = self._step(key_len, cfg, block, tree, anc, record, False, tail=proposal[2],
+                                          entries=min(block, tree.size))
+        return packed, logits, path, tree
 
     # -- the step: AR, chain and DDTree alike ------------------------------------------------------
     def _step(self, key_len: int, cfg: EngineConfig, block: int, tree: Tree | None, anc: Tensor | None,
-              record: bool, constrained: bool, features: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+              record: bool, constrained: bool, features: bool = False, tail: Tensor | None = None,
+              entries: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
         """The target over the root (the last committed token, at ``start``) and the drafted nodes
         after it, the target's pick at each, the walk and the commit; the root's position advances
         on the device by the committed count. AR is the degenerate case, ``tree=None``: the root
@@ -246,7 +248,8 @@ class RuntimeDecoder:
         grammar): the logits masked by the bitmask the host filled for this step.
 
         Returns the step's packed result for the host (AR: the new token; a tree: AL, flags and
-        tokens, ``tree_kernel.walk_and_advance``), the logits and the accepted path (AR: None)."""
+        tokens, ``tree_kernel.walk_and_advance``, with ``tail`` and ``entries`` the adaptive policy's
+        after them), the logits and the accepted path (AR: None)."""
         s, ws, target = self.start, self.ws, self.pair.target
         if tree is None:
             tokens, t, positions, slots = ws.seq.index_select(0, s), 1, s, s
@@ -277,7 +280,7 @@ class RuntimeDecoder:
         # and features move to slots start..start+AL-1 (slots past AL may receive other nodes: they
         # lie beyond the committed length).
         max_depth = min(block - 1, t - 1)  # the draft's block bounds the tree's depth
-        path, al, packed = tree_kernel.walk_and_advance(tree, anc, posterior, s, ws.seq, max_depth)
+        path, al, packed = tree_kernel.walk_and_advance(tree, anc, posterior, s, ws.seq, max_depth, tail, entries)
         tree_kernel.move_accepted_rows(ws.cache.k, ws.cache.v, slots, path, al, max_depth + 1)
         if self.recurrent:  # the accepted path's recurrent state recomputed, the conv window along it
             ws.cache.commit_recurrent(path, al)

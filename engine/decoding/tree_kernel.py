@@ -180,8 +180,8 @@ def build_tree_and_mask(top_logprobs: Tensor, top_ids: Tensor, root_token: Tenso
     return tree, ancestor_mask(tree.parents, max_depth)
 
 
-def walk_and_advance(tree: Tree, anc: Tensor, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def walk_and_advance(tree: Tree, anc: Tensor, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int,
+                     tail: Tensor | None = None, entries: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The verify's walk and its bookkeeping on the device: the accepted path, its length, and the
     step's packed result ``[AL, has_child, side, new tokens...]`` (``new[j]``: the token after the
     root at offset j + 1; past the path, the bonus token ``posterior[last]``). Writes the committed
@@ -190,8 +190,15 @@ def walk_and_advance(tree: Tree, anc: Tensor, posterior: Tensor, start: Tensor, 
     ``path[:AL]`` are the accepted nodes root first (its other entries are nodes too, not meant to
     be read). One launch on CUDA with the kernels on (``max_depth``: the tree's depth bound); about
     forty tensor ops otherwise (``walk_device`` and the commit's), the reference the kernel is
-    tested against."""
+    tested against.
+
+    ``tail`` (the adaptive policy's step, ``engine.decoding.policy``): the proposal's path probabilities
+    [N + 1], root first. The packed result then goes on with entries 1..N of it and the path's first
+    ``entries`` nodes (those past AL not meant to be read), as ``torch.cat`` of the three would, written
+    by the same launch: the policy's readback costs no launch of its own."""
     t = tree.tokens.numel()
+    if tail is not None and not 1 <= entries <= t:
+        raise ValueError(f"entries must be 1..{t} (the tree's nodes), got {entries}")
     if triton is None or not posterior.is_cuda or not fused.kernels_enabled():
         path, al = walk_device(tree, anc, posterior)
         last = path.index_select(0, al.view(1) - 1)  # [1]: a 0-d index would be a host read
@@ -201,18 +208,25 @@ def walk_and_advance(tree: Tree, anc: Tensor, posterior: Tensor, start: Tensor, 
         new = torch.where(j < al - 1, tree.tokens[path[(j + 1).clamp(max=t - 1)]], posterior.index_select(0, last))
         seq.index_copy_(0, start + 1 + j, new)
         start.add_(al)
-        return path, al.view(1), torch.cat([al.view(1), has_child.view(1).long(), side.view(1).long(), new])
-    return walk_and_advance_kernel(tree, posterior, start, seq, max_depth)
+        packed = [al.view(1), has_child.view(1).long(), side.view(1).long(), new]
+        if tail is not None:
+            packed += [tail[1:], path[:entries]]
+        return path, al.view(1), torch.cat(packed)
+    return walk_and_advance_kernel(tree, posterior, start, seq, max_depth, tail, entries)
 
 
-def walk_and_advance_kernel(tree: Tree, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+def walk_and_advance_kernel(tree: Tree, posterior: Tensor, start: Tensor, seq: Tensor, max_depth: int,
+                            tail: Tensor | None = None, entries: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """``walk_and_advance`` in one launch (grid (1,)); no host synchronisation."""
     t = tree.tokens.numel()
+    n_tail = 0 if tail is None else tail.numel() - 1
     path = torch.empty(t, dtype=torch.long, device=posterior.device)
-    packed = torch.empty(3 + t, dtype=torch.long, device=posterior.device)
-    _walk_kernel[(1,)](tree.tokens, tree.parents, tree.ranks, posterior, start, seq, path, packed, t,
-                       min(max_depth, t - 1), T_PAD=max(16, triton.next_power_of_2(t)), num_warps=4)
+    packed = torch.empty(3 + t + (n_tail + entries if tail is not None else 0), dtype=torch.long,
+                         device=posterior.device)
+    _walk_kernel[(1,)](tree.tokens, tree.parents, tree.ranks, posterior, start, seq, path, packed,
+                       tail if tail is not None else packed, t, min(max_depth, t - 1), n_tail, entries,
+                       T_PAD=max(16, triton.next_power_of_2(t)), N_PAD=max(16, triton.next_power_of_2(n_tail)),
+                       HAS_TAIL=tail is not None, num_warps=4)
     return path, packed[:1], packed
 
 
@@ -255,9 +269,9 @@ def path_probabilities_kernel(top_logprobs: Tensor, tree: Tree, log_scale: float
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["T", "MAXD"])
-    def _walk_kernel(tok_ptr, par_ptr, rank_ptr, post_ptr, start_ptr, seq_ptr, path_ptr, packed_ptr, T, MAXD,
-                     T_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "MAXD", "N", "ENTRIES"])
+    def _walk_kernel(tok_ptr, par_ptr, rank_ptr, post_ptr, start_ptr, seq_ptr, path_ptr, packed_ptr, tail_ptr, T,
+                     MAXD, N, ENTRIES, T_PAD: tl.constexpr, N_PAD: tl.constexpr, HAS_TAIL: tl.constexpr):
         # From the root, follow the child whose token is the target's choice at the current node
         # (siblings hold distinct tokens: at most one matches) until none does.
         n = tl.arange(0, T_PAD)
@@ -292,6 +306,10 @@ if triton is not None:
         tl.store(packed_ptr + 1, has_child.to(tl.int64))
         tl.store(packed_ptr + 2, side.to(tl.int64))
         tl.store(start_ptr, s + al)
+        if HAS_TAIL:  # the adaptive policy's: the proposal's path probabilities 1..N, the path's first ENTRIES
+            i = tl.arange(0, N_PAD)
+            tl.store(packed_ptr + 3 + T + i, tl.load(tail_ptr + 1 + i, mask=i < N, other=0), mask=i < N)
+            tl.store(packed_ptr + 3 + T + N + n, path, mask=n < ENTRIES)
 
     @triton.jit
     def _move_rows_kernel(k_ptr, v_ptr, slot_ptr, path_ptr, al_ptr, s_layer, s_slot, s_head, D,

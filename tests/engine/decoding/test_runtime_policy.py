@@ -131,9 +131,11 @@ def test_the_adaptive_steps_run_the_fixed_policys_kernels_and_only_what_the_poli
     (one buffer, and per feature layer a copy of the sum the next layer's add computes: on a GPU the
     add's kernel stores it there too, no launch; ``common._stack``) and their copy into the features
     buffer (no walk, no K/V move, no draft context written); a tree step is the fixed
-    policy's step plus the concatenation of its readback with the path probabilities and the path; a
-    proposal the fixed one's plus at most six launches of the estimate; a proposal after AR steps (its
-    wider context window) runs the same kernels as any other."""
+    policy's step, its readback going on with the path probabilities and the path in the walk's own
+    packing (one concatenation in the PyTorch form, as the fixed step's; on a GPU the walk's launch
+    writes them: ``tree_kernel.walk_and_advance``'s ``tail``); a proposal the fixed one's plus at most six
+    launches of the estimate; a proposal after AR steps (its wider context window) runs the same kernels
+    as any other."""
     from engine.decoding.policy import StepCosts
 
     pair = pair_for(target, "random")
@@ -148,7 +150,7 @@ def test_the_adaptive_steps_run_the_fixed_policys_kernels_and_only_what_the_poli
     probes = _step_kernels(monkeypatch, pair, EngineConfig(**ADAPTIVE, probe_every=3, probe_max=3),
                            StepCosts({0: 1.0, 4: 9.0, 8: 9.0, 16: 1.5}))
     tree_step, proposal = trees[("verify", 16)], trees[("propose", 8)]
-    assert tree_step - fixed[("verify",)] == Counter(cat=1) and not fixed[("verify",)] - tree_step
+    assert tree_step == fixed[("verify",)], (tree_step - fixed[("verify",)], fixed[("verify",)] - tree_step)
     estimate = proposal - fixed[("propose", 8)]
     assert sum(estimate.values()) <= 6 and not fixed[("propose", 8)] - proposal, estimate
     assert set(probes) == {("propose", 8), ("propose", 8 + 2), ("verify", 0), ("verify", 16)}

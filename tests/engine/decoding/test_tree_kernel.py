@@ -279,3 +279,31 @@ def test_scored_tree_gives_the_policy_its_estimate_on_every_form(monkeypatch):
         assert torch.equal(m.cpu(), mask.cpu()) and p.shape == (tree.tokens.numel(),)
         assert (p[1:].cpu() - kernel[2][1:].cpu()).abs().max().item() <= 1 and p.device == logits.device
     assert top_lp.shape == (7, 4) and launched == [1]  # the kernel's form, once (the host form builds its own)
+
+
+@pytest.mark.parametrize("depth,k,budget,seed,entries", [(7, 4, 22, 1, 8), (15, 8, 64, 3, 16), (5, 1, 5, 4, 6),
+                                                         (1, 2, 2, 5, 1)])
+def test_walk_kernel_packs_the_policys_tail_as_the_concatenation_would(depth, k, budget, seed, entries):
+    """The adaptive policy's readback: the step's packed result, then the proposal's path probabilities
+    1..N and the path's first ``entries`` nodes, from the walk's one launch, equal to the tensor-op form's
+    concatenation where the host reads it (the path past AL is not read); a bad ``entries`` is refused."""
+    from engine.decoding import tree_kernel
+
+    tree, anc, posterior, seq, start = _walk_case(depth, k, budget, seed)
+    t = tree.tokens.numel()
+    entries = min(entries, t)
+    tail = torch.randint(0, 1 << 16, (t + 3,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    seq_ref, start_ref = seq.clone(), start.clone()
+    with fused.using_kernels(False):
+        path_ref, al_ref, packed_ref = tree_kernel.walk_and_advance(tree, anc, posterior, start_ref, seq_ref, depth,
+                                                                    tail, entries)
+    path, al, packed = tree_kernel.walk_and_advance_kernel(tree, posterior, start, seq, depth, tail, entries)
+    a = int(al_ref)
+    head = 3 + t + tail.numel() - 1
+    assert packed.numel() == packed_ref.numel() == head + entries
+    assert torch.equal(packed[:head], packed_ref[:head]) and torch.equal(packed[3 + t : head], tail[1:])
+    read = min(a, entries)  # the host reads the path's first AL entries
+    assert torch.equal(packed[head : head + read], packed_ref[head : head + read])
+    assert torch.equal(packed[head : head + read], path[:read]) and torch.equal(start, start_ref)
+    with pytest.raises(ValueError, match="entries must be 1.."):
+        tree_kernel.walk_and_advance(tree, anc, posterior, start, seq, depth, tail, t + 1)
