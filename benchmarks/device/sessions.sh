@@ -10,7 +10,8 @@
 #   3. benchmarks/prefill_bench.py: a long prompt's chunked prefill (the engine's way since 2026-12-05)
 #      against one whole-prompt forward, time and peak memory, SmolLM2 and the 27B shape up to 32k;
 #   4. `autotune sweep experiments/smollm2-sessions-h200.yaml` (objective: session_tps) for SWEEP_LIMIT s,
-#      then its report (both objectives side by side), brought back under $OUT/sessions_report.
+#      then its report (both objectives side by side), brought back under $OUT/sessions_report; the study's
+#      $OUT/sessions.db, copied to .device/sessions/ and carried into the next call, resumes there.
 # 2026-12-05, first run (an H100): tests 83 s, session_bench 156 s; the prefill sections not run yet.
 # The sections' limits add up to ~1,190 s, more than a call's 600: three calls on one machine, each with
 # SKIP naming the others' sections: (1) SKIP="prefill_bench prefill_bench_27b prefill_bench_27b_2g
@@ -37,6 +38,12 @@ section prefill_bench_27b_2g ${PREFILL27_LIMIT:-150} python3 benchmarks/prefill_
 # 2026-12-05 (H100): the AR baseline took 60 s in full and the reference (DDTree-22 under the grammar's
 # walk: the generic path, 113 tok/s at the rung) more than the 170 s left of a 230 s limit: the search
 # trials come after both, so the sweep gets 450 s (its --timeout lets a trial in flight finish)
+# A study an earlier call brought back ($OUT/sessions.db, carried in as .device/sessions/sessions.db) is resumed:
+# its baseline, reference and finished trials kept, --n-trials counting them, a trial cut by the call's end
+# marked failed (the AR baseline and the reference alone took more than one call's 230 s on the H100)
+if [ -f .device/sessions/sessions.db ]; then
+  cp .device/sessions/sessions.db "$OUT/sessions.db" && say "resuming the study in .device/sessions/sessions.db"
+fi
 section session_sweep ${SWEEP_LIMIT:-450} python3 -m autotune sweep experiments/smollm2-sessions-h200.yaml \
   --n-trials ${TRIALS:-8} --timeout ${SWEEP_TIMEOUT:-300} --storage "sqlite:///$OUT/sessions.db" \
   --tracking-uri none --no-progress
