@@ -356,7 +356,7 @@ if triton is not None:
         low = tl.reshape(low, (BLOCK_N, C, 1, 2, 2, 4, 1))
         top = tl.reshape(top, (BLOCK_N, C, 1, 1, 2, 4, 1))
         low = _in_half(low, at) & (nibble << place)
-        top = (_in_half(top, at) << (4 - 2 * a)) & ((nibble >> 2) << (place + 4))
+        top = (_in_half(top, at) << (4 - 2 * a)) & ((nibble >> 2) << (place + 4))  # (3: the 2 top bits' mask)
         # [BLOCK_N, C, h, a, s, u, b]: (q - 32) * 2**s, exact (q * 2**s < 2**23)
         q = (low | top | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (32 << place).to(tl.float32))
         cc = k0 + tl.arange(0, C) * 128  # each half block's first value

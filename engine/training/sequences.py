@@ -103,7 +103,9 @@ def generate_responses(target: DenseModel, prompts: Sequence[Sequence[int]], max
 
 
 def _pick(logits: Tensor, temperature: float, draw: torch.Generator | None) -> Tensor:
-    """Each row's next token: its argmax, or a draw from softmax(logits / temperature)."""
+    """Each row's next token: its argmax, or a draw from softmax(logits / temperature). (Not
+    ``sampling.select_tokens``: its noise is keyed by (seed, position) for speculative exactness, so two
+    rows of one prompt at one position would draw alike; here each row draws on its own.)"""
     if temperature == 0:
         return logits.argmax(-1)
     # shifted by the row's max first: however small the temperature, the scaled logits stay finite (<= 0)
