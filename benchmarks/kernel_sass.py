@@ -28,7 +28,8 @@ from engine.models import quant_kernel  # noqa: E402
 from engine.models.quant import FORMATS  # noqa: E402
 
 CASES = [(34816, 5120, "Q4_K"), (16480, 5120, "Q4_K"), (5120, 17408, "Q4_K"), (5120, 6144, "Q4_K"),
-         (14336, 5120, "Q4_K"), (5120, 17408, "Q6_K"), (248320, 5120, "Q6_K")]
+         (14336, 5120, "Q4_K"), (5120, 17408, "Q6_K"), (248320, 5120, "Q6_K"),
+         (5120, 6144, "Q8_0"), (49152, 576, "Q8_0")]  # Q8_0: a Q8_0 file's o_proj; SmolLM2's Q8_0 head
 TYPES = dict(x_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32",
              K="i32", sxm="i32", k_iters="i32", split="i32", tiles="i32", nibble="i32")
 ALIGNED = ("x_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm")

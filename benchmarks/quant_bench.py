@@ -104,7 +104,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
                  gen: torch.Generator) -> list[dict]:
     from engine.models import linear as lin
     from engine.models import quant_kernel
-    from engine.models.quant import FORMATS, dequantize
+    from engine.models.quant import FORMATS, dequantize, hold, unhold
     from engine.models.quantize import quantize
 
     dense = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -115,7 +115,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
     out = []
     for name in formats:
         fmt = FORMATS[name]
-        first = quantize(dense[0], fmt)
+        first = hold(quantize(dense[0], fmt), fmt)  # as a QuantLinear holds it (Q8_0: in planes)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
         # the half-word decode on the same launches, where the kernel reads this weight's blocks as words
@@ -123,9 +123,9 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
         halves = ({m: _time(lambda m=m, f=fmt, p=pick, pl=plan: quant_kernel.kernel_linear(
             xs[m], p(), f, k, None, pl.for_rows(m), words=False)) for m in rows}
             if quant_kernel.reads_words(fmt, plan.step.block_k, first) else None)
-        deq = {m: _time(lambda m=m, f=fmt, p=pick: lin.linear(xs[m], dequantize(p(), f, k, torch.bfloat16)))
+        deq = {m: _time(lambda m=m, f=fmt, p=pick: lin.linear(xs[m], dequantize(unhold(p(), f), f, k, torch.bfloat16)))
                for m in rows}
-        w = dequantize(first, fmt, k, torch.bfloat16)
+        w = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
         bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), lin.linear(xs[m], w)) for m in rows)
         many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
         invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
@@ -147,7 +147,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
 QUANT_TILES = [(bn, 128, sp, w, 3) for sp in (1, 2, 4) for bn in (32, 64, 128) for w in (4, 8)]
 # by their share of the 27B Q4_K_M step (the half-word decode's 1-row times x launches, 2026-12-05, H100)
 # Q8_0 since 2026-12-05: on the H200 its word decode took 175.4 us at 1 row where the half-word decode took
-# 47.4, with 130 registers a thread on 8 warps (one program an SM); the cap of 128 is the first question
+# 47.4, with 130 registers a thread on 8 warps (one program an SM); held in planes since (94 registers)
 TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "Q4_K"),
                ("27B lm_head", 248320, 5120, "Q6_K"), ("27B down", 5120, 17408, "Q6_K"),
                ("27B o_proj", 5120, 6144, "Q8_0"), ("SmolLM2 lm_head", 49152, 576, "Q8_0")]
@@ -163,14 +163,14 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
     row-invariant on its one plan)."""
     from engine.models import linear as lin
     from engine.models import quant_kernel
-    from engine.models.quant import FORMATS
+    from engine.models.quant import FORMATS, hold
     from engine.models.quantize import quantize
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for label, n, k, name in shapes or TILE_SHAPES:
         fmt = FORMATS[name]
-        first = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+        first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         own = lin.plan_for_shape(n, k, first.device).step

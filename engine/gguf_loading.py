@@ -25,7 +25,7 @@ from engine.config import EngineInputError
 from engine.files import preview
 from engine.gguf_archs import GGUF_ARCHS, Metadata, TensorMap
 from engine.loading import Device, NativePlan, TensorSource, build_model, finish_model, load_state
-from engine.models.quant import FLOAT_TYPES, FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales
+from engine.models.quant import FLOAT_TYPES, FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales, hold
 
 __all__ = ["GGUF_ARCHS", "load_target_gguf", "readable_types"]
 
@@ -191,9 +191,10 @@ def _gguf_tensor(t: Any, m: TensorMap, where: Path, shapes_only: bool = False) -
 
 def _gguf_blocks(t: Any, rows: Tensor | None, cols: Tensor | None, fmt: BlockFormat, where: Path,
                  shapes_only: bool = False) -> Tensor:
-    """A quantized tensor's blocks as stored, uint8 [out, row_bytes], with rows (and whole blocks of
-    columns) reordered as the architecture's map says (quantisation is per row, in blocks of
-    consecutive columns, so whole rows and whole blocks move), its scales checked finite;
+    """A quantized tensor's blocks, uint8 [out, row_bytes], with rows (and whole blocks of columns)
+    reordered as the architecture's map says (quantisation is per row, in blocks of consecutive columns,
+    so whole rows and whole blocks move), its scales checked finite, then held as a ``QuantLinear`` holds
+    them (``quant.hold``);
     ``shapes_only``: empty blocks of that shape on the meta device, from the header."""
     n_rows, n_cols = int(t.shape[1]), int(t.shape[0])
     expect = (n_rows, fmt.row_bytes(n_cols))
@@ -220,4 +221,4 @@ def _gguf_blocks(t: Any, rows: Tensor | None, cols: Tensor | None, fmt: BlockFor
     if cols is not None and cols.numel() == n_cols:
         per_row = n_cols // fmt.values
         blocks = blocks.view(n_rows, per_row, fmt.nbytes)[:, _block_order(cols, fmt)].reshape(expect)
-    return blocks.contiguous()
+    return hold(blocks, fmt).contiguous()

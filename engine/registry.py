@@ -289,7 +289,7 @@ def _fill_quantized_(model: nn.Module, params: dict[str, tuple[str, torch.Size]]
     model's device by chunks of rows (``quantize.CHUNK_VALUES``; a tensor that size or less in one
     draw, as ``init_random_`` draws it); each weight of ``formats`` quantized as it is drawn, into its
     blocks (``native``) or as their values; a ``tied`` one from its source's values, last."""
-    from engine.models.quant import FORMATS, dequantize
+    from engine.models.quant import FORMATS, dequantize, hold
     from engine.models.quantize import CHUNK_VALUES, quantize
 
     dtype = model.dtype
@@ -304,7 +304,7 @@ def _fill_quantized_(model: nn.Module, params: dict[str, tuple[str, torch.Size]]
         blocks = quantize(w.to(dtype), fmt)  # the weight as a model in ``dtype`` holds it
         layer = model.get_submodule(name.removesuffix(".weight"))
         if native:
-            layer.blocks[lo : lo + len(w)] = blocks
+            layer.blocks[lo : lo + len(w)] = hold(blocks, fmt)
         else:
             layer.weight[lo : lo + len(w)] = dequantize(blocks, fmt, w.shape[1], dtype)
 

@@ -1,11 +1,13 @@
 """GGUF weights kept in their quantized blocks: the block formats, their dequantization in PyTorch,
 and the linear layers that hold them.
 
-A quantized weight [N, K] is held as its GGUF bytes, unchanged: a uint8 tensor [N, row_bytes] whose
-row n is output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each block over
+A quantized weight [N, K] is held as its GGUF bytes: a uint8 tensor [N, row_bytes] whose row n is
+output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each block over
 consecutive inputs of one row). Rows are contiguous and start on a block boundary, so a GPU kernel
 can later read a tile of rows x blocks in place and dequantize in registers; and the rows of two
 weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is one block tensor).
+One format is held with each row's bytes regrouped (``BlockFormat.planes``, ``hold``): Q8_0, whose
+34-byte blocks would leave its values unaligned for the kernel's word loads; same bytes, same shape.
 
 On CUDA with the kernels on, a decode step's rows (up to ``linear.MAX_ROWS``) take the few-row kernel of
 ``engine.models.quant_kernel``, which reads the blocks and dequantizes in registers; elsewhere (the CPU,
@@ -48,6 +50,11 @@ class BlockFormat:
     nbytes: int
     scales: tuple[int, ...]
     decode: Callable[[Tensor], Tensor]
+    # How a ``QuantLinear`` holds a row (``hold``): its blocks as the file stores them (empty), or in planes,
+    # each a field's bytes (a block's byte range [lo, hi)) of every block of the row in order, planes in
+    # this order. The same bytes, so the same row length; a format whose blocks leave its values' bytes
+    # unaligned takes planes, so the kernel reads them as aligned words (``quant_kernel``).
+    planes: tuple[tuple[int, int], ...] = ()
 
     def row_bytes(self, cols: int) -> int:
         """Bytes of one row of ``cols`` values (a multiple of ``values``: checked by the caller)."""
@@ -144,11 +151,37 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q4_1", 32, 20, (0, 2), _q4_1),
     BlockFormat("Q5_0", 32, 22, (0,), _q5_0),
     BlockFormat("Q5_1", 32, 24, (0, 2), _q5_1),
-    BlockFormat("Q8_0", 32, 34, (0,), _q8_0),
+    # Q8_0's 34-byte blocks leave its int8 values 2-byte aligned in every other block: a word of them
+    # straddled two, and its word decode ran 3.7x slower than the half-word one (H200, 2026-12-05). Held as
+    # a row's 32-value int8 runs, then its fp16 scales: the runs start at the row's start.
+    BlockFormat("Q8_0", 32, 34, (0,), _q8_0, planes=((2, 34), (0, 2))),
     BlockFormat("Q4_K", QK_K, 144, (0, 2), _q4_k),
     BlockFormat("Q5_K", QK_K, 176, (0, 2), _q5_k),
     BlockFormat("Q6_K", QK_K, 210, (208,), _q6_k),
 )}
+
+
+def hold(blocks: Tensor, fmt: BlockFormat) -> Tensor:
+    """Rows of blocks as a file stores them, uint8 [N, row_bytes], -> the rows a ``QuantLinear`` holds
+    (``BlockFormat.planes``: the same tensor where the format keeps its blocks whole). Row by row, so rows
+    of held weights still stack and split along dim 0."""
+    if not fmt.planes:
+        return blocks
+    b = blocks.reshape(blocks.shape[0], -1, fmt.nbytes)
+    return torch.cat([b[:, :, lo:hi].reshape(b.shape[0], -1) for lo, hi in fmt.planes], dim=1)
+
+
+def unhold(held: Tensor, fmt: BlockFormat) -> Tensor:
+    """``hold``'s inverse: held rows [N, row_bytes] -> the file's blocks, byte for byte."""
+    if not fmt.planes:
+        return held
+    n, per_row = held.shape[0], held.shape[1] // fmt.nbytes
+    out = held.new_empty(n, per_row, fmt.nbytes)
+    at = 0
+    for lo, hi in fmt.planes:
+        out[:, :, lo:hi] = held[:, at : at + per_row * (hi - lo)].reshape(n, per_row, hi - lo)
+        at += per_row * (hi - lo)
+    return out.reshape(n, -1)
 
 
 def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -183,7 +216,8 @@ class QuantLinear(nn.Module):
 
     def __init__(self, fmt: BlockFormat, in_features: int, out_features: int, bias: bool = False,
                  device: torch.device | str | None = None, blocks: Tensor | None = None) -> None:
-        """Empty blocks (filled by a load) on ``device``, or ``blocks`` [out_features, row_bytes] as given."""
+        """Empty blocks (filled by a load) on ``device``, or ``blocks`` [out_features, row_bytes] as given:
+        held rows (``hold``; a file's or ``quantize``'s blocks go through it first)."""
         super().__init__()
         if in_features % fmt.values:
             raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but in_features is "
@@ -202,7 +236,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [out, in] in ``dtype``: the values a dequantized load holds."""
-        return dequantize(self.blocks, self.fmt, self.in_features, dtype)
+        return dequantize(unhold(self.blocks, self.fmt), self.fmt, self.in_features, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         # the kernel for a draft's projections too (``free_rows_``): it reads the blocks, not a dequantized copy
@@ -241,7 +275,7 @@ class QuantFusedLinear(QuantLinear):
         """Projection ``i`` alone: only its rows of blocks dequantized."""
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        w = dequantize(self.blocks[lo:hi], self.fmt, self.in_features, x.dtype)
+        w = dequantize(unhold(self.blocks[lo:hi], self.fmt), self.fmt, self.in_features, x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias[lo:hi])
 
 

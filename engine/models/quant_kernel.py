@@ -34,8 +34,9 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
   word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
   asynchronous copy the pipeline overlaps (sm_90: 8.3 thread instructions a Q4_K value, 19.3 a Q6_K one,
   ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100,
-  24.5 on an H200). Q8_0's 2-byte aligned blocks are the exception: 3.7x slower than the half-word decode
-  on an H200 (130 registers a thread on 8 warps; RESULTS.md, eighth session);
+  24.5 on an H200). Q8_0 is held in planes (``quant.BlockFormat.planes``: a row's int8 values, then its
+  scales), so its values are whole aligned words: in GGUF's 34-byte blocks a word straddled two, and the
+  word decode ran 3.7x slower than the half-word one on an H200 (RESULTS.md, eighth session);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
   load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
@@ -83,11 +84,12 @@ NIBBLE = 15
 # The formats read as 32-bit words (``_decode_words``), by name: (values a chunk, words a chunk, the chunk's
 # first byte in its block). A chunk is a run of whole words: in the nibble formats the bytes whose low
 # nibbles are its first half of values and whose high nibbles its second (GGUF's order; Q4_K and Q5_K: 64
-# values in 32 bytes, the 32-value formats their block's 16), in Q8_0 its 32 int8, in Q6_K a half block
-# (128 values: 64 bytes of nibbles, 32 of top bits). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K,
-# Q5_K) are read word by word; the others (Q4_0, Q5_0, Q8_0, Q6_K: 18, 22, 34, 210 bytes) are 2-byte aligned
-# only, their words straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
-WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 2),
+# values in 32 bytes, the 32-value formats their block's 16), in Q8_0 a block's 32 int8 (in its plane of
+# values: ``_decode_q8_0_words``), in Q6_K a half block (128 values: 64 bytes of nibbles, 32 of top bits).
+# Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) are read word by word; the others (Q4_0, Q5_0,
+# Q6_K: 18, 22, 210 bytes) are 2-byte aligned only, their words straddling two aligned ones where a block
+# starts at 2 mod 4 (``_words_at``).
+WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
                 "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
 
@@ -244,6 +246,15 @@ if triton is not None:
             return (jg % 32 // 16) * 4
 
     @triton.jit
+    def _decode_q8_0_halves(h_ptr, row_half, col, rh, K, mask):
+        """Q8_0's values [BLOCK_N, G, GROUP] from its planes (``quant.BlockFormat.planes``: a row's int8
+        values, then its fp16 scales) read as half-words: ``row_half`` [BLOCK_N, 1, 1] each row's start,
+        ``col`` [1, G, 1] each group's first value, ``rh`` [1, 1, GROUP // 2] its pairs. q * d, as
+        ``quant._q8_0`` (a byte b holds the int8 (b ^ 128) - 128)."""
+        q = _float(_bytes(h_ptr, row_half + col // 2, rh, mask) ^ 128, 128)
+        return q * tl.load(h_ptr + row_half + K // 2 + col // 32, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _decode(h_ptr, block_half, jg, ri, jh, mask, FMT: tl.constexpr, GROUP: tl.constexpr):
         """The float32 values [BLOCK_N, G, GROUP] of one K tile, as ``quant.py``'s decoders compute them.
         ``block_half`` [BLOCK_N, G, 1]: each group's block start in half-words; ``jg`` [1, G, 1]: each
@@ -266,8 +277,6 @@ if triton is not None:
                 w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 16)
             else:  # d * q + m
                 w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
-        elif FMT == 4:  # Q8_0: d, 32 int8; q * d (a byte b holds the int8 (b ^ 128) - 128)
-            w = _float(_bytes(h_ptr, block_half, 1 + jh, mask) ^ 128, 128) * _f16_at(h_ptr, block_half, 0, mask)
         elif FMT == 7:  # Q6_K: 128 bytes of nibbles, 64 of 2-bit tops, 16 int8 scales, d
             # a value's half h = j // 128, its 32-value group g4 = j % 128 // 32 (one per 16-value group), lane
             g4 = jg % 128 // 32
@@ -305,7 +314,7 @@ if triton is not None:
         """The little-endian int32 at each even ``byte`` (of 2-byte aligned blocks): the aligned word, or
         the high half of one and the low half of the next. The second is read only where it is needed: it
         holds the wanted bytes' last two, so it lies within the rows (whole words from a 4-byte aligned
-        start: ``reads_words``), if past its block (Q4_0's and Q8_0's last word)."""
+        start: ``reads_words``), if past its block (Q4_0's last word)."""
         at = byte // 4
         lo = tl.load(w_ptr + at, mask=mask, other=0)
         odd = byte % 4 != 0
@@ -375,13 +384,31 @@ if triton is not None:
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     @triton.jit
+    def _decode_q8_0_words(w_ptr, row_word, k0, k_hi, K, mn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Q8_0's values [BLOCK_N, BLOCK_K] of one K tile from its planes (``quant.BlockFormat.planes``) read
+        as words: a row's int8 values from its first word (value k in byte k: runs of whole words, no block
+        header between them), then its fp16 scales (block i's at byte K + 2i). q * d, as ``quant._q8_0``,
+        q the int8 (byte ^ 128) - 128; past K the words and scales are 0, so the values +0.0."""
+        j = tl.arange(0, BLOCK_K // 4)  # the tile's words
+        # masked by block (K and a part's end are whole blocks): a mask constant over a block's 8 words, and a
+        # start the compiler knows is a multiple of the tile (a part starts on one) let the copies take 16 bytes
+        wmask = mn[:, None] & (k0 + (j // 8) * 32 < k_hi)[None, :]
+        words = tl.load(w_ptr + row_word[:, None] + (tl.multiple_of(k0 // 4, BLOCK_K // 4) + j)[None, :], mask=wmask,
+                        other=0)
+        cc = k0 + tl.arange(0, BLOCK_K // 32) * 32  # each block's first value
+        d = _half_at(w_ptr, (row_word * 4)[:, None] + (K + 2 * (cc // 32))[None, :], mn[:, None] & (cc < k_hi)[None, :])
+        b8 = tl.arange(0, 4)[None, None, None, :]
+        q = _float(((tl.reshape(words, (BLOCK_N, BLOCK_K // 32, 8, 1)) >> (8 * b8)) & 0xFF) ^ 128, 128)
+        return tl.reshape(q * d[:, :, None, None], (BLOCK_N, BLOCK_K))
+
+    @triton.jit
     def _decode_words(w_ptr, row_word, k0, k_hi, mn, nibble, FMT: tl.constexpr, VALUES: tl.constexpr,
                       NBYTES: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr,
                       EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K,
+        """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K and Q8_0,
         as ``_decode`` (and ``quant.py``) compute them, from 32-bit words. In the nibble formats byte b of
         word w of a chunk holds value 4w + b in its low nibble and CHUNK / 2 + 4w + b in its high one, so
-        each word's 8 values are shifts of the one register; in Q8_0 byte b of word w is int8 value 4w + b.
+        each word's 8 values are shifts of the one register.
         Per value: a mask and two float operations (the fifth bits of Q5_*: three more); per chunk its
         block's scale fields. ``row_word`` [BLOCK_N]: each row's first word. Blocks of whole words are
         addressed in words (the loads' contiguity then plain to the compiler: 16-byte copies, 9.3 thread
@@ -408,56 +435,51 @@ if triton is not None:
             words = _words_at(w_ptr, row_byte[:, None] + first[None, :], wmask)
             block = row_byte[:, None] + ((cc // VALUES) * NBYTES)[None, :]
             d = _half_at(w_ptr, block, cmask)  # every format's first field: d
-            second = d  # no second field (Q4_0, Q5_0, Q8_0)
-        if FMT == 4:  # Q8_0: q * d, q the int8 (byte ^ 128) - 128
-            b8 = tl.arange(0, 4)[None, None, None, :]
-            q = _float(((tl.reshape(words, (BLOCK_N, C, W, 1)) >> (8 * b8)) & 0xFF) ^ 128, 128)
-            w = q * d[:, :, None, None]
-        else:
-            h = tl.arange(0, 2)[None, None, :, None, None]
-            u = tl.arange(0, W)[None, None, None, :, None]
-            b = tl.arange(0, 4)[None, None, None, None, :]
-            # [BLOCK_N, C, 2, W, 4]: chunk c's value c * CHUNK + h * CHUNK / 2 + 4u + b, the tile's K order, at
-            # bit 4h + 8b of its word; taken as q * 2**s in place (s = that bit mod 16: the high half-word
-            # shifted down once a word), a mask and the exponent bits of 2**23 (a float 2**23 + q * 2**s,
-            # exact while q * 2**s < 2**23), less 2**23 (and the format's offset): two operations a value
-            # where a shift, a mask and the two were four
-            at = 4 * h + 8 * b
-            place = at % 16
-            words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
-            bits = _in_half(words, at) & (nibble << place)
-            if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
-                if FMT == 3:  # after d and m: byte 4
-                    qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
-                else:  # after d: byte 2
-                    qh = _words_at(w_ptr, block + 2, cmask)
-                bits = bits | (((qh[:, :, None, None, None] >> (16 * h + 4 * u + b)) & 1) << (place + 4))
-            elif FMT == 6:  # Q5_K: sub-block j's value i's fifth bit is bit j of byte i of the 32 after the scales
-                qh = tl.load(w_ptr + block_word[:, :, None, None, None] + 4 + u, mask=cmask[:, :, None, None, None],
-                             other=0)
-                sub = (cc % VALUES // CHUNK)[None, :, None, None, None] * 2 + h
-                bits = bits | (((qh >> (8 * b + sub)) & 1) << (place + 4))
-            # the format's offset (Q4_0: 8, Q5_0: 16) at the place
-            offset: tl.constexpr = 8 if FMT == 0 else (16 if FMT == 2 else 0)
-            q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (offset << place).to(tl.float32))
-            unplace = _unplace(place)  # [1, 1, 2, 1, 4]: the scale factors' share of the place
-            if FMT == 0 or FMT == 2:  # Q4_0 / Q5_0: d * (q - offset), as (d * 2**-s) * ((q - offset) * 2**s)
-                w = (d[:, :, None, None, None] * unplace) * q
-                if not EVEN_K:  # past K: +0.0, as _decode's (0 * -8 is -0.0); rows past N are never stored
-                    w = tl.where(cmask[:, :, None, None, None], w, 0.0)
-            elif FMT == 1 or FMT == 3:  # Q4_1 / Q5_1: d * q + m: the same product, rounded once alike
-                w = (d[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
-            else:  # Q4_K / Q5_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h), their 6-bit pairs
-                sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
-                shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
-                a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-                mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-                r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-                sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
-                mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
-                step = d[:, :, None] * sc.to(tl.float32)
-                shift_by = second[:, :, None] * mins.to(tl.float32)
-                w = (step[:, :, :, None, None] * unplace) * q - shift_by[:, :, :, None, None]
+            second = d  # no second field (Q4_0, Q5_0)
+        h = tl.arange(0, 2)[None, None, :, None, None]
+        u = tl.arange(0, W)[None, None, None, :, None]
+        b = tl.arange(0, 4)[None, None, None, None, :]
+        # [BLOCK_N, C, 2, W, 4]: chunk c's value c * CHUNK + h * CHUNK / 2 + 4u + b, the tile's K order, at
+        # bit 4h + 8b of its word; taken as q * 2**s in place (s = that bit mod 16: the high half-word
+        # shifted down once a word), a mask and the exponent bits of 2**23 (a float 2**23 + q * 2**s,
+        # exact while q * 2**s < 2**23), less 2**23 (and the format's offset): two operations a value
+        # where a shift, a mask and the two were four
+        at = 4 * h + 8 * b
+        place = at % 16
+        words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
+        bits = _in_half(words, at) & (nibble << place)
+        if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
+            if FMT == 3:  # after d and m: byte 4
+                qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
+            else:  # after d: byte 2
+                qh = _words_at(w_ptr, block + 2, cmask)
+            bits = bits | (((qh[:, :, None, None, None] >> (16 * h + 4 * u + b)) & 1) << (place + 4))
+        elif FMT == 6:  # Q5_K: sub-block j's value i's fifth bit is bit j of byte i of the 32 after the scales
+            qh = tl.load(w_ptr + block_word[:, :, None, None, None] + 4 + u, mask=cmask[:, :, None, None, None],
+                         other=0)
+            sub = (cc % VALUES // CHUNK)[None, :, None, None, None] * 2 + h
+            bits = bits | (((qh >> (8 * b + sub)) & 1) << (place + 4))
+        # the format's offset (Q4_0: 8, Q5_0: 16) at the place
+        offset: tl.constexpr = 8 if FMT == 0 else (16 if FMT == 2 else 0)
+        q = (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (offset << place).to(tl.float32))
+        unplace = _unplace(place)  # [1, 1, 2, 1, 4]: the scale factors' share of the place
+        if FMT == 0 or FMT == 2:  # Q4_0 / Q5_0: d * (q - offset), as (d * 2**-s) * ((q - offset) * 2**s)
+            w = (d[:, :, None, None, None] * unplace) * q
+            if not EVEN_K:  # past K: +0.0, as _decode's (0 * -8 is -0.0); rows past N are never stored
+                w = tl.where(cmask[:, :, None, None, None], w, 0.0)
+        elif FMT == 1 or FMT == 3:  # Q4_1 / Q5_1: d * q + m: the same product, rounded once alike
+            w = (d[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
+        else:  # Q4_K / Q5_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h), their 6-bit pairs
+            sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
+            shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
+            a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
+            sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
+            mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+            step = d[:, :, None] * sc.to(tl.float32)
+            shift_by = second[:, :, None] * mins.to(tl.float32)
+            w = (step[:, :, :, None, None] * unplace) * q - shift_by[:, :, :, None, None]
         # Elsewhere a masked chunk's words, scales and scale factors are 0, so its values are 0 * 0 (+ or -)
         # 0: +0.0, as _decode's (no select: a select a value went back and forth through packed halves)
         return tl.reshape(w, (BLOCK_N, BLOCK_K))
@@ -502,11 +524,16 @@ if triton is not None:
             if WORDS and FMT == 7:
                 w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride * 4, k0, k_hi, mn, nibble, EVEN_K,
                                        BLOCK_N, BLOCK_K)
+            elif WORDS and FMT == 4:
+                w = _decode_q8_0_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, K, mn, BLOCK_N, BLOCK_K)
             elif WORDS:
                 w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, mn, nibble, FMT, VALUES, NBYTES,
                                   CHUNK, CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
-                w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
+                if FMT == 4:
+                    w = _decode_q8_0_halves(blocks_ptr, row_half, col, rh, K, wmask)
+                else:
+                    w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
             # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
             w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))

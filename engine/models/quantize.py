@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.models.common import FusedLinear
-from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantFusedLinear, QuantLinear, fusable
+from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantFusedLinear, QuantLinear, fusable, hold
 
 GROUP_MAX_EPS = 1e-15  # a group whose largest magnitude is below this is stored as zeros (llama.cpp's)
 CHUNK_VALUES = 1 << 25  # values quantized at once: bounds the temporaries (a 27B-shape lm_head has 1.3e9)
@@ -337,7 +337,7 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
             for part, weight, bias in parts:
                 kind = kinds[f"{prefix}{part}.weight"]
                 layer = QuantLinear(FORMATS[kind], weight.shape[1], weight.shape[0], bias=bias is not None,
-                                    blocks=quantize(weight, FORMATS[kind]))
+                                    blocks=hold(quantize(weight, FORMATS[kind]), FORMATS[kind]))
                 if bias is not None:
                     layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
                 layers.append((part, layer, kind))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.common import FusedLinear, Linear, SwiGLU, free_rows_, fuse_projections_, unfused_state_dict
-from engine.models.quant import FORMATS, QuantFusedLinear, QuantLinear, bad_scales, dequantize, fusable
+from engine.models.quant import FORMATS, QuantFusedLinear, QuantLinear, bad_scales, dequantize, fusable, hold, unhold
 from tests.engine.gguf_files import quantize, random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -76,9 +76,32 @@ def test_the_tests_k_quantisers_round_trip_through_the_reference(name):
     assert np.abs(y - x).max() > 0  # quantised, not copied
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_held_rows_are_the_files_bytes_regrouped_and_give_them_back(name):
+    """``hold`` keeps a row's bytes and its length; Q8_0 (``planes``) as each row's int8 values, then its
+    fp16 scales, so the values start at the row's start; ``unhold`` gives the file's blocks back byte for byte,
+    and a held weight dequantizes to the file's values."""
+    fmt = FORMATS[name]
+    cols = 3 * fmt.values
+    blocks = torch.from_numpy(random_blocks(Q[name], 5, cols, seed=4))
+    held = hold(blocks, fmt)
+    assert held.shape == blocks.shape and torch.equal(unhold(held, fmt), blocks)
+    assert torch.equal(held.sort(dim=1).values, blocks.sort(dim=1).values)  # the same bytes, row by row
+    if name == "Q8_0":
+        b = blocks.view(5, 3, 34)
+        assert torch.equal(held[:, :96], b[:, :, 2:].reshape(5, 96))
+        assert torch.equal(held[:, 96:], b[:, :, :2].reshape(5, 6))
+        assert torch.equal(hold(blocks[2:4], fmt), held[2:4])  # row by row: held rows stack and split
+    else:
+        assert held is blocks
+    layer = QuantLinear(fmt, cols, 5, blocks=held)
+    assert torch.equal(layer.dequantized(), dequantize(blocks, fmt, cols))
+
+
 def _quant_linear(name: str, out: int, cols: int, seed: int, bias: bool = False) -> QuantLinear:
     fmt = FORMATS[name]
-    layer = QuantLinear(fmt, cols, out, bias=bias, blocks=torch.from_numpy(random_blocks(Q[name], out, cols, seed)))
+    blocks = hold(torch.from_numpy(random_blocks(Q[name], out, cols, seed)), fmt)
+    layer = QuantLinear(fmt, cols, out, bias=bias, blocks=blocks)
     if bias:
         with torch.no_grad():
             layer.bias.copy_(torch.randn(out, generator=torch.Generator().manual_seed(seed)))

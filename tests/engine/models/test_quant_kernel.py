@@ -13,7 +13,7 @@ from engine.models import fused
 from engine.models import linear as lin
 from engine.models import quant_kernel as qk
 from engine.models.common import Linear
-from engine.models.quant import FORMATS, QuantLinear, dequantize
+from engine.models.quant import FORMATS, QuantLinear, dequantize, hold, unhold
 from tests.engine.gguf_files import random_blocks
 
 pytest.importorskip("triton")
@@ -23,8 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
-    # scales up to 0.05: products of the size a model's weights have, rounding in bf16 as they do
-    return torch.from_numpy(random_blocks(Q[name], n, k, seed, scale=0.05)).to(DEVICE)
+    """Random blocks of ``name`` as a ``QuantLinear`` holds them (``quant.hold``: Q8_0 in planes), which is
+    what the kernel reads; scales up to 0.05: products of the size a model's weights have, rounding in bf16
+    as they do."""
+    return hold(torch.from_numpy(random_blocks(Q[name], n, k, seed, scale=0.05)), FORMATS[name]).to(DEVICE)
 
 
 def _x(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -33,7 +35,7 @@ def _x(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def _reference(x, blocks, fmt, k, bias, cfg):
     """What the kernel must equal: the values a dequantized load holds, on the dense kernel's launch."""
-    return lin._kernel_linear(x, dequantize(blocks, fmt, k, x.dtype), bias, cfg)
+    return lin._kernel_linear(x, dequantize(unhold(blocks, fmt), fmt, k, x.dtype), bias, cfg)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ def test_the_kernel_equals_dequantize_then_the_dense_kernel_bit_for_bit(name, la
     want = _reference(x, blocks, fmt, k, bias, cfg)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 100)
     assert torch.equal(_bits(got), _bits(want))
-    exact = x.double() @ dequantize(blocks, fmt, k).double().T + bias.double()
+    exact = x.double() @ dequantize(unhold(blocks, fmt), fmt, k).double().T + bias.double()
     assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
 
 
@@ -105,7 +107,7 @@ def test_a_rows_bits_do_not_depend_on_its_launch(name):
 
 
 # (format, K, launch) of every format: K tiles of one chunk (Q4_1, Q4_K) and of several, over several blocks;
-# blocks at 2 mod 4 bytes (every odd block of a row of the 18-, 22-, 34- and 210-byte formats); a K tile past K
+# blocks at 2 mod 4 bytes (every odd block of a row of the 18-, 22- and 210-byte formats); a K tile past K
 # (EVEN_K off: the masked part +0.0, where Q4_0's, Q5_0's and Q6_K's offsets would make it -0.0)
 WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_K", 768, lin.LinearConfig(32, 64, 3))] + [
     (name, k, cfg) for name in FORMATS
@@ -199,7 +201,7 @@ def test_on_the_gpu_native_equals_dequantized_and_rows_round_alike(name, n, k):
         from engine.models.quantize import quantize
 
         weight = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        layer = QuantLinear(fmt, k, n, blocks=quantize(weight, fmt))
+        layer = QuantLinear(fmt, k, n, blocks=hold(quantize(weight, fmt), fmt))
         twin = Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             twin.weight.copy_(layer.dequantized(torch.bfloat16))
