@@ -150,7 +150,11 @@ QUANT_TILES = [(bn, 128, sp, w, 3) for sp in (1, 2, 4) for bn in (32, 64, 128) f
 # 47.4, with 130 registers a thread on 8 warps (one program an SM); held in planes since (94 registers)
 TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "Q4_K"),
                ("27B lm_head", 248320, 5120, "Q6_K"), ("27B down", 5120, 17408, "Q6_K"),
-               ("27B o_proj", 5120, 6144, "Q8_0"), ("SmolLM2 lm_head", 49152, 576, "Q8_0")]
+               ("27B o_proj", 5120, 6144, "Q8_0"), ("SmolLM2 lm_head", 49152, 576, "Q8_0"),
+               # SmolLM2's Q4_1 projections: 1.8-2.6x slower native than bf16 a call on an H100 (2026-12-05, the
+               # half-word decode): K = 576 or 1536 in 4-12 tiles, 9-48 programs on the plan's launch
+               ("SmolLM2 qkv", 960, 576, "Q4_1"), ("SmolLM2 gate_up", 3072, 576, "Q4_1"),
+               ("SmolLM2 down", 576, 1536, "Q4_1")]
 
 
 def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,

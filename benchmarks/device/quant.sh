@@ -4,8 +4,9 @@
 #   1. kernel_bench quant: every weight of the 27B Q4_K_M step through the 1-row kernel (the word decode
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
 #   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes;
-#   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of four
-#      27B weights; 5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
+#   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
+#      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1);
+#      5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 source benchmarks/device/common.sh quant
@@ -16,7 +17,8 @@ section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --w
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
-section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant-tiles --md "$OUT/quant_tiles.md"
+section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant-tiles ${QT_SHAPES:+--shapes $QT_SHAPES} \
+  --md "$OUT/quant_tiles.md"
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
