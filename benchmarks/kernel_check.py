@@ -63,15 +63,34 @@ TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
 
 
 def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                       num_stages: int = 3, aligned: tuple[str, ...] = ()):
+                       num_stages: int = 3, aligned: tuple[str, ...] = (), max_registers: int | None = None):
     """``aligned``: arguments a launch specialises as multiples of 16 (pointers from the caching
-    allocator, widths of the presets): what lets Triton pipeline a loop's loads."""
+    allocator, widths of the presets): what lets Triton pipeline a loop's loads. ``max_registers``: the
+    launch's register cap (ptxas ``maxnreg``), as ``quant_kernel.kernel_linear`` passes it."""
     backend = triton.compiler.make_backend(TARGET)
     signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = triton.compiler.ASTSource(fn=kernel, constexprs=constexprs, signature=signature, attrs=attrs)
-    opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    opts = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages,
+                                  **({"maxnreg": max_registers} if max_registers else {})})
     return triton.compile(src, target=TARGET, options=opts.__dict__)
+
+
+def loop(compiled) -> list[str]:
+    """The SASS instructions of the kernel's longest loop (a backward branch's body)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    at = {a: i for i, (a, _) in enumerate(lines)}
+    best: list[str] = []
+    for i, (a, ins) in enumerate(lines):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [x for _, x in lines[at[int(m.group(1), 16)]: i + 1]]
+            best = body if len(body) > len(best) else best
+    return best
 
 
 def resources(compiled) -> dict[str, int]:
@@ -239,12 +258,13 @@ def _quant_cases():
             aligned = ("x_ptr", "blocks_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm") + (
                 ("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ())
             block_m, warps = quant_kernel.launch_shape(fmt, cfg, rows)
+            cap = quant_kernel.register_cap(fmt, words, block_m, warps)
             yield (f"quant {name}{' words' if words else ''} {n}x{k} {cls} M<={block_m}", quant_kernel._quant_kernel,
                    types, dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                                GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False,
                                EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                BLOCK_M=block_m, INTERPRET=False, **quant_kernel.word_constants(fmt, words)),
-                   warps, rows_linear.stages_for(cfg, block_m, 2), aligned)
+                   warps, rows_linear.stages_for(cfg, block_m, 2), aligned, cap)
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -264,10 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}, shared memory limit {SHARED_LIMIT} B")
     print(f"{'kernel':40s} {'warps':>5s} {'regs':>5s} {'shared':>7s} {'spill':>6s}  verdict")
-    for name, kernel, types, constexprs, warps, stages, *aligned in mine:
-        res = resources(compile_for_hopper(kernel, types, constexprs, warps, stages, *aligned))
+    for name, kernel, types, constexprs, warps, stages, *rest in mine:
+        compiled = compile_for_hopper(kernel, types, constexprs, warps, stages, *rest)
+        res = resources(compiled)
         spill = res.get("STACK", 0) + res.get("LOCAL", 0)
-        ok = (spill == 0 or name in MAY_SPILL) and res["SHARED"] <= SHARED_LIMIT
+        # a register cap's few bytes of stack: allowed where no load or store of the stack is in the K loop
+        capped = len(rest) > 1 and rest[1] and not any(
+            re.sub(r"^@!?U?P\w+\s+", "", ins).startswith(("LDL", "STL")) for ins in loop(compiled))
+        ok = (spill == 0 or name in MAY_SPILL or capped) and res["SHARED"] <= SHARED_LIMIT
         bad += not ok
         print(f"{name:40s} {warps:5d} {res.get('REG', 0):5d} {res['SHARED']:7d} {spill:6d}  {'ok' if ok else 'BAD'}")
     print(f"kernels: {len(mine)} of {len(every_case)} (shard {first}/{every})  bad: {bad}")

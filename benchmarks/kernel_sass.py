@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_check import CUOBJDUMP, compile_for_hopper, resources  # noqa: E402
+from kernel_check import compile_for_hopper, loop, resources  # noqa: E402
 
 from engine.models import linear as rows_linear  # noqa: E402
 from engine.models import quant_kernel  # noqa: E402
@@ -33,23 +31,6 @@ CASES = [(34816, 5120, "Q4_K"), (16480, 5120, "Q4_K"), (5120, 17408, "Q4_K"), (5
 TYPES = dict(x_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", ticket_ptr="*i32", M="i32", N="i32",
              K="i32", sxm="i32", k_iters="i32", split="i32", tiles="i32", nibble="i32")
 ALIGNED = ("x_ptr", "b_ptr", "out_ptr", "part_ptr", "ticket_ptr", "N", "K", "sxm")
-
-
-def loop(compiled) -> list[str]:
-    """The instructions of the kernel's longest loop (a backward branch's body)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    lines = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
-    at = {a: i for i, (a, _) in enumerate(lines)}
-    best: list[str] = []
-    for i, (a, ins) in enumerate(lines):
-        m = re.search(r"BRA.*?0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
-            body = [x for _, x in lines[at[int(m.group(1), 16)]: i + 1]]
-            best = body if len(body) > len(best) else best
-    return best
 
 
 def row(name: str, compiled, warps: int, values: int, dump: Path | None) -> str:
@@ -88,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             quant_kernel._quant_kernel, dict(TYPES, blocks_ptr="*i32" if words else "*fp16", row_stride="i32"),
             dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                  GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
-            warps, stages, (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()))
+            warps, stages, (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()),
+            quant_kernel.register_cap(fmt, words, block_m, warps))  # as kernel_linear launches a step
         label = f"{name}{' words' if words else ''} {n}x{k}"
         print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
     return 0

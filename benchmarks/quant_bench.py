@@ -180,7 +180,7 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         own = lin.plan_for_shape(n, k, first.device).step
         timed = []
         # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
-        caps = (None, 128) if fmt.nbytes % 16 else (None,)
+        caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)
         for cfg in [own] + [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]:
             for cap in caps:
                 try:

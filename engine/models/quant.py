@@ -6,8 +6,9 @@ output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each
 consecutive inputs of one row). Rows are contiguous and start on a block boundary, so a GPU kernel
 can later read a tile of rows x blocks in place and dequantize in registers; and the rows of two
 weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is one block tensor).
-One format is held with each row's bytes regrouped (``BlockFormat.planes``, ``hold``): Q8_0, whose
-34-byte blocks would leave its values unaligned for the kernel's word loads; same bytes, same shape.
+Two formats are held with each row's bytes regrouped (``BlockFormat.planes``, ``hold``): Q8_0 and Q6_K,
+whose 34- and 210-byte blocks would leave their values unaligned for the kernel's word loads; same bytes,
+same shape.
 
 On CUDA with the kernels on, a decode step's rows (up to ``linear.MAX_ROWS``) take the few-row kernel of
 ``engine.models.quant_kernel``, which reads the blocks and dequantizes in registers; elsewhere (the CPU,
@@ -157,7 +158,9 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q8_0", 32, 34, (0,), _q8_0, planes=((2, 34), (0, 2))),
     BlockFormat("Q4_K", QK_K, 144, (0, 2), _q4_k),
     BlockFormat("Q5_K", QK_K, 176, (0, 2), _q5_k),
-    BlockFormat("Q6_K", QK_K, 210, (208,), _q6_k),
+    # Q6_K's 210-byte blocks: every other block's words straddled two (H200: 0.35 TB/s where Q4_K streamed
+    # 0.8). Held as a row's 128-byte nibble runs, then its 64-byte top-bit runs, 16-byte scales and d's.
+    BlockFormat("Q6_K", QK_K, 210, (208,), _q6_k, planes=((0, 128), (128, 192), (192, 208), (208, 210))),
 )}
 
 

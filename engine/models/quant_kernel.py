@@ -32,11 +32,12 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 - words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
   starting 4-byte aligned; ``WORD_FORMATS``): the tile's quantized bytes as runs of 32-bit words, each
   word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
-  asynchronous copy the pipeline overlaps (sm_90: 8.3 thread instructions a Q4_K value, 19.3 a Q6_K one,
+  asynchronous copy the pipeline overlaps (sm_90: 8.3 thread instructions a Q4_K value, 14.8 a Q6_K one,
   ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100,
-  24.5 on an H200). Q8_0 is held in planes (``quant.BlockFormat.planes``: a row's int8 values, then its
-  scales), so its values are whole aligned words: in GGUF's 34-byte blocks a word straddled two, and the
-  word decode ran 3.7x slower than the half-word one on an H200 (RESULTS.md, eighth session);
+  24.5 on an H200). Q8_0 and Q6_K are held in planes (``quant.BlockFormat.planes``: a row's values' bytes,
+  then its scales), so their values are whole aligned words: in GGUF's 34- and 210-byte blocks a word
+  straddled two (Q8_0's word decode ran 3.7x slower than its half-word one on an H200, Q6_K streamed 0.35
+  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
   load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
@@ -75,6 +76,22 @@ ROW_BLOCK_CAP = {"Q6_K": 64}
 # pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
 # 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
 REGISTER_VALUES = 32
+# Registers a thread at most on a step's word launch (rows up to ``linear.STEP_ROWS``), by format: Q6_K's took
+# 136-138 on 8 warps once held in planes (sm_90, 2026-12-06; 128 before), one program an SM; capped at 128 it
+# keeps two, its loop's instructions unchanged (8-16 bytes of stack outside the loop: benchmarks/kernel_sass.py).
+# A verify's launch (214) is left alone: a cap there would spill inside the loop; so is a launch on 4 warps,
+# where ptxas given the cap took more registers than it does without (a 576 x 1536 step: 124 against 78).
+STEP_REGISTER_CAP = {"Q6_K": 128}
+
+
+def register_cap(fmt: BlockFormat, words: bool, block_m: int, warps: int) -> int | None:
+    """The register cap ``kernel_linear`` gives a launch (``STEP_REGISTER_CAP``: a step's word launch on 8
+    warps), or None."""
+    if words and block_m <= rows_linear.STEP_ROWS and warps == 8:
+        return STEP_REGISTER_CAP.get(fmt.name)
+    return None
+
+
 # A nibble's mask, passed to the kernel as a runtime argument (``nibble``): the decode ANDs each value's bits
 # with it shifted to the value's place in its half-word, four masks a tile. As constants, ptxas put each back in
 # a register by a move before every LOP3 (a LOP3 takes one immediate, the exponent bits of 2**23 already one):
@@ -85,10 +102,10 @@ NIBBLE = 15
 # first byte in its block). A chunk is a run of whole words: in the nibble formats the bytes whose low
 # nibbles are its first half of values and whose high nibbles its second (GGUF's order; Q4_K and Q5_K: 64
 # values in 32 bytes, the 32-value formats their block's 16), in Q8_0 a block's 32 int8 (in its plane of
-# values: ``_decode_q8_0_words``), in Q6_K a half block (128 values: 64 bytes of nibbles, 32 of top bits).
-# Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) are read word by word; the others (Q4_0, Q5_0,
-# Q6_K: 18, 22, 210 bytes) are 2-byte aligned only, their words straddling two aligned ones where a block
-# starts at 2 mod 4 (``_words_at``).
+# values: ``_decode_q8_0_words``), in Q6_K a half block (128 values: 64 bytes of nibbles, 32 of top bits, in
+# their planes: ``_decode_q6_k_words``). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) and the
+# planes are read word by word; Q4_0's and Q5_0's blocks (18, 22 bytes) are 2-byte aligned only, their words
+# straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
 WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
                 "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
@@ -157,9 +174,9 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
     weight's plan), reading the blocks as words where ``reads_words`` allows and ``words`` is on (off: the
     half-word decode, which tests and benchmarks hold the word decode against). ``max_registers``: a cap
-    on a thread's registers (ptxas ``maxnreg``; the benchmarks try it on Q6_K: 128 of 65,536 a thread on 8
-    warps leave two programs an SM, more one). On CPU tensors it runs only in Triton's interpreter (the CPU
-    tests)."""
+    on a thread's registers (ptxas ``maxnreg``: 128 of 65,536 a thread on 8 warps leave two programs an SM,
+    more one); None: the format's ``STEP_REGISTER_CAP`` on a step's word launch, 0: none (the benchmarks
+    time both). On CPU tensors it runs only in Triton's interpreter (the CPU tests)."""
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
@@ -171,6 +188,8 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     m = x2.shape[0]
     words = words and reads_words(fmt, cfg.block_k, blocks)
     block_m, warps = launch_shape(fmt, cfg, m)
+    if max_registers is None:
+        max_registers = register_cap(fmt, words, block_m, warps)
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
@@ -187,7 +206,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
         NBYTES=fmt.nbytes, GROUP=group_size(fmt, cfg.block_k), **word_constants(fmt, words), HAS_BIAS=bias is not None,
         EVEN_K=cols % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
         INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=stages,
-        **({} if max_registers is None or rows_linear._INTERPRET else {"maxnreg": max_registers}),
+        **({} if not max_registers or rows_linear._INTERPRET else {"maxnreg": max_registers}),
     )
     return out.view(*lead, n)
 
@@ -255,6 +274,22 @@ if triton is not None:
         return q * tl.load(h_ptr + row_half + K // 2 + col // 32, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _decode_q6_k_halves(h_ptr, row_half, blk, jg, jh, K, mask):
+        """Q6_K's values [BLOCK_N, G, GROUP] from its planes (``quant.BlockFormat.planes``: a row's 128-byte
+        nibble runs, then its 64-byte top-bit runs, 16-byte scale runs and fp16 d's, one a block) read as
+        half-words: ``row_half`` [BLOCK_N, 1, 1] each row's start, ``blk`` [1, G, 1] each group's block,
+        ``jg`` and ``jh`` as ``_decode``'s. A value's half h = j // 128, its 32-value group g4 = j % 128 // 32
+        (one per 16-value group): d * scale * (q - 32), as ``quant._q6_k``."""
+        g4 = jg % 128 // 32
+        low = _bytes(h_ptr, row_half + blk * 64, (jh // 64) * 32 + (jh % 64 // 16 % 2) * 16 + jh % 16, mask)
+        top = _bytes(h_ptr, row_half + K // 4 + blk * 32, (jh // 64) * 16 + jh % 16, mask)
+        q = ((low >> ((g4 // 2) * 4)) & 15) | (((top >> (g4 * 2)) & 3) << 4)
+        # the scales of 16-value groups 2i, 2i + 1, a half-word
+        pair = _u16(h_ptr, row_half + 3 * K // 8 + blk * 8, (jg // 32) * 2, mask)
+        sc = ((pair >> ((jg // 16 % 2) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
+        return (_f16_at(h_ptr, row_half + 13 * K // 32 + blk, 0, mask) * sc) * _float(q, 32)
+
+    @triton.jit
     def _decode(h_ptr, block_half, jg, ri, jh, mask, FMT: tl.constexpr, GROUP: tl.constexpr):
         """The float32 values [BLOCK_N, G, GROUP] of one K tile, as ``quant.py``'s decoders compute them.
         ``block_half`` [BLOCK_N, G, 1]: each group's block start in half-words; ``jg`` [1, G, 1]: each
@@ -277,15 +312,6 @@ if triton is not None:
                 w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 16)
             else:  # d * q + m
                 w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
-        elif FMT == 7:  # Q6_K: 128 bytes of nibbles, 64 of 2-bit tops, 16 int8 scales, d
-            # a value's half h = j // 128, its 32-value group g4 = j % 128 // 32 (one per 16-value group), lane
-            g4 = jg % 128 // 32
-            low = _bytes(h_ptr, block_half, (jh // 64) * 32 + (jh % 64 // 16 % 2) * 16 + jh % 16, mask)
-            top = _bytes(h_ptr, block_half, 64 + (jh // 64) * 16 + jh % 16, mask)
-            q = ((low >> ((g4 // 2) * 4)) & 15) | (((top >> (g4 * 2)) & 3) << 4)
-            pair = _u16(h_ptr, block_half, 192 + (jg // 32) * 2, mask)  # the scales of 16-value groups 2i, 2i + 1
-            sc = ((pair >> ((jg // 16 % 2) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
-            w = (_f16_at(h_ptr, block_half, 208, mask) * sc) * _float(q, 32)
         else:  # Q4_K (5) / Q5_K (6): d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: fifth bits,) nibbles
             sub = jg // 32  # the sub-block: 8 of 32 values (one per group)
             lo = sub % 4
@@ -339,21 +365,25 @@ if triton is not None:
         return (0x3F800000 - (place << 23)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _decode_q6_k_words(w_ptr, row_byte, k0, k_hi, mn, nibble, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _decode_q6_k_words(w_ptr, row_word, k0, k_hi, K, mn, nibble, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
         """Q6_K's values [BLOCK_N, BLOCK_K] from words, as ``quant._q6_k``: a half block (128 values: its
         value v = 64h + 32a + 16s + 4u + b) takes its low nibble from byte 32a + 16s + 4u + b of the half's
         64 (nibble h), its top 2 bits from byte 16s + 4u + b of the half's 32 (bits 2(2h + a)), its scale
-        from int8 8H + 4h + 2a + s of the block's 16; d * scale * (q - 32)."""
+        from int8 8H + 4h + 2a + s of the block's 16; d * scale * (q - 32). The row held in planes
+        (``quant.BlockFormat.planes``): its nibble bytes from word 0 (a half block's 16 words at 16 per half
+        block before it), its top bits from word K / 8 (8 a half block), its scales from byte 3K / 4 (16 a
+        block), its d from byte 13K / 16: every word aligned, a mask constant over a half block's words."""
         C: tl.constexpr = BLOCK_K // 128
+        k_word = tl.multiple_of(k0 // 8, BLOCK_K // 8)  # k0: a multiple of BLOCK_K (a part starts on a tile)
         j = tl.arange(0, C * 16)  # the nibble words, 16 a half block
         col = k0 + (j // 16) * 128
-        first = (col // 256) * 210 + (col % 256 // 128) * 64 + 4 * (j % 16)
-        low = _words_at(w_ptr, row_byte[:, None] + first[None, :], mn[:, None] & (col < k_hi)[None, :])
+        low = tl.load(w_ptr + row_word[:, None] + (k_word + j)[None, :], mask=mn[:, None] & (col < k_hi)[None, :],
+                      other=0)
         jt = tl.arange(0, C * 8)  # the top-bit words, 8 a half block
         colt = k0 + (jt // 8) * 128
-        first = (colt // 256) * 210 + 128 + (colt % 256 // 128) * 32 + 4 * (jt % 8)
-        top = _words_at(w_ptr, row_byte[:, None] + first[None, :], mn[:, None] & (colt < k_hi)[None, :])
+        top = tl.load(w_ptr + row_word[:, None] + (K // 8 + k_word // 2 + jt)[None, :],
+                      mask=mn[:, None] & (colt < k_hi)[None, :], other=0)
         h = tl.arange(0, 2)[None, None, :, None, None, None, None]
         a = tl.arange(0, 2)[None, None, None, :, None, None, None]
         b = tl.arange(0, 4)[None, None, None, None, None, None, :]
@@ -370,13 +400,13 @@ if triton is not None:
         q = (low | top | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (32 << place).to(tl.float32))
         cc = k0 + tl.arange(0, C) * 128  # each half block's first value
         cmask = mn[:, None] & (cc < k_hi)[None, :]
-        block = row_byte[:, None] + ((cc // 256) * 210)[None, :]  # [BLOCK_N, C]: each block's first byte
+        blk = (cc // 256)[None, :]  # [1, C]: each half block's block
         sj = ((cc % 256 // 128) * 8)[None, :, None, None, None] + 4 * tl.arange(0, 2)[None, None, :, None, None] + \
             2 * tl.arange(0, 2)[None, None, None, :, None] + tl.arange(0, 2)[None, None, None, None, :]
-        at = block[:, :, None, None, None] + 192 + (sj // 4) * 4
-        scale = _words_at(w_ptr, at, cmask[:, :, None, None, None])
+        at = row_word[:, None, None, None, None] + 3 * K // 16 + 4 * blk[:, :, None, None, None] + sj // 4
+        scale = tl.load(w_ptr + at, mask=cmask[:, :, None, None, None], other=0)
         scale = ((scale >> (8 * (sj % 4))) & 0xFF).to(tl.int8).to(tl.float32)  # [BLOCK_N, C, h, a, s]
-        d = _half_at(w_ptr, block + 208, cmask)
+        d = _half_at(w_ptr, row_word[:, None] * 4 + 13 * K // 16 + 2 * blk, cmask)
         # d * scale * (q - 32) as (d * scale * 2**-s) * ((q - 32) * 2**s): the same product, rounded once alike
         w = ((d[:, :, None, None, None] * scale)[:, :, :, :, :, None, None] * _unplace(place)) * q
         if not EVEN_K:  # past K: +0.0, as _decode's (d * 0 * -32 is -0.0); rows past N are never stored
@@ -522,7 +552,7 @@ if triton is not None:
                 mk = (k0 + rk) < k_hi
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
             if WORDS and FMT == 7:
-                w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride * 4, k0, k_hi, mn, nibble, EVEN_K,
+                w = _decode_q6_k_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, K, mn, nibble, EVEN_K,
                                        BLOCK_N, BLOCK_K)
             elif WORDS and FMT == 4:
                 w = _decode_q8_0_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, K, mn, BLOCK_N, BLOCK_K)
@@ -532,6 +562,8 @@ if triton is not None:
             else:
                 if FMT == 4:
                     w = _decode_q8_0_halves(blocks_ptr, row_half, col, rh, K, wmask)
+                elif FMT == 7:
+                    w = _decode_q6_k_halves(blocks_ptr, row_half, col // VALUES, jg, jg // 2 + rh, K, wmask)
                 else:
                     w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads

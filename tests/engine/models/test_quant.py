@@ -78,9 +78,10 @@ def test_the_tests_k_quantisers_round_trip_through_the_reference(name):
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_held_rows_are_the_files_bytes_regrouped_and_give_them_back(name):
-    """``hold`` keeps a row's bytes and its length; Q8_0 (``planes``) as each row's int8 values, then its
-    fp16 scales, so the values start at the row's start; ``unhold`` gives the file's blocks back byte for byte,
-    and a held weight dequantizes to the file's values."""
+    """``hold`` keeps a row's bytes and its length; a format with ``planes`` (Q8_0, Q6_K) as each field's bytes
+    of every block of the row, field after field (Q8_0: the int8 values, then the fp16 scales, so the values
+    start at the row's start); ``unhold`` gives the file's blocks back byte for byte, and a held weight
+    dequantizes to the file's values."""
     fmt = FORMATS[name]
     cols = 3 * fmt.values
     blocks = torch.from_numpy(random_blocks(Q[name], 5, cols, seed=4))
@@ -91,6 +92,9 @@ def test_held_rows_are_the_files_bytes_regrouped_and_give_them_back(name):
         b = blocks.view(5, 3, 34)
         assert torch.equal(held[:, :96], b[:, :, 2:].reshape(5, 96))
         assert torch.equal(held[:, 96:], b[:, :, :2].reshape(5, 6))
+    if fmt.planes:
+        b = blocks.view(5, 3, fmt.nbytes)
+        assert torch.equal(held, torch.cat([b[:, :, lo:hi].reshape(5, -1) for lo, hi in fmt.planes], dim=1))
         assert torch.equal(hold(blocks[2:4], fmt), held[2:4])  # row by row: held rows stack and split
     else:
         assert held is blocks

@@ -150,6 +150,15 @@ def test_blocks_that_words_cannot_read_take_the_half_word_decode():
                                                     lin.LinearConfig(16, 256, 1))))
 
 
+def test_a_steps_word_launch_on_8_warps_is_capped_where_its_format_asks():
+    """``register_cap``: Q6_K's step launches read as words on 8 warps take 128 registers a thread (two
+    programs an SM); its verify launches, 4-warp launches, half-word launches and other formats none."""
+    q6, q4k = FORMATS["Q6_K"], FORMATS["Q4_K"]
+    assert qk.register_cap(q6, True, 16, 8) == 128
+    assert qk.register_cap(q6, True, 64, 8) is None and qk.register_cap(q6, True, 16, 4) is None
+    assert qk.register_cap(q6, False, 16, 8) is None and qk.register_cap(q4k, True, 16, 8) is None
+
+
 def test_every_format_has_a_kernel_and_a_group_within_a_tile():
     assert set(qk.KERNEL_FORMATS) == set(FORMATS)
     assert qk.group_size(FORMATS["Q6_K"], 128) == 16 and qk.group_size(FORMATS["Q4_K"], 128) == 32

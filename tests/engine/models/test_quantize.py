@@ -242,7 +242,7 @@ def test_a_q4_k_m_hybrids_decode_step_takes_the_kernel_for_every_projection(monk
 
     def kernel(x, blocks, fmt, cols, bias=None):  # the kernel's values (test_quant_kernel): the blocks' own
         launches.append((fmt.name, blocks.shape[0], cols, x.numel() // cols))
-        return F.linear(x, dequantize(blocks, fmt, cols, x.dtype), bias)
+        return F.linear(x, dequantize(quant.unhold(blocks, fmt), fmt, cols, x.dtype), bias)
 
     monkeypatch.setattr(quant_kernel, "fused", SimpleNamespace(use_kernels=lambda *tensors: True))  # as on CUDA
     monkeypatch.setattr(quant_kernel, "linear", kernel)
