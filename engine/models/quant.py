@@ -170,8 +170,9 @@ def hold(blocks: Tensor, fmt: BlockFormat) -> Tensor:
     of held weights still stack and split along dim 0."""
     if not fmt.planes:
         return blocks
-    b = blocks.reshape(blocks.shape[0], -1, fmt.nbytes)
-    return torch.cat([b[:, :, lo:hi].reshape(b.shape[0], -1) for lo, hi in fmt.planes], dim=1)
+    n, per_row = blocks.shape[0], blocks.shape[1] // fmt.nbytes
+    b = blocks.reshape(n, per_row, fmt.nbytes)
+    return torch.cat([b[:, :, lo:hi].reshape(n, per_row * (hi - lo)) for lo, hi in fmt.planes], dim=1)
 
 
 def unhold(held: Tensor, fmt: BlockFormat) -> Tensor:
