@@ -185,7 +185,7 @@ def unhold(held: Tensor, fmt: BlockFormat) -> Tensor:
     for lo, hi in fmt.planes:
         out[:, :, lo:hi] = held[:, at : at + per_row * (hi - lo)].reshape(n, per_row, hi - lo)
         at += per_row * (hi - lo)
-    return out.reshape(n, -1)
+    return out.reshape(n, held.shape[1])
 
 
 def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
