@@ -37,7 +37,8 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
   24.5 on an H200). Q8_0 and Q6_K are held in planes (``quant.BlockFormat.planes``: a row's values' bytes,
   then its scales), so their values are whole aligned words: in GGUF's 34- and 210-byte blocks a word
   straddled two (Q8_0's word decode ran 3.7x slower than its half-word one on an H200, Q6_K streamed 0.35
-  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session);
+  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session). Q8_0 takes words only on rows of whole 16
+  bytes (``WORD_ROW_BYTES``: on shorter rows its 4-byte copies lost to the half-word decode, H100);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
   load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
@@ -106,6 +107,12 @@ NIBBLE = 15
 # their planes: ``_decode_q6_k_words``). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) and the
 # planes are read word by word; Q4_0's and Q5_0's blocks (18, 22 bytes) are 2-byte aligned only, their words
 # straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
+# Row lengths a format's word decode needs a multiple of, where it is not 4 bytes: Q8_0's word decode is one
+# 8-bit field a value, all loads, and only rows of whole 16 bytes let its copies take 16 bytes at a time. On
+# an H100 (2026-12-06, in planes) its word decode took 26.7 us on the 27B o_proj's 6,528-byte rows against
+# the half-word decode's 68.0, but 51.8 against 24.1 on SmolLM2's head (612-byte rows; qkv 11.1 against 6.7,
+# gate_up 20.6 against 11.8), no launch shape of the word decode under 52 us (``quant-tiles``).
+WORD_ROW_BYTES = {"Q8_0": 16}
 WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
                 "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
@@ -137,10 +144,11 @@ def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor 
 
 
 def words_fit(fmt: BlockFormat, block_k: int, row_bytes: int) -> bool:
-    """Whether a launch of ``block_k`` can read rows of ``row_bytes`` as 32-bit words: a ``WORD_FORMATS``
-    format, a K tile of whole chunks, rows of whole words."""
+    """Whether a launch of ``block_k`` reads rows of ``row_bytes`` as 32-bit words: a ``WORD_FORMATS``
+    format, a K tile of whole chunks, rows of whole words (of ``WORD_ROW_BYTES``' multiple, where a format
+    names one)."""
     spec = WORD_FORMATS.get(fmt.name)
-    return spec is not None and block_k % spec[0] == 0 and row_bytes % 4 == 0
+    return spec is not None and block_k % spec[0] == 0 and row_bytes % WORD_ROW_BYTES.get(fmt.name, 4) == 0
 
 
 def reads_words(fmt: BlockFormat, block_k: int, blocks: Tensor) -> bool:

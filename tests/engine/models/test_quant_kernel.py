@@ -111,9 +111,12 @@ def test_a_rows_bits_do_not_depend_on_its_launch(name):
 # (EVEN_K off: the masked part +0.0, where Q4_0's, Q5_0's and Q6_K's offsets would make it -0.0)
 WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_K", 768, lin.LinearConfig(32, 64, 3))] + [
     (name, k, cfg) for name in FORMATS
-    for k, cfg in (((256, lin.LinearConfig(32, 128, 2)), (192, lin.LinearConfig(16, 256, 1)))
-                   if FORMATS[name].values == 32
-                   else ((1024, lin.LinearConfig(32, 128, 2)), (1536, lin.LinearConfig(16, 1024, 1))))]
+    for k, cfg in (((1024, lin.LinearConfig(32, 128, 2)), (1536, lin.LinearConfig(16, 1024, 1)))
+                   if FORMATS[name].values == 256
+                   # Q8_0 reads words from rows of whole 16 bytes only (``WORD_ROW_BYTES``): K a multiple of 256
+                   else ((256, lin.LinearConfig(32, 128, 2)), (768, lin.LinearConfig(16, 512, 1)))
+                   if name == "Q8_0"
+                   else ((256, lin.LinearConfig(32, 128, 2)), (192, lin.LinearConfig(16, 256, 1))))]
 
 
 @pytest.mark.parametrize(("name", "k", "cfg"), WORD_LAUNCHES, ids=lambda c: str(c))
@@ -139,6 +142,9 @@ def test_blocks_that_words_cannot_read_take_the_half_word_decode():
     assert not qk.reads_words(q6, 256, odd) and qk.reads_words(q6, 256, _blocks("Q6_K", 8, 1024, seed=13))
     assert not qk.reads_words(q6, 64, _blocks("Q6_K", 8, 1024, seed=13))  # a tile of half a chunk
     assert not qk.reads_words(q4k, 32, _blocks("Q4_K", 8, 512, seed=14))
+    q8 = FORMATS["Q8_0"]  # rows of whole 16 bytes only: SmolLM2's 576-wide (612 bytes) take half-words
+    assert qk.reads_words(q8, 64, _blocks("Q8_0", 8, 512, seed=14))
+    assert not qk.reads_words(q8, 64, _blocks("Q8_0", 8, 576, seed=14))
     wide = _blocks("Q4_K", 8, 768, seed=15)
     shifted = torch.cat([torch.zeros(8, 2, dtype=torch.uint8, device=wide.device), wide], dim=1)[:, 2:]
     assert shifted.data_ptr() % 4 == 2 and not qk.reads_words(q4k, 64, shifted)
