@@ -431,8 +431,8 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     total = 3 * rows * cfg.hidden_size * size + layer + features
     total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
     blocks = [] if in_place else [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if blocks:
-        total += max(m.out_features * m.in_features for m in blocks) * (4 + size)
+    if blocks:  # float32 values, the dtype's copy, and a held weight's file-layout copy (``quant.unhold``)
+        total += max(m.out_features * m.in_features * (4 + size) + (m.nbytes if m.fmt.planes else 0) for m in blocks)
     return total
 
 

@@ -189,8 +189,9 @@ def unhold(held: Tensor, fmt: BlockFormat) -> Tensor:
 
 
 def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Rows of blocks [N, row_bytes] (uint8) -> the weight [N, cols] in ``dtype`` (computed in float32
-    and rounded once, as a dequantized load copies float32 values into a ``dtype`` parameter)."""
+    """Rows of blocks [N, row_bytes] (uint8, in the file's layout: ``unhold`` a ``QuantLinear``'s first) -> the
+    weight [N, cols] in ``dtype`` (computed in float32 and rounded once, as a dequantized load copies float32
+    values into a ``dtype`` parameter)."""
     rows = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and cols % fmt.values == 0, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")

@@ -26,7 +26,8 @@ same order, the parts added in order by the last one to finish). Hence:
 Rows past ``MAX_ROWS`` (a training forward's; a decode's prefill is chunked to at most 512 rows) dequantize
 the weight once and take cuBLAS, as the dense path does past the same bound.
 
-Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order.
+Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order, or
+for a format with ``planes`` (Q8_0, Q6_K) the same bytes regrouped field by field (``quant.hold``).
 Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 
 - words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
@@ -37,8 +38,7 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
   24.5 on an H200). Q8_0 and Q6_K are held in planes (``quant.BlockFormat.planes``: a row's values' bytes,
   then its scales), so their values are whole aligned words: in GGUF's 34- and 210-byte blocks a word
   straddled two (Q8_0's word decode ran 3.7x slower than its half-word one on an H200, Q6_K streamed 0.35
-  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session). Q8_0 takes words only on rows of whole 16
-  bytes (``WORD_ROW_BYTES``: on shorter rows its 4-byte copies lost to the half-word decode, H100);
+  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
   load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
@@ -73,9 +73,11 @@ MAX_ROWS = rows_linear.MAX_ROWS  # every row count a decode step reaches (engine
 # which never changes a row's sums
 ROW_BLOCK_CAP = {"Q6_K": 64}
 # Values of a weight tile a thread decodes at most where the blocks are not 16-byte aligned (all but
-# Q4_K's 144 and Q5_K's 176 bytes): their loads go through registers, not asynchronous copies, and the
-# pipeline's stages hold them there. More warps share the tile (warps never change a row's sums); a
-# 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12).
+# Q4_K's 144 and Q5_K's 176 bytes): before the planes their loads went through registers, not asynchronous
+# copies, and the pipeline's stages held them there; more warps share the tile (warps never change a row's
+# sums): a 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12). Q8_0 and
+# Q6_K in planes take asynchronous copies (2026-12-06) and keep the rule: whether they still need it is
+# ``kernel_bench.py quant-tiles``' to say.
 REGISTER_VALUES = 32
 # Registers a thread at most on a step's word launch (rows up to ``linear.STEP_ROWS``), by format: Q6_K's took
 # 136-138 on 8 warps once held in planes (sm_90, 2026-12-06; 128 before), one program an SM; capped at 128 it
@@ -85,10 +87,11 @@ REGISTER_VALUES = 32
 STEP_REGISTER_CAP = {"Q6_K": 128}
 
 
-def register_cap(fmt: BlockFormat, words: bool, block_m: int, warps: int) -> int | None:
+def register_cap(fmt: BlockFormat, words: bool, block_m: int, warps: int, capability: tuple[int, int] = (9, 0)
+                 ) -> int | None:
     """The register cap ``kernel_linear`` gives a launch (``STEP_REGISTER_CAP``: a step's word launch on 8
-    warps), or None."""
-    if words and block_m <= rows_linear.STEP_ROWS and warps == 8:
+    warps, on the architecture it was checked on, sm_90), or None."""
+    if capability[0] == 9 and words and block_m <= rows_linear.STEP_ROWS and warps == 8:
         return STEP_REGISTER_CAP.get(fmt.name)
     return None
 
@@ -107,12 +110,6 @@ NIBBLE = 15
 # their planes: ``_decode_q6_k_words``). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) and the
 # planes are read word by word; Q4_0's and Q5_0's blocks (18, 22 bytes) are 2-byte aligned only, their words
 # straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
-# Row lengths a format's word decode needs a multiple of, where it is not 4 bytes: Q8_0's word decode is one
-# 8-bit field a value, all loads, and only rows of whole 16 bytes let its copies take 16 bytes at a time. On
-# an H100 (2026-12-06, in planes) its word decode took 26.7 us on the 27B o_proj's 6,528-byte rows against
-# the half-word decode's 68.0, but 51.8 against 24.1 on SmolLM2's head (612-byte rows; qkv 11.1 against 6.7,
-# gate_up 20.6 against 11.8), no launch shape of the word decode under 52 us (``quant-tiles``).
-WORD_ROW_BYTES = {"Q8_0": 16}
 WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
                 "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
@@ -144,11 +141,10 @@ def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor 
 
 
 def words_fit(fmt: BlockFormat, block_k: int, row_bytes: int) -> bool:
-    """Whether a launch of ``block_k`` reads rows of ``row_bytes`` as 32-bit words: a ``WORD_FORMATS``
-    format, a K tile of whole chunks, rows of whole words (of ``WORD_ROW_BYTES``' multiple, where a format
-    names one)."""
+    """Whether a launch of ``block_k`` can read rows of ``row_bytes`` as 32-bit words: a ``WORD_FORMATS``
+    format, a K tile of whole chunks, rows of whole words."""
     spec = WORD_FORMATS.get(fmt.name)
-    return spec is not None and block_k % spec[0] == 0 and row_bytes % WORD_ROW_BYTES.get(fmt.name, 4) == 0
+    return spec is not None and block_k % spec[0] == 0 and row_bytes % 4 == 0
 
 
 def reads_words(fmt: BlockFormat, block_k: int, blocks: Tensor) -> bool:
@@ -167,8 +163,8 @@ def word_constants(fmt: BlockFormat, words: bool) -> dict[str, int | bool]:
 def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> tuple[int, int]:
     """(rows a program, warps) of ``cfg``'s launch for ``rows`` rows of this format: the plan's, with at
     most ``ROW_BLOCK_CAP`` rows a program, and for blocks not 16-byte aligned warps enough that a thread
-    decodes at most ``REGISTER_VALUES`` values a tile (at most 8; Q6_K's words: 128 registers a thread
-    on 8 warps, two programs an SM, sm_90)."""
+    decodes at most ``REGISTER_VALUES`` values a tile (at most 8; Q6_K's words: 8 warps, capped at 128
+    registers a thread by ``register_cap`` on a step, two programs an SM, sm_90)."""
     widest = min(cfg.row_block, ROW_BLOCK_CAP.get(fmt.name, rows_linear.ROW_BLOCK))
     block_m = min(widest, max(16, triton.next_power_of_2(rows)))
     warps = cfg.num_warps
@@ -196,8 +192,8 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     m = x2.shape[0]
     words = words and reads_words(fmt, cfg.block_k, blocks)
     block_m, warps = launch_shape(fmt, cfg, m)
-    if max_registers is None:
-        max_registers = register_cap(fmt, words, block_m, warps)
+    if max_registers is None and x.device.type == "cuda":
+        max_registers = register_cap(fmt, words, block_m, warps, torch.cuda.get_device_capability(x.device))
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
@@ -224,7 +220,7 @@ if triton is not None:
 
     @triton.jit
     def _f16_at(h_ptr, block_half, offset: tl.constexpr, mask):
-        """The fp16 at byte ``offset`` of each group's block (``block_half``: the block's start in halves)."""
+        """The fp16 at byte ``offset`` of each group's block or plane run (``block_half``: its start in halves)."""
         return tl.load(h_ptr + block_half + offset // 2, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
@@ -242,8 +238,9 @@ if triton is not None:
     def _bytes(h_ptr, block_half, at, mask):
         """The byte of each value [BLOCK_N, G, GROUP], read two at a time: ``at`` [1, G, GROUP // 2], the
         half-word of each pair of neighbouring values 2i, 2i + 1 in its block (in every format the two
-        sit in one half-word, the even value's in its low byte). Blocks of 18, 22, 34 or 210 bytes are
-        only 2-byte aligned: half-words are the widest loads they all allow, half as many as bytes."""
+        sit in one half-word, the even value's in its low byte). Blocks of 18 or 22 bytes, and rows of
+        planes of an odd count of Q8_0 blocks, are only 2-byte aligned: half-words are the widest loads
+        they all allow, half as many as bytes."""
         pair = tl.load(h_ptr + block_half + at, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         pair = pair.to(tl.int32) & 0xFFFF
         both = tl.join(pair & 0xFF, pair >> 8)  # [BLOCK_N, G, GROUP // 2, 2]: the even value's byte, the odd's

@@ -221,7 +221,8 @@ _ENCODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 @torch.no_grad()
 def quantize(weight: Tensor, fmt: BlockFormat) -> Tensor:
     """``weight`` [N, K] (any float dtype, any device; K a multiple of ``fmt.values``) as ``fmt``'s blocks
-    [N, row_bytes] (uint8, on its device): what a GGUF file of that type holds, and ``QuantLinear`` reads.
+    [N, row_bytes] (uint8, on its device): what a GGUF file of that type holds (``quant.hold`` gives the rows
+    a ``QuantLinear`` reads).
     Computed in float32, a chunk of rows at a time."""
     rows, cols = weight.shape
     if cols % fmt.values:
