@@ -6,9 +6,9 @@ output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each
 consecutive inputs of one row). Rows are contiguous and start on a block boundary, so a GPU kernel
 can later read a tile of rows x blocks in place and dequantize in registers; and the rows of two
 weights of one format and width stack along dim 0 (a fused q/k/v or gate/up is one block tensor).
-Two formats are held with each row's bytes regrouped (``BlockFormat.planes``, ``hold``): Q8_0 and Q6_K,
-whose 34- and 210-byte blocks would leave their values unaligned for the kernel's word loads; same bytes,
-same shape.
+Four formats are held with each row's bytes regrouped (``BlockFormat.planes``, ``hold``): Q4_0, Q5_0, Q8_0
+and Q6_K, whose 18-, 22-, 34- and 210-byte blocks would leave their values unaligned for the kernel's word
+loads; same bytes, same shape.
 
 On CUDA with the kernels on, a decode step's rows (up to ``linear.MAX_ROWS``) take the few-row kernel of
 ``engine.models.quant_kernel``, which reads the blocks and dequantizes in registers; elsewhere (the CPU,
@@ -148,9 +148,11 @@ def _q6_k(b: Tensor) -> Tensor:
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("Q4_0", 32, 18, (0,), _q4_0),
+    # Q4_0's and Q5_0's 18- and 22-byte blocks, as Q8_0's: held as a row's nibble runs, (Q5_0: its fifth-bit
+    # runs,) then its d's
+    BlockFormat("Q4_0", 32, 18, (0,), _q4_0, planes=((2, 18), (0, 2))),
     BlockFormat("Q4_1", 32, 20, (0, 2), _q4_1),
-    BlockFormat("Q5_0", 32, 22, (0,), _q5_0),
+    BlockFormat("Q5_0", 32, 22, (0,), _q5_0, planes=((6, 22), (2, 6), (0, 2))),
     BlockFormat("Q5_1", 32, 24, (0, 2), _q5_1),
     # Q8_0's 34-byte blocks leave its int8 values 2-byte aligned in every other block: a word of them
     # straddled two, and its word decode ran 3.7x slower than the half-word one (H200, 2026-12-05). Held as

@@ -27,7 +27,7 @@ Rows past ``MAX_ROWS`` (a training forward's; a decode's prefill is chunked to a
 the weight once and take cuBLAS, as the dense path does past the same bound.
 
 Layout (``quant.py``): row n of the weight is ``row_bytes`` bytes, its K / ``values`` blocks in order, or
-for a format with ``planes`` (Q8_0, Q6_K) the same bytes regrouped field by field (``quant.hold``).
+for a format with ``planes`` (Q4_0, Q5_0, Q8_0, Q6_K) the same bytes regrouped field by field (``quant.hold``).
 Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
 
 - words (every format, where ``reads_words`` allows: a K tile of whole chunks, rows of whole words
@@ -35,14 +35,14 @@ Two decodes of a K tile of ``BLOCK_K`` values, with the same values:
   word's 8 nibbles (4 int8) shifts of one register, the scales a word per block field. Every load is an
   asynchronous copy the pipeline overlaps (sm_90: 8.3 thread instructions a Q4_K value, 14.8 a Q6_K one,
   ``benchmarks/kernel_sass.py``; the 27B Q4_K_M step's 1-row kernel time 25.1 ms against 65.4 on an H100,
-  24.5 on an H200). Q8_0 and Q6_K are held in planes (``quant.BlockFormat.planes``: a row's values' bytes,
-  then its scales), so their values are whole aligned words: in GGUF's 34- and 210-byte blocks a word
-  straddled two (Q8_0's word decode ran 3.7x slower than its half-word one on an H200, Q6_K streamed 0.35
-  TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session);
+  24.5 on an H200). Q4_0, Q5_0, Q8_0 and Q6_K are held in planes (``quant.BlockFormat.planes``: a row's
+  values' bytes, then its scales), so their values are whole aligned words: in GGUF's 18-, 22-, 34- and
+  210-byte blocks a word straddled two (Q8_0's word decode ran 3.7x slower than its half-word one on an
+  H200, Q6_K streamed 0.35 TB/s where Q4_K streamed 0.8; RESULTS.md, eighth session);
 - half-words (any other launch): ``G`` groups of ``GROUP`` values (a group: the values that share one
   scale; 32, or 16 for Q6_K), per group its block's scales, per pair of values a half-word, the widest
-  load 18-, 22- and 34-byte blocks allow (sm_90: 14.2 a Q4_K value, 10 of the loop's loads synchronous,
-  29.5 a Q6_K value).
+  load rows of an odd count of 18-, 22-, 34- or 210-byte blocks allow (sm_90, GGUF's blocks in place: 14.2 a
+  Q4_K value, 10 of the loop's loads synchronous, 29.5 a Q6_K value).
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ NIBBLE = 15
 # nibbles are its first half of values and whose high nibbles its second (GGUF's order; Q4_K and Q5_K: 64
 # values in 32 bytes, the 32-value formats their block's 16), in Q8_0 a block's 32 int8 (in its plane of
 # values: ``_decode_q8_0_words``), in Q6_K a half block (128 values: 64 bytes of nibbles, 32 of top bits, in
-# their planes: ``_decode_q6_k_words``). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) and the
-# planes are read word by word; Q4_0's and Q5_0's blocks (18, 22 bytes) are 2-byte aligned only, their words
-# straddling two aligned ones where a block starts at 2 mod 4 (``_words_at``).
-WORD_FORMATS = {"Q4_0": (32, 4, 2), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 6), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
+# their planes: ``_decode_q6_k_words``). Blocks of a multiple of 4 bytes (Q4_1, Q5_1, Q4_K, Q5_K) are read
+# word by word in place; the others (Q4_0, Q5_0, Q8_0, Q6_K: 18, 22, 34, 210 bytes) from their planes, where
+# GGUF's blocks left every other block's words straddling two aligned ones (the chunk's first byte: 0).
+WORD_FORMATS = {"Q4_0": (32, 4, 0), "Q4_1": (32, 4, 4), "Q5_0": (32, 4, 0), "Q5_1": (32, 4, 8), "Q8_0": (32, 8, 0),
                 "Q4_K": (64, 8, 16), "Q5_K": (64, 8, 48), "Q6_K": (128, 16, 0)}
 
 
@@ -238,9 +238,9 @@ if triton is not None:
     def _bytes(h_ptr, block_half, at, mask):
         """The byte of each value [BLOCK_N, G, GROUP], read two at a time: ``at`` [1, G, GROUP // 2], the
         half-word of each pair of neighbouring values 2i, 2i + 1 in its block (in every format the two
-        sit in one half-word, the even value's in its low byte). Blocks of 18 or 22 bytes, and rows of
-        planes of an odd count of Q8_0 blocks, are only 2-byte aligned: half-words are the widest loads
-        they all allow, half as many as bytes."""
+        sit in one half-word, the even value's in its low byte). Rows of an odd count of 18-, 22-, 34- or
+        210-byte blocks are only 2-byte aligned: half-words are the widest loads every row allows, half as
+        many as bytes."""
         pair = tl.load(h_ptr + block_half + at, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         pair = pair.to(tl.int32) & 0xFFFF
         both = tl.join(pair & 0xFF, pair >> 8)  # [BLOCK_N, G, GROUP // 2, 2]: the even value's byte, the odd's
@@ -268,6 +268,22 @@ if triton is not None:
             return (ri // 16) * 4
         else:
             return (jg % 32 // 16) * 4
+
+    @triton.jit
+    def _decode_planes_halves(h_ptr, row_half, blk, jg, ri, jh, K, mask, FMT: tl.constexpr, GROUP: tl.constexpr):
+        """Q4_0's or Q5_0's values [BLOCK_N, G, GROUP] from their planes (``quant.BlockFormat.planes``: a row's
+        16-byte nibble runs (values 0-15 low, 16-31 high), Q5_0's 4-byte fifth-bit runs, then the fp16 d's)
+        read as half-words: ``row_half`` [BLOCK_N, 1, 1] each row's start, ``blk`` [1, G, 1] each group's block,
+        ``jg``, ``ri``, ``jh`` as ``_decode``'s. d * (q - 8), d * (q - 16): as ``quant._q4_0``, ``quant._q5_0``."""
+        q = (_bytes(h_ptr, row_half + blk * 8, jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+        if FMT == 0:
+            w = _f16_at(h_ptr, row_half + K // 4 + blk, 0, mask) * _float(q, 8)
+        else:
+            bits = row_half + K // 4 + blk * 2  # the block's fifth bits, a little-endian uint32
+            high = _u16(h_ptr, bits, 0, mask) | (_u16(h_ptr, bits, 2, mask) << 16)
+            q = q | (((high >> (jg % 32 + ri)) & 1) << 4)
+            w = _f16_at(h_ptr, row_half + K // 4 + K // 16 + blk, 0, mask) * _float(q, 16)
+        return w
 
     @triton.jit
     def _decode_q8_0_halves(h_ptr, row_half, col, rh, K, mask):
@@ -302,21 +318,14 @@ if triton is not None:
         ``jh`` [1, G, GROUP // 2]: each pair of values' first index // 2 (the loads' offsets are in
         half-words, contiguous runs the compiler can see). Per-value work is the bits and two float
         operations; what a group or a lane shares is computed per group or once."""
-        if FMT == 0:  # Q4_0: d, 16 bytes of nibbles (values 0-15 low, 16-31 high); d * (q - 8)
-            q = (_bytes(h_ptr, block_half, 1 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
-            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 8)
-        elif FMT == 1:  # Q4_1: d, m, nibbles; d * q + m
+        if FMT == 1:  # Q4_1: d, m, nibbles; d * q + m
             q = (_bytes(h_ptr, block_half, 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
             w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
-        elif FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: d, (m,) 32 fifth bits (a little-endian uint32), nibbles
-            at: tl.constexpr = 2 if FMT == 2 else 4
-            high = _u16(h_ptr, block_half, at, mask) | (_u16(h_ptr, block_half, at + 2, mask) << 16)
-            q = (_bytes(h_ptr, block_half, at // 2 + 2 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
+        elif FMT == 3:  # Q5_1: d, m, 32 fifth bits (a little-endian uint32), nibbles; d * q + m
+            high = _u16(h_ptr, block_half, 4, mask) | (_u16(h_ptr, block_half, 6, mask) << 16)
+            q = (_bytes(h_ptr, block_half, 4 + jh % 8, mask) >> _nibble_shift(jg, ri, GROUP)) & 15
             q = q | (((high >> (jg % 32 + ri)) & 1) << 4)
-            if FMT == 2:  # d * (q - 16)
-                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 16)
-            else:  # d * q + m
-                w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
+            w = _f16_at(h_ptr, block_half, 0, mask) * _float(q, 0) + _f16_at(h_ptr, block_half, 2, mask)
         else:  # Q4_K (5) / Q5_K (6): d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: fifth bits,) nibbles
             sub = jg // 32  # the sub-block: 8 of 32 values (one per group)
             lo = sub % 4
@@ -339,18 +348,6 @@ if triton is not None:
     def _half_of(word):
         """The fp16 in the low half of each int32 word, as float32 (exact)."""
         return (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _words_at(w_ptr, byte, mask):
-        """The little-endian int32 at each even ``byte`` (of 2-byte aligned blocks): the aligned word, or
-        the high half of one and the low half of the next. The second is read only where it is needed: it
-        holds the wanted bytes' last two, so it lies within the rows (whole words from a 4-byte aligned
-        start: ``reads_words``), if past its block (Q4_0's last word)."""
-        at = byte // 4
-        lo = tl.load(w_ptr + at, mask=mask, other=0)
-        odd = byte % 4 != 0
-        hi = tl.load(w_ptr + at + 1, mask=mask & odd, other=0)
-        return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
 
     @triton.jit
     def _half_at(w_ptr, byte, mask):
@@ -437,7 +434,7 @@ if triton is not None:
         return tl.reshape(q * d[:, :, None, None], (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _decode_words(w_ptr, row_word, k0, k_hi, mn, nibble, FMT: tl.constexpr, VALUES: tl.constexpr,
+    def _decode_words(w_ptr, row_word, k0, k_hi, K, mn, nibble, FMT: tl.constexpr, VALUES: tl.constexpr,
                       NBYTES: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr,
                       EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The float32 values [BLOCK_N, BLOCK_K] of one K tile of a ``WORD_FORMATS`` format other than Q6_K and Q8_0,
@@ -447,11 +444,11 @@ if triton is not None:
         Per value: a mask and two float operations (the fifth bits of Q5_*: three more); per chunk its
         block's scale fields. ``row_word`` [BLOCK_N]: each row's first word. Blocks of whole words are
         addressed in words (the loads' contiguity then plain to the compiler: 16-byte copies, 9.3 thread
-        instructions a Q4_K value where byte addresses made 14.5, sm_90; 8.3 with ``NIBBLE``), the others in
-        bytes."""
+        instructions a Q4_K value where byte addresses made 14.5, sm_90; 8.3 with ``NIBBLE``); Q4_0's and
+        Q5_0's planes likewise."""
         C: tl.constexpr = BLOCK_K // CHUNK
         W: tl.constexpr = CHUNK_WORDS
-        ALIGNED: tl.constexpr = NBYTES % 4 == 0
+        ALIGNED: tl.constexpr = NBYTES % 4 == 0  # else Q4_0 / Q5_0, in planes
         j = tl.arange(0, C * W)  # the tile's words, chunk by chunk: runs of W contiguous words
         col = k0 + (j // W) * CHUNK  # each word's chunk's first value
         wmask = mn[:, None] & (col < k_hi)[None, :]
@@ -464,12 +461,11 @@ if triton is not None:
             head = tl.load(w_ptr + block_word, mask=cmask, other=0)  # d and (Q4_1, Q5_1: m; Q4_K, Q5_K: dmin)
             d = _half_of(head)
             second = _half_of(head >> 16)
-        else:
-            row_byte = row_word * 4
-            first = (col // VALUES) * NBYTES + FIRST_BYTE + (col % VALUES // CHUNK) * (4 * W) + 4 * (j % W)
-            words = _words_at(w_ptr, row_byte[:, None] + first[None, :], wmask)
-            block = row_byte[:, None] + ((cc // VALUES) * NBYTES)[None, :]
-            d = _half_at(w_ptr, block, cmask)  # every format's first field: d
+        else:  # Q4_0 / Q5_0 in planes: the row's 16-byte nibble runs from word 0, (Q5_0: its fifth bits' words
+            # from word K / 8,) its fp16 d's after them
+            words = tl.load(w_ptr + row_word[:, None] + (k0 // 8 + j)[None, :], mask=wmask, other=0)
+            at_d: tl.constexpr = 0 if FMT == 0 else 1  # the d plane after the nibbles (K / 2 bytes) and Q5_0's K / 8
+            d = _half_at(w_ptr, (row_word * 4)[:, None] + (K // 2 + at_d * (K // 8) + 2 * (cc // 32))[None, :], cmask)
             second = d  # no second field (Q4_0, Q5_0)
         h = tl.arange(0, 2)[None, None, :, None, None]
         u = tl.arange(0, W)[None, None, None, :, None]
@@ -483,11 +479,11 @@ if triton is not None:
         place = at % 16
         words = tl.reshape(words, (BLOCK_N, C, 1, W, 1))
         bits = _in_half(words, at) & (nibble << place)
-        if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of the uint32 after d (and m)
+        if FMT == 2 or FMT == 3:  # Q5_0 / Q5_1: value i's fifth bit is bit i of a uint32
             if FMT == 3:  # after d and m: byte 4
                 qh = tl.load(w_ptr + block_word + 1, mask=cmask, other=0)
-            else:  # after d: byte 2
-                qh = _words_at(w_ptr, block + 2, cmask)
+            else:  # Q5_0 in planes: block i's, word K / 8 + i
+                qh = tl.load(w_ptr + row_word[:, None] + (K // 8 + cc // 32)[None, :], mask=cmask, other=0)
             bits = bits | (((qh[:, :, None, None, None] >> (16 * h + 4 * u + b)) & 1) << (place + 4))
         elif FMT == 6:  # Q5_K: sub-block j's value i's fifth bit is bit j of byte i of the 32 after the scales
             qh = tl.load(w_ptr + block_word[:, :, None, None, None] + 4 + u, mask=cmask[:, :, None, None, None],
@@ -562,13 +558,16 @@ if triton is not None:
             elif WORDS and FMT == 4:
                 w = _decode_q8_0_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, K, mn, BLOCK_N, BLOCK_K)
             elif WORDS:
-                w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, mn, nibble, FMT, VALUES, NBYTES,
-                                  CHUNK, CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
+                w = _decode_words(blocks_ptr, rn.to(tl.int64) * row_stride, k0, k_hi, K, mn, nibble, FMT, VALUES,
+                                  NBYTES, CHUNK, CHUNK_WORDS, FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
             else:
                 if FMT == 4:
                     w = _decode_q8_0_halves(blocks_ptr, row_half, col, rh, K, wmask)
                 elif FMT == 7:
                     w = _decode_q6_k_halves(blocks_ptr, row_half, col // VALUES, jg, jg // 2 + rh, K, wmask)
+                elif FMT == 0 or FMT == 2:
+                    w = _decode_planes_halves(blocks_ptr, row_half, col // VALUES, jg, ri, jg // 2 + rh, K, wmask, FMT,
+                                              GROUP)
                 else:
                     w = _decode(blocks_ptr, block_half, jg, ri, jg // 2 + rh, wmask, FMT, GROUP)
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads

@@ -78,10 +78,10 @@ def test_the_tests_k_quantisers_round_trip_through_the_reference(name):
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_held_rows_are_the_files_bytes_regrouped_and_give_them_back(name):
-    """``hold`` keeps a row's bytes and its length; a format with ``planes`` (Q8_0, Q6_K) as each field's bytes
-    of every block of the row, field after field (Q8_0: the int8 values, then the fp16 scales, so the values
-    start at the row's start); ``unhold`` gives the file's blocks back byte for byte, and a held weight
-    dequantizes to the file's values."""
+    """``hold`` keeps a row's bytes and its length; a format with ``planes`` (Q4_0, Q5_0, Q8_0, Q6_K) as each
+    field's bytes of every block of the row, field after field (Q8_0: the int8 values, then the fp16 scales, so
+    the values start at the row's start); ``unhold`` gives the file's blocks back byte for byte, and a held
+    weight dequantizes to the file's values."""
     fmt = FORMATS[name]
     cols = 3 * fmt.values
     blocks = torch.from_numpy(random_blocks(Q[name], 5, cols, seed=4))

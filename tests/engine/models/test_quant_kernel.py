@@ -107,7 +107,7 @@ def test_a_rows_bits_do_not_depend_on_its_launch(name):
 
 
 # (format, K, launch) of every format: K tiles of one chunk (Q4_1, Q4_K) and of several, over several blocks;
-# blocks at 2 mod 4 bytes (every odd block of a row of the 18- and 22-byte formats); a K tile past K
+# the held planes of the 18-, 22-, 34- and 210-byte formats (whose blocks sat at 2 mod 4 bytes); a K tile past K
 # (EVEN_K off: the masked part +0.0, where Q4_0's, Q5_0's and Q6_K's offsets would make it -0.0)
 WORD_LAUNCHES = [("Q4_1", 288, lin.LinearConfig(32, 32, 2)), ("Q4_K", 768, lin.LinearConfig(32, 64, 3))] + [
     (name, k, cfg) for name in FORMATS
