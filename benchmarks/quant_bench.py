@@ -115,7 +115,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
     out = []
     for name in formats:
         fmt = FORMATS[name]
-        first = hold(quantize(dense[0], fmt), fmt)  # as a QuantLinear holds it (Q8_0: in planes)
+        first = hold(quantize(dense[0], fmt), fmt)  # as a QuantLinear holds it (in planes where the format says)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
         # the half-word decode on the same launches, where the kernel reads this weight's blocks as words

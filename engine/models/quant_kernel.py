@@ -75,9 +75,9 @@ ROW_BLOCK_CAP = {"Q6_K": 64}
 # Values of a weight tile a thread decodes at most where the blocks are not 16-byte aligned (all but
 # Q4_K's 144 and Q5_K's 176 bytes): before the planes their loads went through registers, not asynchronous
 # copies, and the pipeline's stages held them there; more warps share the tile (warps never change a row's
-# sums): a 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12). Q8_0 and
-# Q6_K in planes take asynchronous copies (2026-12-06) and keep the rule: whether they still need it is
-# ``kernel_bench.py quant-tiles``' to say.
+# sums): a 64 x 128 Q6_K tile took 254 registers a thread on 4 warps and 156 on 8 (sm_90, 2026-12). Q4_0,
+# Q5_0, Q8_0 and Q6_K in planes take asynchronous copies (2026-12-06) and keep the rule: whether they still
+# need it is ``kernel_bench.py quant-tiles``' to say.
 REGISTER_VALUES = 32
 # Registers a thread at most on a step's word launch (rows up to ``linear.STEP_ROWS``), by format: Q6_K's took
 # 136-138 on 8 warps once held in planes (sm_90, 2026-12-06; 128 before), one program an SM; capped at 128 it

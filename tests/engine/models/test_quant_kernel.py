@@ -23,9 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random blocks of ``name`` as a ``QuantLinear`` holds them (``quant.hold``: Q8_0 in planes), which is
-    what the kernel reads; scales up to 0.05: products of the size a model's weights have, rounding in bf16
-    as they do."""
+    """Random blocks of ``name`` as a ``QuantLinear`` holds them (``quant.hold``: Q4_0, Q5_0, Q8_0 and Q6_K in
+    planes), which is what the kernel reads; scales up to 0.05: products of the size a model's weights have,
+    rounding in bf16 as they do."""
     return hold(torch.from_numpy(random_blocks(Q[name], n, k, seed, scale=0.05)), FORMATS[name]).to(DEVICE)
 
 
