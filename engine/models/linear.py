@@ -222,11 +222,17 @@ def plan_for(weight: Tensor) -> LinearPlan:
     return plan_for_shape(*weight.shape, weight.device)
 
 
+def capability(dev: torch.device) -> tuple[int, int]:
+    """``dev``'s compute capability, asked once per device ((0, 0) off CUDA: a CPU tensor reaches the
+    kernels in Triton's interpreter only, the CPU tests)."""
+    if dev not in _CAPABILITY:
+        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+    return _CAPABILITY[dev]
+
+
 def plan_for_shape(n: int, k: int, dev: torch.device) -> LinearPlan:
     """``plan_for`` of an ``[n, k]`` weight on ``dev`` (a weight held otherwise: GGUF blocks, ``quant_kernel``)."""
-    if dev not in _CAPABILITY:  # (a CPU tensor reaches here in Triton's interpreter only: the CPU tests)
-        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-    plan = file_plans().get((n, k)) or TUNED.get(_CAPABILITY[dev], {}).get((n, k))
+    plan = file_plans().get((n, k)) or TUNED.get(capability(dev), {}).get((n, k))
     return plan if plan is not None else default_plan(n, k)
 
 

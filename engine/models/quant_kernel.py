@@ -192,8 +192,8 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     m = x2.shape[0]
     words = words and reads_words(fmt, cfg.block_k, blocks)
     block_m, warps = launch_shape(fmt, cfg, m)
-    if max_registers is None and x.device.type == "cuda":
-        max_registers = register_cap(fmt, words, block_m, warps, torch.cuda.get_device_capability(x.device))
+    if max_registers is None:  # (the device's capability asked once, not at every launch)
+        max_registers = register_cap(fmt, words, block_m, warps, rows_linear.capability(x.device))
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
@@ -466,7 +466,6 @@ if triton is not None:
             words = tl.load(w_ptr + row_word[:, None] + (k0 // 8 + j)[None, :], mask=wmask, other=0)
             at_d: tl.constexpr = 0 if FMT == 0 else 1  # the d plane after the nibbles (K / 2 bytes) and Q5_0's K / 8
             d = _half_at(w_ptr, (row_word * 4)[:, None] + (K // 2 + at_d * (K // 8) + 2 * (cc // 32))[None, :], cmask)
-            second = d  # no second field (Q4_0, Q5_0)
         h = tl.arange(0, 2)[None, None, :, None, None]
         u = tl.arange(0, W)[None, None, None, :, None]
         b = tl.arange(0, 4)[None, None, None, None, :]
