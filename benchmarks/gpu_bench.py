@@ -405,7 +405,10 @@ def section_large(args) -> tuple[str, dict]:
 def bytes_read_per_token(target: torch.nn.Module) -> int:
     """The weight bytes an AR step reads: every stored weight once (quantized blocks at their size),
     of the embedding one row (it is gathered), unless the output head multiplies by it (tied, float)."""
-    embed = target.embed_tokens.weight
+    embed = target.embed_tokens
+    if not isinstance(embed, torch.nn.Embedding):  # kept in blocks (``QuantEmbedding``): one row of them
+        return weight_bytes(target) - embed.nbytes + embed.nbytes // embed.num_embeddings
+    embed = embed.weight
     head = getattr(target.lm_head, "weight", None) if not isinstance(target.lm_head, QuantLinear) else None
     read = weight_bytes(target) + embed.shape[1] * embed.element_size()
     return read if head is embed else read - embed.numel() * embed.element_size()

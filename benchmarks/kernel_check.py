@@ -159,6 +159,7 @@ def cases():
                    dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                         BLOCK_M=block_m, INTERPRET=False), cfg.num_warps, stages, lin_aligned)
     yield from _quant_cases()
+    yield from _embedding_cases()
     yield from _tree_cases()
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
@@ -265,6 +266,27 @@ def _quant_cases():
                                EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                BLOCK_M=block_m, INTERPRET=False, **quant_kernel.word_constants(fmt, words)),
                    warps, rows_linear.stages_for(cfg, block_m, 2), aligned, cap)
+
+
+# Embeddings kept in blocks (``quant_kernel.embedding``): the Q4_K_M 27B's and 8B's (Q4_K), and every format at
+# SmolLM2's width where its rows are whole words (a tied SmolLM2 keeps a float one; the kernel is the same)
+EMBED_CASES = [(5120, "Q4_K"), (4096, "Q4_K"), (4096, "Q6_K")] + [
+    (576, name) for name, fmt in FORMATS.items() if 576 % fmt.values == 0 and fmt.row_bytes(576) % 4 == 0]
+
+
+def _embedding_cases():
+    """``quant_kernel.embedding``'s launches in bf16 (rows start 4-byte aligned: every held row of whole words;
+    a row of 16 words' multiple specialised as the launch specialises it)."""
+    for k, name in EMBED_CASES:
+        fmt = FORMATS[name]
+        block_k = quant_kernel.embed_block_k(fmt, k)
+        assert quant_kernel.words_fit(fmt, block_k, fmt.row_bytes(k)), (k, name)
+        types = dict(ids_ptr="*i64", w_ptr="*i32", out_ptr="*bf16", M="i32", K="i32", row_stride="i32", nibble="i32")
+        yield (f"embedding {name} x{k}", quant_kernel._embedding_kernel, types,
+               dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
+                    **quant_kernel.word_constants(fmt, True), EVEN_K=k % block_k == 0,
+                    BLOCK_N=quant_kernel.EMBED_ROWS, BLOCK_K=block_k, INTERPRET=False),
+               4, 1, ("ids_ptr", "w_ptr", "out_ptr", "K") + (("row_stride",) if fmt.row_bytes(k) % 64 == 0 else ()))
 
 
 def _shard(text: str) -> tuple[int, int]:

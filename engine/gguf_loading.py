@@ -25,7 +25,16 @@ from engine.config import EngineInputError
 from engine.files import preview
 from engine.gguf_archs import GGUF_ARCHS, Metadata, TensorMap
 from engine.loading import Device, NativePlan, TensorSource, build_model, finish_model, load_state
-from engine.models.quant import FLOAT_TYPES, FORMATS, WEIGHTS, BlockFormat, QuantLinear, bad_scales, hold
+from engine.models.quant import (
+    FLOAT_TYPES,
+    FORMATS,
+    WEIGHTS,
+    BlockFormat,
+    QuantEmbedding,
+    QuantLinear,
+    bad_scales,
+    hold,
+)
 
 __all__ = ["GGUF_ARCHS", "load_target_gguf", "readable_types"]
 
@@ -38,8 +47,9 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
     ``weights="dequantized"`` (the default) dequantises every tensor into ``dtype``. ``"native"`` keeps
     each projection weight (attention q/k/v/o, MLP gate/up/down, the Gated DeltaNet in/out
     projections, an untied output head) whose type has a native form (``quant.FORMATS``: Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in its blocks, as a ``quant.QuantLinear``. Everything else is
-    dequantised as with ``"dequantized"``: the embedding (rows are gathered, not multiplied), the
+    Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in its blocks, as a ``quant.QuantLinear``, and an untied embedding
+    of such a type as a ``quant.QuantEmbedding`` (a lookup dequantizes only its rows). Everything else is
+    dequantised as with ``"dequantized"``: a tied embedding (the head multiplies by it), the
     norms, biases, conv and decay parameters (F32 in every file), F32/F16/BF16 tensors, and
     projections of a type with no native form (Q2_K, Q3_K, the IQ types, ...): such a file still
     loads, and ``quant.weights_summary`` lists those under ``fallback``, since llama.cpp mixes types
@@ -75,7 +85,7 @@ def load_target_gguf(path: Path, device: Device, dtype: torch.dtype,
     _check_types({name: tensors[name] for name in maps}, path)
     native, shapes_only = weights == "native", torch.device(device).type == "meta"
     model = build_model(target.model, target.config, device, dtype, _native_plan(tensors, maps) if native else None)
-    kept = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    kept = {name for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     source: TensorSource = {}
     orders: dict[str, Tensor] = {}  # block layers whose input the model permutes (their columns stay the file's)
     for name, m in maps.items():

@@ -28,7 +28,7 @@ from engine.files import read_mapping
 from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
-from engine.models.quant import BlockFormat, QuantLinear
+from engine.models.quant import BlockFormat, QuantEmbedding, QuantLinear
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -242,7 +242,7 @@ def _draft_config_from_hf(cfg: dict, where: Path, target_layers: int) -> DFlashC
 
 def _target_dims(target: nn.Module) -> tuple[int, int, int]:
     """(hidden, vocab, layers) of a dense or hybrid target; the draft borrows its embedding and lm_head."""
-    vocab, hidden = target.embed_tokens.weight.shape
+    vocab, hidden = target.embed_tokens.num_embeddings, target.embed_tokens.embedding_dim
     return int(hidden), int(vocab), len(target.layers)
 
 
@@ -387,25 +387,39 @@ def _to_empty(model: nn.Module, device: Device) -> nn.Module:
 
 
 def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
-    """Each projection of ``native`` that the model has, with the file's shape, as a ``QuantLinear``
-    (on the meta device); the others stay, to be filled (or refused) as floats."""
+    """Each projection of ``native`` that the model has, with the file's shape, as a ``QuantLinear``, and
+    an untied embedding of ``native`` as a ``QuantEmbedding`` (on the meta device; a tied one stays float:
+    the head multiplies by it); the others stay, to be filled (or refused) as floats."""
+    shared = _shared_parameters(model)
     for name, (fmt, shape) in native.items():
         try:
-            linear = model.get_submodule(name)
+            module = model.get_submodule(name)
         except AttributeError:  # a tensor the model has no place for: load_state names it
             continue
-        if isinstance(linear, nn.Linear) and (linear.out_features, linear.in_features) == shape:
-            owner, _, attr = name.rpartition(".")
+        owner, _, attr = name.rpartition(".")
+        if isinstance(module, nn.Linear) and (module.out_features, module.in_features) == shape:
             setattr(model.get_submodule(owner) if owner else model, attr,
-                    QuantLinear(fmt, linear.in_features, linear.out_features, linear.bias is not None, "meta"))
+                    QuantLinear(fmt, module.in_features, module.out_features, module.bias is not None, "meta"))
+        elif (isinstance(module, nn.Embedding) and (module.num_embeddings, module.embedding_dim) == shape
+              and id(module.weight) not in shared and module.embedding_dim % fmt.values == 0):
+            setattr(model.get_submodule(owner) if owner else model, attr,
+                    QuantEmbedding(fmt, module.num_embeddings, module.embedding_dim, "meta", module.weight.dtype))
     return model
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters more than one module holds (a head tied to the embedding)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def _check_fits(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,
                 native: NativePlan | None = None) -> None:
     with torch.device("meta"):  # shapes only: nothing allocated
         meta = _with_blocks(cls(cfg), native or {})
-    blocks = sum(m.nbytes for m in meta.modules() if isinstance(m, QuantLinear))
+    blocks = sum(m.nbytes for m in meta.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
     need = sum(p.numel() for p in meta.parameters()) * torch.empty((), dtype=dtype).element_size() + blocks
     free = free_memory(torch.device(device))
     if free is not None and need > free:

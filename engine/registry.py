@@ -5,9 +5,9 @@ Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P
 P per prompt) or ``none``.
 
 Quantized presets (``quantized_preset``: ``qwen3-8b-shape-q4_k_m``, ``qwen35-27b-shape-q4_k_m``) are a
-float preset with its projections quantized in memory to a llama.cpp-like mix as it is built, held
-``weights="native"`` or ``"dequantized"`` as a GGUF file of that mix is, and drafted for by the float
-preset's drafts (``draft_for``).
+float preset with its projections (and an untied embedding) quantized in memory to a llama.cpp-like mix
+as it is built, held ``weights="native"`` or ``"dequantized"`` as a GGUF file of that mix is, and drafted
+for by the float preset's drafts (``draft_for``).
 """
 
 from __future__ import annotations
@@ -351,14 +351,16 @@ TARGETS: dict[str, TargetPreset] = {
         "layers), built on the GPU: timing only", None, _qwen35_27b_shape,
     ),
     "qwen3-8b-shape-q4_k_m": quantized_preset(
-        "qwen3-8b-shape", "qwen3-8b-shape quantized in memory to a Q4_K_M-like mix (Q4_K; Q6_K for the output head "
-        "and llama.cpp's share of down/v projections), seeded, built a projection at a time on the GPU: timing "
-        "only; weights native keeps the blocks, dequantized holds their values (draft: qwen3-8b-shape-dflash)",
+        "qwen3-8b-shape", "qwen3-8b-shape quantized in memory to a Q4_K_M-like mix (Q4_K, the untied embedding "
+        "included; Q6_K for the output head and llama.cpp's share of down/v projections), seeded, built a "
+        "projection at a time on the GPU: timing only; weights native keeps the blocks, dequantized holds their "
+        "values (draft: qwen3-8b-shape-dflash)",
     ),
     "qwen35-27b-shape-q4_k_m": quantized_preset(
-        "qwen35-27b-shape", "qwen35-27b-shape quantized in memory to a Q4_K_M-like mix (Q4_K; Q6_K for the output "
-        "head and llama.cpp's share of down/v projections), seeded, built a projection at a time on the GPU: timing "
-        "only; weights native keeps the blocks, dequantized holds their values (draft: qwen35-27b-shape-dflash)",
+        "qwen35-27b-shape", "qwen35-27b-shape quantized in memory to a Q4_K_M-like mix (Q4_K, the untied embedding "
+        "included; Q6_K for the output head and llama.cpp's share of down/v projections), seeded, built a "
+        "projection at a time on the GPU: timing only; weights native keeps the blocks, dequantized holds their "
+        "values (draft: qwen35-27b-shape-dflash)",
     ),
 }
 CHECKPOINTS = Path(__file__).parent / "checkpoints"

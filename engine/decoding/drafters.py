@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from engine.config import EngineInputError
 from engine.models.common import free_rows_, fuse_projections_
 from engine.models.draft import DFlashDraft
+from engine.models.quant import embed_rows
 
 # The oracle's logit for its first rank (the next ranks one less each): far above any other.
 _TOP = 20.0
@@ -126,7 +127,7 @@ class DFlashDrafter:
             seen = seen & (keys >= start - window)
         # Row gathers by indexing, not index_select: for 16 rows the latter's small-index kernel loops
         # over the indices (8-9 us on an H200 against ~3).
-        h = self.draft.forward_static(self.target.embed_tokens.weight[ids], features[fresh], slots, context[0],
+        h = self.draft.forward_static(embed_rows(self.target.embed_tokens, ids), features[fresh], slots, context[0],
                                       context[1], key_len, seen[None, :].expand(block_size, -1))
         return self._logits(h)
 

@@ -196,11 +196,13 @@ class TargetModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        embed = self.embed_tokens  # (a ``quant.QuantEmbedding`` in blocks says its own)
+        return embed.weight.device if isinstance(embed, nn.Embedding) else embed.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        embed = self.embed_tokens
+        return embed.weight.dtype if isinstance(embed, nn.Embedding) else embed.dtype
 
     def forward(self, tokens: Tensor, cache, start: int, tree: VerifyTree | None = None,
                 feature_layers: Sequence[int] = (), last_only: bool = False, as_steps: bool = False

@@ -259,6 +259,69 @@ class QuantLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 
+class QuantEmbedding(nn.Module):
+    """An untied token embedding [vocab, hidden] kept in its GGUF blocks (``blocks``: uint8 [vocab,
+    row_bytes], held rows as a ``QuantLinear``'s): the stand-in for ``nn.Embedding`` where a model looks
+    tokens up. A lookup reads only its tokens' rows and dequantizes them into the model's dtype, the values a
+    dequantized load holds (``dequantize``, bit for bit): on CUDA in half precision one launch
+    (``quant_kernel.embedding``), elsewhere in PyTorch. A 27B's 248k x 5120 embedding is 2.4 GiB in bf16 and
+    0.7 in Q4_K (what llama.cpp's Q4_K_M gives it): the difference decides whether a 27B target and its
+    draft fit a 24 GB card. A tied embedding (the head multiplies by it) stays float.
+
+    The model's dtype rides on an empty float buffer (``like``), cast by ``.to(dtype)`` as the floats are;
+    there is no ``weight``, as there is none on a ``QuantLinear``."""
+
+    def __init__(self, fmt: BlockFormat, num_embeddings: int, embedding_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 blocks: Tensor | None = None) -> None:
+        super().__init__()
+        if embedding_dim % fmt.values:
+            raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but embedding_dim is "
+                             f"{embedding_dim}")
+        shape = (num_embeddings, fmt.row_bytes(embedding_dim))
+        if blocks is None:
+            blocks = torch.empty(shape, dtype=torch.uint8, device=device)
+        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == shape, (tuple(blocks.shape), shape)
+        self.fmt, self.num_embeddings, self.embedding_dim = fmt, num_embeddings, embedding_dim
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("like", torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=blocks.device),
+                             persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.like.dtype
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The embedding [vocab, hidden] in ``dtype``: the values a dequantized load holds."""
+        return dequantize(unhold(self.blocks, self.fmt), self.fmt, self.embedding_dim, dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        if quant_kernel.use_embedding_kernel(flat, self.blocks, self.fmt, self.dtype):
+            rows = quant_kernel.embedding(flat, self.blocks, self.fmt, self.embedding_dim, self.dtype)
+        else:
+            rows = dequantize(unhold(self.blocks[flat], self.fmt), self.fmt, self.embedding_dim, self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, {self.num_embeddings}, {self.embedding_dim}"
+
+
+def embed_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
+    """The rows ``ids`` of a target's embedding: a float one's by indexing (for a draft block's 16 rows on
+    CUDA, ``index_select``'s small-index kernel, which ``nn.Embedding`` takes, loops over them: 8-9 us on an
+    H200 against ~3), a ``QuantEmbedding``'s by its lookup."""
+    return embedding.weight[ids] if isinstance(embedding, nn.Embedding) else embedding(ids)
+
+
 class QuantFusedLinear(QuantLinear):
     """``common.FusedLinear`` for quantized parts of one format and width: their block rows stacked
     (one contiguous block tensor, one GEMM), each part's output a view of the one product."""
@@ -313,15 +376,18 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
     checkpoint name -> its type in the file, of each tensor held as floats (names and types from the
     loader's ``weight_types``: GGUF targets only); ``fallback``: those of them that were quantized in
     the file and are not the embedding, i.e. what ``native`` asked for and could not keep (a type
-    with no native form here); ``native_projections``: how many projections a native load of the file
-    holds in their blocks (loaded native: ``native``'s; loaded dequantized: those it would, by
-    :func:`would_keep`), where 0 means the two forms hold the same float weights; ``native_bytes`` and
-    ``weight_bytes`` (all stored weights)."""
+    with no native form here); ``native_projections``: how many weights (projections, an untied
+    embedding) a native load of the file holds in their blocks (loaded native: ``native``'s; loaded
+    dequantized: those it would, by :func:`would_keep`), where 0 means the two forms hold the same float
+    weights; ``native_bytes`` and ``weight_bytes`` (all stored weights)."""
     native: dict[str, str] = {}
     native_bytes = 0
     for owner, module in model.named_modules():
         prefix = f"{owner}." if owner else ""
         for child_name, child in module.named_children():
+            if isinstance(child, QuantEmbedding):
+                native_bytes += child.nbytes
+                native[f"{prefix}{child_name}.weight"] = child.fmt.name
             if not isinstance(child, QuantLinear):
                 continue
             native_bytes += child.nbytes
@@ -347,9 +413,23 @@ def would_keep(model: nn.Module, types: dict[str, str]) -> dict[str, str]:
     here (``FORMATS``). The embedding, norms, conv and float or fallback types stay floats either way."""
     out = {}
     for name, kind in types.items():
-        if kind in FORMATS and name.endswith(".weight") and _is_projection(model, name.removesuffix(".weight")):
+        path = name.removesuffix(".weight")
+        if kind in FORMATS and name.endswith(".weight") and (_is_projection(model, path)
+                                                            or _is_untied_embedding(model, path, FORMATS[kind])):
             out[name] = kind
     return out
+
+
+def _is_untied_embedding(model: nn.Module, path: str, fmt: BlockFormat) -> bool:
+    """Whether ``path`` names a float embedding of ``model`` no other module shares (a native load keeps
+    it in blocks, ``QuantEmbedding``) of a width of whole ``fmt`` blocks."""
+    try:
+        embed = model.get_submodule(path)
+    except AttributeError:
+        return False
+    if not isinstance(embed, nn.Embedding) or embed.embedding_dim % fmt.values:
+        return False
+    return sum(p is embed.weight for _, p in model.named_parameters(remove_duplicate=False)) == 1
 
 
 def _is_projection(model: nn.Module, path: str) -> bool:

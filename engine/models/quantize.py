@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.models.common import FusedLinear
-from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantFusedLinear, QuantLinear, fusable, hold
+from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantEmbedding, QuantFusedLinear, QuantLinear, fusable, hold
 
 GROUP_MAX_EPS = 1e-15  # a group whose largest magnitude is below this is stored as zeros (llama.cpp's)
 CHUNK_VALUES = 1 << 25  # values quantized at once: bounds the temporaries (a 27B-shape lm_head has 1.3e9)
@@ -255,7 +255,8 @@ def more_bits(i: int, n: int) -> bool:
 def q4_k_m_format(name: str, layer: int | None, n_layers: int, v_index: int | None, n_v: int) -> str:
     """The format llama.cpp's Q4_K_M gives projection ``name``: Q6_K for the output head, and for
     ``down_proj`` and ``v_proj`` on the layers ``more_bits`` picks (counted among the layers that have
-    one); Q4_K for the rest. (llama.cpp also gives a fused ``attn_qkv`` Q5_K; our projections are
+    one); Q4_K for the rest, an untied token embedding included (the file type's own format, which
+    llama.cpp gives ``token_embd``). (llama.cpp also gives a fused ``attn_qkv`` Q5_K; our projections are
     quantized part by part.)"""
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "lm_head":
@@ -291,13 +292,27 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
     return out
 
 
+def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
+    """(owner, child name, owner's name prefix, [(child name, weight, None)]) of each float embedding of
+    ``model`` no other module shares: a tied one stays float, since the head multiplies by it."""
+    count: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        count[id(p)] = count.get(id(p), 0) + 1
+    out = []
+    for owner, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.Embedding) and count[id(child.weight)] == 1:
+                out.append((module, child_name, f"{owner}." if owner else "", [(child_name, child.weight, None)]))
+    return out
+
+
 def recipe_formats(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
-    """Checkpoint name -> format of each projection weight ``quantize_model_`` quantizes in ``recipe``'s
-    mix (``q4_k_m``: ``q4_k_m_format``; a width that is not whole 256-value blocks takes the K format's
-    ``FALLBACK``; a projection not whole 32-value blocks is left out: it stays float). Reads names and
-    shapes only, so it plans a model on the meta device as ``quantize_model_`` quantizes a real one
-    (fused groups by their parts' names, as unfused)."""
-    return _formats(_projections(model), recipe)
+    """Checkpoint name -> format of each projection weight (and untied embedding) ``quantize_model_``
+    quantizes in ``recipe``'s mix (``q4_k_m``: ``q4_k_m_format``; a width that is not whole 256-value
+    blocks takes the K format's ``FALLBACK``; a weight not whole 32-value blocks is left out: it stays
+    float). Reads names and shapes only, so it plans a model on the meta device as ``quantize_model_``
+    quantizes a real one (fused groups by their parts' names, as unfused)."""
+    return _formats(_projections(model) + _embeddings(model), recipe)
 
 
 def _formats(found: list[tuple[nn.Module, str, str, list]], recipe: str) -> dict[str, str]:
@@ -325,12 +340,18 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
     freed before the next is quantized, unless shared): a fused group whose parts share a format
     becomes one ``QuantFusedLinear``, a mixed one its parts (``quant.fusable``). A projection whose width
     is not whole 256-value blocks takes the K format's ``FALLBACK``; one not whole 32-value blocks stays
-    float. The embedding and norms stay float; a tied ``lm_head`` gets its own blocks (the embedding keeps
-    its floats). Returns checkpoint name -> format of each weight quantized (``quant.weights_summary``
-    then reads the model as it reads a native GGUF load)."""
-    found = _projections(model)
-    kinds = _formats(found, recipe)
+    float. An untied embedding becomes a ``QuantEmbedding``; a tied one and the norms stay float (a tied
+    ``lm_head`` gets its own blocks). Returns checkpoint name -> format of each weight quantized
+    (``quant.weights_summary`` then reads the model as it reads a native GGUF load)."""
+    found, embeddings = _projections(model), _embeddings(model)  # (untied: before the head is swapped)
+    kinds = _formats(found + embeddings, recipe)
     formats: dict[str, str] = {}
+    for module, child_name, prefix, ((_, weight, _),) in embeddings:
+        if (kind := kinds.get(f"{prefix}{child_name}.weight")) is not None:
+            fmt = FORMATS[kind]
+            setattr(module, child_name, QuantEmbedding(fmt, weight.shape[0], weight.shape[1], dtype=weight.dtype,
+                                                       blocks=hold(quantize(weight, fmt), fmt)))
+            formats[f"{prefix}{child_name}.weight"] = kind
     for module, child_name, prefix, parts in found:
         # (the parts of a group share their width: all quantized, or the group stays float)
         if all(f"{prefix}{part}.weight" in kinds for part, _, _ in parts):

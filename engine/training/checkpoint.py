@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.config import EngineInputError
 from engine.models.dense import DenseModel
@@ -259,8 +259,16 @@ def restore(payload: Mapping[str, Any], manifest: Mapping[str, Any], draft: torc
 def target_record(target: DenseModel) -> dict[str, Any]:
     """What identifies the target for a resumed run: its config, and a hash of a strided sample of
     its embedding (rounded to bfloat16, so the same weights loaded in float32 or bfloat16 agree)."""
-    w = target.embed_tokens.weight.detach().flatten()
-    sample = w[:: max(1, w.numel() // 65536)].to(torch.bfloat16).float().cpu()
+    embed = target.embed_tokens
+    if isinstance(embed, nn.Embedding):
+        w = embed.weight.detach().flatten()
+        sample = w[:: max(1, w.numel() // 65536)]
+    else:  # kept in blocks (``QuantEmbedding``): the same sample of its values, without the whole float table
+        numel = embed.num_embeddings * embed.embedding_dim
+        at = torch.arange(0, numel, max(1, numel // 65536), device=embed.device)
+        sample = torch.cat([embed(part // embed.embedding_dim).gather(1, (part % embed.embedding_dim)[:, None])[:, 0]
+                            for part in at.split(4096)])  # (4,096 rows at a time)
+    sample = sample.to(torch.bfloat16).float().cpu()
     return {"config": json.loads(json.dumps(asdict(target.cfg))),
             "embedding_sample_sha256": hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]}
 

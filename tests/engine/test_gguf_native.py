@@ -11,31 +11,32 @@ import torch
 import engine
 from engine import EngineConfig, EngineInputError
 from engine.models.common import Linear, unfused_state_dict
-from engine.models.quant import QuantFusedLinear, QuantLinear
+from engine.models.quant import QuantEmbedding, QuantFusedLinear, QuantLinear
 from tests.engine.gguf_files import bpe_tokenizer, tiny_hf, write_gguf
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-# name: (arch, default type, per-tensor types, tiny_hf overrides, the formats kept native and how many of each)
+# name: (arch, default type, per-tensor types, tiny_hf overrides, the formats kept native and how many of each:
+# the projections, and an untied embedding, of the default type)
 CASES = {
     # llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for attn_v, ffn_down and the output head; one ffn_up in
     # TQ2_0 (no native form: it falls back to floats, and its gate/up group stays unfused).
     "llama-q4_k_m": ("llama", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K,
-                                      "blk.1.ffn_up": Q.TQ2_0}, {}, {"Q4_K": 9, "Q6_K": 5}),
+                                      "blk.1.ffn_up": Q.TQ2_0}, {}, {"Q4_K": 10, "Q6_K": 5}),
     "qwen3-q8_0-tied": ("qwen3", Q.Q8_0, {}, {"tie_word_embeddings": True}, {"Q8_0": 14}),
-    "qwen2-q5_k-bias": ("qwen2", Q.Q5_K, {}, {}, {"Q5_K": 15}),
+    "qwen2-q5_k-bias": ("qwen2", Q.Q5_K, {}, {}, {"Q5_K": 16}),
     "llama-q4_1-q4_0-q5_0": ("llama", Q.Q4_1, {"attn_output": Q.Q4_0, "ffn_down": Q.Q5_0, "output": Q.Q8_0}, {},
-                             {"Q4_1": 10, "Q4_0": 2, "Q5_0": 2, "Q8_0": 1}),
+                             {"Q4_1": 11, "Q4_0": 2, "Q5_0": 2, "Q8_0": 1}),
     "qwen3-q4_k_m-tied": ("qwen3", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}, {"tie_word_embeddings": True},
                           {"Q4_K": 10, "Q6_K": 4}),
     # Qwen3.5 (issue #28): 2 Gated DeltaNet layers (in_proj qkv/z/b/a, out_proj, MLP: 8 each) and 2
     # attention layers (7 each), the head. Q8_0 blocks (32 wide) move with the value heads (64 wide)
     # llama.cpp tiled; Q4_K blocks (256) cannot: out_proj reads its input permuted instead.
-    "qwen35-q8_0": ("qwen35", Q.Q8_0, {}, {}, {"Q8_0": 31}),
+    "qwen35-q8_0": ("qwen35", Q.Q8_0, {}, {}, {"Q8_0": 32}),
     "qwen35-q4_k_m": ("qwen35", Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}, {},
-                      {"Q4_K": 24, "Q6_K": 7}),
+                      {"Q4_K": 25, "Q6_K": 7}),
 }
 CONFIGS = [EngineConfig(verify="ar"), EngineConfig(verify="chain", block_size=8),
            EngineConfig(verify="ddtree", budget=8, top_k=3, block_size=8)]
@@ -74,7 +75,11 @@ def test_native_decodes_as_its_dequantized_twin(case, tmp_path):
     float_bytes = sum(state[name].numel() * 4 for name in summary["native"])
     assert summary["weight_bytes"] == twin_summary["weight_bytes"] - float_bytes + summary["native_bytes"]
     assert summary["weight_bytes"] < twin_summary["weight_bytes"] * 0.75
-    assert summary["dequantized"]["embed_tokens.weight"] == CASES[case][1].name  # gathered, not multiplied
+    # an untied embedding in its blocks (a lookup dequantizes its rows), a tied one float (the head multiplies by it)
+    tied = CASES[case][3].get("tie_word_embeddings", False)
+    assert isinstance(native.target.embed_tokens, torch.nn.Embedding if tied else QuantEmbedding)
+    held = summary["dequantized"] if tied else summary["native"]
+    assert held["embed_tokens.weight"] == CASES[case][1].name
     assert summary["dequantized"]["layers.0.input_layernorm.weight"] == "F32"
     assert set(summary["native"]) | set(summary["dequantized"]) == set(native.target.weight_types)
 
@@ -108,6 +113,23 @@ def test_q4_k_m_fuses_what_shares_a_format_and_keeps_the_rest_apart(tmp_path):
     assert summary["fallback"] == {"layers.1.mlp.up_proj.weight": "TQ2_0"}
     assert summary["native"]["layers.0.self_attn.v_proj.weight"] == "Q6_K"
     assert summary["native"]["layers.0.mlp.up_proj.weight"] == "Q4_K"  # a fused part by its own name
+
+
+def test_an_untied_embedding_in_blocks_holds_the_dequantized_rows(tmp_path):
+    """The Q4_K_M file's untied token embedding (Q4_K) stays in its blocks: in bfloat16 its rows are the
+    dequantized load's bits, the model's dtype and device are read from it, and a training run's record
+    of the target (a sample of the embedding's values) is the dequantized twin's: a draft trained on one
+    resumes on the other."""
+    from engine.training.checkpoint import target_record
+
+    native, twin = _pairs(_file(tmp_path, "llama-q4_k_m"), "bfloat16")
+    embed = native.target.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and embed.fmt.name == "Q4_K" and embed.nbytes == 300 * 144
+    assert native.target.dtype == torch.bfloat16 and native.target.device.type == "cpu"
+    assert torch.equal(embed.dequantized(torch.bfloat16), twin.target.embed_tokens.weight)
+    ids = torch.tensor([0, 299, 17, 17])
+    assert torch.equal(embed(ids), twin.target.embed_tokens(ids))
+    assert target_record(native.target) == target_record(twin.target)
 
 
 def test_native_bf16_holds_the_dequantized_load_values(tmp_path):

@@ -155,11 +155,11 @@ def test_the_shape_presets_plan_on_the_meta_device_anywhere():
 def test_the_quantized_shape_presets_plan_their_q4_k_m_bytes_on_the_meta_device(base):
     """``<shape>-q4_k_m`` held native plans, with nothing allocated, its float shape's tensors with each
     projection at the bytes of the blocks llama.cpp's Q4_K_M gives it (counted here from the float
-    shape's projections and ``q4_k_m_format``): about 4.8 bits a weight; held dequantized, the float
-    shape's bytes."""
+    shape's projections and ``q4_k_m_format``), its untied embedding at Q4_K's: about 4.8 bits a weight;
+    held dequantized, the float shape's bytes."""
     from torch import nn
 
-    from engine.models.quant import FORMATS
+    from engine.models.quant import FORMATS, QuantEmbedding
     from engine.models.quantize import q4_k_m_format
     from engine.registry import TARGETS
 
@@ -175,6 +175,10 @@ def test_the_quantized_shape_presets_plan_their_q4_k_m_bytes_on_the_meta_device(
                                     len(v))]
         assert m.in_features % 256 == 0 and fmt.name in ("Q4_K", "Q6_K")  # no fallback at these widths
         blocks += m.out_features * m.in_features // fmt.values * fmt.nbytes
+    embed = floats.embed_tokens
+    assert floats.lm_head.weight is not embed.weight and isinstance(pair.target.embed_tokens, QuantEmbedding)
+    blocks += embed.weight.numel() // 256 * 144
+    linears["embed_tokens"] = embed
     rest = sum(p.numel() for name, p in floats.named_parameters() if name.rpartition(".")[0] not in linears)
     plan = plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, device="cuda")
     assert plan.parts["target_weights"] == blocks + 2 * rest + 4 * floats.inv_freq.numel()

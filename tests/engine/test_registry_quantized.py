@@ -16,7 +16,7 @@ from engine import EngineConfig, EngineInputError
 from engine.data.tokenizer import ByteTokenizer
 from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
-from engine.models.quant import QuantFusedLinear, QuantLinear
+from engine.models.quant import QuantEmbedding, QuantFusedLinear, QuantLinear
 from engine.models.quantize import quantize_model_
 from engine.registry import CPU, DRAFTS, TARGETS, TINY_SEED, TargetPreset, draft_for, init_random_, quantized_preset
 from tests.engine.test_meta_load import _assert_plans_equal as assert_plans_equal
@@ -87,7 +87,7 @@ def _blocks_values(model: nn.Module) -> dict[str, torch.Tensor]:
         for child_name, child in module.named_children():
             if isinstance(child, QuantFusedLinear):
                 parts = zip(module.FUSED[child_name], child.dequantized().split(child.sizes), strict=True)
-            elif isinstance(child, QuantLinear):
+            elif isinstance(child, (QuantLinear, QuantEmbedding)):
                 parts = [(child_name, child.dequantized())]
             else:
                 continue

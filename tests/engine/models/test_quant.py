@@ -11,7 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.common import FusedLinear, Linear, SwiGLU, free_rows_, fuse_projections_, unfused_state_dict
-from engine.models.quant import FORMATS, QuantFusedLinear, QuantLinear, bad_scales, dequantize, fusable, hold, unhold
+from engine.models.quant import (
+    FORMATS,
+    QuantEmbedding,
+    QuantFusedLinear,
+    QuantLinear,
+    bad_scales,
+    dequantize,
+    embed_rows,
+    fusable,
+    hold,
+    unhold,
+)
 from tests.engine.gguf_files import quantize, random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -124,6 +135,26 @@ def test_quant_linear_multiplies_as_its_dequantized_weight(dtype):
     assert torch.equal(free_rows_(layer)(x), F.linear(x, w, layer.bias))
     with pytest.raises(ValueError, match="rows of whole 256-value blocks, but in_features is 300"):
         QuantLinear(FORMATS["Q4_K"], 300, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_embedding_looks_up_its_dequantized_rows(dtype):
+    """An untied embedding kept in its blocks: ``.to(dtype)`` moves its dtype (an empty float buffer) and
+    leaves its bytes; a lookup of any shape is the dequantized table's rows in that dtype, bit for bit;
+    it has no ``weight``, and a width of partial blocks is refused."""
+    fmt = FORMATS["Q6_K"]
+    blocks = hold(torch.from_numpy(random_blocks(Q.Q6_K, 40, 512, 3)), fmt)
+    embed = QuantEmbedding(fmt, 40, 512, blocks=blocks).to(dtype)
+    assert embed.blocks.dtype == torch.uint8 and embed.dtype == dtype and embed.nbytes == 40 * 2 * 210
+    assert not hasattr(embed, "weight") and embed.state_dict().keys() == {"blocks"}
+    table = dequantize(unhold(blocks, fmt), fmt, 512, dtype)
+    assert torch.equal(embed.dequantized(dtype), table)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    got = embed(ids)
+    assert got.shape == (2, 3, 512) and got.dtype == dtype
+    assert torch.equal(got, table[ids]) and torch.equal(embed_rows(embed, ids[0]), table[ids[0]])
+    with pytest.raises(ValueError, match="rows of whole 256-value blocks, but embedding_dim is 300"):
+        QuantEmbedding(fmt, 4, 300)
 
 
 def test_fusion_stacks_rows_of_one_format_and_leaves_mixed_groups_apart():

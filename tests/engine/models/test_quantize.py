@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.models.common import FusedLinear, Linear, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
-from engine.models.quant import FORMATS, QuantFusedLinear, QuantLinear, dequantize, weights_summary
+from engine.models.quant import FORMATS, QuantEmbedding, QuantFusedLinear, QuantLinear, dequantize, weights_summary
 from engine.models.quantize import FALLBACK, more_bits, quantize, quantize_model_
 from engine.registry import init_random_
 from tests.engine.gguf_files import quantize as minmax_quantize
@@ -118,26 +118,32 @@ def _float_twin(model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
                 linear.weight = nn.Parameter(child.dequantized(dtype), requires_grad=False)
                 linear.bias = child.bias
                 setattr(module, name, linear)
+            elif isinstance(child, QuantEmbedding):
+                embed = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+                embed.weight = nn.Parameter(child.dequantized(dtype), requires_grad=False)
+                setattr(module, name, embed)
 
 
 def test_quantize_model_gives_llamacpps_q4_k_m_mix_and_computes_what_its_blocks_hold():
     """8 layers of a 256-wide model: Q6_K for the head and for v_proj and down_proj on layers 0, 3, 6, 7
-    (``more_bits``), Q4_K elsewhere; a q/k/v group with a Q6_K v is left as its parts, the others and
-    gate/up stay fused. Its logits are its dequantized twin's, and near the float model's."""
+    (``more_bits``), Q4_K elsewhere, the untied embedding included (a ``QuantEmbedding``); a q/k/v group
+    with a Q6_K v is left as its parts, the others and gate/up stay fused. Its logits are its dequantized
+    twin's, and near the float model's."""
     model = _model(256, 512, 8)
     ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(0))
     before = _logits(model, ids)
     formats = quantize_model_(model)
     six = {f"layers.{i}.{p}.weight" for i in (0, 3, 6, 7) for p in ("self_attn.v_proj", "mlp.down_proj")}
     assert {n for n, f in formats.items() if f == "Q6_K"} == six | {"lm_head.weight"}
-    assert set(formats.values()) == {"Q4_K", "Q6_K"} and len(formats) == 8 * 7 + 1
+    assert set(formats.values()) == {"Q4_K", "Q6_K"} and len(formats) == 8 * 7 + 2
+    assert formats["embed_tokens.weight"] == "Q4_K" and isinstance(model.embed_tokens, QuantEmbedding)
     attn, mlp = model.layers[0].self_attn, model.layers[1].mlp
     assert "qkv_proj" not in attn._modules and attn.v_proj.fmt.name == "Q6_K" and attn.q_proj.fmt.name == "Q4_K"
     assert isinstance(model.layers[1].self_attn.qkv_proj, QuantFusedLinear)
     assert isinstance(mlp.gate_up_proj, QuantFusedLinear) and mlp.down_proj.fmt.name == "Q4_K"
     assert not any(type(m) in (nn.Linear, Linear, FusedLinear) for m in model.modules())
     summary = weights_summary(model, "native")
-    assert summary["native"] == formats and summary["formats"] == {"Q4_K": 48, "Q6_K": 9}
+    assert summary["native"] == formats and summary["formats"] == {"Q4_K": 49, "Q6_K": 9}
     after = _logits(model, ids)
     _float_twin(model)
     assert torch.allclose(after, _logits(model, ids), rtol=0, atol=1e-4)
