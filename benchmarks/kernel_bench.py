@@ -10,6 +10,7 @@
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
     python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
     python benchmarks/kernel_bench.py quant-tiles           # the block kernel's 1-row launches per 27B weight
+                                                            # (--rows 33: a budget-32 verify's, K split as its step)
     python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
                                                             # dequantize-then-multiply and the bf16 weight
 
@@ -272,7 +273,13 @@ def _quant(args: argparse.Namespace) -> int:
     if not shapes:
         print(f"{args.kernel}: --shapes {args.shapes} match none of {[s[0] for s in table]}", file=sys.stderr)
         return 2
-    return _report(args, *(bench_quant(shapes) if args.kernel == "quant" else bench_quant_tiles(shapes)))
+    if args.kernel == "quant":
+        return _report(args, *bench_quant(shapes))
+    rows = args.rows or [1]
+    if any(not 1 <= m <= 1024 for m in rows):
+        print(f"quant-tiles: --rows {rows} must lie in 1..1024", file=sys.stderr)
+        return 2
+    return _report(args, *bench_quant_tiles(shapes, rows=rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "quant-tiles"])
     ap.add_argument("--shapes", nargs="+",
                     help="linear, plans, quant, quant-tiles: the weights whose label starts so (or NxK)")
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 16, 49],
-                    help="plans: the row counts a plan is timed at (up to 16: its step launch; beyond: verify)")
+    ap.add_argument("--rows", nargs="+", type=int,
+                    help="plans (default 1 16 49), quant-tiles (default 1): the row counts timed (up to 16: the "
+                         "step launch; beyond: the verify's, quant-tiles keeping the step's K partition)")
     ap.add_argument("--keep-step", action="store_true",
                     help="plans: keep the engine's step launch per weight; try only verify tiles of its K partition")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
@@ -304,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, *bench_attention())
     if args.kernel == "plans":
         shapes = _pick_shapes(args.shapes)
+        args.rows = args.rows or [1, 16, 49]
         if not shapes or any(not 1 <= m <= 1024 for m in args.rows):
             print(f"plans: --shapes {args.shapes} must match a weight of {[s[0] for s in LINEAR_SHAPES]} and "
                   f"--rows {args.rows} lie in 1..1024", file=sys.stderr)

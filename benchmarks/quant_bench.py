@@ -5,7 +5,9 @@ against the bf16 weight on the dense few-row kernel (a dequantized load). Run th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 
 import torch
 from kernel_timing import time_us as _time
@@ -158,13 +160,16 @@ TILE_SHAPES = [("27B gate_up", 34816, 5120, "Q4_K"), ("27B down", 5120, 17408, "
 
 
 def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
-                      tiles: list[tuple[int, ...]] | None = None) -> tuple[list[dict], list[str]]:
-    """GPU us of the block kernel at 1 row on each launch of ``tiles`` per weight (a launch that does
-    not fit is skipped, said so; a format whose blocks are not 16-byte aligned also with its registers
-    capped at 128), the weight's own plan
-    first: how much of the 1-row time the launch shape leaves, ahead of a per-format plan (a plan of its
-    own splits K its own way: native and dequantized weights would then round apart, each still
-    row-invariant on its one plan)."""
+                      tiles: list[tuple[int, ...]] | None = None, rows: Sequence[int] = (1,)
+                      ) -> tuple[list[dict], list[str]]:
+    """GPU us of the block kernel at each of ``rows`` on each launch of ``tiles`` per weight (a launch that
+    does not fit is skipped, said so; a format whose blocks are not 16-byte aligned also with its registers
+    capped at 128), the weight's own plan first: how much of the time the launch shape leaves, ahead of a
+    per-format plan (a plan of its own splits K its own way: native and dequantized weights would then round
+    apart, each still row-invariant on its one plan). Past ``linear.STEP_ROWS`` rows (a verify's launch)
+    only the tiles that split K as the plan's step does are tried, each with every row block: a verify's
+    rows must sum in its steps' order, so its launch may change the tile's width, warps and row block, not
+    the K partition."""
     from engine.models import linear as lin
     from engine.models import quant_kernel
     from engine.models.quant import FORMATS, hold
@@ -176,31 +181,37 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         fmt = FORMATS[name]
         first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
-        x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        own = lin.plan_for_shape(n, k, first.device).step
-        timed = []
-        # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
-        caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)
-        for cfg in [own] + [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]:
-            for cap in caps:
-                try:
-                    us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap: quant_kernel.kernel_linear(
-                        x, p(), f, k, None, c, max_registers=r))
-                except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
-                    print(f"  {label} {name} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
-                    continue
-                launch = f"{cfg}" + (f", maxnreg {cap}" if cap else "")
-                timed.append((us, launch))
-                print(f"{label} {name} {launch}: {us:.1f} us", flush=True)
-        best_us, best = min(timed, key=lambda t: t[0])
-        out.append({"shape": f"{label} ({n} x {k})", "format": name, "bytes": first.numel(), "own_us": timed[0][0],
-                    "own": str(own), "best_us": best_us, "best": str(best),
-                    "tried": [{"cfg": c, "us": u} for u, c in timed]})
+        plan = lin.plan_for_shape(n, k, first.device)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            own = plan.for_rows(m)
+            configs = [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]
+            if m > lin.STEP_ROWS:
+                configs = [dataclasses.replace(c, row_block=rb) for c in configs for rb in (16, 32, 64, 128)
+                           if (c.split, c.block_k) == (plan.step.split, plan.step.block_k)]
+            timed = []
+            # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
+            caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)
+            for cfg in [own] + [c for c in configs if c != own]:
+                for cap in caps:
+                    try:
+                        us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap: quant_kernel.kernel_linear(
+                            x, p(), f, k, None, c, max_registers=r))
+                    except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
+                        print(f"  {label} {name} {m} rows {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
+                        continue
+                    launch = f"{cfg}" + (f", maxnreg {cap}" if cap else "")
+                    timed.append((us, launch))
+                    print(f"{label} {name} {m} rows {launch}: {us:.1f} us", flush=True)
+            best_us, best = min(timed, key=lambda t: t[0])
+            out.append({"shape": f"{label} ({n} x {k})", "format": name, "rows": m, "bytes": first.numel(),
+                        "own_us": timed[0][0], "own": str(own), "best_us": best_us, "best": str(best),
+                        "tried": [{"cfg": c, "us": u} for u, c in timed]})
         del first, pick
         torch.cuda.empty_cache()
-    lines = ["| weights | format | MB | own plan's 1-row us (GB/s) | fastest launch | its us (GB/s) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.1f} | {r['own_us']:.1f} "
+    lines = ["| weights | format | rows | MB | own plan's us (GB/s) | fastest launch | its us (GB/s) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['format']} | {r['rows']} | {r['bytes'] / 1e6:.1f} | {r['own_us']:.1f} "
               f"({r['bytes'] / r['own_us'] / 1e3:.0f}) | `{r['best']}` | {r['best_us']:.1f} "
               f"({r['bytes'] / r['best_us'] / 1e3:.0f}) |" for r in out]
     return out, lines

@@ -5,7 +5,8 @@
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
 #   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes;
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
-#      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1);
+#      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
+#      a budget-32 verify's launches too, the K split as the step's);
 #      5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
@@ -18,7 +19,7 @@ section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
 section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant-tiles ${QT_SHAPES:+--shapes $QT_SHAPES} \
-  --md "$OUT/quant_tiles.md"
+  ${QT_ROWS:+--rows $QT_ROWS} --md "$OUT/quant_tiles.md"
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
