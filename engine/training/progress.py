@@ -86,8 +86,12 @@ def plot_curves(path: Path, history: Sequence[dict[str, float]], val_history: Se
             smooth.append(acc / min(i + 1, window))
         ax.plot(list(steps)[::stride], smooth[::stride], color="tab:blue", label=f"training (mean of {window})")
     if val_history:
+        sampled = [v for v in val_history if "loss_sampled" in v]
         ax.plot([v["step"] for v in val_history], [v["loss"] for v in val_history], "o-", color="tab:orange",
-                ms=3, label="held-out")
+                ms=3, label="held-out (greedy answers)" if sampled else "held-out")
+        if sampled:  # the sampled answers held out beside them: the draft is kept by the greedy ones
+            ax.plot([v["step"] for v in sampled], [v["loss_sampled"] for v in sampled], "o--", color="tab:red",
+                    ms=3, label="held-out (sampled answers)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title or "draft training")

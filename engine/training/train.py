@@ -285,6 +285,7 @@ def train_draft(
     progress: bool = False,
     lineage: dict[str, Any] | None = None,
     curves: Path | None = None,
+    temperatures: Sequence[float] | None = None,
 ) -> tuple[DFlashDraft, dict]:
     """Train a draft on (prompt + self-distilled response) token sequences: a new one, or ``init``
     (a trained draft, warm start: its architecture is kept, training continues in float32 with a
@@ -299,7 +300,7 @@ def train_draft(
     checkpoint). ``curves``: where the loss curves (a PNG) go at every checkpoint and when the call ends
     (default: curves.png in the checkpoint folder)."""
     device = target.device
-    kept, data = _device_sequences(sequences, prompt_lens, cfg, device)
+    kept, data, sampled = _device_sequences(sequences, prompt_lens, cfg, device, temperatures)
     lens = torch.tensor([s.numel() for s in data], device=device)
     plens = torch.tensor([p for _, p in kept], device=device)
     tokens_all = torch.cat(data)
@@ -315,7 +316,8 @@ def train_draft(
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     store = _token_store(target, data, tokens_all, lens, plens, draft.cfg.target_layer_ids, cfg.feature_store, log)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the data order and the anchors
-    train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept])
+    train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept],
+                                       sampled)
     cfg = _fit_deadline(cfg, deadline, log)
     meta["config"] = asdict(cfg)
     state = RunState()
@@ -377,20 +379,28 @@ def train_draft(
     if state.best is not None:
         draft.load_state_dict(state.best[2])  # the draft that predicted held-out answers best
     summary = _summary(state, cfg, store, train_idx.numel(), tokens_seen / max(time.perf_counter() - t0, 1e-9))
+    summary["held_out_sampled"] = sum(b["pick"].numel() for b in val_batches if b["sampled"])
     return draft.eval(), summary
 
 
 def _score(state: RunState, draft: DFlashDraft, target: DenseModel, val_batches: list[dict[str, Tensor]],
            store: TokenStore, gamma: float, done_steps: int, log: Callable[[str], None]) -> float:
     """Score the held-out blocks after ``done_steps`` steps, keep the weights if they are the best;
-    the held-out loss."""
-    val = dict(step=done_steps, **held_out_stats(draft, target, val_batches, store, gamma,
-                                                 target.device.type == "cuda"))
+    the held-out loss. With greedy and sampled answers held out, ``loss`` (what the draft is kept by),
+    ``acc1``, ``chain_al`` and ``slot_acc`` are the greedy answers' and ``*_sampled`` the sampled ones'."""
+    cuda = target.device.type == "cuda"
+    greedy = [b for b in val_batches if not b["sampled"]]
+    sampled = [b for b in val_batches if b["sampled"]]
+    val = dict(step=done_steps, **held_out_stats(draft, target, greedy or sampled, store, gamma, cuda))
+    if greedy and sampled:
+        other = held_out_stats(draft, target, sampled, store, gamma, cuda)
+        val.update({f"{k}_sampled": other[k] for k in ("loss", "acc1", "chain_al")})
     state.val_history.append(val)
     if state.best is None or val["loss"] < state.best[0]:
         state.best = (val["loss"], done_steps, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+    also = f"; sampled answers: loss {val['loss_sampled']:.4f}" if "loss_sampled" in val else ""
     log(f"held-out at step {done_steps}: loss {val['loss']:.4f} acc1 {val['acc1']:.3f} "
-        f"chain_al {val['chain_al']:.2f} (best {state.best[0]:.4f} at step {state.best[1]})")
+        f"chain_al {val['chain_al']:.2f}{also} (best {state.best[0]:.4f} at step {state.best[1]})")
     return val["loss"]
 
 
@@ -413,16 +423,22 @@ def _resumable(resume: Path | None, init: DFlashDraft | None, cfg: TrainConfig, 
 
 
 def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], cfg: TrainConfig,
-                      device: torch.device) -> tuple[list[tuple[list[int], int]], list[Tensor]]:
+                      device: torch.device, temperatures: Sequence[float] | None = None
+                      ) -> tuple[list[tuple[list[int], int]], list[Tensor], list[bool]]:
     """The sequences cut to ``max_seq_len`` that keep a response token to predict (with their
-    prompt lengths), and the same on the device."""
+    prompt lengths), the same on the device, and whether each one's answer was sampled (a
+    ``temperatures`` entry > 0; None: every answer greedy)."""
     if len(sequences) != len(prompt_lens) or not sequences:
         raise EngineInputError("train_draft needs a non-empty list of sequences with their prompt lengths")
-    kept = [(list(s)[: cfg.max_seq_len], p) for s, p in zip(sequences, prompt_lens, strict=True)]
-    kept = [(s, p) for s, p in kept if len(s) - 1 > p]
+    if temperatures is not None and len(temperatures) != len(sequences):
+        raise EngineInputError(f"train_draft needs one temperature a sequence (0: greedy), but got "
+                               f"{len(temperatures)} for {len(sequences)} sequences")
+    temps = [0.0] * len(sequences) if temperatures is None else temperatures
+    kept = [(list(s)[: cfg.max_seq_len], p, t > 0) for s, p, t in zip(sequences, prompt_lens, temps, strict=True)]
+    kept = [k for k in kept if len(k[0]) - 1 > k[1]]
     if not kept:
         raise EngineInputError("no training sequence has a response token after its prompt")
-    return kept, [torch.tensor(s, device=device) for s, _ in kept]
+    return [(s, p) for s, p, _ in kept], [torch.tensor(s, device=device) for s, _, _ in kept], [t for *_, t in kept]
 
 
 def _token_store(target: DenseModel, data: list[Tensor], tokens_all: Tensor, lens: Tensor, plens: Tensor,
@@ -529,11 +545,13 @@ def held_out_key(prompt: Sequence[int]) -> bytes:
 
 
 def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: torch.device,
-              keys: Sequence[bytes]) -> tuple[Tensor, list[dict[str, Tensor]]]:
+              keys: Sequence[bytes], sampled: Sequence[bool] | None = None) -> tuple[Tensor, list[dict[str, Tensor]]]:
     """The training sequences' indices, and fixed blocks (anchors drawn once, seeded) of the
     held-out ones (the lowest ``keys``): every scoring sees the same blocks, so two scorings compare.
     Sequences of one key (a prompt's answers, greedy and sampled) stay together: the last prompt held out
-    takes all of its answers, so none of them trains."""
+    takes all of its answers, so none of them trains. The greedy answers' blocks come first, then the
+    sampled ones' (``sampled``: a flag a sequence; each block batch says which it holds, ``sampled``):
+    a greedy decode proposes against greedy answers, so those are the ones the draft is kept by."""
     n = store.lens.numel()
     n_val = 0 if n < VAL_MIN_DATA else min(VAL_MAX, round(cfg.val_fraction * n))
     ranked = sorted(range(n), key=lambda i: keys[i])
@@ -541,16 +559,20 @@ def _held_out(store: TokenStore, cfg: TrainConfig, mask_token_id: int, device: t
         n_val += 1
     if n_val == n:  # (every answer one prompt's: that prompt trains, nothing is held out)
         n_val = 0
-    order = torch.tensor(ranked, device=device)
-    val_idx, train_idx = order[:n_val], order[n_val:].sort().values
+    flags = [False] * n if sampled is None else list(sampled)
+    held = ranked[:n_val]
+    kinds = [(False, [i for i in held if not flags[i]]), (True, [i for i in held if flags[i]])]
+    train_idx = torch.tensor(ranked[n_val:], device=device, dtype=torch.long).sort().values
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 2)
     batches = []
-    for lo in range(0, n_val, cfg.batch_size):
-        pick = val_idx[lo : lo + cfg.batch_size]
-        tokens, seq_lens, plens = store.tokens_of(pick)
-        anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
-        batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
-        batches.append(dict(batch, pick=pick))
+    for kind, idx in kinds:  # (all greedy: the blocks a split without the flags gives)
+        val_idx = torch.tensor(idx, device=device, dtype=torch.long)
+        for lo in range(0, val_idx.numel(), cfg.batch_size):
+            pick = val_idx[lo : lo + cfg.batch_size]
+            tokens, seq_lens, plens = store.tokens_of(pick)
+            anchors, valid = sample_anchors(plens, seq_lens, tokens.shape[1], cfg.num_anchors, gen)
+            batch = block_batch(tokens, seq_lens, anchors, valid, cfg.block_size, mask_token_id)
+            batches.append(dict(batch, pick=pick, sampled=kind))
     return train_idx, batches
 
 
@@ -562,7 +584,7 @@ def held_out_stats(draft: DFlashDraft, target: DenseModel, batches: list[dict[st
     for batch in batches:
         feats = store.batch(batch["pick"])[1]
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(_TRAIN_SDPA):
-            _, stats = draft_loss(draft, target, {k: v for k, v in batch.items() if k != "pick"},
+            _, stats = draft_loss(draft, target, {k: v for k, v in batch.items() if k not in ("pick", "sampled")},
                                   feats if autocast else feats.float(), gamma)
         for k in ("loss", "acc1", "chain_al"):
             totals[k] += stats[k] / len(batches)

@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
                                  init=init, deadline=deadline, checkpoint=ck,
                                  resume=Path(args.resume) if args.resume else None, stop_after=args.stop_after,
                                  progress=not args.no_progress, lineage=lineage,
-                                 curves=(out if ck is None else ck.dir) / "curves.png")
+                                 curves=(out if ck is None else ck.dir) / "curves.png", temperatures=temps)
     summary.update(target=args.target, generation_seconds=round(gen_s, 1), mask_token_id=mask_id,
                    data=args.data, prompts=args.prompts or f"default mix: {', '.join(_default_mix())}",
                    reused_sequences=reused, resumed_from=args.resume,

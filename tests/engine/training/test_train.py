@@ -297,6 +297,43 @@ def test_held_out_sequences_are_scored_and_the_best_draft_is_kept(pair):
         TrainConfig(val_fraction=0.7)
 
 
+def test_the_draft_is_kept_by_its_greedy_answers_when_sampled_ones_are_held_out_too(pair):
+    """Data of greedy and sampled answers: each scoring gives the greedy answers' loss (what the draft is
+    kept by: a greedy decode proposes against them) and the sampled ones' beside it; rescoring the greedy
+    blocks alone gives the kept loss. One temperature a sequence, or a clear refusal."""
+    from engine.training.features import TokenStore
+    from engine.training.train import _held_out, held_out_key, held_out_stats
+
+    torch.manual_seed(0)
+    prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(40)]
+    greedy = generate_responses(pair.target, prompts, 16, batch_size=40, stop_ids=pair.stop_ids)
+    hot = generate_responses(pair.target, prompts, 16, batch_size=40, stop_ids=pair.stop_ids, temperature=1.0)
+    seqs = [p + a for p, a in zip(prompts, greedy, strict=True)] + [p + a for p, a in zip(prompts, hot, strict=True)]
+    plens, temps = [len(p) for p in prompts] * 2, [0.0] * 40 + [1.0] * 40
+    cfg = TrainConfig(layers=1, block_size=4, steps=20, batch_size=4, num_anchors=4, lr=3e-3, warmup_steps=3,
+                      val_fraction=0.1, val_every=10)
+    logs = []
+    draft, summary = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=logs.append,
+                                 temperatures=temps)
+    assert summary["held_out_sequences"] == 8 and summary["held_out_sampled"] == 4  # 4 prompts, both answers
+    for v in summary["held_out"]:
+        assert v.keys() >= {"loss", "acc1", "chain_al", "loss_sampled", "acc1_sampled", "chain_al_sampled"}
+    assert any("sampled answers: loss" in line for line in logs)
+    best = min(summary["held_out"], key=lambda v: v["loss"])
+    assert summary["kept_step"] == best["step"] and summary["held_out_loss"] == best["loss"]
+    data = [torch.tensor(sq) for sq in seqs]
+    lens = torch.tensor([len(sq) for sq in seqs])
+    store = TokenStore(tokens=torch.cat(data), feats=target_features(pair.target, data, draft.cfg.target_layer_ids),
+                       starts=torch.cumsum(lens, 0) - lens, lens=lens, prompt_lens=torch.tensor(plens))
+    keys = [held_out_key(sq[:n]) for sq, n in zip(seqs, plens, strict=True)]
+    _, batches = _held_out(store, cfg, pair.tokenizer.mask_id, torch.device("cpu"), keys, [t > 0 for t in temps])
+    rescored = held_out_stats(draft.float(), pair.target, [b for b in batches if not b["sampled"]], store, cfg.gamma,
+                              False)
+    assert rescored["loss"] == pytest.approx(best["loss"], rel=1e-5)
+    with pytest.raises(EngineInputError, match="one temperature a sequence"):
+        train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None, temperatures=temps[:3])
+
+
 def test_recomputed_features_train_as_the_kept_ones(pair):
     """feature_store="recompute" keeps no features: each batch's come from the target's forward over
     it, the same numbers (float32) as the pass that keeps them, so training follows the same losses."""
@@ -546,3 +583,13 @@ def test_held_out_prompts_take_all_their_answers():
     # Every answer one prompt's: holding it out would leave nothing to train on, so it trains.
     train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), [b"p"] * 60)
     assert batches == [] and train_idx.tolist() == list(range(60))
+    # Greedy and sampled answers held out: the same split, the greedy answers' blocks first, each batch
+    # saying which it holds; all greedy, the blocks of the split without the flags
+    sampled = [i % 3 != 0 for i in range(60)]
+    plain_idx, plain = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), keys)
+    train_idx, batches = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), keys, sampled)
+    assert torch.equal(train_idx, plain_idx)
+    assert [(b["pick"].tolist(), b["sampled"]) for b in batches] == [([0, 3, 6], False), ([1, 2, 4, 5], True)]
+    _, flagged = train_mod._held_out(Store(60), cfg, 0, torch.device("cpu"), keys, [False] * 60)
+    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "sampled")
+               for a, b in zip(flagged, plain, strict=True))
