@@ -7,7 +7,8 @@
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
-#      5. PROFILE=1: _quant_kernel's share of a step. SKIP="large_q4km ..." leaves sections out.
+#      5. PROFILE=1: _quant_kernel's share of a step; MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
+#      its plan (tests/engine/test_memory_gpu.py -k q4_k_m). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 source benchmarks/device/common.sh quant
@@ -20,6 +21,13 @@ section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:
   -k "cuda or gpu"
 section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant-tiles ${QT_SHAPES:+--shapes $QT_SHAPES} \
   ${QT_ROWS:+--rows $QT_ROWS} --md "$OUT/quant_tiles.md"
+# MEMORY=1: the 27B Q4_K_M shape (weights native) with its draft at 32k tokens, AR, DDTree b22 on the graphs and
+# the generic chain: the measured peak per part against `autotune plan`'s (the bar: within 10%; the issue's: the
+# total within 22 GiB), ~45 s to build the preset, then a 32k prefill per pass
+if [ -n "${MEMORY:-}" ]; then
+  section memory_q4km ${MEMORY_LIMIT:-240} python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs \
+    tests/engine/test_memory_gpu.py -k q4_k_m
+fi
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
