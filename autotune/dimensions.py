@@ -10,9 +10,9 @@ that differ only there tie, and the tie is measured again. Each rule names the e
   unconstrained under any placement (``EngineConfig.grammar``);
 - ``kernels`` off CUDA: the Triton kernels run on CUDA only; elsewhere ``fused`` and ``eager`` run
   the same PyTorch forms (``engine.Pair.decode_paths``);
-- ``weights`` where a native load would keep no projection in its quantized blocks (a GGUF whose
-  tensors are floats, or of types with no native form, ``Pair.weight_summary``'s
-  ``native_projections``): both forms hold the same float weights and decode the same program. It is
+- ``weights`` where a native load would keep no weight in its quantized blocks (no projection, no untied
+  embedding: a GGUF whose tensors are floats, or of types with no native form, ``Pair.weight_summary``'s
+  ``native_projections``, which counts both): both forms hold the same float weights and decode the same program. It is
   fixed at the form the workers loaded (``model.weights``), so no second pair is loaded.
 
 The decision needs the loaded pair (the target's kind), the prompts (their tools) and the device,

@@ -175,7 +175,8 @@ class Worker:
         """How the pair holds its target's weights, in brief (``Pair.weight_summary`` without the
         per-tensor lists): ``mode`` (``engine.WEIGHTS``), ``formats`` (block format -> projections
         kept in it), ``fallback`` (file type -> projections ``native`` could not keep),
-        ``native_projections`` (how many a native load holds in blocks, whichever form is loaded: 0
+        ``native_projections`` (how many weights, projections and an untied embedding, a native load holds
+        in blocks, whichever form is loaded: 0
         makes the ``weights`` dimension moot, ``autotune.dimensions``), ``native_bytes`` and
         ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
         summary = self.pair.weight_summary()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_timing import LAUNCHES  # noqa: E402
 from kernel_timing import time_us as _time
 from linear_bench import LINEAR_NARROW_TILES, LINEAR_SHAPES, LINEAR_TILES, bench_blas, bench_linear, bench_plans  # noqa: E402
-from quant_bench import QUANT_SHAPES, TILE_SHAPES, bench_quant, bench_quant_tiles  # noqa: E402
+from quant_bench import QUANT_ROWS, QUANT_SHAPES, TILE_SHAPES, bench_quant, bench_quant_tiles  # noqa: E402
 
 from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
@@ -273,12 +273,12 @@ def _quant(args: argparse.Namespace) -> int:
     if not shapes:
         print(f"{args.kernel}: --shapes {args.shapes} match none of {[s[0] for s in table]}", file=sys.stderr)
         return 2
-    if args.kernel == "quant":
-        return _report(args, *bench_quant(shapes))
-    rows = args.rows or [1]
+    rows = args.rows or (list(QUANT_ROWS) if args.kernel == "quant" else [1])
     if any(not 1 <= m <= 1024 for m in rows):
-        print(f"quant-tiles: --rows {rows} must lie in 1..1024", file=sys.stderr)
+        print(f"{args.kernel}: --rows {rows} must lie in 1..1024", file=sys.stderr)
         return 2
+    if args.kernel == "quant":
+        return _report(args, *bench_quant(shapes, rows=tuple(rows)))
     return _report(args, *bench_quant_tiles(shapes, rows=rows))
 
 
@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+",
                     help="linear, plans, quant, quant-tiles: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int,
-                    help="plans (default 1 16 49), quant-tiles (default 1): the row counts timed (up to 16: the "
-                         "step launch; beyond: the verify's, quant-tiles keeping the step's K partition)")
+                    help="plans (default 1 16 49), quant (1 16 33), quant-tiles (1): the row counts timed (up to 16: "
+                         "the step launch; beyond: the verify's, quant-tiles keeping the step's K partition)")
     ap.add_argument("--keep-step", action="store_true",
                     help="plans: keep the engine's step launch per weight; try only verify tiles of its K partition")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")

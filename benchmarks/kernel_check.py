@@ -279,9 +279,10 @@ def _embedding_cases():
     a row of 16 words' multiple specialised as the launch specialises it)."""
     for k, name in EMBED_CASES:
         fmt = FORMATS[name]
-        block_k = quant_kernel.embed_block_k(fmt, k)
+        block_k = quant_kernel.embed_block_k(k)
         assert quant_kernel.words_fit(fmt, block_k, fmt.row_bytes(k)), (k, name)
-        types = dict(ids_ptr="*i64", w_ptr="*i32", out_ptr="*bf16", M="i32", K="i32", row_stride="i32", nibble="i32")
+        types = dict(ids_ptr="*i64", w_ptr="*i32", out_ptr="*bf16", M="i32", N="i32", K="i32", row_stride="i32",
+                     nibble="i32")
         yield (f"embedding {name} x{k}", quant_kernel._embedding_kernel, types,
                dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                     **quant_kernel.word_constants(fmt, True), EVEN_K=k % block_k == 0,

@@ -186,9 +186,10 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             own = plan.for_rows(m)
             configs = [lin.LinearConfig(*t) for t in tiles or QUANT_TILES]
-            if m > lin.STEP_ROWS:
+            if m > lin.STEP_ROWS:  # (row blocks past the format's cap launch as the cap: left out)
+                widest = quant_kernel.ROW_BLOCK_CAP.get(name, lin.ROW_BLOCK)
                 configs = [dataclasses.replace(c, row_block=rb) for c in configs for rb in (16, 32, 64, 128)
-                           if (c.split, c.block_k) == (plan.step.split, plan.step.block_k)]
+                           if (c.split, c.block_k) == (plan.step.split, plan.step.block_k) and rb <= widest]
             timed = []
             # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
             caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)

@@ -152,8 +152,9 @@ def _check_types(tensors: dict, where: Path) -> None:
 def _native_plan(tensors: dict, maps: dict[str, TensorMap]) -> NativePlan:
     """The weights a native load keeps in their blocks: our module name -> (format, the [out, in]
     shape the file gives), for every matrix of a native format whose values need no rewriting.
-    ``build_model`` swaps in a block layer only where the model has a linear projection (not the
-    embedding, not the conv) of that shape, so a misshapen tensor is refused as in a dequantized load."""
+    ``build_model`` swaps in a block layer only where the model has a linear projection or an untied
+    embedding (not a tied one, not the conv) of that shape, so a misshapen tensor is refused as in a
+    dequantized load."""
     plan: NativePlan = {}
     for name, m in maps.items():
         t = tensors[name]

@@ -28,7 +28,7 @@ from engine.files import read_mapping
 from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
-from engine.models.quant import BlockFormat, QuantEmbedding, QuantLinear
+from engine.models.quant import BlockFormat, QuantEmbedding, QuantLinear, shared_parameters
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -42,8 +42,8 @@ _ARCH_TO_TYPE = {cls: mt for mt, cls in (DENSE_TYPES | HYBRID_TYPES).items()}
 _MISSING = object()
 Device = str | torch.device
 TensorSource = dict[str, Callable[[], Tensor]]  # our parameter name -> reads the tensor when called
-# module name -> (format, [out, in]) of each projection a model is built with in blocks (``build_model``;
-# a GGUF's native load makes one, engine.gguf_loading)
+# module name -> (format, [out, in]) of each projection (and an untied embedding: [vocab, hidden]) a model is
+# built with in blocks (``build_model``; a GGUF's native load makes one, engine.gguf_loading)
 NativePlan = dict[str, tuple[BlockFormat, tuple[int, int]]]
 
 
@@ -355,9 +355,9 @@ def build_model(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dty
     """Construct directly in dtype on device: no full-precision CPU copy of a large model. A config
     whose weights cannot fit in the device's free memory is refused first, with the numbers (a
     corrupt or mistyped size would otherwise ask the allocator for terabytes). ``native``: the
-    projections held in blocks (``_with_blocks``); the model is then made on the meta device, its
-    layers swapped, and only then given memory, so no float copy of those weights is ever made (its
-    non-persistent buffers, the RoPE frequencies, are left for the caller to make)."""
+    projections (and an untied embedding) held in blocks (``_with_blocks``); the model is then made on the
+    meta device, its layers swapped, and only then given memory, so no float copy of those weights is ever
+    made (its non-persistent buffers, the RoPE frequencies, are left for the caller to make)."""
     _check_fits(cls, cfg, device, dtype, native)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -390,7 +390,7 @@ def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
     """Each projection of ``native`` that the model has, with the file's shape, as a ``QuantLinear``, and
     an untied embedding of ``native`` as a ``QuantEmbedding`` (on the meta device; a tied one stays float:
     the head multiplies by it); the others stay, to be filled (or refused) as floats."""
-    shared = _shared_parameters(model)
+    shared = shared_parameters(model)
     for name, (fmt, shape) in native.items():
         try:
             module = model.get_submodule(name)
@@ -405,14 +405,6 @@ def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
             setattr(model.get_submodule(owner) if owner else model, attr,
                     QuantEmbedding(fmt, module.num_embeddings, module.embedding_dim, "meta", module.weight.dtype))
     return model
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Ids of the parameters more than one module holds (a head tied to the embedding)."""
-    seen: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {key for key, count in seen.items() if count > 1}
 
 
 def _check_fits(cls: type[nn.Module], cfg: Any, device: Device, dtype: torch.dtype,

@@ -1,5 +1,5 @@
 """GGUF weights kept in their quantized blocks: the block formats, their dequantization in PyTorch,
-and the linear layers that hold them.
+and the linear layers (and the untied token embedding, ``QuantEmbedding``) that hold them.
 
 A quantized weight [N, K] is held as its GGUF bytes: a uint8 tensor [N, row_bytes] whose row n is
 output n's K / ``values`` blocks in order (GGUF stores a matrix row by row, each block over
@@ -263,10 +263,11 @@ class QuantEmbedding(nn.Module):
     """An untied token embedding [vocab, hidden] kept in its GGUF blocks (``blocks``: uint8 [vocab,
     row_bytes], held rows as a ``QuantLinear``'s): the stand-in for ``nn.Embedding`` where a model looks
     tokens up. A lookup reads only its tokens' rows and dequantizes them into the model's dtype, the values a
-    dequantized load holds (``dequantize``, bit for bit): on CUDA in half precision one launch
-    (``quant_kernel.embedding``), elsewhere in PyTorch. A 27B's 248k x 5120 embedding is 2.4 GiB in bf16 and
-    0.7 in Q4_K (what llama.cpp's Q4_K_M gives it): the difference decides whether a 27B target and its
-    draft fit a 24 GB card. A tied embedding (the head multiplies by it) stays float.
+    dequantized load holds (``dequantize``, bit for bit): one launch where ``quant_kernel.use_embedding_kernel``
+    allows (CUDA, the kernels on, a half-precision model, rows of whole 32-bit words), elsewhere in PyTorch.
+    A 27B's 248k x 5120 embedding is 2.4 GiB in bf16 and 0.7 in Q4_K (what llama.cpp's Q4_K_M gives it): the
+    difference decides whether a 27B target and its draft fit a 24 GB card. A tied embedding (the head
+    multiplies by it) stays float.
 
     The model's dtype rides on an empty float buffer (``like``), cast by ``.to(dtype)`` as the floats are;
     there is no ``weight``, as there is none on a ``QuantLinear``."""
@@ -307,12 +308,23 @@ class QuantEmbedding(nn.Module):
         flat = ids.reshape(-1)
         if quant_kernel.use_embedding_kernel(flat, self.blocks, self.fmt, self.dtype):
             rows = quant_kernel.embedding(flat, self.blocks, self.fmt, self.embedding_dim, self.dtype)
-        else:
-            rows = dequantize(unhold(self.blocks[flat], self.fmt), self.fmt, self.embedding_dim, self.dtype)
+        else:  # (index_select, not indexing: an id out of range is refused as nn.Embedding refuses it)
+            rows = dequantize(unhold(self.blocks.index_select(0, flat), self.fmt), self.fmt, self.embedding_dim,
+                              self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, {self.num_embeddings}, {self.embedding_dim}"
+
+
+def shared_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters more than one of ``model``'s modules holds (a head tied to the embedding): an
+    embedding among them stays float (the head multiplies by it), one not among them may be kept in blocks
+    (``QuantEmbedding``: the loader, the quantization recipe and ``would_keep`` ask this alike)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def embed_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
@@ -375,7 +387,7 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
     (a fused group's parts by their own names); ``formats``: how many of each; ``dequantized``:
     checkpoint name -> its type in the file, of each tensor held as floats (names and types from the
     loader's ``weight_types``: GGUF targets only); ``fallback``: those of them that were quantized in
-    the file and are not the embedding, i.e. what ``native`` asked for and could not keep (a type
+    the file and are not a tied embedding, i.e. what ``native`` asked for and could not keep (a type
     with no native form here); ``native_projections``: how many weights (projections, an untied
     embedding) a native load of the file holds in their blocks (loaded native: ``native``'s; loaded
     dequantized: those it would, by :func:`would_keep`), where 0 means the two forms hold the same float
@@ -396,8 +408,9 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
                 native[f"{prefix}{part}.weight"] = child.fmt.name
     types: dict[str, str] = getattr(model, "weight_types", {})
     dequantized = {name: kind for name, kind in types.items() if name not in native}
+    tied = shared_parameters(model)
     fallback = {name: kind for name, kind in dequantized.items()
-                if mode == "native" and kind not in FLOAT_TYPES and not name.startswith("embed_tokens.")}
+                if mode == "native" and kind not in FLOAT_TYPES and not _tied_embedding(model, name, tied)}
     formats: dict[str, int] = {}
     for kind in native.values():
         formats[kind] = formats.get(kind, 0) + 1
@@ -410,7 +423,8 @@ def would_keep(model: nn.Module, types: dict[str, str]) -> dict[str, str]:
     """Of ``model``'s weights loaded as floats (``types``: checkpoint name -> its type in the file), those
     a native load would keep in their blocks (name -> format), as ``gguf_loading`` chooses them: a
     projection's weight (a linear layer's, or a part of a fused group) of a type with a native form
-    here (``FORMATS``). The embedding, norms, conv and float or fallback types stay floats either way."""
+    here (``FORMATS``), and an untied embedding of such a type. A tied embedding, norms, conv and float or
+    fallback types stay floats either way."""
     out = {}
     for name, kind in types.items():
         path = name.removesuffix(".weight")
@@ -427,9 +441,18 @@ def _is_untied_embedding(model: nn.Module, path: str, fmt: BlockFormat) -> bool:
         embed = model.get_submodule(path)
     except AttributeError:
         return False
-    if not isinstance(embed, nn.Embedding) or embed.embedding_dim % fmt.values:
+    return (isinstance(embed, nn.Embedding) and embed.embedding_dim % fmt.values == 0
+            and id(embed.weight) not in shared_parameters(model))
+
+
+def _tied_embedding(model: nn.Module, name: str, tied: set[int]) -> bool:
+    """Whether checkpoint name ``name`` is the weight of an embedding another module shares (``tied``:
+    ``shared_parameters``): a float by design, never a fallback."""
+    try:
+        embed = model.get_submodule(name.removesuffix(".weight"))
+    except AttributeError:
         return False
-    return sum(p is embed.weight for _, p in model.named_parameters(remove_duplicate=False)) == 1
+    return isinstance(embed, nn.Embedding) and id(embed.weight) in tied
 
 
 def _is_projection(model: nn.Module, path: str) -> bool:

@@ -143,7 +143,7 @@ def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor 
 EMBED_ROWS = 16  # tokens a program of ``embedding`` looks up (its tile: these rows x ``embed_block_k`` values)
 
 
-def embed_block_k(fmt: BlockFormat, cols: int) -> int:
+def embed_block_k(cols: int) -> int:
     """The K tile of an ``embedding`` launch: 256 values, or the row's width rounded up to a power of two
     where that is less (every ``WORD_FORMATS`` chunk, 32 to 128 values, divides either)."""
     return min(256, triton.next_power_of_2(cols))
@@ -158,25 +158,28 @@ def use_embedding_kernel(ids: Tensor, blocks: Tensor, fmt: BlockFormat, dtype: t
     if not fused.use_kernels(blocks) or ids.device != blocks.device or ids.numel() == 0:
         return False
     cols = blocks.shape[1] // fmt.nbytes * fmt.values
-    return reads_words(fmt, embed_block_k(fmt, cols), blocks)
+    return reads_words(fmt, embed_block_k(cols), blocks)
 
 
 def embedding(ids: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype) -> Tensor:
     """The rows ``ids`` [M] of a weight held in ``blocks`` (``QuantEmbedding``'s), dequantized into ``dtype``
     [M, cols] by the word decodes of ``_quant_kernel`` (the same float32 values, rounded once: ``dequantize``'s
     bits), one launch: a lookup in a captured step is one kernel, not the dozen of PyTorch's dequantization.
+    An id outside the rows reads nothing (its row is left as the decodes leave masked values, zeros); the
+    engine's ids are its tokenizer's, and the PyTorch form refuses such an id as ``nn.Embedding`` does.
     On CPU tensors it runs only in Triton's interpreter (the CPU tests)."""
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
-    block_k = embed_block_k(fmt, cols)
+    ids = ids.reshape(-1).contiguous()  # (the kernel reads the ids as one run)
+    block_k = embed_block_k(cols)
     assert reads_words(fmt, block_k, blocks), f"{fmt.name} rows of {cols} values are not whole aligned words"
     m = ids.numel()
     out = torch.empty(m, cols, device=blocks.device, dtype=dtype)
     view = blocks.view(torch.int32)
     _embedding_kernel[(triton.cdiv(m, EMBED_ROWS), triton.cdiv(cols, block_k))](
-        ids.reshape(-1), view, out, m, cols, view.stride(0), NIBBLE, FMT=KERNEL_FORMATS[fmt.name],
+        ids, view, out, m, blocks.shape[0], cols, view.stride(0), NIBBLE, FMT=KERNEL_FORMATS[fmt.name],
         VALUES=fmt.values, NBYTES=fmt.nbytes, **word_constants(fmt, True), EVEN_K=cols % block_k == 0,
-        BLOCK_N=EMBED_ROWS, BLOCK_K=block_k, INTERPRET=rows_linear._INTERPRET, num_warps=4)
+        BLOCK_N=EMBED_ROWS, BLOCK_K=block_k, INTERPRET=rows_linear._INTERPRET, num_warps=4, num_stages=1)
     return out
 
 
@@ -624,13 +627,14 @@ if triton is not None:
     # ``embedding``: rows ``ids`` of a held weight, each tile [BLOCK_N rows, BLOCK_K values] decoded by the
     # product's word decodes (each row's first word: its id's) and rounded once, as the product rounds its tile
     @triton.jit(do_not_specialize=["M", "nibble"])
-    def _embedding_kernel(ids_ptr, w_ptr, out_ptr, M, K, row_stride, nibble, FMT: tl.constexpr, VALUES: tl.constexpr,
-                          NBYTES: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr, CHUNK_WORDS: tl.constexpr,
-                          FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          INTERPRET: tl.constexpr):
+    def _embedding_kernel(ids_ptr, w_ptr, out_ptr, M, N, K, row_stride, nibble, FMT: tl.constexpr,
+                          VALUES: tl.constexpr, NBYTES: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                          CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mm = rm < M
-        row_word = tl.load(ids_ptr + rm, mask=mm, other=0).to(tl.int64) * row_stride
+        ids = tl.load(ids_ptr + rm, mask=rm < M, other=0).to(tl.int64)
+        mm = (rm < M) & (ids >= 0) & (ids < N)  # (an id outside the rows reads nothing)
+        row_word = tl.where(mm, ids, 0) * row_stride
         k0 = tl.program_id(1) * BLOCK_K
         if FMT == 7:
             w = _decode_q6_k_words(w_ptr, row_word, k0, K, K, mm, nibble, EVEN_K, BLOCK_N, BLOCK_K)
@@ -641,4 +645,4 @@ if triton is not None:
                               FIRST_BYTE, EVEN_K, BLOCK_N, BLOCK_K)
         rk = k0 + tl.arange(0, BLOCK_K)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], _round(w, out_ptr.dtype.element_ty, INTERPRET),
-                 mask=mm[:, None] & (rk < K)[None, :])
+                 mask=(rm < M)[:, None] & (rk < K)[None, :])

@@ -20,7 +20,17 @@ import torch
 from torch import Tensor, nn
 
 from engine.models.common import FusedLinear
-from engine.models.quant import FORMATS, QK_K, BlockFormat, QuantEmbedding, QuantFusedLinear, QuantLinear, fusable, hold
+from engine.models.quant import (
+    FORMATS,
+    QK_K,
+    BlockFormat,
+    QuantEmbedding,
+    QuantFusedLinear,
+    QuantLinear,
+    fusable,
+    hold,
+    shared_parameters,
+)
 
 GROUP_MAX_EPS = 1e-15  # a group whose largest magnitude is below this is stored as zeros (llama.cpp's)
 CHUNK_VALUES = 1 << 25  # values quantized at once: bounds the temporaries (a 27B-shape lm_head has 1.3e9)
@@ -295,13 +305,11 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
 def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
     """(owner, child name, owner's name prefix, [(child name, weight, None)]) of each float embedding of
     ``model`` no other module shares: a tied one stays float, since the head multiplies by it."""
-    count: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        count[id(p)] = count.get(id(p), 0) + 1
+    tied = shared_parameters(model)
     out = []
     for owner, module in model.named_modules():
         for child_name, child in module.named_children():
-            if isinstance(child, nn.Embedding) and count[id(child.weight)] == 1:
+            if isinstance(child, nn.Embedding) and id(child.weight) not in tied:
                 out.append((module, child_name, f"{owner}." if owner else "", [(child_name, child.weight, None)]))
     return out
 
@@ -346,12 +354,15 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
     found, embeddings = _projections(model), _embeddings(model)  # (untied: before the head is swapped)
     kinds = _formats(found + embeddings, recipe)
     formats: dict[str, str] = {}
-    for module, child_name, prefix, ((_, weight, _),) in embeddings:
+    for module, child_name, prefix, parts in embeddings:
+        (_, weight, _), = parts
         if (kind := kinds.get(f"{prefix}{child_name}.weight")) is not None:
             fmt = FORMATS[kind]
             setattr(module, child_name, QuantEmbedding(fmt, weight.shape[0], weight.shape[1], dtype=weight.dtype,
                                                        blocks=hold(quantize(weight, fmt), fmt)))
             formats[f"{prefix}{child_name}.weight"] = kind
+        parts.clear()  # (the float table freed now, as a projection's is)
+        del weight
     for module, child_name, prefix, parts in found:
         # (the parts of a group share their width: all quantized, or the group stays float)
         if all(f"{prefix}{part}.weight" in kinds for part, _, _ in parts):

@@ -19,7 +19,7 @@ import json
 import os
 import random
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -97,11 +97,15 @@ def set_rng_states(states: Mapping[str, Any], sampler: torch.Generator) -> None:
             torch.cuda.set_rng_state(saved[i], i)
 
 
-def data_fingerprint(tokens: Tensor, lens: Tensor, prompt_lens: Tensor) -> str:
-    """SHA-256 of the training sequences as trained on (after the --max-seq-len cut)."""
+def data_fingerprint(tokens: Tensor, lens: Tensor, prompt_lens: Tensor, sampled: Sequence[bool] = ()) -> str:
+    """SHA-256 of the training sequences as trained on (after the --max-seq-len cut) and, where any answer
+    was sampled, which ones (they are held out and scored apart: a run resumes on the same split); all
+    greedy, the fingerprint of the sequences alone, as before the flags were kept."""
     h = hashlib.sha256()
     for t in (tokens, lens, prompt_lens):
         h.update(t.detach().to("cpu", torch.int64).numpy().tobytes())
+    if any(sampled):
+        h.update(bytes(bool(f) for f in sampled))
     return h.hexdigest()
 
 

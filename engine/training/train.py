@@ -287,7 +287,9 @@ def train_draft(
     curves: Path | None = None,
     temperatures: Sequence[float] | None = None,
 ) -> tuple[DFlashDraft, dict]:
-    """Train a draft on (prompt + self-distilled response) token sequences: a new one, or ``init``
+    """Train a draft on (prompt + self-distilled response) token sequences (``temperatures``: each answer's
+    sampling temperature, 0 greedy; None: all greedy; the draft is kept by the held-out greedy answers'
+    loss, the sampled ones' scored beside it): a new one, or ``init``
     (a trained draft, warm start: its architecture is kept, training continues in float32 with a
     fresh optimiser, warm-up and schedule). ``deadline`` (a ``time.perf_counter()`` value): the
     training time is at most what is left before it once the target features are computed.
@@ -305,7 +307,7 @@ def train_draft(
     plens = torch.tensor([p for _, p in kept], device=device)
     tokens_all = torch.cat(data)
     meta = {"config": None, "mask_token_id": mask_token_id, "target": target_record(target),
-            "data": data_fingerprint(tokens_all, lens, plens), "lineage": lineage}
+            "data": data_fingerprint(tokens_all, lens, plens, sampled), "lineage": lineage}
     manifest = _resumable(resume, init, cfg, meta)  # checked before the feature pass, which can take minutes
     # a resumed run continues the checkpoint's draft as built: a warm start's architecture (its
     # target layers, rope, head sizes) is not the one the target's config would give a new draft
@@ -379,7 +381,7 @@ def train_draft(
     if state.best is not None:
         draft.load_state_dict(state.best[2])  # the draft that predicted held-out answers best
     summary = _summary(state, cfg, store, train_idx.numel(), tokens_seen / max(time.perf_counter() - t0, 1e-9))
-    summary["held_out_sampled"] = sum(b["pick"].numel() for b in val_batches if b["sampled"])
+    summary["held_out_sampled_sequences"] = sum(b["pick"].numel() for b in val_batches if b["sampled"])
     return draft.eval(), summary
 
 
@@ -434,6 +436,10 @@ def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[
         raise EngineInputError(f"train_draft needs one temperature a sequence (0: greedy), but got "
                                f"{len(temperatures)} for {len(sequences)} sequences")
     temps = [0.0] * len(sequences) if temperatures is None else temperatures
+    for i, t in enumerate(temps):  # (the rule of a data file's "temperature", sequences.load_sequence_records)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise EngineInputError(f"train_draft: temperatures[{i}] must be a finite number >= 0 (the answer's "
+                                   f"sampling temperature; 0: greedy), got {t!r}")
     kept = [(list(s)[: cfg.max_seq_len], p, t > 0) for s, p, t in zip(sequences, prompt_lens, temps, strict=True)]
     kept = [k for k in kept if len(k[0]) - 1 > k[1]]
     if not kept:

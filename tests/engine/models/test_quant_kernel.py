@@ -193,9 +193,9 @@ def test_dispatch_takes_the_kernel_for_a_steps_rows_and_dequantizes_otherwise(mo
     assert len(calls) == 1
 
 
-# A row's width in 32-value blocks: 9 and 18 end past a 256-value tile, 3 inside one 128-value tile (the K
-# formats: 1, 3 and 1 super-blocks, whole 256-value tiles)
-EMBED_WIDTHS = [9, 18, 3]
+# A row's width in 32-value blocks: 9 and 18 end past a 256-value tile, 3 inside one 128-value tile; the K
+# formats' 256-value blocks: 1, 3, 1 and 2 (Q6_K's rows are whole words at an even count only)
+EMBED_WIDTHS = [9, 18, 3, 12]
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -208,13 +208,17 @@ def test_the_embedding_kernel_gathers_the_dequantized_rows_bit_for_bit(name, blo
     k = fmt.values * (blocks_wide if fmt.values == 32 else max(1, blocks_wide // 6))
     blocks = _blocks(name, 50, k, seed=k + len(name))
     ids = torch.tensor([3, 0, 49, 7, 7, 21, *range(1, 14), 40], device=DEVICE)
-    if not qk.reads_words(fmt, qk.embed_block_k(fmt, k), blocks):
+    if not qk.reads_words(fmt, qk.embed_block_k(k), blocks):
         assert fmt.planes and fmt.row_bytes(k) % 4
         return
     for dtype in (torch.bfloat16, torch.float16):
         got = qk.embedding(ids, blocks, fmt, k, dtype)
         want = dequantize(unhold(blocks, fmt), fmt, k, dtype)[ids]
         assert got.dtype == dtype and torch.equal(_bits(got), _bits(want)), dtype
+    # ids that are not one run in memory (a batch's last column): read as the values they hold
+    grid = torch.arange(40, device=DEVICE).view(4, 10)
+    got = qk.embedding(grid[:, -1:].reshape(-1), blocks, fmt, k, torch.bfloat16)
+    assert torch.equal(_bits(got), _bits(dequantize(unhold(blocks, fmt), fmt, k, torch.bfloat16)[[9, 19, 29, 39]]))
 
 
 def test_an_embedding_lookup_takes_the_kernel_where_the_kernels_are_on(monkeypatch):
@@ -234,6 +238,13 @@ def test_an_embedding_lookup_takes_the_kernel_where_the_kernels_are_on(monkeypat
     assert torch.equal(embed.float()(ids), embed.dequantized()[ids]) and len(calls) == 1  # float32: PyTorch's
     odd = QuantEmbedding(FORMATS["Q8_0"], 30, 96, blocks=_blocks("Q8_0", 30, 96, seed=6)).to(torch.bfloat16)
     assert torch.equal(odd(ids), odd.dequantized(torch.bfloat16)[ids]) and len(calls) == 1  # 102-byte rows
+    # an id outside the table: refused by the PyTorch form, as nn.Embedding refuses it; the kernel reads
+    # nothing outside the blocks (its row is zeros) and the ids beside it are unaffected
+    with pytest.raises(IndexError):
+        embed.float()(torch.tensor([30], device=DEVICE))
+    got = qk.embedding(torch.tensor([4, 30, -1, 0], device=DEVICE), embed.blocks, fmt, 512, torch.bfloat16)
+    assert torch.equal(got[[0, 3]], embed.dequantized(torch.bfloat16)[[4, 0]])
+    assert not got[1:3].float().abs().any()
 
 
 # ------------------------------------------------------------------------------------------ on the GPU

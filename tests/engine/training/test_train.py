@@ -315,7 +315,7 @@ def test_the_draft_is_kept_by_its_greedy_answers_when_sampled_ones_are_held_out_
     logs = []
     draft, summary = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=logs.append,
                                  temperatures=temps)
-    assert summary["held_out_sequences"] == 8 and summary["held_out_sampled"] == 4  # 4 prompts, both answers
+    assert summary["held_out_sequences"] == 8 and summary["held_out_sampled_sequences"] == 4  # 4 prompts, 2 each
     for v in summary["held_out"]:
         assert v.keys() >= {"loss", "acc1", "chain_al", "loss_sampled", "acc1_sampled", "chain_al_sampled"}
     assert any("sampled answers: loss" in line for line in logs)
@@ -332,6 +332,17 @@ def test_the_draft_is_kept_by_its_greedy_answers_when_sampled_ones_are_held_out_
     assert rescored["loss"] == pytest.approx(best["loss"], rel=1e-5)
     with pytest.raises(EngineInputError, match="one temperature a sequence"):
         train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None, temperatures=temps[:3])
+    # a resumed run must hold out the same answers: the flags are in the data's fingerprint once one is sampled
+    from engine.training.checkpoint import data_fingerprint
+
+    t, lens, plens_t = torch.tensor([5, 6, 7, 8]), torch.tensor([2, 2]), torch.tensor([1, 1])
+    assert data_fingerprint(t, lens, plens_t) == data_fingerprint(t, lens, plens_t, [False, False])
+    assert data_fingerprint(t, lens, plens_t, [False, True]) not in (data_fingerprint(t, lens, plens_t),
+                                                                    data_fingerprint(t, lens, plens_t, [True, False]))
+    for bad in (float("nan"), -0.5, True, None, "0.8"):
+        with pytest.raises(EngineInputError, match=r"temperatures\[41\] must be a finite number >= 0"):
+            train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None,
+                        temperatures=temps[:41] + [bad] + temps[42:])
 
 
 def test_recomputed_features_train_as_the_kept_ones(pair):
