@@ -6,7 +6,8 @@ draft's weights, the workspace sized for ``prompt_tokens + new_tokens`` (``decod
 the target's K/V, a hybrid target's recurrent state and per-node tree records, the target features
 the draft reads, the draft's context K/V), a prefix cache's copies of committed positions (a server's
 and a session sweep's, ``engine.decoding.prefix_cache``), the captured CUDA graphs' pool, and the
-largest transient (``activations``: a prefill of the whole prompt, or a verify step and its proposal).
+largest transient (``activations``: a prefill of the whole prompt and the draft's context K/V of it, or a
+verify step and its proposal).
 
 Planned static parts are the bytes of the tensors the engine allocates (the caches are built on the
 meta device to be counted); ``reserve_memory`` allocates the workspace at exactly that length, so
@@ -34,7 +35,7 @@ from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
 from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding import runtime
 from engine.decoding.decode import verify_shape, workspace_length
-from engine.decoding.drafters import DFlashDrafter, OracleDrafter
+from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter, OracleDrafter
 from engine.models.attention import step_split
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
@@ -52,7 +53,8 @@ MEMORY_PARTS = {
     "prefix_cache": "committed positions a prefix cache keeps across requests (K/V, draft features, a hybrid's "
                     "state checkpoints), up to the cache's budget",
     "graph_pools": "the captured CUDA graphs' memory pool (the runtime's steps, on CUDA)",
-    "activations": "the largest transient: the prompt's prefill, or a step and its proposal",
+    "activations": "the largest transient: the prompt's prefill (then the draft's context of it, a chunk at a "
+                   "time), or a step and its proposal",
 }
 KINDS = ("planned", "measured")
 _OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")  # a layer's projections that read its mixer's output
@@ -133,6 +135,8 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     in_place = dev.type == "cuda" and size == 2 and config.kernels == "fused"
     prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
                              prefix_cache_bytes > 0, in_place)
+    if speculative:  # after the prefill, the draft's context K/V of the prompt, a chunk at a time
+        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size))
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
                        in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
@@ -364,6 +368,19 @@ def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
     if isinstance(drafter, OracleDrafter):  # its own target cache, about as long as the workspace
         return sum(_cache_parts(_meta_cache(pair.target, length, 0, dtype)).values())
     return 0
+
+
+def _context_fill_bytes(pair, prompt_tokens: int, size: int) -> int:
+    """The transient of projecting a prompt's context K/V for a DFlash draft (``DFlashDrafter.project_context``,
+    ``CONTEXT_ROWS`` positions at a time): a chunk's hidden rows (the features' projection and its norm, in the
+    dtype, the norm's float32 copy) and every layer's keys and values; 0 for another drafter."""
+    drafter = pair.drafter
+    if not isinstance(drafter, DFlashDrafter):
+        return 0
+    c = drafter.draft.cfg
+    rows = min(prompt_tokens, CONTEXT_ROWS)
+    return rows * c.hidden_size * (2 * size + 4) + 2 * c.num_hidden_layers * rows * c.num_key_value_heads * \
+        c.dim_per_head * size
 
 
 def _planned_prefix_cache(target: nn.Module, positions: int, prompt_checkpoint: bool, feature_width: int,

@@ -22,6 +22,11 @@ from engine.models.quant import embed_rows
 
 # The oracle's logit for its first rank (the next ranks one less each): far above any other.
 _TOP = 20.0
+# Context positions projected into the draft's keys/values at once (``DFlashDrafter.project_context``): a long
+# prompt's in chunks of this many, each starting at a multiple of it, so that the transient is a chunk's (the
+# projected hidden rows, their float32 norm, every layer's K/V: at 32k positions on the Qwen3.5-27B shape's
+# draft ~2 GiB whole, ~0.1 GiB in chunks) and a position's chunk is the same whichever call projects it.
+CONTEXT_ROWS = 2048
 
 
 class Drafter(Protocol):
@@ -67,11 +72,20 @@ class DFlashDrafter:
         if start < self._cached:  # the position went back without a reset: recompute
             self._cached = 0
         if start > self._cached:
-            positions = torch.arange(self._cached, start, device=features.device)
-            for i, (k, v) in enumerate(self.draft.context_kv(features[self._cached : start], positions)):
-                self._ctx_k[i, self._cached : start] = k
-                self._ctx_v[i, self._cached : start] = v
+            self.project_context((self._ctx_k, self._ctx_v), features, self._cached, start)
             self._cached = start
+
+    def project_context(self, context: tuple[Tensor, Tensor], features: Tensor, lo: int, hi: int) -> None:
+        """The context keys/values of positions lo..hi-1 from their ``features`` into ``context`` ([layers,
+        max_len, kv_heads, head_dim] each), ``CONTEXT_ROWS`` positions at a time."""
+        a = lo
+        while a < hi:
+            b = min(hi, (a // CONTEXT_ROWS + 1) * CONTEXT_ROWS)  # (chunks end at multiples of CONTEXT_ROWS)
+            positions = torch.arange(a, b, device=features.device)
+            for i, (k, v) in enumerate(self.draft.context_kv(features[a:b], positions)):
+                context[0][i, a:b] = k
+                context[1][i, a:b] = v
+            a = b
 
     @torch.inference_mode()  # its buffers are updated in place, and are inference tensors once made in a decode
     def propose(self, seq: Tensor, start: int, block_size: int, window: int, features: Tensor) -> Tensor:
@@ -97,10 +111,7 @@ class DFlashDrafter:
     def fill_context(self, context: tuple[Tensor, Tensor], features: Tensor, end: int) -> None:
         """The context keys/values of positions 0..end-1 (a prompt's, after its prefill) into
         ``context``; ``propose_static`` keeps them up to date from there."""
-        positions = torch.arange(end, device=features.device)
-        for i, (k, v) in enumerate(self.draft.context_kv(features[:end], positions)):
-            context[0][i, :end] = k
-            context[1][i, :end] = v
+        self.project_context(context, features, 0, end)
 
     def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
                        context: tuple[Tensor, Tensor], key_len: int, context_rows: int | None = None) -> Tensor:

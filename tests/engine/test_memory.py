@@ -166,6 +166,23 @@ def test_a_27b_shape_plan_costs_nothing():
     assert engine.longest_context(pair, cfg, 256, plan.total, most=262144, device="cuda") == 32768
 
 
+def test_the_drafts_context_fill_is_planned_a_chunk_at_a_time(monkeypatch):
+    """After a speculative config's prefill the draft's context K/V of the prompt are projected
+    ``CONTEXT_ROWS`` positions at a time (``DFlashDrafter.project_context``): the plan's transient is the
+    larger of the prefill's and one chunk's (its hidden rows in bf16 twice and in float32, every layer's
+    K/V), not the prompt's (on the 27B shape's draft at 32k positions ~2 GiB); AR projects none."""
+    from engine import memory
+
+    pair = _meta_pair_27b()
+    chunk = 2048 * 5120 * (2 * 2 + 4) + 2 * 5 * 2048 * 4 * 256 * 2  # CONTEXT_ROWS rows of the 5-layer draft
+    assert memory._context_fill_bytes(pair, 32768 - 256, 2) == chunk
+    assert memory._context_fill_bytes(pair, 1000, 2) == chunk * 1000 // 2048
+    monkeypatch.setattr(memory, "_prefill_bytes", lambda *a, **k: 0)  # the fill alone
+    on_gpu = {"device": "cuda"}
+    assert plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, **on_gpu).parts["activations"] == chunk
+    assert plan_memory(pair, EngineConfig(verify="ar"), 32768 - 256, 256, **on_gpu).parts["activations"] == 0
+
+
 def test_native_blocks_are_planned_at_their_bytes(tmp_path):
     pytest.importorskip("transformers")
     gguf = pytest.importorskip("gguf")

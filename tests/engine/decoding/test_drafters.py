@@ -70,6 +70,31 @@ def test_static_propose_over_its_own_context_cache_gives_the_full_forwards_logit
                                        rtol=1e-4, atol=1e-4)
 
 
+def test_a_long_context_is_projected_in_chunks_that_start_at_multiples_of_context_rows(monkeypatch):
+    """``project_context`` (the runtime's ``fill_context``, the generic form's catch-up) projects at most
+    ``CONTEXT_ROWS`` positions at once, each chunk from a multiple of it, so a long prompt's transient is a
+    chunk's; the keys and values are those of one projection of every position, wherever a call starts."""
+    from engine.decoding import drafters
+
+    pair = pair_for("tiny-dense", "random")
+    drafter, target = pair.drafter, pair.target
+    torch.manual_seed(2)
+    features = torch.randn(50, len(drafter.feature_layers) * target.cfg.hidden_size)
+    whole = drafter.new_context(50)
+    drafter.fill_context(whole, features, 50)  # 50 <= CONTEXT_ROWS: one projection
+    monkeypatch.setattr(drafters, "CONTEXT_ROWS", 8)
+    spans = []
+    context_kv = drafter.draft.context_kv
+    monkeypatch.setattr(drafter.draft, "context_kv", lambda f, p: spans.append((int(p[0]), int(p[-1]) + 1))
+                        or context_kv(f, p))
+    parts = drafter.new_context(50)
+    drafter.fill_context(parts, features, 20)
+    drafter.project_context(parts, features, 20, 50)
+    assert spans == [(0, 8), (8, 16), (16, 20), (20, 24), (24, 32), (32, 40), (40, 48), (48, 50)]
+    for got, want in zip(parts, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_inference_draft_is_fused_and_saves_in_the_checkpoint_layout(tmp_path):
     from engine.loading import load_draft_folder, save_draft_folder
 
