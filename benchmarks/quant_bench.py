@@ -51,13 +51,15 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
         if rows[0] == 1:  # the sum so far, each weight: what a cut run still tells
             print(step_sum(out), flush=True)
     lines = ["| weights | format | MB | " + " | ".join(f"{m} rows: kernel / dequantize / bf16 us" for m in rows)
-             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant | half-word decode us, 1 / most rows |",
+             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant | half-word decode us, 1 / most rows "
+             "(its bits = dequantized) |",
              "|---|---|---|" + "---|" * (len(rows) + 4)]
     lines += [f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.1f} | "
               + " | ".join(f"{r['kernel'][m]:.1f} / {r['dequantize'][m]:.1f} / {r['bf16'][m]:.1f}" for m in rows)
               + f" | {r['gbs']:.0f} | {'y' if r['bits_equal_dequantized'] else 'n'} | "
               f"{'y' if r['row_invariant'] else 'n'} | "
-              + (f"{r['half_words'][rows[0]]:.1f} / {r['half_words'][rows[-1]]:.1f} |" if r["half_words"] else "- |")
+              + (f"{r['half_words'][rows[0]]:.1f} / {r['half_words'][rows[-1]]:.1f} "
+                 f"({'y' if r['half_words_bits_equal'] else 'n'}) |" if r["half_words"] else "- |")
               for r in out]
     if rows[0] == 1:
         lines += ["", step_sum(out)]
@@ -129,17 +131,21 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
                for m in rows}
         w = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
         bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), lin.linear(xs[m], w)) for m in rows)
+        # the half-word decode's bits too: whether a weight the word decode is slow on could take it instead
+        half_bits = None if halves is None else all(torch.equal(quant_kernel.kernel_linear(
+            xs[m], first, fmt, k, None, plan.for_rows(m), words=False), lin.linear(xs[m], w)) for m in rows)
         many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
         invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
         row = {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "format": name, "bytes": first.numel(),
                "kernel": kernel, "half_words": halves, "dequantize": deq, "bf16": bf16,
                "gbs": first.numel() / kernel[rows[0]] / 1e3,
-               "bits_equal_dequantized": bits, "row_invariant": invariant}
+               "bits_equal_dequantized": bits, "row_invariant": invariant, "half_words_bits_equal": half_bits}
         out.append(row)
         print(f"{row['shape']} {name}: " + ", ".join(
             f"{m} rows {kernel[m]:.1f} us (dequantize {deq[m]:.1f}, bf16 {bf16[m]:.1f})" for m in rows)
             + f"; {row['gbs']:.0f} GB/s; bits = dequantized: {bits}; row-invariant: {invariant}"
-            + (f"; half-word decode {halves[rows[0]]:.1f} us at {rows[0]} row(s)" if halves else ""), flush=True)
+            + (f"; half-word decode {halves[rows[0]]:.1f} us at {rows[0]} row(s), bits = dequantized: {half_bits}"
+               if halves else ""), flush=True)
     return out
 
 
