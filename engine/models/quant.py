@@ -208,6 +208,19 @@ def bad_scales(blocks: Tensor, fmt: BlockFormat) -> int:
     return sum(int((~torch.isfinite(b[:, o : o + 2].contiguous().view(torch.float16))).sum()) for o in fmt.scales)
 
 
+def _row_blocks(fmt: BlockFormat, rows: int, cols: int, name: str, device: torch.device | str | None,
+                blocks: Tensor | None) -> Tensor:
+    """A held weight's blocks [rows, row_bytes]: ``blocks`` as given (checked), or empty ones on ``device``;
+    ``cols`` (the constructor's argument ``name``) must be whole blocks."""
+    if cols % fmt.values:
+        raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but {name} is {cols}")
+    shape = (rows, fmt.row_bytes(cols))
+    if blocks is None:
+        blocks = torch.empty(shape, dtype=torch.uint8, device=device)
+    assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == shape, (tuple(blocks.shape), shape)
+    return blocks
+
+
 class QuantLinear(nn.Module):
     """A projection whose weight [out, in] stays in its GGUF blocks (``blocks``: a uint8 buffer
     [out, row_bytes], moved by ``.to(device)`` and never cast by ``.to(dtype)``), with an optional
@@ -226,13 +239,7 @@ class QuantLinear(nn.Module):
         """Empty blocks (filled by a load) on ``device``, or ``blocks`` [out_features, row_bytes] as given:
         held rows (``hold``; a file's or ``quantize``'s blocks go through it first)."""
         super().__init__()
-        if in_features % fmt.values:
-            raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but in_features is "
-                             f"{in_features}")
-        shape = (out_features, fmt.row_bytes(in_features))
-        if blocks is None:
-            blocks = torch.empty(shape, dtype=torch.uint8, device=device)
-        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == shape, (tuple(blocks.shape), shape)
+        blocks = _row_blocks(fmt, out_features, in_features, "in_features", device, blocks)
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.register_buffer("blocks", blocks)
         self.bias = nn.Parameter(torch.empty(out_features, device=blocks.device)) if bias else None
@@ -276,13 +283,7 @@ class QuantEmbedding(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  blocks: Tensor | None = None) -> None:
         super().__init__()
-        if embedding_dim % fmt.values:
-            raise ValueError(f"{fmt.name} holds rows of whole {fmt.values}-value blocks, but embedding_dim is "
-                             f"{embedding_dim}")
-        shape = (num_embeddings, fmt.row_bytes(embedding_dim))
-        if blocks is None:
-            blocks = torch.empty(shape, dtype=torch.uint8, device=device)
-        assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == shape, (tuple(blocks.shape), shape)
+        blocks = _row_blocks(fmt, num_embeddings, embedding_dim, "embedding_dim", device, blocks)
         self.fmt, self.num_embeddings, self.embedding_dim = fmt, num_embeddings, embedding_dim
         self.register_buffer("blocks", blocks)
         self.register_buffer("like", torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=blocks.device),
