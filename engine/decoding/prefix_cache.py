@@ -31,6 +31,7 @@ bits, as a speculative step's rows may from an AR step's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -142,7 +143,10 @@ class _Node:
     v: Tensor | None = None
     features: Tensor | None = None
     state: tuple[Tensor, Tensor] | None = None
-    parent: _Node | None = None
+    # The parent, held weakly: a tree of strong links both ways is a reference cycle, which only Python's
+    # cyclic collector frees, at a time of its choosing; a dropped or cleared cache (a session sweep's, one
+    # a pass) then held its K/V on the GPU past its end (three stale caches in a session trial's peak)
+    up: weakref.ref | None = None
     children: dict[int, _Node] = field(default_factory=dict)
     used: int = 0  # the LRU clock when a lookup or an insert last went through this node
     state_used: int = 0  # ... when its state was last restored or stored
@@ -150,6 +154,14 @@ class _Node:
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def parent(self) -> _Node | None:
+        return None if self.up is None else self.up()
+
+    @parent.setter
+    def parent(self, node: _Node | None) -> None:
+        self.up = None if node is None else weakref.ref(node)
 
     def nbytes(self, with_state: bool = True) -> int:
         parts = [self.k, self.v, self.features] + (list(self.state) if with_state and self.state else [])
@@ -349,7 +361,8 @@ class PrefixCache:
             node, pos = child, pos + m
         if pos < len(seq):
             leaf = _Node(seq[pos:], pos, cache.k[:, pos : len(seq)].clone(), cache.v[:, pos : len(seq)].clone(),
-                         ws.features[pos : len(seq)].clone() if features else None, parent=node, used=self._clock)
+                         ws.features[pos : len(seq)].clone() if features else None, up=weakref.ref(node),
+                         used=self._clock)
             node.children[seq[pos]] = leaf
             self.bytes += leaf.nbytes()
         for c, state in checkpoints.items():
@@ -400,8 +413,7 @@ class PrefixCache:
         """Cut ``node``'s edge after ``m`` tokens; returns the new upper node (the lower keeps the
         children and the state). Both halves are copies: an evicted half frees its memory."""
         upper = _Node(node.tokens[:m], node.start, node.k[:, :m].clone(), node.v[:, :m].clone(),
-                      None if node.features is None else node.features[:m].clone(), parent=node.parent,
-                      used=node.used)
+                      None if node.features is None else node.features[:m].clone(), up=node.up, used=node.used)
         node.tokens, node.start = node.tokens[m:], node.start + m
         node.k, node.v = node.k[:, m:].clone(), node.v[:, m:].clone()
         node.features = None if node.features is None else node.features[m:].clone()

@@ -111,6 +111,56 @@ def test_partial_prefix_hits_split_the_tree_and_equal_cold_runs(target):
     assert node.tokens == list(shared) and len(node.children) == 2 and node.k.shape[1] == len(shared)
 
 
+def _held_nodes(cache: PrefixCache) -> list:
+    """Weak references to every node of ``cache``'s tree below the root (each holds K/V)."""
+    import weakref
+
+    out, stack = [], list(cache._root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(weakref.ref(node))
+        stack.extend(node.children.values())
+    return out
+
+
+def test_a_dropped_cleared_or_evicted_tree_frees_its_memory_at_once():
+    """A node holds its parent weakly, so a tree is no reference cycle: a cache dropped (a session sweep's
+    pass), cleared or evicted frees its K/V, features and states when the last reference goes, not when
+    Python's cyclic collector gets round to it (with the collector off here). A split node's halves keep
+    their places."""
+    import gc
+
+    pair = pair_for("tiny-dense", "random")
+    cfg = EngineConfig(verify="ddtree", budget=8, top_k=2, draft_path="generic")
+    shared = pair.encode(SYSTEM)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for end in ("drop", "clear"):
+            cache = PrefixCache(BIG, chunk=CHUNK)
+            for tail in ("first question?", "other one!"):
+                engine.generate(pair, shared + pair.encode(tail), cfg, MAX_NEW, ignore_eos=True, prefix_cache=cache)
+            nodes = _held_nodes(cache)
+            assert len(nodes) == 3 and all(n().parent is not None for n in nodes)  # the split: one shared node
+            split = next(n() for n in nodes if n().children)
+            assert all(child.parent is split for child in split.children.values()) and split.parent is cache._root
+            del split
+            if end == "drop":
+                del cache
+            else:
+                cache.clear()
+            assert [n() for n in nodes] == [None, None, None], end
+        cache = PrefixCache(BIG, chunk=CHUNK)
+        engine.generate(pair, shared + pair.encode("first question?"), cfg, MAX_NEW, ignore_eos=True,
+                        prefix_cache=cache)
+        nodes = _held_nodes(cache)
+        cache._evict(0, set())
+        assert cache.bytes == 0 and [n() for n in nodes] == [None]
+    finally:
+        if was:
+            gc.enable()
+
+
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 def test_eviction_keeps_the_budget_and_an_evicted_prompt_is_cold_again(target):
     pair = pair_for(target, "random")
