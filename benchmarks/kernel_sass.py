@@ -42,7 +42,7 @@ def row(name: str, compiled, warps: int, values: int, dump: Path | None) -> str:
         (dump / f"{name.replace(' ', '_')}.sass").write_text("\n".join(body) + "\n")
     res = resources(compiled)
     return (f"| {name} | {res['REG']} | {warps} | {len(body)} | {len(body) * 32 * warps / values:.1f} | "
-            f"{ops.get('HGMMA.64x16x16.F32.BF16', 0) + ops.get('HGMMA.64x8x16.F32.BF16', 0)} | {loads} |")
+            f"{sum(v for op, v in ops.items() if op.startswith('HGMMA'))} | {loads} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,14 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", type=Path, help="write each loop's SASS into this folder")
     ap.add_argument("--half-words", action="store_true",
                     help="compile the half-word decode for every format (the word formats' other path)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="the launch for this many rows (default 1: the step's; 33: a budget-32 verify's)")
     args = ap.parse_args(argv)
-    print("| kernel (1-row step launch) | registers | warps | loop instructions a thread | thread instructions a "
+    if not 1 <= args.rows <= rows_linear.MAX_ROWS:
+        ap.error(f"--rows must lie in 1..{rows_linear.MAX_ROWS}, got {args.rows}")
+    print(f"| kernel ({args.rows}-row launch) | registers | warps | loop instructions a thread | thread instructions a "
           "weight value | HGMMA | global loads a thread |\n|---|---|---|---|---|---|---|")
     for n, k, name in CASES:
-        cfg = (rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)).step
+        cfg = (rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)).for_rows(args.rows)
         fmt = FORMATS[name]
         words = not args.half_words and quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
-        block_m, warps = quant_kernel.launch_shape(fmt, cfg, 1)
+        block_m, warps = quant_kernel.launch_shape(fmt, cfg, args.rows)
         stages = rows_linear.stages_for(cfg, block_m, 2)
         shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      BLOCK_M=block_m, INTERPRET=False)
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                  GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
             warps, stages, (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()),
-            quant_kernel.register_cap(fmt, words, block_m, warps))  # as kernel_linear launches a step
+            quant_kernel.register_cap(fmt, words, block_m, warps))  # as kernel_linear launches it
         label = f"{name}{' words' if words else ''} {n}x{k}"
         print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
     return 0
