@@ -265,7 +265,7 @@ def _quant_cases():
                                GROUP=quant_kernel.group_size(fmt, cfg.block_k), HAS_BIAS=False,
                                EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                BLOCK_M=block_m, INTERPRET=False, **quant_kernel.word_constants(fmt, words)),
-                   warps, rows_linear.stages_for(cfg, block_m, 2), aligned, cap)
+                   warps, quant_kernel.launch_stages(cfg, block_m, 2), aligned, cap)
 
 
 # Embeddings kept in blocks (``quant_kernel.embedding``): the Q4_K_M 27B's and 8B's (Q4_K), and every format at

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt = FORMATS[name]
         words = not args.half_words and quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
         block_m, warps = quant_kernel.launch_shape(fmt, cfg, args.rows)
-        stages = rows_linear.stages_for(cfg, block_m, 2)
+        stages = rows_linear.stages_for(cfg, block_m, 2)  # the dense kernel's; the block kernel's below
         shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      BLOCK_M=block_m, INTERPRET=False)
         dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"), shape,
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             quant_kernel._quant_kernel, dict(TYPES, blocks_ptr="*i32" if words else "*fp16", row_stride="i32"),
             dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                  GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
-            warps, stages, (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()),
+            warps, quant_kernel.launch_stages(cfg, block_m, 2),
+            (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()),
             quant_kernel.register_cap(fmt, words, block_m, warps))  # as kernel_linear launches it
         label = f"{name}{' words' if words else ''} {n}x{k}"
         print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)

@@ -199,15 +199,22 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
             timed = []
             # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
             caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)
-            for cfg in [own] + [c for c in configs if c != own]:
+            # the plan's launch on the dense kernel's stages too, where the block kernel's rule takes fewer
+            # (quant_kernel.launch_stages: at most MAX_STAGES, for programs an SM)
+            block_m = quant_kernel.launch_shape(fmt, own, m)[0]
+            dense_stages = lin.stages_for(own, block_m, 2)
+            launches = [(own, None)] + ([(own, dense_stages)] if dense_stages != quant_kernel.launch_stages(
+                own, block_m, 2) else []) + [(c, None) for c in configs if c != own]
+            for cfg, stages in launches:
                 for cap in caps:
                     try:
-                        us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap: quant_kernel.kernel_linear(
-                            x, p(), f, k, None, c, max_registers=r))
+                        us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap, s=stages: quant_kernel.kernel_linear(
+                            x, p(), f, k, None, c, max_registers=r, stages=s))
                     except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
                         print(f"  {label} {name} {m} rows {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
                         continue
-                    launch = f"{cfg}" + (f", maxnreg {cap}" if cap else "")
+                    launch = f"{cfg}" + (f", {stages} stages (the dense rule's)" if stages else "") + (
+                        f", maxnreg {cap}" if cap else "")
                     timed.append((us, launch))
                     print(f"{label} {name} {m} rows {launch}: {us:.1f} us", flush=True)
             best_us, best = min(timed, key=lambda t: t[0])

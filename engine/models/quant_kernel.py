@@ -216,14 +216,31 @@ def launch_shape(fmt: BlockFormat, cfg: rows_linear.LinearConfig, rows: int) -> 
     return block_m, warps
 
 
+# Pipeline stages of the block kernel's verify launches at most (``launch_stages``).
+MAX_VERIFY_STAGES = 4
+
+
+def launch_stages(cfg: rows_linear.LinearConfig, block_m: int, itemsize: int) -> int:
+    """Pipeline stages of a launch: the dense kernel's (``linear.stages_for``); on a verify's row tile (more
+    than ``linear.STEP_ROWS`` rows) at most ``MAX_VERIFY_STAGES``. The decode is latency-bound, so programs an
+    SM matter more than a deeper pipeline: a step's launch keeps four (sm_90, ~110 registers a thread on 4
+    warps, 28-52 KB of shared memory), but the 27B gate_up's verify launch took the dense plan's 6 stages for
+    64 rows: 130 KB, one program an SM; with 4, 86 KB, two (static compiles, 2026-12-06; not yet timed:
+    ``kernel_bench.py quant-tiles --rows 33`` times the dense rule's stages beside). Stages never change a sum."""
+    stages = rows_linear.stages_for(cfg, block_m, itemsize)
+    return stages if block_m <= rows_linear.STEP_ROWS else min(stages, MAX_VERIFY_STAGES)
+
+
 def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None,
-                  cfg: rows_linear.LinearConfig, words: bool = True, max_registers: int | None = None) -> Tensor:
+                  cfg: rows_linear.LinearConfig, words: bool = True, max_registers: int | None = None,
+                  stages: int | None = None) -> Tensor:
     """The kernel on one launch configuration (tests and benchmarks pick it; ``linear`` takes the
     weight's plan), reading the blocks as words where ``reads_words`` allows and ``words`` is on (off: the
     half-word decode, which tests and benchmarks hold the word decode against). ``max_registers``: a cap
     on a thread's registers (ptxas ``maxnreg``: 128 of 65,536 a thread on 8 warps leave two programs an SM,
     more one); None: the format's ``STEP_REGISTER_CAP`` on a step's word launch, 0: none (the benchmarks
-    time both). On CPU tensors it runs only in Triton's interpreter (the CPU tests)."""
+    time both). ``stages``: the pipeline's (None: ``launch_stages``; the benchmarks time others). On CPU
+    tensors it runs only in Triton's interpreter (the CPU tests)."""
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.shape[1] == fmt.row_bytes(cols) and blocks.stride(1) == 1, (
         f"{fmt.name} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {cols} values")
@@ -241,7 +258,8 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
     tiles = triton.cdiv(n, cfg.block_n)
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
     split = triton.cdiv(cols, k_iters * cfg.block_k)
-    stages = rows_linear.stages_for(cfg, block_m, x.element_size())
+    if stages is None:
+        stages = launch_stages(cfg, block_m, x.element_size())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     tickets = rows_linear._tickets(x.device, tiles * row_blocks)
