@@ -273,7 +273,7 @@ def _quant(args: argparse.Namespace) -> int:
     if not shapes:
         print(f"{args.kernel}: --shapes {args.shapes} match none of {[s[0] for s in table]}", file=sys.stderr)
         return 2
-    rows = args.rows or (list(QUANT_ROWS) if args.kernel == "quant" else [1])
+    rows = sorted(set(args.rows or (QUANT_ROWS if args.kernel == "quant" else [1])))
     if any(not 1 <= m <= 1024 for m in rows):
         print(f"{args.kernel}: --rows {rows} must lie in 1..1024", file=sys.stderr)
         return 2

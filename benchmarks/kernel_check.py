@@ -242,12 +242,16 @@ def _tree_cases():
 
 def _quant_cases():
     """The in-register kernel's step and verify launches of ``QUANT_CASES`` in bf16, as
-    ``quant_kernel.kernel_linear`` launches them."""
+    ``quant_kernel.kernel_linear`` launches them: a verify at a budget-32 tree's 33 rows and at the most rows,
+    where their row tiles differ (64 and 128 rows: other stages, other registers)."""
     for n, k, name in QUANT_CASES:
         fmt = FORMATS[name]
         plan = rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)
-        for cls, cfg, rows in (("step", plan.step, rows_linear.STEP_ROWS),
-                               ("verify", plan.verify, rows_linear.MAX_ROWS)):
+        launches = [("step", plan.step, rows_linear.STEP_ROWS), ("verify", plan.verify, rows_linear.MAX_ROWS)]
+        if quant_kernel.launch_shape(fmt, plan.verify, 33) != quant_kernel.launch_shape(fmt, plan.verify,
+                                                                                         rows_linear.MAX_ROWS):
+            launches.insert(1, ("verify", plan.verify, 33))
+        for cls, cfg, rows in launches:
             # the blocks read as words where the launch allows (quant_kernel.words_fit), else as half-words;
             # rows start 16 units aligned where a row's bytes are a multiple of 16 units: what the launch
             # specialises

@@ -1,5 +1,6 @@
 """The few-row products' K loop in Hopper SASS, without a GPU: the dense bf16 kernel and the GGUF-block
-kernel (``quant_kernel``) compiled for sm_90 on a weight's 1-row (step) launch, and per weight value
+kernel (``quant_kernel``) compiled for sm_90 on a weight's 1-row (step) launch (``--rows N``: the launch of N
+rows, a verify's past 16), and per weight value
 the thread instructions of one loop iteration, with registers and the loop's loads (issue #28: how
 much decode work a quantized AR step issues against the bf16 one's).
 
@@ -16,6 +17,8 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
+
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,16 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         fmt = FORMATS[name]
         words = not args.half_words and quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
         block_m, warps = quant_kernel.launch_shape(fmt, cfg, args.rows)
-        stages = rows_linear.stages_for(cfg, block_m, 2)  # the dense kernel's; the block kernel's below
+        # the dense kernel's own row tile and stages (linear._kernel_linear's rule); the block kernel's below
+        dense_m = min(cfg.row_block, max(16, triton.next_power_of_2(args.rows)))
         shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     BLOCK_M=block_m, INTERPRET=False)
-        dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"), shape,
-                                   cfg.num_warps, stages, (*ALIGNED, "w_ptr", "swn"))
+                     INTERPRET=False)
+        dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"),
+                                   dict(shape, BLOCK_M=dense_m), cfg.num_warps,
+                                   rows_linear.stages_for(cfg, dense_m, 2), (*ALIGNED, "w_ptr", "swn"))
         print(row(f"bf16 {n}x{k}", dense, cfg.num_warps, cfg.block_n * cfg.block_k, args.dump))
         unit = 4 if words else 2  # the row stride's element: a word or a half-word (aligned: 16 of them)
         quant = compile_for_hopper(
             quant_kernel._quant_kernel, dict(TYPES, blocks_ptr="*i32" if words else "*fp16", row_stride="i32"),
-            dict(shape, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
+            dict(shape, BLOCK_M=block_m, FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                  GROUP=quant_kernel.group_size(fmt, cfg.block_k), **quant_kernel.word_constants(fmt, words)),
             warps, quant_kernel.launch_stages(cfg, block_m, 2),
             (*ALIGNED, "blocks_ptr") + (("row_stride",) if fmt.row_bytes(k) % (16 * unit) == 0 else ()),

@@ -51,8 +51,8 @@ def bench_quant(shapes: list[tuple[str, int, int, tuple[str, ...]]] | None = Non
         if rows[0] == 1:  # the sum so far, each weight: what a cut run still tells
             print(step_sum(out), flush=True)
     lines = ["| weights | format | MB | " + " | ".join(f"{m} rows: kernel / dequantize / bf16 us" for m in rows)
-             + " | kernel GB/s at 1 row | bits = dequantized | row-invariant | half-word decode us, 1 / most rows "
-             "(its bits = dequantized) |",
+             + f" | kernel GB/s at {rows[0]} row(s) | bits = dequantized | row-invariant | half-word decode us, "
+             f"{rows[0]} / {rows[-1]} rows (its bits = dequantized) |",
              "|---|---|---|" + "---|" * (len(rows) + 4)]
     lines += [f"| {r['shape']} | {r['format']} | {r['bytes'] / 1e6:.1f} | "
               + " | ".join(f"{r['kernel'][m]:.1f} / {r['dequantize'][m]:.1f} / {r['bf16'][m]:.1f}" for m in rows)
@@ -170,7 +170,8 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
                       ) -> tuple[list[dict], list[str]]:
     """GPU us of the block kernel at each of ``rows`` on each launch of ``tiles`` per weight (a launch that
     does not fit is skipped, said so; a format whose blocks are not 16-byte aligned also with its registers
-    capped at 128), the weight's own plan first: how much of the time the launch shape leaves, ahead of a
+    capped at 128), the engine's launch first (the weight's plan, its stages and register cap): how much of
+    the time the launch shape leaves, ahead of a
     per-format plan (a plan of its own splits K its own way: native and dequantized weights would then round
     apart, each still row-invariant on its one plan). Past ``linear.STEP_ROWS`` rows (a verify's launch)
     only the tiles that split K as the plan's step does are tried, each with every row block: a verify's
@@ -198,32 +199,36 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
                            if (c.split, c.block_k) == (plan.step.split, plan.step.block_k) and rb <= widest]
             timed = []
             # over 128 registers a thread on 8 warps, one program an SM: the unaligned formats' decodes
-            caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap (None would be the format's own)
-            # the plan's launch on the dense kernel's stages too, where the block kernel's rule takes fewer
-            # (quant_kernel.launch_stages: at most MAX_STAGES, for programs an SM)
+            caps = (0, 128) if fmt.nbytes % 16 else (0,)  # 0: no cap
+            # the engine's launch first (its stages and register cap: None), then the plan's on the dense
+            # kernel's stages where the block kernel's rule takes fewer (quant_kernel.launch_stages: at most
+            # MAX_VERIFY_STAGES on a verify's tile, for programs an SM), then the other tiles
             block_m = quant_kernel.launch_shape(fmt, own, m)[0]
             dense_stages = lin.stages_for(own, block_m, 2)
-            launches = [(own, None)] + ([(own, dense_stages)] if dense_stages != quant_kernel.launch_stages(
-                own, block_m, 2) else []) + [(c, None) for c in configs if c != own]
-            for cfg, stages in launches:
-                for cap in caps:
-                    try:
-                        us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap, s=stages: quant_kernel.kernel_linear(
-                            x, p(), f, k, None, c, max_registers=r, stages=s))
-                    except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
-                        print(f"  {label} {name} {m} rows {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
-                        continue
-                    launch = f"{cfg}" + (f", {stages} stages (the dense rule's)" if stages else "") + (
-                        f", maxnreg {cap}" if cap else "")
-                    timed.append((us, launch))
-                    print(f"{label} {name} {m} rows {launch}: {us:.1f} us", flush=True)
+            launches = [(own, None, None)] + (
+                [(own, dense_stages, None)] if dense_stages != quant_kernel.launch_stages(own, block_m, 2) else []
+            ) + [(c, None, cap) for c in [own, *configs] for cap in caps if (c, cap) != (own, None)]
+            for cfg, stages, cap in launches:
+                try:
+                    us = _time(lambda c=cfg, p=pick, x=x, f=fmt, k=k, r=cap, s=stages: quant_kernel.kernel_linear(
+                        x, p(), f, k, None, c, max_registers=r, stages=s))
+                except Exception as exc:  # shared memory or registers past the GPU's: skipped, said so
+                    print(f"  {label} {name} {m} rows {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
+                    continue
+                runs = stages or quant_kernel.launch_stages(cfg, quant_kernel.launch_shape(fmt, cfg, m)[0], 2)
+                launch = (f"{cfg.block_n}x{cfg.block_k} split {cfg.split}, {cfg.num_warps} warps, "
+                          f"rows {cfg.row_block}, {runs} stages" + (" (the dense rule's)" if stages else "")
+                          + (" (the engine's launch)" if cap is None and stages is None
+                             else f", maxnreg {cap}" if cap else ""))
+                timed.append((us, launch))
+                print(f"{label} {name} {m} rows {launch}: {us:.1f} us", flush=True)
             best_us, best = min(timed, key=lambda t: t[0])
             out.append({"shape": f"{label} ({n} x {k})", "format": name, "rows": m, "bytes": first.numel(),
                         "own_us": timed[0][0], "own": str(own), "best_us": best_us, "best": str(best),
                         "tried": [{"cfg": c, "us": u} for u, c in timed]})
         del first, pick
         torch.cuda.empty_cache()
-    lines = ["| weights | format | rows | MB | own plan's us (GB/s) | fastest launch | its us (GB/s) |",
+    lines = ["| weights | format | rows | MB | the engine's launch, us (GB/s) | fastest launch | its us (GB/s) |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['format']} | {r['rows']} | {r['bytes'] / 1e6:.1f} | {r['own_us']:.1f} "
               f"({r['bytes'] / r['own_us'] / 1e3:.0f}) | `{r['best']}` | {r['best_us']:.1f} "

@@ -11,6 +11,7 @@
 #      its plan (tests/engine/test_memory_gpu.py -k q4_k_m). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
+# MEMORY=1 adds 240 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
 source benchmarks/device/common.sh quant
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"

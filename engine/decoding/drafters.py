@@ -75,6 +75,7 @@ class DFlashDrafter:
             self.project_context((self._ctx_k, self._ctx_v), features, self._cached, start)
             self._cached = start
 
+    @torch.inference_mode()  # (into buffers a decode made: inference tensors)
     def project_context(self, context: tuple[Tensor, Tensor], features: Tensor, lo: int, hi: int) -> None:
         """The context keys/values of positions lo..hi-1 from their ``features`` into ``context`` ([layers,
         max_len, kv_heads, head_dim] each), ``CONTEXT_ROWS`` positions at a time."""

@@ -644,7 +644,7 @@ if triton is not None:
 
     # ``embedding``: rows ``ids`` of a held weight, each tile [BLOCK_N rows, BLOCK_K values] decoded by the
     # product's word decodes (each row's first word: its id's) and rounded once, as the product rounds its tile
-    @triton.jit(do_not_specialize=["M", "nibble"])
+    @triton.jit(do_not_specialize=["M", "N", "nibble"])  # (N, the table's rows, only bounds the ids)
     def _embedding_kernel(ids_ptr, w_ptr, out_ptr, M, N, K, row_stride, nibble, FMT: tl.constexpr,
                           VALUES: tl.constexpr, NBYTES: tl.constexpr, WORDS: tl.constexpr, CHUNK: tl.constexpr,
                           CHUNK_WORDS: tl.constexpr, FIRST_BYTE: tl.constexpr, EVEN_K: tl.constexpr,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -437,7 +438,7 @@ def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[
                                f"{len(temperatures)} for {len(sequences)} sequences")
     temps = [0.0] * len(sequences) if temperatures is None else temperatures
     for i, t in enumerate(temps):  # (the rule of a data file's "temperature", sequences.load_sequence_records)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise EngineInputError(f"train_draft: temperatures[{i}] must be a finite number >= 0 (the answer's "
                                    f"sampling temperature; 0: greedy), got {t!r}")
     kept = [(list(s)[: cfg.max_seq_len], p, t > 0) for s, p, t in zip(sequences, prompt_lens, temps, strict=True)]
