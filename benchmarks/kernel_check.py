@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.decoding import tree_kernel  # noqa: E402
 from engine.models import attention as split_attention  # noqa: E402
-from engine.models import delta_rule, fused, quant_kernel, topk  # noqa: E402
+from engine.models import delta_rule, fused, quant_embedding, quant_kernel, topk  # noqa: E402
 from engine.models import linear as rows_linear  # noqa: E402
 from engine.models.quant import FORMATS  # noqa: E402
 
@@ -272,25 +272,25 @@ def _quant_cases():
                    warps, quant_kernel.launch_stages(cfg, block_m, 2), aligned, cap)
 
 
-# Embeddings kept in blocks (``quant_kernel.embedding``): the Q4_K_M 27B's and 8B's (Q4_K), and every format at
+# Embeddings kept in blocks (``quant_embedding.embedding``): the Q4_K_M 27B's and 8B's (Q4_K), and every format at
 # SmolLM2's width where its rows are whole words (a tied SmolLM2 keeps a float one; the kernel is the same)
 EMBED_CASES = [(5120, "Q4_K"), (4096, "Q4_K"), (4096, "Q6_K")] + [
     (576, name) for name, fmt in FORMATS.items() if 576 % fmt.values == 0 and fmt.row_bytes(576) % 4 == 0]
 
 
 def _embedding_cases():
-    """``quant_kernel.embedding``'s launches in bf16 (rows start 4-byte aligned: every held row of whole words;
+    """``quant_embedding.embedding``'s launches in bf16 (rows start 4-byte aligned: every held row of whole words;
     a row of 16 words' multiple specialised as the launch specialises it)."""
     for k, name in EMBED_CASES:
         fmt = FORMATS[name]
-        block_k = quant_kernel.embed_block_k(k)
+        block_k = quant_embedding.embed_block_k(k)
         assert quant_kernel.words_fit(fmt, block_k, fmt.row_bytes(k)), (k, name)
         types = dict(ids_ptr="*i64", w_ptr="*i32", out_ptr="*bf16", M="i32", N="i32", K="i32", row_stride="i32",
                      nibble="i32")
-        yield (f"embedding {name} x{k}", quant_kernel._embedding_kernel, types,
+        yield (f"embedding {name} x{k}", quant_embedding._embedding_kernel, types,
                dict(FMT=quant_kernel.KERNEL_FORMATS[name], VALUES=fmt.values, NBYTES=fmt.nbytes,
                     **quant_kernel.word_constants(fmt, True), EVEN_K=k % block_k == 0,
-                    BLOCK_N=quant_kernel.EMBED_ROWS, BLOCK_K=block_k, INTERPRET=False),
+                    BLOCK_N=quant_embedding.EMBED_ROWS, BLOCK_K=block_k, INTERPRET=False),
                4, 1, ("ids_ptr", "w_ptr", "out_ptr", "K") + (("row_stride",) if fmt.row_bytes(k) % 64 == 0 else ()))
 
 

@@ -28,7 +28,7 @@ from engine.files import read_mapping
 from engine.models.common import unfused_state_dict
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft
-from engine.models.quant import BlockFormat, QuantEmbedding, QuantLinear, shared_parameters
+from engine.models.quant import BlockFormat, QuantEmbedding, QuantLinear, keeps_embedding, shared_parameters
 
 if TYPE_CHECKING:
     from engine.models.hybrid import HybridModel
@@ -400,8 +400,7 @@ def _with_blocks(model: nn.Module, native: NativePlan) -> nn.Module:
         if isinstance(module, nn.Linear) and (module.out_features, module.in_features) == shape:
             setattr(model.get_submodule(owner) if owner else model, attr,
                     QuantLinear(fmt, module.in_features, module.out_features, module.bias is not None, "meta"))
-        elif (isinstance(module, nn.Embedding) and (module.num_embeddings, module.embedding_dim) == shape
-              and id(module.weight) not in shared and module.embedding_dim % fmt.values == 0):
+        elif keeps_embedding(module, fmt, shared) and (module.num_embeddings, module.embedding_dim) == shape:
             setattr(model.get_submodule(owner) if owner else model, attr,
                     QuantEmbedding(fmt, module.num_embeddings, module.embedding_dim, "meta", module.weight.dtype))
     return model

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.models import linear as rows_linear
-from engine.models import quant_kernel
+from engine.models import quant_embedding, quant_kernel
 
 QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
 # How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
@@ -190,6 +190,12 @@ def unhold(held: Tensor, fmt: BlockFormat) -> Tensor:
     return out.reshape(n, held.shape[1])
 
 
+def held_values(held: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Held rows (``hold``'s: a ``QuantLinear``'s or ``QuantEmbedding``'s blocks, or some of their rows) -> their
+    values [N, cols] in ``dtype``: ``dequantize`` of the file's layout."""
+    return dequantize(unhold(held, fmt), fmt, cols, dtype)
+
+
 def dequantize(blocks: Tensor, fmt: BlockFormat, cols: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Rows of blocks [N, row_bytes] (uint8, in the file's layout: ``unhold`` a ``QuantLinear``'s first) -> the
     weight [N, cols] in ``dtype`` (computed in float32 and rounded once, as a dequantized load copies float32
@@ -250,7 +256,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weight [out, in] in ``dtype``: the values a dequantized load holds."""
-        return dequantize(unhold(self.blocks, self.fmt), self.fmt, self.in_features, dtype)
+        return held_values(self.blocks, self.fmt, self.in_features, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         # the kernel for a draft's projections too (``free_rows_``): it reads the blocks, not a dequantized copy
@@ -270,7 +276,7 @@ class QuantEmbedding(nn.Module):
     """An untied token embedding [vocab, hidden] kept in its GGUF blocks (``blocks``: uint8 [vocab,
     row_bytes], held rows as a ``QuantLinear``'s): the stand-in for ``nn.Embedding`` where a model looks
     tokens up. A lookup reads only its tokens' rows and dequantizes them into the model's dtype, the values a
-    dequantized load holds (``dequantize``, bit for bit): one launch where ``quant_kernel.use_embedding_kernel``
+    dequantized load holds (``dequantize``, bit for bit): one launch where ``quant_embedding.use_embedding_kernel``
     allows (CUDA, the kernels on, a half-precision model, rows of whole 32-bit words), elsewhere in PyTorch.
     A 27B's 248k x 5120 embedding is 2.4 GiB in bf16 and 0.7 in Q4_K (what llama.cpp's Q4_K_M gives it): the
     difference decides whether a 27B target and its draft fit a 24 GB card. A tied embedding (the head
@@ -303,15 +309,14 @@ class QuantEmbedding(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The embedding [vocab, hidden] in ``dtype``: the values a dequantized load holds."""
-        return dequantize(unhold(self.blocks, self.fmt), self.fmt, self.embedding_dim, dtype)
+        return held_values(self.blocks, self.fmt, self.embedding_dim, dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
-        if quant_kernel.use_embedding_kernel(flat, self.blocks, self.fmt, self.dtype):
-            rows = quant_kernel.embedding(flat, self.blocks, self.fmt, self.embedding_dim, self.dtype)
+        if quant_embedding.use_embedding_kernel(flat, self.blocks, self.fmt, self.dtype):
+            rows = quant_embedding.embedding(flat, self.blocks, self.fmt, self.embedding_dim, self.dtype)
         else:  # (index_select, not indexing: an id out of range is refused as nn.Embedding refuses it)
-            rows = dequantize(unhold(self.blocks.index_select(0, flat), self.fmt), self.fmt, self.embedding_dim,
-                              self.dtype)
+            rows = held_values(self.blocks.index_select(0, flat), self.fmt, self.embedding_dim, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -326,6 +331,14 @@ def shared_parameters(model: nn.Module) -> set[int]:
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[id(p)] = seen.get(id(p), 0) + 1
     return {key for key, count in seen.items() if count > 1}
+
+
+def keeps_embedding(module: nn.Module, fmt: BlockFormat, tied: set[int]) -> bool:
+    """Whether ``module`` is an embedding a native load (and the quantization recipe) holds in ``fmt``'s blocks
+    (``QuantEmbedding``): a float ``nn.Embedding`` no other module shares (``tied``: ``shared_parameters``),
+    of a width of whole blocks."""
+    return (isinstance(module, nn.Embedding) and id(module.weight) not in tied
+            and module.embedding_dim % fmt.values == 0)
 
 
 def embed_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
@@ -358,7 +371,7 @@ class QuantFusedLinear(QuantLinear):
         """Projection ``i`` alone: only its rows of blocks dequantized."""
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        w = dequantize(unhold(self.blocks[lo:hi], self.fmt), self.fmt, self.in_features, x.dtype)
+        w = held_values(self.blocks[lo:hi], self.fmt, self.in_features, x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias[lo:hi])
 
 
@@ -427,32 +440,26 @@ def would_keep(model: nn.Module, types: dict[str, str]) -> dict[str, str]:
     here (``FORMATS``), and an untied embedding of such a type. A tied embedding, norms, conv and float or
     fallback types stay floats either way."""
     out = {}
+    tied = shared_parameters(model)
     for name, kind in types.items():
         path = name.removesuffix(".weight")
-        if kind in FORMATS and name.endswith(".weight") and (_is_projection(model, path)
-                                                            or _is_untied_embedding(model, path, FORMATS[kind])):
+        if kind in FORMATS and name.endswith(".weight") and (
+                _is_projection(model, path) or keeps_embedding(_module_at(model, path), FORMATS[kind], tied)):
             out[name] = kind
     return out
 
 
-def _is_untied_embedding(model: nn.Module, path: str, fmt: BlockFormat) -> bool:
-    """Whether ``path`` names a float embedding of ``model`` no other module shares (a native load keeps
-    it in blocks, ``QuantEmbedding``) of a width of whole ``fmt`` blocks."""
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
     try:
-        embed = model.get_submodule(path)
+        return model.get_submodule(path)
     except AttributeError:
-        return False
-    return (isinstance(embed, nn.Embedding) and embed.embedding_dim % fmt.values == 0
-            and id(embed.weight) not in shared_parameters(model))
+        return None
 
 
 def _tied_embedding(model: nn.Module, name: str, tied: set[int]) -> bool:
-    """Whether checkpoint name ``name`` is the weight of an embedding another module shares (``tied``:
-    ``shared_parameters``): a float by design, never a fallback."""
-    try:
-        embed = model.get_submodule(name.removesuffix(".weight"))
-    except AttributeError:
-        return False
+    """Whether checkpoint name ``name`` is the weight of an embedding another module shares (``tied``): a float
+    by design, never a fallback."""
+    embed = _module_at(model, name.removesuffix(".weight"))
     return isinstance(embed, nn.Embedding) and id(embed.weight) in tied
 
 

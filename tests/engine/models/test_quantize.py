@@ -226,7 +226,7 @@ def test_a_q4_k_m_hybrids_decode_step_takes_the_kernel_for_every_projection(monk
     import engine
     from engine import EngineConfig, registry
     from engine.data.tokenizer import ByteTokenizer
-    from engine.models import quant, quant_kernel
+    from engine.models import quant, quant_embedding, quant_kernel
     from engine.models.hybrid import HybridModel
     from engine.models.hybrid_config import HybridConfig
 
@@ -250,7 +250,9 @@ def test_a_q4_k_m_hybrids_decode_step_takes_the_kernel_for_every_projection(monk
         launches.append((fmt.name, blocks.shape[0], cols, x.numel() // cols))
         return F.linear(x, dequantize(quant.unhold(blocks, fmt), fmt, cols, x.dtype), bias)
 
-    monkeypatch.setattr(quant_kernel, "fused", SimpleNamespace(use_kernels=lambda *tensors: True))  # as on CUDA
+    on_cuda = SimpleNamespace(use_kernels=lambda *tensors: True)  # as on CUDA (the embedding: its kernel, interpreted)
+    monkeypatch.setattr(quant_kernel, "fused", on_cuda)
+    monkeypatch.setattr(quant_embedding, "fused", on_cuda)
     monkeypatch.setattr(quant_kernel, "linear", kernel)
     monkeypatch.setattr(quant, "dequantize", lambda *a, **kw: per_call.append(a[1].name) or dequantize(*a, **kw))
     gen = engine.generate(pair, ids, ar, 6, ignore_eos=True)
