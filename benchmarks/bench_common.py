@@ -38,15 +38,18 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
 
 
-def large_pair(preset: str, weights: str) -> tuple[str, str | None, str]:
+def large_pair(preset: str, weights: str, draft_recipe: str | None = None) -> tuple[str, str | None, str]:
     """A shape preset's (target, draft, weights held) for ``large``, ``profile`` and ``graphs``: with
     ``weights`` a recipe (``q4_k_m``) its registry twin quantized to that mix (``<preset>-q4_k_m``, built in
     its blocks on the GPU: ``engine.registry.quantized_preset``) held native; the draft is the preset's own
-    either way (``registry.draft_for``)."""
-    from engine.registry import draft_for
+    either way (``registry.draft_for``), held in ``draft_recipe``'s blocks where given (``@q8_0``)."""
+    from engine.registry import DRAFT_RECIPE_MARK, draft_for
 
     target = preset if weights == "bf16" else f"{preset}-{weights}"
-    return target, draft_for(target), "dequantized" if weights == "bf16" else "native"
+    draft = draft_for(target)
+    if draft is not None and draft_recipe is not None:
+        draft += DRAFT_RECIPE_MARK + draft_recipe
+    return target, draft, "dequantized" if weights == "bf16" else "native"
 
 
 def set_prompts(pair, spec: str, n: int) -> list[list[int]]:

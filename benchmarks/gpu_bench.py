@@ -81,6 +81,8 @@ from engine.models.quant import QuantLinear, weight_bytes  # noqa: E402
 from engine.models.quantize import RECIPES  # noqa: E402
 from engine.registry import TARGETS, parse_oracle  # noqa: E402
 
+PRESET_RECIPES = [r for r in RECIPES if any(name.endswith(f"-{r}") for name in TARGETS)]  # the --weights twins
+
 
 def interleave(groups: list[list]) -> list:
     """The first of each group, then the second of each, ... (a group that runs out drops out): one
@@ -364,7 +366,7 @@ def section_large(args) -> tuple[str, dict]:
     report: dict = {"env": env_record(), "copy_bandwidth": bw, "presets": {}}
     prompt = list(range(10, 10 + args.context))
     for target in args.presets:
-        preset, draft, held = large_pair(target, args.weights)
+        preset, draft, held = large_pair(target, args.weights, args.draft_recipe)
         pair = engine.load(preset, draft, device="cuda", dtype="bfloat16", weights=held)
         formats = pair.weight_summary()["native"] if held == "native" else None
         weights = bytes_read_per_token(pair.target)
@@ -377,11 +379,11 @@ def section_large(args) -> tuple[str, dict]:
         roof_ms = 1000 * bytes_per_token / bw
         ar = timed(pair, EngineConfig(verify="ar"), [prompt], args.new_tokens, args.repeats)
         ar_ms = [1000 * r.decode_s / max(r.steps, 1) for r in ar]
-        rep = {"weights": args.weights, "weights_bytes": weights, "bytes_per_token": bytes_per_token,
+        rep = {"weights": args.weights, "draft": draft, "weights_bytes": weights, "bytes_per_token": bytes_per_token,
                "roofline_ms": roof_ms, "ar_ms": ar_ms, "budgets": {},
                "formats": None if formats is None else dict(Counter(formats.values()))}
         med_ar = statistics.median(ar_ms)
-        name = preset
+        name = preset if args.draft_recipe is None else f"{preset} (draft @{args.draft_recipe})"
         lines.append(f"| {name} | {spread(ar_ms)} | {roof_ms:.2f} | {100 * roof_ms / med_ar:.0f}% "
                      "| - | - | - | - | - |")
         print(lines[-1], flush=True)
@@ -441,7 +443,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
     if args.section == "large" or (args.section in ("profile", "graphs") and args.presets_given):
         for preset in args.presets:  # each preset's pair named before a GPU is asked for
-            target, draft, _ = large_pair(preset, args.weights)
+            target, draft, _ = large_pair(preset, args.weights, args.draft_recipe)
             if target not in TARGETS or draft is None:
                 with_weights = f" --weights {args.weights}" if args.weights != "bf16" else ""
                 ap.error(f"--presets {preset}{with_weights}: needs the registry preset {target} and a draft preset "
@@ -484,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")
-    ap.add_argument("--weights", choices=["bf16", *RECIPES], default="bf16",
+    ap.add_argument("--draft-recipe", choices=RECIPES, default=None,
+                    help="large: the preset's draft held in that mix's blocks (its `@RECIPE` spec: q8_0, q4_k_m), "
+                         "read in place by the few-row kernel (default: bf16 floats)")
+    ap.add_argument("--weights", choices=["bf16", *PRESET_RECIPES], default="bf16",
                     help="large, and profile/graphs with --presets: the presets' projections as bf16 floats "
                          "(default) or quantized in memory to a "
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "

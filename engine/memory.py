@@ -136,7 +136,7 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
                              prefix_cache_bytes > 0, in_place)
     if speculative:  # after the prefill, the draft's context K/V of the prompt, a chunk at a time
-        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size))
+        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place))
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
                        in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
@@ -319,7 +319,7 @@ def _draft_bytes(pair, priced: torch.dtype | None = None) -> int:
         return 0  # an oracle draft is the target itself; none: no draft
     shared = {id(t) for t in [*pair.target.parameters(), *pair.target.buffers()]}
     draft = pair.drafter.draft
-    return _module_bytes(draft, draft.fc.weight.dtype if priced else None, priced, shared)
+    return _module_bytes(draft, draft.norm.weight.dtype if priced else None, priced, shared)
 
 
 def _meta_cache(target: nn.Module, length: int, tree: int, dtype: torch.dtype) -> KVCache:
@@ -370,17 +370,18 @@ def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
     return 0
 
 
-def _context_fill_bytes(pair, prompt_tokens: int, size: int) -> int:
+def _context_fill_bytes(pair, prompt_tokens: int, size: int, in_place: bool = False) -> int:
     """The transient of projecting a prompt's context K/V for a DFlash draft (``DFlashDrafter.project_context``,
     ``CONTEXT_ROWS`` positions at a time): a chunk's hidden rows (the features' projection and its norm, in the
-    dtype, the norm's float32 copy) and every layer's keys and values; 0 for another drafter."""
+    dtype, the norm's float32 copy) and every layer's keys and values, and a draft held in blocks (``@q8_0``)
+    the largest weight dequantized for a call unless ``in_place``; 0 for another drafter."""
     drafter = pair.drafter
     if not isinstance(drafter, DFlashDrafter):
         return 0
     c = drafter.draft.cfg
     rows = min(prompt_tokens, CONTEXT_ROWS)
     return rows * c.hidden_size * (2 * size + 4) + 2 * c.num_hidden_layers * rows * c.num_key_value_heads * \
-        c.dim_per_head * size
+        c.dim_per_head * size + (0 if in_place else _dequantized_bytes(drafter.draft, size))
 
 
 def _planned_prefix_cache(target: nn.Module, positions: int, prompt_checkpoint: bool, feature_width: int,
@@ -447,10 +448,14 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     layer = rows * size * max(_layer_width(layer) for layer in model.layers) + attend
     total = 3 * rows * cfg.hidden_size * size + layer + features
     total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
-    blocks = [] if in_place else [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if blocks:  # float32 values, the dtype's copy, and a held weight's file-layout copy (``quant.unhold``)
-        total += max(m.out_features * m.in_features * (4 + size) + (m.nbytes if m.fmt.planes else 0) for m in blocks)
-    return total
+    return total + (0 if in_place else _dequantized_bytes(model, size))
+
+
+def _dequantized_bytes(model: nn.Module, size: int) -> int:
+    """The largest of ``model``'s weights in blocks dequantized for a call: its float32 values, the dtype's
+    copy, and a held weight's file-layout copy (``quant.unhold``); 0 without blocks."""
+    return max((m.out_features * m.in_features * (4 + size) + (m.nbytes if m.fmt.planes else 0)
+                for m in model.modules() if isinstance(m, QuantLinear)), default=0)
 
 
 def _prefill_bytes(model: nn.Module, prompt_tokens: int, size: int, feature_width: int, cuda: bool,
@@ -482,5 +487,5 @@ def _step_bytes(pair, config: EngineConfig, context: int, length: int, n_verify:
     if not speculative or not isinstance(pair.drafter, DFlashDrafter):
         return verify
     block = verify_shape(pair, config)[0]
-    draft = _forward_bytes(pair.drafter.draft, 2 * block, keys, size, 0, feature_width, False)
+    draft = _forward_bytes(pair.drafter.draft, 2 * block, keys, size, 0, feature_width, False, in_place=in_place)
     return verify + draft + (block - 1) * pair.target.cfg.vocab_size * (size + 8)

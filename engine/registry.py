@@ -2,7 +2,10 @@
 
 Target specs: a registry name, an HF folder (config.json + safetensors), or a ``.gguf`` file.
 Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` (``oracle:P1,P2,...``:
-P per prompt) or ``none``.
+P per prompt) or ``none``. A DFlash draft (a name, a folder, ``random``) may end in ``@RECIPE``
+(``draft_recipe``: ``@q8_0``, ``@q4_k_m``): its projections held in that mix's GGUF blocks
+(``quantize.quantize_model_``), read in place by the few-row kernel on CUDA. A draft only proposes, and
+the target verifies every token, so its quantization changes speed and acceptance, never an output.
 
 Quantized presets (``quantized_preset``: ``qwen3-8b-shape-q4_k_m``, ``qwen35-27b-shape-q4_k_m``) are a
 float preset with its projections (and an untied embedding) quantized in memory to a llama.cpp-like mix
@@ -461,7 +464,30 @@ def check_target_spec(spec: str) -> None:
     raise EngineInputError(f"target {spec!r} is not a known preset ({sorted(TARGETS)}), folder or .gguf file")
 
 
+DRAFT_RECIPE_MARK = "@"
+
+
+def draft_recipe(spec: str) -> tuple[str, str | None]:
+    """(the draft spec, the quantization recipe it names after ``@``, or None): ``x@q8_0`` -> ``(x, "q8_0")``.
+    A folder whose own name holds ``@`` is that folder, not a recipe."""
+    base, mark, recipe = spec.rpartition(DRAFT_RECIPE_MARK)
+    if not mark or Path(spec).exists():
+        return spec, None
+    return base, recipe
+
+
 def check_draft_spec(spec: str) -> None:
+    from engine.models.quantize import RECIPES
+
+    base, recipe = draft_recipe(spec)
+    if recipe is not None:
+        if recipe not in RECIPES:
+            raise EngineInputError(f"draft {spec!r}: {recipe!r} after '@' is no quantization recipe: expected "
+                                   f"one of {list(RECIPES)} (a DFlash draft's projections held in that mix)")
+        if base == "none" or base.startswith("oracle:"):
+            raise EngineInputError(f"draft {spec!r}: only a DFlash draft (a preset, a checkpoint folder or random) "
+                                   f"has weights to quantize ('@{recipe}'), not {base!r}")
+        spec = base
     if spec in DRAFTS or spec in ("random", "none"):
         return
     if spec.startswith("oracle:"):
@@ -554,6 +580,7 @@ def _draft_config(target: nn.Module, tokenizer: object, num_layers: int, block_s
 def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.device,
                  dtype: torch.dtype) -> Drafter | None:
     check_draft_spec(spec)
+    spec, recipe = draft_recipe(spec)
     if spec == "none":
         return None
     if spec.startswith("oracle:"):
@@ -568,4 +595,8 @@ def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.
         draft = load_draft_folder(Path(spec), target, device, dtype)
     draft = cast_module_(draft, device, dtype).eval()
     draft.requires_grad_(False)
+    if recipe is not None:  # quantized from the dtype's values on the device, a projection at a time
+        from engine.models.quantize import quantize_model_
+
+        quantize_model_(draft, recipe)
     return DFlashDrafter(draft, target)

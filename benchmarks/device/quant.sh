@@ -3,12 +3,14 @@
 # nothing: the 27B Q4_K_M shape's AR step and the kernel of GGUF blocks, random weights only.
 #   1. kernel_bench quant: every weight of the 27B Q4_K_M step through the 1-row kernel (the word decode
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
-#   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes;
+#   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes
+#      (DRAFT_RECIPE=q8_0: its draft held in Q8_0 blocks, `--draft-recipe`);
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
 #      5. PROFILE=1: _quant_kernel's share of a step; MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
-#      its plan (tests/engine/test_memory_gpu.py -k q4_k_m). SKIP="large_q4km ..." leaves sections out.
+#      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, both drafts: bf16 and
+#      Q8_0; MEMORY_K=draft the Q8_0 draft's alone). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -16,7 +18,8 @@ source benchmarks/device/common.sh quant
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
 section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-  --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
+  --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
+  --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
@@ -28,7 +31,7 @@ section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant
 # (2026-12-06, third session: cut before one config ended); each config's rows are printed as it ends
 if [ -n "${MEMORY:-}" ]; then
   section memory_q4km ${MEMORY_LIMIT:-560} python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs \
-    tests/engine/test_memory_gpu.py -k q4_k_m
+    tests/engine/test_memory_gpu.py -k "${MEMORY_K:-q4_k_m}"
 fi
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \

@@ -25,8 +25,10 @@ _TOP = 20.0
 # Context positions projected into the draft's keys/values at once (``DFlashDrafter.project_context``): a long
 # prompt's in chunks of this many, each starting at a multiple of it, so that the transient is a chunk's (the
 # projected hidden rows, their float32 norm, every layer's K/V: at 32k positions on the Qwen3.5-27B shape's
-# draft ~2 GiB whole, ~0.1 GiB in chunks) and a position's chunk is the same whichever call projects it.
-CONTEXT_ROWS = 2048
+# draft ~2 GiB whole, ~0.05 GiB in chunks) and a position's chunk is the same whichever call projects it. The
+# most rows the few-row kernel takes (``quant_kernel.MAX_ROWS``), so a draft held in blocks (``@q8_0``) reads
+# them in place on CUDA rather than dequantizing each weight whole for each chunk.
+CONTEXT_ROWS = 1024
 
 
 class Drafter(Protocol):
@@ -66,7 +68,7 @@ class DFlashDrafter:
         cfg = self.draft.cfg
         if self._ctx_k is None or self._ctx_k.shape[1] < features.shape[0] or self._ctx_k.device != features.device:
             shape = (cfg.num_hidden_layers, features.shape[0], cfg.num_key_value_heads, cfg.dim_per_head)
-            self._ctx_k = torch.empty(shape, device=features.device, dtype=self.draft.fc.weight.dtype)
+            self._ctx_k = torch.empty(shape, device=features.device, dtype=self.draft.norm.weight.dtype)
             self._ctx_v = torch.empty_like(self._ctx_k)
             self._cached = 0
         if start < self._cached:  # the position went back without a reset: recompute
@@ -103,7 +105,7 @@ class DFlashDrafter:
 
     def new_context(self, max_len: int) -> tuple[Tensor, Tensor]:
         """Context key/value buffers for ``propose_static``: [layers, max_len, kv_heads, head_dim] each."""
-        cfg, w = self.draft.cfg, self.draft.fc.weight
+        cfg, w = self.draft.cfg, self.draft.norm.weight  # (the norms stay float in a quantized draft)
         shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.dim_per_head)
         k = torch.zeros(shape, device=w.device, dtype=w.dtype)
         return k, torch.zeros_like(k)
@@ -274,7 +276,7 @@ class TaughtOracleDrafter(DFlashDrafter):
         super().__init__(draft, target)
         if not texts or not all(texts):
             raise EngineInputError("TaughtOracleDrafter needs at least one text, none of them empty")
-        device = draft.fc.weight.device
+        device = draft.norm.weight.device
         width = max(len(t) for t in texts)
         table = torch.full((len(texts), width), -1, dtype=torch.long)
         for i, text in enumerate(texts):

@@ -252,7 +252,9 @@ def quantize(weight: Tensor, fmt: BlockFormat) -> Tensor:
 
 # A recipe: the format of each projection by role (lm_head, down_proj, v_proj, the rest), and the
 # format a K format falls back to for rows that are not whole 256-value blocks (llama.cpp's).
-RECIPES = ("q4_k_m",)
+# the mixes ``quantize_model_`` gives: q4_k_m as llama.cpp's file type of that name (``q4_k_m_format``); q8_0
+# every projection Q8_0, as llama.cpp's Q8_0 file type (a DFlash draft's: ``registry.load_drafter``'s ``@q8_0``)
+RECIPES = ("q4_k_m", "q8_0")
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -316,7 +318,7 @@ def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, str, list]]:
 
 def recipe_formats(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
     """Checkpoint name -> format of each projection weight (and untied embedding) ``quantize_model_``
-    quantizes in ``recipe``'s mix (``q4_k_m``: ``q4_k_m_format``; a width that is not whole 256-value
+    quantizes in ``recipe``'s mix (``RECIPES``; ``q4_k_m``: ``q4_k_m_format``; a width that is not whole 256-value
     blocks takes the K format's ``FALLBACK``; a weight not whole 32-value blocks is left out: it stays
     float). Reads names and shapes only, so it plans a model on the meta device as ``quantize_model_``
     quantizes a real one (fused groups by their parts' names, as unfused)."""
@@ -332,13 +334,21 @@ def _formats(found: list[tuple[nn.Module, str, str, list]], recipe: str) -> dict
     v_names = [n for n in weights if n.rsplit(".", 1)[-1] == "v_proj"]
     out: dict[str, str] = {}
     for name, weight in weights.items():
-        kind = q4_k_m_format(name, layer_of[name], n_layers, v_names.index(name) if name in v_names else None,
-                             len(v_names))
+        kind = "Q8_0" if recipe == "q8_0" else q4_k_m_format(
+            name, layer_of[name], n_layers, v_names.index(name) if name in v_names else None, len(v_names))
         cols = weight.shape[1]
         kind = FALLBACK.get(kind, kind) if cols % QK_K else kind
         if cols % FORMATS[kind].values == 0:  # else not whole blocks of any format: stays float
             out[f"{name}.weight"] = kind
     return out
+
+
+def _held(weight: Tensor, fmt: BlockFormat) -> Tensor:
+    """``weight``'s blocks in ``fmt``, held (``quant.hold``); on the meta device, empty ones of the bytes they
+    would take (a plan: ``engine.load(device="meta")``)."""
+    if weight.is_meta:
+        return torch.empty((weight.shape[0], fmt.row_bytes(weight.shape[1])), dtype=torch.uint8, device="meta")
+    return hold(quantize(weight, fmt), fmt)
 
 
 @torch.no_grad()
@@ -350,7 +360,8 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
     is not whole 256-value blocks takes the K format's ``FALLBACK``; one not whole 32-value blocks stays
     float. An untied embedding becomes a ``QuantEmbedding``; a tied one and the norms stay float (a tied
     ``lm_head`` gets its own blocks). Returns checkpoint name -> format of each weight quantized
-    (``quant.weights_summary`` then reads the model as it reads a native GGUF load)."""
+    (``quant.weights_summary`` then reads the model as it reads a native GGUF load). On the meta device the
+    blocks are empty, of the bytes they would take."""
     found, embeddings = _projections(model), _embeddings(model)  # (untied: before the head is swapped)
     kinds = _formats(found + embeddings, recipe)
     formats: dict[str, str] = {}
@@ -359,7 +370,7 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
         if (kind := kinds.get(f"{prefix}{child_name}.weight")) is not None:
             fmt = FORMATS[kind]
             setattr(module, child_name, QuantEmbedding(fmt, weight.shape[0], weight.shape[1], dtype=weight.dtype,
-                                                       blocks=hold(quantize(weight, fmt), fmt)))
+                                                       blocks=_held(weight, fmt)))
             formats[f"{prefix}{child_name}.weight"] = kind
         parts.clear()  # (the float table freed now, as a projection's is)
         del weight
@@ -370,7 +381,7 @@ def quantize_model_(model: nn.Module, recipe: str = "q4_k_m") -> dict[str, str]:
             for part, weight, bias in parts:
                 kind = kinds[f"{prefix}{part}.weight"]
                 layer = QuantLinear(FORMATS[kind], weight.shape[1], weight.shape[0], bias=bias is not None,
-                                    blocks=hold(quantize(weight, FORMATS[kind]), FORMATS[kind]))
+                                    blocks=_held(weight, FORMATS[kind]))
                 if bias is not None:
                     layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
                 layers.append((part, layer, kind))

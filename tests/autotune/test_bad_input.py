@@ -103,6 +103,8 @@ CASES: dict[str, tuple[Case, list[str]]] = {
                            ["tiny.yaml", "model", "no-such-model"]),
     "bad oracle probability": (_exp(model={"target": "tiny-dense", "draft": "oracle:1.5"}),
                                ["model", "oracle:1.5", "0 <= P <= 1"]),
+    "unknown draft recipe": (_exp(model={"target": "tiny-dense", "draft": "random@q2_k"}),
+                             ["tiny.yaml", "model", "random@q2_k", "'q2_k' after '@' is no quantization recipe"]),
     "unknown weights mode": (_edit(lambda e: e["model"].update(weights="q4")),
                              ["tiny.yaml", "model.weights", "must be one of ['dequantized', 'native']", "'q4'"]),
     # checked before anything loads: the engine's registry knows tiny-dense is no GGUF

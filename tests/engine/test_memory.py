@@ -174,9 +174,9 @@ def test_the_drafts_context_fill_is_planned_a_chunk_at_a_time(monkeypatch):
     from engine import memory
 
     pair = _meta_pair_27b()
-    chunk = 2048 * 5120 * (2 * 2 + 4) + 2 * 5 * 2048 * 4 * 256 * 2  # CONTEXT_ROWS rows of the 5-layer draft
+    chunk = 1024 * 5120 * (2 * 2 + 4) + 2 * 5 * 1024 * 4 * 256 * 2  # CONTEXT_ROWS rows of the 5-layer draft
     assert memory._context_fill_bytes(pair, 32768 - 256, 2) == chunk
-    assert memory._context_fill_bytes(pair, 1000, 2) == chunk * 1000 // 2048
+    assert memory._context_fill_bytes(pair, 1000, 2) == chunk * 1000 // 1024
     monkeypatch.setattr(memory, "_prefill_bytes", lambda *a, **k: 0)  # the fill alone
     on_gpu = {"device": "cuda"}
     assert plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, **on_gpu).parts["activations"] == chunk

@@ -5,7 +5,8 @@ timing shapes at long contexts; the SmolLM2 shape is printed beside them (fixed 
 cuBLAS's workspace, weigh more in a 135M model's peak: 25% there).
 
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py    # -s prints plan against measurement, per part
-    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k q4_k_m    # the 27B Q4_K_M at 32k tokens alone
+    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k "q4_k_m and not draft"    # the 27B Q4_K_M at 32k tokens
+    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k draft    # the same with its draft in Q8_0 blocks
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ SMOLLM2_DRAFT = str(Path(engine.__file__).parent / "checkpoints" / "smollm2-135m
 CASES = [("smollm2-135m-shape", SMOLLM2_DRAFT, 4096, 64, 0.25),
          ("qwen3-8b-shape", "qwen3-8b-shape-dflash", 8192, 64, 0.10),
          ("qwen35-27b-shape", "qwen35-27b-shape-dflash", 16384, 64, 0.10),
-         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash", 32768, 64, 0.10)]
+         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash", 32768, 64, 0.10),
+         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q8_0", 32768, 64, 0.10)]  # the draft in Q8_0 blocks
 # the reference DDTree first: at 32k tokens on the 27B a config takes a minute or more, and a call's limit may
 # cut the rest (each config's rows are printed as it ends)
 CONFIGS = {"ddtree-graphs": EngineConfig(budget=22, top_k=8), "ar": EngineConfig(verify="ar"),
@@ -38,7 +40,8 @@ CONFIGS = {"ddtree-graphs": EngineConfig(budget=22, top_k=8), "ar": EngineConfig
 STATIC = ("target_weights", "draft_weights", "kv_cache", "recurrent_state", "tree_state", "features", "draft_context")
 
 
-@pytest.mark.parametrize("target,draft,context,new,bar", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("target,draft,context,new,bar", CASES,
+                         ids=[c[0] + ("-draft-" + c[1].rpartition("@")[2] if "@" in c[1] else "") for c in CASES])
 def test_measured_peak_within_the_bar_of_the_plan(target, draft, context, new, bar):
     gc.collect()
     torch.cuda.empty_cache()

@@ -152,6 +152,21 @@ def test_quantize_model_gives_llamacpps_q4_k_m_mix_and_computes_what_its_blocks_
     assert _rel(after, before) > 0
 
 
+def test_quantize_model_q8_0_gives_every_projection_q8_0():
+    """The ``q8_0`` recipe (a DFlash draft's ``@q8_0``): every projection and the untied embedding Q8_0, the
+    groups fused in blocks; logits its dequantized twin's, and nearer the float model's than Q4_K_M's."""
+    model = _model(256, 512, 2)
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(0))
+    before = _logits(model, ids)
+    formats = quantize_model_(model, "q8_0")
+    assert set(formats.values()) == {"Q8_0"} and len(formats) == 2 * 7 + 2
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantFusedLinear)
+    after = _logits(model, ids)
+    _float_twin(model)
+    assert torch.allclose(after, _logits(model, ids), rtol=0, atol=1e-4)
+    assert 0 < _rel(after, before) < 0.02  # 8-bit noise through 2 random layers
+
+
 def test_widths_that_are_not_whole_k_blocks_take_llamacpps_fallbacks():
     """A 64-wide model (tied head): Q4_K falls back to Q5_0 and Q6_K to Q8_0 (rows of 64 values are not
     whole 256-value blocks); the head gets its own blocks, the embedding keeps its floats; a width that is
