@@ -51,10 +51,13 @@ MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwe
              "step attention bf16 head_dim=256": "measured faster than 8 warps with its spills (27B shape)"}
 # Weights kept in GGUF blocks (quant_kernel), on their plans: a Q4_K_M 27B shape's (the MLP, head and fused
 # groups in Q4_K; the head and down projections in Q6_K; a mixed attention group's parts on default
-# plans), SmolLM2's Q4_1 file, and every other format on one weight
+# plans), SmolLM2's Q4_1 file, every other format on one weight, and the 27B shape's draft held in blocks
+# (``@q8_0``: fc, q/k/v, gate/up, down; ``@q4_k_m``: the widths the target has not)
 QUANT_CASES = ([(n, k, "Q4_K") for n, k in ((16480, 5120), (14336, 5120), (34816, 5120), (5120, 17408),
-                                            (5120, 6144), (4096, 12288), (12288, 5120))]
+                                            (5120, 6144), (4096, 12288), (12288, 5120), (5120, 25600), (8192, 5120),
+                                            (6144, 5120), (1024, 5120))]
                + [(248320, 5120, "Q6_K"), (5120, 17408, "Q6_K"), (1024, 5120, "Q6_K")]
+               + [(n, k, "Q8_0") for n, k in ((5120, 25600), (8192, 5120), (34816, 5120), (5120, 17408), (5120, 6144))]
                + [(n, k, "Q4_1") for n, k in DEFAULT_LINEAR_SHAPES[:5]]
                + [(576, 1536, name) for name in FORMATS if name != "Q4_1"])
 # (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported

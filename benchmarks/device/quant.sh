@@ -9,8 +9,8 @@
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
 #      5. PROFILE=1: _quant_kernel's share of a step; MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
-#      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, both drafts: bf16 and
-#      Q8_0; MEMORY_K=draft the Q8_0 draft's alone). SKIP="large_q4km ..." leaves sections out.
+#      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, its draft in bf16, @q8_0 and
+#      @q4_k_m; MEMORY_K=draft the two quantized drafts'). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"

@@ -37,13 +37,14 @@ def test_float32_on_cuda_equals_ar_on_every_path(target):
         assert gen.stats.acceptance_length > 1.0
 
 
-@pytest.mark.parametrize("draft", ["random", "oracle:0.3"])
+@pytest.mark.parametrize("draft", ["random", "oracle:0.3", "random@q8_0", "random@q4_k_m"])
 @pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
 def test_bfloat16_equals_ar_bit_for_bit_on_every_path(target, draft):
     """The row-invariant decode steps (issue #21): every path's output equals AR's captured step
     token for token in bf16, where random weights tie often. The oracle's trees accept deep paths
     (the generic loop: it drafts on the host); the random draft's are verified whole but rarely
-    accepted (the runtime's graphs)."""
+    accepted (the runtime's graphs); a draft in blocks (``@q8_0``, ``@q4_k_m``: at these widths its
+    fallbacks) proposes through the few-row kernel, in the captured graphs too."""
     pair = engine.load(target, draft, device="cuda", dtype="bfloat16")
     prompts = [pair.encode(t) for t in ("Hello there", "def f(x):", "The capital of France is")]
     ar = EngineConfig(verify="ar")

@@ -6,7 +6,7 @@ cuBLAS's workspace, weigh more in a 135M model's peak: 25% there).
 
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py    # -s prints plan against measurement, per part
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k "q4_k_m and not draft"    # the 27B Q4_K_M at 32k tokens
-    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k draft    # the same with its draft in Q8_0 blocks
+    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k draft    # the same with its draft in blocks (Q8_0, Q4_K_M)
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ CASES = [("smollm2-135m-shape", SMOLLM2_DRAFT, 4096, 64, 0.25),
          ("qwen3-8b-shape", "qwen3-8b-shape-dflash", 8192, 64, 0.10),
          ("qwen35-27b-shape", "qwen35-27b-shape-dflash", 16384, 64, 0.10),
          ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash", 32768, 64, 0.10),
-         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q8_0", 32768, 64, 0.10)]  # the draft in Q8_0 blocks
+         # the draft in blocks: Q8_0, and Q4_K_M's mix (planned 22.32 and 21.51 GiB for the reference DDTree-22)
+         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q8_0", 32768, 64, 0.10),
+         ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q4_k_m", 32768, 64, 0.10)]
 # the reference DDTree first: at 32k tokens on the 27B a config takes a minute or more, and a call's limit may
 # cut the rest (each config's rows are printed as it ends)
 CONFIGS = {"ddtree-graphs": EngineConfig(budget=22, top_k=8), "ar": EngineConfig(verify="ar"),
