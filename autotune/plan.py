@@ -11,8 +11,9 @@ reference DDTree config, and the search space's hungriest corner (every memory-r
 budget and top-k at their highest). A session experiment's plans include its prefix cache
 (``workload.prefix_cache_mb``), as its trials' do. A space that searches ``weights`` has them planned
 per form, each on a pair held that way (the weights' bytes differ): a column per config and form, and
-the summary's keys per form (``ar_bytes_native``, ``fits_native``, ...). Ends with a greppable
-``key: value`` summary.
+the summary's keys per form (``ar_bytes_native``, ``fits_native``, ...). A DFlash draft held in floats:
+the reference planned again with the draft in each recipe's blocks (``DRAFT@q8_0``, ``DRAFT@q4_k_m``).
+Ends with a greppable ``key: value`` summary.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     summary: dict[str, Any] = {"context": prompt + new, "vram_limit_bytes": limit}
     for form, group in groups.items():
         summary.update(_fits(group, form, prompt, new, limit, most, kw, out))
+    summary.update(_draft_in_blocks(exp, plans, prompt, new, limit, kw, out))
     for key, value in summary.items():
         print(f"{key}: {'none' if value is None else ('yes' if value else 'no') if isinstance(value, bool) else value}",
               file=out)
@@ -149,6 +151,39 @@ def _fits(plans: list[Planned], form: str | None, prompt: int, new: int, limit: 
             f"dominant{tail}": hungriest.plan.dominant,
             f"fits{tail}": None if limit is None else hungriest.plan.total <= limit,
             f"largest_budget{tail}": budget, f"longest_context{tail}": longest}
+
+
+def _draft_in_blocks(exp: Experiment, plans: list[Planned], prompt: int, new: int, limit: int | None,
+                     kw: dict[str, Any], out: TextIO) -> dict[str, Any]:
+    """For a DFlash draft held in floats, what the reference would need with the draft held in each
+    recipe's blocks (``model.draft: DRAFT@RECIPE``): printed, and a summary key each
+    (``reference_bytes_draft_<recipe>``). Nothing for another draft, or one already in blocks."""
+    import dataclasses
+
+    from engine import plan_memory
+    from engine.decoding.drafters import DFlashDrafter
+    from engine.models.quantize import RECIPES
+    from engine.registry import draft_recipe, load_drafter
+
+    reference = next((p for p in plans if p.name.startswith("reference")), None)
+    if reference is None or not isinstance(reference.pair.drafter, DFlashDrafter) or \
+            draft_recipe(exp.model.draft)[1] is not None:
+        return {}
+    pair, lines, summary = reference.pair, [], {}
+    for recipe in RECIPES:
+        spec = f"{exp.model.draft}@{recipe}"
+        drafter = load_drafter(spec, pair.target, pair.tokenizer, pair.target.device, kw["dtype"])
+        plan = plan_memory(dataclasses.replace(pair, drafter=drafter), reference.config, prompt, new, **kw)
+        fits = "" if limit is None else (", fits" if plan.total <= limit else
+                                         f", {vram.size(plan.total - limit)} over")
+        draft = vram.size(plan.parts["draft_weights"])
+        lines.append(f"- `draft: {spec}`: {vram.size(plan.total)} (draft_weights {draft}{fits})")
+        summary[f"reference_bytes_draft_{recipe}"] = plan.total
+    print(f"the reference with its draft held in blocks (now {vram.size(reference.plan.total)}, draft_weights "
+          f"{vram.size(reference.plan.parts['draft_weights'])}; the target verifies every token, so outputs stay "
+          "AR's and acceptance may fall):", file=out)
+    print("\n".join(lines) + "\n", file=out)
+    return summary
 
 
 def _per_form(exp: Experiment, worker: Worker, facts: dict[str, Any], plans: list[Planned], prompt: int, new: int,

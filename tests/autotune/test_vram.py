@@ -147,11 +147,21 @@ def test_autotune_plan_prints_every_part_and_what_fits(tmp_path, capsys):
         assert f"| {part} |" in out
     assert "| fits | yes | no:" in out  # AR fits, the reference (budget 22) does not
     assert "largest tree budget that fits: " in out and "longest context that fits: AR baseline" in out
-    summary = dict(line.split(": ", 1) for line in out.splitlines()[-9:])
+    summary = dict(line.split(": ", 1) for line in out.splitlines()[-11:])
     assert summary["vram_limit_bytes"] == str(limit) and summary["context"] == str(sum(at))
     pair = engine.load("tiny-dense", "random", device="cpu", dtype="float32")
     budget = engine.largest_budget(pair, engine.EngineConfig(top_k=8), *at, limit)
     assert summary["largest_budget"] == str(budget) and 8 <= budget < 16  # the grid's 8 fits, 16 does not
+    # the reference again with the draft in blocks: what a pair loaded so plans (its draft's weights fewer
+    # bytes; on the CPU its context fill dequantizes a weight whole, a transient the floats have not)
+    assert "the reference with its draft held in blocks" in out
+    floats = engine.plan_memory(pair, engine.EngineConfig(), *at).parts["draft_weights"]
+    for recipe in ("q8_0", "q4_k_m"):
+        held = engine.load("tiny-dense", f"random@{recipe}", device="cpu", dtype="float32")
+        planned = engine.plan_memory(held, engine.EngineConfig(), *at)
+        assert summary[f"reference_bytes_draft_{recipe}"] == str(planned.total)
+        assert planned.parts["draft_weights"] < floats / 2
+        assert f"- `draft: random@{recipe}`: {vram.size(planned.total)}" in out
     code, out, _ = _plan(tmp_path / "ctx", capsys, "--context", "300")
     assert code == 0 and "context: 300 tokens (--context 292 + max_new_tokens 8)" in out
     assert "vram_limit: none" in out and "largest_budget: none" in out
