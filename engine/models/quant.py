@@ -368,11 +368,14 @@ class QuantFusedLinear(QuantLinear):
         return super().forward(x).split(self.sizes, dim=-1)
 
     def part(self, x: Tensor, i: int) -> Tensor:
-        """Projection ``i`` alone: only its rows of blocks dequantized."""
+        """Projection ``i`` alone (a draft's context K/V: ``project_part``): its rows of blocks, through the
+        kernel where it takes them (read in place), else dequantized."""
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        w = held_values(self.blocks[lo:hi], self.fmt, self.in_features, x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias[lo:hi])
+        blocks, bias = self.blocks[lo:hi], None if self.bias is None else self.bias[lo:hi]
+        if quant_kernel.use_kernel(x, blocks, self.fmt, bias):
+            return quant_kernel.linear(x, blocks, self.fmt, self.in_features, bias)
+        return F.linear(x, held_values(blocks, self.fmt, self.in_features, x.dtype), bias)
 
 
 def fusable(parts: Sequence[nn.Module]) -> bool:
