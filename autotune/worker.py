@@ -395,7 +395,7 @@ class Worker:
         elif (cfg, at) != self._reserved or len(self._reference) != known:
             # this config's buffers alone, at the planned length: no other config's graphs or workspace
             # (nor the AR reference's just decoded) in its peak; kept for its next job (a rung, the full)
-            engine.reserve_memory(self.pair, cfg, *at, constrained)
+            engine.reserve_memory(self.pair, cfg, *at, constrained, prefix_cache=cache_mb > 0)
             self._reserved = (cfg, at)
         for w in range(job.warmup):
             self._pass(cfg, job.max_new_tokens, f"warm-up {w + 1}/{job.warmup}")

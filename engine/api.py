@@ -91,19 +91,24 @@ class Pair:
                 f"has {tc.num_hidden_layers} layers"
             )
 
-    def workspace(self, max_len: int, feature_dim: int) -> Workspace:
-        """Static buffers, allocated once and grown only when a longer generation needs them."""
+    def workspace(self, max_len: int, feature_dim: int, feature_rows: int | None = None) -> Workspace:
+        """Static buffers, allocated once and grown only when a longer generation needs them.
+        ``feature_rows``: the target features as a ring of that many rows (position p at row p mod the
+        rows: ``decode.feature_rows``), where None keeps a row a position; a workspace with a row a
+        position serves a ring's generation too (its positions never wrap)."""
         if self.target.device.type == "meta":  # every generation, its cost measurement and reserve_memory start here
             raise EngineInputError(f"the pair {self.target_name!r} + {self.draft_name!r} is on the meta device "
                                    "(shapes only, to plan memory on): it holds no weights to decode with; load it "
                                    "on cpu or cuda")
         ws = self._workspace
         feats_ok = not feature_dim or (ws is not None and ws.features is not None
-                                        and ws.features.shape[1] == feature_dim)
+                                        and ws.features.shape[1] == feature_dim
+                                        and ws.features.shape[0] in (ws.max_len, feature_rows))
         if ws is None or ws.max_len < max_len or not feats_ok:
             size = max(max_len, 2 * ws.max_len if ws else 0)
             dev = self.target.device
-            feats = torch.zeros(size, feature_dim, device=dev, dtype=self.target.dtype) if feature_dim else None
+            rows = size if feature_rows is None else min(feature_rows, size)
+            feats = torch.zeros(rows, feature_dim, device=dev, dtype=self.target.dtype) if feature_dim else None
             ws = Workspace(self.target.new_cache(size), torch.zeros(size, dtype=torch.long, device=dev), feats, size)
             self._workspace = ws
         ws.cache.reset()

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
 from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding import runtime
-from engine.decoding.decode import verify_shape, workspace_length
+from engine.decoding.decode import feature_rows, verify_shape, workspace_length
 from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter, OracleDrafter
 from engine.models.attention import step_split
 from engine.models.dense import KVCache
@@ -124,12 +124,12 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     parts["draft_weights"] = _draft_bytes(pair, dt)
     parts.update(_cache_parts(cache))
     feature_width = _feature_width(pair) if speculative else 0
-    parts["features"] = length * feature_width * size
+    loop = _loop(pair, config, dev, constrained)
+    parts["features"] = _feature_rows(pair, config, length, loop, prefix_cache_bytes > 0) * feature_width * size
     parts["draft_context"] = _planned_draft_context(pair, length, dt) if speculative else 0
     positions = prompt_tokens + new_tokens - 1 if prefix_cache_tokens is None else prefix_cache_tokens
     parts["prefix_cache"] = _planned_prefix_cache(pair.target, positions, prompt_tokens >= 2, feature_width, dt,
                                                   prefix_cache_bytes, prefix_cache_generations)
-    loop = _loop(pair, config, dev, constrained)
     # a weight in blocks is read in place by the few-row kernel on CUDA in half precision (every row count a
     # decode forwards: steps, verifies, prefill chunks); elsewhere it is dequantized whole for each call
     in_place = dev.type == "cuda" and size == 2 and config.kernels == "fused"
@@ -213,17 +213,20 @@ def release_memory(pair) -> None:
 
 
 def reserve_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
-                   constrained: bool = False) -> None:
+                   constrained: bool = False, prefix_cache: bool = False) -> None:
     """``release_memory``, then the workspace for generations of up to ``prompt_tokens + new_tokens``
     under ``config`` allocated once at ``plan_memory``'s length (and a hybrid's per-node records at
-    its tree, and with ``constrained`` the state a grammar's cut restores): no generation of the
-    workload grows it (growing doubles it), and nothing of it is first allocated inside a captured
+    its tree, and with ``constrained`` the state a grammar's cut restores; its target features as the
+    generations will hold them, a ring unless ``prefix_cache``: ``decode.feature_rows``): no generation of
+    the workload grows it (growing doubles it), and nothing of it is first allocated inside a captured
     graph's pool, where it would count twice."""
     _check_lengths(prompt_tokens, new_tokens)
     speculative = _speculative(pair, config)
     release_memory(pair)
-    ws = pair.workspace(workspace_length(pair, config, prompt_tokens, new_tokens),
-                        _feature_width(pair) if speculative else 0)
+    length = workspace_length(pair, config, prompt_tokens, new_tokens)
+    loop = _loop(pair, config, pair.target.device, constrained)
+    ws = pair.workspace(length, _feature_width(pair) if speculative else 0,
+                        feature_rows(pair, config, loop != "generic", prefix_cache) if speculative else None)
     if speculative and isinstance(ws.cache, HybridCache):
         ws.cache.reserve_tree(verify_shape(pair, config)[1])
         if constrained:  # (``HybridCache.commit_recurrent`` would make it on the first commit that keeps it)
@@ -352,6 +355,15 @@ def _pool(pair) -> tuple[int, int]:
     segments = [seg for seg in torch.cuda.memory_snapshot()
                 if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
     return sum(int(seg["total_size"]) for seg in segments), sum(int(seg["allocated_size"]) for seg in segments)
+
+
+def _feature_rows(pair, config: EngineConfig, length: int, loop: str, prefix_cache: bool) -> int:
+    """Rows of the target features a generation holds: a ring's (at most ``length``) or a row a position
+    (``decode.feature_rows``)."""
+    if not _speculative(pair, config):
+        return 0
+    ring = feature_rows(pair, config, loop != "generic", prefix_cache)
+    return length if ring is None else min(ring, length)
 
 
 def _feature_width(pair) -> int:

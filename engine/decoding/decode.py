@@ -16,6 +16,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding import runtime
+from engine.decoding.drafters import CONTEXT_ROWS
 from engine.decoding.grammar import CompiledGrammar, GrammarState, mask_logits, new_bitmask
 from engine.decoding.loop import (
     OnTokens,
@@ -43,6 +44,11 @@ from engine.decoding.stats import Generation, GenerationStats
 from engine.decoding.tree import Tree, walk_device, walk_host
 from engine.models import fused
 from engine.models.common import VerifyTree
+
+# A runtime generation's target features without a prefix cache: a ring of this many positions (``feature_rows``),
+# the draft's context chunk (``drafters.CONTEXT_ROWS``), so that a chunk of a prompt is whole in it when it is
+# projected; 1.57 GiB on the Qwen3.5-27B shape at 32k positions, 50 MiB as a ring
+FEATURE_RING_ROWS = CONTEXT_ROWS
 
 
 def _use_runtime(pair, cfg: EngineConfig, gs: GrammarState | None, use_runtime: bool | None) -> bool:
@@ -120,7 +126,8 @@ def generate_speculative(pair, prompt: Sequence[int], cfg: EngineConfig, max_new
     policy = _policy(pair, cfg, prompt, depth, step_costs, on_runtime)
     n = len(prompt)
     feat_dim = len(drafter.feature_layers) * target.cfg.hidden_size
-    ws = pair.workspace(workspace_length(pair, cfg, n, max_new_tokens), feature_dim=feat_dim)
+    ws = pair.workspace(workspace_length(pair, cfg, n, max_new_tokens), feature_dim=feat_dim,
+                        feature_rows=feature_rows(pair, cfg, on_runtime, prefix_cache is not None))
     cache, seq, feats = ws.cache, ws.seq, ws.features
     device = seq.device
     drafter.reset()
@@ -311,6 +318,24 @@ def workspace_length(pair, cfg: EngineConfig, prompt_tokens: int, max_new_tokens
         return prompt_tokens + max_new_tokens + 2
     block, n_verify = verify_shape(pair, cfg)
     return prompt_tokens + max_new_tokens + n_verify + 2 * block + 1
+
+
+def feature_rows(pair, cfg: EngineConfig, on_runtime: bool, prefix_cache: bool) -> int | None:
+    """Rows of the workspace's target features a speculative generation of ``cfg`` needs (``Pair.workspace``):
+    on the runtime without a prefix cache a ring of ``FEATURE_RING_ROWS`` (position p at row p mod the
+    rows), since a proposal reads only the last ``block`` positions' features (after the policy's AR steps,
+    ``AdaptivePolicy.catch_up_rows``) and a prompt's are projected into the draft's context a chunk at a
+    time as its prefill makes them (``runtime.RuntimeDecoder``); None (a row a position) on the generic
+    loop (its draft projects what it has not yet when it proposes: a prompt's whole), with a prefix cache
+    (it keeps every position's features), or where one step's rows would not fit the ring (a verify's
+    nodes, the context rows and the block)."""
+    if not on_runtime or prefix_cache:
+        return None
+    block, n_verify = verify_shape(pair, cfg)
+    rows = block
+    if cfg.verify == "ddtree" and cfg.policy == "adaptive":
+        rows = block + max(cfg.probe_every, cfg.probe_max or 0) - 1  # AdaptivePolicy.catch_up_rows
+    return FEATURE_RING_ROWS if n_verify + rows + block <= FEATURE_RING_ROWS else None
 
 
 def _max_nodes(top_k: int, depth: int) -> int:

@@ -31,6 +31,17 @@ _TOP = 20.0
 CONTEXT_ROWS = 1024
 
 
+def feature_slice(features: Tensor, lo: int, hi: int) -> slice:
+    """The rows of positions lo..hi-1 in a workspace's target features: a row a position, or a ring
+    (``decode.feature_rows``: position p at row p mod its rows). One run either way: what reads or writes a
+    run (a prefill's span, a context chunk) stays within a window of a size that divides the ring's."""
+    rows = features.shape[0]
+    a = lo % rows
+    if a + hi - lo > rows:
+        raise RuntimeError(f"positions {lo}..{hi - 1} wrap around a ring of {rows} feature rows")
+    return slice(a, a + hi - lo)
+
+
 class Drafter(Protocol):
     block_size: int
     feature_layers: tuple[int, ...]
@@ -79,13 +90,14 @@ class DFlashDrafter:
 
     @torch.inference_mode()  # (into buffers a decode made: inference tensors)
     def project_context(self, context: tuple[Tensor, Tensor], features: Tensor, lo: int, hi: int) -> None:
-        """The context keys/values of positions lo..hi-1 from their ``features`` into ``context`` ([layers,
-        max_len, kv_heads, head_dim] each), ``CONTEXT_ROWS`` positions at a time."""
+        """The context keys/values of positions lo..hi-1 from their ``features`` (a row a position, or a ring:
+        ``feature_slice``) into ``context`` ([layers, max_len, kv_heads, head_dim] each), ``CONTEXT_ROWS``
+        positions at a time."""
         a = lo
         while a < hi:
             b = min(hi, (a // CONTEXT_ROWS + 1) * CONTEXT_ROWS)  # (chunks end at multiples of CONTEXT_ROWS)
             positions = torch.arange(a, b, device=features.device)
-            for i, (k, v) in enumerate(self.draft.context_kv(features[a:b], positions)):
+            for i, (k, v) in enumerate(self.draft.context_kv(features[feature_slice(features, a, b)], positions)):
                 context[0][i, a:b] = k
                 context[1][i, a:b] = v
             a = b
@@ -119,7 +131,8 @@ class DFlashDrafter:
     def propose_static(self, seq: Tensor, start: Tensor, block_size: int, window: int, features: Tensor,
                        context: tuple[Tensor, Tensor], key_len: int, context_rows: int | None = None) -> Tensor:
         """``propose`` with the root's position ``start`` ([1] long) held on the device: the
-        shape-static form a CUDA graph replays at every step.
+        shape-static form a CUDA graph replays at every step (``features``: a row a position, or a ring of
+        at least the rows a step reads, ``decode.feature_rows``).
 
         The context keys/values of positions ``start - context_rows .. start - 1`` (default
         ``block_size``) are (re)computed from ``features`` and stored in ``context``, and the block
@@ -141,6 +154,8 @@ class DFlashDrafter:
             seen = seen & (keys >= start - window)
         # Row gathers by indexing, not index_select: for 16 rows the latter's small-index kernel loops
         # over the indices (8-9 us on an H200 against ~3).
+        if features.shape[0] < seq.shape[0]:  # a ring (``decode.feature_rows``): the rows mod its rows
+            fresh = fresh % features.shape[0]
         h = self.draft.forward_static(embed_rows(self.target.embed_tokens, ids), features[fresh], slots, context[0],
                                       context[1], key_len, seen[None, :].expand(block_size, -1))
         return self._logits(h)

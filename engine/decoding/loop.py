@@ -81,7 +81,7 @@ class Workspace:
 
     cache: object
     seq: Tensor  # [max_len] every token: prompt, then committed output
-    features: Tensor | None  # [max_len, n_ids * H] target features of cached positions
+    features: Tensor | None  # [max_len or a ring's rows, n_ids * H] target features (drafters.feature_slice)
     max_len: int
     margins: Tensor | None = None  # [max_len + 1, 2] see margin_buffer (allocated on first use)
 
@@ -188,7 +188,7 @@ def truncate(new: list[int], emitted: int, max_new: int, stop_ids: Sequence[int]
 
 def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
             constrain: Callable[[Tensor], Tensor] | None = None, record_margins: bool = False,
-            prefix_cache: PrefixCache | None = None) -> int:
+            prefix_cache: PrefixCache | None = None, on_span: Callable[[int], None] | None = None) -> int:
     """The prompt's forward: its K/V (and draft features) cached, ``seq`` holding the prompt and
     the first new token, which is returned. ``constrain`` masks the last logits (a grammar).
     ``prefix_cache``: the longest cached prefix reused, the rest forwarded in the decode steps' form
@@ -196,7 +196,8 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
     the same way, ``prefill_rows`` at a time: a whole-prompt forward's mask and attention scores grow
     with the prompt's square (the plan's prefill transient at 32k tokens on the Qwen3.5-27B shape:
     8.8 GiB), a chunk's stay within ``PREFILL_TRANSIENT_BYTES``; and a long prompt's K/V, features and
-    state carry the bits a cold prefix cache's prefill gives them."""
+    state carry the bits a cold prefix cache's prefill gives them. ``on_span(e)`` (without a prefix cache):
+    after each forward, the prompt's positions before ``e`` done (their features in ``ws.features``)."""
     n, seq = len(prompt), ws.seq
     seq[:n] = torch.tensor(prompt, device=seq.device)
     if prefix_cache is not None:
@@ -205,11 +206,14 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
         logits = prefix_cache_mod.prefill_as_steps(pair.target, ws, 0, n,
                                                    feature_layers if ws.features is not None else (),
                                                    prefix_cache_mod.prefill_rows(pair.target, n,
-                                                                                 prefix_cache_mod.PREFILL_CHUNK))
+                                                                                 prefix_cache_mod.PREFILL_CHUNK),
+                                                   on_span)
     else:
         logits, f = pair.target(seq[:n], ws.cache, 0, feature_layers=feature_layers, last_only=True)
         if ws.features is not None and f is not None:
-            ws.features[:n] = f
+            ws.features[:n] = f  # (n <= PREFILL_CHUNK: within a ring's rows)
+        if on_span is not None:
+            on_span(n)
     if constrain is not None:
         logits = constrain(logits)
     if record_margins:
@@ -221,16 +225,16 @@ def prefill(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, featu
 def begin(pair, ws: Workspace, prompt: Sequence[int], cfg: EngineConfig, feature_layers: Sequence[int],
           stats: GenerationStats, timer: PhaseTimer, gs: GrammarState | None, bits: Tensor | None,
           on_tokens: OnTokens | None, stop_ids: Sequence[int], max_new_tokens: int, record_margins: bool,
-          after_prefill: Callable[[], None] | None = None, prefix_cache: PrefixCache | None = None
-          ) -> tuple[list[int], float, float, bool]:
+          after_prefill: Callable[[], None] | None = None, prefix_cache: PrefixCache | None = None,
+          on_span: Callable[[int], None] | None = None) -> tuple[list[int], float, float, bool]:
     """A generation's start, as every loop takes it: the prompt's prefill (its token masked by the
-    grammar ``gs`` through ``bits``; with ``prefix_cache``, of what is not cached), ``after_prefill``
-    (more of the prompt's processing, timed as prefill), the grammar advanced on the first token,
+    grammar ``gs`` through ``bits``; with ``prefix_cache``, of what is not cached; ``on_span``: ``prefill``'s),
+    ``after_prefill`` (more of the prompt's processing, timed as prefill), the grammar advanced on the first token,
     which goes to ``on_tokens``.
     Returns (the tokens so far, t0, the first token's time, whether the generation is done)."""
     t0 = timer.now()
     constrain = (lambda lg: constrain_logits(gs, bits, lg, stats)) if gs is not None else None
-    out = [prefill(pair, ws, prompt, cfg, feature_layers, constrain, record_margins, prefix_cache)]
+    out = [prefill(pair, ws, prompt, cfg, feature_layers, constrain, record_margins, prefix_cache, on_span)]
     if after_prefill is not None:
         after_prefill()
     if gs is not None:

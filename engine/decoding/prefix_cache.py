@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engine.decoding.drafters import feature_slice
 from engine.models import fused
 from engine.models.attention import step_split
 
@@ -116,16 +117,16 @@ def prefill_as_steps(target, ws, start: int, n: int, feature_layers: Sequence[in
     """Forward ``ws.seq[start:n]`` in the decode steps' form, span by span (``prefill_spans`` of
     ``chunk`` rows; on a recurrent target one more boundary at ``n - 1``, where a prefix cache keeps
     the prompt's state, so that a prefill takes the same forwards with a cache or without),
-    ``at_end(e)`` after each span, the draft's features written to ``ws.features`` where
-    ``feature_layers`` asks for them. Each forward holds a chunk's transients, not the prompt's: a
-    long prompt's prefill needs a chunk's rows over its keys, not the prompt's square. Returns the
-    last position's logits [1, V]."""
+    ``at_end(e)`` after each span, the draft's features written to ``ws.features`` (a row a position, or
+    a ring: ``drafters.feature_slice``) where ``feature_layers`` asks for them. Each forward holds a
+    chunk's transients, not the prompt's: a long prompt's prefill needs a chunk's rows over its keys, not
+    the prompt's square. Returns the last position's logits [1, V]."""
     also = (n - 1,) if getattr(target, "has_recurrent", False) else ()
     logits = None
     for s, e in prefill_spans(start, n, chunk, also):
         logits, f = target(ws.seq[s:e], ws.cache, s, feature_layers=feature_layers, last_only=True, as_steps=True)
-        if feature_layers:
-            ws.features[s:e] = f
+        if feature_layers:  # (a ring's rows: a span ends at a multiple of ``chunk``, which divides the ring's rows)
+            ws.features[feature_slice(ws.features, s, e)] = f
         if at_end is not None:
             at_end(e)
     return logits

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding import loop, tree_kernel
-from engine.decoding.drafters import DFlashDrafter
+from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter
 from engine.decoding.grammar import GrammarState, mask_logits, new_bitmask
 from engine.decoding.graphs import Graphs, Readback
 from engine.decoding.policy import AdaptivePolicy, prefix
@@ -150,6 +150,12 @@ class RuntimeDecoder:
         if t not in self._chain_tables:
             self._chain_tables[t] = chain_table(t, self.device)
         return chain_keys(self.start, t, key_len, self._chain_tables[t])
+
+    def _feature_rows(self, slots: Tensor) -> Tensor:
+        """The features' rows of positions ``slots``: themselves, or in a ring (``decode.feature_rows``) mod
+        its rows (one launch more a step, only there)."""
+        rows = self.ws.features.shape[0]
+        return slots % rows if rows < self.ws.max_len else slots
 
     def _draft_context(self) -> tuple[Tensor, Tensor]:
         """The DFlash draft's context K/V buffers for this workspace (graphs read them: allocated once)."""
@@ -270,7 +276,7 @@ class RuntimeDecoder:
         if tree is None:
             ws.seq.index_copy_(0, s + 1, posterior)
             if features:  # the root's row, committed: a later proposal writes the draft's context from it
-                ws.features.index_copy_(0, s, f)
+                ws.features.index_copy_(0, self._feature_rows(s), f)
             if record:  # (record_margins) the row that picked the token at s + 1
                 ws.margins.index_copy_(0, s + 1, top_margins(logits))
             s.add_(1)
@@ -284,7 +290,7 @@ class RuntimeDecoder:
         tree_kernel.move_accepted_rows(ws.cache.k, ws.cache.v, slots, path, al, max_depth + 1)
         if self.recurrent:  # the accepted path's recurrent state recomputed, the conv window along it
             ws.cache.commit_recurrent(path, al)
-        ws.features.index_copy_(0, slots, f.index_select(0, path))
+        ws.features.index_copy_(0, self._feature_rows(slots), f.index_select(0, path))
         if record:  # (record_margins) node path[j] picked the token at start + 1 + j, as the K/V move
             ws.margins.index_copy_(0, slots + 1, top_margins(logits).index_select(0, path))
         # logits and path stay readable until the next replay: a grammar cut re-picks from them
@@ -366,10 +372,15 @@ class RuntimeDecoder:
         draft's context K/V of the prompt too, timed as prefill like the target's K/V), then the root's
         position handed to the device."""
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "runtime")
-        draft_context = (lambda: self.pair.drafter.fill_context(self._draft_context(), self.ws.features,
-                                                                len(prompt))) if feature_layers else None
+        draft_context = on_span = None
+        if feature_layers and prefix_cache is not None:  # (a row a position: projected after the prefill)
+            draft_context = lambda: self.pair.drafter.fill_context(self._draft_context(), self.ws.features,  # noqa: E731
+                                                                   len(prompt))
+        elif feature_layers:  # each chunk as the prefill makes its features, before a ring's rows are written over
+            on_span = _context_chunks(self.pair.drafter, self._draft_context(), self.ws.features, len(prompt))
         out, t0, t_first, done = loop.begin(self.pair, self.ws, prompt, cfg, feature_layers, stats, timer, gs, bits,
-                                            on_tokens, stop_ids, max_new_tokens, record, draft_context, prefix_cache)
+                                            on_tokens, stop_ids, max_new_tokens, record, draft_context, prefix_cache,
+                                            on_span)
         self.start.fill_(len(prompt))
         return stats, out, t0, t_first, done
 
@@ -495,6 +506,22 @@ class RuntimeDecoder:
             t_last = time.perf_counter()
             pending = self._next(done, ahead, mark, timer, launch, start)
         return self._finish(out, stats, timer, t_first, t0, t_last, start, len(prompt), record_margins)
+
+
+def _context_chunks(drafter, context: tuple[Tensor, Tensor], features: Tensor, n: int):
+    """``loop.prefill``'s ``on_span`` for a prompt of ``n`` positions: the draft's context K/V projected a
+    ``CONTEXT_ROWS`` chunk at a time as the prefill completes each (the last, shorter, at ``n``): the chunks
+    ``fill_context`` projects after a prefill, each while its features are the ring's last rows."""
+    done = 0
+
+    def at(e: int) -> None:
+        nonlocal done
+        hi = n if e >= n else e - e % CONTEXT_ROWS
+        if hi > done:
+            drafter.project_context(context, features, done, hi)
+            done = hi
+
+    return at
 
 
 def decoder_for(pair, ws, graphs: bool) -> RuntimeDecoder:

@@ -159,7 +159,10 @@ def test_a_27b_shape_plan_costs_nothing():
     assert 26e9 < params < 28e9
     slots = workspace_length(pair, cfg, 32768 - 256, 256)
     assert plan.parts["kv_cache"] == 2 * 16 * slots * 4 * 256 * 2  # 16 attention layers of 64, bf16
-    assert plan.parts["features"] == slots * 5 * 5120 * 2  # five target layers feed the draft
+    # five target layers feed the draft: on the graphs without a prefix cache a ring of FEATURE_RING_ROWS
+    assert plan.parts["features"] == 1024 * 5 * 5120 * 2
+    assert plan_memory(pair, cfg, 32768 - 256, 256, device="cuda", prefix_cache_bytes=1 << 30
+                       ).parts["features"] == slots * 5 * 5120 * 2  # (a row a position: 1.57 GiB)
     assert plan.dominant == "target_weights" and plan.loop == "graphs"
     assert plan.parts["activations"] < 2**30  # the prompt prefilled a chunk at a time (loop.prefill)
     assert 55 * 2**30 < plan.total < 65 * 2**30
