@@ -200,3 +200,28 @@ def test_adaptive_graphs_verify_the_proposal_they_follow(monkeypatch, target):
     keys = pair._runtime_decoder.graphs.keys()
     assert {k[-2] for k in keys if k[0] == "propose"} == {8, 8 + 3}
     assert {k[3] for k in keys if k[0] == "verify" and k[2]} == {8, 8 + 3}
+
+
+@pytest.mark.parametrize("target", ["tiny-dense", "tiny-hybrid"])
+def test_a_ring_of_features_on_the_graphs_drafts_as_a_row_a_position_does(monkeypatch, target):
+    """A 1,300-token prompt wraps the runtime's ring of 1,024 feature rows (``decode.feature_rows``): in bf16
+    on the captured graphs every output equals AR's and the draft's context K/V of every committed
+    position are a row-a-position run's bits."""
+    from engine.decoding import decode
+    from engine.memory import release_memory
+
+    pair = engine.load(target, "random", device="cuda", dtype="bfloat16")
+    prompt = torch.randint(5, 250, (1300,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = EngineConfig(budget=16, top_k=4, draft_path="runtime")
+    ar = engine.generate(pair, prompt, EngineConfig(verify="ar"), 48, ignore_eos=True).tokens
+    runs = []
+    for ring in (decode.FEATURE_RING_ROWS, 1 << 30):
+        monkeypatch.setattr(decode, "FEATURE_RING_ROWS", ring)
+        release_memory(pair)
+        gen = engine.generate(pair, prompt, cfg, 48, ignore_eos=True)
+        assert gen.stats.loop == "graphs" and gen.tokens == ar
+        k, v = pair._runtime_decoder._draft_kv
+        n = len(prompt) + len(gen.tokens) - 1
+        runs.append((pair._workspace.features.shape[0], k[:, :n].clone(), v[:, :n].clone()))
+    assert runs[0][0] == 1024 and runs[1][0] > 1300
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
