@@ -101,7 +101,7 @@ def run(exp: Experiment, workloads: list[Any], context: int | None, limit: int |
     summary: dict[str, Any] = {"context": prompt + new, "vram_limit_bytes": limit}
     for form, group in groups.items():
         summary.update(_fits(group, form, prompt, new, limit, most, kw, out))
-    summary.update(_draft_in_blocks(exp, plans, prompt, new, limit, kw, out))
+    summary.update(_draft_in_blocks(exp, plans, prompt, new, limit, kw, facts["tools"], out))
     for key, value in summary.items():
         print(f"{key}: {'none' if value is None else ('yes' if value else 'no') if isinstance(value, bool) else value}",
               file=out)
@@ -154,10 +154,11 @@ def _fits(plans: list[Planned], form: str | None, prompt: int, new: int, limit: 
 
 
 def _draft_in_blocks(exp: Experiment, plans: list[Planned], prompt: int, new: int, limit: int | None,
-                     kw: dict[str, Any], out: TextIO) -> dict[str, Any]:
+                     kw: dict[str, Any], tools: bool, out: TextIO) -> dict[str, Any]:
     """For a DFlash draft held in floats, what the reference would need with the draft held in each
-    recipe's blocks (``model.draft: DRAFT@RECIPE``): printed, and a summary key each
-    (``reference_bytes_draft_<recipe>``). Nothing for another draft, or one already in blocks."""
+    recipe's blocks (``model.draft: DRAFT@RECIPE``), planned as the reference is (``tools``: its prompts'
+    grammar): printed, and a summary key each (``reference_bytes_draft_<recipe>``, a searched weight
+    form's suffixed with it). Nothing for another draft, or one already in blocks."""
     import dataclasses
 
     from engine import plan_memory
@@ -165,24 +166,28 @@ def _draft_in_blocks(exp: Experiment, plans: list[Planned], prompt: int, new: in
     from engine.models.quantize import RECIPES
     from engine.registry import draft_recipe, load_drafter
 
-    reference = next((p for p in plans if p.name.startswith("reference")), None)
-    if reference is None or not isinstance(reference.pair.drafter, DFlashDrafter) or \
+    references = [p for p in plans if p.name.startswith("reference")]
+    if not references or not isinstance(references[0].pair.drafter, DFlashDrafter) or \
             draft_recipe(exp.model.draft)[1] is not None:
         return {}
-    pair, lines, summary = reference.pair, [], {}
-    for recipe in RECIPES:
-        spec = f"{exp.model.draft}@{recipe}"
-        drafter = load_drafter(spec, pair.target, pair.tokenizer, pair.target.device, kw["dtype"])
-        plan = plan_memory(dataclasses.replace(pair, drafter=drafter), reference.config, prompt, new, **kw)
-        fits = "" if limit is None else (", fits" if plan.total <= limit else
-                                         f", {vram.size(plan.total - limit)} over")
-        draft = vram.size(plan.parts["draft_weights"])
-        lines.append(f"- `draft: {spec}`: {vram.size(plan.total)} (draft_weights {draft}{fits})")
-        summary[f"reference_bytes_draft_{recipe}"] = plan.total
-    print(f"the reference with its draft held in blocks (now {vram.size(reference.plan.total)}, draft_weights "
-          f"{vram.size(reference.plan.parts['draft_weights'])}; the target verifies every token, so outputs stay "
-          "AR's and acceptance may fall):", file=out)
-    print("\n".join(lines) + "\n", file=out)
+    summary: dict[str, Any] = {}
+    for reference in references:
+        pair, form, lines = reference.pair, reference.config.weights, []
+        constrained = tools and reference.config.grammar != "off"
+        for recipe in RECIPES:
+            spec = f"{exp.model.draft}@{recipe}"
+            drafter = load_drafter(spec, pair.target, pair.tokenizer, pair.target.device, kw["dtype"])
+            plan = plan_memory(dataclasses.replace(pair, drafter=drafter), reference.config, prompt, new,
+                               constrained=constrained, **kw)
+            fits = "" if limit is None else (", fits" if plan.total <= limit else
+                                             f", {vram.size(plan.total - limit)} over")
+            draft = vram.size(plan.parts["draft_weights"])
+            lines.append(f"- `draft: {spec}`: {vram.size(plan.total)} (draft_weights {draft}{fits})")
+            summary[f"reference_bytes_draft_{recipe}" + (f"_{form}" if form else "")] = plan.total
+        print(f"the {reference.name} with its draft held in blocks (now {vram.size(reference.plan.total)}, "
+              f"draft_weights {vram.size(reference.plan.parts['draft_weights'])}; the target verifies every token, so "
+              "outputs stay AR's and acceptance may fall):", file=out)
+        print("\n".join(lines) + "\n", file=out)
     return summary
 
 

@@ -51,7 +51,8 @@ def _targets(args) -> list[tuple[str, str, str, bool]]:
     for a prompt) of each pair to time: ``--presets`` as ``large`` pairs them (``--weights``), else
     ``--target``/``--draft`` as given."""
     if args.presets_given:
-        return [(*large_pair(t, args.weights), t.endswith("-shape")) for t in args.presets]
+        return [(*large_pair(t, args.weights, getattr(args, "draft_recipe", None)), t.endswith("-shape"))
+                for t in args.presets]
     return [(args.target, args.draft, "dequantized", args.target.endswith("-shape"))]
 
 

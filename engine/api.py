@@ -105,7 +105,9 @@ class Pair:
                                         and ws.features.shape[1] == feature_dim
                                         and ws.features.shape[0] in (ws.max_len, feature_rows))
         if ws is None or ws.max_len < max_len or not feats_ok:
-            size = max(max_len, 2 * ws.max_len if ws else 0)
+            # grown: doubled (a workload's longer generations); long enough, its features held otherwise (a ring
+            # or a row a position: decode.feature_rows): the same length again
+            size = max(max_len, (2 if ws.max_len < max_len else 1) * ws.max_len) if ws else max_len
             dev = self.target.device
             rows = size if feature_rows is None else min(feature_rows, size)
             feats = torch.zeros(rows, feature_dim, device=dev, dtype=self.target.dtype) if feature_dim else None

@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from one prompt")
     g.add_argument("--target", help="preset name, HF folder or .gguf file")
-    g.add_argument("--draft", help="preset name, DFlash folder, random, oracle:P or none")
+    g.add_argument("--draft", help="preset name, DFlash folder, random, oracle:P or none; a DFlash draft may end in "
+                   "@q8_0 or @q4_k_m (held in that mix's GGUF blocks)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids")

@@ -416,10 +416,14 @@ def _planned_prefix_cache(target: nn.Module, positions: int, prompt_checkpoint: 
 
 def _loop(pair, config: EngineConfig, device: torch.device, constrained: bool) -> str:
     """The loop ``config`` runs on ``pair`` were it on ``device`` (``runtime.loop_for``'s rule; a
-    config the runtime refuses is planned on the generic loop, as ``auto`` would run it)."""
+    config the runtime refuses is planned on the generic loop, as ``auto`` would run it; ``auto`` off CUDA
+    runs the generic loop too)."""
     if config.draft_path == "generic" or runtime.refusal(pair, config, constrained) is not None:
         return "generic"
-    return "graphs" if torch.device(device).type == "cuda" else "runtime"
+    cuda = torch.device(device).type == "cuda"
+    if config.draft_path == "auto" and not cuda:
+        return "generic"
+    return "graphs" if cuda else "runtime"
 
 
 def _layer_width(layer: nn.Module) -> int:

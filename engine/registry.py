@@ -399,7 +399,7 @@ DRAFTS: dict[str, DraftPreset] = {
         "qwen35-27b-shape", _shape_draft,
     ),
 }
-SPECIAL_DRAFTS = ("random", "oracle:P[,P...]", "none")
+SPECIAL_DRAFTS = ("random", "oracle:P[,P...]", "none")  # (a DFlash draft, random included, may end in @RECIPE)
 
 
 def draft_for(target: str) -> str | None:
@@ -477,31 +477,33 @@ def draft_recipe(spec: str) -> tuple[str, str | None]:
 
 
 def check_draft_spec(spec: str) -> None:
+    """Whether ``spec`` names a draft (module docstring); the message names the whole spec and the rule."""
     from engine.models.quantize import RECIPES
 
     base, recipe = draft_recipe(spec)
+    label = repr(spec)  # (with a recipe: the spec, then the draft read before its '@')
     if recipe is not None:
         if recipe not in RECIPES:
             raise EngineInputError(f"draft {spec!r}: {recipe!r} after '@' is no quantization recipe: expected "
                                    f"one of {list(RECIPES)} (a DFlash draft's projections held in that mix)")
-        if base == "none" or base.startswith("oracle:"):
+        if not base or base == "none" or base.startswith("oracle:"):
             raise EngineInputError(f"draft {spec!r}: only a DFlash draft (a preset, a checkpoint folder or random) "
-                                   f"has weights to quantize ('@{recipe}'), not {base!r}")
-        spec = base
-    if spec in DRAFTS or spec in ("random", "none"):
+                                   f"has weights to quantize ('DRAFT@{recipe}'), not {base!r}")
+        label = f"{spec!r} (draft {base!r} held at @{recipe})"
+    if base in DRAFTS or base in ("random", "none"):
         return
-    if spec.startswith("oracle:"):
-        parse_oracle(spec)
+    if base.startswith("oracle:"):
+        parse_oracle(base)
         return
-    path = Path(spec)
+    path = Path(base)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise EngineInputError(f"draft {spec!r}: folder has no config.json (expected a DFlash checkpoint)")
+            raise EngineInputError(f"draft {label}: folder has no config.json (expected a DFlash checkpoint)")
         return
-    if "/" in spec or path.exists():
-        raise EngineInputError(f"draft {spec!r}: no such DFlash checkpoint folder")
+    if "/" in base or path.exists():
+        raise EngineInputError(f"draft {label}: no such DFlash checkpoint folder")
     raise EngineInputError(
-        f"draft {spec!r} is not a known preset ({sorted(DRAFTS)}), {list(SPECIAL_DRAFTS)} or a checkpoint folder"
+        f"draft {label} is not a known preset ({sorted(DRAFTS)}), {list(SPECIAL_DRAFTS)} or a checkpoint folder"
     )
 
 

@@ -32,7 +32,8 @@ CASES = [("smollm2-135m-shape", SMOLLM2_DRAFT, 4096, 64, 0.25),
          ("qwen3-8b-shape", "qwen3-8b-shape-dflash", 8192, 64, 0.10),
          ("qwen35-27b-shape", "qwen35-27b-shape-dflash", 16384, 64, 0.10),
          ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash", 32768, 64, 0.10),
-         # the draft in blocks: Q8_0, and Q4_K_M's mix (planned 20.80 and 19.99 GiB for the reference DDTree-22; 22.40 in bf16)
+         # the draft in blocks: Q8_0, and Q4_K_M's mix (planned 20.80 and 19.99 GiB for the reference DDTree-22;
+         # 22.40 in bf16)
          ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q8_0", 32768, 64, 0.10),
          ("qwen35-27b-shape-q4_k_m", "qwen35-27b-shape-dflash@q4_k_m", 32768, 64, 0.10)]
 # the reference DDTree first: at 32k tokens on the 27B a config takes a minute or more, and a call's limit may

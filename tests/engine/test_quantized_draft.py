@@ -84,3 +84,20 @@ def test_a_folder_named_with_an_at_is_a_folder(tmp_path):
     assert draft_recipe(str(folder)) == (str(folder), None)
     check_draft_spec(str(folder))
 
+
+
+def test_on_cuda_in_half_precision_a_draft_in_blocks_adds_no_transient():
+    """Planned for CUDA in bf16 (the few-row kernel reads the blocks in place: the draft's step, and its
+    context fill of ``CONTEXT_ROWS`` rows) a quantized draft changes only ``draft_weights``; in float32 a
+    step's draft forward dequantizes a weight whole."""
+    cfg, at = EngineConfig(budget=8, top_k=4), (6, 64)  # (a short prompt: the fill's transient above the prefill's)
+    floats = engine.load("tiny-dense", "random", device="cpu", dtype="float32")
+    quant = engine.load("tiny-dense", "random@q8_0", device="cpu", dtype="float32")
+    gpu = {"device": "cuda", "dtype": torch.bfloat16}
+    a, b = plan_memory(floats, cfg, *at, **gpu), plan_memory(quant, cfg, *at, **gpu)
+    assert {k: v for k, v in a.parts.items() if k != "draft_weights"} == \
+        {k: v for k, v in b.parts.items() if k != "draft_weights"}
+    assert b.parts["draft_weights"] < 0.6 * a.parts["draft_weights"]  # (34 bytes a 32 values against bf16)
+    f32 = {"device": "cuda", "dtype": torch.float32}  # (the step's draft forward, in the graphs' pool)
+    assert plan_memory(quant, cfg, *at, **f32).parts["graph_pools"] > plan_memory(floats, cfg, *at, **f32).parts[
+        "graph_pools"]

@@ -86,3 +86,53 @@ def test_a_run_that_would_wrap_a_ring_says_so():
     assert drafters.feature_slice(features, 130, 150) == slice(2, 22)
     with pytest.raises(RuntimeError, match="positions 60..69 wrap around a ring of 64 feature rows"):
         drafters.feature_slice(features, 60, 70)
+
+
+def test_a_short_prompts_draft_context_is_projected_whole(small_ring, monkeypatch):
+    """A prompt of one forward (at most ``PREFILL_CHUNK`` tokens): its draft context is projected after that
+    forward (``on_span(n)``), the bits ``fill_context`` gives from its features (the positions no
+    proposal recomputed)."""
+    pair = engine.load("tiny-dense", "random", device="cpu", dtype="float32")
+    prompt = list(range(5, 35))
+    cfg = CONFIGS[0]
+    tokens, rows, k, v = _run(pair, prompt, cfg, False, monkeypatch)  # (a row a position: its features all kept)
+    want = pair.drafter.new_context(pair._workspace.max_len)
+    pair.drafter.fill_context(want, pair._workspace.features, len(prompt))
+    kept = len(prompt) - cfg.block_size  # (the first proposal recomputes the last block's)
+    assert torch.equal(k[:, :kept], want[0][:, :kept]) and torch.equal(v[:, :kept], want[1][:, :kept])
+    assert k[:, :kept].abs().sum() > 0
+
+
+def test_loops_that_hold_features_otherwise_share_one_workspace_length(small_ring, monkeypatch):
+    """A ring's workspace, then the generic loop (a row a position), then the ring again: each output AR's,
+    the workspace reallocated for the other layout at the same length, not doubled; on the CPU ``auto``
+    runs the generic loop, and the plan and ``reserve_memory`` hold what it holds."""
+    pair = engine.load("tiny-dense", "random", device="cpu", dtype="float32")
+    prompt = torch.randint(5, 250, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ar = engine.generate(pair, prompt, EngineConfig(verify="ar"), 24, ignore_eos=True).tokens
+    release_memory(pair)
+    lengths = []
+    for path in ("runtime", "generic", "runtime"):
+        gen = engine.generate(pair, prompt, CONFIGS[0].replace(draft_path=path), 24, ignore_eos=True)
+        assert gen.tokens == ar, path
+        lengths.append((pair._workspace.max_len, pair._workspace.features.shape[0]))
+    assert lengths[0][0] == lengths[1][0] == lengths[2][0]
+    assert lengths[0][1] == RING < lengths[1][1] == lengths[1][0] == lengths[2][1]  # (a row a position serves a ring)
+    auto = CONFIGS[0].replace(draft_path="auto")
+    plan = plan_memory(pair, auto, len(prompt), 24)
+    reserve_memory(pair, auto, len(prompt), 24)
+    held = pair._workspace.max_len
+    engine.generate(pair, prompt, auto, 24, ignore_eos=True)
+    assert plan.loop == "generic" and pair._workspace.max_len == held
+    assert held_memory(pair)["features"] == plan.parts["features"] == held * pair._workspace.features.shape[1] * 4
+
+
+def test_the_sizes_the_ring_rests_on_agree():
+    """The ring's rows are whole context chunks (a chunk is whole in it when projected) and whole prefill
+    chunks (a prefill's span never wraps); a context chunk is rows the few-row kernel takes (a draft in
+    blocks reads them in place)."""
+    from engine.models import quant_kernel
+
+    assert decode.FEATURE_RING_ROWS % drafters.CONTEXT_ROWS == 0
+    assert decode.FEATURE_RING_ROWS % prefix_cache_mod.PREFILL_CHUNK == 0
+    assert drafters.CONTEXT_ROWS <= quant_kernel.MAX_ROWS
