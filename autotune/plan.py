@@ -159,30 +159,22 @@ def _draft_in_blocks(exp: Experiment, plans: list[Planned], prompt: int, new: in
     recipe's blocks (``model.draft: DRAFT@RECIPE``), planned as the reference is (``tools``: its prompts'
     grammar): printed, and a summary key each (``reference_bytes_draft_<recipe>``, a searched weight
     form's suffixed with it). Nothing for another draft, or one already in blocks."""
-    import dataclasses
-
-    from engine import plan_memory
-    from engine.decoding.drafters import DFlashDrafter
-    from engine.models.quantize import RECIPES
-    from engine.registry import draft_recipe, load_drafter
+    import engine
 
     references = [p for p in plans if p.name.startswith("reference")]
-    if not references or not isinstance(references[0].pair.drafter, DFlashDrafter) or \
-            draft_recipe(exp.model.draft)[1] is not None:
+    if not references or engine.draft_in_blocks(references[0].pair, engine.DRAFT_RECIPES[0]) is None:
         return {}
     summary: dict[str, Any] = {}
     for reference in references:
-        pair, form, lines = reference.pair, reference.config.weights, []
+        form, lines = reference.config.weights, []
         constrained = tools and reference.config.grammar != "off"
-        for recipe in RECIPES:
-            spec = f"{exp.model.draft}@{recipe}"
-            drafter = load_drafter(spec, pair.target, pair.tokenizer, pair.target.device, kw["dtype"])
-            plan = plan_memory(dataclasses.replace(pair, drafter=drafter), reference.config, prompt, new,
-                               constrained=constrained, **kw)
+        for recipe in engine.DRAFT_RECIPES:
+            pair = engine.draft_in_blocks(reference.pair, recipe)
+            plan = engine.plan_memory(pair, reference.config, prompt, new, constrained=constrained, **kw)
             fits = "" if limit is None else (", fits" if plan.total <= limit else
                                              f", {vram.size(plan.total - limit)} over")
             draft = vram.size(plan.parts["draft_weights"])
-            lines.append(f"- `draft: {spec}`: {vram.size(plan.total)} (draft_weights {draft}{fits})")
+            lines.append(f"- `draft: {pair.draft_name}`: {vram.size(plan.total)} (draft_weights {draft}{fits})")
             summary[f"reference_bytes_draft_{recipe}" + (f"_{form}" if form else "")] = plan.total
         print(f"the {reference.name} with its draft held in blocks (now {vram.size(reference.plan.total)}, "
               f"draft_weights {vram.size(reference.plan.parts['draft_weights'])}; the target verifies every token, so "

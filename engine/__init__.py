@@ -6,7 +6,7 @@ prompts' and answers' positions kept for ``generate(..., prefix_cache=...)`` (th
 ``load`` may hold a target's weights (``dequantized``, ``native``). The device memory of a pair
 decoding a config, per part, planned or measured: ``engine.memory`` (``plan_memory`` and the rest)."""
 
-from engine.api import Pair, bench, diagnose, load, replay_sessions
+from engine.api import Pair, bench, diagnose, draft_in_blocks, load, replay_sessions
 from engine.config import EngineConfig, EngineInputError
 from engine.data.prompts import Prompt
 from engine.data.sessions import SESSION_SETS, load_sessions
@@ -41,10 +41,12 @@ from engine.memory import (
 )
 from engine.models.fused import check_environment
 from engine.models.quant import WEIGHTS
+from engine.models.quantize import RECIPES as DRAFT_RECIPES
 from engine.registry import check_model_spec
 
 __all__ = [
     "DEFAULT_PREFIX_CACHE_MB",
+    "DRAFT_RECIPES",
     "MEMORY_PARTS",
     "VERDICTS",
     "WEIGHTS",
@@ -69,6 +71,7 @@ __all__ = [
     "check_environment",
     "check_model_spec",
     "diagnose",
+    "draft_in_blocks",
     "first_divergence",
     "generate",
     "held_memory",

@@ -15,7 +15,7 @@ from torch import nn
 from engine.config import EngineConfig, EngineInputError
 from engine.decoding import runtime
 from engine.decoding.decode import generate, measure_step_costs
-from engine.decoding.drafters import Drafter
+from engine.decoding.drafters import DFlashDrafter, Drafter
 from engine.decoding.grammar import CompiledGrammar, GrammarVocab, compile_tool_grammar
 from engine.decoding.loop import Workspace
 from engine.decoding.policy import StepCosts
@@ -236,6 +236,21 @@ def load(target: str, draft: str, device: str = "auto", dtype: str = "auto", wei
     pair = Pair(model, drafter, tokenizer, target, draft, str(dev), str(dt).removeprefix("torch."), weights=weights)
     pair.check_shape()
     return pair
+
+
+def draft_in_blocks(pair: Pair, recipe: str) -> Pair | None:
+    """``pair`` with its DFlash draft loaded again held in ``recipe``'s GGUF blocks (the spec
+    ``DRAFT@RECIPE``: ``registry.draft_recipe``; recipes ``DRAFT_RECIPES``), on the pair's device and in its
+    dtype (on the meta device: a plan's pair, nothing read or allocated); the target is shared. None where
+    the pair has no DFlash draft, or holds one in blocks already."""
+    from engine.registry import draft_recipe, load_drafter
+
+    if not isinstance(pair.drafter, DFlashDrafter) or draft_recipe(pair.draft_name)[1] is not None:
+        return None
+    spec = f"{pair.draft_name}@{recipe}"
+    drafter = load_drafter(spec, pair.target, pair.tokenizer, pair.target.device, pair.target.dtype)
+    return Pair(pair.target, drafter, pair.tokenizer, pair.target_name, spec, pair.device, pair.dtype,
+                weights=pair.weights)
 
 
 def diagnose(pair: Pair, config: EngineConfig, prompt: Sequence[int], output: Sequence[int],

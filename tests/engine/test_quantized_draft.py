@@ -101,3 +101,15 @@ def test_on_cuda_in_half_precision_a_draft_in_blocks_adds_no_transient():
     f32 = {"device": "cuda", "dtype": torch.float32}  # (the step's draft forward, in the graphs' pool)
     assert plan_memory(quant, cfg, *at, **f32).parts["graph_pools"] > plan_memory(floats, cfg, *at, **f32).parts[
         "graph_pools"]
+
+
+def test_draft_in_blocks_loads_the_pairs_draft_again_in_blocks():
+    """``engine.draft_in_blocks``: the same target, the draft in a recipe's blocks (what ``autotune plan``
+    prints beside the reference); None for a pair with no DFlash draft or one in blocks already."""
+    floats = engine.load("tiny-dense", "random", device="meta", dtype="bfloat16")
+    held = engine.draft_in_blocks(floats, "q8_0")
+    assert held.target is floats.target and held.draft_name == "random@q8_0"
+    assert _formats(held.drafter.draft) == {"Q8_0"}
+    assert engine.draft_in_blocks(held, "q4_k_m") is None
+    assert engine.draft_in_blocks(engine.load("tiny-dense", "oracle:0.5", device="meta", dtype="bfloat16"),
+                                  "q8_0") is None
