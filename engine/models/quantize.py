@@ -250,10 +250,10 @@ def quantize(weight: Tensor, fmt: BlockFormat) -> Tensor:
 
 # ------------------------------------------------------------------------------ a model's mix
 
-# A recipe: the format of each projection by role (lm_head, down_proj, v_proj, the rest), and the
-# format a K format falls back to for rows that are not whole 256-value blocks (llama.cpp's).
-# the mixes ``quantize_model_`` gives: q4_k_m as llama.cpp's file type of that name (``q4_k_m_format``); q8_0
-# every projection Q8_0, as llama.cpp's Q8_0 file type (a DFlash draft's: ``registry.load_drafter``'s ``@q8_0``)
+# A recipe: the format of each projection by role, and the format a K format falls back to for rows that
+# are not whole 256-value blocks (llama.cpp's). q4_k_m as llama.cpp's file type of that name (lm_head,
+# down_proj, v_proj, the rest: ``q4_k_m_format``); q8_0 every projection Q8_0, as llama.cpp's Q8_0 file type
+# (a DFlash draft's ``@q8_0``: ``registry.load_drafter``).
 RECIPES = ("q4_k_m", "q8_0")
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
