@@ -300,3 +300,27 @@ def test_autotune_plan_of_a_session_experiment_plans_its_prefix_cache(tmp_path, 
     assert summary["ar_bytes"] == str(plan.total)
     bare = dict(line.split(": ", 1) for line in outs[0].splitlines()[-9:])
     assert int(bare["ar_bytes"]) == plan.total - plan.parts["prefix_cache"]
+
+
+@pytest.mark.parametrize("cache_mb", [64, 0])
+def test_a_session_trial_reserves_the_features_its_cache_keeps(tmp_path, monkeypatch, cache_mb):
+    """With a prefix cache (it keeps every position's target features) a session trial's reserved workspace
+    holds a row a position; without one, the runtime's ring (``decode.feature_rows``), as its generations do."""
+    import engine
+    from autotune import vram
+    from autotune.record import Job
+    from autotune.worker import Worker
+
+    exp = experiment.load(_experiment(tmp_path, model={"target": "tiny-dense", "draft": "random", "device": "cpu",
+                                                        "dtype": "float32"}))
+    worker = Worker.load(exp.model.target, exp.model.draft, exp.model.device, exp.model.dtype,
+                         experiment.load_workloads(exp), exp.fixed_engine)
+    reserved = []
+    real = engine.reserve_memory
+    monkeypatch.setattr(engine, "reserve_memory", lambda *a, **k: reserved.append(k) or real(*a, **k))
+    facts = worker.limits()
+    at = vram.memory_at(facts["longest_prompt"], 8, facts["session_turns"])
+    job = Job(trial=1, role="search", config={"verify": "ddtree", "budget": 3, "top_k": 2, "draft_path": "runtime"},
+              max_new_tokens=8, warmup=0, repeats=1, max_rel_mad=0.5, memory_at=at, prefix_cache_mb=cache_mb)
+    assert worker.measure(job).ok
+    assert reserved and all(k["prefix_cache"] == (cache_mb > 0) for k in reserved)
