@@ -206,6 +206,27 @@ def test_dispatch_takes_the_kernel_for_a_steps_rows_and_dequantizes_otherwise(mo
     assert len(calls) == 1
 
 
+def test_a_fused_groups_part_takes_the_kernel_on_its_own_rows_of_blocks(monkeypatch):
+    """``QuantFusedLinear.part`` (a draft's context K/V, ``project_part``): where the kernel takes the rows,
+    its own rows of blocks through it, on the plan a weight of its shape has (kernels forced on: Triton's
+    interpreter); else those rows dequantized."""
+    from engine.models.quant import QuantFusedLinear
+
+    fmt = FORMATS["Q8_0"]
+    parts = [QuantLinear(fmt, 96, n, blocks=_blocks("Q8_0", n, 96, seed=11 + n)) for n in (40, 24)]
+    group = QuantFusedLinear(parts)
+    x = _x(3, 96, torch.bfloat16, seed=12)
+    want = F.linear(x, parts[1].dequantized(torch.bfloat16))
+    assert torch.equal(group.part(x, 1), want)  # (no CUDA: dequantized)
+    monkeypatch.setattr(fused, "use_kernels", lambda *tensors: True)
+    calls = []
+    kernel = qk.kernel_linear
+    monkeypatch.setattr(qk, "kernel_linear", lambda *a: calls.append(a[1].data_ptr()) or kernel(*a))
+    plan = lin.plan_for_shape(24, 96, x.device)
+    assert torch.equal(group.part(x, 1), _reference(x, parts[1].blocks, fmt, 96, None, plan.step))
+    assert calls == [group.blocks[40:].data_ptr()]
+
+
 # ------------------------------------------------------------------------------------------ on the GPU
 
 GPU_CASES = [("Q4_1", 960, 576), ("Q8_0", 49152, 576), ("Q8_0", 5120, 6144), ("Q4_0", 576, 1536), ("Q5_0", 576, 1536),
