@@ -161,15 +161,14 @@ def _draft_in_blocks(exp: Experiment, plans: list[Planned], prompt: int, new: in
     form's suffixed with it). Nothing for another draft, or one already in blocks."""
     import engine
 
-    references = [p for p in plans if p.name.startswith("reference")]
-    if not references or engine.draft_in_blocks(references[0].pair, engine.DRAFT_RECIPES[0]) is None:
-        return {}
     summary: dict[str, Any] = {}
-    for reference in references:
+    for reference in (p for p in plans if p.name.startswith("reference")):
         form, lines = reference.config.weights, []
         constrained = tools and reference.config.grammar != "off"
         for recipe in engine.DRAFT_RECIPES:
             pair = engine.draft_in_blocks(reference.pair, recipe)
+            if pair is None:  # no DFlash draft, or one in blocks already
+                return summary
             plan = engine.plan_memory(pair, reference.config, prompt, new, constrained=constrained, **kw)
             fits = "" if limit is None else (", fits" if plan.total <= limit else
                                              f", {vram.size(plan.total - limit)} over")

@@ -125,7 +125,8 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     parts.update(_cache_parts(cache))
     feature_width = _feature_width(pair) if speculative else 0
     loop = _loop(pair, config, dev, constrained)
-    parts["features"] = _feature_rows(pair, config, length, loop, prefix_cache_bytes > 0) * feature_width * size
+    rows = _feature_rows(pair, config, length, loop, prefix_cache_bytes > 0) if speculative else 0
+    parts["features"] = rows * feature_width * size
     parts["draft_context"] = _planned_draft_context(pair, length, dt) if speculative else 0
     positions = prompt_tokens + new_tokens - 1 if prefix_cache_tokens is None else prefix_cache_tokens
     parts["prefix_cache"] = _planned_prefix_cache(pair.target, positions, prompt_tokens >= 2, feature_width, dt,
@@ -358,10 +359,8 @@ def _pool(pair) -> tuple[int, int]:
 
 
 def _feature_rows(pair, config: EngineConfig, length: int, loop: str, prefix_cache: bool) -> int:
-    """Rows of the target features a generation holds: a ring's (at most ``length``) or a row a position
-    (``decode.feature_rows``)."""
-    if not _speculative(pair, config):
-        return 0
+    """Rows of the target features a speculative generation holds: a ring's (at most ``length``) or a row a
+    position (``decode.feature_rows``)."""
     ring = feature_rows(pair, config, loop != "generic", prefix_cache)
     return length if ring is None else min(ring, length)
 

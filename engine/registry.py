@@ -2,10 +2,8 @@
 
 Target specs: a registry name, an HF folder (config.json + safetensors), or a ``.gguf`` file.
 Draft specs: a registry name, a DFlash checkpoint folder, ``random``, ``oracle:P`` (``oracle:P1,P2,...``:
-P per prompt) or ``none``. A DFlash draft (a name, a folder, ``random``) may end in ``@RECIPE``
-(``draft_recipe``: ``@q8_0``, ``@q4_k_m``): its projections held in that mix's GGUF blocks
-(``quantize.quantize_model_``), read in place by the few-row kernel on CUDA. A draft only proposes, and
-the target verifies every token, so its quantization changes speed and acceptance, never an output.
+P per prompt) or ``none``; a DFlash draft (a name, a folder, ``random``) ending in ``@q8_0`` / ``@q4_k_m``
+(``draft_recipe``) is held in that mix's GGUF blocks: speed and acceptance change, outputs never do.
 
 Quantized presets (``quantized_preset``: ``qwen3-8b-shape-q4_k_m``, ``qwen35-27b-shape-q4_k_m``) are a
 float preset with its projections (and an untied embedding) quantized in memory to a llama.cpp-like mix
@@ -31,6 +29,7 @@ from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.models.quant import WEIGHTS
+from engine.models.quantize import CHUNK_VALUES, RECIPES, quantize, quantize_model_, recipe_formats
 
 TINY_SEED = 1234
 
@@ -252,7 +251,6 @@ def _quantized(base: str, recipe: str, seed: int, native: bool, device: torch.de
     ``quantize_model_`` gives that preset loaded in ``dtype`` and seeded alike."""
     from engine.loading import build_model
     from engine.models.quant import FORMATS
-    from engine.models.quantize import recipe_formats
 
     preset = TARGETS[base]
     meta = torch.device("meta")
@@ -293,7 +291,6 @@ def _fill_quantized_(model: nn.Module, params: dict[str, tuple[str, torch.Size]]
     draw, as ``init_random_`` draws it); each weight of ``formats`` quantized as it is drawn, into its
     blocks (``native``) or as their values; a ``tied`` one from its source's values, last."""
     from engine.models.quant import FORMATS, dequantize, hold
-    from engine.models.quantize import CHUNK_VALUES, quantize
 
     dtype = model.dtype
     gen = torch.Generator(model.device).manual_seed(seed)
@@ -478,8 +475,6 @@ def draft_recipe(spec: str) -> tuple[str, str | None]:
 
 def check_draft_spec(spec: str) -> None:
     """Whether ``spec`` names a draft (module docstring); the message names the whole spec and the rule."""
-    from engine.models.quantize import RECIPES
-
     base, recipe = draft_recipe(spec)
     label = repr(spec)  # (with a recipe: the spec, then the draft read before its '@')
     if recipe is not None:
@@ -598,7 +593,5 @@ def load_drafter(spec: str, target: nn.Module, tokenizer: object, device: torch.
     draft = cast_module_(draft, device, dtype).eval()
     draft.requires_grad_(False)
     if recipe is not None:  # quantized from the dtype's values on the device, a projection at a time
-        from engine.models.quantize import quantize_model_
-
         quantize_model_(draft, recipe)
     return DFlashDrafter(draft, target)

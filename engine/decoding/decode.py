@@ -34,6 +34,7 @@ from engine.decoding.loop import (
 from engine.decoding.policy import (
     AdaptivePolicy,
     StepCosts,
+    catch_up_rows,
     policy_budgets,
     prefix,
     root_tree,
@@ -332,9 +333,8 @@ def feature_rows(pair, cfg: EngineConfig, on_runtime: bool, prefix_cache: bool) 
     if not on_runtime or prefix_cache:
         return None
     block, n_verify = verify_shape(pair, cfg)
-    rows = block
-    if cfg.verify == "ddtree" and cfg.policy == "adaptive":
-        rows = block + max(cfg.probe_every, cfg.probe_max or 0) - 1  # AdaptivePolicy.catch_up_rows
+    adaptive = cfg.verify == "ddtree" and cfg.policy == "adaptive"
+    rows = catch_up_rows(block, cfg.probe_every, cfg.probe_max) if adaptive else block
     return FEATURE_RING_ROWS if n_verify + rows + block <= FEATURE_RING_ROWS else None
 
 

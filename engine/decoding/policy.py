@@ -209,6 +209,17 @@ class Calibration:
         return (self.observed + _PRIOR * prior) / (self.predicted + _PRIOR)
 
 
+def probe_cap(probe_every: int, probe_max: int | None) -> int:
+    """The longest interval between two probes: ``probe_max`` (at least ``probe_every``; ``AdaptivePolicy.cap``)."""
+    return max(probe_every, probe_max or 0)
+
+
+def catch_up_rows(block: int, probe_every: int, probe_max: int | None) -> int:
+    """The draft context positions a proposal after AR steps recomputes at most (``AdaptivePolicy.catch_up_rows``):
+    the last tree step's commits (at most ``block``) and the AR steps' since (at most the cap less one)."""
+    return block + probe_cap(probe_every, probe_max) - 1
+
+
 @dataclass
 class AdaptivePolicy:
     """One generation's choices: ``choose`` when a step is launched, ``observe`` (or ``record``) when it
@@ -238,7 +249,7 @@ class AdaptivePolicy:
     @property
     def cap(self) -> int:
         """The longest interval between two probes: ``probe_max`` (at least ``probe_every``)."""
-        return max(self.probe_every, self.probe_max or 0)
+        return probe_cap(self.probe_every, self.probe_max)
 
     @property
     def max_ar_run(self) -> int:
@@ -249,7 +260,7 @@ class AdaptivePolicy:
     def catch_up_rows(self, block: int) -> int:
         """The draft context positions the first proposal after AR steps recomputes: the last tree
         step's commits (at most ``block``) and the AR steps' since (at most ``max_ar_run``)."""
-        return block + self.max_ar_run
+        return catch_up_rows(block, self.probe_every, self.probe_max)
 
     def choose(self) -> tuple[int, float]:
         """The next step's budget and the E[AL] it was chosen by (1 for an AR step)."""

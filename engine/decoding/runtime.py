@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -374,8 +375,8 @@ class RuntimeDecoder:
         stats = GenerationStats(loop="graphs" if self.graphs.enabled else "runtime")
         draft_context = on_span = None
         if feature_layers and prefix_cache is not None:  # (a row a position: projected after the prefill)
-            draft_context = lambda: self.pair.drafter.fill_context(self._draft_context(), self.ws.features,  # noqa: E731
-                                                                   len(prompt))
+            draft_context = partial(self.pair.drafter.fill_context, self._draft_context(), self.ws.features,
+                                    len(prompt))
         elif feature_layers:  # each chunk as the prefill makes its features, before a ring's rows are written over
             on_span = _context_chunks(self.pair.drafter, self._draft_context(), self.ws.features, len(prompt))
         out, t0, t_first, done = loop.begin(self.pair, self.ws, prompt, cfg, feature_layers, stats, timer, gs, bits,
