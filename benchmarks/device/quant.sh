@@ -10,7 +10,9 @@
 #      a budget-32 verify's launches too, the K split as the step's);
 #      5. PROFILE=1: _quant_kernel's share of a step; MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
 #      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, its draft in bf16, @q8_0 and
-#      @q4_k_m; MEMORY_K=draft the two quantized drafts'). SKIP="large_q4km ..." leaves sections out.
+#      @q4_k_m; MEMORY_K=draft the two quantized drafts'; a test per case and config, so
+#      MEMORY_K="draft-q8_0 and ddtree" runs the reference DDTree of the Q8_0 draft's case alone).
+#      SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -28,7 +30,8 @@ section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant
 # MEMORY=1: the 27B Q4_K_M shape (weights native) with its draft at 32k tokens, AR, DDTree b22 on the graphs and
 # the generic chain: the measured peak per part against `autotune plan`'s (the bar: within 10%; the issue's: the
 # total within 22 GiB), ~45 s to build the preset, then a 32k prefill per pass. 240 s was not enough on the H200
-# (2026-12-06, third session: cut before one config ended); each config's rows are printed as it ends
+# (2026-12-06, third session: cut before one config ended); each config is a test of its own (`-k` picks one),
+# its rows printed as it ends
 if [ -n "${MEMORY:-}" ]; then
   section memory_q4km ${MEMORY_LIMIT:-560} python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs \
     tests/engine/test_memory_gpu.py -k "${MEMORY_K:-q4_k_m}"

@@ -7,6 +7,10 @@ cuBLAS's workspace, weigh more in a 135M model's peak: 25% there).
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py    # -s prints plan against measurement, per part
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k "q4_k_m and not draft"    # the 27B Q4_K_M at 32k tokens
     pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k draft    # the same with its draft in blocks (Q8_0, Q4_K_M)
+    pytest -q -s -n 0 tests/engine/test_memory_gpu.py -k "draft-q8_0 and ddtree"    # one config of one case
+
+Each (case, config) is a test of its own (ids ``<case>-<config>``); the pair loaded is kept for the next test
+of the same case (a 27B's takes ~45 s), freed when the case changes and at the module's end.
 """
 
 from __future__ import annotations
@@ -43,33 +47,54 @@ CONFIGS = {"ddtree-graphs": EngineConfig(budget=22, top_k=8), "ar": EngineConfig
 STATIC = ("target_weights", "draft_weights", "kv_cache", "recurrent_state", "tree_state", "features", "draft_context")
 
 
-@pytest.mark.parametrize("target,draft,context,new,bar", CASES,
-                         ids=[c[0] + ("-draft-" + c[1].rpartition("@")[2] if "@" in c[1] else "") for c in CASES])
-def test_measured_peak_within_the_bar_of_the_plan(target, draft, context, new, bar):
+_CASE_IDS = [c[0] + ("-draft-" + c[1].rpartition("@")[2] if "@" in c[1] else "") for c in CASES]
+# the one pair loaded: (target, draft, weights) -> (pair, memory allocated before it was loaded)
+_LOADED: dict[tuple[str, str, str], tuple[object, int]] = {}
+
+
+def _free_pair() -> None:
+    _LOADED.clear()  # the pair's last reference (a test's own is deleted as it ends)
     gc.collect()
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()  # what other tests left: not this pair's
+
+
+def _load_pair(target: str, draft: str, weights: str):
+    key = (target, draft, weights)
+    if key not in _LOADED:
+        _free_pair()
+        before = torch.cuda.memory_allocated()  # what other tests left: not this pair's
+        _LOADED[key] = (engine.load(target, draft, device="cuda", dtype="bfloat16", weights=weights), before)
+    return _LOADED[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_loaded_pair():
+    yield
+    _free_pair()
+
+
+@pytest.mark.parametrize("target,draft,context,new,bar,name", [(*c, n) for c in CASES for n in CONFIGS],
+                         ids=[f"{i}-{n}" for i in _CASE_IDS for n in CONFIGS])
+def test_measured_peak_within_the_bar_of_the_plan(target, draft, context, new, bar, name):
     weights = "native" if target.endswith("q4_k_m") else "dequantized"  # (a quantized preset: kept in its blocks)
-    pair = engine.load(target, draft, device="cuda", dtype="bfloat16", weights=weights)
+    pair, before = _load_pair(target, draft, weights)
     prompt = torch.randint(10, pair.target.cfg.vocab_size, (context - new,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    try:
-        for name, cfg in CONFIGS.items():
-            start = time.perf_counter()
-            plan = plan_memory(pair, cfg, len(prompt), new)
-            reserve_memory(pair, cfg, len(prompt), new)
-            engine.bench(pair, cfg, [prompt], new, ignore_eos=True)  # warm-up: kernels compiled, graphs captured
-            peak = engine.bench(pair, cfg, [prompt], new, ignore_eos=True).peak_memory_bytes - before
-            measured = measure_memory(pair, cfg, len(prompt), new, peak)
-            held = held_memory(pair)
-            _print_rows(f"{target} {name} at {context} tokens ({plan.loop}, {time.perf_counter() - start:.0f} s)",
-                        plan, measured)
-            assert {k: held[k] for k in STATIC} == {k: plan.parts[k] for k in STATIC}, name
-            assert abs(measured.total - plan.total) <= bar * measured.total, (name, plan.total, measured.total)
+    cfg = CONFIGS[name]
+    try:  # (a failure's traceback, kept by pytest, must not hold the pair past the next case's load)
+        start = time.perf_counter()
+        plan = plan_memory(pair, cfg, len(prompt), new)
+        reserve_memory(pair, cfg, len(prompt), new)
+        engine.bench(pair, cfg, [prompt], new, ignore_eos=True)  # warm-up: kernels compiled, graphs captured
+        peak = engine.bench(pair, cfg, [prompt], new, ignore_eos=True).peak_memory_bytes - before
+        measured = measure_memory(pair, cfg, len(prompt), new, peak)
+        held = held_memory(pair)
+        _print_rows(f"{target} {name} at {context} tokens ({plan.loop}, {time.perf_counter() - start:.0f} s)",
+                    plan, measured)
+        assert {k: held[k] for k in STATIC} == {k: plan.parts[k] for k in STATIC}, name
+        assert abs(measured.total - plan.total) <= bar * measured.total, (name, plan.total, measured.total)
     finally:
         del pair
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def _print_rows(title: str, plan, measured) -> None:
