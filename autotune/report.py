@@ -456,7 +456,26 @@ def _memory(study: optuna.Study, w: results.Winner | None) -> list[str]:
             L.append(f"| {t.number} | {vram_size(m['total'])} | {vram_size(m['total'] - limit)} | {part} "
                      f"({vram_size(m['parts'][part])}) | {m['kind']} | `{cfg}` |")
         L.append("")
-    return L
+    return L + _plan_against_measured(recorded.values())
+
+
+def _plan_against_measured(trials) -> list[str]:
+    """Each trial measured on CUDA beside its plan (``autotune plan``'s figure for its config): how far the
+    plan is from the measured peak, and the widest gap. Nothing where no peak was measured."""
+    rows = [t for t in trials if t.user_attrs["memory"].get("kind") == "measured"
+            and t.user_attrs["memory"].get("planned_total")]
+    if not rows:
+        return []
+    L = ["Planned against measured (the plan's total for the trial's config and length, `engine.memory`):", "",
+         "| trial | role | config | measured | planned | plan - measured |", "|---|---|---|---|---|---|"]
+    gaps = []
+    for t in sorted(rows, key=lambda t: t.number):
+        m = t.user_attrs["memory"]
+        gaps.append((m["planned_total"] - m["total"]) / m["total"])
+        L.append(f"| {t.number} | {role_of(t)} | `{_cfg_short(t.user_attrs.get('config', {}))}` | "
+                 f"{vram_size(m['total'])} | {vram_size(m['planned_total'])} | {gaps[-1]:+.1%} |")
+    return L + ["", f"The plan is within **{max(abs(g) for g in gaps):.1%}** of the measured peak on all "
+                f"{len(gaps)} measured trial(s).", ""]
 
 
 def _stopped(study: optuna.Study) -> list[str]:

@@ -12,7 +12,8 @@
 #      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, its draft in bf16, @q8_0 and
 #      @q4_k_m; MEMORY_K=draft the two quantized drafts'; a test per case and config, so
 #      MEMORY_K="draft-q8_0 and ddtree" runs the reference DDTree of the Q8_0 draft's case alone).
-#      SKIP="large_q4km ..." leaves sections out.
+#      VRAM=1 (with .device/wheels): the sweep under a VRAM limit (experiments/qwen35-27b-q4km-vram.yaml) and its
+#      report. SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -35,6 +36,16 @@ section quant_tiles ${TILES_LIMIT:-170} python3 benchmarks/kernel_bench.py quant
 if [ -n "${MEMORY:-}" ]; then
   section memory_q4km ${MEMORY_LIMIT:-560} python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs \
     tests/engine/test_memory_gpu.py -k "${MEMORY_K:-q4_k_m}"
+fi
+# VRAM=1 (carry .device/wheels too: optuna and the rest): the sweep under a limit the largest trees do not fit
+# (experiments/qwen35-27b-q4km-vram.yaml: DDTree b8-b128 against 19.25 GiB; b64 and b128 over by their plan),
+# its report's "Planned against measured" for the bar's "plan within 10% of the measured peaks"
+if [ -n "${VRAM:-}" ]; then
+  install_wheels .device/wheels/*.whl
+  section vram_sweep ${VRAM_LIMIT:-420} python3 -m autotune sweep experiments/qwen35-27b-q4km-vram.yaml \
+    --storage "sqlite:///$OUT/vram.db" --tracking-uri none --no-progress
+  section vram_report 60 python3 -m autotune report qwen35-27b-q4km-vram --storage "sqlite:///$OUT/vram.db" \
+    --out "$OUT/vram_report"
 fi
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \

@@ -114,6 +114,19 @@ def test_the_27b_q4_k_m_24gb_template_plans_on_any_machine(capsys):
     assert f"ar_bytes: {plan.total}" in out.splitlines()
 
 
+def test_the_vram_sweep_s_limit_falls_between_its_trees(capsys):
+    """experiments/qwen35-27b-q4km-vram.yaml (issue #28's sweep under a limit): by the plan, its grid's budgets
+    8-32 and the reference fit the limit and 64-128 do not, so the sweep on a GPU refuses exactly those."""
+    from autotune import cli
+
+    exp = experiment.load(REPO / "experiments" / "qwen35-27b-q4km-vram.yaml")
+    assert exp.model.weights == "native" and exp.model.vram_limit == int(19.25 * 2**30)
+    assert cli.main(["plan", str(exp.path)]) == 0
+    summary = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()
+                   if ": " in line and " " not in line.split(":")[0])
+    assert 32 <= int(summary["largest_budget"]) < 64 and summary["fits"] == "no"  # the hungriest: b128
+    assert int(summary["reference_bytes"]) <= exp.model.vram_limit < int(summary["hungriest_bytes"])
+
 def test_fingerprint_ignores_trial_budget_but_not_the_space(tmp_path):
     a = experiment.load(tiny_experiment(tmp_path / "a"))
     b = experiment.load(tiny_experiment(tmp_path / "b", study={"n_trials": 50}))

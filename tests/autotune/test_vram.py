@@ -132,6 +132,31 @@ def test_a_measured_peak_over_the_limit_is_infeasible_with_the_reason():
     assert vram.record(study.ask(), memory, None) is None  # no limit: recorded, never over
 
 
+def test_the_report_sets_each_measured_peak_beside_its_plan():
+    """The bar's "plan within 10% of the measured peaks", read off the report: every trial measured on CUDA
+    with its plan, the gap signed, the widest named; planned-only trials (a CPU's, one refused on its plan)
+    are not in the table."""
+    from autotune.report import _memory
+
+    def told(number: int, budget: int, kind: str, total: int, planned: int | None):
+        memory = {"kind": kind, "total": total, "dominant": "target_weights", "parts": {"target_weights": total},
+                  **({"planned_total": planned} if planned else {})}
+        return optuna.trial.create_trial(value=100.0, user_attrs={
+            "role": "search", "config": {"verify": "ddtree", "budget": budget}, "memory": memory})
+
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(told(0, 8, "measured", 1000 * 2**20, 1020 * 2**20))
+    study.add_trial(told(1, 32, "measured", 1000 * 2**20, 930 * 2**20))
+    study.add_trial(told(2, 64, "planned", 1100 * 2**20, None))
+    text = "\n".join(_memory(study, None))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "search" in line]
+    assert len(rows) == 2 and rows[0].startswith("| 0 | search |") and rows[1].startswith("| 1 | search |")
+    assert rows[0].endswith("| 1000.0 MiB | 1020.0 MiB | +2.0% |") and rows[1].endswith("| -7.0% |")
+    assert "within **7.0%** of the measured peak on all 2 measured trial(s)" in text
+    study2 = optuna.create_study(direction="maximize")
+    study2.add_trial(told(0, 64, "planned", 1100 * 2**20, None))
+    assert "Planned against measured" not in "\n".join(_memory(study2, None))
+
 def _plan(tmp_path, capsys, *flags, **model) -> tuple[int, str, str]:
     path = tiny_experiment(tmp_path, model={**MODEL, **model})
     code = cli.main(["plan", str(path), *flags])
