@@ -43,7 +43,7 @@ fi
 if [ -n "${VRAM:-}" ]; then
   install_wheels .device/wheels/*.whl
   section vram_sweep ${VRAM_LIMIT:-420} python3 -m autotune sweep experiments/qwen35-27b-q4km-vram.yaml \
-    --storage "sqlite:///$OUT/vram.db" --tracking-uri none --no-progress
+    --storage "sqlite:///$OUT/vram.db" --tracking-uri none --no-progress --timeout "$(( ${VRAM_LIMIT:-420} - 90 ))s"
   section vram_report 60 python3 -m autotune report qwen35-27b-q4km-vram --storage "sqlite:///$OUT/vram.db" \
     --out "$OUT/vram_report"
 fi

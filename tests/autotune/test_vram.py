@@ -148,6 +148,7 @@ def test_the_report_sets_each_measured_peak_beside_its_plan():
     study.add_trial(told(0, 8, "measured", 1000 * 2**20, 1020 * 2**20))
     study.add_trial(told(1, 32, "measured", 1000 * 2**20, 930 * 2**20))
     study.add_trial(told(2, 64, "planned", 1100 * 2**20, None))
+    study.add_trial(told(3, 16, "measured", 1000 * 2**20, None))  # measured without a plan (an older study's)
     text = "\n".join(_memory(study, None))
     rows = [line for line in text.splitlines() if line.startswith("| ") and "search" in line]
     assert len(rows) == 2 and rows[0].startswith("| 0 | search |") and rows[1].startswith("| 1 | search |")
@@ -156,6 +157,7 @@ def test_the_report_sets_each_measured_peak_beside_its_plan():
     study2 = optuna.create_study(direction="maximize")
     study2.add_trial(told(0, 64, "planned", 1100 * 2**20, None))
     assert "Planned against measured" not in "\n".join(_memory(study2, None))
+
 
 def _plan(tmp_path, capsys, *flags, **model) -> tuple[int, str, str]:
     path = tiny_experiment(tmp_path, model={**MODEL, **model})
