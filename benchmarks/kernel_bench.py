@@ -13,6 +13,8 @@
                                                             # (--rows 33: a budget-32 verify's, K split as its step)
     python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
                                                             # dequantize-then-multiply and the bf16 weight
+    python benchmarks/kernel_bench.py packed                # the Q4_K bf16-pair decode prototype beside the
+                                                            # engine's kernel (benchmarks/quant_packed.py)
 
 Every number is GPU microseconds per launch: ``LAUNCHES`` launches captured in one CUDA graph and
 replayed (median of 5), so host launch costs are left out, as in the engine's captured steps.
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_timing import LAUNCHES  # noqa: E402
 from kernel_timing import time_us as _time
 from linear_bench import LINEAR_NARROW_TILES, LINEAR_SHAPES, LINEAR_TILES, bench_blas, bench_linear, bench_plans  # noqa: E402
-from quant_bench import QUANT_ROWS, QUANT_SHAPES, TILE_SHAPES, bench_quant, bench_quant_tiles  # noqa: E402
+from quant_bench import QUANT_ROWS, QUANT_SHAPES, TILE_SHAPES, bench_packed, bench_quant, bench_quant_tiles  # noqa: E402
 
 from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
@@ -285,7 +287,7 @@ def _quant(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant",
-                                           "quant-tiles"])
+                                           "quant-tiles", "packed"])
     ap.add_argument("--shapes", nargs="+",
                     help="linear, plans, quant, quant-tiles: the weights whose label starts so (or NxK)")
     ap.add_argument("--rows", nargs="+", type=int,
@@ -320,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, *bench_plans(shapes, args.rows, args.keep_step))
     if args.kernel in ("quant", "quant-tiles"):
         return _quant(args)
+    if args.kernel == "packed":
+        return _report(args, *bench_packed(rows=sorted(set(args.rows or [1, 33]))))
     if args.kernel == "linear":
         shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))

@@ -6,6 +6,7 @@ much decode work a quantized AR step issues against the bf16 one's).
 
     python benchmarks/kernel_sass.py                      # the 27B Q4_K_M step's weights
     python benchmarks/kernel_sass.py --dump DIR           # also each loop's SASS, one file a kernel
+    python benchmarks/kernel_sass.py --packed             # and the Q4_K bf16-pair prototype (quant_packed.py)
 
 Static counts, not timings: an upper bound on what issue rate alone allows, not a measurement.
 """
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", type=Path, help="write each loop's SASS into this folder")
     ap.add_argument("--half-words", action="store_true",
                     help="compile the half-word decode for every format (the word formats' other path)")
+    ap.add_argument("--packed", action="store_true",
+                    help="also the Q4_K prototype of benchmarks/quant_packed.py on each Q4_K weight's launch")
     ap.add_argument("--rows", type=int, default=1,
                     help="the launch for this many rows (default 1: the step's; 33: a budget-32 verify's)")
     args = ap.parse_args(argv)
@@ -83,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             quant_kernel.register_cap(fmt, words, block_m, warps))  # as kernel_linear launches it
         label = f"{name}{' words' if words else ''} {n}x{k}"
         print(row(label, quant, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
+        if args.packed and name == "Q4_K":
+            import quant_packed
+
+            packed = compile_for_hopper(
+                quant_packed._packed_kernel, dict(TYPES, blocks_ptr="*i32", row_stride="i32"),
+                dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False), warps,
+                quant_kernel.launch_stages(cfg, block_m, 2), (*ALIGNED, "blocks_ptr", "row_stride"))
+            print(row(f"Q4_K packed {n}x{k}", packed, warps, cfg.block_n * cfg.block_k, args.dump), flush=True)
     return 0
 
 

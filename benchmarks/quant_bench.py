@@ -234,3 +234,59 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
               f"({r['bytes'] / r['own_us'] / 1e3:.0f}) | `{r['best']}` | {r['best_us']:.1f} "
               f"({r['bytes'] / r['best_us'] / 1e3:.0f}) |" for r in out]
     return out, lines
+
+
+# The prototype of the decode redesign (benchmarks/quant_packed.py: Q4_K as bf16 pairs): the 27B Q4_K_M step's Q4_K
+# weights, on the engine's launch and on wider tiles (fewer loop instructions a value, kernel_sass.py --packed)
+PACKED_SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),
+                 ("27B o_proj", 5120, 6144)]
+PACKED_TILES = [(128, 128, 1, 4), (64, 256, 1, 4), (128, 128, 2, 4), (128, 256, 1, 8)]  # block_n, block_k, split, warps
+
+
+def bench_packed(shapes: list[tuple[str, int, int]] | None = None, rows: Sequence[int] = (1, 33)
+                 ) -> tuple[list[dict], list[str]]:
+    """GPU us per call of the engine's Q4_K kernel and the packed prototype on the same launch (the weight's plan),
+    and of the prototype on ``PACKED_TILES``; its row invariance (1 row = that row among the most) and its error
+    against the dequantized weight's product (relative norm, beside the engine kernel's)."""
+    import quant_packed
+
+    from engine.models import linear as lin
+    from engine.models import quant_kernel
+    from engine.models.quant import FORMATS, dequantize
+    from engine.models.quantize import quantize
+
+    fmt, gen, out = FORMATS["Q4_K"], torch.Generator(device="cuda").manual_seed(0), []
+    for label, n, k in shapes or PACKED_SHAPES:
+        first = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+        pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+        xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+        plan = lin.plan_for_shape(n, k, first.device)
+        row = {"shape": f"{label} ({n} x {k})", "bytes": first.numel(), "plan": {}, "tiles": {}}
+        for m in rows:
+            cfg, x = plan.for_rows(m), xs[m]
+            row["plan"][m] = (_time(lambda x=x, p=pick, k=k: quant_kernel.linear(x, p(), fmt, k)),
+                              _time(lambda x=x, p=pick, k=k, c=cfg: quant_packed.linear(x, p(), k, c)))
+            for bn, bk, sp, w in PACKED_TILES:
+                tile = dataclasses.replace(cfg, block_n=bn, block_k=bk, split=sp, num_warps=w)
+                row["tiles"][(bn, bk, sp, w, m)] = _time(
+                    lambda x=x, p=pick, k=k, c=tile: quant_packed.linear(x, p(), k, c))
+        many = quant_packed.linear(xs[max(rows)], first, k)
+        row["row_invariant"] = torch.equal(quant_packed.linear(xs[max(rows)][:1], first, k), many[:1])
+        exact = xs[max(rows)].double() @ dequantize(first, fmt, k).double().T
+        row["error"] = {name: float((got.double() - exact).norm() / exact.norm()) for name, got in (
+            ("engine", quant_kernel.linear(xs[max(rows)], first, fmt, k)), ("packed", many))}
+        out.append(row)
+        print(f"{row['shape']}: " + ", ".join(f"{m} rows engine {e:.1f} / packed {p:.1f} us" for m, (e, p) in
+                                              row["plan"].items())
+              + f"; packed row-invariant: {row['row_invariant']}; error engine {row['error']['engine']:.2e}, "
+              f"packed {row['error']['packed']:.2e}", flush=True)
+        torch.cuda.empty_cache()
+    lines = ["| weights | MB | " + " | ".join(f"{m} rows: engine / packed us (same launch)" for m in rows)
+             + " | packed, best tile: " + " / ".join(f"{m} rows" for m in rows) + " | row-invariant | "
+             "error against the dequantized product: engine / packed |", "|---|---|" + "---|" * (len(rows) + 3)]
+    for r in out:
+        best = [min((t for key, t in r["tiles"].items() if key[-1] == m), default=float("nan")) for m in rows]
+        lines.append(f"| {r['shape']} | {r['bytes'] / 1e6:.1f} | " + " | ".join(
+            f"{e:.1f} / {p:.1f}" for e, p in r["plan"].values()) + " | " + " / ".join(f"{b:.1f}" for b in best)
+            + f" | {'y' if r['row_invariant'] else 'n'} | {r['error']['engine']:.1e} / {r['error']['packed']:.1e} |")
+    return [{**r, "tiles": {str(key): t for key, t in r["tiles"].items()}} for r in out], lines

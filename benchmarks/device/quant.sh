@@ -13,7 +13,8 @@
 #      @q4_k_m; MEMORY_K=draft the two quantized drafts'; a test per case and config, so
 #      MEMORY_K="draft-q8_0 and ddtree" runs the reference DDTree of the Q8_0 draft's case alone).
 #      VRAM=1 (with .device/wheels): the sweep under a VRAM limit (experiments/qwen35-27b-q4km-vram.yaml) and its
-#      report. SKIP="large_q4km ..." leaves sections out.
+#      report. PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): tests, launches, the step.
+#      SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -46,6 +47,15 @@ if [ -n "${VRAM:-}" ]; then
     --storage "sqlite:///$OUT/vram.db" --tracking-uri none --no-progress --timeout "$(( ${VRAM_LIMIT:-420} - 90 ))s"
   section vram_report 60 python3 -m autotune report qwen35-27b-q4km-vram --storage "sqlite:///$OUT/vram.db" \
     --out "$OUT/vram_report"
+fi
+# PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): its tests on the GPU (one-hot rows read
+# each weight, rows invariant), its launches beside the engine kernel's (kernel_bench.py packed), and the 27B Q4_K_M
+# step with its Q4_K products through it (gpu_bench.py large --q4k-decode packed: AR against the roofline, verify)
+if [ -n "${PACKED:-}" ]; then
+  section packed_tests 90 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_packed.py
+  section packed_kernel ${PACKED_LIMIT:-150} python3 benchmarks/kernel_bench.py packed --md "$OUT/packed.md"
+  section packed_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode packed \
+    --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_packed.md"
 fi
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \

@@ -1,0 +1,213 @@
+"""A prototype of issue #28's decode redesign (not the engine's kernel): Q4_K blocks decoded two values an
+instruction, as bf16 pairs, for the few-row product. ``kernel_sass.py --packed`` counts its loop beside the
+engine's kernel (static, sm_90); ``kernel_bench.py packed`` times it on a GPU.
+
+The engine's block kernel (``engine.models.quant_kernel``) decodes each value in float32 (a mask with the
+exponent of 2**23, a subtraction, a fused multiply-add) and rounds it once into bf16: the values a dequantized
+load holds, 8.3 thread instructions a Q4_K value on its 27B gate_up launch. Here a word of nibbles becomes four
+32-bit registers of two bf16 each, with no float32 step:
+
+- ``(word >> s) & 0x00780078 | 0x43004300``: two nibbles q at bits 3-6 of each half under the exponent of
+  128, i.e. the bf16 pair 128 + 8q (exact); the four shifts (<< 3, >> 5, >> 1, >> 9) give the pairs
+  (4u, 4u+2), (4u+1, 4u+3) of the word's low nibbles (values 4u.. of its chunk) and the same of its high ones
+  (values 32 + 4u..); an ``mov`` reinterprets each register as its two bf16 (``_pairs``);
+- less 128 (exact), then one ``fma.rn.bf16x2`` a pair: ``8q * bf16(d * scale / 8) + bf16(-dmin * min)``,
+  rounded once;
+- the K order is the pairs' (within each 4 values: 0, 2, 1, 3), and the x tile is permuted alike, so the dot
+  sums the same products.
+
+So the values differ from ``quant.dequantize``'s (its step and offset are rounded to bf16 before the product,
+not after it), by up to about two bf16 roundings; a row's bits still do not depend on the rows beside it (the
+decode never sees the rows; the dot is the dense kernel's), which is what exactness against AR needs. Q4_K only,
+K a multiple of 256 (the 27B and 8B shapes'); in Triton's interpreter (the CPU tests) the pairs are split and the
+arithmetic done in float64, rounded once to bf16 by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.models import linear as rows_linear
+from engine.models import quant_kernel
+from engine.models.quant import FORMATS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+Q4_K = FORMATS["Q4_K"]
+
+
+def values(blocks: Tensor, cols: int) -> Tensor:
+    """The bf16 weight [N, cols] this decode gives (float64 arithmetic, rounded once: what the GPU's fused
+    multiply-add in bf16 gives): 8q * bf16(d * scale / 8) + bf16(-dmin * min) per value, in PyTorch."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, cols // 256, 144).to(torch.int64)
+    d = b[..., 0:2].to(torch.uint8).contiguous().view(torch.float16).double()
+    dmin = b[..., 2:4].to(torch.uint8).contiguous().view(torch.float16).double()
+    s = b[..., 4:16]
+    sub = torch.arange(8)
+    lo = sub % 4
+    sc = torch.where(sub < 4, s[..., lo] & 63, (s[..., 8 + lo] & 15) | ((s[..., lo] >> 6) << 4))
+    mn = torch.where(sub < 4, s[..., 4 + lo] & 63, (s[..., 8 + lo] >> 4) | ((s[..., 4 + lo] >> 6) << 4))
+    step = (d * sc / 8).float().to(torch.bfloat16).double()  # d * scale: exact in float32; one rounding
+    offset = (-(dmin * mn)).float().to(torch.bfloat16).double()
+    qs = b[..., 16:].reshape(n, cols // 256, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
+    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, cols // 256, 8, 32)  # [N, blocks, sub-block, 32]
+    w = 8 * q.double() * step[..., None] + offset[..., None]
+    return _round_bf16(w).reshape(n, cols)
+
+
+def _round_bf16(w: Tensor) -> Tensor:
+    """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings)."""
+    bits = w.view(torch.int64)
+    bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)  # 7 mantissa bits kept
+    return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
+
+
+def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig | None = None) -> Tensor:
+    """``x @ W^T`` for W the Q4_K blocks' weight as ``values`` gives it, on ``cfg`` (default: the weight's plan
+    for these rows, as the engine's kernel launches it). bf16 rows, 1 to ``MAX_ROWS`` of them."""
+    n = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.shape[1] == Q4_K.row_bytes(cols) and cols % 256 == 0
+    x2 = x.reshape(-1, cols).contiguous()
+    m = x2.shape[0]
+    if cfg is None:
+        cfg = rows_linear.plan_for_shape(n, cols, x.device).for_rows(m)
+    assert cfg.block_k % 64 == 0 and x.dtype == torch.bfloat16, (cfg, x.dtype)
+    block_m = min(cfg.row_block, max(16, triton.next_power_of_2(m)))
+    k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)
+    split = triton.cdiv(cols, k_iters * cfg.block_k)
+    tiles, row_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    view = blocks.view(torch.int32)
+    _packed_kernel[(tiles, split, row_blocks)](
+        x2, view, out, out, parts, rows_linear._tickets(x.device, tiles * row_blocks), m, n, cols, x2.stride(0),
+        view.stride(0), k_iters, split, tiles, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
+        INTERPRET=rows_linear._INTERPRET, num_warps=cfg.num_warps,
+        num_stages=quant_kernel.launch_stages(cfg, block_m, 2))  # the engine kernel's stages
+    return out.view(*x.shape[:-1], n)
+
+
+def install() -> None:
+    """Route the engine's Q4_K few-row products (bf16 rows, K whole 256-value blocks, no bias) through this
+    prototype, every other format and case through the engine's kernel: ``quant_kernel.linear`` replaced in
+    place, for a benchmark process only (``gpu_bench.py --q4k-decode packed``: the whole AR step and verify)."""
+    engine_linear = quant_kernel.linear
+
+    def routed(x: Tensor, blocks: Tensor, fmt, cols: int, bias: Tensor | None = None) -> Tensor:
+        if fmt.name == "Q4_K" and cols % 256 == 0 and bias is None and x.dtype == torch.bfloat16:
+            return linear(x, blocks, cols)
+        return engine_linear(x, blocks, fmt, cols, bias)
+
+    routed.engine_linear = engine_linear
+    quant_kernel.linear = routed
+
+
+if triton is not None:
+    from engine.models.linear import store_rows
+    from engine.models.quant_kernel import _half_of, _round
+
+    @triton.jit
+    def _pairs(p, INTERPRET: tl.constexpr):
+        """int32 [..] holding two bf16 -> bf16 [.., 2] (the low half first): on a GPU the same register,
+        reinterpreted (an ``mov``); in the interpreter split in two."""
+        if INTERPRET:
+            lo = p.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (p >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            return tl.join(lo, hi)
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(p, p)], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @triton.jit
+    def _less_128(q, INTERPRET: tl.constexpr):
+        """128 + 8q -> 8q, exact: in bf16 on a GPU (``sub.bf16x2``); in float32 in the interpreter, whose bf16
+        arithmetic on bits made by a bitcast is wrong."""
+        if INTERPRET:
+            return q.to(tl.float32) - 128.0
+        return q - 128.0
+
+    @triton.jit
+    def _step_offset(d, dmin, wa, wm, wr, sub, INTERPRET: tl.constexpr):
+        """Sub-block ``sub``'s bf16 step d * scale / 8 and offset -dmin * min (each rounded once)."""
+        shift = 8 * (sub % 4)
+        a = (wa >> shift) & 0xFF
+        mb = (wm >> shift) & 0xFF
+        r = (wr >> shift) & 0xFF
+        sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
+        mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+        step = _round(d * sc.to(tl.float32) * 0.125, tl.bfloat16, INTERPRET)
+        return step, _round(-(dmin * mins.to(tl.float32)), tl.bfloat16, INTERPRET)
+
+    @triton.jit
+    def _fma_bf16(q, step, offset, INTERPRET: tl.constexpr):
+        """q * step + offset rounded once to bf16: the GPU's ``fma.rn.bf16x2``; in the interpreter in float64,
+        rounded by hand (its bf16 arithmetic rounds unlike the GPU's)."""
+        if INTERPRET:
+            w = q.to(tl.float64) * step.to(tl.float64) + offset.to(tl.float64)
+            bits = w.to(tl.int64, bitcast=True)
+            bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)
+            return bits.to(tl.float64, bitcast=True).to(tl.float32).to(tl.bfloat16)
+        return tl.fma(q, step, offset)
+
+    @triton.jit
+    def _decode(w_ptr, row_word, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """The bf16 values [BLOCK_N, BLOCK_K] of a K tile in the pairs' order (module docstring); K whole."""
+        C: tl.constexpr = BLOCK_K // 64
+        j = tl.arange(0, C * 8)
+        col = k0 + (j // 8) * 64
+        at = (col // 256) * 36 + 4 + (col % 256 // 64) * 8 + j % 8  # a chunk's 8 words after the 16-byte head
+        words = tl.reshape(tl.load(w_ptr + row_word[:, None] + at[None, :]), (BLOCK_N, C, 8))
+        cc = k0 + tl.arange(0, C) * 64
+        block_word = row_word[:, None] + ((cc // 256) * 36)[None, :]
+        head = tl.load(w_ptr + block_word)
+        d, dmin = _half_of(head), _half_of(head >> 16)
+        wa, wm, wr = tl.load(w_ptr + block_word + 1), tl.load(w_ptr + block_word + 2), tl.load(w_ptr + block_word + 3)
+        first = (cc % 256 // 64)[None, :] * 2  # the chunk's low sub-block
+        s_lo, o_lo = _step_offset(d, dmin, wa, wm, wr, first, INTERPRET)
+        s_hi, o_hi = _step_offset(d, dmin, wa, wm, wr, first + 1, INTERPRET)
+        # 128 + 8q in each half; less 128: 8q (exact)
+        low = _less_128(tl.join(_pairs(((words << 3) & 0x00780078) | 0x43004300, INTERPRET),
+                                _pairs(((words >> 5) & 0x00780078) | 0x43004300, INTERPRET)), INTERPRET)
+        high = _less_128(tl.join(_pairs(((words >> 1) & 0x00780078) | 0x43004300, INTERPRET),
+                                 _pairs(((words >> 9) & 0x00780078) | 0x43004300, INTERPRET)), INTERPRET)
+        low = _fma_bf16(low, s_lo[:, :, None, None, None], o_lo[:, :, None, None, None], INTERPRET)
+        high = _fma_bf16(high, s_hi[:, :, None, None, None], o_hi[:, :, None, None, None], INTERPRET)
+        # [N, C, 8(u), 2(half), 2(which), 2(h)] -> [N, C, h, u, which, half]: within 4 values, 0 2 1 3
+        w = tl.permute(tl.join(low, high), (0, 1, 5, 2, 4, 3))
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+    @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
+    def _packed_kernel(x_ptr, blocks_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_stride, k_iters,
+                       split, tiles, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        row_block = tl.program_id(2)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        mn = rn < N
+        mm = rm < M
+        k_lo = part * k_iters * BLOCK_K
+        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
+        x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        row_word = tl.where(mn, rn, 0).to(tl.int64) * row_stride  # rows past N read row 0, never stored
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            xt = tl.load(x_ptrs, mask=mm[None, :], other=0.0)
+            # the decode's K order: (which, half) swapped within each 4 values
+            xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_K // 4, 2, 2, BLOCK_M)), (0, 2, 1, 3)),
+                            (BLOCK_K, BLOCK_M))
+            w = _decode(blocks_ptr, row_word, k0, BLOCK_N, BLOCK_K, INTERPRET)
+            if INTERPRET:  # the sum over K in order, one product at a time (as quant_kernel's)
+                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(w, xt, acc)
+            x_ptrs += BLOCK_K
+        store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,
+                   mn, False, BLOCK_N, BLOCK_M)
