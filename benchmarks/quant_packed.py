@@ -11,10 +11,12 @@ load holds, 8.3 thread instructions a Q4_K value on its 27B gate_up launch. Here
   128, i.e. the bf16 pair 128 + 8q (exact); the four shifts (<< 3, >> 5, >> 1, >> 9) give the pairs
   (4u, 4u+2), (4u+1, 4u+3) of the word's low nibbles (values 4u.. of its chunk) and the same of its high ones
   (values 32 + 4u..); an ``mov`` reinterprets each register as its two bf16 (``_pairs``);
-- less 128 (exact), then one ``fma.rn.bf16x2`` a pair: ``8q * bf16(d * scale / 8) + bf16(-dmin * min)``,
-  rounded once;
+- less 128 (exact), then a bf16 fused multiply-add, ``8q * bf16(d * scale / 8) + bf16(-dmin * min)``, rounded
+  once (Triton emits scalar ``add.bf16`` / ``fma.rn.bf16``; ptxas pairs them into ``HADD2.BF16_V2`` /
+  ``HFMA2.BF16_V2``, one instruction a pair: 32 each for a thread's 64 values);
 - the K order is the pairs' (within each 4 values: 0, 2, 1, 3), and the x tile is permuted alike, so the dot
-  sums the same products.
+  sums the same products. (The x tile's permutation takes a trip through shared memory each iteration, in the
+  5.8: a few instructions a thread; permuting x once before the launch would cost a copy kernel a call.)
 
 So the values differ from ``quant.dequantize``'s (its step and offset are rounded to bf16 before the product,
 not after it), by up to about two bf16 roundings; a row's bits still do not depend on the rows beside it (the
@@ -62,7 +64,8 @@ def values(blocks: Tensor, cols: int) -> Tensor:
 
 
 def _round_bf16(w: Tensor) -> Tensor:
-    """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings)."""
+    """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings), in bf16's normal
+    range (below 2**-126 it rounds twice; no Q4_K value is that small)."""
     bits = w.view(torch.int64)
     bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)  # 7 mantissa bits kept
     return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
@@ -77,7 +80,8 @@ def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig |
     m = x2.shape[0]
     if cfg is None:
         cfg = rows_linear.plan_for_shape(n, cols, x.device).for_rows(m)
-    assert cfg.block_k % 64 == 0 and x.dtype == torch.bfloat16, (cfg, x.dtype)
+    # K whole tiles: the loop reads x and the words unmasked along K
+    assert cfg.block_k % 64 == 0 and cols % cfg.block_k == 0 and x.dtype == torch.bfloat16, (cfg, cols, x.dtype)
     block_m = min(cfg.row_block, max(16, triton.next_power_of_2(m)))
     k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)
     split = triton.cdiv(cols, k_iters * cfg.block_k)
@@ -125,8 +129,8 @@ if triton is not None:
 
     @triton.jit
     def _less_128(q, INTERPRET: tl.constexpr):
-        """128 + 8q -> 8q, exact: in bf16 on a GPU (``sub.bf16x2``); in float32 in the interpreter, whose bf16
-        arithmetic on bits made by a bitcast is wrong."""
+        """128 + 8q -> 8q, exact: in bf16 on a GPU (``HADD2.BF16_V2`` with -128); in float32 in the interpreter,
+        whose bf16 arithmetic on bits made by a bitcast is wrong."""
         if INTERPRET:
             return q.to(tl.float32) - 128.0
         return q - 128.0
@@ -145,8 +149,8 @@ if triton is not None:
 
     @triton.jit
     def _fma_bf16(q, step, offset, INTERPRET: tl.constexpr):
-        """q * step + offset rounded once to bf16: the GPU's ``fma.rn.bf16x2``; in the interpreter in float64,
-        rounded by hand (its bf16 arithmetic rounds unlike the GPU's)."""
+        """q * step + offset rounded once to bf16: the GPU's ``fma.rn.bf16`` (paired by ptxas); in the interpreter
+        in float64, rounded by hand as ``_round_bf16`` (its bf16 arithmetic rounds unlike the GPU's)."""
         if INTERPRET:
             w = q.to(tl.float64) * step.to(tl.float64) + offset.to(tl.float64)
             bits = w.to(tl.int64, bitcast=True)
