@@ -113,7 +113,7 @@ def install() -> None:
 
 
 if triton is not None:
-    from engine.models.linear import store_rows
+    from engine.models.linear import launch_tile, store_rows, tile_product
     from engine.models.quant_kernel import _half_of, _round
 
     @triton.jit
@@ -189,16 +189,8 @@ if triton is not None:
     def _packed_kernel(x_ptr, blocks_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, row_stride, k_iters,
                        split, tiles, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        INTERPRET: tl.constexpr):
-        tile = tl.program_id(0)
-        part = tl.program_id(1)
-        row_block = tl.program_id(2)
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tile, part, row_block, rn, rm, mn, mm, k_lo, k_hi = launch_tile(M, N, K, k_iters, BLOCK_N, BLOCK_K, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
-        mn = rn < N
-        mm = rm < M
-        k_lo = part * k_iters * BLOCK_K
-        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         row_word = tl.where(mn, rn, 0).to(tl.int64) * row_stride  # rows past N read row 0, never stored
@@ -208,10 +200,7 @@ if triton is not None:
             xt = tl.reshape(tl.permute(tl.reshape(xt, (BLOCK_K // 4, 2, 2, BLOCK_M)), (0, 2, 1, 3)),
                             (BLOCK_K, BLOCK_M))
             w = _decode(blocks_ptr, row_word, k0, BLOCK_N, BLOCK_K, INTERPRET)
-            if INTERPRET:  # the sum over K in order, one product at a time (as quant_kernel's)
-                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(w, xt, acc)
+            acc = tile_product(acc, w, xt, INTERPRET)
             x_ptrs += BLOCK_K
         store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,
                    mn, False, BLOCK_N, BLOCK_M)

@@ -318,6 +318,28 @@ def _tickets(device: torch.device, tiles: int) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def launch_tile(M, N, K, k_iters, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A few-row launch's program (grid: output tiles, parts of K, row blocks): its tile, part and row block,
+        the tile's output columns ``rn`` and rows ``rm`` with their masks, and its part's K range [k_lo, k_hi).
+        Shared by every few-row kernel (``quant_kernel``'s too), so their launches cut alike."""
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        row_block = tl.program_id(2)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        k_lo = part * k_iters * BLOCK_K
+        return tile, part, row_block, rn, rm, rn < N, rm < M, k_lo, tl.minimum(k_lo + k_iters * BLOCK_K, K)
+
+    @triton.jit
+    def tile_product(acc, w, xt, INTERPRET: tl.constexpr):
+        """``acc + w @ xt`` in float32: the matrix unit's (``tl.dot``), or in Triton's interpreter, whose dot is
+        NumPy's matmul (its rounding depends on the shape), the sum over K in order, one product at a time: a row's
+        own order whatever the rows beside it. Shared by every few-row kernel."""
+        if INTERPRET:
+            return acc + tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+        return tl.dot(w, xt, acc)
+
+    @triton.jit
     def store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm, mn,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
         """A tile's sums ``acc`` [BLOCK_N, BLOCK_M] (out's transpose) into ``out``, with the bias; split
@@ -352,16 +374,8 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, swn, k_iters, split, tiles,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
-        tile = tl.program_id(0)
-        part = tl.program_id(1)
-        row_block = tl.program_id(2)
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tile, part, row_block, rn, rm, mn, mm, k_lo, k_hi = launch_tile(M, N, K, k_iters, BLOCK_N, BLOCK_K, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
-        mn = rn < N
-        mm = rm < M
-        k_lo = part * k_iters * BLOCK_K
-        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * swn + (k_lo + rk)[None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -373,10 +387,7 @@ if triton is not None:
                 mk = (k0 + rk) < k_hi
                 w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
                 xt = tl.load(x_ptrs, mask=mk[:, None] & mm[None, :], other=0.0)
-            if INTERPRET:  # the sum over K in order, one product at a time (a row's own order)
-                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(w, xt, acc)
+            acc = tile_product(acc, w, xt, INTERPRET)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,

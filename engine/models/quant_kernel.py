@@ -234,7 +234,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
 
 
 if triton is not None:
-    from engine.models.linear import store_rows
+    from engine.models.linear import launch_tile, store_rows, tile_product
 
     @triton.jit
     def _f16_at(h_ptr, block_half, offset: tl.constexpr, mask):
@@ -542,20 +542,12 @@ if triton is not None:
                       FIRST_BYTE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
         G: tl.constexpr = BLOCK_K // GROUP
-        tile = tl.program_id(0)
-        part = tl.program_id(1)
-        row_block = tl.program_id(2)
-        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tile, part, row_block, rn, rm, mn, mm, k_lo, k_hi = launch_tile(M, N, K, k_iters, BLOCK_N, BLOCK_K, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         rg = tl.arange(0, G)[None, :, None] * GROUP  # [1, G, 1]: each group's first column in the tile
         ri = tl.arange(0, GROUP)[None, None, :]  # [1, 1, GROUP]
         rh = tl.arange(0, GROUP // 2)[None, None, :]  # [1, 1, GROUP // 2]: pairs of values
-        mn = rn < N
-        mm = rm < M
         row_half = rn[:, None, None].to(tl.int64) * row_stride  # [BLOCK_N, 1, 1] (half-words)
-        k_lo = part * k_iters * BLOCK_K
-        k_hi = tl.minimum(k_lo + k_iters * BLOCK_K, K)
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -590,10 +582,7 @@ if triton is not None:
                 w = tl.where(wmask, w, 0.0)  # masked values are +0.0, as the dense kernel's masked loads
             # One rounding into the activations' dtype, to nearest even: the value a dequantized load holds.
             w = tl.reshape(_round(w, x_ptr.dtype.element_ty, INTERPRET), (BLOCK_N, BLOCK_K))
-            if INTERPRET:  # the sum over K in order, one product at a time (linear.py's, the same bits)
-                acc += tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(w, xt, acc)
+            acc = tile_product(acc, w, xt, INTERPRET)  # linear.py's: the same bits
             x_ptrs += BLOCK_K
         # linear.py's store: the split's parts added in order 0..split-1, the bias, the rows rounded alike
         store_rows(acc, out_ptr, b_ptr, part_ptr, ticket_ptr, part, row_block, tile, tiles, split, M, N, rm, rn, mm,
