@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from engine.models import linear as rows_linear
-from engine.models import quant_kernel
-from engine.models.quant import FORMATS
+from engine.models import quant, quant_kernel
 
 try:
     import triton
@@ -40,27 +39,19 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-Q4_K = FORMATS["Q4_K"]
+Q4_K = quant.FORMATS["Q4_K"]
 
 
 def values(blocks: Tensor, cols: int) -> Tensor:
     """The bf16 weight [N, cols] this decode gives (float64 arithmetic, rounded once: what the GPU's fused
-    multiply-add in bf16 gives): 8q * bf16(d * scale / 8) + bf16(-dmin * min) per value, in PyTorch."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, cols // 256, 144).to(torch.int64)
-    d = b[..., 0:2].to(torch.uint8).contiguous().view(torch.float16).double()
-    dmin = b[..., 2:4].to(torch.uint8).contiguous().view(torch.float16).double()
-    s = b[..., 4:16]
-    sub = torch.arange(8)
-    lo = sub % 4
-    sc = torch.where(sub < 4, s[..., lo] & 63, (s[..., 8 + lo] & 15) | ((s[..., lo] >> 6) << 4))
-    mn = torch.where(sub < 4, s[..., 4 + lo] & 63, (s[..., 8 + lo] >> 4) | ((s[..., 4 + lo] >> 6) << 4))
-    step = (d * sc / 8).float().to(torch.bfloat16).double()  # d * scale: exact in float32; one rounding
-    offset = (-(dmin * mn)).float().to(torch.bfloat16).double()
-    qs = b[..., 16:].reshape(n, cols // 256, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
-    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, cols // 256, 8, 32)  # [N, blocks, sub-block, 32]
-    w = 8 * q.double() * step[..., None] + offset[..., None]
-    return _round_bf16(w).reshape(n, cols)
+    multiply-add in bf16 gives): 8q * bf16(d * scale / 8) + bf16(-dmin * min) per value, in PyTorch, from
+    ``quant``'s own readings of a Q4_K block (its fp16 fields, 6-bit scales and mins, nibbles)."""
+    b = blocks.reshape(-1, Q4_K.nbytes)  # a block a row
+    scales, mins = quant._k_scales(b[:, 4:16])  # [blocks, 8]
+    step = (quant._f16(b, 0) * scales.float() / 8).to(torch.bfloat16).double()  # exact in float32; one rounding
+    offset = (-(quant._f16(b, 2) * mins.float())).to(torch.bfloat16).double()
+    q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # chunk c: sub-blocks 2c (low), 2c + 1
+    return _round_bf16(8 * q.double() * step[..., None] + offset[..., None]).reshape(blocks.shape[0], cols)
 
 
 def _round_bf16(w: Tensor) -> Tensor:
@@ -82,9 +73,8 @@ def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig |
         cfg = rows_linear.plan_for_shape(n, cols, x.device).for_rows(m)
     # K whole tiles: the loop reads x and the words unmasked along K
     assert cfg.block_k % 64 == 0 and cols % cfg.block_k == 0 and x.dtype == torch.bfloat16, (cfg, cols, x.dtype)
-    block_m = min(cfg.row_block, max(16, triton.next_power_of_2(m)))
-    k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)
-    split = triton.cdiv(cols, k_iters * cfg.block_k)
+    block_m, warps = quant_kernel.launch_shape(Q4_K, cfg, m)  # the engine kernel's launch
+    k_iters, split = rows_linear.k_parts(cols, cfg)
     tiles, row_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
@@ -92,8 +82,7 @@ def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig |
     _packed_kernel[(tiles, split, row_blocks)](
         x2, view, out, out, parts, rows_linear._tickets(x.device, tiles * row_blocks), m, n, cols, x2.stride(0),
         view.stride(0), k_iters, split, tiles, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
-        INTERPRET=rows_linear._INTERPRET, num_warps=cfg.num_warps,
-        num_stages=quant_kernel.launch_stages(cfg, block_m, 2))  # the engine kernel's stages
+        INTERPRET=rows_linear._INTERPRET, num_warps=warps, num_stages=quant_kernel.launch_stages(cfg, block_m, 2))
     return out.view(*x.shape[:-1], n)
 
 
@@ -108,13 +97,12 @@ def install() -> None:
             return linear(x, blocks, cols)
         return engine_linear(x, blocks, fmt, cols, bias)
 
-    routed.engine_linear = engine_linear
     quant_kernel.linear = routed
 
 
 if triton is not None:
     from engine.models.linear import launch_tile, store_rows, tile_product
-    from engine.models.quant_kernel import _half_of, _round
+    from engine.models.quant_kernel import _half_of, _round, k_scale_min
 
     @triton.jit
     def _pairs(p, INTERPRET: tl.constexpr):
@@ -138,12 +126,7 @@ if triton is not None:
     @triton.jit
     def _step_offset(d, dmin, wa, wm, wr, sub, INTERPRET: tl.constexpr):
         """Sub-block ``sub``'s bf16 step d * scale / 8 and offset -dmin * min (each rounded once)."""
-        shift = 8 * (sub % 4)
-        a = (wa >> shift) & 0xFF
-        mb = (wm >> shift) & 0xFF
-        r = (wr >> shift) & 0xFF
-        sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
-        mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+        sc, mins = k_scale_min(wa, wm, wr, sub)
         step = _round(d * sc.to(tl.float32) * 0.125, tl.bfloat16, INTERPRET)
         return step, _round(-(dmin * mins.to(tl.float32)), tl.bfloat16, INTERPRET)
 

@@ -275,8 +275,7 @@ def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearCo
     block_m = min(cfg.row_block, max(16, triton.next_power_of_2(m)))
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
-    k_iters = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k)  # K blocks a part
-    split = triton.cdiv(k, k_iters * cfg.block_k)
+    k_iters, split = k_parts(k, cfg)
     stages = stages_for(cfg, block_m, x.element_size())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
@@ -288,6 +287,13 @@ def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearCo
         num_stages=stages,
     )
     return out.view(*lead, n)
+
+
+def k_parts(k: int, cfg: LinearConfig) -> tuple[int, int]:
+    """(K blocks a part, parts) of a launch of ``cfg`` over K = ``k``: ``cfg.split`` parts of whole K blocks, fewer
+    where those fill K sooner. Every few-row kernel cuts K so (``quant_kernel``'s too): the same sums."""
+    k_iters = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k)
+    return k_iters, triton.cdiv(k, k_iters * cfg.block_k)
 
 
 def stages_for(cfg: LinearConfig, block_m: int, itemsize: int) -> int:

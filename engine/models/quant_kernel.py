@@ -213,8 +213,7 @@ def kernel_linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: 
         max_registers = register_cap(fmt, words, block_m, warps, rows_linear.capability(x.device))
     row_blocks = triton.cdiv(m, block_m)
     tiles = triton.cdiv(n, cfg.block_n)
-    k_iters = triton.cdiv(triton.cdiv(cols, cfg.split), cfg.block_k)  # K blocks a part (as linear.py's)
-    split = triton.cdiv(cols, k_iters * cfg.block_k)
+    k_iters, split = rows_linear.k_parts(cols, cfg)
     if stages is None:
         stages = launch_stages(cfg, block_m, x.element_size())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -361,6 +360,16 @@ if triton is not None:
             shift = _f16_at(h_ptr, block_half, 2, mask) * mn.to(tl.float32)
             w = step * _float(q, 0) - shift
         return w
+
+    @triton.jit
+    def k_scale_min(a, m, r, sub):
+        """Q4_K/Q5_K sub-block ``sub``'s 6-bit scale and min (as ``quant._k_scales``) from the block's three scale
+        words (bytes 4-7: scales 0-3 and the top bits of 4-7; 8-11: the same of the mins; 12-15: the low 4 bits of
+        scales and mins 4-7), each sub-block's byte at 8 * (sub % 4)."""
+        shift = 8 * (sub % 4)
+        a, m, r = (a >> shift) & 0xFF, (m >> shift) & 0xFF, (r >> shift) & 0xFF
+        return tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63), tl.where(sub >= 4, (r >> 4) | ((m >> 2) & 48),
+                                                                                m & 63)
 
     @triton.jit
     def _half_of(word):
@@ -519,12 +528,9 @@ if triton is not None:
             w = (d[:, :, None, None, None] * unplace) * q + second[:, :, None, None, None]
         else:  # Q4_K / Q5_K: d * scale * q - dmin * min, the chunk's two sub-blocks (h), their 6-bit pairs
             sub = (cc % VALUES // CHUNK)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]  # [1, C, 2]
-            shift = 8 * (sub % 4)  # sub-block lo = sub % 4's byte of each scale word
-            a = (tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            mb = (tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            r = (tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None] >> shift) & 0xFF
-            sc = tl.where(sub >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
-            mins = tl.where(sub >= 4, (r >> 4) | ((mb >> 2) & 48), mb & 63)
+            sc, mins = k_scale_min(tl.load(w_ptr + block_word + 1, mask=cmask, other=0)[:, :, None],
+                                   tl.load(w_ptr + block_word + 2, mask=cmask, other=0)[:, :, None],
+                                   tl.load(w_ptr + block_word + 3, mask=cmask, other=0)[:, :, None], sub)
             step = d[:, :, None] * sc.to(tl.float32)
             shift_by = second[:, :, None] * mins.to(tl.float32)
             w = (step[:, :, :, None, None] * unplace) * q - shift_by[:, :, :, None, None]
