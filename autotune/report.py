@@ -315,6 +315,7 @@ def _weights_forms(study: optuna.Study) -> list[str]:
 
     if not any(t.user_attrs["config"].get("weights") for t in done):
         return []
+    pruned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if t.user_attrs.get("config")]
     key, unit = results.median_key(study), _unit(study)
     L = ["## Weights: native vs dequantized", "", "`native` keeps the GGUF's quantized projections in their blocks "
          "(dequantized per call, in registers on CUDA); `dequantized` turns them into the model's dtype on load. "
@@ -332,6 +333,10 @@ def _weights_forms(study: optuna.Study) -> list[str]:
                           _fmt(u.get("acceptance_length"))]
         if ar:
             cells[4] = f"{_fmt(ar[0].user_attrs.get(key))} ({ar[0].number})"
+        elif stopped := [t for t in pruned if form(t) == f and t.user_attrs["config"].get("verify") == "ar"]:
+            u = stopped[0].user_attrs  # the rung's rate: no full measurement (see "Stopped early")
+            cells[4] = f"stopped at rung {u.get('pruned_at_rung', '?')}: {_fmt(u.get('partial_decode_tps'))} " \
+                       f"({stopped[0].number})"
         L.append("| " + " | ".join(cells) + " |")
     twins: dict[str, dict[str, FrozenTrial]] = {}
     for t in sorted(done, key=lambda t: -(t.value or 0.0)):  # each form's best measurement of the config

@@ -280,3 +280,29 @@ def test_the_idle_pair_left_out_of_a_peak_is_logged_and_reported():
     alone.add_trial(_told(0, "search", "ddtree", None, 150.0, 20.0, memory={**memory, "idle_pair_bytes": 0}))
     assert "memory.idle_pair_bytes" not in trial_metrics(alone.trials[0])
     assert "other weight form" not in "\n".join(_memory(alone, SimpleNamespace(trial=0)))
+
+
+def test_the_weights_section_says_when_a_forms_ar_was_stopped_at_a_rung():
+    """A multi-fidelity rung can stop a slow form's AR before its full measurement: the section names the
+    rung and its rate instead of leaving the form's AR blank."""
+    from autotune.report import _weights_forms
+
+    study = optuna.create_study(direction="maximize", storage=optuna.storages.InMemoryStorage())
+    for cfg, value, state in (({"verify": "ar", "weights": "dequantized"}, 1042.6, "complete"),
+                              ({"verify": "chain", "weights": "native"}, 1777.4, "complete"),
+                              ({"verify": "ar", "weights": "native"}, None, "pruned")):
+        t = study.ask()
+        t.set_user_attr("config", cfg)
+        if state == "pruned":
+            t.set_user_attr("partial_decode_tps", 763.24)
+            t.set_user_attr("pruned_at_rung", 0)
+            study.tell(t, state=optuna.trial.TrialState.PRUNED)
+            continue
+        t.set_user_attr("decode_tps_median", value)
+        t.set_user_attr("acceptance_length", 2.74 if cfg["verify"] == "chain" else 1.0)
+        t.set_constraint("exactness", 0.0)
+        study.tell(t, value)
+    rows = {line.split(" | ")[0]: line for line in _weights_forms(study) if line.startswith("| native")
+            or line.startswith("| dequantized")}
+    assert rows["| native"].endswith("| stopped at rung 0: 763.24 (2) |")
+    assert rows["| dequantized"].endswith(" (0) |") and "1042.6" in rows["| dequantized"]
