@@ -148,6 +148,16 @@ class SearchSpace:
                 )
         return {p.name: p.grid_values() for p in self.params}
 
+    def grid_key(self, point: dict[str, Any]) -> tuple:
+        """The config a grid point names: its active parameters only, in file order (a condition sees the
+        parameters before it). Two points that differ only where a condition leaves a parameter inactive
+        (``budget`` where ``verify`` is ``ar``) are one config."""
+        active: dict[str, Any] = {}
+        for p in self.params:
+            if self.is_active(p, active):
+                active[p.name] = point[p.name]
+        return tuple(active.items())
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for p in self.params:

@@ -25,6 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import InputError
 from autotune.experiment import Experiment
+from autotune.space import SearchSpace
 from autotune.storage import StorageSpec, open_storage
 
 HEARTBEAT_S = 30.0
@@ -51,11 +52,27 @@ def make_sampler(exp: Experiment, n_trials: int) -> BaseSampler:
             return GPSampler(seed=seed, n_startup_trials=startup, warn_independent_sampling=False)
         if exp.study.sampler == "random":
             return RandomSampler(seed=seed)
-        return _Grid(exp.space.grid(), seed=seed)
+        return _Grid(exp.space, seed=seed)
 
 
 class _Grid(GridSampler):
-    """GridSampler that leaves stopping to the driver (its own stop() only works inside optimize)."""
+    """GridSampler over the space's distinct configs (``SearchSpace.grid_key``: a condition's inactive
+    parameters do not multiply the trials), leaving stopping to the driver (its own stop() only works
+    inside optimize). Optuna's sampler walks the product of every parameter's values, in its seeded
+    order; here each config keeps its first point of that order, so a trial's grid id names one config
+    (and a space without conditions keeps Optuna's order)."""
+
+    def __init__(self, space: SearchSpace, seed: int | None = None) -> None:
+        super().__init__(space.grid(), seed=seed)
+        seen: set[tuple] = set()
+        points = []
+        for point in self._all_grids:
+            key = space.grid_key(dict(zip(self._param_names, point, strict=True)))
+            if key not in seen:
+                seen.add(key)
+                points.append(point)
+        self._all_grids = points
+        self._n_min_trials = len(points)
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Any) -> None:
         return None

@@ -5,10 +5,35 @@
 # native vs dequantized": each form's AR tok/s and the acceptance of each config in both forms).
 # After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/wheels .device/gguf
 # .device/workloads .device/assets. SWEEP_LIMIT (default 470 s): the sweep starts no trial after it less 60 s.
+# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree.
 source benchmarks/device/common.sh weights
 install_wheels .device/wheels/*.whl
 install_assets smollm2 humaneval bfcl
 read -r STUDY N_PROMPTS NEW_TOKENS < <(device_experiment experiments/smollm2-weights-h200.yaml experiments/weights-device.yaml)
+# FORM=native (or dequantized): that form alone, its pair loaded so (model.weights) and `weights` left out of the
+# space; VERIFY="ddtree": those verify choices alone (a rerun of what an earlier call did not reach)
+if [ -n "${FORM:-}${VERIFY:-}" ]; then
+  python3 - "${FORM:-}" "${VERIFY:-}" <<'PY'
+import sys
+
+import yaml
+
+form, verify = sys.argv[1:]
+exp = yaml.safe_load(open("experiments/weights-device.yaml"))
+space = yaml.safe_load(open("search_spaces/weights.yaml"))
+if form:
+    exp["model"]["weights"] = form
+    exp["name"] += f"-{form}"
+    del space["weights"]
+if verify:
+    space["verify"]["choices"] = verify.split()
+    exp["name"] += "-" + "-".join(verify.split())
+yaml.safe_dump(space, open("experiments/weights-device-space.yaml", "w"), sort_keys=False)
+exp["search_space"] = "weights-device-space.yaml"
+yaml.safe_dump(exp, open("experiments/weights-device.yaml", "w"), sort_keys=False)
+PY
+  STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
+fi
 say "study $STUDY: $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"
 section weights_sweep ${SWEEP_LIMIT:-470} python3 -m autotune sweep experiments/weights-device.yaml \
   --storage "sqlite:///$OUT/weights.db" --tracking-uri none --no-progress --timeout "$(( ${SWEEP_LIMIT:-470} - 60 ))s"

@@ -1,5 +1,6 @@
 """Search spaces and experiment files: conditional suggestions, grids, the shipped templates."""
 
+import itertools
 from pathlib import Path
 
 import optuna
@@ -47,6 +48,29 @@ def test_grid_of_a_small_space(tmp_path):
     cont = _space(tmp_path, {"proposal_temp": {"type": "float", "low": 0.5, "high": 1.0}})
     with pytest.raises(InputError, match="grid"):
         cont.grid()
+
+
+def test_a_grid_over_conditional_parameters_measures_each_distinct_config_once(tmp_path):
+    """``budget`` is only active for ``ddtree``: the product's 2 x 3 x 2 points are 2 x (1 + 1 + 2) = 8 configs.
+    A plain product sampler measured ``ar`` and ``chain`` once per budget and, with the trials left at 10,
+    never reached native DDTree (the H100 weights sweep of 2026-12-06)."""
+    from autotune.study import _Grid
+
+    sp = _space(tmp_path, {"weights": {"type": "categorical", "choices": ["dequantized", "native"]},
+                           "verify": {"type": "categorical", "choices": ["ar", "chain", "ddtree"]},
+                           "budget": {"type": "categorical", "choices": [22, 48], "when": {"verify": ["ddtree"]}}})
+    assert len({sp.grid_key(dict(zip(sp.grid(), c, strict=True))) for c in itertools.product(*sp.grid().values())}) == 8
+    study = optuna.create_study(direction="maximize", sampler=_Grid(sp, seed=0))
+    study.enqueue_trial({"weights": "dequantized", "verify": "ar"})  # a baseline asked first takes no grid point
+    configs = []
+    while not study.sampler.exhausted(study):
+        t = study.ask()
+        configs.append(tuple(sorted(sp.suggest(t).items())))
+        study.tell(t, 1.0)
+    assert configs[0] == (("verify", "ar"), ("weights", "dequantized"))
+    assert len(configs[1:]) == 8 and len(set(configs[1:])) == 8
+    assert {c for c in configs[1:] if dict(c)["verify"] == "ddtree"} == {
+        (("budget", b), ("verify", "ddtree"), ("weights", w)) for b in (22, 48) for w in ("dequantized", "native")}
 
 
 @pytest.mark.parametrize("name", ["dflash_ddtree.yaml", "quick.yaml"])
