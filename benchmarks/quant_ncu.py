@@ -1,6 +1,7 @@
 """One launch of each few-row Q4_K product under Nsight Compute (issue #28: why the 1-row kernel streams
 0.8 TB/s when its instructions alone would allow ~2.5x that): the engine's block kernel, the bf16-pair
-prototype (``quant_packed``) and the bf16 kernel on the dequantized weight, at 1 and 33 rows, on a 27B
+prototype (``quant_packed``), the decode into operand registers (``quant_gluon``, where the
+Triton has Gluon) and the bf16 kernel on the dequantized weight, at 1 and 33 rows, on a 27B
 weight. Every kernel is compiled and run before the profiled range, so ncu sees warm launches only:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \\
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("quant_ncu needs CUDA", file=sys.stderr)
         return 2
+    import quant_gluon
     import quant_packed
 
     from engine.models import linear as lin
@@ -47,11 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
     dense = dequantize(blocks, fmt, k).to(torch.bfloat16)
     calls = []
+    regs = quant_gluon.repack(blocks, k) if quant_gluon.gluon is not None else None
+    split = quant_gluon.split_for(n, k)
     for m in args.rows:
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         calls += [(f"engine Q4_K, {m} rows", lambda x=x: quant_kernel.linear(x, blocks, fmt, k)),
                   (f"packed Q4_K, {m} rows", lambda x=x: quant_packed.linear(x, blocks, k)),
                   (f"bf16 dequantized, {m} rows", lambda x=x: lin.linear(x, dense))]
+        if regs is not None:  # the decode into operand registers (its split's parts, then their sum: two kernels)
+            calls.append((f"gluon Q4_K, {m} rows", lambda x=x: quant_gluon.linear(x, *regs, n, k, split)))
     for name, call in calls:  # compile and warm outside the profiled range
         for _ in range(3):
             call()

@@ -15,6 +15,7 @@
 #      VRAM=1 (with .device/wheels): the sweep under a VRAM limit (experiments/qwen35-27b-q4km-vram.yaml) and its
 #      report. PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): tests, launches, the step.
 #      NCU=1: the few-row Q4_K launches under Nsight Compute (benchmarks/quant_ncu.py; $OUT/ncu_q4k.txt).
+#      GLUON=1: the Q4_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests, launches.
 #      SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
@@ -57,6 +58,14 @@ if [ -n "${PACKED:-}" ]; then
   section packed_kernel ${PACKED_LIMIT:-150} python3 benchmarks/kernel_bench.py packed --md "$OUT/packed.md"
   section packed_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode packed \
     --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_packed.md"
+fi
+# GLUON=1: the Q4_K decode into the matrix unit's operand registers (benchmarks/quant_gluon.py): its static counts
+# with this machine's Triton (does its Gluon take the kernel?), its tests (rows invariant, the dequantized product),
+# its launches beside the engine kernel's on the 27B Q4_K weights
+if [ -n "${GLUON:-}" ]; then
+  section gluon_static 120 python3 benchmarks/quant_gluon.py
+  section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
+  section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
 fi
 # NCU=1: one warm launch of each few-row Q4_K product (engine kernel, packed prototype, bf16 on the dequantized
 # weight; 1 and 33 rows) under Nsight Compute: stall reasons, occupancy, memory throughput (NCU_SHAPE=NxK)
