@@ -13,7 +13,7 @@ a 64 x 128 tile on 4 warps, lane ``4 g + t`` of warp ``w`` holds rows ``16 w + 8
 ``16 s + 8 j + 2 t + e`` (register bits e, h, j, then s's three). So one 32-bit word holds exactly a thread's 8
 values of one 16-column slice: nibble ``4 j + 2 h + e`` (``repack``, at load). A thread's 8 words (s = 0..7) are
 contiguous (two 16-byte loads); a warp's 256 are one 1 KB run. The 8 nibbles are decoded into 8 tensors, joined
-(the last join is register bit 0: e, then h, then j), reshaped and permuted into [64, 128]; the conversion into
+(the outermost join is register bit 0: e, then h, then j), reshaped and permuted into [64, 128]; the conversion into
 the operand layout is then a renaming, checked at compile time (``convert_layout(..., assert_trivial=True)``).
 
 Values: ``d * scale * q - dmin * min`` in float32 with one rounding (a fused multiply-add), then bf16: the bits
@@ -189,8 +189,11 @@ if gluon is not None:
             v5 = (_nibble(words, 5) * st0 - sh0).to(gl.bfloat16)
             v6 = (_nibble(words, 6) * st1 - sh1).to(gl.bfloat16)  # j 1, h 1
             v7 = (_nibble(words, 7) * st1 - sh1).to(gl.bfloat16)
-            # [32, 32, j, h, e] -> [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64 rows, 128 columns]
-            a = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
+            # A join adds a minor dimension; the outermost join's is register bit 0, which the operand layout
+            # gives to column + 1 (e): so the innermost joins split on j (v_p against v_p+4), the middle on h, the
+            # outermost on e. [32, 32, j, h, e] -> [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64, 128]
+            # (tests/test_quant_gluon.py replays these joins, the reshape and the permutation on the CPU)
+            a = gl.join(gl.join(gl.join(v0, v4), gl.join(v2, v6)), gl.join(gl.join(v1, v5), gl.join(v3, v7)))
             a = a.reshape([4, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([64, 128])
             a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
             xt = gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)

@@ -104,3 +104,30 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
             assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K))
             assert out.shape == (rows, N)
     assert packs == [K]  # the one weight, repacked once
+
+
+def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column():
+    """``_gluon_kernel``'s assembly of a 64 x 128 tile replayed in PyTorch (a join is a stack on a new minor
+    dimension): its word addresses, its eight nibbles' joins, its reshape and permutation give the tile of the
+    natural weight. The compile checks that the layout is the operand's; this checks that the data is the tile's
+    (the first version joined the nibbles the other way round and compiled all the same)."""
+    from engine.models.quant import _nibbles
+
+    blocks = _blocks(seed=3)
+    words, _ = quant_gluon.repack(blocks, K)
+    q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N, K)
+
+    def join(a, b):
+        return torch.stack([a, b], dim=-1)
+
+    rr, cc = torch.arange(32)[:, None], torch.arange(32)[None, :]
+    for tile in range(2):
+        for kt in range(K // 128):
+            wbase = (tile * 4 + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
+            w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
+            v = [(w >> (4 * p)) & 15 for p in range(8)]
+            a = join(join(join(v[0], v[4]), join(v[2], v[6])), join(join(v[1], v[5]), join(v[3], v[7])))
+            a = a.reshape(4, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(64, 128)
+            rows = slice(64 * tile, min(64 * tile + 64, N))
+            assert torch.equal(a[: rows.stop - rows.start], q[rows, 128 * kt:128 * kt + 128]), (tile, kt)
+            assert not a[rows.stop - rows.start:].any()  # padded rows
