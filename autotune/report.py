@@ -334,9 +334,9 @@ def _weights_forms(study: optuna.Study) -> list[str]:
         if ar:
             cells[4] = f"{_fmt(ar[0].user_attrs.get(key))} ({ar[0].number})"
         elif stopped := [t for t in pruned if form(t) == f and t.user_attrs["config"].get("verify") == "ar"]:
-            u = stopped[0].user_attrs  # the rung's rate: no full measurement (see "Stopped early")
-            cells[4] = f"stopped at rung {u.get('pruned_at_rung', '?')}: {_fmt(u.get('partial_decode_tps'))} " \
-                       f"({stopped[0].number})"
+            u = stopped[0].user_attrs  # the partial rate: no full measurement (see "Stopped early")
+            at = f"rung {u['pruned_at_rung']}" if u.get("pruned_at_rung") is not None else "the first pass"
+            cells[4] = f"stopped at {at}: {_fmt(u.get('partial_decode_tps'))} ({stopped[0].number})"
         L.append("| " + " | ".join(cells) + " |")
     twins: dict[str, dict[str, FrozenTrial]] = {}
     for t in sorted(done, key=lambda t: -(t.value or 0.0)):  # each form's best measurement of the config

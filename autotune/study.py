@@ -73,6 +73,37 @@ class _Grid(GridSampler):
                 points.append(point)
         self._all_grids = points
         self._n_min_trials = len(points)
+        self._space = space
+
+    def _key(self, values: dict[str, Any]) -> tuple:
+        return self._space.grid_key(values)
+
+    def _get_unvisited_grid_ids(self, study: optuna.Study) -> list[int]:
+        """Optuna's rule (finished points first, then those only running) by config rather than by grid id: a
+        study begun before the grid was deduplicated stored ids into the whole product, which name other points
+        here; a finished trial's own parameters say which config it measured."""
+        keys = [self._key(dict(zip(self._param_names, p, strict=True))) for p in self._all_grids]
+        visited, running = set(), set()
+        for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
+            if "grid_id" not in t.system_attrs or not self._same_search_space(t.system_attrs["search_space"]):
+                continue
+            if t.state.is_finished():
+                visited.add(self._key(t.params))
+            elif t.state == TrialState.RUNNING:  # its parameters may not all be suggested yet: its point's
+                gid = t.system_attrs["grid_id"]
+                running.add(keys[gid] if gid < len(keys) else self._key(t.params))
+        unvisited = [i for i, k in enumerate(keys) if k not in visited and k not in running]
+        return unvisited or [i for i, k in enumerate(keys) if k not in visited]
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        # Optuna gives trial n grid point n while n is below the grid's size, visited or not; keep that (it sets the
+        # order of a fresh study) only where point n is unvisited, else choose among the unvisited as it does later
+        if ("grid_id" in trial.system_attrs or "fixed_params" in trial.system_attrs
+                or (trial.number < self._n_min_trials and trial.number in self._get_unvisited_grid_ids(study))):
+            return super().before_trial(study, trial)
+        target = self._get_unvisited_grid_ids(study) or list(range(len(self._all_grids)))
+        study._storage.set_trial_system_attr(trial._trial_id, "search_space", self._search_space)
+        study._storage.set_trial_system_attr(trial._trial_id, "grid_id", int(self._rng.rng.choice(target)))
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Any) -> None:
         return None

@@ -14,7 +14,9 @@ a 64 x 128 tile on 4 warps, lane ``4 g + t`` of warp ``w`` holds rows ``16 w + 8
 values of one 16-column slice: nibble ``4 j + 2 h + e`` (``repack``, at load). A thread's 8 words (s = 0..7) are
 contiguous (two 16-byte loads); a warp's 256 are one 1 KB run. The 8 nibbles are decoded into 8 tensors, joined
 (the outermost join is register bit 0: e, then h, then j), reshaped and permuted into [64, 128]; the conversion into
-the operand layout is then a renaming, checked at compile time (``convert_layout(..., assert_trivial=True)``).
+the operand layout is then a renaming, checked at compile time (``convert_layout(..., assert_trivial=True)``:
+that the layout is the operand's; where each nibble lands within a thread is the joins' order, which a CPU test
+replays).
 
 Values: ``d * scale * q - dmin * min`` in float32 with one rounding (a fused multiply-add), then bf16: the bits
 ``quant.dequantize`` gives, and so the engine kernel's. The block's 16-byte head (d, dmin, the packed 6-bit
@@ -23,12 +25,14 @@ decoded from it. The K order is the natural one, 16 columns an instruction, as t
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows
 (``BLOCK_M`` 16, 32 or 64). Split over K (``split``): each part's fp32 sums, then added in order 0..split-1.
 
-No interpreter runs Gluon: the CPU tests check ``repack``'s order against ``quant.dequantize`` through
-``reference`` (this module's reading of the words, in PyTorch), and that the kernel compiles for sm_90 with the
+No interpreter runs Gluon: the CPU tests check ``repack``'s order against the GGUF bytes and ``quant.dequantize``
+(through ``reference``), replay the kernel's joins and permutation in PyTorch, and compile it for sm_90 with the
 conversion trivial; on a GPU, ``tests/test_quant_gluon.py`` checks its bits against the dequantized product.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor
@@ -68,8 +72,9 @@ def repack(blocks: Tensor, cols: int) -> tuple[Tensor, Tensor]:
 
 
 def reference(words: Tensor, heads: Tensor, n: int, cols: int) -> Tensor:
-    """The float32 weight [n, cols] ``words`` and ``heads`` hold, read the way the kernel reads them (each
-    word's 8 nibbles at their rows and columns, each block's scale and min): ``quant.dequantize``'s values."""
+    """The float32 weight [n, cols] ``words`` and ``heads`` hold, by the layout ``repack`` documents (each word's
+    8 nibbles at their rows and columns, each block's scale and min): ``quant.dequantize``'s values. The kernel's
+    own assembly of a tile is replayed by ``tests/test_quant_gluon.py``."""
     n_pad = heads.shape[0]
     w = words.to(torch.int64) & 0xFFFFFFFF
     q = (w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15  # [word, nibble 4 j + 2 h + e]
@@ -107,19 +112,22 @@ def install() -> None:
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
-    repacked: dict[tuple[int, tuple[int, ...]], tuple[Tensor, Tensor]] = {}
+    # by the rows' address and shape (a fused group's ``part`` is a fresh slice each call, the same rows), with a
+    # weak reference to the tensor that owns them: a dead owner's address may hold another weight's blocks
+    repacked: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, Tensor, Tensor]] = {}
 
     def routed(x: Tensor, blocks: Tensor, fmt, cols: int, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // cols
         if fmt.name != "Q4_K" or cols % quant.QK_K or bias is not None or x.dtype != torch.bfloat16 or rows > 64:
             return engine_linear(x, blocks, fmt, cols, bias)
         key = (blocks.data_ptr(), tuple(blocks.shape))
-        if key not in repacked:
+        if key not in repacked or repacked[key][0]() is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return engine_linear(x, blocks, fmt, cols, bias)
-            repacked[key] = repack(blocks, cols)
+            owner = blocks if blocks._base is None else blocks._base
+            repacked[key] = (weakref.ref(owner), *repack(blocks, cols))
         n = blocks.shape[0]
-        out = linear(x.reshape(rows, cols), *repacked[key], n, cols, split_for(n, cols))
+        out = linear(x.reshape(rows, cols), *repacked[key][1:], n, cols, split_for(n, cols))
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed

@@ -56,7 +56,8 @@ def test_a_word_holds_one_threads_eight_values_of_a_slice():
                     / "nvidia" / "bin" / "cuobjdump").is_file(), reason="no Gluon, or no NVIDIA tools in this Triton")
 def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
     """The point, statically (sm_90, a process of its own: Triton's interpreter may be on here): the conversion into
-    the operand layout is a renaming (it would not compile otherwise), the K loop loads nothing from shared memory
+    the operand layout is a renaming (``assert_trivial``: the layout is the operand's, not where each nibble lands,
+    which the last test replays), the K loop loads nothing from shared memory
     (the engine kernel's loop: 15 LDS and 8 LDSM, the decoded tile's round trip) and stores only the x tile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64"], capture_output=True,

@@ -19,6 +19,8 @@ import sys
 import yaml
 
 form, verify = sys.argv[1:]
+if form not in ("", "native", "dequantized") or not set(verify.split()) <= {"ar", "chain", "ddtree"}:
+    sys.exit(f"weights.sh: FORM={form!r} must be native or dequantized, VERIFY={verify!r} among ar chain ddtree")
 exp = yaml.safe_load(open("experiments/weights-device.yaml"))
 space = yaml.safe_load(open("search_spaces/weights.yaml"))
 if form:
@@ -32,6 +34,7 @@ yaml.safe_dump(space, open("experiments/weights-device-space.yaml", "w"), sort_k
 exp["search_space"] = "weights-device-space.yaml"
 yaml.safe_dump(exp, open("experiments/weights-device.yaml", "w"), sort_keys=False)
 PY
+  [ $? = 0 ] || { say "weights.sh: FORM / VERIFY not applied (above); nothing run"; exit 2; }
   STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
 fi
 say "study $STUDY: $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"

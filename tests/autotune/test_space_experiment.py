@@ -73,6 +73,32 @@ def test_a_grid_over_conditional_parameters_measures_each_distinct_config_once(t
         (("budget", b), ("verify", "ddtree"), ("weights", w)) for b in (22, 48) for w in ("dequantized", "native")}
 
 
+def test_a_grid_study_begun_on_the_whole_product_resumes_to_every_distinct_config(tmp_path):
+    """A study whose first trials took grid ids into Optuna's whole product (before the grid was deduplicated)
+    resumes by config: every distinct config is measured, none is taken for visited because an old id names it."""
+    from autotune.study import _Grid
+
+    sp = _space(tmp_path, {"weights": {"type": "categorical", "choices": ["dequantized", "native"]},
+                           "verify": {"type": "categorical", "choices": ["ar", "chain", "ddtree"]},
+                           "budget": {"type": "categorical", "choices": [22, 48], "when": {"verify": ["ddtree"]}}})
+    everything = {sp.grid_key(dict(zip(sp.grid(), c, strict=True))) for c in itertools.product(*sp.grid().values())}
+    for before in range(1, 12):
+        storage = optuna.storages.InMemoryStorage()
+        study = optuna.create_study(direction="maximize", storage=storage, study_name="s",
+                                    sampler=optuna.samplers.GridSampler(sp.grid(), seed=0))
+        for _ in range(before):
+            t = study.ask()
+            sp.suggest(t)
+            study.tell(t, 1.0)
+        study = optuna.load_study(study_name="s", storage=storage, sampler=_Grid(sp, seed=0))
+        while not study.sampler.exhausted(study):
+            t = study.ask()
+            sp.suggest(t)
+            study.tell(t, 1.0)
+            assert len(study.trials) <= before + len(everything), before
+        assert {sp.grid_key(t.params) for t in study.trials} == everything, before
+
+
 @pytest.mark.parametrize("name", ["dflash_ddtree.yaml", "quick.yaml"])
 def test_shipped_search_spaces_load(name):
     sp = space.load_space(REPO / "search_spaces" / name)
