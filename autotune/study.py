@@ -87,11 +87,15 @@ class _Grid(GridSampler):
         for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
             if "grid_id" not in t.system_attrs or not self._same_search_space(t.system_attrs["search_space"]):
                 continue
+            gid = t.system_attrs["grid_id"]
+            try:  # its parameters, where all were suggested (a trial can fail or still run before they are)
+                key = self._key(t.params)
+            except KeyError:  # else its point (an old study's id into the whole product names none here)
+                key = keys[gid] if gid < len(keys) else None
             if t.state.is_finished():
-                visited.add(self._key(t.params))
-            elif t.state == TrialState.RUNNING:  # its parameters may not all be suggested yet: its point's
-                gid = t.system_attrs["grid_id"]
-                running.add(keys[gid] if gid < len(keys) else self._key(t.params))
+                visited.add(key)
+            elif t.state == TrialState.RUNNING:
+                running.add(keys[gid] if gid < len(keys) else key)
         unvisited = [i for i, k in enumerate(keys) if k not in visited and k not in running]
         return unvisited or [i for i, k in enumerate(keys) if k not in visited]
 

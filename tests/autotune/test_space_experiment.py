@@ -186,3 +186,22 @@ def test_fingerprint_ignores_trial_budget_but_not_the_space(tmp_path):
     other = dict(TINY_SPACE, top_k={"type": "int", "low": 1, "high": 4, "when": {"verify": "ddtree"}})
     c = experiment.load(tiny_experiment(tmp_path / "c", space=other))
     assert c.fingerprint() != a.fingerprint()
+
+
+def test_a_grid_point_whose_trial_failed_before_its_parameters_counts_as_measured(tmp_path):
+    """A trial that failed before every parameter was suggested names its config by its grid point (as Optuna's
+    grid does): the sampler neither crashes on the missing parameters nor hands that point out again."""
+    from autotune.study import _Grid
+
+    sp = _space(tmp_path, {"verify": {"type": "categorical", "choices": ["ar", "chain"]},
+                           "budget": {"type": "categorical", "choices": [22, 48]}})
+    study = optuna.create_study(direction="maximize", sampler=_Grid(sp, seed=0))
+    t = study.ask()
+    t.suggest_categorical("verify", ["ar", "chain"])  # then it fails: no budget
+    study.tell(t, state=optuna.trial.TrialState.FAIL)
+    configs = []
+    while not study.sampler.exhausted(study):
+        t = study.ask()
+        configs.append(tuple(sorted(sp.suggest(t).items())))
+        study.tell(t, 1.0)
+    assert len(configs) == 3 and len(set(configs)) == 3
