@@ -303,6 +303,11 @@ def _sessions(study: optuna.Study, w: results.Winner | None) -> list[str]:
     return L + [""]
 
 
+def _stopped_at(u: dict[str, Any]) -> str:
+    """Where a pruned trial stopped: its fidelity rung, or (the Wilcoxon pruner) its first pass."""
+    return f"rung {u['pruned_at_rung']}" if u.get("pruned_at_rung") is not None else "first pass"
+
+
 def _weights_forms(study: optuna.Study) -> list[str]:
     """What the target's weight form does (a study that searched ``weights``): per form, the best
     feasible config and AR where measured, and the acceptance of configs measured in both forms
@@ -335,8 +340,7 @@ def _weights_forms(study: optuna.Study) -> list[str]:
             cells[4] = f"{_fmt(ar[0].user_attrs.get(key))} ({ar[0].number})"
         elif stopped := [t for t in pruned if form(t) == f and t.user_attrs["config"].get("verify") == "ar"]:
             u = stopped[0].user_attrs  # the partial rate: no full measurement (see "Stopped early")
-            at = f"rung {u['pruned_at_rung']}" if u.get("pruned_at_rung") is not None else "the first pass"
-            cells[4] = f"stopped at {at}: {_fmt(u.get('partial_decode_tps'))} ({stopped[0].number})"
+            cells[4] = f"stopped at {_stopped_at(u)}: {_fmt(u.get('partial_decode_tps'))} ({stopped[0].number})"
         L.append("| " + " | ".join(cells) + " |")
     twins: dict[str, dict[str, FrozenTrial]] = {}
     for t in sorted(done, key=lambda t: -(t.value or 0.0)):  # each form's best measurement of the config
@@ -493,9 +497,8 @@ def _stopped(study: optuna.Study) -> list[str]:
          "| trial | path | stopped at | partial tok/s | reason |", "|---|---|---|---|---|"]
     for t in pruned:
         u = t.user_attrs
-        at = f"rung {u['pruned_at_rung']}" if u.get("pruned_at_rung") is not None else "first pass"
-        L.append(f"| {t.number} | {results.path_of(u.get('config', {}))} | {at} | {_fmt(u.get('partial_decode_tps'))} "
-                 f"| {u.get('pruned_reason', '–')} |")
+        L.append(f"| {t.number} | {results.path_of(u.get('config', {}))} | {_stopped_at(u)} | "
+                 f"{_fmt(u.get('partial_decode_tps'))} | {u.get('pruned_reason', '–')} |")
     return L + [""]
 
 

@@ -64,32 +64,25 @@ class _Grid(GridSampler):
 
     def __init__(self, space: SearchSpace, seed: int | None = None) -> None:
         super().__init__(space.grid(), seed=seed)
-        seen: set[tuple] = set()
-        points = []
+        first: dict[tuple, tuple] = {}  # each config's first point, in order
         for point in self._all_grids:
-            key = space.grid_key(dict(zip(self._param_names, point, strict=True)))
-            if key not in seen:
-                seen.add(key)
-                points.append(point)
-        self._all_grids = points
-        self._n_min_trials = len(points)
+            first.setdefault(space.grid_key(dict(zip(self._param_names, point, strict=True))), point)
+        self._all_grids, self._keys = list(first.values()), list(first)
+        self._n_min_trials = len(self._all_grids)
         self._space = space
-
-    def _key(self, values: dict[str, Any]) -> tuple:
-        return self._space.grid_key(values)
 
     def _get_unvisited_grid_ids(self, study: optuna.Study) -> list[int]:
         """Optuna's rule (finished points first, then those only running) by config rather than by grid id: a
         study begun before the grid was deduplicated stored ids into the whole product, which name other points
         here; a finished trial's own parameters say which config it measured."""
-        keys = [self._key(dict(zip(self._param_names, p, strict=True))) for p in self._all_grids]
+        keys = self._keys
         visited, running = set(), set()
         for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
             if "grid_id" not in t.system_attrs or not self._same_search_space(t.system_attrs["search_space"]):
                 continue
             gid = t.system_attrs["grid_id"]
             try:  # its parameters, where all were suggested (a trial can fail or still run before they are)
-                key = self._key(t.params)
+                key = self._space.grid_key(t.params)
             except KeyError:  # else its point (an old study's id into the whole product names none here)
                 key = keys[gid] if gid < len(keys) else None
             if t.state.is_finished():

@@ -134,15 +134,12 @@ def install() -> None:
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _f16_lo(word):
-        return (word & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    # the engine kernel's Triton helpers (Gluon calls them): an fp16 half, Q4_K's 6-bit fields, a small int's float
+    from engine.models.quant_kernel import _float, _half_of, k_scale_min
 
     @gluon.jit
     def _nibble(words, p: gl.constexpr):
-        """float(nibble p) without an int -> float conversion: the nibble under the exponent of 2**23, less it."""
-        return (((words >> (4 * p)) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
+        return _float((words >> (4 * p)) & 15, 0)  # the engine kernel's float of a small int, no conversion
 
     @gluon.jit
     def _step_shift(heads_ptr, row, kt, sub, K):
@@ -152,12 +149,8 @@ if gluon is not None:
         a = gl.load(heads_ptr + at + 1)
         m = gl.load(heads_ptr + at + 2)
         r = gl.load(heads_ptr + at + 3)
-        j = (kt % 2) * 4 + sub[None, :]  # the sub-block within its 256-value block
-        shift = 8 * (j % 4)
-        a, m, r = (a >> shift) & 0xFF, (m >> shift) & 0xFF, (r >> shift) & 0xFF
-        sc = gl.where(j >= 4, (r & 15) | ((a >> 2) & 48), a & 63)
-        mn = gl.where(j >= 4, (r >> 4) | ((m >> 2) & 48), m & 63)
-        return _f16_lo(head) * sc.to(gl.float32), _f16_lo(head >> 16) * mn.to(gl.float32)
+        sc, mn = k_scale_min(a, m, r, (kt % 2) * 4 + sub[None, :])  # the sub-block within its 256-value block
+        return _half_of(head) * sc.to(gl.float32), _half_of(head >> 16) * mn.to(gl.float32)
 
     @gluon.jit
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, parts_ptr, M, N, K, k_tiles, BLOCK_M: gl.constexpr):
