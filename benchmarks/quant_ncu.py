@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
     dense = dequantize(blocks, fmt, k).to(torch.bfloat16)
     calls = []
-    regs = quant_gluon.repack(blocks, k) if quant_gluon.gluon is not None else None
+    regs = {pairs: quant_gluon.repack(blocks, k, pairs) for pairs in (False, True)} if quant_gluon.gluon else None
     split = quant_gluon.split_for(n, k)
     for m in args.rows:
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                   (f"packed Q4_K, {m} rows", lambda x=x: quant_packed.linear(x, blocks, k)),
                   (f"bf16 dequantized, {m} rows", lambda x=x: lin.linear(x, dense))]
         if regs is not None:  # the decode into operand registers (its split's parts, then their sum: two kernels)
-            calls.append((f"gluon Q4_K, {m} rows", lambda x=x: quant_gluon.linear(x, *regs, n, k, split)))
+            calls += [(f"gluon{' pairs' if pairs else ''} Q4_K, {m} rows",
+                       lambda x=x, p=pairs: quant_gluon.linear(x, *regs[p], n, k, split, p)) for pairs in regs]
     kept = []
     for name, call in calls:  # compile and warm outside the profiled range
         try:

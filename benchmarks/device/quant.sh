@@ -60,12 +60,16 @@ if [ -n "${PACKED:-}" ]; then
     --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_packed.md"
 fi
 # GLUON=1: the Q4_K decode into the matrix unit's operand registers (benchmarks/quant_gluon.py): its static counts
-# with this machine's Triton (does its Gluon take the kernel?), its tests (rows invariant, the dequantized product),
-# its launches beside the engine kernel's on the 27B Q4_K weights
+# with this machine's Triton (does its Gluon take the kernel?), its tests (rows invariant, its weight's product),
+# its launches beside the engine kernel's on the 27B Q4_K weights, and the 27B Q4_K_M step with its Q4_K products
+# through it (GLUON_DECODE=gluon-pairs, the bf16 pair decode, by default; or gluon); beside large_q4km, the engine's
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
+  section gluon_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+    --q4k-decode ${GLUON_DECODE:-gluon-pairs} --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
+    --md "$OUT/large_gluon.md"
 fi
 # NCU=1: one warm launch of each few-row Q4_K product (engine kernel, packed prototype, bf16 on the dequantized
 # weight; 1 and 33 rows) under Nsight Compute: stall reasons, occupancy, memory throughput (NCU_SHAPE=NxK)
