@@ -50,32 +50,80 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
     gluon = None
 
 
-def nibble_of(j: int, h: int, e: int, pairs: bool = False) -> int:
-    """Where a thread's value (j, h, e) sits in its word: nibble ``4 j + 2 h + e`` (each value decoded alone), or
-    with ``pairs`` ``4 e + 2 j + h`` (the two columns of a register 16 bits apart: one mask makes their bf16 pair)."""
-    return 4 * e + 2 * j + h if pairs else 4 * j + 2 * h + e
+def _pack(q: Tensor, width: int, order: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+    """Fields ``width`` bits wide into int32 words: ``q`` reshaped to ``shape`` and permuted by ``order`` so that
+    its last dimensions (32 / width values) are one word's fields, lowest first."""
+    q = q.to(torch.int64).reshape(shape).permute(*order)
+    per = 32 // width
+    q = q.reshape(-1, per) << (width * torch.arange(per, device=q.device))
+    words = q.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def _padded(q: Tensor, n_pad: int) -> Tensor:
+    return torch.cat([q, q.new_zeros(n_pad - q.shape[0], q.shape[1])])
+
+
+def _nibble_words(q: Tensor, cols: int, pairs: bool) -> Tensor:
+    """Values 0..15 [N padded, cols] in natural order -> the words: order [16-row group][128-column tile][g][t][s]
+    (row ``16 G + 8 h + g``, column ``128 kt + 16 s + 8 j + 2 t + e``), nibble ``4 j + 2 h + e`` or with
+    ``pairs`` ``4 e + 2 j + h`` (the two columns of a register 16 bits apart: one mask makes their bf16 pair)."""
+    shape = (q.shape[0] // 16, 2, 8, cols // TILE_K, 8, 2, 4, 2)  # [G, h, g, kt, s, j, t, e]
+    return _pack(q, 4, (0, 3, 2, 6, 4, 7, 5, 1) if pairs else (0, 3, 2, 6, 4, 5, 1, 7), shape)
 
 
 def repack(blocks: Tensor, cols: int, pairs: bool = False) -> tuple[Tensor, Tensor]:
     """Q4_K rows [N, row_bytes] -> (words, heads): the nibbles as the kernel's threads read them, int32
-    [ceil(N / 64) * 4 * (cols / 128) * 256] in order [16-row group][128-column tile][g][t][s] (the word's
-    nibble ``nibble_of(j, h, e, pairs)``: row ``16 G + 8 h + g``, column ``128 kt + 16 s + 8 j + 2 t + e``), and
-    each block's 16-byte head, int32 [N padded, cols / 256, 4]. Padded rows are zero."""
+    [ceil(N / 64) * 4 * (cols / 128) * 256] (``_nibble_words``), and each block's 16-byte head, int32
+    [N padded, cols / 256, 4]. Padded rows are zero."""
     assert blocks.dtype == torch.uint8 and cols % quant.QK_K == 0 and blocks.shape[1] == Q4_K.row_bytes(cols)
     n = blocks.shape[0]
     n_pad = -(-n // TILE_N) * TILE_N
     b = blocks.reshape(-1, Q4_K.nbytes)
-    q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(n, cols).to(torch.int64)  # natural order, 0..15
-    q = torch.cat([q, q.new_zeros(n_pad - n, cols)])
-    # [G, h, g, kt, s, j, t, e] -> [G, kt, g, t, s, (j, h, e) or (e, j, h)]: the last three are the nibble's place
-    q = q.reshape(n_pad // 16, 2, 8, cols // TILE_K, 8, 2, 4, 2)
-    q = q.permute(0, 3, 2, 6, 4, 7, 5, 1) if pairs else q.permute(0, 3, 2, 6, 4, 5, 1, 7)
-    q = q.reshape(-1, 8) << (4 * torch.arange(8, device=q.device))
-    words = q.sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(n, cols)  # natural order, 0..15
+    words = _nibble_words(_padded(q, n_pad), cols, pairs)
     heads = b[:, :16].reshape(n, cols // quant.QK_K, 16).contiguous().view(torch.int32)
     heads = torch.cat([heads, heads.new_zeros(n_pad - n, cols // quant.QK_K, 4)])
-    return words.contiguous(), heads.contiguous()
+    return words, heads.contiguous()
+
+
+def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q6_K rows (as a ``QuantLinear`` holds them: ``quant.hold``'s planes) -> (words, high, scales, d): the low
+    nibbles as ``_nibble_words`` (pairs), the top 2 bits int32 [groups][tiles][g][t][u] (a thread's slices
+    s = 2 u + o, field ``8 e + 4 o + 2 j + h``), the int8 scales [N padded, cols / 16] and the fp16 d's
+    [N padded, cols / 256]: 210 bytes a block, as the file's."""
+    fmt = quant.FORMATS["Q6_K"]
+    assert held.dtype == torch.uint8 and cols % quant.QK_K == 0 and held.shape[1] == fmt.row_bytes(cols)
+    n = held.shape[0]
+    n_pad = -(-n // TILE_N) * TILE_N
+    b = quant.unhold(held, fmt).reshape(-1, fmt.nbytes)
+    low = quant._nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(n, cols)
+    top = quant._bits(b[:, 128:192].reshape(-1, 2, 32), 2).permute(0, 1, 3, 2).reshape(n, cols)
+    words = _nibble_words(_padded(low, n_pad), cols, True)
+    shape = (n_pad // 16, 2, 8, cols // TILE_K, 4, 2, 2, 4, 2)  # [G, h, g, kt, u, o, j, t, e]
+    high = _pack(_padded(top, n_pad), 2, (0, 3, 2, 7, 4, 8, 5, 6, 1), shape)
+    scales = _padded(b[:, 192:208].reshape(n, cols // 16), n_pad).view(torch.int8).contiguous()
+    d = _padded(b[:, 208:210].reshape(n, -1), n_pad).view(torch.float16).contiguous()
+    return words, high, scales, d
+
+
+def reference_q6_k(words: Tensor, high: Tensor, scales: Tensor, d: Tensor, n: int, cols: int) -> Tensor:
+    """The bf16 weight [n, cols] ``repack_q6_k``'s planes hold, as the pair decode computes it: (q - 32) *
+    bf16(d * scale), one rounding (``quant.dequantize``: d * scale * (q - 32) in float32, then bf16)."""
+    from quant_packed import _round_bf16
+
+    n_pad = d.shape[0]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    low = ((w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15)
+    low = low.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, e, j, h]
+    low = low.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(n_pad, cols)
+    hw = high.to(torch.int64) & 0xFFFFFFFF
+    top = (hw[:, None] >> (2 * torch.arange(16, device=hw.device))) & 3
+    top = top.reshape(n_pad // 16, cols // TILE_K, 8, 4, 4, 2, 2, 2, 2)  # [G, kt, g, t, u, e, o, j, h]
+    top = top.permute(0, 8, 2, 1, 4, 6, 7, 3, 5).reshape(n_pad, cols)
+    step = (d.float().repeat_interleave(16, dim=1) * scales.float()).to(torch.bfloat16).double()
+    q = (low | (top << 4)).double() - 32
+    return _round_bf16(q.reshape(n_pad, -1, 16) * step[..., None]).reshape(n_pad, cols)[:n]
 
 
 def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = False) -> Tensor:
@@ -114,38 +162,61 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gluon_kernel[(tiles, split)](x.contiguous(), words, heads, parts, m, n, cols, cols // TILE_K // split,
                                    BLOCK_M=block_m, PAIRS=pairs, num_warps=4)
+    return _sum_parts(parts, x.dtype)
+
+
+def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1) -> Tensor:
+    """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
+    to 64 rows, on a GPU."""
+    m = x.shape[0]
+    assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
+    block_m = max(16, 1 << (m - 1).bit_length())
+    words, high, scales, d = planes
+    parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    _q6_kernel[(d.shape[0] // TILE_N, split)](x.contiguous(), words, high, scales, d, parts, m, n, cols,
+                                               cols // TILE_K // split, BLOCK_M=block_m, num_warps=4)
+    return _sum_parts(parts, x.dtype)
+
+
+def _sum_parts(parts: Tensor, dtype: torch.dtype) -> Tensor:
     out = parts[0]
-    for p in range(1, split):  # in order 0..split-1, as the engine kernel's tickets add them
+    for p in range(1, parts.shape[0]):  # in order 0..split-1, as the engine kernel's tickets add them
         out = out + parts[p]
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def install(pairs: bool = False) -> None:
     """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
-    this prototype (``pairs``: its bf16 pair decode), every other product through the engine's kernel:
-    ``quant_kernel.linear`` replaced in place, for a benchmark process only (``gpu_bench.py --q4k-decode gluon``
-    or ``gluon-pairs``: the whole AR step and verify). A weight is
+    this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every
+    other product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process
+    only (``gpu_bench.py --q4k-decode gluon`` or ``gluon-pairs``: the whole AR step and verify). A weight is
     repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
     captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel."""
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
+    formats = ("Q4_K", "Q6_K") if pairs else ("Q4_K",)
     # by the rows' address and shape (a fused group's ``part`` is a fresh slice each call, the same rows), with a
     # weak reference to the tensor that owns them: a dead owner's address may hold another weight's blocks
-    repacked: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, Tensor, Tensor]] = {}
+    repacked: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, tuple[Tensor, ...]]] = {}
 
     def routed(x: Tensor, blocks: Tensor, fmt, cols: int, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // cols
-        if fmt.name != "Q4_K" or cols % quant.QK_K or bias is not None or x.dtype != torch.bfloat16 or rows > 64:
+        if fmt.name not in formats or cols % quant.QK_K or bias is not None or x.dtype != torch.bfloat16 or rows > 64:
             return engine_linear(x, blocks, fmt, cols, bias)
         key = (blocks.data_ptr(), tuple(blocks.shape))
         if key not in repacked or repacked[key][0]() is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return engine_linear(x, blocks, fmt, cols, bias)
             owner = blocks if blocks._base is None else blocks._base
-            repacked[key] = (weakref.ref(owner), *repack(blocks, cols, pairs))
-        n = blocks.shape[0]
-        out = linear(x.reshape(rows, cols), *repacked[key][1:], n, cols, split_for(n, cols), pairs)
+            planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
+            repacked[key] = (weakref.ref(owner), planes)
+        n, planes = blocks.shape[0], repacked[key][1]
+        split = split_for(n, cols)
+        if fmt.name == "Q6_K":
+            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split)
+        else:
+            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs)
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed
@@ -235,16 +306,12 @@ if gluon is not None:
                                              order=[1, 0])
         four: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
                                               order=[1, 0])
-        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
-                                            order=[0, 1])
         xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
         tile = gl.program_id(0)
         part = gl.program_id(1)
         rr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
         tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
         ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
-        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
         acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
         all_tiles = K // 128
@@ -274,14 +341,29 @@ if gluon is not None:
                 a = _pairs_tile(words, st0, sh0, st1, sh1)
             else:
                 a = _values_tile(words, st0, sh0, st1, sh1)
-            # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64, 128] (tests/test_quant_gluon.py replays the
-            # joins, this reshape and the permutation on the CPU)
-            a = a.reshape([4, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([64, 128])
-            a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
-            xt = gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
-            x_smem.store(xt)
-            fence_async_shared()
-            acc = warpgroup_mma(a, x_smem, acc)
+            acc = _times_x(acc, a, a_layout, x_ptr, x_smem, kt, K, M, BLOCK_M)
+        _store_part(acc, parts_ptr, tile, part, M, N, BLOCK_M)
+
+    @gluon.jit
+    def _times_x(acc, a, a_layout: gl.constexpr, x_ptr, x_smem, kt, K, M, BLOCK_M: gl.constexpr):
+        """acc += the decoded [64, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) times x's rows for
+        tile ``kt`` (through shared memory, as wgmma's B operand)."""
+        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64, 128] (tests/test_quant_gluon.py replays the
+        # joins, this reshape and the permutation on the CPU)
+        a = a.reshape([4, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([64, 128])
+        a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
+                                            order=[0, 1])
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
+        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
+        xt = gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
+        x_smem.store(xt)
+        fence_async_shared()
+        return warpgroup_mma(a, x_smem, acc)
+
+    @gluon.jit
+    def _store_part(acc, parts_ptr, tile, part, M, N, BLOCK_M: gl.constexpr):
+        """The tile's fp32 sums into part ``part`` of the output [split, M, N]."""
         ol: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                             order=[0, 1])
         acc = gl.convert_layout(acc, ol)
@@ -290,17 +372,109 @@ if gluon is not None:
         gl.store(parts_ptr + part * M * N + om[None, :] * N + on[:, None], acc,
                  mask=(on < N)[:, None] & (om < M)[None, :])
 
+    @gluon.jit
+    def _top_under_128(w):
+        """``(w & 0x00300030) | 0x43004300``: a pair's top 2 bits (at bits 4-5 of each half) under 128, one LOP3."""
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00300030, 0x43004300, 0xEA;", "=r,r", [w],
+                                         dtype=gl.int32, is_pure=True, pack=1)
 
-def compile_for_hopper(block_m: int = 16, pairs: bool = False):
-    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` makes for ``block_m`` rows."""
+    @gluon.jit
+    def _with_low(w, top):
+        """``(w & 0x000F000F) | top``: the pair's low nibbles beside its top bits, one LOP3."""
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, $2, 0xEA;", "=r,r,r", [w, top],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _q6_pairs_tile(words, high, st0, st1, wl: gl.constexpr):
+        """Q6_K's pairs: for each (j, h) the low nibbles (as Q4_K's pairs) and the top 2 bits (``high``: field
+        ``8 e + 4 o + 2 j + h`` of slice pair u, s = 2 u + o) under 128: 128 + q each; less 160 (exact: q - 32),
+        times bf16(d * scale), one rounding. -> [32, 4, 8, j, h, e]"""
+        top = gl.join(high, high >> 8).reshape([32, 4, 8])  # slice s = 2 u + o: its fields at 2 (2 j + h) (+ 16)
+        top = gl.convert_layout(top, wl, assert_trivial=True)
+        p00 = _with_low(words, _top_under_128(top << 4))  # j 0, h 0
+        p01 = _with_low(words >> 4, _top_under_128(top << 2))  # j 0, h 1
+        p10 = _with_low(words >> 8, _top_under_128(top))  # j 1, h 0
+        p11 = _with_low(words >> 12, _top_under_128(top >> 2))  # j 1, h 1
+        p = gl.join(gl.join(p00, p10), gl.join(p01, p11))
+        q = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(p, p)], dtype=gl.bfloat16,
+                                      is_pure=True, pack=2) - 160.0
+        step = gl.join(gl.join(st0, st0), gl.join(st1, st1))
+        return q * gl.join(step, step)
+
+    @gluon.jit
+    def _q6_steps(scales_ptr, d_ptr, row, kt, s, K):
+        """bf16(d * scale) of each row's 8 slices of tile ``kt`` (16 values a scale): [32, 1, 8]."""
+        sc = gl.load(scales_ptr + row[:, None] * (K // 16) + kt * 8 + s[None, :])
+        d = gl.load(d_ptr + row * (K // 256) + kt // 2)
+        return (d.to(gl.float32)[:, None] * sc.to(gl.float32)).to(gl.bfloat16).expand_dims(1)
+
+    @gluon.jit
+    def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, parts_ptr, M, N, K, k_tiles,
+                   BLOCK_M: gl.constexpr):
+        """Q6_K's few-row product, the tile's skeleton as ``_gluon_kernel``'s (pairs decode only)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[8, 4, 1],
+                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        # the top bits [32 = (w, g), 4 = t, 4 = u]: a thread's 4 words (16 bytes)
+        hl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
+                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
+        tile = gl.program_id(0)
+        part = gl.program_id(1)
+        all_tiles = K // 128
+        rr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+        tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+        ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        wbase = ((tile * 4 + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
+            + (tt * 8)[None, :, None] + ss[None, None, :]
+        hr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+        ht = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+        hu = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+        hbase = ((tile * 4 + hr // 8) * (all_tiles * 128) + (hr % 8) * 16)[:, None, None] \
+            + (ht * 4)[None, :, None] + hu[None, None, :]
+        sr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
+        row0 = tile * 64 + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
+        slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
+        acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
+        kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _gluon_kernel
+        words_n = gl.load(words_ptr + wbase + kt0 * 256)
+        high_n = gl.load(high_ptr + hbase + kt0 * 128)
+        st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
+        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, high, st0, st1 = words_n, high_n, st0_n, st1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            high_n = gl.load(high_ptr + hbase + nxt * 128)
+            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
+            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
+            a = _q6_pairs_tile(words, high, st0, st1, wl)
+            acc = _times_x(acc, a, a_layout, x_ptr, x_smem, kt, K, M, BLOCK_M)
+        _store_part(acc, parts_ptr, tile, part, M, N, BLOCK_M)
+
+
+def compile_for_hopper(block_m: int = 16, decode: str = "float"):
+    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
+    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    sig = {"x_ptr": "*bf16", "words_ptr": "*i32", "heads_ptr": "*i32", "parts_ptr": "*fp32", "M": "i32", "N": "i32",
-           "K": "i32", "k_tiles": "i32", "BLOCK_M": "constexpr", "PAIRS": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6)}
-    src = gluon._runtime.GluonASTSource(fn=_gluon_kernel, signature=sig, attrs=attrs,
-                                        constexprs={"BLOCK_M": block_m, "PAIRS": pairs})
+    common = {"x_ptr": "*bf16", "words_ptr": "*i32"}
+    if decode == "q6_k":
+        fn, sig = _q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16"}
+        constexprs = {"BLOCK_M": block_m}
+    else:
+        fn, sig = _gluon_kernel, {**common, "heads_ptr": "*i32"}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs"}
+    sig |= {"parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_tiles": "i32"}
+    sig |= {name: "constexpr" for name in constexprs}
+    pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
@@ -363,6 +537,33 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         print(lines[-1], flush=True)
         del blocks, pick_blocks
         torch.cuda.empty_cache()
+    lines += ["", "| Q6_K weight | MB | split | " + " | ".join(f"{m} rows: engine / gluon us" for m in rows)
+              + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
+              + "---|" * (len(rows) + 2)]
+    q6 = quant.FORMATS["Q6_K"]
+    for label, n, k in [("27B down", 5120, 17408), ("27B o_proj", 5120, 6144)]:
+        held = quant.hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, q6),
+                          q6)
+        copies = _copies(held.numel())
+        pick_held = _rotating([held] + [held.clone() for _ in range(copies - 1)])
+        planes = repack_q6_k(held, k)
+        pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(copies - 1)])
+        split = split_for(n, k, sms)
+        xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+        times = {m: (time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k)),
+                     time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s))) for m in rows}
+        x = xs[max(rows)]
+        many = linear_q6_k(x, planes, n, k, split)
+        invariant = torch.equal(linear_q6_k(x[:1], planes, n, k, split), many[:1])
+        own = [quant.held_values(held, q6, k).to(torch.bfloat16), reference_q6_k(*planes, n, k)]
+        errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
+                  for got, w in zip((quant_kernel.linear(x, held, q6, k), many), own, strict=True)]
+        lines.append(f"| {label} ({n} x {k}) | {held.numel() / 1e6:.1f} | {split} | "
+                     + " | ".join(f"{times[m][0]:.1f} / {times[m][1]:.1f}" for m in rows)
+                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
+        print(lines[-1], flush=True)
+        del held, pick_held, planes, pick
+        torch.cuda.empty_cache()
     return lines
 
 
@@ -396,13 +597,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads |\n|---|---|---|---|---|---|---|---|---|")
-    for pairs, block_m in [(pairs, block_m) for pairs in (False, True) for block_m in args.rows]:
-        compiled = compile_for_hopper(block_m, pairs)
+    for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
+        compiled = compile_for_hopper(block_m, decode)
         body = loop(compiled)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))
         loads = ", ".join(f"{op} {v}" for op, v in sorted(ops.items()) if op.startswith("LDG"))
-        print(f"| {'pairs' if pairs else 'float'} | {block_m} | {resources(compiled)['REG']} | {len(body)} | "
+        print(f"| {decode} | {block_m} | {resources(compiled)['REG']} | {len(body)} | "
               f"{len(body) * 128 / (TILE_N * TILE_K):.2f} | "
               f"{hgmma} | {sts} | {lds} | {loads} |", flush=True)
     return 0

@@ -68,15 +68,15 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
     proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64"], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\| (float|pairs) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
+    rows = re.findall(r"^\| (float|pairs|q6_k) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
                       proc.stdout, flags=re.M)
-    assert [r[:2] for r in rows] == [("float", "16"), ("float", "64"), ("pairs", "16"), ("pairs", "64")], proc.stdout
-    for _, block_m, hgmma, sts, lds in rows:
-        # 8 products of 16 columns a 128-column tile; the x tile [128, BLOCK_M] bf16 in 16-byte stores
-        # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores, and the four step / offset tensors
-        # [32, 4] (one a thread where they are decoded, four a thread where used: a 16-byte read each); the decoded
-        # tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
-        assert int(hgmma) == 8 and int(lds) == 4 and int(sts) == 128 * int(block_m) * 2 // 16 // 128 + 4, rows
+    assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
+    for decode, block_m, hgmma, sts, lds in rows:
+        # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores; Q4_K's four step / offset tensors
+        # [32, 4] too (one a thread where they are decoded, four a thread where used: a 16-byte read each); the
+        # decoded tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
+        steps = 0 if decode == "q6_k" else 4
+        assert int(hgmma) == 8 and int(lds) == steps and int(sts) == 128 * int(block_m) * 2 // 16 // 128 + steps, rows
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
@@ -97,43 +97,122 @@ def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(sp
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
-def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(monkeypatch):
-    """``gpu_bench.py --q4k-decode gluon``: bf16 rows (up to 64) of a Q4_K weight of whole blocks and no bias take
-    the prototype, its weight repacked on the first call and kept; anything else the engine's kernel."""
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 2])
+def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split):
+    from engine.models.quant import hold
+
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5), FORMATS["Q6_K"]).cuda(), K)
+    weight = quant_gluon.reference_q6_k(*planes, N, K)
+    eye = torch.eye(64, K, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(quant_gluon.linear_q6_k(eye, planes, N, K, split), weight[:, :64].T)
+    x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
+    many = quant_gluon.linear_q6_k(x, planes, N, K, split)
+    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split), many[:1])
+    exact = x.double() @ weight.double().T
+    assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(monkeypatch, pairs):
+    """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (up to 64) of a Q4_K weight of
+    whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything else the
+    engine's kernel."""
     from engine.models import quant_kernel as qk
 
     calls, packs = [], []
     blocks = _blocks(seed=2)
+    q6 = torch.zeros(N, FORMATS["Q6_K"].row_bytes(K), dtype=torch.uint8)
     monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: calls.append("engine"))
     monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: packs.append((cols, pairs)) or ("words", "heads"))
+    monkeypatch.setattr(quant_gluon, "repack_q6_k", lambda b, cols: packs.append((cols, "Q6_K")) or "planes")
     monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False: calls.append(
         ("gluon", tuple(x.shape), w, h, n, split, pairs)) or torch.zeros(x.shape[0], n))
-    quant_gluon.install(pairs=True)  # wraps the (fake) engine linear above; monkeypatch restores the real one after
+    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1: calls.append(
+        ("gluon-q6", tuple(x.shape), planes, n, split)) or torch.zeros(x.shape[0], n))
+    quant_gluon.install(pairs)  # wraps the (fake) engine linear above; monkeypatch restores the real one after
     cases = [("Q4_K", 1, None, torch.bfloat16, "gluon"), ("Q4_K", 64, None, torch.bfloat16, "gluon"),
-             ("Q4_K", 65, None, torch.bfloat16, "engine"), ("Q6_K", 1, None, torch.bfloat16, "engine"),
+             ("Q4_K", 65, None, torch.bfloat16, "engine"), ("Q6_K", 1, None, torch.bfloat16, "gluon-q6" if pairs
+                                                              else "engine"),
+             ("Q8_0", 1, None, torch.bfloat16, "engine"),
              ("Q4_K", 1, torch.zeros(4), torch.bfloat16, "engine"), ("Q4_K", 1, None, torch.float16, "engine")]
     for fmt, rows, bias, dtype, want in cases:
         calls.clear()
-        out = qk.linear(torch.zeros(rows, K, dtype=dtype), blocks, FORMATS[fmt], K, bias)
+        weight = q6 if fmt == "Q6_K" else blocks
+        out = qk.linear(torch.zeros(rows, K, dtype=dtype), weight, FORMATS[fmt], K, bias)
         assert [c if c == "engine" else c[0] for c in calls] == [want], (fmt, rows, bias, dtype)
         if want == "gluon":
-            assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K), True)
+            assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K), pairs)
+        if want == "gluon-q6":
+            assert calls[0][1:] == ((rows, K), "planes", N, quant_gluon.split_for(N, K))
+        if want != "engine":
             assert out.shape == (rows, N)
-    assert packs == [(K, True)]  # the one weight, repacked once
+    assert packs == [(K, pairs)] + ([(K, "Q6_K")] if pairs else [])  # each weight, repacked once
 
 
-@pytest.mark.parametrize("pairs", [False, True])
-def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column(pairs):
+def _q6_blocks(seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q6_K, N, K, seed, scale=0.05))
+
+
+def _q6_read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K file blocks -> (q 0..63, bf16(d * scale)) [N, K], by ggml's layout value by value: half v // 128,
+    quarter (v % 128) // 32, position v % 32 (independent of ``quant`` and of the module)."""
+    v = torch.arange(K)
+    blk, half, quarter, pos = v // 256, v % 256 // 128, v % 128 // 32, v % 32
+    low = (blocks[:, blk * 210 + half * 64 + (quarter % 2) * 32 + pos].long() >> (4 * (quarter // 2))) & 15
+    top = (blocks[:, blk * 210 + 128 + half * 32 + pos].long() >> (2 * quarter)) & 3
+    scale = blocks[:, blk * 210 + 192 + v % 256 // 16].view(torch.int8).float()
+    block_d = blocks.reshape(N, -1, 210)[:, :, 208:210].contiguous().view(torch.float16).float().squeeze(-1)
+    return low | (top << 4), (block_d.repeat_interleave(256, dim=1) * scale).to(torch.bfloat16)
+
+
+def test_q6_k_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_its_decode():
+    """``repack_q6_k``: the low nibbles as Q4_K's pair words; the top 2 bits of slice s = 2 u + o at field
+    8 e + 4 o + 2 j + h of word [G][kt][g][t][u], read position by position against the file's bytes; read back, the
+    values are (q - 32) * bf16(d * scale) rounded once, computed here from the file's blocks (not the planes)."""
+    import quant_packed
+
+    from engine.models.quant import hold
+
+    fmt = FORMATS["Q6_K"]
+    blocks = _q6_blocks(seed=4)
+    words, high, scales, d = quant_gluon.repack_q6_k(hold(blocks, fmt), K)
+    assert high.numel() == (128 // 16) * (K // 128) * 128 and scales.shape == (128, K // 16) and d.shape == (128, 2)
+    for G, kt, g, t, u in [(0, 0, 0, 0, 0), (1, 2, 5, 3, 3), (6, 3, 3, 1, 2), (5, 1, 7, 2, 1)]:
+        word = int(high[((G * (K // 128) + kt) * 8 + g) * 16 + t * 4 + u]) & 0xFFFFFFFF
+        for o, j, h, e in [(o, j, h, e) for o in range(2) for j in range(2) for h in range(2) for e in range(2)]:
+            row, col = 16 * G + 8 * h + g, 128 * kt + 16 * (2 * u + o) + 8 * j + 2 * t + e
+            got = (word >> (2 * (8 * e + 4 * o + 2 * j + h))) & 3
+            if row >= N:
+                assert got == 0
+                continue
+            blk, v = divmod(col, 256)  # ggml: half v // 128, then 32-value group l, quarter v % 128 // 32
+            half, r = divmod(v, 128)
+            quarter, l_ = divmod(r, 32)
+            qh = int(blocks[row, blk * 210 + 128 + half * 32 + l_])
+            assert got == (qh >> (2 * quarter)) & 3, (G, kt, g, t, u, o, j, h, e)
+    q, step = _q6_read(blocks)
+    want = quant_packed._round_bf16((q - 32).double() * step.double())
+    assert torch.equal(quant_gluon.reference_q6_k(words, high, scales, d, N, K), want)
+
+
+@pytest.mark.parametrize("decode", ["float", "pairs", "q6_k"])
+def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column(decode):
     """``_gluon_kernel``'s assembly of a 64 x 128 tile replayed in PyTorch (a join is a stack on a new minor
     dimension; the pair decode's ``mov`` splits an int32 into its low then high 16 bits on a new minor dimension):
     its word addresses, its nibbles' joins, its reshape and permutation give the tile of the natural weight. The
     compile checks that the layout is the operand's; this checks that the data is the tile's (the first version
     joined the nibbles the other way round and compiled all the same)."""
-    from engine.models.quant import _nibbles
+    from engine.models.quant import _nibbles, hold
 
-    blocks = _blocks(seed=3)
-    words, _ = quant_gluon.repack(blocks, K, pairs)
-    q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N, K)
+    if decode == "q6_k":  # the 6-bit values, read from the file's bytes
+        blocks = _q6_blocks(seed=3)
+        words, high, _, _ = quant_gluon.repack_q6_k(hold(blocks, FORMATS["Q6_K"]), K)
+        q, _ = _q6_read(blocks)
+    else:
+        blocks = _blocks(seed=3)
+        words, _ = quant_gluon.repack(blocks, K, decode == "pairs")
+        q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N, K)
 
     def join(a, b):
         return torch.stack([a, b], dim=-1)
@@ -143,7 +222,15 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
         for kt in range(K // 128):
             wbase = (tile * 4 + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
             w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
-            if pairs:  # _pairs_tile: (w >> 4 (2 j + h)) & 0x000F000F, joined on j then h, split into halves
+            if decode == "q6_k":  # _q6_pairs_tile: the top words joined with themselves >> 8, then per (j, h)
+                hb = (tile * 4 + rr // 8) * ((K // 128) * 128) + (rr % 8) * 16 + cc // 8 * 4 + cc % 8 // 2
+                hw = high[hb + kt * 128].to(torch.int64) & 0xFFFFFFFF  # word u = s // 2 of the thread's slice
+                top = torch.where(cc % 2 == 0, hw, hw >> 8)  # join(high, high >> 8): o = s % 2
+                shifted = [top << 4, top << 2, top, top >> 2]
+                p = [((w >> (4 * n)) & 0x000F000F) | (shifted[n] & 0x00300030) for n in range(4)]
+                both = join(join(p[0], p[2]), join(p[1], p[3]))
+                a = join(both & 0xFFFF, (both >> 16) & 0xFFFF)
+            elif decode == "pairs":  # _pairs_tile: (w >> 4 (2 j + h)) & 0x000F000F, joined on j then h, in halves
                 p = [(w >> (4 * n)) & 0x000F000F for n in range(4)]
                 both = join(join(p[0], p[2]), join(p[1], p[3]))
                 a = join(both & 0xFFFF, both >> 16)
