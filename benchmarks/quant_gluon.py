@@ -404,7 +404,8 @@ if gluon is not None:
     @gluon.jit
     def _q6_steps(scales_ptr, d_ptr, row, kt, s, K):
         """bf16(d * scale) of each row's 8 slices of tile ``kt`` (16 values a scale): [32, 1, 8]."""
-        sc = gl.load(scales_ptr + row[:, None] * (K // 16) + kt * 8 + s[None, :])
+        at = gl.max_contiguous(gl.multiple_of(row[:, None] * (K // 16) + kt * 8 + s[None, :], [1, 8]), [1, 8])
+        sc = gl.load(scales_ptr + at)  # 8 bytes a row (K // 16 is a multiple of 16: K is of 256)
         d = gl.load(d_ptr + row * (K // 256) + kt // 2)
         return (d.to(gl.float32)[:, None] * sc.to(gl.float32)).to(gl.bfloat16).expand_dims(1)
 
