@@ -72,6 +72,17 @@ def _nibble_words(q: Tensor, cols: int, pairs: bool) -> Tensor:
     return _pack(q, 4, (0, 3, 2, 6, 4, 7, 5, 1) if pairs else (0, 3, 2, 6, 4, 5, 1, 7), shape)
 
 
+def _by_rows(repack_rows):
+    """A repack done 4,096 rows at a time (a multiple of the 64-row tile, so the planes concatenate in order):
+    its int64 temporaries stay ~16 bytes a value of that many rows (the 27B's head is 1.3 G values)."""
+    def by_rows(blocks: Tensor, cols: int, *args) -> tuple[Tensor, ...]:
+        parts = [repack_rows(blocks[r:r + 4096], cols, *args) for r in range(0, blocks.shape[0], 4096)]
+        return tuple(torch.cat(planes) for planes in zip(*parts, strict=True))
+    by_rows.__doc__ = repack_rows.__doc__
+    return by_rows
+
+
+@_by_rows
 def repack(blocks: Tensor, cols: int, pairs: bool = False) -> tuple[Tensor, Tensor]:
     """Q4_K rows [N, row_bytes] -> (words, heads): the nibbles as the kernel's threads read them, int32
     [ceil(N / 64) * 4 * (cols / 128) * 256] (``_nibble_words``), and each block's 16-byte head, int32
@@ -87,6 +98,7 @@ def repack(blocks: Tensor, cols: int, pairs: bool = False) -> tuple[Tensor, Tens
     return words, heads.contiguous()
 
 
+@_by_rows
 def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Q6_K rows (as a ``QuantLinear`` holds them: ``quant.hold``'s planes) -> (words, high, scales, d): the low
     nibbles as ``_nibble_words`` (pairs), the top 2 bits int32 [groups][tiles][g][t][u] (a thread's slices
