@@ -1,4 +1,4 @@
-"""A study → report.md and PNG plots (matplotlib, Agg backend: no display needed).
+"""A study → report.md and its PNG plots (``autotune.plots``).
 
 Sections: the winner and whether it is a positive conclusion, exactness failures (loudly, with each
 divergence's top-2 logit margins and verdict: numeric tie or mismatch), top trials with spread,
@@ -15,39 +15,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import optuna
+from optuna.trial import FrozenTrial, TrialState
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import optuna  # noqa: E402
-from optuna.trial import FrozenTrial, TrialState  # noqa: E402
+from autotune import measure, plots, results
+from autotune import study as st
+from autotune.dimensions import describe as describe_fixed
+from autotune.study import role_of
+from autotune.vram import size as vram_size
 
-from autotune import measure, results  # noqa: E402
-from autotune import study as st  # noqa: E402
-from autotune.dimensions import describe as describe_fixed  # noqa: E402
-from autotune.study import role_of  # noqa: E402
-from autotune.vram import size as vram_size  # noqa: E402
-
-PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")
 COVERAGE_TOLERANCE = 0.05  # phases must add up to the step time within a few percent
-
-
-# what each objective's tok/s is, in a table header and in the winner's line
-UNITS = {"decode_tps": ("decode tok/s", "decode-only"),
-         "session_tps": ("session tok/s", "session tok/s (completion tokens / session time, prefill included)")}
-
-
-def _unit(study: optuna.Study, long: bool = False) -> str:
-    return UNITS.get(results.objective(study), UNITS["decode_tps"])[int(long)]
 
 
 def write_report(study: optuna.Study, out_dir: Path, top: int = 10) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ranked = results.ranked(study)
     w = results.winner(study)
-    pngs = [p for p in (_plot_top(study, ranked[:top], out_dir), _plot_speedup(study, out_dir),
-                        _plot_phases(ranked[:5], out_dir), _plot_al(study, w, out_dir),
-                        _plot_paths(study, w, out_dir)) if p is not None]
+    pngs = plots.write_plots(study, ranked, w, top, out_dir)
     md = out_dir / "report.md"
     md.write_text(_markdown(study, ranked, w, top, pngs))
     return [md, *pngs]
@@ -134,16 +118,16 @@ def _markdown(study: optuna.Study, ranked: list[FrozenTrial], w: results.Winner 
                 else "**not confirmed** (the confirmation phase did not run)")
         base = results.winner_baseline(study, w)
         L += [f"Trial {w.trial} ({w.role}, path `{results.path_of(w.config)}`), {conf}: "
-              f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** {_unit(study, long=True)} "
+              f"**{w.median_tps:.2f} ± {w.spread:.2f} tok/s** {results.unit(study, long=True)} "
               f"(conservative {w.value:.2f}), speedup vs AR {_fmt(w.speedup_vs_ar)}x "
-              f"(AR {_fmt(w.ar_median_tps)} {_unit(study)}{f'; baseline: {base}' if base else ''}).", "",
+              f"(AR {_fmt(w.ar_median_tps)} {results.unit(study)}{f'; baseline: {base}' if base else ''}).", "",
               f"`{_cfg_short(w.config)}`", ""]
         L += _conclusions(w)
     L += _confirmation(study)
     L += _exactness(study)
     key = results.median_key(study)
     L += ["## Top trials", "", "By search value (median − spread of the search's passes); ★ marks the winner.", "",
-          f"| trial | role | path | {_unit(study)} (median ± spread) | value | speedup vs AR | "
+          f"| trial | role | path | {results.unit(study)} (median ± spread) | value | speedup vs AR | "
           "AR baseline | AL | break-even AL | exact | noisy | config |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in ranked[:top]:
@@ -194,7 +178,8 @@ def _confirmation(study: optuna.Study) -> list[str]:
         return []
     L = ["## Confirmation", "", f"The top configs re-measured with {conf['repeats']} repeats after "
          f"{conf['finished_trials']} trials; differences within the spread are ties, broken toward the simpler "
-         "config.", "", f"| trial | {_unit(study)} (median ± spread) | speedup vs AR | break-even AL | tied | config |",
+         "config.", "",
+         f"| trial | {results.unit(study)} (median ± spread) | speedup vs AR | break-even AL | tied | config |",
          "|---|---|---|---|---|---|"]
     for c in sorted(conf["candidates"], key=lambda c: -c["score"]["median"]):
         sc = c["score"]
@@ -256,7 +241,7 @@ def _baselines(study: optuna.Study) -> list[str]:
          "and prompt set. A worker that starts without one (after a restart) reuses the study's latest baseline "
          "measured under the same identity (machine, models, prompts, settings, code) within "
          "`measure.baseline_max_age`. AR baselines measured:", "",
-         f"| trial | worker | AR {_unit(study)} (median ± spread) | drift vs previous | speedups using it |",
+         f"| trial | worker | AR {results.unit(study)} (median ± spread) | drift vs previous | speedups using it |",
          "|---|---|---|---|---|"]
     key = results.median_key(study)
     for t in base:
@@ -321,7 +306,7 @@ def _weights_forms(study: optuna.Study) -> list[str]:
     if not any(t.user_attrs["config"].get("weights") for t in done):
         return []
     pruned = [t for t in study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)) if t.user_attrs.get("config")]
-    key, unit = results.median_key(study), _unit(study)
+    key, unit = results.median_key(study), results.unit(study)
     L = ["## Weights: native vs dequantized", "", "`native` keeps the GGUF's quantized projections in their blocks "
          "(dequantized per call, in registers on CUDA); `dequantized` turns them into the model's dtype on load. "
          "Each config is exact against AR with its own weights.", "",
@@ -363,7 +348,7 @@ def _weights_forms(study: optuna.Study) -> list[str]:
 
 
 def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
-    shown = _speculative_lead(study, w)
+    shown = results.speculative_lead(study, w)
     shown += [t for t in results.completed(study) if role_of(t) == "reference"][:1]
     # the best adaptive-policy trial too, when the lead is not one: its choices beside the oracle gate
     shown += [t for t in results.ranked(study) if t.user_attrs.get("budget_histogram")][:1]
@@ -389,25 +374,16 @@ def _per_workload(study: optuna.Study, w: results.Winner | None) -> list[str]:
     return L + [""]
 
 
-def _speculative_lead(study: optuna.Study, w: results.Winner | None) -> list[FrozenTrial]:
-    """The winner when it is speculative, else the best speculative trial (at most one)."""
-    if w is not None and w.role != "baseline":
-        found = [t for t in results.completed(study) if t.number == w.trial]
-        if found:
-            return found
-    return [t for t in results.ranked(study) if role_of(t) != "baseline"][:1]
-
-
 def _phases(trials: list[FrozenTrial]) -> list[str]:
-    L = ["## Per-phase breakdown (ms per step)", "", "| trial | " + " | ".join(PHASES) + " | sum | step | "
-         "coverage |", "|---" * (len(PHASES) + 4) + "|"]
+    L = ["## Per-phase breakdown (ms per step)", "", "| trial | " + " | ".join(results.PHASES) + " | sum | step | "
+         "coverage |", "|---" * (len(results.PHASES) + 4) + "|"]
     notes = []
     for t in trials:
         u = t.user_attrs
         ph = u.get("phase_ms_per_step", {})
         total, step = sum(ph.values()), u.get("step_ms") or 0.0
         cov = total / step if step else None
-        L.append(f"| {t.number} | " + " | ".join(_fmt(ph.get(p), 3) for p in PHASES)
+        L.append(f"| {t.number} | " + " | ".join(_fmt(ph.get(p), 3) for p in results.PHASES)
                  + f" | {_fmt(total, 3)} | {_fmt(step, 3)} | {_fmt(cov)} |")
         if cov is not None and abs(cov - 1) > COVERAGE_TOLERANCE:
             what = "not timed by any phase" if cov < 1 else "double counted"
@@ -521,88 +497,3 @@ def _failures(study: optuna.Study) -> list[str]:
     L = ["## Failed trials", ""]
     L += [f"- trial {t.number} ({role_of(t)}): {t.user_attrs.get('fail_reason', 'no reason recorded')}" for t in failed]
     return L + [""]
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def _plot_top(study: optuna.Study, trials: list[FrozenTrial], out: Path) -> Path | None:
-    if not trials:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(trials) + 1.5))
-    labels = [f"#{t.number} {results.path_of(t.user_attrs.get('config', {}))}" for t in trials][::-1]
-    med = [t.user_attrs.get(results.median_key(study), 0.0) for t in trials][::-1]
-    err = [t.user_attrs.get("spread", 0.0) for t in trials][::-1]
-    ax.barh(labels, med, xerr=err, color=["tab:gray" if role_of(t) == "baseline" else "tab:blue"
-                                          for t in trials][::-1], capsize=3)
-    ax.set_xlabel(f"{_unit(study, long=True)}: median ± 1.4826·MAD")
-    ax.set_title("Top feasible trials")
-    return _save(fig, out / "top_trials.png")
-
-
-def _plot_speedup(study: optuna.Study, out: Path) -> Path | None:
-    pts = [(t.number, t.user_attrs["speedup_vs_ar"], results.feasible(t)) for t in results.completed(study)
-           if t.user_attrs.get("speedup_vs_ar") is not None and role_of(t) != "baseline"]
-    if not pts:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], label="feasible")
-    ax.scatter([p[0] for p in pts if not p[2]], [p[1] for p in pts if not p[2]], marker="x", color="red",
-               label="inexact (infeasible)")
-    ax.axhline(1.0, color="gray", linestyle="--", label="AR")
-    ax.set_xlabel("trial")
-    ax.set_ylabel("speedup vs AR (median ratio)")
-    ax.legend()
-    return _save(fig, out / "speedup_vs_ar.png")
-
-
-def _plot_phases(trials: list[FrozenTrial], out: Path) -> Path | None:
-    trials = [t for t in trials if t.user_attrs.get("phase_ms_per_step") and role_of(t) != "baseline"]
-    if not trials:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(trials)
-    names = [f"#{t.number}" for t in trials]
-    for p in PHASES:
-        vals = [t.user_attrs["phase_ms_per_step"].get(p, 0.0) for t in trials]
-        ax.bar(names, vals, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.scatter(names, [t.user_attrs.get("step_ms", 0.0) for t in trials], color="black", marker="_", s=400,
-               label="step time", zorder=3)
-    ax.set_ylabel("ms per step")
-    ax.legend(fontsize="small")
-    return _save(fig, out / "phases.png")
-
-
-def _plot_al(study: optuna.Study, w: results.Winner | None, out: Path) -> Path | None:
-    spec = _speculative_lead(study, w)
-    if not spec or not spec[0].user_attrs.get("al_histogram"):
-        return None
-    t = spec[0]
-    hist = {int(k): v for k, v in t.user_attrs["al_histogram"].items()}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(list(hist), list(hist.values()))
-    be = results.break_even_al(study, t)
-    if be:
-        ax.axvline(be, color="red", linestyle="--", label=f"break-even AL {be:.2f}")
-        ax.legend()
-    ax.set_xlabel("tokens committed per step (AL)")
-    ax.set_ylabel("steps")
-    who = "the winner" if w is not None and t.number == w.trial else "best speculative trial"
-    ax.set_title(f"AL histogram, {who} #{t.number}")
-    return _save(fig, out / "al_histogram.png")
-
-
-def _plot_paths(study: optuna.Study, w: results.Winner | None, out: Path) -> Path | None:
-    best = results.best_per_path(study, w)
-    if not best:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(best) + 1.5))
-    ax.barh([f"{p} (#{t.number})" for p, t in best][::-1], [t.value for _, t in best][::-1],
-            color=["tab:green" if w is not None and t.number == w.trial else "tab:blue" for _, t in best][::-1])
-    ax.set_xlabel("search value (median − spread), tok/s; green: the winner")
-    ax.set_title("Best config per implementation path")
-    return _save(fig, out / "paths.png")

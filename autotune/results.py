@@ -358,3 +358,23 @@ def summary(study: optuna.Study) -> dict[str, Any]:
 
 def format_summary(facts: dict[str, Any]) -> str:
     return "\n".join(f"{k}: {'none' if v is None else v}" for k, v in facts.items())
+
+
+PHASES = ("draft", "topk", "tree", "verify", "walk", "commit")  # a speculative step's timed phases, in order
+
+# what each objective's tok/s is, in a table header and in the winner's line
+UNITS = {"decode_tps": ("decode tok/s", "decode-only"),
+         "session_tps": ("session tok/s", "session tok/s (completion tokens / session time, prefill included)")}
+
+
+def unit(study: optuna.Study, long: bool = False) -> str:
+    return UNITS.get(objective(study), UNITS["decode_tps"])[int(long)]
+
+
+def speculative_lead(study: optuna.Study, w: Winner | None) -> list[FrozenTrial]:
+    """The winner when it is speculative, else the best speculative trial (at most one)."""
+    if w is not None and w.role != "baseline":
+        found = [t for t in completed(study) if t.number == w.trial]
+        if found:
+            return found
+    return [t for t in ranked(study) if role_of(t) != "baseline"][:1]
