@@ -238,6 +238,19 @@ if gluon is not None:
     # the engine kernel's Triton helpers (Gluon calls them): an fp16 half, Q4_K's 6-bit fields, a small int's float
     from engine.models.quant_kernel import _float, _half_of, k_scale_min
 
+    # words [32 = (w, g), 4 = t, 8 = s]: s in registers (contiguous), t and g in lanes (lane 4 g + t), w in warps
+    _WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[8, 4, 1],
+                                           warps_per_cta=[4, 1, 1], order=[2, 1, 0]))
+
+    @gluon.jit
+    def _word_offsets(tile, all_tiles):
+        """Each thread's 8 words of a 128-column tile (add ``kt * 256``): [32, 4, 8] in ``_WORDS``."""
+        rr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, _WORDS)))
+        tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, _WORDS)))
+        ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _WORDS)))
+        return ((tile * 4 + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
+            + (tt * 8)[None, :, None] + ss[None, None, :]
+
     @gluon.jit
     def _nibble(words, p: gl.constexpr):
         return _float((words >> (4 * p)) & 15, 0)  # the engine kernel's float of a small int, no conversion
@@ -309,9 +322,7 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        # words [32 = (w, g), 4 = t, 8 = s]: s in registers (contiguous), t and g in lanes (lane 4 g + t), w in warps
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[8, 4, 1],
-                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        wl: gl.constexpr = _WORDS
         # the steps: one (row, sub-block) a thread where they are decoded (lane t: sub-block t of the tile's four),
         # then all four a thread (the t lanes alike), as [32, 1, 8] beside the words (s // 2 is the sub-block)
         one: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
@@ -321,14 +332,10 @@ if gluon is not None:
         xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
         tile = gl.program_id(0)
         part = gl.program_id(1)
-        rr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
-        tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-        ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
         acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
         all_tiles = K // 128
-        wbase = ((tile * 4 + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
-            + (tt * 8)[None, :, None] + ss[None, None, :]
+        wbase = _word_offsets(tile, all_tiles)
         sr = gl.arange(0, 32, layout=gl.SliceLayout(1, one))
         row0 = tile * 64 + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
@@ -428,8 +435,7 @@ if gluon is not None:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        wl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[8, 4, 1],
-                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        wl: gl.constexpr = _WORDS
         # the top bits [32 = (w, g), 4 = t, 4 = u]: a thread's 4 words (16 bytes)
         hl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
                                             warps_per_cta=[4, 1, 1], order=[2, 1, 0])
@@ -437,11 +443,7 @@ if gluon is not None:
         tile = gl.program_id(0)
         part = gl.program_id(1)
         all_tiles = K // 128
-        rr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
-        tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
-        ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        wbase = ((tile * 4 + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
-            + (tt * 8)[None, :, None] + ss[None, None, :]
+        wbase = _word_offsets(tile, all_tiles)
         hr = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
         ht = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
         hu = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
