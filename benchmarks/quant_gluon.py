@@ -1,6 +1,6 @@
-"""A prototype of issue #28's decode redesign (not the engine's kernel): Q4_K weights decoded straight into the
-matrix unit's operand registers, in Gluon (Triton's explicit-layout dialect), so no decoded value touches shared
-memory.
+"""A prototype of issue #28's decode redesign (not the engine's kernel): Q4_K and Q6_K weights decoded straight
+into the matrix unit's operand registers, in Gluon (Triton's explicit-layout dialect), so no decoded value touches
+shared memory.
 
 Why: on an H100 (2026-12-06, ``benchmarks/quant_ncu.py``) the engine's few-row Q4_K launch keeps the L1/shared
 pipe 80% busy at 25% of DRAM's bandwidth. Its decoded bf16 tile goes through shared memory into the layout of
@@ -18,20 +18,32 @@ the operand layout is then a renaming, checked at compile time (``convert_layout
 that the layout is the operand's; where each nibble lands within a thread is the joins' order, which a CPU test
 replays).
 
-Values: ``d * scale * q - dmin * min`` in float32 with one rounding (a fused multiply-add), then bf16: the bits
-``quant.dequantize`` gives, and so the engine kernel's. The block's 16-byte head (d, dmin, the packed 6-bit
-scales and mins) stays as the file has it, in a plane of its own (``repack``); each word's scale and min are
-decoded from it. The K order is the natural one, 16 columns an instruction, as the engine kernel's ``tl.dot``.
-Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows
-(``BLOCK_M`` 16, 32 or 64). Split over K (``split``): each part's fp32 sums, then added in order 0..split-1.
+Two decodes of Q4_K. The float one: ``d * scale * q - dmin * min`` in float32 with one rounding (a fused
+multiply-add), then bf16: the bits ``quant.dequantize`` gives, and so the engine kernel's. The pair one
+(``pairs``: nibble ``4 e + 2 j + h``, a register's two columns 16 bits apart): one ``LOP3`` makes their bf16 pair
+128 + q, ``HADD2`` takes 128 off, ``HFMA2`` gives q * bf16(d * scale) + bf16(-dmin * min), one rounding
+(``quant_packed.values``'s numbers, not ``dequantize``'s). Q6_K has the pair decode (``repack_q6_k``): its low
+nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). A row's bits never
+depend on the rows beside it, which is what exactness against AR needs; but only launches of up to 64 rows take
+these kernels, so an engine routed through them (``install``) must keep every launch of a decode at 64 rows or
+fewer (a verify of 64 or more tree nodes takes the engine's kernel, ``dequantize``'s values: not AR's weights).
 
-No interpreter runs Gluon: the CPU tests check ``repack``'s order against the GGUF bytes and ``quant.dequantize``
-(through ``reference``), replay the kernel's joins and permutation in PyTorch, and compile it for sm_90 with the
-conversion trivial; on a GPU, ``tests/test_quant_gluon.py`` checks its bits against the dequantized product.
+The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its
+own (``repack``); each (row, 32-value sub-block)'s scale and min are decoded by one thread and passed to the lanes
+that need them through a little shared memory. The next tile's words and heads are read an iteration ahead. The K
+order is the natural one, 16 columns an instruction. Rows past N are padded to whole 64-row tiles; K must be whole
+256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16, 32 or 64). Split over K (``split``): each part's
+fp32 sums, then added in order 0..split-1.
+
+No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
+(``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
+joins and permutations in PyTorch, and compile them for sm_90; on a GPU, ``tests/test_quant_gluon.py`` checks
+that one-hot rows read each kernel's weight back bit for bit, column block by column block, and rows invariant.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -72,13 +84,18 @@ def _nibble_words(q: Tensor, cols: int, pairs: bool) -> Tensor:
     return _pack(q, 4, (0, 3, 2, 6, 4, 7, 5, 1) if pairs else (0, 3, 2, 6, 4, 5, 1, 7), shape)
 
 
+REPACK_ROWS = 4096  # rows a repack takes at a time (a multiple of TILE_N)
+
+
 def _by_rows(repack_rows):
-    """A repack done 4,096 rows at a time (a multiple of the 64-row tile, so the planes concatenate in order):
-    its int64 temporaries stay ~16 bytes a value of that many rows (the 27B's head is 1.3 G values)."""
-    def by_rows(blocks: Tensor, cols: int, *args) -> tuple[Tensor, ...]:
-        parts = [repack_rows(blocks[r:r + 4096], cols, *args) for r in range(0, blocks.shape[0], 4096)]
+    """A repack done ``REPACK_ROWS`` rows at a time (a multiple of the 64-row tile, so the planes concatenate in
+    order): its int64 temporaries stay ~16 bytes a value of that many rows (the 27B's head is 1.3 G values)."""
+    @functools.wraps(repack_rows)
+    def by_rows(blocks: Tensor, cols: int, *args, **kwargs) -> tuple[Tensor, ...]:
+        assert blocks.shape[0] > 0 and REPACK_ROWS % TILE_N == 0
+        parts = [repack_rows(blocks[r:r + REPACK_ROWS], cols, *args, **kwargs)
+                 for r in range(0, blocks.shape[0], REPACK_ROWS)]
         return tuple(torch.cat(planes) for planes in zip(*parts, strict=True))
-    by_rows.__doc__ = repack_rows.__doc__
     return by_rows
 
 
@@ -203,7 +220,9 @@ def install(pairs: bool = False) -> None:
     other product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process
     only (``gpu_bench.py --q4k-decode gluon`` or ``gluon-pairs``: the whole AR step and verify). A weight is
     repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
-    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel."""
+    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel.
+    With ``pairs`` a launch of more than 64 rows takes the engine's kernel and so ``dequantize``'s values: only
+    timings, not exactness, hold for a verify of 64 or more tree nodes."""
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear

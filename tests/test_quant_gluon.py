@@ -1,7 +1,9 @@
-"""``benchmarks/quant_gluon.py``, the prototype of a Q4_K decode straight into the matrix unit's operand registers
-(issue #28). No interpreter runs Gluon, so on the CPU: the repacked words hold each thread's fragment as the module
-says (explicit positions), read back as ``quant.dequantize``'s values, and the kernel compiles for sm_90 with the
-decoded tile never in shared memory. On a GPU: the product against the dequantized weight's, rows invariant."""
+"""``benchmarks/quant_gluon.py``, the prototype of a Q4_K and Q6_K decode straight into the matrix unit's operand
+registers (issue #28). No interpreter runs Gluon, so on the CPU: the repacked planes hold each thread's fragment as
+the module says (explicit positions against the file's bytes), read back as ``quant.dequantize``'s values (the float
+decode) or an independent reading's (the pair decodes), the kernels' joins and permutations replayed, and they
+compile for sm_90 with the decoded tile never in shared memory. On a GPU: one-hot rows read each weight back bit for
+bit, every column, and rows invariant."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ sys.path.insert(0, str(BENCH))
 import quant_gluon  # noqa: E402
 
 N, K = 100, 512  # rows not a multiple of the 64-row tile; two 256-value blocks, four 128-column tiles
+
+
+def _reads_back(linear, weight: torch.Tensor) -> None:
+    """One-hot rows, 64 columns at a time over all K: each launch's output is those columns of ``weight``, bit for
+    bit (every tile, block, sub-block and the tile read ahead)."""
+    for c0 in range(0, K, 64):
+        eye = torch.zeros(64, K, device="cuda", dtype=torch.bfloat16)
+        eye[torch.arange(64), c0 + torch.arange(64)] = 1
+        assert torch.equal(linear(eye), weight[:, c0:c0 + 64].T), c0
 
 
 def _blocks(seed: int) -> torch.Tensor:
@@ -88,8 +99,7 @@ def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(sp
     blocks = _blocks(seed=1).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
     weight = quant_gluon.reference(words, heads, N, K, pairs).to(torch.bfloat16)
-    eye = torch.eye(64, K, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(quant_gluon.linear(eye, words, heads, N, K, split, pairs), weight[:, :64].T)
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
     many = quant_gluon.linear(x, words, heads, N, K, split, pairs)
     assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs), many[:1])
@@ -104,8 +114,7 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5), FORMATS["Q6_K"]).cuda(), K)
     weight = quant_gluon.reference_q6_k(*planes, N, K)
-    eye = torch.eye(64, K, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(quant_gluon.linear_q6_k(eye, planes, N, K, split), weight[:, :64].T)
+    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
     many = quant_gluon.linear_q6_k(x, planes, N, K, split)
     assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split), many[:1])
@@ -148,6 +157,19 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
         if want != "engine":
             assert out.shape == (rows, N)
     assert packs == [(K, pairs)] + ([(K, "Q6_K")] if pairs else [])  # each weight, repacked once
+
+
+def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
+    """``_by_rows``: chunks of ``REPACK_ROWS`` (64 here, so 100 rows take two, the second padded) give the planes
+    one chunk gives, keyword arguments passed through."""
+    from engine.models.quant import hold
+
+    blocks, q6 = _blocks(seed=6), hold(_q6_blocks(seed=6), FORMATS["Q6_K"])
+    whole = [quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K)]
+    monkeypatch.setattr(quant_gluon, "REPACK_ROWS", 64)
+    for got, want in zip([quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K)], whole,
+                         strict=True):
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def _q6_blocks(seed: int) -> torch.Tensor:

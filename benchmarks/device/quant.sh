@@ -15,7 +15,8 @@
 #      VRAM=1 (with .device/wheels): the sweep under a VRAM limit (experiments/qwen35-27b-q4km-vram.yaml) and its
 #      report. PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): tests, launches, the step.
 #      NCU=1: the few-row Q4_K launches under Nsight Compute (benchmarks/quant_ncu.py; $OUT/ncu_q4k.txt).
-#      GLUON=1: the Q4_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests, launches.
+#      GLUON=1: the Q4_K / Q6_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests,
+#      launches, the 27B Q4_K_M step through it (gluon_large).
 #      SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
@@ -62,7 +63,8 @@ fi
 # GLUON=1: the Q4_K decode into the matrix unit's operand registers (benchmarks/quant_gluon.py): its static counts
 # with this machine's Triton (does its Gluon take the kernel?), its tests (rows invariant, its weight's product),
 # its launches beside the engine kernel's on the 27B Q4_K weights, and the 27B Q4_K_M step with its Q4_K products
-# through it (GLUON_DECODE=gluon-pairs, the bf16 pair decode, by default; or gluon); beside large_q4km, the engine's
+# through it (GLUON_DECODE=gluon-pairs, the bf16 pair decode, Q6_K's products too, by default; or gluon, Q4_K's
+# float decode); large_q4km is the same step on the engine's kernel
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
