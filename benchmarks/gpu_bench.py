@@ -495,10 +495,12 @@ def main(argv: list[str] | None = None) -> int:
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
                          "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
                          "(issue #28); the roofline counts the bytes held")
-    ap.add_argument("--q4k-decode", choices=["engine", "packed", "gluon", "gluon-pairs"], default="engine",
+    ap.add_argument("--q4k-decode", choices=["engine", "packed", "gluon", "gluon-pairs", "gluon-pairs-ahead"],
+                    default="engine",
                     help="packed: the Q4_K few-row products through the bf16-pair decode prototype "
                          "(benchmarks/quant_packed.py; issue #28), gluon: through the decode into operand registers "
-                         "(benchmarks/quant_gluon.py; gluon-pairs: its bf16 pair decode), every other weight "
+                         "(benchmarks/quant_gluon.py; gluon-pairs: its bf16 pair decode, Q6_K too; -ahead: x read an "
+                         "iteration ahead), every other weight "
                          "through the engine's kernel")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
@@ -535,10 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         import quant_packed
 
         quant_packed.install()
-    elif args.q4k_decode in ("gluon", "gluon-pairs"):
+    elif args.q4k_decode.startswith("gluon"):
         import quant_gluon
 
-        quant_gluon.install(pairs=args.q4k_decode == "gluon-pairs")
+        quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"))
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -28,12 +28,12 @@ depend on the rows beside it, which is what exactness against AR needs; but only
 these kernels, so an engine routed through them (``install``) must keep every launch of a decode at 64 rows or
 fewer (a verify of 64 or more tree nodes takes the engine's kernel, ``dequantize``'s values: not AR's weights).
 
-The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its
-own (``repack``); each (row, 32-value sub-block)'s scale and min are decoded by one thread and passed to the lanes
-that need them through a little shared memory. The next tile's words and heads are read an iteration ahead. The K
-order is the natural one, 16 columns an instruction. Rows past N are padded to whole 64-row tiles; K must be whole
-256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16, 32 or 64). Split over K (``split``): each part's
-fp32 sums, then added in order 0..split-1.
+The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
+(``repack``); each (row, 32-value sub-block)'s scale and min are decoded by one thread and passed to the lanes that
+need them through a little shared memory. The next tile's words and heads are read an iteration ahead (``x_ahead``:
+its x rows too; not yet timed). The K order is the natural one, 16 columns an instruction. Rows past N are padded to
+whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16, 32 or 64). Split
+over K (``split``): each part's fp32 sums, then added in order 0..split-1.
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
@@ -181,29 +181,32 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
     return values.reshape(n_pad, cols)[:n]
 
 
-def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False) -> Tensor:
+def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
+           x_ahead: bool = False) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
-    1 to 64 rows, on a GPU."""
+    1 to 64 rows, on a GPU; ``x_ahead``: x's rows read an iteration ahead too (the same bits)."""
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
     block_m = max(16, 1 << (m - 1).bit_length())  # 16, 32 or 64: a power of two
     tiles = heads.shape[0] // TILE_N
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gluon_kernel[(tiles, split)](x.contiguous(), words, heads, parts, m, n, cols, cols // TILE_K // split,
-                                   BLOCK_M=block_m, PAIRS=pairs, num_warps=4)
+                                   BLOCK_M=block_m, PAIRS=pairs, X_AHEAD=x_ahead, num_warps=4)
     return _sum_parts(parts, x.dtype)
 
 
-def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1) -> Tensor:
+def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
+                x_ahead: bool = False) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
-    to 64 rows, on a GPU."""
+    to 64 rows, on a GPU; ``x_ahead`` as ``linear``'s."""
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
     block_m = max(16, 1 << (m - 1).bit_length())
     words, high, scales, d = planes
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _q6_kernel[(d.shape[0] // TILE_N, split)](x.contiguous(), words, high, scales, d, parts, m, n, cols,
-                                               cols // TILE_K // split, BLOCK_M=block_m, num_warps=4)
+                                               cols // TILE_K // split, BLOCK_M=block_m, X_AHEAD=x_ahead,
+                                               num_warps=4)
     return _sum_parts(parts, x.dtype)
 
 
@@ -214,7 +217,7 @@ def _sum_parts(parts: Tensor, dtype: torch.dtype) -> Tensor:
     return out.to(dtype)
 
 
-def install(pairs: bool = False) -> None:
+def install(pairs: bool = False, x_ahead: bool = False) -> None:
     """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
     this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every
     other product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process
@@ -245,9 +248,9 @@ def install(pairs: bool = False) -> None:
         n, planes = blocks.shape[0], repacked[key][1]
         split = split_for(n, cols)
         if fmt.name == "Q6_K":
-            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split)
+            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, x_ahead)
         else:
-            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs)
+            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead)
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed
@@ -337,7 +340,7 @@ if gluon is not None:
 
     @gluon.jit
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, parts_ptr, M, N, K, k_tiles, BLOCK_M: gl.constexpr,
-                      PAIRS: gl.constexpr):
+                      PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -358,17 +361,23 @@ if gluon is not None:
         sr = gl.arange(0, 32, layout=gl.SliceLayout(1, one))
         row0 = tile * 64 + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
-        # each tile's words and heads are read one iteration ahead (registers: the load of tile i + 1 is in flight
-        # while tile i is decoded and multiplied); the last iteration reads its own tile again (a cache hit, no mask)
+        # each tile's words and heads (X_AHEAD: and x rows) are read one iteration ahead (registers: the loads of
+        # tile i + 1 are in flight while tile i is decoded and multiplied); the last iteration reads its own tile
+        # again (a cache hit, no mask)
         kt0 = part * k_tiles
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, kt0, K)
         h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, kt0, K)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, h0, a0, m0, r0, h1, a1, m1, r1 = words_n, h0_n, a0_n, m0_n, r0_n, h1_n, a1_n, m1_n, r1_n
             words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
             h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, nxt, K)
             h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, nxt, K)
             st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
@@ -379,22 +388,28 @@ if gluon is not None:
                 a = _pairs_tile(words, st0, sh0, st1, sh1)
             else:
                 a = _values_tile(words, st0, sh0, st1, sh1)
-            acc = _times_x(acc, a, a_layout, x_ptr, x_smem, kt, K, M, BLOCK_M)
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, a_layout, xt, x_smem)
         _store_part(acc, parts_ptr, tile, part, M, N, BLOCK_M)
 
     @gluon.jit
-    def _times_x(acc, a, a_layout: gl.constexpr, x_ptr, x_smem, kt, K, M, BLOCK_M: gl.constexpr):
-        """acc += the decoded [64, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) times x's rows for
-        tile ``kt`` (through shared memory, as wgmma's B operand)."""
-        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64, 128] (tests/test_quant_gluon.py replays the
-        # joins, this reshape and the permutation on the CPU)
-        a = a.reshape([4, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([64, 128])
-        a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
+    def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr):
+        """x's rows for K tile ``kt``, [128, BLOCK_M] bf16 in registers (rows past M zero, not read)."""
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
                                             order=[0, 1])
         xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
         xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
-        xt = gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
+        return gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
+
+    @gluon.jit
+    def _times_x(acc, a, a_layout: gl.constexpr, xt, x_smem):
+        """acc += the decoded [64, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) times ``xt`` (x's
+        rows for its K tile, through shared memory, as wgmma's B operand)."""
+        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [64, 128] (tests/test_quant_gluon.py replays the
+        # joins, this reshape and the permutation on the CPU)
+        a = a.reshape([4, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([64, 128])
+        a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
         x_smem.store(xt)
         fence_async_shared()
         return warpgroup_mma(a, x_smem, acc)
@@ -449,7 +464,7 @@ if gluon is not None:
 
     @gluon.jit
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, parts_ptr, M, N, K, k_tiles,
-                   BLOCK_M: gl.constexpr):
+                   BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr):
         """Q6_K's few-row product, the tile's skeleton as ``_gluon_kernel``'s (pairs decode only)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
@@ -478,20 +493,27 @@ if gluon is not None:
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
         st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
         st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, high, st0, st1 = words_n, high_n, st0_n, st1_n
             words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
             high_n = gl.load(high_ptr + hbase + nxt * 128)
             st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
             st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
             a = _q6_pairs_tile(words, high, st0, st1, wl)
-            acc = _times_x(acc, a, a_layout, x_ptr, x_smem, kt, K, M, BLOCK_M)
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, a_layout, xt, x_smem)
         _store_part(acc, parts_ptr, tile, part, M, N, BLOCK_M)
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float"):
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
     ``linear_q6_k`` (q6_k) makes for ``block_m`` rows."""
     import triton
@@ -500,10 +522,10 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float"):
     common = {"x_ptr": "*bf16", "words_ptr": "*i32"}
     if decode == "q6_k":
         fn, sig = _q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16"}
-        constexprs = {"BLOCK_M": block_m}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
     else:
         fn, sig = _gluon_kernel, {**common, "heads_ptr": "*i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs"}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
     sig |= {"parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_tiles": "i32"}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
@@ -528,8 +550,9 @@ def split_for(n: int, cols: int, sms: int = 132, per_sm: int = 2) -> int:
 
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float
-    decode and its bf16 pair decode, on each 27B Q4_K weight, weights cycled through 256 MB; each decode's row
-    invariance and error against the product of ``quant.dequantize``'s weight."""
+    decode and its bf16 pair decode (and that with x read an iteration ahead), on each 27B Q4_K weight, weights
+    cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
+    weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
 
@@ -538,15 +561,15 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    lines = ["| weight | MB | split (x4) | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs / pairs x4 us" for m in rows)
+    lines = ["| weight | MB | split | "
+             + " | ".join(f"{m} rows: engine / gluon / pairs / pairs, x ahead us" for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
         blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
         copies = _copies(blocks.numel())
         pick_blocks = _rotating([blocks] + [blocks.clone() for _ in range(copies - 1)])
-        split, split4 = split_for(n, k, sms), split_for(n, k, sms, per_sm=4)
+        split = split_for(n, k, sms)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         times = {m: [time_us(lambda x=xs[m], b=pick_blocks, k=k: quant_kernel.linear(x, b(), Q4_K, k))] for m in rows}
         x = xs[max(rows)]
@@ -557,21 +580,22 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             packed = [repack(blocks, k, pairs)]
             pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (copies - 1)])
             for m in rows:
-                for sp in (split, split4) if pairs else (split,):
-                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=sp, pr=pairs:
-                                            linear(x, *p(), n, k, s, pr)))
+                for ahead in (False, True) if pairs else (False,):
+                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead:
+                                            linear(x, *p(), n, k, s, pr, xa)))
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
             del packed, pick
         errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
-        lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} ({split4}) | "
+        lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | "
                      + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
                      + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} |")
         print(lines[-1], flush=True)
         del blocks, pick_blocks
         torch.cuda.empty_cache()
-    lines += ["", "| Q6_K weight | MB | split | " + " | ".join(f"{m} rows: engine / gluon us" for m in rows)
+    lines += ["", "| Q6_K weight | MB | split | "
+              + " | ".join(f"{m} rows: engine / gluon / gluon, x ahead us" for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
@@ -584,8 +608,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(copies - 1)])
         split = split_for(n, k, sms)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-        times = {m: (time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k)),
-                     time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s))) for m in rows}
+        times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
+                 + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead: linear_q6_k(x, p(), n, k, s, xa))
+                    for ahead in (False, True)] for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)
         invariant = torch.equal(linear_q6_k(x[:1], planes, n, k, split), many[:1])
@@ -593,7 +618,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
                   for got, w in zip((quant_kernel.linear(x, held, q6, k), many), own, strict=True)]
         lines.append(f"| {label} ({n} x {k}) | {held.numel() / 1e6:.1f} | {split} | "
-                     + " | ".join(f"{times[m][0]:.1f} / {times[m][1]:.1f}" for m in rows)
+                     + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
                      + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
         print(lines[-1], flush=True)
         del held, pick_held, planes, pick
@@ -614,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="BLOCK_M of each launch (16, 32, 64)")
     ap.add_argument("--bench", action="store_true", help="on a GPU: time it beside the engine kernel (27B weights)")
     ap.add_argument("--md", help="--bench: write the table here too")
+    ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     args = ap.parse_args(argv)
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
@@ -632,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads |\n|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        compiled = compile_for_hopper(block_m, decode)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead)
         body = loop(compiled)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))

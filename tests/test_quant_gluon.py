@@ -92,32 +92,34 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("pairs", [False, True])
-def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, pairs):
+@pytest.mark.parametrize("pairs, ahead", [(False, False), (True, False), (True, True)])
+def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, pairs, ahead):
     """Each row of the product is the dot of its x row with the decode's weight (``reference``: one-hot rows read
     the weight's values back bit for bit), and its bits do not depend on the rows launched beside it."""
     blocks = _blocks(seed=1).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
     weight = quant_gluon.reference(words, heads, N, K, pairs).to(torch.bfloat16)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs), weight)
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear(x, words, heads, N, K, split, pairs)
-    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs), many[:1])
+    many = quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead)
+    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs, ahead), many[:1])
+    assert torch.equal(quant_gluon.linear(x, words, heads, N, K, split, pairs, not ahead), many)  # the same bits
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 2])
-def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split, ahead):
     from engine.models.quant import hold
 
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5), FORMATS["Q6_K"]).cuda(), K)
     weight = quant_gluon.reference_q6_k(*planes, N, K)
-    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split), weight)
+    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split, ahead), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear_q6_k(x, planes, N, K, split)
-    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split), many[:1])
+    many = quant_gluon.linear_q6_k(x, planes, N, K, split, ahead)
+    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split, ahead), many[:1])
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -135,9 +137,9 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
     monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: calls.append("engine"))
     monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: packs.append((cols, pairs)) or ("words", "heads"))
     monkeypatch.setattr(quant_gluon, "repack_q6_k", lambda b, cols: packs.append((cols, "Q6_K")) or "planes")
-    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False: calls.append(
-        ("gluon", tuple(x.shape), w, h, n, split, pairs)) or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1: calls.append(
+    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False:
+                        calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs)) or torch.zeros(x.shape[0], n))
+    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False: calls.append(
         ("gluon-q6", tuple(x.shape), planes, n, split)) or torch.zeros(x.shape[0], n))
     quant_gluon.install(pairs)  # wraps the (fake) engine linear above; monkeypatch restores the real one after
     cases = [("Q4_K", 1, None, torch.bfloat16, "gluon"), ("Q4_K", 64, None, torch.bfloat16, "gluon"),
