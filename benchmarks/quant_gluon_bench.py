@@ -1,0 +1,91 @@
+"""``quant_gluon.py --bench``: the prototype's launches beside the engine kernel's on the 27B's weights, on a GPU
+(issue #28; ``benchmarks/device/quant.sh GLUON=1``). Timings of captured launches (``kernel_timing.time_us``),
+weights cycled through 256 MB so each call reads from HBM; each decode's row invariance and error too."""
+
+from __future__ import annotations
+
+import torch
+from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
+
+from engine.models import quant
+
+SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),
+          ("27B o_proj", 5120, 6144)]
+
+
+def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
+    """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float
+    decode and its bf16 pair decode (and that with x read an iteration ahead), on each 27B Q4_K weight, weights
+    cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
+    weight; then the same for Q6_K's pair decode on two 27B shapes."""
+    from kernel_timing import time_us
+    from quant_bench import _copies, _rotating
+
+    from engine.models import quant_kernel
+    from engine.models.quantize import quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = ["| weight | MB | split | "
+             + " | ".join(f"{m} rows: engine / gluon / pairs / pairs, x ahead us" for m in rows)
+             + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
+             "|---|---|---|" + "---|" * (len(rows) + 2)]
+    for label, n, k in SHAPES:
+        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
+        copies = _copies(blocks.numel())
+        pick_blocks = _rotating([blocks] + [blocks.clone() for _ in range(copies - 1)])
+        split = split_for(n, k, sms)
+        xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+        times = {m: [time_us(lambda x=xs[m], b=pick_blocks, k=k: quant_kernel.linear(x, b(), Q4_K, k))] for m in rows}
+        x = xs[max(rows)]
+        exact = x.double() @ quant.dequantize(blocks, Q4_K, k).to(torch.bfloat16).double().T
+        got = [quant_kernel.linear(x, blocks, Q4_K, k)]
+        invariant = []
+        for pairs in (False, True):
+            packed = [repack(blocks, k, pairs)]
+            pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (copies - 1)])
+            for m in rows:
+                for ahead in (False, True) if pairs else (False,):
+                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead:
+                                            linear(x, *p(), n, k, s, pr, xa)))
+            many = linear(x, *packed[0], n, k, split, pairs)
+            invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
+            got.append(many)
+            del packed, pick
+        errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
+        lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | "
+                     + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
+                     + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} |")
+        print(lines[-1], flush=True)
+        del blocks, pick_blocks
+        torch.cuda.empty_cache()
+    lines += ["", "| Q6_K weight | MB | split | "
+              + " | ".join(f"{m} rows: engine / gluon / gluon, x ahead us" for m in rows)
+              + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
+              + "---|" * (len(rows) + 2)]
+    q6 = quant.FORMATS["Q6_K"]
+    for label, n, k in [("27B down", 5120, 17408), ("27B o_proj", 5120, 6144)]:
+        held = quant.hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, q6),
+                          q6)
+        copies = _copies(held.numel())
+        pick_held = _rotating([held] + [held.clone() for _ in range(copies - 1)])
+        planes = repack_q6_k(held, k)
+        pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(copies - 1)])
+        split = split_for(n, k, sms)
+        xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+        times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
+                 + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead: linear_q6_k(x, p(), n, k, s, xa))
+                    for ahead in (False, True)] for m in rows}
+        x = xs[max(rows)]
+        many = linear_q6_k(x, planes, n, k, split)
+        invariant = torch.equal(linear_q6_k(x[:1], planes, n, k, split), many[:1])
+        own = [quant.held_values(held, q6, k).to(torch.bfloat16), reference_q6_k(*planes, n, k)]
+        errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
+                  for got, w in zip((quant_kernel.linear(x, held, q6, k), many), own, strict=True)]
+        lines.append(f"| {label} ({n} x {k}) | {held.numel() / 1e6:.1f} | {split} | "
+                     + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
+                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
+        print(lines[-1], flush=True)
+        del held, pick_held, planes, pick
+        torch.cuda.empty_cache()
+    return lines
