@@ -219,9 +219,10 @@ def _sum_parts(parts: Tensor, dtype: torch.dtype) -> Tensor:
 
 def install(pairs: bool = False, x_ahead: bool = False) -> None:
     """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
-    this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every
-    other product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process
-    only (``gpu_bench.py --q4k-decode gluon`` or ``gluon-pairs``: the whole AR step and verify). A weight is
+    this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too; ``x_ahead``:
+    x read an iteration ahead), every other product through the engine's kernel: ``quant_kernel.linear`` replaced
+    in place, for a benchmark process only (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or
+    ``gluon-pairs-ahead``: the whole AR step and verify). A weight is
     repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
     captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel.
     With ``pairs`` a launch of more than 64 rows takes the engine's kernel and so ``dequantize``'s values: only
