@@ -500,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="packed: the Q4_K few-row products through the bf16-pair decode prototype "
                          "(benchmarks/quant_packed.py; issue #28), gluon: through the decode into operand registers "
                          "(benchmarks/quant_gluon.py; gluon-pairs: its bf16 pair decode, Q6_K too; -ahead: x read an "
-                         "iteration ahead), every other weight "
-                         "through the engine's kernel")
+                         "iteration ahead), every other weight through the engine's kernel")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "

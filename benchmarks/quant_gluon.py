@@ -136,16 +136,21 @@ def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     return words, high, scales, d
 
 
+def _unpacked(words: Tensor, n_pad: int, cols: int, pairs: bool) -> Tensor:
+    """``_nibble_words``'s inverse: the words -> values 0..15 [N padded, cols] in natural order."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    q = (w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15  # [word, nibble]
+    q = q.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, (j, h, e) or (e, j, h)]
+    return q.permute(*((0, 7, 2, 1, 4, 6, 3, 5) if pairs else (0, 6, 2, 1, 4, 5, 3, 7))).reshape(n_pad, cols)
+
+
 def reference_q6_k(words: Tensor, high: Tensor, scales: Tensor, d: Tensor, n: int, cols: int) -> Tensor:
     """The bf16 weight [n, cols] ``repack_q6_k``'s planes hold, as the pair decode computes it: (q - 32) *
     bf16(d * scale), one rounding (``quant.dequantize``: d * scale * (q - 32) in float32, then bf16)."""
     from quant_packed import _round_bf16
 
     n_pad = d.shape[0]
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    low = ((w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15)
-    low = low.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, e, j, h]
-    low = low.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(n_pad, cols)
+    low = _unpacked(words, n_pad, cols, pairs=True)
     hw = high.to(torch.int64) & 0xFFFFFFFF
     top = (hw[:, None] >> (2 * torch.arange(16, device=hw.device))) & 3
     top = top.reshape(n_pad // 16, cols // TILE_K, 8, 4, 4, 2, 2, 2, 2)  # [G, kt, g, t, u, e, o, j, h]
@@ -161,11 +166,7 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
     ``pairs`` the bf16 pair decode's (``quant_packed.values``: q * bf16(d * scale) + bf16(-dmin * min), one
     rounding). The kernel's own assembly of a tile is replayed by ``tests/test_quant_gluon.py``."""
     n_pad = heads.shape[0]
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    q = (w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15  # [word, nibble]
-    q = q.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, (j, h, e) or (e, j, h)]
-    order = (0, 7, 2, 1, 4, 6, 3, 5) if pairs else (0, 6, 2, 1, 4, 5, 3, 7)
-    q = q.permute(*order).reshape(n_pad, cols)
+    q = _unpacked(words, n_pad, cols, pairs)
     head = heads.reshape(n_pad, -1, 4).contiguous().view(torch.uint8).reshape(-1, 16)
     scales, mins = quant._k_scales(head[:, 4:16])
     if pairs:
@@ -185,9 +186,7 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
            x_ahead: bool = False) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
     1 to 64 rows, on a GPU; ``x_ahead``: x's rows read an iteration ahead too (the same bits)."""
-    m = x.shape[0]
-    assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
-    block_m = max(16, 1 << (m - 1).bit_length())  # 16, 32 or 64: a power of two
+    m, block_m = _rows(x, cols, split)
     tiles = heads.shape[0] // TILE_N
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _gluon_kernel[(tiles, split)](x.contiguous(), words, heads, parts, m, n, cols, cols // TILE_K // split,
@@ -199,15 +198,20 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
                 x_ahead: bool = False) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
     to 64 rows, on a GPU; ``x_ahead`` as ``linear``'s."""
-    m = x.shape[0]
-    assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
-    block_m = max(16, 1 << (m - 1).bit_length())
+    m, block_m = _rows(x, cols, split)
     words, high, scales, d = planes
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _q6_kernel[(d.shape[0] // TILE_N, split)](x.contiguous(), words, high, scales, d, parts, m, n, cols,
                                                cols // TILE_K // split, BLOCK_M=block_m, X_AHEAD=x_ahead,
                                                num_warps=4)
     return _sum_parts(parts, x.dtype)
+
+
+def _rows(x: Tensor, cols: int, split: int) -> tuple[int, int]:
+    """A launch's rows and its BLOCK_M (16, 32 or 64: a power of two), x checked against the kernels' limits."""
+    m = x.shape[0]
+    assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
+    return m, max(16, 1 << (m - 1).bit_length())
 
 
 def _sum_parts(parts: Tensor, dtype: torch.dtype) -> Tensor:
@@ -281,9 +285,8 @@ if gluon is not None:
     @gluon.jit
     def _head(heads_ptr, row, kt, K):
         """Each row's 16-byte block head for K tile ``kt`` (d and dmin, then the packed scales and mins: 4 words)."""
-        at = (row[:, None] * (K // 256) + kt // 2) * 4
-        return gl.load(heads_ptr + at), gl.load(heads_ptr + at + 1), gl.load(heads_ptr + at + 2), \
-            gl.load(heads_ptr + at + 3)
+        at = heads_ptr + (row[:, None] * (K // 256) + kt // 2) * 4
+        return gl.load(at), gl.load(at + 1), gl.load(at + 2), gl.load(at + 3)
 
     @gluon.jit
     def _step_shift(head, a, m, r, kt, sub):
@@ -321,23 +324,30 @@ if gluon is not None:
 
     @gluon.jit
     def _pairs_tile(words, st0, sh0, st1, sh1):
-        """Nibbles ``4 e + 2 j + h``: for each (j, h) one mask puts the two columns' nibbles (e = 0, 1, 16 bits
-        apart) under bf16's exponent of 128, 128 + q each; the int32 pairs are joined (h, then j: register bits 1
-        and 2), then read as their two bf16 (an ``mov``; e becomes register bit 0), less 128 (exact), and
-        q * bf16(d * scale) + bf16(-dmin * min) in bf16, one rounding: ptxas pairs these into ``HADD2.BF16_V2`` and
-        ``HFMA2.BF16_V2``, one instruction two values. -> [32, 32, j, h, e]"""
+        """Nibbles ``4 e + 2 j + h``: for each (j, h) one mask puts the two columns' nibbles (16 bits apart) under
+        bf16's exponent of 128, 128 + q each (``_bf16_pairs``); less 128 (exact), then q * bf16(d * scale) +
+        bf16(-dmin * min), one rounding (``HADD2.BF16_V2``, ``HFMA2.BF16_V2``: two values an instruction)."""
         p00 = _under_128(words)  # j 0, h 0 (nibbles 0 and 4)
         p01 = _under_128(words >> 4)  # j 0, h 1
         p10 = _under_128(words >> 8)  # j 1, h 0
         p11 = _under_128(words >> 12)  # j 1, h 1
-        p = gl.join(gl.join(p00, p10), gl.join(p01, p11))  # [32, 32, j, h]
-        q = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(p, p)], dtype=gl.bfloat16,
-                                      is_pure=True, pack=2) - 128.0
-        s0, s1 = st0.to(gl.bfloat16), st1.to(gl.bfloat16)
-        o0, o1 = (-sh0).to(gl.bfloat16), (-sh1).to(gl.bfloat16)
-        step = gl.join(gl.join(s0, s0), gl.join(s1, s1))
-        offset = gl.join(gl.join(o0, o0), gl.join(o1, o1))
-        return gl.fma(q, gl.join(step, step), gl.join(offset, offset))
+        q = _bf16_pairs(p00, p01, p10, p11) - 128.0
+        step = _per_value(st0.to(gl.bfloat16), st1.to(gl.bfloat16))
+        return gl.fma(q, step, _per_value((-sh0).to(gl.bfloat16), (-sh1).to(gl.bfloat16)))
+
+    @gluon.jit
+    def _bf16_pairs(p00, p01, p10, p11):
+        """Each (j, h)'s int32 pair (two bf16, e = 0 low) -> bf16 [.., j, h, e]: joined on j then h (register bits
+        1 and 2), then read as their two halves (an ``mov``; e becomes register bit 0)."""
+        p = gl.join(gl.join(p00, p10), gl.join(p01, p11))
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(p, p)], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _per_value(v0, v1):
+        """A value of rows h = 0 and h = 1 -> [.., j, h, e], the same for both j and both e (as ``_bf16_pairs``)."""
+        v = gl.join(gl.join(v0, v0), gl.join(v1, v1))
+        return gl.join(v, v)
 
     @gluon.jit
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, parts_ptr, M, N, K, k_tiles, BLOCK_M: gl.constexpr,
@@ -449,11 +459,7 @@ if gluon is not None:
         p01 = _with_low(words >> 4, _top_under_128(top << 2))  # j 0, h 1
         p10 = _with_low(words >> 8, _top_under_128(top))  # j 1, h 0
         p11 = _with_low(words >> 12, _top_under_128(top >> 2))  # j 1, h 1
-        p = gl.join(gl.join(p00, p10), gl.join(p01, p11))
-        q = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(p, p)], dtype=gl.bfloat16,
-                                      is_pure=True, pack=2) - 160.0
-        step = gl.join(gl.join(st0, st0), gl.join(st1, st1))
-        return q * gl.join(step, step)
+        return (_bf16_pairs(p00, p01, p10, p11) - 160.0) * _per_value(st0, st1)
 
     @gluon.jit
     def _q6_steps(scales_ptr, d_ptr, row, kt, s, K):
