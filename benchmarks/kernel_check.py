@@ -79,8 +79,9 @@ def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, obje
     return triton.compile(src, target=TARGET, options=opts.__dict__)
 
 
-def loop(compiled) -> list[str]:
-    """The SASS instructions of the kernel's longest loop (a backward branch's body)."""
+def loop(compiled, containing: str = "") -> list[str]:
+    """The SASS instructions of the kernel's longest loop (a backward branch's body) holding an instruction that
+    starts with ``containing`` (any loop where empty)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -92,7 +93,8 @@ def loop(compiled) -> list[str]:
         m = re.search(r"BRA.*?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
             body = [x for _, x in lines[at[int(m.group(1), 16)]: i + 1]]
-            best = body if len(body) > len(best) else best
+            if len(body) > len(best) and any(re.sub(r"^@!?U?P\w+\s+", "", x).startswith(containing) for x in body):
+                best = body
     return best
 
 

@@ -15,7 +15,8 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float
-    decode and its bf16 pair decode (and that with x read an iteration ahead), on each 27B Q4_K weight, weights
+    decode and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead,
+    the warps ``_warps`` picks), on each 27B Q4_K weight, weights
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
@@ -27,7 +28,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs / pairs, x ahead us" for m in rows)
+             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead us" for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
@@ -45,9 +46,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             packed = [repack(blocks, k, pairs)]
             pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (copies - 1)])
             for m in rows:
-                for ahead in (False, True) if pairs else (False,):
-                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead:
-                                            linear(x, *p(), n, k, s, pr, xa)))
+                for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
+                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
+                                            linear(x, *p(), n, k, s, pr, xa, w)))
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
@@ -60,7 +61,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         del blocks, pick_blocks
         torch.cuda.empty_cache()
     lines += ["", "| Q6_K weight | MB | split | "
-              + " | ".join(f"{m} rows: engine / gluon / gluon, x ahead us" for m in rows)
+              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead us" for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
@@ -74,8 +75,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         split = split_for(n, k, sms)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
-                 + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead: linear_q6_k(x, p(), n, k, s, xa))
-                    for ahead in (False, True)] for m in rows}
+                 + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
+                            linear_q6_k(x, p(), n, k, s, xa, w))
+                    for ahead, warps in ((False, 4), (False, 8), (True, None))] for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)
         invariant = torch.equal(linear_q6_k(x[:1], planes, n, k, split), many[:1])

@@ -91,35 +91,39 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("pairs, ahead", [(False, False), (True, False), (True, True)])
-def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, pairs, ahead):
+def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, warps, pairs, ahead):
     """Each row of the product is the dot of its x row with the decode's weight (``reference``: one-hot rows read
-    the weight's values back bit for bit), and its bits do not depend on the rows launched beside it."""
+    the weight's values back bit for bit, the parts of K added by the last part's program), and its bits do not
+    depend on the rows launched beside it, on the tile's height (warps) or on x read ahead."""
     blocks = _blocks(seed=1).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
     weight = quant_gluon.reference(words, heads, N, K, pairs).to(torch.bfloat16)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead), weight)
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead, warps), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead)
-    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs, ahead), many[:1])
-    assert torch.equal(quant_gluon.linear(x, words, heads, N, K, split, pairs, not ahead), many)  # the same bits
+    many = quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead, warps)
+    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs, ahead, 4), many[:1])
+    assert torch.equal(quant_gluon.linear(x, words, heads, N, K, split, pairs, not ahead, 12 - warps), many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split, ahead):
+def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split, warps, ahead):
     from engine.models.quant import hold
 
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5), FORMATS["Q6_K"]).cuda(), K)
     weight = quant_gluon.reference_q6_k(*planes, N, K)
-    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split, ahead), weight)
+    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split, ahead, warps), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear_q6_k(x, planes, N, K, split, ahead)
-    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split, ahead), many[:1])
+    many = quant_gluon.linear_q6_k(x, planes, N, K, split, ahead, warps)
+    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split, ahead, 4), many[:1])
+    assert torch.equal(quant_gluon.linear_q6_k(x, planes, N, K, split, not ahead, 12 - warps), many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -159,6 +163,16 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
         if want != "engine":
             assert out.shape == (rows, N)
     assert packs == [(K, pairs)] + ([(K, "Q6_K")] if pairs else [])  # each weight, repacked once
+
+
+def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refuses_other_counts():
+    """``_warps``: 32 rows or more on 8 warps (a 128-row tile: x read half as often) where the padded rows are
+    whole 128-row tiles, else 4; asked for, 4 or 8 over whole tiles, anything else refused with the value."""
+    assert [quant_gluon._warps(m, 128, None) for m in (16, 32, 64)] == [4, 8, 8]
+    assert quant_gluon._warps(64, 192, None) == 4 and quant_gluon._warps(16, 256, 8) == 8
+    for warps, n_pad in [(8, 192), (2, 128), (16, 256)]:
+        with pytest.raises(ValueError, match=f"warps={warps}: a launch takes 4 or 8 warps.*{n_pad} padded rows"):
+            quant_gluon._warps(64, n_pad, warps)
 
 
 def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
@@ -220,13 +234,14 @@ def test_q6_k_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_
     assert torch.equal(quant_gluon.reference_q6_k(words, high, scales, d, N, K), want)
 
 
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("decode", ["float", "pairs", "q6_k"])
-def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column(decode):
-    """``_gluon_kernel``'s assembly of a 64 x 128 tile replayed in PyTorch (a join is a stack on a new minor
-    dimension; the pair decode's ``mov`` splits an int32 into its low then high 16 bits on a new minor dimension):
-    its word addresses, its nibbles' joins, its reshape and permutation give the tile of the natural weight. The
-    compile checks that the layout is the operand's; this checks that the data is the tile's (the first version
-    joined the nibbles the other way round and compiled all the same)."""
+def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column(decode, warps):
+    """``_gluon_kernel``'s assembly of a 16 W x 128 tile (W warps: 64 or 128 rows) replayed in PyTorch (a join is a
+    stack on a new minor dimension; the pair decode's ``mov`` splits an int32 into its low then high 16 bits on a new
+    minor dimension): its word addresses, its nibbles' joins, its reshape and permutation give the tile of the
+    natural weight. The compile checks that the layout is the operand's; this checks that the data is the tile's
+    (the first version joined the nibbles the other way round and compiled all the same)."""
     from engine.models.quant import _nibbles, hold
 
     if decode == "q6_k":  # the 6-bit values, read from the file's bytes
@@ -241,13 +256,14 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     def join(a, b):
         return torch.stack([a, b], dim=-1)
 
-    rr, cc = torch.arange(32)[:, None], torch.arange(32)[None, :]
-    for tile in range(2):
+    rr, cc = torch.arange(8 * warps)[:, None], torch.arange(32)[None, :]
+    rows_a_tile = 16 * warps
+    for tile in range(128 // rows_a_tile):  # the 100 rows padded to 128
         for kt in range(K // 128):
-            wbase = (tile * 4 + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
+            wbase = (tile * warps + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
             w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
             if decode == "q6_k":  # _q6_pairs_tile: the top words joined with themselves >> 8, then per (j, h)
-                hb = (tile * 4 + rr // 8) * ((K // 128) * 128) + (rr % 8) * 16 + cc // 8 * 4 + cc % 8 // 2
+                hb = (tile * warps + rr // 8) * ((K // 128) * 128) + (rr % 8) * 16 + cc // 8 * 4 + cc % 8 // 2
                 hw = high[hb + kt * 128].to(torch.int64) & 0xFFFFFFFF  # word u = s // 2 of the thread's slice
                 top = torch.where(cc % 2 == 0, hw, hw >> 8)  # join(high, high >> 8): o = s % 2
                 shifted = [top << 4, top << 2, top, top >> 2]
@@ -261,7 +277,7 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
             else:  # _values_tile
                 v = [(w >> (4 * n)) & 15 for n in range(8)]
                 a = join(join(join(v[0], v[4]), join(v[2], v[6])), join(join(v[1], v[5]), join(v[3], v[7])))
-            a = a.reshape(4, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(64, 128)
-            rows = slice(64 * tile, min(64 * tile + 64, N))
+            a = a.reshape(warps, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(rows_a_tile, 128)
+            rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N))
             assert torch.equal(a[: rows.stop - rows.start], q[rows, 128 * kt:128 * kt + 128]), (tile, kt)
             assert not a[rows.stop - rows.start:].any()  # padded rows

@@ -8,7 +8,8 @@
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
-#      5. PROFILE=1: _quant_kernel's share of a step; MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
+#      5. PROFILE=1: _quant_kernel's share of a step (PROFILE_DECODE=gluon-pairs: the step through the Gluon
+#      decode); MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
 #      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, its draft in bf16, @q8_0 and
 #      @q4_k_m; MEMORY_K=draft the two quantized drafts'; a test per case and config, so
 #      MEMORY_K="draft-q8_0 and ddtree" runs the reference DDTree of the Q8_0 draft's case alone).
@@ -83,6 +84,13 @@ if [ -n "${NCU:-}" ]; then
 fi
 if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
-    --weights q4_k_m --context 4096 --new-tokens 32 --md "$OUT/profile_q4km.md"
+    --weights q4_k_m --context 4096 --new-tokens 32 --q4k-decode ${PROFILE_DECODE:-engine} --md "$OUT/profile_q4km.md"
+fi
+# GRAPHS=1: the 27B Q4_K_M step graphs (AR, DDTree at BUDGETS' first) replayed alone, their kernels by name: where
+# an AR step's time goes beside its products (GRAPHS_DECODE=gluon-pairs by default; engine: the engine's kernel)
+if [ -n "${GRAPHS:-}" ]; then
+  section graphs_q4km ${GRAPHS_LIMIT:-170} python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
+    --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} --q4k-decode ${GRAPHS_DECODE:-gluon-pairs} \
+    --md "$OUT/graphs_q4km.md" --out "$OUT/graphs_q4km.json"
 fi
 summary

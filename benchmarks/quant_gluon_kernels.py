@@ -1,0 +1,313 @@
+"""The Gluon kernels of ``benchmarks/quant_gluon.py`` (issue #28's prototype; that module documents the planes, the
+decodes and the launches): the layouts and the K loops of the Q4_K and Q6_K few-row products.
+
+A launch's warps set its tile: ``W`` warps (4 or 8) take ``16 W`` weight rows, one warpgroup (4 warps) each 64, all
+of them multiplying the same x tile in shared memory; so 8 warps read x from L2 half as often a weight row as 4 do,
+which is what a verify's 33 rows pay for (x is then ~1.8x the weight's bytes at 4 warps). A row's 16-row group
+keeps its place in the planes whatever the tile (the planes are ordered by 16-row groups), so one repack serves both.
+
+``X_AHEAD``: x's rows read an iteration ahead, into registers. (Each tile's ``warpgroup_mma`` waits for itself: left
+in flight while the next tile was decoded, the x tile in two buffers, ptxas put a wait after every one of its 8
+instructions, its A operand being registers: more instructions, no overlap.) Split over K, each part's fp32 sums and
+then a ticket, as the engine's few-row kernels (``engine.models.linear.store_rows``): the part that takes the last
+adds every part in order 0..split-1 and writes the bf16 output, so a product is one launch whatever its split."""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    gluon = None
+
+if gluon is not None:
+    # the engine kernel's Triton helpers (Gluon calls them): an fp16 half, Q4_K's 6-bit fields, a small int's float
+    from engine.models.quant_kernel import _float, _half_of, k_scale_min
+
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a CTA's bar.sync (Triton 3.9's name; 3.6's)
+
+    @gluon.constexpr_function
+    def _words_layout(warps):
+        """words [8 W = (w, g), 4 = t, 8 = s]: s in registers (contiguous), t and g in lanes (lane 4 g + t), w in
+        warps."""
+        return gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[8, 4, 1], warps_per_cta=[warps, 1, 1],
+                                order=[2, 1, 0])
+
+    @gluon.constexpr_function
+    def _lanes_layout(warps, per_thread):
+        """[8 W rows (w, g), 4]: ``per_thread`` 1, one (row, sub-block) a thread (lane t: sub-block t); 4, all four a
+        thread (the t lanes alike)."""
+        return gl.BlockedLayout(size_per_thread=[1, per_thread], threads_per_warp=[8, 4], warps_per_cta=[warps, 1],
+                                order=[1, 0])
+
+    @gluon.constexpr_function
+    def _mma_layout(warps, block_m):
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
+
+    @gluon.jit
+    def _word_offsets(tile, all_tiles):
+        """Each thread's 8 words of a 128-column tile (add ``kt * 256``): [8 W, 4, 8] in ``_words_layout``."""
+        W: gl.constexpr = gl.num_warps()
+        wl: gl.constexpr = _words_layout(W)
+        rr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+        tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+        ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        return ((tile * W + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
+            + (tt * 8)[None, :, None] + ss[None, None, :]
+
+    @gluon.jit
+    def _nibble(words, p: gl.constexpr):
+        return _float((words >> (4 * p)) & 15, 0)  # the engine kernel's float of a small int, no conversion
+
+    @gluon.jit
+    def _head(heads_ptr, row, kt, K):
+        """Each row's 16-byte block head for K tile ``kt`` (d and dmin, then the packed scales and mins: 4 words)."""
+        at = heads_ptr + (row[:, None] * (K // 256) + kt // 2) * 4
+        return gl.load(at), gl.load(at + 1), gl.load(at + 2), gl.load(at + 3)
+
+    @gluon.jit
+    def _step_shift(head, a, m, r, kt, sub):
+        """d * scale and dmin * min (exact in float32) of each row's 32-value sub-block ``sub`` of tile ``kt``."""
+        sc, mn = k_scale_min(a, m, r, (kt % 2) * 4 + sub[None, :])  # the sub-block within its 256-value block
+        return _half_of(head) * sc.to(gl.float32), _half_of(head >> 16) * mn.to(gl.float32)
+
+    @gluon.jit
+    def _beside(v):
+        """[8 W rows, 4 sub-blocks], one a thread -> [8 W, 1, 8]: each thread's row, its 8 words' sub-blocks
+        (s // 2)."""
+        W: gl.constexpr = gl.num_warps()
+        v = gl.convert_layout(v, _lanes_layout(W, 4))
+        v = gl.join(v, v).reshape([8 * W, 8])
+        return gl.convert_layout(v, gl.SliceLayout(1, _words_layout(W)), assert_trivial=True).expand_dims(1)
+
+    @gluon.jit
+    def _values_tile(words, st0, sh0, st1, sh1):
+        """Nibble ``4 j + 2 h + e`` of each word, each value in float32 (one rounding into bf16) -> [8 W, 4, 8, j, h,
+        e]. A join adds a minor dimension; the outermost join's is register bit 0, which the operand layout gives to
+        column + 1 (e): so the innermost joins split on j (v_p against v_p+4), the middle on h, the outermost on e."""
+        v0 = (_nibble(words, 0) * st0 - sh0).to(gl.bfloat16)  # j 0, h 0, e 0
+        v1 = (_nibble(words, 1) * st0 - sh0).to(gl.bfloat16)  # j 0, h 0, e 1
+        v2 = (_nibble(words, 2) * st1 - sh1).to(gl.bfloat16)  # j 0, h 1
+        v3 = (_nibble(words, 3) * st1 - sh1).to(gl.bfloat16)
+        v4 = (_nibble(words, 4) * st0 - sh0).to(gl.bfloat16)  # j 1, h 0
+        v5 = (_nibble(words, 5) * st0 - sh0).to(gl.bfloat16)
+        v6 = (_nibble(words, 6) * st1 - sh1).to(gl.bfloat16)  # j 1, h 1
+        v7 = (_nibble(words, 7) * st1 - sh1).to(gl.bfloat16)
+        return gl.join(gl.join(gl.join(v0, v4), gl.join(v2, v6)), gl.join(gl.join(v1, v5), gl.join(v3, v7)))
+
+    @gluon.jit
+    def _under_128(w):
+        """``(w & 0x000F000F) | 0x43004300`` in one ``LOP3`` (ptxas emits two for the two constants)."""
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;", "=r,r", [w],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pairs_tile(words, st0, sh0, st1, sh1):
+        """Nibbles ``4 e + 2 j + h``: for each (j, h) one mask puts the two columns' nibbles (16 bits apart) under
+        bf16's exponent of 128, 128 + q each (``_bf16_pairs``); less 128 (exact), then q * bf16(d * scale) +
+        bf16(-dmin * min), one rounding (``HADD2.BF16_V2``, ``HFMA2.BF16_V2``: two values an instruction)."""
+        p00 = _under_128(words)  # j 0, h 0 (nibbles 0 and 4)
+        p01 = _under_128(words >> 4)  # j 0, h 1
+        p10 = _under_128(words >> 8)  # j 1, h 0
+        p11 = _under_128(words >> 12)  # j 1, h 1
+        q = _bf16_pairs(p00, p01, p10, p11) - 128.0
+        step = _per_value(st0.to(gl.bfloat16), st1.to(gl.bfloat16))
+        return gl.fma(q, step, _per_value((-sh0).to(gl.bfloat16), (-sh1).to(gl.bfloat16)))
+
+    @gluon.jit
+    def _bf16_pairs(p00, p01, p10, p11):
+        """Each (j, h)'s int32 pair (two bf16, e = 0 low) -> bf16 [.., j, h, e]: joined on j then h (register bits
+        1 and 2), then read as their two halves (an ``mov``; e becomes register bit 0)."""
+        p = gl.join(gl.join(p00, p10), gl.join(p01, p11))
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(p, p)], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _per_value(v0, v1):
+        """A value of rows h = 0 and h = 1 -> [.., j, h, e], the same for both j and both e (as ``_bf16_pairs``)."""
+        v = gl.join(gl.join(v0, v0), gl.join(v1, v1))
+        return gl.join(v, v)
+
+    @gluon.jit
+    def _x_smem(BLOCK_M: gl.constexpr):
+        """The x tile's shared buffer [128, BLOCK_M] (wgmma's B operand, K-major)."""
+        xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
+        return gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
+
+    @gluon.jit
+    def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split,
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        one: gl.constexpr = _lanes_layout(W, 1)
+        tile = gl.program_id(0)
+        part = gl.program_id(1)
+        x_smem = _x_smem(BLOCK_M)
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        all_tiles = K // 128
+        wbase = _word_offsets(tile, all_tiles)
+        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, one))
+        row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
+        sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
+        # each tile's words and heads (X_AHEAD: and x rows) are read one iteration ahead (registers: the loads of
+        # tile i + 1 are in flight while tile i is decoded and multiplied); the last iteration reads its own tile
+        # again (a cache hit, no mask)
+        kt0 = part * k_tiles
+        words_n = gl.load(words_ptr + wbase + kt0 * 256)
+        h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, kt0, K)
+        h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, kt0, K)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, h0, a0, m0, r0, h1, a1, m1, r1 = words_n, h0_n, a0_n, m0_n, r0_n, h1_n, a1_n, m1_n, r1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
+            h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, nxt, K)
+            h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, nxt, K)
+            st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
+            st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
+            st0, sh0, st1, sh1 = _beside(st0), _beside(sh0), _beside(st1), _beside(sh1)
+            if PAIRS:
+                a = _pairs_tile(words, st0, sh0, st1, sh1)
+            else:
+                a = _values_tile(words, st0, sh0, st1, sh1)
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, xt, x_smem)
+        _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+
+    @gluon.jit
+    def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr):
+        """x's rows for K tile ``kt``, [128, BLOCK_M] bf16 in registers (rows past M zero, not read)."""
+        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
+                                            warps_per_cta=[1, gl.num_warps()], order=[0, 1])
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
+        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
+        return gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
+
+    @gluon.jit
+    def _times_x(acc, a, xt, x_smem):
+        """acc += the decoded [16 W, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) times ``xt`` (x's
+        rows for its K tile, through shared memory, as wgmma's B operand)."""
+        W: gl.constexpr = gl.num_warps()
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [16 W, 128] (tests/test_quant_gluon.py replays the
+        # joins, this reshape and the permutation on the CPU)
+        a = a.reshape([W, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([16 * W, 128])
+        a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
+        x_smem.store(xt)
+        fence_async_shared()
+        return warpgroup_mma(a, x_smem, acc)
+
+    @gluon.jit
+    def _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M: gl.constexpr):
+        """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose) into ``out`` [M, N] in bf16; split over K, each
+        part's sums into ``parts`` [split, M, N], then a ticket: the part that takes the last adds every part in
+        order 0..split-1 (the same bits whichever finished last), writes ``out`` and resets the ticket (as
+        ``engine.models.linear.store_rows``, whose ticket buffer this shares)."""
+        W: gl.constexpr = gl.num_warps()
+        # 4 rows a thread (16 bytes of a part, 8 of the output: few addresses, so few registers), 8 lanes over x's rows
+        ol: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[4, 8], warps_per_cta=[W, 1],
+                                            order=[0, 1])
+        acc = gl.convert_layout(acc, ol)
+        on = tile * (16 * W) + gl.arange(0, 16 * W, layout=gl.SliceLayout(1, ol))
+        om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ol))
+        offs = om[None, :] * N + on[:, None]
+        mask = (on < N)[:, None] & (om < M)[None, :]
+        if split > 1:
+            gl.store(parts_ptr + part * M * N + offs, acc, mask=mask)
+            _barrier()  # every thread's sums stored before the ticket is taken
+            ticket = gl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
+            if ticket == split - 1:
+                total = gl.load(parts_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for p in range(1, split):
+                    total += gl.load(parts_ptr + p * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + offs, total.to(gl.bfloat16), mask=mask)
+                gl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
+        else:
+            gl.store(out_ptr + offs, acc.to(gl.bfloat16), mask=mask)
+
+    @gluon.jit
+    def _top_under_128(w):
+        """``(w & 0x00300030) | 0x43004300``: a pair's top 2 bits (at bits 4-5 of each half) under 128, one LOP3."""
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00300030, 0x43004300, 0xEA;", "=r,r", [w],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _with_low(w, top):
+        """``(w & 0x000F000F) | top``: the pair's low nibbles beside its top bits, one LOP3."""
+        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, $2, 0xEA;", "=r,r,r", [w, top],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _q6_pairs_tile(words, high):
+        """Q6_K's pairs: for each (j, h) the low nibbles (as Q4_K's pairs) and the top 2 bits (``high``: field
+        ``8 e + 4 o + 2 j + h`` of slice pair u, s = 2 u + o) under 128: 128 + q each; less 160 (exact: q - 32).
+        -> [8 W, 4, 8, j, h, e]"""
+        W: gl.constexpr = gl.num_warps()
+        top = gl.join(high, high >> 8).reshape([8 * W, 4, 8])  # slice s = 2 u + o: its fields at 2 (2 j + h) (+ 16)
+        top = gl.convert_layout(top, _words_layout(W), assert_trivial=True)
+        p00 = _with_low(words, _top_under_128(top << 4))  # j 0, h 0
+        p01 = _with_low(words >> 4, _top_under_128(top << 2))  # j 0, h 1
+        p10 = _with_low(words >> 8, _top_under_128(top))  # j 1, h 0
+        p11 = _with_low(words >> 12, _top_under_128(top >> 2))  # j 1, h 1
+        return _bf16_pairs(p00, p01, p10, p11) - 160.0
+
+    @gluon.jit
+    def _q6_steps(scales_ptr, d_ptr, row, kt, s, K):
+        """bf16(d * scale) of each row's 8 slices of tile ``kt`` (16 values a scale): [8 W, 1, 8]."""
+        at = gl.max_contiguous(gl.multiple_of(row[:, None] * (K // 16) + kt * 8 + s[None, :], [1, 8]), [1, 8])
+        sc = gl.load(scales_ptr + at)  # 8 bytes a row (K // 16 is a multiple of 16: K is of 256)
+        d = gl.load(d_ptr + row * (K // 256) + kt // 2)
+        return (d.to(gl.float32)[:, None] * sc.to(gl.float32)).to(gl.bfloat16).expand_dims(1)
+
+    @gluon.jit
+    def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
+                   split, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr):
+        """Q6_K's few-row product, the tile's skeleton as ``_gluon_kernel``'s (pairs decode only)."""
+        W: gl.constexpr = gl.num_warps()
+        wl: gl.constexpr = _words_layout(W)
+        # the top bits [8 W = (w, g), 4 = t, 4 = u]: a thread's 4 words (16 bytes)
+        hl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
+                                            warps_per_cta=[W, 1, 1], order=[2, 1, 0])
+        tile = gl.program_id(0)
+        part = gl.program_id(1)
+        all_tiles = K // 128
+        wbase = _word_offsets(tile, all_tiles)
+        hr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+        ht = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+        hu = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+        hbase = ((tile * W + hr // 8) * (all_tiles * 128) + (hr % 8) * 16)[:, None, None] \
+            + (ht * 4)[None, :, None] + hu[None, None, :]
+        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
+        row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
+        slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+        x_smem = _x_smem(BLOCK_M)
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _gluon_kernel
+        words_n = gl.load(words_ptr + wbase + kt0 * 256)
+        high_n = gl.load(high_ptr + hbase + kt0 * 128)
+        st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
+        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, high, st0, st1 = words_n, high_n, st0_n, st1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
+            high_n = gl.load(high_ptr + hbase + nxt * 128)
+            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
+            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
+            a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, xt, x_smem)
+        _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
