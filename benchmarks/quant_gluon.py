@@ -29,18 +29,18 @@ these kernels, so an engine routed through them (``install``) must keep every la
 fewer (a verify of 64 or more tree nodes takes the engine's kernel, ``dequantize``'s values: not AR's weights).
 
 The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
-(``repack``); each (row, 32-value sub-block)'s scale and min are decoded by one thread and passed to the lanes that
-need them through a little shared memory. The next tile's words and heads are read an iteration ahead (``x_ahead``:
-its x rows too; not yet timed). The K order is the natural one, 16 columns an instruction. Rows past N are padded to
-whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16, 32 or 64) on 4 or
-8 warps (a 64- or 128-row tile: ``_warps``). Split over K (``split``): each part's fp32 sums, added in order
-0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels themselves are in
-``quant_gluon_kernels.py``.
+(``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
+and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
+iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
+N are padded to whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16,
+32 or 64) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K (``split``): each part's fp32 sums,
+added in order 0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels
+themselves are in ``quant_gluon_kernels.py``.
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
-joins and permutations in PyTorch, and compile them for sm_90; on a GPU, ``tests/test_quant_gluon.py`` checks
-that one-hot rows read each kernel's weight back bit for bit, column block by column block, and rows invariant.
+joins and permutations in PyTorch, and compile them for sm_90; on a GPU, ``tests/test_quant_gluon.py`` checks that
+one-hot rows read each kernel's weight back bit for bit, column block by column block, and rows invariant.
 """
 
 from __future__ import annotations

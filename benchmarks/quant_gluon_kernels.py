@@ -42,6 +42,12 @@ if gluon is not None:
                                 order=[1, 0])
 
     @gluon.constexpr_function
+    def _quads_layout(warps):
+        """[8 W rows (w, g), 4 lanes t, 4]: 4 words (16 bytes) a thread."""
+        return gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1], warps_per_cta=[warps, 1, 1],
+                                order=[2, 1, 0])
+
+    @gluon.constexpr_function
     def _mma_layout(warps, block_m):
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_m, 16])
 
@@ -61,10 +67,24 @@ if gluon is not None:
         return _float((words >> (4 * p)) & 15, 0)  # the engine kernel's float of a small int, no conversion
 
     @gluon.jit
-    def _head(heads_ptr, row, kt, K):
-        """Each row's 16-byte block head for K tile ``kt`` (d and dmin, then the packed scales and mins: 4 words)."""
-        at = heads_ptr + (row[:, None] * (K // 256) + kt // 2) * 4
-        return gl.load(at), gl.load(at + 1), gl.load(at + 2), gl.load(at + 3)
+    def _head(heads_ptr, tile, kt, K, h: gl.constexpr):
+        """Rows ``h``'s 16-byte block heads for K tile ``kt`` (d and dmin, then the packed scales and mins: 4 words),
+        one 16-byte load a thread: 4 x [8 W, 4] in ``_lanes_layout(W, 1)`` (each thread its row, its lane's
+        sub-block: the 4 t lanes read the same head)."""
+        W: gl.constexpr = gl.num_warps()
+        hl: gl.constexpr = _quads_layout(W)
+        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
+        word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
+        lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
+        row = tile * (16 * W) + (sr // 8) * 16 + 8 * h + sr % 8  # row 16 w + 8 h + g of the tile
+        at = ((row * (K // 256) + kt // 2) * 4)[:, None, None] + (lane * 0)[None, :, None] + word[None, None, :]
+        head = gl.load(heads_ptr + gl.max_contiguous(gl.multiple_of(at, [1, 1, 4]), [1, 1, 4]))  # lanes t alike
+        even, odd = head.reshape([8 * W, 4, 2, 2]).split()  # words 0 and 2, 1 and 3
+        dm, m = even.split()
+        a, r = odd.split()
+        one: gl.constexpr = _lanes_layout(W, 1)
+        return (gl.convert_layout(dm, one, assert_trivial=True), gl.convert_layout(a, one, assert_trivial=True),
+                gl.convert_layout(m, one, assert_trivial=True), gl.convert_layout(r, one, assert_trivial=True))
 
     @gluon.jit
     def _step_shift(head, a, m, r, kt, sub):
@@ -146,16 +166,14 @@ if gluon is not None:
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
-        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, one))
-        row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
         # each tile's words and heads (X_AHEAD: and x rows) are read one iteration ahead (registers: the loads of
         # tile i + 1 are in flight while tile i is decoded and multiplied); the last iteration reads its own tile
         # again (a cache hit, no mask)
         kt0 = part * k_tiles
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
-        h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, kt0, K)
-        h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, kt0, K)
+        h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, tile, kt0, K, 0)
+        h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, tile, kt0, K, 1)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
@@ -166,8 +184,8 @@ if gluon is not None:
             if X_AHEAD:
                 xt = xt_n
                 xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
-            h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, row0, nxt, K)
-            h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, row0 + 8, nxt, K)
+            h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, tile, nxt, K, 0)
+            h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, tile, nxt, K, 1)
             st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
             st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
             st0, sh0, st1, sh1 = _beside(st0), _beside(sh0), _beside(st1), _beside(sh1)
@@ -271,9 +289,7 @@ if gluon is not None:
         """Q6_K's few-row product, the tile's skeleton as ``_gluon_kernel``'s (pairs decode only)."""
         W: gl.constexpr = gl.num_warps()
         wl: gl.constexpr = _words_layout(W)
-        # the top bits [8 W = (w, g), 4 = t, 4 = u]: a thread's 4 words (16 bytes)
-        hl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
-                                            warps_per_cta=[W, 1, 1], order=[2, 1, 0])
+        hl: gl.constexpr = _quads_layout(W)  # the top bits [8 W = (w, g), 4 = t, 4 = u]
         tile = gl.program_id(0)
         part = gl.program_id(1)
         all_tiles = K // 128
