@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(benchmarks/quant_packed.py; issue #28), gluon: through the decode into operand registers "
                          "(benchmarks/quant_gluon.py; gluon-pairs: its bf16 pair decode, Q6_K too; -ahead: x read an "
                          "iteration ahead), every other weight through the engine's kernel")
+    ap.add_argument("--gluon-warps", type=int, choices=[4, 8], default=None,
+                    help="--q4k-decode gluon*: every launch on this many warps (a 64- or 128-row tile; default 8 for "
+                         "32 rows or more, else 4)")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -539,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.q4k_decode.startswith("gluon"):
         import quant_gluon
 
-        quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"))
+        quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"),
+                            warps=args.gluon_warps)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

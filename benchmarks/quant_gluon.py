@@ -224,10 +224,11 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
     return warps
 
 
-def install(pairs: bool = False, x_ahead: bool = False) -> None:
+def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None) -> None:
     """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
     this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too; ``x_ahead``:
-    x read an iteration ahead), every other product through the engine's kernel: ``quant_kernel.linear`` replaced
+    x read an iteration ahead; ``warps``: every launch on 4 or 8, else as ``_warps`` picks), every other product
+    through the engine's kernel: ``quant_kernel.linear`` replaced
     in place, for a benchmark process only (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or
     ``gluon-pairs-ahead``: the whole AR step and verify). A weight is
     repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
@@ -256,9 +257,9 @@ def install(pairs: bool = False, x_ahead: bool = False) -> None:
         n, planes = blocks.shape[0], repacked[key][1]
         split = split_for(n, cols)
         if fmt.name == "Q6_K":
-            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, x_ahead=x_ahead)
+            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, x_ahead=x_ahead, warps=warps)
         else:
-            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead=x_ahead)
+            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead=x_ahead, warps=warps)
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed

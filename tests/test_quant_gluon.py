@@ -141,11 +141,14 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
     monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: calls.append("engine"))
     monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: packs.append((cols, pairs)) or ("words", "heads"))
     monkeypatch.setattr(quant_gluon, "repack_q6_k", lambda b, cols: packs.append((cols, "Q6_K")) or "planes")
-    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False:
-                        calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs)) or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False: calls.append(
-        ("gluon-q6", tuple(x.shape), planes, n, split)) or torch.zeros(x.shape[0], n))
-    quant_gluon.install(pairs)  # wraps the (fake) engine linear above; monkeypatch restores the real one after
+    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False,
+                        warps=None: calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs, warps))
+                        or torch.zeros(x.shape[0], n))
+    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None:
+                        calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
+                        or torch.zeros(x.shape[0], n))
+    warps = 8 if pairs else None  # asked for, every launch's; else the launch's own choice
+    quant_gluon.install(pairs, warps=warps)  # wraps the (fake) engine linear above; monkeypatch restores it after
     cases = [("Q4_K", 1, None, torch.bfloat16, "gluon"), ("Q4_K", 64, None, torch.bfloat16, "gluon"),
              ("Q4_K", 65, None, torch.bfloat16, "engine"), ("Q6_K", 1, None, torch.bfloat16, "gluon-q6" if pairs
                                                               else "engine"),
@@ -157,9 +160,9 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
         out = qk.linear(torch.zeros(rows, K, dtype=dtype), weight, FORMATS[fmt], K, bias)
         assert [c if c == "engine" else c[0] for c in calls] == [want], (fmt, rows, bias, dtype)
         if want == "gluon":
-            assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K), pairs)
+            assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K), pairs, warps)
         if want == "gluon-q6":
-            assert calls[0][1:] == ((rows, K), "planes", N, quant_gluon.split_for(N, K))
+            assert calls[0][1:] == ((rows, K), "planes", N, quant_gluon.split_for(N, K), warps)
         if want != "engine":
             assert out.shape == (rows, N)
     assert packs == [(K, pairs)] + ([(K, "Q6_K")] if pairs else [])  # each weight, repacked once

@@ -73,6 +73,12 @@ if [ -n "${GLUON:-}" ]; then
   section gluon_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
     --q4k-decode ${GLUON_DECODE:-gluon-pairs} --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
     --md "$OUT/large_gluon.md"
+  # GLUON_WARPS="8": the same step again with every launch on that many warps (--gluon-warps)
+  for w in ${GLUON_WARPS:-}; do
+    section gluon_large_w$w ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+      --q4k-decode ${GLUON_DECODE:-gluon-pairs} --gluon-warps $w --presets qwen35-27b-shape --context 4096 \
+      --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon_w$w.md"
+  done
 fi
 # NCU=1: one warm launch of each few-row Q4_K product (engine kernel, packed prototype, bf16 on the dequantized
 # weight; 1 and 33 rows) under Nsight Compute: stall reasons, occupancy, memory throughput (NCU_SHAPE=NxK)
