@@ -60,6 +60,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         print(lines[-1], flush=True)
         del blocks, pick_blocks
         torch.cuda.empty_cache()
+    lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
               + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead us" for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
@@ -89,5 +90,36 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                      + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
         print(lines[-1], flush=True)
         del held, pick_held, planes, pick
+        torch.cuda.empty_cache()
+    return lines
+
+
+def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
+    """The pair decode at 1 row on 4 warps, each 27B Q4_K weight at every split of K up to 8 (whole 128-column
+    tiles): a launch's programs per SM are tiles x split / SMs, and an SM that holds one more program than another
+    takes that much longer, so a split whose programs spread evenly may beat ``split_for``'s (its choice marked)."""
+    from kernel_timing import time_us
+    from quant_bench import _copies, _rotating
+
+    from engine.models.quantize import quantize
+
+    lines = ["| 1 row, pairs, 4 warps | " + " | ".join(f"split {s}: programs / SM, us" for s in range(1, 9)) + " |",
+             "|---|" + "---|" * 8]
+    for label, n, k in SHAPES:
+        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
+        packed = [repack(blocks, k, True)]
+        pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (_copies(blocks.numel()) - 1)])
+        x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        tiles, chosen, cells = packed[0][1].shape[0] // 64, split_for(n, k, sms), []
+        for split in range(1, 9):
+            if (k // 128) % split:
+                cells.append("-")
+                continue
+            us = time_us(lambda x=x, p=pick, n=n, k=k, s=split: linear(x, *p(), n, k, s, True, False, 4))
+            mark = "**" if split == chosen else ""
+            cells.append(f"{mark}{tiles * split / sms:.2f}, {us:.1f}{mark}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+        del blocks, packed, pick
         torch.cuda.empty_cache()
     return lines
