@@ -80,8 +80,8 @@ def compile_for_hopper(kernel, types: dict[str, str], constexprs: dict[str, obje
 
 
 def loop(compiled, containing: str = "") -> list[str]:
-    """The SASS instructions of the kernel's longest loop (a backward branch's body) holding an instruction that
-    starts with ``containing`` (any loop where empty)."""
+    """The SASS instructions of the kernel's longest loop (a backward branch's body); with ``containing``, of its
+    shortest loop holding an instruction that starts with it (the innermost: a K loop, not the loop around it)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -93,7 +93,10 @@ def loop(compiled, containing: str = "") -> list[str]:
         m = re.search(r"BRA.*?0x([0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
             body = [x for _, x in lines[at[int(m.group(1), 16)]: i + 1]]
-            if len(body) > len(best) and any(re.sub(r"^@!?U?P\w+\s+", "", x).startswith(containing) for x in body):
+            if not containing:
+                best = body if len(body) > len(best) else best
+            elif (not best or len(body) < len(best)) and any(
+                    re.sub(r"^@!?U?P\w+\s+", "", x).startswith(containing) for x in body):
                 best = body
     return best
 

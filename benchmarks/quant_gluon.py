@@ -33,9 +33,10 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
 iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
 N are padded to whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16,
-32 or 64) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K (``split``): each part's fp32 sums,
-added in order 0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels
-themselves are in ``quant_gluon_kernels.py``.
+32 or 64) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``); with ``x_resident`` a verify's launch reads x into
+shared memory once a program (``resident_split``). Split over K (``split``): each part's fp32 sums, added in order
+0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels themselves are in
+``quant_gluon_kernels.py``.
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
@@ -180,37 +181,68 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
+           groups: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
-    1 to 64 rows, on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8 (``_warps``): the
-    same bits either way."""
-    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps,
-                   PAIRS=pairs, X_AHEAD=x_ahead)
+    1 to 64 rows, on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8 (``_warps``),
+    ``x_resident``: a program takes several tiles with x's rows for its part of K read once into shared memory
+    (``resident_split``: the part must fit; ``groups`` programs a part, by default an SM each), the same bits
+    whichever."""
+    buffers = 0
+    if x_resident:
+        buffers = cols // TILE_K // split
+        if buffers * TILE_K * _block_m(x.shape[0]) * 2 > RESIDENT_BYTES:
+            raise ValueError(f"x_resident: a part of {buffers} 128-column tiles of {x.shape[0]} rows does not fit "
+                             f"{RESIDENT_BYTES} bytes of shared memory; split K finer (resident_split)")
+    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, groups,
+                   PAIRS=pairs, X_AHEAD=x_ahead, RESIDENT=buffers)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
                 x_ahead: bool = False, warps: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
     to 64 rows, on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead)
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, None, X_AHEAD=x_ahead)
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
-            warps: int | None, **constexprs) -> Tensor:
+            warps: int | None, groups: int | None, **constexprs) -> Tensor:
     """One launch: a program a tile of ``16 * warps`` rows and part of K; the parts' sums added in the kernel (the
     engine's tickets), so the output is bf16 straight away."""
     from engine.models.linear import _tickets
 
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
-    block_m = max(16, 1 << (m - 1).bit_length())
+    block_m = _block_m(m)
     warps = _warps(block_m, n_pad, warps)
     tiles = n_pad // (16 * warps)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    kernel[(tiles, split)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles), m, n, cols,
-                           cols // TILE_K // split, split, BLOCK_M=block_m, num_warps=warps, **constexprs)
+    if not constexprs.get("RESIDENT"):
+        groups = tiles  # a program a tile
+    elif groups is None:  # x resident: a program an SM (its shared memory holds one), the parts counted
+        groups = min(tiles, max(1, torch.cuda.get_device_properties(x.device).multi_processor_count // split))
+    extra = {"tiles": tiles} if "RESIDENT" in constexprs else {}
+    kernel[(groups, split)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles), m, n, cols,
+                            cols // TILE_K // split, split, **extra, BLOCK_M=block_m, num_warps=warps, **constexprs)
     return out
+
+
+RESIDENT_BYTES = 160 * 1024  # x's rows a program keeps in shared memory (an H100's SM has 228 KB)
+
+
+def _block_m(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def resident_split(cols: int, split: int, block_m: int = 64) -> int:
+    """The smallest split of K from ``split`` up whose part of x (``block_m`` rows) fits ``RESIDENT_BYTES``: every
+    launch of a weight must take one split (a row's bits depend on it), so AR's 1-row launches take it too."""
+    k_tiles = cols // TILE_K
+    for s in range(split, k_tiles + 1):
+        if k_tiles % s == 0 and (k_tiles // s) * TILE_K * block_m * 2 <= RESIDENT_BYTES:
+            return s
+    return k_tiles
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
@@ -224,10 +256,12 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
     return warps
 
 
-def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None) -> None:
+def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None, x_resident: bool = False) -> None:
     """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
     this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too; ``x_ahead``:
-    x read an iteration ahead; ``warps``: every launch on 4 or 8, else as ``_warps`` picks), every other product
+    x read an iteration ahead; ``warps``: every launch on 4 or 8, else as ``_warps`` picks; ``x_resident``: Q4_K
+    launches of 17 rows or more keep x in shared memory, every launch of the weight at ``resident_split``'s split
+    so that AR's rows round as the verify's), every other product
     through the engine's kernel: ``quant_kernel.linear`` replaced
     in place, for a benchmark process only (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or
     ``gluon-pairs-ahead``: the whole AR step and verify). A weight is
@@ -256,30 +290,36 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
             repacked[key] = (weakref.ref(owner), planes)
         n, planes = blocks.shape[0], repacked[key][1]
         split = split_for(n, cols)
+        resident = x_resident and fmt.name == "Q4_K" and rows > 16
+        if x_resident and fmt.name == "Q4_K":
+            split = resident_split(cols, split)
         if fmt.name == "Q6_K":
             out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, x_ahead=x_ahead, warps=warps)
         else:
-            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead=x_ahead, warps=warps)
+            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead=x_ahead, warps=warps,
+                         x_resident=resident)
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
-    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
-    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
+                       resident: int = 0):
+    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs; ``resident``
+    x buffers: ``x_resident``'s parts of that many tiles) or ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on
+    ``warps`` warps."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     common = {"x_ptr": "*bf16", "words_ptr": "*i32"}
+    after = {"out_ptr": "*bf16", "parts_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+             "k_tiles": "i32", "split": "i32"}
     if decode == "q6_k":
-        fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16"}
+        fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after}
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
     else:
-        fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
-    sig |= {"out_ptr": "*bf16", "parts_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-            "k_tiles": "i32", "split": "i32"}
+        fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead, "RESIDENT": resident}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
@@ -312,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="--bench: write the table here too")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
+    ap.add_argument("--resident", type=int, default=0, metavar="TILES",
+                    help="the Q4_K kernels' static counts with x resident, parts of TILES 128-column tiles")
     args = ap.parse_args(argv)
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
@@ -332,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps)
+        resident = 0 if decode == "q6_k" else args.resident
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, resident)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))

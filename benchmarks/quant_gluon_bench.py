@@ -5,7 +5,7 @@ weights cycled through 256 MB so each call reads from HBM; each decode's row inv
 from __future__ import annotations
 
 import torch
-from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
+from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, resident_split, split_for
 
 from engine.models import quant
 
@@ -14,11 +14,11 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 
 
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
-    """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float
-    decode and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead,
-    the warps ``_warps`` picks), on each 27B Q4_K weight, weights
-    cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
-    weight; then the same for Q6_K's pair decode on two 27B shapes."""
+    """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
+    and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
+    warps ``_warps`` picks; and at ``resident_split``'s split, the verify's rows keeping x in shared memory), on
+    each 27B Q4_K weight, weights cycled through 256 MB; each decode's row invariance and error against the product
+    of ``quant.dequantize``'s weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
 
@@ -29,8 +29,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
              + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead us" for m in rows)
-             + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
-             "|---|---|---|" + "---|" * (len(rows) + 2)]
+             + " | rows invariant: gluon, pairs | error: engine / gluon / pairs "
+             + f"| x resident: split, {min(rows)} row / {max(rows)} rows us, rows invariant |",
+             "|---|---|---|" + "---|" * (len(rows) + 3)]
     for label, n, k in SHAPES:
         blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
         copies = _copies(blocks.numel())
@@ -52,11 +53,18 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
+            if pairs:  # every launch at the split whose part of x fits shared memory; the verify's keeps x there
+                rs = resident_split(k, split)
+                one, kept = (time_us(lambda x=xs[m], p=pick, n=n, k=k, s=rs, r=m > 16:
+                                     linear(x, *p(), n, k, s, True, x_resident=r)) for m in (min(rows), max(rows)))
+                same = torch.equal(linear(x[:1], *packed[0], n, k, rs, True),
+                                   linear(x, *packed[0], n, k, rs, True, x_resident=True)[:1])
+                resident = f"{rs}, {one:.1f} / {kept:.1f}, {'y' if same else 'n'}"
             del packed, pick
         errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
         lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | "
                      + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
-                     + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} |")
+                     + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} | {resident} |")
         print(lines[-1], flush=True)
         del blocks, pick_blocks
         torch.cuda.empty_cache()

@@ -6,11 +6,14 @@ of them multiplying the same x tile in shared memory; so 8 warps read x from L2 
 which is what a verify's 33 rows pay for (x is then ~1.8x the weight's bytes at 4 warps). A row's 16-row group
 keeps its place in the planes whatever the tile (the planes are ordered by 16-row groups), so one repack serves both.
 
-``X_AHEAD``: x's rows read an iteration ahead, into registers. (Each tile's ``warpgroup_mma`` waits for itself: left
-in flight while the next tile was decoded, the x tile in two buffers, ptxas put a wait after every one of its 8
-instructions, its A operand being registers: more instructions, no overlap.) Split over K, each part's fp32 sums and
-then a ticket, as the engine's few-row kernels (``engine.models.linear.store_rows``): the part that takes the last
-adds every part in order 0..split-1 and writes the bf16 output, so a product is one launch whatever its split."""
+``RESIDENT`` (Q4_K): a program takes a strided group of tiles, x's rows for its part of K read into shared memory on
+its first tile and multiplied from there on the others (x from L2 once a program, not once a tile; the part must
+fit: ``quant_gluon.resident_split``). ``X_AHEAD``: x's rows read an iteration ahead, into registers. (Each tile's
+``warpgroup_mma`` waits for itself: left in flight while the next tile was decoded, the x tile in two buffers, ptxas
+put a wait after every one of its 8 instructions, its A operand being registers: more instructions, no overlap.)
+Split over K, each part's fp32 sums and then a ticket, as the engine's few-row kernels
+(``engine.models.linear.store_rows``): the part that takes the last adds every part in order 0..split-1 and writes
+the bf16 output, so a product is one launch whatever its split."""
 
 from __future__ import annotations
 
@@ -149,20 +152,43 @@ if gluon is not None:
         v = gl.join(gl.join(v0, v0), gl.join(v1, v1))
         return gl.join(v, v)
 
-    @gluon.jit
-    def _x_smem(BLOCK_M: gl.constexpr):
-        """The x tile's shared buffer [128, BLOCK_M] (wgmma's B operand, K-major)."""
-        xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
-        return gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
+    @gluon.constexpr_function
+    def _at_least_one(n):
+        return max(n, 1)
 
     @gluon.jit
-    def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split,
-                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+    def _x_smem(BLOCK_M: gl.constexpr, BUFFERS: gl.constexpr):
+        """x tiles' shared buffers [max(BUFFERS, 1), 128, BLOCK_M] (wgmma's B operand, K-major)."""
+        xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
+        return gl.allocate_shared_memory(gl.bfloat16, [_at_least_one(BUFFERS), 128, BLOCK_M], xs)
+
+    @gluon.jit
+    def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+        """A program a tile (grid [tiles, split]); RESIDENT: a program a group of tiles (``tile``, ``tile +
+        groups``, ...: grid [groups, split]) with x's rows for its part of K kept in shared memory, read once (on
+        its first tile) instead of once a tile (``k_tiles`` then at most ``RESIDENT``, the buffers it holds)."""
+        part = gl.program_id(1)
+        if RESIDENT:
+            x_smem = _x_smem(BLOCK_M, RESIDENT)
+            first = gl.program_id(0)
+            for tile in range(first, tiles, gl.num_programs(0)):
+                acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, tile == first,
+                                BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
+                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+        else:
+            tile = gl.program_id(0)
+            acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K, k_tiles, True,
+                            BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
+            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+
+    @gluon.jit
+    def _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, first, BLOCK_M: gl.constexpr,
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+        """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout. RESIDENT: x's
+        tile ``i`` of the part in buffer ``i``, stored there on the program's ``first`` tile."""
         W: gl.constexpr = gl.num_warps()
         one: gl.constexpr = _lanes_layout(W, 1)
-        tile = gl.program_id(0)
-        part = gl.program_id(1)
-        x_smem = _x_smem(BLOCK_M)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
@@ -193,10 +219,17 @@ if gluon is not None:
                 a = _pairs_tile(words, st0, sh0, st1, sh1)
             else:
                 a = _values_tile(words, st0, sh0, st1, sh1)
-            if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc = _times_x(acc, a, xt, x_smem)
-        _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+            if RESIDENT:
+                x_i = x_smem.index(i)
+                if first:
+                    x_i.store(_x_tile(x_ptr, kt, K, M, BLOCK_M))
+                    fence_async_shared()
+                acc = warpgroup_mma(_operand(a, acc), x_i, acc)
+            else:
+                if not X_AHEAD:
+                    xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+                acc = _times_x(acc, a, xt, x_smem.index(0))
+        return acc
 
     @gluon.jit
     def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr):
@@ -208,15 +241,20 @@ if gluon is not None:
         return gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
 
     @gluon.jit
-    def _times_x(acc, a, xt, x_smem):
-        """acc += the decoded [16 W, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) times ``xt`` (x's
-        rows for its K tile, through shared memory, as wgmma's B operand)."""
+    def _operand(a, acc):
+        """The decoded [16 W, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) as wgmma's A operand."""
         W: gl.constexpr = gl.num_warps()
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [16 W, 128] (tests/test_quant_gluon.py replays the
         # joins, this reshape and the permutation on the CPU)
         a = a.reshape([W, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([16 * W, 128])
-        a = gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
+        return gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
+
+    @gluon.jit
+    def _times_x(acc, a, xt, x_smem):
+        """acc += the decoded tile ``a`` times ``xt`` (x's rows for its K tile, through shared memory, as wgmma's B
+        operand)."""
+        a = _operand(a, acc)
         x_smem.store(xt)
         fence_async_shared()
         return warpgroup_mma(a, x_smem, acc)
@@ -308,7 +346,7 @@ if gluon is not None:
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        x_smem = _x_smem(BLOCK_M)
+        x_smem = _x_smem(BLOCK_M, 0).index(0)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
         kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _gluon_kernel
         words_n = gl.load(words_ptr + wbase + kt0 * 256)

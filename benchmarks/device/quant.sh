@@ -73,6 +73,12 @@ if [ -n "${GLUON:-}" ]; then
   section gluon_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
     --q4k-decode ${GLUON_DECODE:-gluon-pairs} --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
     --md "$OUT/large_gluon.md"
+  # GLUON_RESIDENT=1: the same step again with the verify's Q4_K launches keeping x in shared memory
+  if [ -n "${GLUON_RESIDENT:-}" ]; then
+    section gluon_large_resident ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+      --q4k-decode ${GLUON_DECODE:-gluon-pairs} --gluon-resident --presets qwen35-27b-shape --context 4096 \
+      --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon_resident.md"
+  fi
   # GLUON_WARPS="8": the same step again with every launch on that many warps (--gluon-warps)
   for w in ${GLUON_WARPS:-}; do
     section gluon_large_w$w ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
