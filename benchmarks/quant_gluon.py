@@ -188,21 +188,31 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     ``x_resident``: a program takes several tiles with x's rows for its part of K read once into shared memory
     (``resident_split``: the part must fit; ``groups`` programs a part, by default an SM each), the same bits
     whichever."""
-    buffers = 0
-    if x_resident:
-        buffers = cols // TILE_K // split
-        if buffers * TILE_K * _block_m(x.shape[0]) * 2 > RESIDENT_BYTES:
-            raise ValueError(f"x_resident: a part of {buffers} 128-column tiles of {x.shape[0]} rows does not fit "
-                             f"{RESIDENT_BYTES} bytes of shared memory; split K finer (resident_split)")
+    buffers = _resident_buffers(x, cols, split, x_resident)  # refused before anything is launched
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, groups,
                    PAIRS=pairs, X_AHEAD=x_ahead, RESIDENT=buffers)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
-                x_ahead: bool = False, warps: int | None = None) -> Tensor:
+                x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
+                groups: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
     to 64 rows, on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, None, X_AHEAD=x_ahead)
+    buffers = _resident_buffers(x, cols, split, x_resident)
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, groups,
+                   X_AHEAD=x_ahead, RESIDENT=buffers)
+
+
+def _resident_buffers(x: Tensor, cols: int, split: int, x_resident: bool) -> int:
+    """The x tiles a resident program holds (its part of K), 0 when x is not resident; a part that does not fit
+    ``RESIDENT_BYTES`` refused."""
+    if not x_resident:
+        return 0
+    buffers = cols // TILE_K // split
+    if buffers * TILE_K * _block_m(x.shape[0]) * 2 > RESIDENT_BYTES:
+        raise ValueError(f"x_resident: a part of {buffers} 128-column tiles of {x.shape[0]} rows does not fit "
+                         f"{RESIDENT_BYTES} bytes of shared memory; split K finer (resident_split)")
+    return buffers
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
@@ -222,9 +232,8 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
         groups = tiles  # a program a tile
     elif groups is None:  # x resident: a program an SM (its shared memory holds one), the parts counted
         groups = min(tiles, max(1, torch.cuda.get_device_properties(x.device).multi_processor_count // split))
-    extra = {"tiles": tiles} if "RESIDENT" in constexprs else {}
     kernel[(groups, split)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles), m, n, cols,
-                            cols // TILE_K // split, split, **extra, BLOCK_M=block_m, num_warps=warps, **constexprs)
+                            cols // TILE_K // split, split, tiles, BLOCK_M=block_m, num_warps=warps, **constexprs)
     return out
 
 
@@ -257,18 +266,17 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
 
 
 def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None, x_resident: bool = False) -> None:
-    """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through
-    this prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too; ``x_ahead``:
-    x read an iteration ahead; ``warps``: every launch on 4 or 8, else as ``_warps`` picks; ``x_resident``: Q4_K
-    launches of 17 rows or more keep x in shared memory, every launch of the weight at ``resident_split``'s split
-    so that AR's rows round as the verify's), every other product
-    through the engine's kernel: ``quant_kernel.linear`` replaced
-    in place, for a benchmark process only (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or
-    ``gluon-pairs-ahead``: the whole AR step and verify). A weight is
-    repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
-    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel.
-    With ``pairs`` a launch of more than 64 rows takes the engine's kernel and so ``dequantize``'s values: only
-    timings, not exactness, hold for a verify of 64 or more tree nodes."""
+    """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through this
+    prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every other
+    product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process only
+    (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or ``gluon-pairs-ahead``: the whole AR step and verify).
+    ``x_ahead``: x read an iteration ahead; ``warps``: every launch on 4 or 8 where they take whole tiles of the
+    weight's padded rows, else as ``_warps`` picks; ``x_resident``: launches of 17 rows or more keep x in shared
+    memory, every launch of the weight at ``resident_split``'s split, AR's too (a row's bits depend on the split). A
+    weight is repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
+    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel. With
+    ``pairs`` a launch of more than 64 rows takes the engine's kernel and so ``dequantize``'s values: only timings,
+    not exactness, hold for a verify of 64 or more tree nodes."""
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
@@ -289,15 +297,14 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
             planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
             repacked[key] = (weakref.ref(owner), planes)
         n, planes = blocks.shape[0], repacked[key][1]
-        split = split_for(n, cols)
-        resident = x_resident and fmt.name == "Q4_K" and rows > 16
-        if x_resident and fmt.name == "Q4_K":
-            split = resident_split(cols, split)
+        split = resident_split(cols, split_for(n, cols)) if x_resident else split_for(n, cols)
+        # asked-for warps where they take whole tiles of this weight's padded rows, else the launch's own choice
+        w = warps if warps is None or -(-n // TILE_N) * TILE_N % (16 * warps) == 0 else None
+        options = {"x_ahead": x_ahead, "warps": w, "x_resident": x_resident and rows > 16}
         if fmt.name == "Q6_K":
-            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, x_ahead=x_ahead, warps=warps)
+            out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, **options)
         else:
-            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, x_ahead=x_ahead, warps=warps,
-                         x_resident=resident)
+            out = linear(x.reshape(rows, cols), *planes, n, cols, split, pairs, **options)
         return out.view(*x.shape[:-1], n)
 
     quant_kernel.linear = routed
@@ -315,8 +322,9 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     after = {"out_ptr": "*bf16", "parts_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
              "k_tiles": "i32", "split": "i32"}
     if decode == "q6_k":
-        fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
+        fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
+                                       "tiles": "i32"}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "RESIDENT": resident}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead, "RESIDENT": resident}
@@ -328,8 +336,9 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
 
 
 def split_for(n: int, cols: int, sms: int = 132, per_sm: int = 2) -> int:
-    """Parts of K so that a launch has about ``per_sm`` programs an SM (the 64-row tiles alone are fewer on a
-    narrow weight), each part whole 128-column tiles."""
+    """Parts of K so that a 4-warp launch has about ``per_sm`` programs an SM (the 64-row tiles alone are fewer on a
+    narrow weight), each part whole 128-column tiles. One split a weight, whatever a launch's rows or warps (a
+    row's bits depend on it): an 8-warp launch has half the programs, of twice the warps."""
     tiles, k_tiles = -(-n // TILE_N), cols // TILE_K
     split = max(1, min(k_tiles, -(-per_sm * sms // tiles)))
     while k_tiles % split:
@@ -353,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
     ap.add_argument("--resident", type=int, default=0, metavar="TILES",
-                    help="the Q4_K kernels' static counts with x resident, parts of TILES 128-column tiles")
+                    help="the static counts with x resident, parts of TILES 128-column tiles")
     args = ap.parse_args(argv)
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
@@ -374,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        resident = 0 if decode == "q6_k" else args.resident
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, resident)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, args.resident)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))

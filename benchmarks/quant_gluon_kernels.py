@@ -219,16 +219,25 @@ if gluon is not None:
                 a = _pairs_tile(words, st0, sh0, st1, sh1)
             else:
                 a = _values_tile(words, st0, sh0, st1, sh1)
-            if RESIDENT:
-                x_i = x_smem.index(i)
-                if first:
-                    x_i.store(_x_tile(x_ptr, kt, K, M, BLOCK_M))
-                    fence_async_shared()
-                acc = warpgroup_mma(_operand(a, acc), x_i, acc)
-            else:
-                if not X_AHEAD:
-                    xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-                acc = _times_x(acc, a, xt, x_smem.index(0))
+            if not X_AHEAD:
+                xt = None
+            acc = _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M, RESIDENT)
+        return acc
+
+    @gluon.jit
+    def _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M: gl.constexpr, RESIDENT: gl.constexpr):
+        """acc += the decoded tile ``a`` times x's K tile ``kt``: RESIDENT, from buffer ``i`` (stored there on the
+        program's ``first`` tile); else through the one buffer, ``xt`` (read ahead) or read here (None)."""
+        if RESIDENT:
+            x_i = x_smem.index(i)
+            if first:
+                x_i.store(_x_tile(x_ptr, kt, K, M, BLOCK_M))
+                fence_async_shared()
+            acc = warpgroup_mma(_operand(a, acc), x_i, acc)
+        else:
+            if xt is None:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, xt, x_smem.index(0))
         return acc
 
     @gluon.jit
@@ -279,8 +288,8 @@ if gluon is not None:
             _barrier()  # every thread's sums stored before the ticket is taken
             ticket = gl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
             if ticket == split - 1:
-                # 16 of x's rows at a time: a whole [16 W, 64] tile of sums at once took the kernel from 136 to 212
-                # registers (2 programs an SM instead of 3 at 4 warps)
+                # 16 of x's rows at a time: a whole [16 W, 64] tile of sums at once held the kernels at 212 (Q4_K)
+                # and 213 (Q6_K) registers at 64 rows, 176 and 193 this way (with the sum in PyTorch: 176, 168)
                 for c in gl.static_range(0, BLOCK_M, 16):
                     oc = c + gl.arange(0, 16, layout=gl.SliceLayout(0, ol))
                     at = oc[None, :] * N + on[:, None]
@@ -329,13 +338,29 @@ if gluon is not None:
 
     @gluon.jit
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
-                   split, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr):
-        """Q6_K's few-row product, the tile's skeleton as ``_gluon_kernel``'s (pairs decode only)."""
+                   split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+        """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
+        part = gl.program_id(1)
+        if RESIDENT:
+            x_smem = _x_smem(BLOCK_M, RESIDENT)
+            first = gl.program_id(0)
+            for tile in range(first, tiles, gl.num_programs(0)):
+                acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles,
+                               tile == first, BLOCK_M, X_AHEAD, RESIDENT)
+                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+        else:
+            tile = gl.program_id(0)
+            acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K,
+                           k_tiles, True, BLOCK_M, X_AHEAD, RESIDENT)
+            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+
+    @gluon.jit
+    def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles, first,
+                 BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+        """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s."""
         W: gl.constexpr = gl.num_warps()
         wl: gl.constexpr = _words_layout(W)
         hl: gl.constexpr = _quads_layout(W)  # the top bits [8 W = (w, g), 4 = t, 4 = u]
-        tile = gl.program_id(0)
-        part = gl.program_id(1)
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         hr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
@@ -346,9 +371,8 @@ if gluon is not None:
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        x_smem = _x_smem(BLOCK_M, 0).index(0)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _gluon_kernel
+        kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _q4k_tile
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
         st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
@@ -368,6 +392,6 @@ if gluon is not None:
             st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
             a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
             if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc = _times_x(acc, a, xt, x_smem)
-        _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+                xt = None
+            acc = _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M, RESIDENT)
+        return acc

@@ -25,6 +25,7 @@ sys.path.insert(0, str(BENCH))
 import quant_gluon  # noqa: E402
 
 N, K = 100, 512  # rows not a multiple of the 64-row tile; two 256-value blocks, four 128-column tiles
+N2 = 228  # the GPU tests' and the replay's rows: two 128-row tiles (8 warps), the second partial; 4 at 4 warps
 
 
 def _reads_back(linear, weight: torch.Tensor) -> None:
@@ -36,8 +37,8 @@ def _reads_back(linear, weight: torch.Tensor) -> None:
         assert torch.equal(linear(eye), weight[:, c0:c0 + 64].T), c0
 
 
-def _blocks(seed: int) -> torch.Tensor:
-    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q4_K, N, K, seed, scale=0.05))
+def _blocks(seed: int, n: int = N) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q4_K, n, K, seed, scale=0.05))
 
 
 @pytest.mark.parametrize("pairs", [False, True])
@@ -76,18 +77,20 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
     the operand layout is a renaming (``assert_trivial``: the layout is the operand's, not where each nibble lands,
     which the last test replays), and the K loop's shared memory holds the x tile and the steps only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64"], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\| (float|pairs|q6_k) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
-                      proc.stdout, flags=re.M)
-    assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
-    for decode, block_m, hgmma, sts, lds in rows:
-        # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores; Q4_K's four step / offset tensors
-        # [32, 4] too (one a thread where they are decoded, four a thread where used: a 16-byte read each); the
-        # decoded tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
-        steps = 0 if decode == "q6_k" else 4
-        assert int(hgmma) == 8 and int(lds) == steps and int(sts) == 128 * int(block_m) * 2 // 16 // 128 + steps, rows
+    for warps in (4, 8):
+        proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64", "--warps",
+                               str(warps)], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = re.findall(r"^\| (float|pairs|q6_k) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
+                          proc.stdout, flags=re.M)
+        assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
+        for decode, block_m, hgmma, sts, lds in rows:
+            # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores over 32 W threads; Q4_K's four step /
+            # offset tensors [8 W, 4] too (one a thread where they are decoded, four a thread where used: a 16-byte
+            # read each); the decoded tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
+            steps = 0 if decode == "q6_k" else 4
+            x_stores = 128 * int(block_m) * 2 // 16 // (32 * warps)
+            assert int(hgmma) == 8 and int(lds) == steps and int(sts) == x_stores + steps, (warps, rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
@@ -98,18 +101,18 @@ def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(sp
     """Each row of the product is the dot of its x row with the decode's weight (``reference``: one-hot rows read
     the weight's values back bit for bit, the parts of K added by the last part's program), and its bits do not
     depend on the rows launched beside it, on the tile's height (warps) or on x read ahead."""
-    blocks = _blocks(seed=1).cuda()
+    blocks = _blocks(seed=1, n=N2).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
-    weight = quant_gluon.reference(words, heads, N, K, pairs).to(torch.bfloat16)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead, warps), weight)
+    weight = quant_gluon.reference(words, heads, N2, K, pairs).to(torch.bfloat16)
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear(x, words, heads, N, K, split, pairs, ahead, warps)
-    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N, K, split, pairs, ahead, 4), many[:1])
-    assert torch.equal(quant_gluon.linear(x, words, heads, N, K, split, pairs, not ahead, 12 - warps), many)
-    # x resident, one program a part taking every tile (on 4 warps two: the second reuses the x its first read)
-    resident = quant_gluon.linear(x, words, heads, N, K, split, pairs, warps=warps, x_resident=True, groups=1)
+    many = quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps)
+    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N2, K, split, pairs, ahead, 4), many[:1])
+    assert torch.equal(quant_gluon.linear(x, words, heads, N2, K, split, pairs, not ahead, 12 - warps), many)
+    # x resident, one program a part taking every tile: the later tiles reuse the x the first read
+    resident = quant_gluon.linear(x, words, heads, N2, K, split, pairs, warps=warps, x_resident=True, groups=1)
     assert torch.equal(resident, many)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N, K, split, pairs, warps=warps, x_resident=True,
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, warps=warps, x_resident=True,
                                              groups=1), weight)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
@@ -122,13 +125,15 @@ def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(sp
 def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_together(split, warps, ahead):
     from engine.models.quant import hold
 
-    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5), FORMATS["Q6_K"]).cuda(), K)
-    weight = quant_gluon.reference_q6_k(*planes, N, K)
-    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N, K, split, ahead, warps), weight)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    weight = quant_gluon.reference_q6_k(*planes, N2, K)
+    _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split, ahead, warps), weight)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear_q6_k(x, planes, N, K, split, ahead, warps)
-    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N, K, split, ahead, 4), many[:1])
-    assert torch.equal(quant_gluon.linear_q6_k(x, planes, N, K, split, not ahead, 12 - warps), many)
+    many = quant_gluon.linear_q6_k(x, planes, N2, K, split, ahead, warps)
+    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N2, K, split, ahead, 4), many[:1])
+    assert torch.equal(quant_gluon.linear_q6_k(x, planes, N2, K, split, not ahead, 12 - warps), many)
+    resident = quant_gluon.linear_q6_k(x, planes, N2, K, split, warps=warps, x_resident=True, groups=1)
+    assert torch.equal(resident, many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -149,8 +154,8 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
     monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False,
                         warps=None, x_resident=False: calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs,
                                                                     warps)) or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None:
-                        calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
+    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None,
+                        x_resident=False: calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
                         or torch.zeros(x.shape[0], n))
     warps = 8 if pairs else None  # asked for, every launch's; else the launch's own choice
     quant_gluon.install(pairs, warps=warps)  # wraps the (fake) engine linear above; monkeypatch restores it after
@@ -203,6 +208,27 @@ def test_install_with_x_resident_gives_every_launch_of_a_weight_one_split_and_ke
     assert calls == [(1, 4, False), (33, 4, True)]  # 4 parts of 10 tiles
 
 
+def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypatch):
+    """``--gluon-warps 8`` on a weight whose padded rows are not whole 128-row tiles (60 rows: 64) leaves that
+    weight's launches their own choice instead of failing the run."""
+    from engine.models import quant_kernel as qk
+
+    asked = []
+
+    def fake_linear(x, words, heads, n, cols, split=1, pairs=False, x_ahead=False, warps=None, x_resident=False):
+        asked.append(warps)
+        return torch.zeros(x.shape[0], n)
+
+    monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: None)
+    monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: ("words", "heads"))
+    monkeypatch.setattr(quant_gluon, "linear", fake_linear)
+    quant_gluon.install(pairs=True, warps=8)
+    for n in (60, 100):
+        blocks = torch.zeros(n, FORMATS["Q4_K"].row_bytes(K), dtype=torch.uint8)
+        qk.linear(torch.zeros(1, K, dtype=torch.bfloat16), blocks, FORMATS["Q4_K"], K)
+    assert asked == [None, 8]
+
+
 def test_x_resident_takes_a_split_whose_part_of_x_fits_shared_memory_and_refuses_one_that_does_not():
     """``resident_split``: the smallest split from the one asked whose part (64 rows of x, 16 KiB a 128-column tile)
     fits ``RESIDENT_BYTES`` (160 KiB: 10 tiles) and divides K's tiles; ``linear`` refuses a part that does not fit,
@@ -229,8 +255,8 @@ def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-def _q6_blocks(seed: int) -> torch.Tensor:
-    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q6_K, N, K, seed, scale=0.05))
+def _q6_blocks(seed: int, n: int = N) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q6_K, n, K, seed, scale=0.05))
 
 
 def _q6_read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +267,8 @@ def _q6_read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     low = (blocks[:, blk * 210 + half * 64 + (quarter % 2) * 32 + pos].long() >> (4 * (quarter // 2))) & 15
     top = (blocks[:, blk * 210 + 128 + half * 32 + pos].long() >> (2 * quarter)) & 3
     scale = blocks[:, blk * 210 + 192 + v % 256 // 16].view(torch.int8).float()
-    block_d = blocks.reshape(N, -1, 210)[:, :, 208:210].contiguous().view(torch.float16).float().squeeze(-1)
+    block_d = blocks.reshape(blocks.shape[0], -1, 210)[:, :, 208:210].contiguous()
+    block_d = block_d.view(torch.float16).float().squeeze(-1)
     return low | (top << 4), (block_d.repeat_interleave(256, dim=1) * scale).to(torch.bfloat16)
 
 
@@ -286,20 +313,20 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     from engine.models.quant import _nibbles, hold
 
     if decode == "q6_k":  # the 6-bit values, read from the file's bytes
-        blocks = _q6_blocks(seed=3)
+        blocks = _q6_blocks(seed=3, n=N2)
         words, high, _, _ = quant_gluon.repack_q6_k(hold(blocks, FORMATS["Q6_K"]), K)
         q, _ = _q6_read(blocks)
     else:
-        blocks = _blocks(seed=3)
+        blocks = _blocks(seed=3, n=N2)
         words, _ = quant_gluon.repack(blocks, K, decode == "pairs")
-        q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N, K)
+        q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N2, K)
 
     def join(a, b):
         return torch.stack([a, b], dim=-1)
 
     rr, cc = torch.arange(8 * warps)[:, None], torch.arange(32)[None, :]
     rows_a_tile = 16 * warps
-    for tile in range(128 // rows_a_tile):  # the 100 rows padded to 128
+    for tile in range(256 // rows_a_tile):  # the 228 rows padded to 256: the last tile partial
         for kt in range(K // 128):
             wbase = (tile * warps + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
             w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
@@ -319,6 +346,6 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
                 v = [(w >> (4 * n)) & 15 for n in range(8)]
                 a = join(join(join(v[0], v[4]), join(v[2], v[6])), join(join(v[1], v[5]), join(v[3], v[7])))
             a = a.reshape(warps, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(rows_a_tile, 128)
-            rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N))
+            rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N2))
             assert torch.equal(a[: rows.stop - rows.start], q[rows, 128 * kt:128 * kt + 128]), (tile, kt)
             assert not a[rows.stop - rows.start:].any()  # padded rows

@@ -17,8 +17,9 @@
 #      report. PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): tests, launches, the step.
 #      NCU=1: the few-row Q4_K launches under Nsight Compute (benchmarks/quant_ncu.py; $OUT/ncu_q4k.txt).
 #      GLUON=1: the Q4_K / Q6_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests,
-#      launches, the 27B Q4_K_M step through it (gluon_large).
-#      SKIP="large_q4km ..." leaves sections out.
+#      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_RESIDENT=1 and GLUON_WARPS="4 8": again with
+#      the verify's x kept in shared memory, with every launch on that many warps). GRAPHS=1: the step's graphs
+#      replayed alone, their kernels by name (GRAPHS_DECODE). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -98,8 +99,9 @@ if [ -n "${PROFILE:-}" ]; then
   section profile_q4km 150 python3 benchmarks/gpu_bench.py profile --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 32 --q4k-decode ${PROFILE_DECODE:-engine} --md "$OUT/profile_q4km.md"
 fi
-# GRAPHS=1: the 27B Q4_K_M step graphs (AR, DDTree at BUDGETS' first) replayed alone, their kernels by name: where
-# an AR step's time goes beside its products (GRAPHS_DECODE=gluon-pairs by default; engine: the engine's kernel)
+# GRAPHS=1: the 27B Q4_K_M step graphs (AR once, DDTree's propose and verify at each of BUDGETS, 32 by default)
+# replayed alone, their kernels by name: where a step's time goes beside its products (GRAPHS_DECODE=gluon-pairs by
+# default, unlike PROFILE_DECODE's engine; engine: the engine's kernel)
 if [ -n "${GRAPHS:-}" ]; then
   section graphs_q4km ${GRAPHS_LIMIT:-170} python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} --q4k-decode ${GRAPHS_DECODE:-gluon-pairs} \
