@@ -53,13 +53,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
-            if pairs:  # every launch at the split whose part of x fits shared memory; the verify's keeps x there
-                rs = resident_split(k, split)
-                one, kept = (time_us(lambda x=xs[m], p=pick, n=n, k=k, s=rs, r=m > 16:
-                                     linear(x, *p(), n, k, s, True, x_resident=r)) for m in (min(rows), max(rows)))
-                same = torch.equal(linear(x[:1], *packed[0], n, k, rs, True),
-                                   linear(x, *packed[0], n, k, rs, True, x_resident=True)[:1])
-                resident = f"{rs}, {one:.1f} / {kept:.1f}, {'y' if same else 'n'}"
+            if pairs:
+                resident = _resident(lambda x, p, s, r, n=n, k=k: linear(x, *p, n, k, s, True, x_resident=r),
+                                     packed[0], pick, xs, k, split)
             del packed, pick
         errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
         lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | "
@@ -71,8 +67,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
               + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead us" for m in rows)
-              + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
-              + "---|" * (len(rows) + 2)]
+              + " | rows invariant | error against its own weight: engine / gluon "
+              + f"| x resident: split, {min(rows)} row / {max(rows)} rows us, rows invariant |", "|---|---|---|"
+              + "---|" * (len(rows) + 3)]
     q6 = quant.FORMATS["Q6_K"]
     for label, n, k in [("27B down", 5120, 17408), ("27B o_proj", 5120, 6144)]:
         held = quant.hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, q6),
@@ -93,9 +90,11 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         own = [quant.held_values(held, q6, k).to(torch.bfloat16), reference_q6_k(*planes, n, k)]
         errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
                   for got, w in zip((quant_kernel.linear(x, held, q6, k), many), own, strict=True)]
+        resident = _resident(lambda x, p, s, r, n=n, k=k: linear_q6_k(x, p, n, k, s, x_resident=r), planes, pick,
+                             xs, k, split)
         lines.append(f"| {label} ({n} x {k}) | {held.numel() / 1e6:.1f} | {split} | "
                      + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
-                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
+                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} | {resident} |")
         print(lines[-1], flush=True)
         del held, pick_held, planes, pick
         torch.cuda.empty_cache()
@@ -131,3 +130,16 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
         del blocks, packed, pick
         torch.cuda.empty_cache()
     return lines
+
+
+def _resident(launch, planes, pick, xs: dict[int, torch.Tensor], k: int, split: int) -> str:
+    """Every launch of a weight at ``resident_split``'s split (its part of x fits shared memory), the verify's
+    (more than 16 rows) keeping x there: 1-row and many-row us, and whether a row's bits are its bits among many.
+    ``launch(x, planes, split, x_resident)``."""
+    from kernel_timing import time_us
+
+    rs = resident_split(k, split)
+    one, kept = (time_us(lambda x=xs[m], r=m > 16: launch(x, pick(), rs, r)) for m in (min(xs), max(xs)))
+    x = xs[max(xs)]
+    same = torch.equal(launch(x[:1], planes, rs, False), launch(x, planes, rs, True)[:1])
+    return f"{rs}, {one:.1f} / {kept:.1f}, {'y' if same else 'n'}"
