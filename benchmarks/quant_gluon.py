@@ -217,8 +217,8 @@ def _resident_buffers(x: Tensor, cols: int, split: int, x_resident: bool) -> int
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
             warps: int | None, groups: int | None, **constexprs) -> Tensor:
-    """One launch: a program a tile of ``16 * warps`` rows and part of K; the parts' sums added in the kernel (the
-    engine's tickets), so the output is bf16 straight away."""
+    """One launch: a program a tile of ``16 * warps`` rows (x resident: ``groups`` strided groups of tiles) and a
+    part of K; the parts' sums added in the kernel (the engine's tickets), so the output is bf16 straight away."""
     from engine.models.linear import _tickets
 
     m = x.shape[0]
