@@ -94,7 +94,8 @@ def test_a_session_sweep_ranks_by_session_tps_and_reports_both_objectives(tmp_pa
         assert a["exact_match"] == 1.0 and a["turns"] == 5 and a["sessions_cut"] == {}
         assert t.value == pytest.approx(a["session_tps_median"] - a["spread"])  # the objective is scored
         assert a["session_tps_median"] != a["decode_tps_median"]  # prefill is in one, not the other
-        assert len(a["session_tps_runs"]) == len(a["decode_tps_runs"]) == 2 and len(a["per_session_tps"]) == 2
+        passes = 4 if a["remeasured"] else 2  # a noisy first two (a busy machine's timings) take two more
+        assert len(a["session_tps_runs"]) == len(a["decode_tps_runs"]) == passes and len(a["per_session_tps"]) == 2
         assert a["speedup_vs_ar"] == pytest.approx(a["session_tps_median"] / a["ar_session_tps"])
         assert a["decode_speedup_vs_ar"] == pytest.approx(a["decode_tps_median"] / a["ar_decode_tps"])
         assert a["cached_share_later"] > 0.5 and a["ttft_first_ms"] > 0 and a["ttft_later_ms"] > 0
