@@ -416,6 +416,14 @@ def bytes_read_per_token(target: torch.nn.Module) -> int:
     return read if head is embed else read - embed.numel() * embed.element_size()
 
 
+def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
+    if not args.q4k_decode.startswith("gluon"):
+        for flag, given in (("--gluon-warps", args.gluon_warps is not None), ("--gluon-resident", args.gluon_resident)):
+            if given:
+                ap.error(f"{flag}: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
+
+
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check alone (exit 2, naming the flag), then the sections' defaults."""
     taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
@@ -426,6 +434,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.sets and args.section not in ("large", "oracle") and not (args.section == "pair" and args.mix):
         ap.error(f"--sets: section {args.section} needs at least one set" + (" (or --mix)" if args.section == "pair"
                                                                               else ""))
+    _check_gluon_flags(ap, args)
     if args.mix is not None and len(set(args.mix)) < 2:
         ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
     if args.section == "oracle":

@@ -70,6 +70,11 @@ def _pack(q: Tensor, width: int, order: tuple[int, ...], shape: tuple[int, ...])
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
+def padded_rows(n: int) -> int:
+    """A weight's rows in its planes: whole 64-row tiles, the rows past ``n`` zero."""
+    return -(-n // TILE_N) * TILE_N
+
+
 def _padded(q: Tensor, n_pad: int) -> Tensor:
     return torch.cat([q, q.new_zeros(n_pad - q.shape[0], q.shape[1])])
 
@@ -104,7 +109,7 @@ def repack(blocks: Tensor, cols: int, pairs: bool = False) -> tuple[Tensor, Tens
     [N padded, cols / 256, 4]. Padded rows are zero."""
     assert blocks.dtype == torch.uint8 and cols % quant.QK_K == 0 and blocks.shape[1] == Q4_K.row_bytes(cols)
     n = blocks.shape[0]
-    n_pad = -(-n // TILE_N) * TILE_N
+    n_pad = padded_rows(n)
     b = blocks.reshape(-1, Q4_K.nbytes)
     q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(n, cols)  # natural order, 0..15
     words = _nibble_words(_padded(q, n_pad), cols, pairs)
@@ -122,7 +127,7 @@ def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     fmt = quant.FORMATS["Q6_K"]
     assert held.dtype == torch.uint8 and cols % quant.QK_K == 0 and held.shape[1] == fmt.row_bytes(cols)
     n = held.shape[0]
-    n_pad = -(-n // TILE_N) * TILE_N
+    n_pad = padded_rows(n)
     b = quant.unhold(held, fmt).reshape(-1, fmt.nbytes)
     low = quant._nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(n, cols)
     top = quant._bits(b[:, 128:192].reshape(-1, 2, 32), 2).permute(0, 1, 3, 2).reshape(n, cols)
@@ -283,7 +288,8 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     formats = ("Q4_K", "Q6_K") if pairs else ("Q4_K",)
     # by the rows' address and shape (a fused group's ``part`` is a fresh slice each call, the same rows), with a
     # weak reference to the tensor that owns them: a dead owner's address may hold another weight's blocks
-    repacked: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, tuple[Tensor, ...]]] = {}
+    # with its planes, the weight's split and warps (one split a weight: every launch of it rounds alike)
+    repacked: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, tuple[Tensor, ...], int, int | None]] = {}
 
     def routed(x: Tensor, blocks: Tensor, fmt, cols: int, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // cols
@@ -295,11 +301,13 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
                 return engine_linear(x, blocks, fmt, cols, bias)
             owner = blocks if blocks._base is None else blocks._base
             planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
-            repacked[key] = (weakref.ref(owner), planes)
-        n, planes = blocks.shape[0], repacked[key][1]
-        split = resident_split(cols, split_for(n, cols)) if x_resident else split_for(n, cols)
-        # asked-for warps where they take whole tiles of this weight's padded rows, else the launch's own choice
-        w = warps if warps is None or -(-n // TILE_N) * TILE_N % (16 * warps) == 0 else None
+            n = blocks.shape[0]
+            split = resident_split(cols, split_for(n, cols)) if x_resident else split_for(n, cols)
+            # asked-for warps where they take whole tiles of this weight's padded rows, else each launch's own choice
+            w = warps if warps is None or padded_rows(n) % (16 * warps) == 0 else None
+            repacked[key] = (weakref.ref(owner), planes, split, w)
+        _, planes, split, w = repacked[key]
+        n = blocks.shape[0]
         options = {"x_ahead": x_ahead, "warps": w, "x_resident": x_resident and rows > 16}
         if fmt.name == "Q6_K":
             out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, **options)

@@ -71,21 +71,17 @@ if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
-  section gluon_large ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-    --q4k-decode ${GLUON_DECODE:-gluon-pairs} --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
-    --md "$OUT/large_gluon.md"
-  # GLUON_RESIDENT=1: the same step again with the verify's Q4_K launches keeping x in shared memory
-  if [ -n "${GLUON_RESIDENT:-}" ]; then
-    section gluon_large_resident ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-      --q4k-decode ${GLUON_DECODE:-gluon-pairs} --gluon-resident --presets qwen35-27b-shape --context 4096 \
-      --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon_resident.md"
-  fi
-  # GLUON_WARPS="8": the same step again with every launch on that many warps (--gluon-warps)
-  for w in ${GLUON_WARPS:-}; do
-    section gluon_large_w$w ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-      --q4k-decode ${GLUON_DECODE:-gluon-pairs} --gluon-warps $w --presets qwen35-27b-shape --context 4096 \
-      --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon_w$w.md"
-  done
+  # the 27B Q4_K_M step through it: gluon_large, then (GLUON_RESIDENT=1) gluon_large_resident with the verify's
+  # launches keeping x in shared memory, and (GLUON_WARPS="4 8") gluon_large_wN with every launch on N warps
+  gluon_step() {  # section suffix, then gpu_bench's extra flags
+    local suffix=$1; shift
+    section gluon_large$suffix ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+      --q4k-decode ${GLUON_DECODE:-gluon-pairs} "$@" --presets qwen35-27b-shape --context 4096 \
+      --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon$suffix.md"
+  }
+  gluon_step ""
+  if [ -n "${GLUON_RESIDENT:-}" ]; then gluon_step _resident --gluon-resident; fi
+  for w in ${GLUON_WARPS:-}; do gluon_step _w$w --gluon-warps "$w"; done
 fi
 # NCU=1: one warm launch of each few-row Q4_K product (engine kernel, packed prototype, bf16 on the dequantized
 # weight; 1 and 33 rows) under Nsight Compute: stall reasons, occupancy, memory throughput (NCU_SHAPE=NxK)
