@@ -24,16 +24,16 @@ multiply-add), then bf16: the bits ``quant.dequantize`` gives, and so the engine
 128 + q, ``HADD2`` takes 128 off, ``HFMA2`` gives q * bf16(d * scale) + bf16(-dmin * min), one rounding
 (``quant_packed.values``'s numbers, not ``dequantize``'s). Q6_K has the pair decode (``repack_q6_k``): its low
 nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). A row's bits never
-depend on the rows beside it, which is what exactness against AR needs; but only launches of up to 64 rows take
-these kernels, so an engine routed through them (``install``) must keep every launch of a decode at 64 rows or
-fewer (a verify of 64 or more tree nodes takes the engine's kernel, ``dequantize``'s values: not AR's weights).
+depend on the rows beside it, which is what exactness against AR needs: a launch of more than 64 rows takes them in
+blocks of 64 (``ROW_BLOCK``), each block's rows summed as a lone row's, so every launch of a decode (an AR step, a
+verify of any budget) reads one weight.
 
 The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
 and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
 iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
-N are padded to whole 64-row tiles; K must be whole 256-value blocks; a launch takes up to 64 rows (``BLOCK_M`` 16,
-32 or 64) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``); with ``x_resident`` a verify's launch reads x into
+N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
+32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``); with ``x_resident`` a verify's launch reads x into
 shared memory once a program (``resident_split``). Split over K (``split``): each part's fp32 sums, added in order
 0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels themselves are in
 ``quant_gluon_kernels.py``.
@@ -189,7 +189,7 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
            x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
            groups: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
-    1 to 64 rows, on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8 (``_warps``),
+    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8 (``_warps``),
     ``x_resident``: a program takes several tiles with x's rows for its part of K read once into shared memory
     (``resident_split``: the part must fit; ``groups`` programs a part, by default an SM each), the same bits
     whichever."""
@@ -201,8 +201,8 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
                 x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
                 groups: int | None = None) -> Tensor:
-    """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for 1
-    to 64 rows, on a GPU; the options as ``linear``'s."""
+    """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
+    any rows, on a GPU; the options as ``linear``'s."""
     buffers = _resident_buffers(x, cols, split, x_resident)
     return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, groups,
                    X_AHEAD=x_ahead, RESIDENT=buffers)
@@ -222,31 +222,39 @@ def _resident_buffers(x: Tensor, cols: int, split: int, x_resident: bool) -> int
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
             warps: int | None, groups: int | None, **constexprs) -> Tensor:
-    """One launch: a program a tile of ``16 * warps`` rows (x resident: ``groups`` strided groups of tiles) and a
-    part of K; the parts' sums added in the kernel (the engine's tickets), so the output is bf16 straight away."""
+    """One launch: a program a tile of ``16 * warps`` rows (x resident: ``groups`` strided groups of tiles), a part
+    of K and a block of up to ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's
+    tickets, one a tile and row block), so the output is bf16 straight away."""
     from engine.models.linear import _tickets
 
     m = x.shape[0]
-    assert x.dtype == torch.bfloat16 and 1 <= m <= 64 and x.shape[1] == cols and cols % (TILE_K * split) == 0
+    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
     block_m = _block_m(m)
     warps = _warps(block_m, n_pad, warps)
     tiles = n_pad // (16 * warps)
+    row_blocks = -(-m // block_m)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
     if not constexprs.get("RESIDENT"):
         groups = tiles  # a program a tile
     elif groups is None:  # x resident: a program an SM (its shared memory holds one), the parts counted
-        groups = min(tiles, max(1, torch.cuda.get_device_properties(x.device).multi_processor_count // split))
-    kernel[(groups, split)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles), m, n, cols,
-                            cols // TILE_K // split, split, tiles, BLOCK_M=block_m, num_warps=warps, **constexprs)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        groups = min(tiles, max(1, sms // (split * row_blocks)))
+    kernel[(groups, split, row_blocks)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles * row_blocks),
+                                        m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
+                                        num_warps=warps, **constexprs)
     return out
 
 
 RESIDENT_BYTES = 160 * 1024  # x's rows a program keeps in shared memory (an H100's SM has 228 KB)
 
 
+ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
+
+
 def _block_m(m: int) -> int:
-    return max(16, 1 << (m - 1).bit_length())
+    """A launch's rows a program: the power of two from 16 to ``ROW_BLOCK`` that holds ``m`` (or ``ROW_BLOCK``)."""
+    return min(ROW_BLOCK, max(16, 1 << (m - 1).bit_length()))
 
 
 def resident_split(cols: int, split: int, block_m: int = 64) -> int:
@@ -271,7 +279,7 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
 
 
 def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None, x_resident: bool = False) -> None:
-    """Route the engine's Q4_K few-row products (bf16, up to 64 rows, K whole 256-value blocks, no bias) through this
+    """Route the engine's Q4_K few-row products (bf16, K whole 256-value blocks, no bias) through this
     prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every other
     product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process only
     (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or ``gluon-pairs-ahead``: the whole AR step and verify).
@@ -279,9 +287,10 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     weight's padded rows, else as ``_warps`` picks; ``x_resident``: launches of 17 rows or more keep x in shared
     memory, every launch of the weight at ``resident_split``'s split, AR's too (a row's bits depend on the split). A
     weight is repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
-    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel. With
-    ``pairs`` a launch of more than 64 rows takes the engine's kernel and so ``dequantize``'s values: only timings,
-    not exactness, hold for a verify of 64 or more tree nodes."""
+    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel. A
+    launch of more than 64 rows takes row blocks (a verify of any budget reads the AR step's weight); a prefill takes the
+    engine's dequantized product, ``dequantize``'s values (with ``pairs``: not the decode's; the benchmarks time
+    steps)."""
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
@@ -293,7 +302,7 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
 
     def routed(x: Tensor, blocks: Tensor, fmt, cols: int, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // cols
-        if fmt.name not in formats or cols % quant.QK_K or bias is not None or x.dtype != torch.bfloat16 or rows > 64:
+        if fmt.name not in formats or cols % quant.QK_K or bias is not None or x.dtype != torch.bfloat16:
             return engine_linear(x, blocks, fmt, cols, bias)
         key = (blocks.data_ptr(), tuple(blocks.shape))
         if key not in repacked or repacked[key][0]() is None:

@@ -163,24 +163,36 @@ if gluon is not None:
         return gl.allocate_shared_memory(gl.bfloat16, [_at_least_one(BUFFERS), 128, BLOCK_M], xs)
 
     @gluon.jit
+    def _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M: gl.constexpr):
+        """This program's block of x's rows (``program_id(2)``): x and out moved to its first row, its rows (at
+        most ``BLOCK_M`` are read), its own tickets."""
+        rb = gl.program_id(2)
+        return (x_ptr + rb * BLOCK_M * K, out_ptr + rb * BLOCK_M * N, tickets_ptr + rb * tiles,
+                M - rb * BLOCK_M, rb * BLOCK_M * N)
+
+    @gluon.jit
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
-        """A program a tile (grid [tiles, split]); RESIDENT: a program a group of tiles (``tile``, ``tile +
-        groups``, ...: grid [groups, split]) with x's rows for its part of K kept in shared memory, read once (on
-        its first tile) instead of once a tile (``k_tiles`` then at most ``RESIDENT``, the buffers it holds)."""
+        """A program a tile and a block of x's rows (grid [tiles, split, row blocks]); RESIDENT: a program a group
+        of tiles (``tile``, ``tile + groups``, ...: grid [groups, split, row blocks]) with x's rows for its part of
+        K kept in shared memory, read once (on its first tile) instead of once a tile (``k_tiles`` then at most
+        ``RESIDENT``, the buffers it holds)."""
         part = gl.program_id(1)
+        parts_stride = M * N
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
+        parts_ptr += at
         if RESIDENT:
             x_smem = _x_smem(BLOCK_M, RESIDENT)
             first = gl.program_id(0)
             for tile in range(first, tiles, gl.num_programs(0)):
                 acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, tile == first,
                                 BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
-                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
         else:
             tile = gl.program_id(0)
             acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K, k_tiles, True,
                             BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
-            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, first, BLOCK_M: gl.constexpr,
@@ -269,9 +281,11 @@ if gluon is not None:
         return warpgroup_mma(a, x_smem, acc)
 
     @gluon.jit
-    def _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M: gl.constexpr):
-        """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose) into ``out`` [M, N] in bf16; split over K, each
-        part's sums into ``parts`` [split, M, N], then a ticket: the part that takes the last adds every part in
+    def _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride,
+                    BLOCK_M: gl.constexpr):
+        """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose) into ``out`` [M, N] in bf16 (this row block's: at
+        most ``BLOCK_M`` of its ``M`` rows); split over K, each part's sums into ``parts`` (part ``p`` at
+        ``p * parts_stride``), then a ticket: the part that takes the last adds every part in
         order 0..split-1 (the same bits whichever finished last), writes ``out`` and resets the ticket (as
         ``engine.models.linear.store_rows``, whose ticket buffer this shares)."""
         W: gl.constexpr = gl.num_warps()
@@ -284,7 +298,7 @@ if gluon is not None:
         offs = om[None, :] * N + on[:, None]
         mask = (on < N)[:, None] & (om < M)[None, :]
         if split > 1:
-            gl.store(parts_ptr + part * M * N + offs, acc, mask=mask)
+            gl.store(parts_ptr + part * parts_stride + offs, acc, mask=mask)
             _barrier()  # every thread's sums stored before the ticket is taken
             ticket = gl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
             if ticket == split - 1:
@@ -296,7 +310,7 @@ if gluon is not None:
                     at_mask = (on < N)[:, None] & (oc < M)[None, :]
                     total = gl.load(parts_ptr + at, mask=at_mask, other=0.0, cache_modifier=".cg")
                     for p in range(1, split):
-                        total += gl.load(parts_ptr + p * M * N + at, mask=at_mask, other=0.0, cache_modifier=".cg")
+                        total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0, cache_modifier=".cg")
                     gl.store(out_ptr + at, total.to(gl.bfloat16), mask=at_mask)
                 gl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
         else:
@@ -341,18 +355,21 @@ if gluon is not None:
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
         part = gl.program_id(1)
+        parts_stride = M * N
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
+        parts_ptr += at
         if RESIDENT:
             x_smem = _x_smem(BLOCK_M, RESIDENT)
             first = gl.program_id(0)
             for tile in range(first, tiles, gl.num_programs(0)):
                 acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles,
                                tile == first, BLOCK_M, X_AHEAD, RESIDENT)
-                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
         else:
             tile = gl.program_id(0)
             acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K,
                            k_tiles, True, BLOCK_M, X_AHEAD, RESIDENT)
-            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, BLOCK_M)
+            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles, first,

@@ -26,6 +26,7 @@ import quant_gluon  # noqa: E402
 
 N, K = 100, 512  # rows not a multiple of the 64-row tile; two 256-value blocks, four 128-column tiles
 N2 = 228  # the GPU tests' and the replay's rows: two 128-row tiles (8 warps), the second partial; 4 at 4 warps
+ROWS = 100  # the GPU tests' rows of x: two row blocks (64 and 36)
 
 
 def _reads_back(linear, weight: torch.Tensor) -> None:
@@ -100,14 +101,16 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
 def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, warps, pairs, ahead):
     """Each row of the product is the dot of its x row with the decode's weight (``reference``: one-hot rows read
     the weight's values back bit for bit, the parts of K added by the last part's program), and its bits do not
-    depend on the rows launched beside it, on the tile's height (warps) or on x read ahead."""
+    depend on the rows launched beside it (one, 33, 100 in two row blocks), on the tile's height (warps) or on x
+    read ahead."""
     blocks = _blocks(seed=1, n=N2).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
     weight = quant_gluon.reference(words, heads, N2, K, pairs).to(torch.bfloat16)
     _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps), weight)
-    x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
     many = quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps)
-    assert torch.equal(quant_gluon.linear(x[:1], words, heads, N2, K, split, pairs, ahead, 4), many[:1])
+    for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):  # a lone row, a verify, the last row block's
+        assert torch.equal(quant_gluon.linear(x[rows], words, heads, N2, K, split, pairs, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear(x, words, heads, N2, K, split, pairs, not ahead, 12 - warps), many)
     # x resident, one program a part taking every tile: the later tiles reuse the x the first read
     resident = quant_gluon.linear(x, words, heads, N2, K, split, pairs, warps=warps, x_resident=True, groups=1)
@@ -128,9 +131,10 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=5, n=N2), FORMATS["Q6_K"]).cuda(), K)
     weight = quant_gluon.reference_q6_k(*planes, N2, K)
     _reads_back(lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split, ahead, warps), weight)
-    x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
     many = quant_gluon.linear_q6_k(x, planes, N2, K, split, ahead, warps)
-    assert torch.equal(quant_gluon.linear_q6_k(x[:1], planes, N2, K, split, ahead, 4), many[:1])
+    for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):
+        assert torch.equal(quant_gluon.linear_q6_k(x[rows], planes, N2, K, split, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear_q6_k(x, planes, N2, K, split, not ahead, 12 - warps), many)
     resident = quant_gluon.linear_q6_k(x, planes, N2, K, split, warps=warps, x_resident=True, groups=1)
     assert torch.equal(resident, many)
@@ -139,9 +143,9 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 
 
 @pytest.mark.parametrize("pairs", [False, True])
-def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(monkeypatch, pairs):
-    """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (up to 64) of a Q4_K weight of
-    whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything else the
+def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_weight_once(monkeypatch, pairs):
+    """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (any count: row blocks) of a Q4_K
+    weight of whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything else the
     engine's kernel."""
     from engine.models import quant_kernel as qk
 
@@ -160,7 +164,7 @@ def test_install_routes_only_few_row_q4_k_products_and_repacks_a_weight_once(mon
     warps = 8 if pairs else None  # asked for, every launch's; else the launch's own choice
     quant_gluon.install(pairs, warps=warps)  # wraps the (fake) engine linear above; monkeypatch restores it after
     cases = [("Q4_K", 1, None, torch.bfloat16, "gluon"), ("Q4_K", 64, None, torch.bfloat16, "gluon"),
-             ("Q4_K", 65, None, torch.bfloat16, "engine"), ("Q6_K", 1, None, torch.bfloat16, "gluon-q6" if pairs
+             ("Q4_K", 65, None, torch.bfloat16, "gluon"), ("Q6_K", 1, None, torch.bfloat16, "gluon-q6" if pairs
                                                               else "engine"),
              ("Q8_0", 1, None, torch.bfloat16, "engine"),
              ("Q4_K", 1, torch.zeros(4), torch.bfloat16, "engine"), ("Q4_K", 1, None, torch.float16, "engine")]
