@@ -418,10 +418,8 @@ def bytes_read_per_token(target: torch.nn.Module) -> int:
 
 def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
-    if not args.q4k_decode.startswith("gluon"):
-        for flag, given in (("--gluon-warps", args.gluon_warps is not None), ("--gluon-resident", args.gluon_resident)):
-            if given:
-                ap.error(f"{flag}: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
+    if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
+        ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -513,9 +511,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-warps", type=int, choices=[4, 8], default=None,
                     help="--q4k-decode gluon*: every launch on this many warps (a 64- or 128-row tile; default 8 for "
                          "32 rows or more, else 4)")
-    ap.add_argument("--gluon-resident", action="store_true",
-                    help="--q4k-decode gluon*: Q4_K launches of 17+ rows keep x's rows in shared memory (every launch "
-                         "of a weight at the split that allows it)")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -555,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         import quant_gluon
 
         quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"),
-                            warps=args.gluon_warps, x_resident=args.gluon_resident)
+                            warps=args.gluon_warps)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -33,10 +33,9 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
 iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
 N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
-32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``); with ``x_resident`` a verify's launch reads x into
-shared memory once a program (``resident_split``). Split over K (``split``): each part's fp32 sums, added in order
-0..split-1 by the part that finishes last, in the kernel (the engine's tickets). The kernels themselves are in
-``quant_gluon_kernels.py``.
+32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
+(``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
+engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
@@ -47,6 +46,7 @@ one-hot rows read each kernel's weight back bit for bit, column block by column 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import quant_gluon_kernels as kernels
@@ -186,45 +186,26 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
-           groups: int | None = None) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
-    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8 (``_warps``),
-    ``x_resident``: a program takes several tiles with x's rows for its part of K read once into shared memory
-    (``resident_split``: the part must fit; ``groups`` programs a part, by default an SM each), the same bits
-    whichever."""
-    buffers = _resident_buffers(x, cols, split, x_resident)  # refused before anything is launched
-    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, groups,
-                   PAIRS=pairs, X_AHEAD=x_ahead, RESIDENT=buffers)
+    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
+    (``_warps``), the same bits whichever."""
+    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
+                   X_AHEAD=x_ahead)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
-                x_ahead: bool = False, warps: int | None = None, x_resident: bool = False,
-                groups: int | None = None) -> Tensor:
+                x_ahead: bool = False, warps: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
-    buffers = _resident_buffers(x, cols, split, x_resident)
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, groups,
-                   X_AHEAD=x_ahead, RESIDENT=buffers)
-
-
-def _resident_buffers(x: Tensor, cols: int, split: int, x_resident: bool) -> int:
-    """The x tiles a resident program holds (its part of K), 0 when x is not resident; a part that does not fit
-    ``RESIDENT_BYTES`` refused."""
-    if not x_resident:
-        return 0
-    buffers = cols // TILE_K // split
-    if buffers * TILE_K * _block_m(x.shape[0]) * 2 > RESIDENT_BYTES:
-        raise ValueError(f"x_resident: a part of {buffers} 128-column tiles of {x.shape[0]} rows does not fit "
-                         f"{RESIDENT_BYTES} bytes of shared memory; split K finer (resident_split)")
-    return buffers
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead)
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
-            warps: int | None, groups: int | None, **constexprs) -> Tensor:
-    """One launch: a program a tile of ``16 * warps`` rows (x resident: ``groups`` strided groups of tiles), a part
-    of K and a block of up to ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's
-    tickets, one a tile and row block), so the output is bf16 straight away."""
+            warps: int | None, **constexprs) -> Tensor:
+    """One launch: a program a tile of ``16 * warps`` rows, a part of K and a block of up to ``ROW_BLOCK`` of x's
+    rows; the parts' sums added in the kernel (the engine's tickets, one a tile and row block), so the output is
+    bf16 straight away."""
     from engine.models.linear import _tickets
 
     m = x.shape[0]
@@ -235,18 +216,10 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     row_blocks = -(-m // block_m)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    if not constexprs.get("RESIDENT"):
-        groups = tiles  # a program a tile
-    elif groups is None:  # x resident: a program an SM (its shared memory holds one), the parts counted
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        groups = min(tiles, max(1, sms // (split * row_blocks)))
-    kernel[(groups, split, row_blocks)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles * row_blocks),
+    kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles * row_blocks),
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
                                         num_warps=warps, **constexprs)
     return out
-
-
-RESIDENT_BYTES = 160 * 1024  # x's rows a program keeps in shared memory (an H100's SM has 228 KB)
 
 
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
@@ -255,16 +228,6 @@ ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take s
 def _block_m(m: int) -> int:
     """A launch's rows a program: the power of two from 16 to ``ROW_BLOCK`` that holds ``m`` (or ``ROW_BLOCK``)."""
     return min(ROW_BLOCK, max(16, 1 << (m - 1).bit_length()))
-
-
-def resident_split(cols: int, split: int, block_m: int = 64) -> int:
-    """The smallest split of K from ``split`` up whose part of x (``block_m`` rows) fits ``RESIDENT_BYTES``: every
-    launch of a weight must take one split (a row's bits depend on it), so AR's 1-row launches take it too."""
-    k_tiles = cols // TILE_K
-    for s in range(split, k_tiles + 1):
-        if k_tiles % s == 0 and (k_tiles // s) * TILE_K * block_m * 2 <= RESIDENT_BYTES:
-            return s
-    return k_tiles
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
@@ -278,19 +241,17 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
     return warps
 
 
-def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None, x_resident: bool = False) -> None:
+def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None) -> None:
     """Route the engine's Q4_K few-row products (bf16, K whole 256-value blocks, no bias) through this
     prototype (``pairs``: its bf16 pair decode, and the Q6_K products through ``linear_q6_k`` too), every other
     product through the engine's kernel: ``quant_kernel.linear`` replaced in place, for a benchmark process only
     (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or ``gluon-pairs-ahead``: the whole AR step and verify).
     ``x_ahead``: x read an iteration ahead; ``warps``: every launch on 4 or 8 where they take whole tiles of the
-    weight's padded rows, else as ``_warps`` picks; ``x_resident``: launches of 17 rows or more keep x in shared
-    memory, every launch of the weight at ``resident_split``'s split, AR's too (a row's bits depend on the split). A
-    weight is repacked on its first such call and kept (the blocks stay too): that call must come before a graph is
-    captured, as the engine's eager warm-up steps do; one first met during a capture takes the engine's kernel. A
-    launch of more than 64 rows takes row blocks (a verify of any budget reads the AR step's weight); a prefill takes the
-    engine's dequantized product, ``dequantize``'s values (with ``pairs``: not the decode's; the benchmarks time
-    steps)."""
+    weight's padded rows, else as ``_warps`` picks. A weight is repacked on its first such call and kept (the blocks
+    stay too): that call must come before a graph is captured, as the engine's eager warm-up steps do; one first met
+    during a capture takes the engine's kernel. A launch of more than 64 rows takes row blocks (a verify of any
+    budget reads the AR step's weight); a prefill takes the engine's dequantized product, ``dequantize``'s values
+    (with ``pairs``: not the decode's; the benchmarks time steps)."""
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
@@ -311,13 +272,13 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
             owner = blocks if blocks._base is None else blocks._base
             planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
             n = blocks.shape[0]
-            split = resident_split(cols, split_for(n, cols)) if x_resident else split_for(n, cols)
+            split = split_for(n, cols)
             # asked-for warps where they take whole tiles of this weight's padded rows, else each launch's own choice
             w = warps if warps is None or padded_rows(n) % (16 * warps) == 0 else None
             repacked[key] = (weakref.ref(owner), planes, split, w)
         _, planes, split, w = repacked[key]
         n = blocks.shape[0]
-        options = {"x_ahead": x_ahead, "warps": w, "x_resident": x_resident and rows > 16}
+        options = {"x_ahead": x_ahead, "warps": w}
         if fmt.name == "Q6_K":
             out = linear_q6_k(x.reshape(rows, cols), planes, n, cols, split, **options)
         else:
@@ -327,11 +288,9 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     quant_kernel.linear = routed
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       resident: int = 0):
-    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs; ``resident``
-    x buffers: ``x_resident``'s parts of that many tiles) or ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on
-    ``warps`` warps."""
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
+    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
+    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -341,10 +300,10 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     if decode == "q6_k":
         fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
                                        "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "RESIDENT": resident}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead, "RESIDENT": resident}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
@@ -352,15 +311,21 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def split_for(n: int, cols: int, sms: int = 132, per_sm: int = 2) -> int:
-    """Parts of K so that a 4-warp launch has about ``per_sm`` programs an SM (the 64-row tiles alone are fewer on a
-    narrow weight), each part whole 128-column tiles. One split a weight, whatever a launch's rows or warps (a
-    row's bits depend on it): an 8-warp launch has half the programs, of twice the warps."""
+PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM
+
+
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Parts of K (whole 128-column tiles: a divisor of K's tiles) whose 4-warp launch has the programs nearest, by
+    ratio, ``per_sm`` an SM (the 64-row tiles alone are fewer on a narrow weight). One split a weight, whatever a
+    launch's rows or warps (a row's bits depend on it). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K
+    weights at every split to 8): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
+    4.9), the wide ones are flat past 2 (gate_up 51.8-54.4 us from 4 to 33), a lone wave's tail is no cost. Parts
+    at least two tiles long (not measured: the engine's ``default_plan`` rule)."""
     tiles, k_tiles = -(-n // TILE_N), cols // TILE_K
-    split = max(1, min(k_tiles, -(-per_sm * sms // tiles)))
-    while k_tiles % split:
-        split -= 1
-    return split
+    target = per_sm * sms
+    # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
+    return min((s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0),
+               key=lambda s: (abs(math.log(tiles * s / target)), s))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="--bench: write the table here too")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
-    ap.add_argument("--resident", type=int, default=0, metavar="TILES",
-                    help="the static counts with x resident, parts of TILES 128-column tiles")
     args = ap.parse_args(argv)
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
@@ -400,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, args.resident)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))

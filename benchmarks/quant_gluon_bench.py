@@ -5,7 +5,7 @@ weights cycled through 256 MB so each call reads from HBM; each decode's row inv
 from __future__ import annotations
 
 import torch
-from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, resident_split, split_for
+from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
 
 from engine.models import quant
 
@@ -16,9 +16,9 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
-    warps ``_warps`` picks; and at ``resident_split``'s split, the verify's rows keeping x in shared memory), on
-    each 27B Q4_K weight, weights cycled through 256 MB; each decode's row invariance and error against the product
-    of ``quant.dequantize``'s weight; then the same for Q6_K's pair decode on two 27B shapes."""
+    warps ``_warps`` picks), on each 27B Q4_K weight, weights cycled through 256 MB; each decode's row invariance and
+    error against the product of ``quant.dequantize``'s weight; then the same for Q6_K's pair decode on two 27B
+    shapes."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
 
@@ -29,9 +29,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
              + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead us" for m in rows)
-             + " | rows invariant: gluon, pairs | error: engine / gluon / pairs "
-             + f"| x resident: split, {min(rows)} row / {max(rows)} rows us, rows invariant |",
-             "|---|---|---|" + "---|" * (len(rows) + 3)]
+             + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
+             "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
         blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
         copies = _copies(blocks.numel())
@@ -53,23 +52,19 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
-            if pairs:
-                resident = _resident(lambda x, p, s, r, n=n, k=k: linear(x, *p, n, k, s, True, x_resident=r),
-                                     packed[0], pick, xs, k, split)
             del packed, pick
         errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
         lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | "
                      + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
-                     + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} | {resident} |")
+                     + f" | {', '.join(invariant)} | {' / '.join(f'{e:.1e}' for e in errors)} |")
         print(lines[-1], flush=True)
         del blocks, pick_blocks
         torch.cuda.empty_cache()
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
               + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead us" for m in rows)
-              + " | rows invariant | error against its own weight: engine / gluon "
-              + f"| x resident: split, {min(rows)} row / {max(rows)} rows us, rows invariant |", "|---|---|---|"
-              + "---|" * (len(rows) + 3)]
+              + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
+              + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
     for label, n, k in [("27B down", 5120, 17408), ("27B o_proj", 5120, 6144)]:
         held = quant.hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, q6),
@@ -90,11 +85,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         own = [quant.held_values(held, q6, k).to(torch.bfloat16), reference_q6_k(*planes, n, k)]
         errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
                   for got, w in zip((quant_kernel.linear(x, held, q6, k), many), own, strict=True)]
-        resident = _resident(lambda x, p, s, r, n=n, k=k: linear_q6_k(x, p, n, k, s, x_resident=r), planes, pick,
-                             xs, k, split)
         lines.append(f"| {label} ({n} x {k}) | {held.numel() / 1e6:.1f} | {split} | "
                      + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
-                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} | {resident} |")
+                     + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} |")
         print(lines[-1], flush=True)
         del held, pick_held, planes, pick
         torch.cuda.empty_cache()
@@ -130,16 +123,3 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
         del blocks, packed, pick
         torch.cuda.empty_cache()
     return lines
-
-
-def _resident(launch, planes, pick, xs: dict[int, torch.Tensor], k: int, split: int) -> str:
-    """Every launch of a weight at ``resident_split``'s split (its part of x fits shared memory), the verify's
-    (more than 16 rows) keeping x there: 1-row and many-row us, and whether a row's bits are its bits among many.
-    ``launch(x, planes, split, x_resident)``."""
-    from kernel_timing import time_us
-
-    rs = resident_split(k, split)
-    one, kept = (time_us(lambda x=xs[m], r=m > 16: launch(x, pick(), rs, r)) for m in (min(xs), max(xs)))
-    x = xs[max(xs)]
-    same = torch.equal(launch(x[:1], planes, rs, False), launch(x, planes, rs, True)[:1])
-    return f"{rs}, {one:.1f} / {kept:.1f}, {'y' if same else 'n'}"

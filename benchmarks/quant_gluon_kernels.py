@@ -6,9 +6,9 @@ of them multiplying the same x tile in shared memory; so 8 warps read x from L2 
 which is what a verify's 33 rows pay for (x is then ~1.8x the weight's bytes at 4 warps). A row's 16-row group
 keeps its place in the planes whatever the tile (the planes are ordered by 16-row groups), so one repack serves both.
 
-``RESIDENT`` (Q4_K): a program takes a strided group of tiles, x's rows for its part of K read into shared memory on
-its first tile and multiplied from there on the others (x from L2 once a program, not once a tile; the part must
-fit: ``quant_gluon.resident_split``). ``X_AHEAD``: x's rows read an iteration ahead, into registers. (Each tile's
+``X_AHEAD``: x's rows read an iteration ahead, into registers. (x kept in shared memory for the whole part of K,
+a program taking a strided group of tiles and reading x once instead of once a tile, ran 1.2-1.9x slower at 33 rows
+on an H100, 2026-12-06: one program an SM, where the decode's latency wants two or more.) (Each tile's
 ``warpgroup_mma`` waits for itself: left in flight while the next tile was decoded, the x tile in two buffers, ptxas
 put a wait after every one of its 8 instructions, its A operand being registers: more instructions, no overlap.)
 Split over K, each part's fp32 sums and then a ticket, as the engine's few-row kernels
@@ -152,15 +152,11 @@ if gluon is not None:
         v = gl.join(gl.join(v0, v0), gl.join(v1, v1))
         return gl.join(v, v)
 
-    @gluon.constexpr_function
-    def _at_least_one(n):
-        return max(n, 1)
-
     @gluon.jit
-    def _x_smem(BLOCK_M: gl.constexpr, BUFFERS: gl.constexpr):
-        """x tiles' shared buffers [max(BUFFERS, 1), 128, BLOCK_M] (wgmma's B operand, K-major)."""
+    def _x_smem(BLOCK_M: gl.constexpr):
+        """The x tile's shared buffer [128, BLOCK_M] (wgmma's B operand, K-major)."""
         xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
-        return gl.allocate_shared_memory(gl.bfloat16, [_at_least_one(BUFFERS), 128, BLOCK_M], xs)
+        return gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
 
     @gluon.jit
     def _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M: gl.constexpr):
@@ -172,34 +168,20 @@ if gluon is not None:
 
     @gluon.jit
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
-                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
-        """A program a tile and a block of x's rows (grid [tiles, split, row blocks]); RESIDENT: a program a group
-        of tiles (``tile``, ``tile + groups``, ...: grid [groups, split, row blocks]) with x's rows for its part of
-        K kept in shared memory, read once (on its first tile) instead of once a tile (``k_tiles`` then at most
-        ``RESIDENT``, the buffers it holds)."""
-        part = gl.program_id(1)
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+        """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
+        tile, part = gl.program_id(0), gl.program_id(1)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
-        parts_ptr += at
-        if RESIDENT:
-            x_smem = _x_smem(BLOCK_M, RESIDENT)
-            first = gl.program_id(0)
-            for tile in range(first, tiles, gl.num_programs(0)):
-                acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, tile == first,
-                                BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
-                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
-        else:
-            tile = gl.program_id(0)
-            acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K, k_tiles, True,
-                            BLOCK_M, PAIRS, X_AHEAD, RESIDENT)
-            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
+        acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD)
+        _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
-    def _q4k_tile(x_ptr, words_ptr, heads_ptr, x_smem, tile, part, M, K, k_tiles, first, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
-        """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout. RESIDENT: x's
-        tile ``i`` of the part in buffer ``i``, stored there on the program's ``first`` tile."""
+    def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+        """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout."""
         W: gl.constexpr = gl.num_warps()
+        x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
         all_tiles = K // 128
@@ -232,24 +214,8 @@ if gluon is not None:
             else:
                 a = _values_tile(words, st0, sh0, st1, sh1)
             if not X_AHEAD:
-                xt = None
-            acc = _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M, RESIDENT)
-        return acc
-
-    @gluon.jit
-    def _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M: gl.constexpr, RESIDENT: gl.constexpr):
-        """acc += the decoded tile ``a`` times x's K tile ``kt``: RESIDENT, from buffer ``i`` (stored there on the
-        program's ``first`` tile); else through the one buffer, ``xt`` (read ahead) or read here (None)."""
-        if RESIDENT:
-            x_i = x_smem.index(i)
-            if first:
-                x_i.store(_x_tile(x_ptr, kt, K, M, BLOCK_M))
-                fence_async_shared()
-            acc = warpgroup_mma(_operand(a, acc), x_i, acc)
-        else:
-            if xt is None:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc = _times_x(acc, a, xt, x_smem.index(0))
+            acc = _times_x(acc, a, xt, x_smem)
         return acc
 
     @gluon.jit
@@ -310,7 +276,8 @@ if gluon is not None:
                     at_mask = (on < N)[:, None] & (oc < M)[None, :]
                     total = gl.load(parts_ptr + at, mask=at_mask, other=0.0, cache_modifier=".cg")
                     for p in range(1, split):
-                        total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0, cache_modifier=".cg")
+                        total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0,
+                                         cache_modifier=".cg")
                     gl.store(out_ptr + at, total.to(gl.bfloat16), mask=at_mask)
                 gl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
         else:
@@ -352,30 +319,20 @@ if gluon is not None:
 
     @gluon.jit
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
-                   split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+                   split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
-        part = gl.program_id(1)
+        tile, part = gl.program_id(0), gl.program_id(1)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
-        parts_ptr += at
-        if RESIDENT:
-            x_smem = _x_smem(BLOCK_M, RESIDENT)
-            first = gl.program_id(0)
-            for tile in range(first, tiles, gl.num_programs(0)):
-                acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles,
-                               tile == first, BLOCK_M, X_AHEAD, RESIDENT)
-                _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
-        else:
-            tile = gl.program_id(0)
-            acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, _x_smem(BLOCK_M, 0), tile, part, M, K,
-                           k_tiles, True, BLOCK_M, X_AHEAD, RESIDENT)
-            _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
+        acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M, X_AHEAD)
+        _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
-    def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, x_smem, tile, part, M, K, k_tiles, first,
-                 BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, RESIDENT: gl.constexpr):
+    def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
+                 X_AHEAD: gl.constexpr):
         """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s."""
         W: gl.constexpr = gl.num_warps()
+        x_smem = _x_smem(BLOCK_M)
         wl: gl.constexpr = _words_layout(W)
         hl: gl.constexpr = _quads_layout(W)  # the top bits [8 W = (w, g), 4 = t, 4 = u]
         all_tiles = K // 128
@@ -409,6 +366,6 @@ if gluon is not None:
             st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
             a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
             if not X_AHEAD:
-                xt = None
-            acc = _accumulate(acc, a, x_ptr, xt, x_smem, i, kt, K, M, first, BLOCK_M, RESIDENT)
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
+            acc = _times_x(acc, a, xt, x_smem)
         return acc

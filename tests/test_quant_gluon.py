@@ -112,11 +112,6 @@ def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(sp
     for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):  # a lone row, a verify, the last row block's
         assert torch.equal(quant_gluon.linear(x[rows], words, heads, N2, K, split, pairs, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear(x, words, heads, N2, K, split, pairs, not ahead, 12 - warps), many)
-    # x resident, one program a part taking every tile: the later tiles reuse the x the first read
-    resident = quant_gluon.linear(x, words, heads, N2, K, split, pairs, warps=warps, x_resident=True, groups=1)
-    assert torch.equal(resident, many)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, warps=warps, x_resident=True,
-                                             groups=1), weight)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -136,8 +131,6 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
     for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):
         assert torch.equal(quant_gluon.linear_q6_k(x[rows], planes, N2, K, split, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear_q6_k(x, planes, N2, K, split, not ahead, 12 - warps), many)
-    resident = quant_gluon.linear_q6_k(x, planes, N2, K, split, warps=warps, x_resident=True, groups=1)
-    assert torch.equal(resident, many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -145,8 +138,8 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 @pytest.mark.parametrize("pairs", [False, True])
 def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_weight_once(monkeypatch, pairs):
     """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (any count: row blocks) of a Q4_K
-    weight of whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything else the
-    engine's kernel."""
+    weight of whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything
+    else the engine's kernel."""
     from engine.models import quant_kernel as qk
 
     calls, packs = [], []
@@ -156,10 +149,10 @@ def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_we
     monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: packs.append((cols, pairs)) or ("words", "heads"))
     monkeypatch.setattr(quant_gluon, "repack_q6_k", lambda b, cols: packs.append((cols, "Q6_K")) or "planes")
     monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False,
-                        warps=None, x_resident=False: calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs,
+                        warps=None: calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs,
                                                                     warps)) or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None,
-                        x_resident=False: calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
+    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None:
+                        calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
                         or torch.zeros(x.shape[0], n))
     warps = 8 if pairs else None  # asked for, every launch's; else the launch's own choice
     quant_gluon.install(pairs, warps=warps)  # wraps the (fake) engine linear above; monkeypatch restores it after
@@ -192,24 +185,16 @@ def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refu
             quant_gluon._warps(64, n_pad, warps)
 
 
-def test_install_with_x_resident_gives_every_launch_of_a_weight_one_split_and_keeps_x_for_a_verify(monkeypatch):
-    """``gpu_bench.py --gluon-resident``: a Q4_K weight's 1-row (AR) and 33-row (verify) launches take one split,
-    ``resident_split``'s (a row's bits depend on the split), x kept in shared memory only for the verify's."""
-    from engine.models import quant_kernel as qk
-
-    calls = []
-    monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: calls.append("engine"))
-    monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: ("words", "heads"))
-    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False,
-                        warps=None, x_resident=False: calls.append((x.shape[0], split, x_resident))
-                        or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "split_for", lambda n, cols: 1)  # as for a wide weight (the 27B's gate_up)
-    quant_gluon.install(pairs=True, x_resident=True)
-    cols = 5120  # 40 tiles: one part would hold 40 tiles of x
-    blocks = torch.zeros(N, FORMATS["Q4_K"].row_bytes(cols), dtype=torch.uint8)
-    for rows in (1, 33):
-        qk.linear(torch.zeros(rows, cols, dtype=torch.bfloat16), blocks, FORMATS["Q4_K"], cols)
-    assert calls == [(1, 4, False), (33, 4, True)]  # 4 parts of 10 tiles
+def test_a_weight_splits_k_into_parts_that_spread_its_launch_over_about_four_programs_an_sm():
+    """``split_for``: the divisor of K's 128-column tiles whose 4-warp, 1-row launch is nearest (by ratio) 4 programs
+    an SM of 132, each part at least two tiles long: the 27B's wide gate_up whole (544 tiles), its narrow down and
+    o_proj in 8 and 6 parts (80 tiles: the split sweep's fastest, 2026-12-06), k or v at the two-tile floor."""
+    cases = {(34816, 5120): 1, (16480, 5120): 2, (5120, 17408): 8, (5120, 6144): 6, (1024, 5120): 20,
+             (N, K): 2, (64, 256): 1}
+    assert {shape: quant_gluon.split_for(*shape) for shape in cases} == cases
+    for n, cols in cases:
+        k_tiles = cols // quant_gluon.TILE_K
+        assert k_tiles % quant_gluon.split_for(n, cols) == 0
 
 
 def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypatch):
@@ -219,7 +204,7 @@ def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypat
 
     asked = []
 
-    def fake_linear(x, words, heads, n, cols, split=1, pairs=False, x_ahead=False, warps=None, x_resident=False):
+    def fake_linear(x, words, heads, n, cols, split=1, pairs=False, x_ahead=False, warps=None):
         asked.append(warps)
         return torch.zeros(x.shape[0], n)
 
@@ -231,19 +216,6 @@ def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypat
         blocks = torch.zeros(n, FORMATS["Q4_K"].row_bytes(K), dtype=torch.uint8)
         qk.linear(torch.zeros(1, K, dtype=torch.bfloat16), blocks, FORMATS["Q4_K"], K)
     assert asked == [None, 8]
-
-
-def test_x_resident_takes_a_split_whose_part_of_x_fits_shared_memory_and_refuses_one_that_does_not():
-    """``resident_split``: the smallest split from the one asked whose part (64 rows of x, 16 KiB a 128-column tile)
-    fits ``RESIDENT_BYTES`` (160 KiB: 10 tiles) and divides K's tiles; ``linear`` refuses a part that does not fit,
-    before any launch, naming its size."""
-    assert quant_gluon.resident_split(5120, 1) == 4  # 40 tiles: 10 a part
-    assert quant_gluon.resident_split(5120, 8) == 8 and quant_gluon.resident_split(1280, 1) == 1
-    assert quant_gluon.resident_split(17408, 4) == 17  # 136 tiles: 8 a part
-    assert quant_gluon.resident_split(6144, 1, block_m=32) == 3  # 48 tiles, 8 KiB each: 16 a part
-    x = torch.zeros(33, 5120, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="a part of 20 128-column tiles of 33 rows does not fit 163840 bytes"):
-        quant_gluon.linear(x, None, None, 64, 5120, split=2, pairs=True, x_resident=True)
 
 
 def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):

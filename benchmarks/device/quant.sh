@@ -17,8 +17,8 @@
 #      report. PACKED=1: the Q4_K bf16-pair decode prototype (benchmarks/quant_packed.py): tests, launches, the step.
 #      NCU=1: the few-row Q4_K launches under Nsight Compute (benchmarks/quant_ncu.py; $OUT/ncu_q4k.txt).
 #      GLUON=1: the Q4_K / Q6_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests,
-#      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_RESIDENT=1 and GLUON_WARPS="4 8": again with
-#      the verify's x kept in shared memory, with every launch on that many warps). GRAPHS=1: the step's graphs
+#      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_WARPS="4 8": again with every launch on that many
+#      warps). GRAPHS=1: the step's graphs
 #      replayed alone, their kernels by name (GRAPHS_DECODE). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
@@ -71,8 +71,8 @@ if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
-  # the 27B Q4_K_M step through it: gluon_large, then (GLUON_RESIDENT=1) gluon_large_resident with the verify's
-  # launches keeping x in shared memory, and (GLUON_WARPS="4 8") gluon_large_wN with every launch on N warps
+  # the 27B Q4_K_M step through it: gluon_large, then (GLUON_WARPS="4 8") gluon_large_wN with every launch on N
+  # warps
   gluon_step() {  # section suffix, then gpu_bench's extra flags
     local suffix=$1; shift
     section gluon_large$suffix ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
@@ -80,7 +80,6 @@ if [ -n "${GLUON:-}" ]; then
       --budgets ${BUDGETS:-8 32} --md "$OUT/large_gluon$suffix.md"
   }
   gluon_step ""
-  if [ -n "${GLUON_RESIDENT:-}" ]; then gluon_step _resident --gluon-resident; fi
   for w in ${GLUON_WARPS:-}; do gluon_step _w$w --gluon-warps "$w"; done
 fi
 # NCU=1: one warm launch of each few-row Q4_K product (engine kernel, packed prototype, bf16 on the dequantized

@@ -66,8 +66,8 @@ def test_a_mix_interleaves_its_sets_prompts():
     (["oracle", "--budgets", "0", "8"], "--budgets 0 8 --top-k 8: EngineConfig.budget must be >= 1"),
     (["oracle", "--top-k", "0"], "EngineConfig.top_k must be >= 1"),
     (["large", "--gluon-warps", "8"], "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode engine"),
-    (["large", "--q4k-decode", "packed", "--gluon-resident"],
-     "--gluon-resident: a setting of the Gluon decode, not of --q4k-decode packed"),
+    (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
+     "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
 ])
 def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
     gb = load_benchmark("gpu_bench")
