@@ -10,7 +10,7 @@
 # INTERMEDIATE when more than its own; GEN_MORE=1 with .device/train carried answers the train prompts the kept data lacks,
 # within GEN seconds, batches of GEN_TOKENS cache positions; with GEN_TEMP and GEN_SAMPLES, sampled answers:
 # --gen-temperature, --gen-samples). FEATURES: --feature-store (auto: on the
-# GPU when they fit, else recomputed each batch). The checkpoint is written at the end (STATE=int8 by
+# GPU when they fit, a part of them when a quarter does, the rest recomputed each batch). The checkpoint is written at the end (STATE=int8 by
 # default), the held-out AL is scored per set (eval_draft.py as train.sh does; SKIP=eval skips it),
 # and $OUT gets the manifest, training.json, curves.png, eval.json and as many parts as fit in its 8
 # files. PAIR=1 (with .device/assets carried too): `gpu_bench.py pair` with the session's draft, bf16,

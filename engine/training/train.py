@@ -42,13 +42,7 @@ from engine.training.checkpoint import (
     save_checkpoint,
     target_record,
 )
-from engine.training.features import (
-    FEATURE_STORES,
-    TokenStore,
-    feature_placement,
-    features_bytes,
-    target_features,
-)
+from engine.training.features import FEATURE_STORES, TokenStore, token_store
 from engine.training.progress import ProgressBar, plot_curves
 
 _TRAIN_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -317,7 +311,7 @@ def train_draft(
         DFlashDraft(DFlashConfig(**{**saved, "target_layer_ids": tuple(saved["target_layer_ids"])})).to(device))
     meta["draft_config"] = asdict(draft.cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    store = _token_store(target, data, tokens_all, lens, plens, draft.cfg.target_layer_ids, cfg.feature_store, log)
+    store = token_store(target, data, tokens_all, lens, plens, draft.cfg.target_layer_ids, cfg.feature_store, log)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the data order and the anchors
     train_idx, val_batches = _held_out(store, cfg, mask_token_id, device, [held_out_key(s[:p]) for s, p in kept],
                                        sampled)
@@ -446,23 +440,6 @@ def _device_sequences(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[
     if not kept:
         raise EngineInputError("no training sequence has a response token after its prompt")
     return [(s, p) for s, p, _ in kept], [torch.tensor(s, device=device) for s, _, _ in kept], [t for *_, t in kept]
-
-
-def _token_store(target: DenseModel, data: list[Tensor], tokens_all: Tensor, lens: Tensor, plens: Tensor,
-                 ids: Sequence[int], choice: str, log: Callable[[str], None]) -> TokenStore:
-    """The training sequences (``data``, back to back in ``tokens_all``), with the target features
-    where ``choice`` puts them."""
-    t0, device = time.perf_counter(), target.device
-    n_bytes = features_bytes(target, tokens_all.numel(), ids)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks cached by an earlier phase (self-distillation) are free too
-    placement = feature_placement(choice, n_bytes, device,
-                                  torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
-    feats = None if placement == "recompute" else target_features(target, data, ids, store=placement)
-    where = {"device": "on the device", "host": "on the host", "recompute": "recomputed each batch (not kept)"}
-    log(f"target features: {n_bytes / 2**30:.1f} GiB {where[placement]} in {time.perf_counter() - t0:.0f}s")
-    return TokenStore(tokens=tokens_all, feats=feats, starts=torch.cumsum(lens, 0) - lens, lens=lens,
-                      prompt_lens=plens, target=target, layer_ids=tuple(ids))
 
 
 def _fit_deadline(cfg: TrainConfig, deadline: float | None, log: Callable[[str], None]) -> TrainConfig:

@@ -78,11 +78,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "prompt's answers), scored every --val-every steps; the "
                         "checkpoint written is the one with the lowest held-out loss (0: none, keep the last)")
     t.add_argument("--val-every", type=int, default=250, help="steps between held-out scorings")
-    t.add_argument("--feature-store", choices=["auto", "device", "host", "recompute"], default="auto",
-                   help="where the target features of every training position live: on the GPU, in host "
-                        "memory (a batch copied each step), nowhere (recompute: the frozen target's forward "
-                        "over each batch, for data larger than the GPU's memory), or auto (the GPU when they "
-                        "fit in 70%% of its free memory, else recompute)")
+    t.add_argument("--feature-store", choices=["auto", "device", "partial", "host", "recompute"], default="auto",
+                   help="where the target features of every training position live: on the GPU, a seeded "
+                        "random part of them there (partial: the other sequences' recomputed each batch), in "
+                        "host memory (a batch copied each step), nowhere (recompute: the frozen target's "
+                        "forward over each batch), or auto (the GPU when they fit in 70%% of its free memory, "
+                        "partial when a quarter of them does, else recompute)")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="the id the draft's masked block positions carry (default: the tokenizer's mask token)")
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],

@@ -227,19 +227,19 @@ def test_a_deadline_bounds_training_from_after_the_target_features(pair, monkeyp
     memory) shortens the training instead of overrunning the budget, and a spent one is an error."""
     import time
 
-    import engine.training.train as train_mod
+    import engine.training.features as features_mod
 
     prompts = [pair.encode(f"Count {i} and {i + 2}.") for i in range(8)]
     answers = generate_responses(pair.target, prompts, 12, batch_size=8, stop_ids=pair.stop_ids)
     seqs, plens = [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
     cfg = TrainConfig(layers=1, block_size=4, steps=100000, batch_size=2, num_anchors=4, time_budget_s=600.0)
-    features = train_mod.target_features
+    features = features_mod.target_features
 
     def slow_features(*args, **kwargs):
         time.sleep(1.0)  # as a feature pass into host memory would take minutes
         return features(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "target_features", slow_features)
+    monkeypatch.setattr(features_mod, "target_features", slow_features)
     with pytest.raises(EngineInputError, match="spent before training starts"):
         train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=lambda m: None,
                     deadline=time.perf_counter() + 0.5)
@@ -363,24 +363,6 @@ def test_recomputed_features_train_as_the_kept_ones(pair):
     for (name, a), b in zip(drafts["device"].named_parameters(), drafts["recompute"].parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5, msg=name)
     assert not torch.equal(drafts["device"].fc.weight, new_draft_for(pair.target, cfg, 0).fc.weight)  # it trained
-
-
-def test_target_features_go_to_the_gpu_only_when_they_fit():
-    """auto: the GPU while the features take at most 70% of its free memory, recomputed each batch
-    beyond; device, host and recompute are taken as asked; off CUDA host is the device's memory."""
-    from engine.training.features import feature_placement
-
-    gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 2**30
-    assert feature_placement("auto", 60 * gib, gpu, 100 * gib) == "device"
-    assert feature_placement("auto", 80 * gib, gpu, 100 * gib) == "recompute"  # a 24 GB card, 12M tokens of data
-    assert feature_placement("host", 1 * gib, gpu, 100 * gib) == "host"
-    assert feature_placement("device", 80 * gib, gpu, 100 * gib) == "device"
-    assert feature_placement("recompute", 1 * gib, gpu, 100 * gib) == "recompute"
-    assert feature_placement("auto", 80 * gib, cpu, None) == "device"
-    assert feature_placement("host", 80 * gib, cpu, None) == "device"
-    assert feature_placement("recompute", 1 * gib, cpu, None) == "recompute"
-    with pytest.raises(EngineInputError, match="feature_store must be one of"):
-        TrainConfig(feature_store="disk")
 
 
 def test_sequences_round_trip_compressed_and_bad_records_name_the_line(tmp_path):
