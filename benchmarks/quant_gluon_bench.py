@@ -95,31 +95,37 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
 
 
 def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
-    """The pair decode at 1 row on 4 warps, each 27B Q4_K weight at every split of K up to 8 (whole 128-column
-    tiles): a launch's programs per SM are tiles x split / SMs, and an SM that holds one more program than another
-    takes that much longer, so a split whose programs spread evenly may beat ``split_for``'s (its choice marked)."""
+    """The pair decode at 1 row on 4 warps, each 27B Q4_K weight (and the Q6_K down and o_proj) at every split of K
+    up to 8 (whole 128-column tiles): programs an SM are tiles x split / SMs; ``split_for``'s choice marked."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
 
     from engine.models.quantize import quantize
 
+    q6 = quant.FORMATS["Q6_K"]
     lines = ["| 1 row, pairs, 4 warps | " + " | ".join(f"split {s}: programs / SM, us" for s in range(1, 9)) + " |",
              "|---|" + "---|" * 8]
-    for label, n, k in SHAPES:
-        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
-        packed = [repack(blocks, k, True)]
-        pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (_copies(blocks.numel()) - 1)])
+    for label, n, k, fmt in [(*shape, Q4_K) for shape in SHAPES] + [("27B down Q6_K", 5120, 17408, q6),
+                                                                    ("27B o_proj Q6_K", 5120, 6144, q6)]:
+        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+        if fmt is q6:
+            planes = repack_q6_k(quant.hold(blocks, q6), k)
+            launch = lambda x, p, s, n=n, k=k: linear_q6_k(x, p, n, k, s, False, 4)  # noqa: E731
+        else:
+            planes = repack(blocks, k, True)
+            launch = lambda x, p, s, n=n, k=k: linear(x, *p, n, k, s, True, False, 4)  # noqa: E731
+        pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(_copies(blocks.numel()) - 1)])
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        tiles, chosen, cells = packed[0][1].shape[0] // 64, split_for(n, k, sms), []
+        tiles, chosen, cells = -(-n // 64), split_for(n, k, sms), []
         for split in range(1, 9):
             if (k // 128) % split:
                 cells.append("-")
                 continue
-            us = time_us(lambda x=x, p=pick, n=n, k=k, s=split: linear(x, *p(), n, k, s, True, False, 4))
+            us = time_us(lambda x=x, p=pick, s=split, f=launch: f(x, p(), s))
             mark = "**" if split == chosen else ""
             cells.append(f"{mark}{tiles * split / sms:.2f}, {us:.1f}{mark}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-        del blocks, packed, pick
+        del blocks, planes, pick
         torch.cuda.empty_cache()
     return lines
