@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -502,12 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
                          "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
                          "(issue #28); the roofline counts the bytes held")
-    ap.add_argument("--q4k-decode", choices=["engine", "packed", "gluon", "gluon-pairs", "gluon-pairs-ahead"],
+    ap.add_argument("--q4k-decode", choices=["engine", "kernel", "packed", "gluon", "gluon-pairs", "gluon-pairs-ahead"],
                     default="engine",
-                    help="packed: the Q4_K few-row products through the bf16-pair decode prototype "
-                         "(benchmarks/quant_packed.py; issue #28), gluon: through the decode into operand registers "
-                         "(benchmarks/quant_gluon.py; gluon-pairs: its bf16 pair decode, Q6_K too; -ahead: x read an "
-                         "iteration ahead), every other weight through the engine's kernel")
+                    help="engine: as the engine loads (on an sm_90 GPU in bf16 Q4_K and Q6_K held as the planes of "
+                         "the decode into operand registers, engine/models/quant_gluon.py; issue #28); kernel: every "
+                         "format in its blocks through quant_kernel (ENGINE_QUANT_DECODE=kernel); packed: the Q4_K "
+                         "products through the bf16-pair decode prototype (benchmarks/quant_packed.py); gluon: "
+                         "through the operand-register decode with a benchmark's options (benchmarks/quant_gluon.py: "
+                         "the float decode; gluon-pairs: the pair decode, Q6_K too; -ahead: x read an iteration "
+                         "ahead); the last four load as kernel does")
     ap.add_argument("--gluon-warps", type=int, choices=[4, 8], default=None,
                     help="--q4k-decode gluon*: every launch on this many warps (a 64- or 128-row tile; default 8 for "
                          "32 rows or more, else 4)")
@@ -542,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     if not apply_step_attention(args.step_attention):
         return 2
     fused.set_kernels(args.kernels == "on")
+    if args.q4k_decode != "engine":  # the blocks kept for quant_kernel (or the prototypes that replace it)
+        os.environ["ENGINE_QUANT_DECODE"] = "kernel"
     if args.q4k_decode == "packed":
         import quant_packed
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from engine.models import linear as rows_linear
 from engine.models import quant, quant_kernel
+from engine.models.quant_gluon import round_bf16
 
 try:
     import triton
@@ -51,15 +52,7 @@ def values(blocks: Tensor, cols: int) -> Tensor:
     step = (quant._f16(b, 0) * scales.float() / 8).to(torch.bfloat16).double()  # exact in float32; one rounding
     offset = (-(quant._f16(b, 2) * mins.float())).to(torch.bfloat16).double()
     q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # chunk c: sub-blocks 2c (low), 2c + 1
-    return _round_bf16(8 * q.double() * step[..., None] + offset[..., None]).reshape(blocks.shape[0], cols)
-
-
-def _round_bf16(w: Tensor) -> Tensor:
-    """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings), in bf16's normal
-    range (below 2**-126 it rounds twice; no Q4_K value is that small)."""
-    bits = w.view(torch.int64)
-    bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)  # 7 mantissa bits kept
-    return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
+    return round_bf16(8 * q.double() * step[..., None] + offset[..., None]).reshape(blocks.shape[0], cols)
 
 
 def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig | None = None) -> Tensor:
@@ -133,7 +126,7 @@ if triton is not None:
     @triton.jit
     def _fma_bf16(q, step, offset, INTERPRET: tl.constexpr):
         """q * step + offset rounded once to bf16: the GPU's ``fma.rn.bf16`` (paired by ptxas); in the interpreter
-        in float64, rounded by hand as ``_round_bf16`` (its bf16 arithmetic rounds unlike the GPU's)."""
+        in float64, rounded by hand as ``quant_gluon.round_bf16`` (its bf16 arithmetic rounds unlike the GPU's)."""
         if INTERPRET:
             w = q.to(tl.float64) * step.to(tl.float64) + offset.to(tl.float64)
             bits = w.to(tl.int64, bitcast=True)

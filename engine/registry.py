@@ -29,6 +29,7 @@ from engine.models.common import RMSNorm, cast_module_, fuse_projections_
 from engine.models.dense import DenseConfig, DenseModel
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.models.quant import WEIGHTS
+from engine.models.quant_gluon import hold_operands_
 from engine.models.quantize import CHUNK_VALUES, RECIPES, quantize, quantize_model_, recipe_formats
 
 TINY_SEED = 1234
@@ -549,8 +550,9 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
         tok = tokenizer_from_folder(Path(spec))
     model = cast_module_(model, device, dtype).eval()
     model.requires_grad_(False)
-    # The projections that read one input become one GEMM each (the loaded names are checked by now).
-    return fuse_projections_(model), tok
+    # The projections that read one input become one GEMM each (the loaded names are checked by now); on an
+    # sm_90 GPU in bf16, Q4_K and Q6_K blocks become the planes of the decode into operand registers.
+    return hold_operands_(fuse_projections_(model), dtype), tok
 
 
 def random_draft_for(target: nn.Module, tokenizer: object, seed: int = TINY_SEED + 7,

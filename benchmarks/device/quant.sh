@@ -3,13 +3,14 @@
 # nothing: the 27B Q4_K_M shape's AR step and the kernel of GGUF blocks, random weights only.
 #   1. kernel_bench quant: every weight of the 27B Q4_K_M step through the 1-row kernel (the word decode
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
-#   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes
-#      (DRAFT_RECIPE=q8_0: its draft held in Q8_0 blocks, `--draft-recipe`);
+#   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes, as the engine
+#      loads (on an H100/H200: Q4_K and Q6_K as the operand-register decode's planes; Q4K_DECODE=kernel: every format
+#      through quant_kernel) (DRAFT_RECIPE=q8_0: its draft held in Q8_0 blocks, `--draft-recipe`);
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
-#      5. PROFILE=1: _quant_kernel's share of a step (PROFILE_DECODE=gluon-pairs: the step through the Gluon
-#      decode); MEMORY=1: the 27B Q4_K_M's measured peak at 32k tokens against
+#      5. PROFILE=1: the kernels' share of a step (PROFILE_DECODE=kernel: through quant_kernel); MEMORY=1: the 27B
+#      Q4_K_M's measured peak at 32k tokens against
 #      its plan (tests/engine/test_memory_gpu.py -k "$MEMORY_K": default q4_k_m, its draft in bf16, @q8_0 and
 #      @q4_k_m; MEMORY_K=draft the two quantized drafts'; a test per case and config, so
 #      MEMORY_K="draft-q8_0 and ddtree" runs the reference DDTree of the Q8_0 draft's case alone).
@@ -26,7 +27,7 @@
 source benchmarks/device/common.sh quant
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
-section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
+section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode ${Q4K_DECODE:-engine} \
   --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
   --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
@@ -69,7 +70,9 @@ fi
 # float decode); large_q4km is the same step on the engine's kernel
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
-  section gluon_tests 120 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/test_quant_gluon.py
+  section gluon_tests 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/engine/models/test_quant_gluon.py \
+    tests/test_quant_gluon_install.py \
+    tests/engine/test_gguf_archs.py::test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
   # the 27B Q4_K_M step through it: gluon_large, then (GLUON_WARPS="4 8") gluon_large_wN with every launch on N
   # warps
@@ -95,11 +98,11 @@ if [ -n "${PROFILE:-}" ]; then
     --weights q4_k_m --context 4096 --new-tokens 32 --q4k-decode ${PROFILE_DECODE:-engine} --md "$OUT/profile_q4km.md"
 fi
 # GRAPHS=1: the 27B Q4_K_M step graphs (AR once, DDTree's propose and verify at each of BUDGETS, 32 by default)
-# replayed alone, their kernels by name: where a step's time goes beside its products (GRAPHS_DECODE=gluon-pairs by
-# default, unlike PROFILE_DECODE's engine; engine: the engine's kernel)
+# replayed alone, their kernels by name: where a step's time goes beside its products (GRAPHS_DECODE, as
+# gpu_bench's --q4k-decode: engine by default; kernel: quant_kernel's)
 if [ -n "${GRAPHS:-}" ]; then
   section graphs_q4km ${GRAPHS_LIMIT:-170} python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
-    --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} --q4k-decode ${GRAPHS_DECODE:-gluon-pairs} \
+    --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} --q4k-decode ${GRAPHS_DECODE:-engine} \
     --md "$OUT/graphs_q4km.md" --out "$OUT/graphs_q4km.json"
 fi
 summary

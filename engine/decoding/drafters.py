@@ -19,6 +19,7 @@ from engine.config import EngineInputError
 from engine.models.common import free_rows_, fuse_projections_
 from engine.models.draft import DFlashDraft
 from engine.models.quant import embed_rows
+from engine.models.quant_gluon import hold_operands_
 
 # The oracle's logit for its first rank (the next ranks one less each): far above any other.
 _TOP = 20.0
@@ -58,8 +59,10 @@ class DFlashDrafter:
     step CUDA graphs replay, over buffers its caller owns: ``new_context``, ``fill_context``)."""
 
     def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
-        # inference: one GEMM per input (checkpoints keep the parts), cuBLAS's rounding (free_rows_)
-        self.draft = free_rows_(fuse_projections_(draft))
+        # inference: one GEMM per input (checkpoints keep the parts), cuBLAS's rounding (free_rows_); a draft in
+        # Q4_K or Q6_K blocks on an sm_90 GPU in bf16 held as the planes of the operand-register decode
+        dtype = next((p.dtype for p in draft.parameters() if p.is_floating_point()), torch.float32)
+        self.draft = hold_operands_(free_rows_(fuse_projections_(draft)), dtype)
         self.target = target
         self.block_size = draft.cfg.block_size
         self.feature_layers = tuple(draft.cfg.target_layer_ids)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import fused, quant_embedding, quant_kernel
 from engine.models import linear as rows_linear
-from engine.models import quant_embedding, quant_kernel
 
 QK_K = 256  # values per block of the K formats (super-blocks of 8 or 16 sub-blocks)
 # How a target's GGUF weights are held (``engine.load(..., weights=)``): every tensor dequantized
@@ -236,7 +236,10 @@ class QuantLinear(nn.Module):
 
     A decode step's half-precision rows on CUDA take ``quant_kernel`` (the blocks read in place and
     dequantized in registers: a verify's rows round as AR steps do); any other call dequantizes the
-    weight in the activation dtype and multiplies as ``common.Linear`` does."""
+    weight in the activation dtype and multiplies as ``common.Linear`` does. On an sm_90 GPU in bf16 a
+    Q4_K or Q6_K weight is held as planes instead (``quant_gluon.hold_operands_``, at load: ``operand``
+    says how, the buffers ``planes_0``... hold them, ``blocks`` is empty): every product of bf16 rows on
+    that GPU, any count, takes ``quant_gluon``'s decode into the matrix unit's registers."""
 
     row_invariant = True
 
@@ -249,18 +252,47 @@ class QuantLinear(nn.Module):
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.register_buffer("blocks", blocks)
         self.bias = nn.Parameter(torch.empty(out_features, device=blocks.device)) if bias else None
+        self.operand = None  # quant_gluon.OperandWeight when held as planes
+
+    def hold_planes(self, operand, planes: Sequence[Tensor]) -> None:
+        """Hold the weight as ``operand``'s planes (``quant_gluon.operand_planes`` of these blocks) and free the
+        blocks."""
+        self.operand = operand
+        for i, plane in enumerate(planes):  # a float plane (Q6_K's d) as its bits: ``.to(dtype)`` casts floats
+            bits = {2: torch.int16, 4: torch.int32}.get(plane.element_size()) if plane.is_floating_point() else None
+            self.register_buffer(f"planes_{i}", plane.view(bits) if bits else plane)
+        self.blocks = self.blocks.new_empty(0, self.blocks.shape[1])
+
+    def planes(self) -> tuple[Tensor, ...]:
+        """The planes, each in its own dtype (``operand.dtypes``)."""
+        held = [b for name, b in self.named_buffers(recurse=False) if name.startswith("planes_")]
+        return tuple(b.view(dtype) for b, dtype in zip(held, self.operand.dtypes, strict=True))
 
     @property
     def nbytes(self) -> int:
+        if self.operand is not None:
+            return sum(p.numel() * p.element_size() for p in self.planes())
         return self.blocks.numel()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight [out, in] in ``dtype``: the values a dequantized load holds."""
+        """The weight [out, in] in ``dtype``: the values a dequantized load holds (held as planes: the values the
+        planes' decode multiplies by)."""
+        if self.operand is not None:
+            return self.operand.values(self.planes(), dtype)
         return held_values(self.blocks, self.fmt, self.in_features, dtype)
 
+    def takes_planes(self, x: Tensor) -> bool:
+        """Whether ``x`` goes through the planes' kernel: held as planes, bf16 rows on the planes' GPU, the kernels
+        on (``fused.use_kernels``; off, the planes' values multiply as a dequantized weight)."""
+        return (self.operand is not None and x.is_cuda and x.dtype == torch.bfloat16
+                and x.device == self.planes_0.device and fused.use_kernels(x))
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.takes_planes(x):  # (a bias added to the bf16 product: the same for every row count)
+            out = self.operand.product(x, self.planes())
+            return out if self.bias is None else out + self.bias
         # the kernel for a draft's projections too (``free_rows_``): it reads the blocks, not a dequantized copy
-        if quant_kernel.use_kernel(x, self.blocks, self.fmt, self.bias):
+        if self.operand is None and quant_kernel.use_kernel(x, self.blocks, self.fmt, self.bias):
             return quant_kernel.linear(x, self.blocks, self.fmt, self.in_features, self.bias)
         w = self.dequantized(x.dtype)
         if not self.row_invariant:
@@ -372,7 +404,13 @@ class QuantFusedLinear(QuantLinear):
         kernel where it takes them (read in place), else dequantized."""
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
-        blocks, bias = self.blocks[lo:hi], None if self.bias is None else self.bias[lo:hi]
+        bias = None if self.bias is None else self.bias[lo:hi]
+        if self.operand is not None:  # planes are not rows: the whole product, its columns lo:hi
+            if self.takes_planes(x):
+                out = self.operand.product(x, self.planes())[..., lo:hi]
+                return out if bias is None else out + bias
+            return F.linear(x, self.dequantized(x.dtype)[lo:hi], bias)
+        blocks = self.blocks[lo:hi]
         if quant_kernel.use_kernel(x, blocks, self.fmt, bias):
             return quant_kernel.linear(x, blocks, self.fmt, self.in_features, bias)
         return F.linear(x, held_values(blocks, self.fmt, self.in_features, x.dtype), bias)

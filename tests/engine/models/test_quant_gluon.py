@@ -1,28 +1,24 @@
-"""``benchmarks/quant_gluon.py``, the prototype of a Q4_K and Q6_K decode straight into the matrix unit's operand
-registers (issue #28). No interpreter runs Gluon, so on the CPU: the repacked planes hold each thread's fragment as
-the module says (explicit positions against the file's bytes), read back as ``quant.dequantize``'s values (the float
-decode) or an independent reading's (the pair decodes), the kernels' joins and permutations replayed, and they
-compile for sm_90 with the decoded tile never in shared memory. On a GPU: one-hot rows read each weight back bit for
-bit, every column, and rows invariant."""
+"""``engine.models.quant_gluon``: Q4_K and Q6_K weights decoded straight into the matrix unit's operand registers on
+Hopper (issue #28). No interpreter runs Gluon, so on the CPU: the repacked planes hold each thread's fragment as the
+module says (explicit positions against the file's bytes), read back as ``quant.dequantize``'s values (the float
+decode) or an independent reading's (the pair decodes), the kernels' joins and permutations replayed, a model's
+weights held as planes (``hold_operands_``) multiply by the pair decode's values. On a GPU: one-hot rows read each
+weight back bit for bit, every column, and rows invariant (``benchmarks/quant_gluon.py``'s test compiles them)."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.models import quant_gluon
 from engine.models.quant import FORMATS, dequantize
 from tests.engine.gguf_files import random_blocks
 
 gguf = pytest.importorskip("gguf")
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import quant_gluon  # noqa: E402
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
 
 N, K = 100, 512  # rows not a multiple of the 64-row tile; two 256-value blocks, four 128-column tiles
 N2 = 228  # the GPU tests' and the replay's rows: two 128-row tiles (8 warps), the second partial; 4 at 4 warps
@@ -48,6 +44,7 @@ def test_a_word_holds_one_threads_eight_values_of_a_slice(pairs):
     128 kt + 16 s + 8 j + 2 t + e (the operand layout's register bits e, h, j), read here position by position,
     not by the module's permutation; read back, the float decode's values are ``quant.dequantize``'s and the pair
     decode's ``quant_packed.values``'s."""
+    sys.path.insert(0, str(BENCH))
     import quant_packed
 
     blocks = _blocks(seed=0)
@@ -69,29 +66,6 @@ def test_a_word_holds_one_threads_eight_values_of_a_slice(pairs):
                     chunk, i = divmod(v, 64)
                     byte = int(blocks[row, blk * 144 + 16 + chunk * 32 + i % 32])
                     assert got == (byte >> 4 if i >= 32 else byte & 15), (G, kt, g, t, s, j, h, e)
-
-
-@pytest.mark.skipif(quant_gluon.gluon is None or not (Path(__import__("triton").__file__).parent / "backends"
-                    / "nvidia" / "bin" / "cuobjdump").is_file(), reason="no Gluon, or no NVIDIA tools in this Triton")
-def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
-    """The point, statically (sm_90, a process of its own: Triton's interpreter may be on here): the conversion into
-    the operand layout is a renaming (``assert_trivial``: the layout is the operand's, not where each nibble lands,
-    which the last test replays), and the K loop's shared memory holds the x tile and the steps only."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for warps in (4, 8):
-        proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64", "--warps",
-                               str(warps)], capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = re.findall(r"^\| (float|pairs|q6_k) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
-                          proc.stdout, flags=re.M)
-        assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
-        for decode, block_m, hgmma, sts, lds in rows:
-            # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores over 32 W threads; Q4_K's four step /
-            # offset tensors [8 W, 4] too (one a thread where they are decoded, four a thread where used: a 16-byte
-            # read each); the decoded tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
-            steps = 0 if decode == "q6_k" else 4
-            x_stores = 128 * int(block_m) * 2 // 16 // (32 * warps)
-            assert int(hgmma) == 8 and int(lds) == steps and int(sts) == x_stores + steps, (warps, rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
@@ -135,46 +109,6 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("pairs", [False, True])
-def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_weight_once(monkeypatch, pairs):
-    """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (any count: row blocks) of a Q4_K
-    weight of whole blocks and no bias take the prototype, its weight repacked on the first call and kept; anything
-    else the engine's kernel."""
-    from engine.models import quant_kernel as qk
-
-    calls, packs = [], []
-    blocks = _blocks(seed=2)
-    q6 = torch.zeros(N, FORMATS["Q6_K"].row_bytes(K), dtype=torch.uint8)
-    monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: calls.append("engine"))
-    monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: packs.append((cols, pairs)) or ("words", "heads"))
-    monkeypatch.setattr(quant_gluon, "repack_q6_k", lambda b, cols: packs.append((cols, "Q6_K")) or "planes")
-    monkeypatch.setattr(quant_gluon, "linear", lambda x, w, h, n, cols, split=1, pairs=False, x_ahead=False,
-                        warps=None: calls.append(("gluon", tuple(x.shape), w, h, n, split, pairs,
-                                                                    warps)) or torch.zeros(x.shape[0], n))
-    monkeypatch.setattr(quant_gluon, "linear_q6_k", lambda x, planes, n, cols, split=1, x_ahead=False, warps=None:
-                        calls.append(("gluon-q6", tuple(x.shape), planes, n, split, warps))
-                        or torch.zeros(x.shape[0], n))
-    warps = 8 if pairs else None  # asked for, every launch's; else the launch's own choice
-    quant_gluon.install(pairs, warps=warps)  # wraps the (fake) engine linear above; monkeypatch restores it after
-    cases = [("Q4_K", 1, None, torch.bfloat16, "gluon"), ("Q4_K", 64, None, torch.bfloat16, "gluon"),
-             ("Q4_K", 65, None, torch.bfloat16, "gluon"), ("Q6_K", 1, None, torch.bfloat16, "gluon-q6" if pairs
-                                                              else "engine"),
-             ("Q8_0", 1, None, torch.bfloat16, "engine"),
-             ("Q4_K", 1, torch.zeros(4), torch.bfloat16, "engine"), ("Q4_K", 1, None, torch.float16, "engine")]
-    for fmt, rows, bias, dtype, want in cases:
-        calls.clear()
-        weight = q6 if fmt == "Q6_K" else blocks
-        out = qk.linear(torch.zeros(rows, K, dtype=dtype), weight, FORMATS[fmt], K, bias)
-        assert [c if c == "engine" else c[0] for c in calls] == [want], (fmt, rows, bias, dtype)
-        if want == "gluon":
-            assert calls[0][1:] == ((rows, K), "words", "heads", N, quant_gluon.split_for(N, K), pairs, warps)
-        if want == "gluon-q6":
-            assert calls[0][1:] == ((rows, K), "planes", N, quant_gluon.split_for(N, K), warps)
-        if want != "engine":
-            assert out.shape == (rows, N)
-    assert packs == [(K, pairs)] + ([(K, "Q6_K")] if pairs else [])  # each weight, repacked once
-
-
 def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refuses_other_counts():
     """``_warps``: 32 rows or more on 8 warps (a 128-row tile: x read half as often) where the padded rows are
     whole 128-row tiles, else 4; asked for, 4 or 8 over whole tiles, anything else refused with the value."""
@@ -195,27 +129,6 @@ def test_a_weight_splits_k_into_parts_that_spread_its_launch_over_about_four_pro
     for n, cols in cases:
         k_tiles = cols // quant_gluon.TILE_K
         assert k_tiles % quant_gluon.split_for(n, cols) == 0
-
-
-def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypatch):
-    """``--gluon-warps 8`` on a weight whose padded rows are not whole 128-row tiles (60 rows: 64) leaves that
-    weight's launches their own choice instead of failing the run."""
-    from engine.models import quant_kernel as qk
-
-    asked = []
-
-    def fake_linear(x, words, heads, n, cols, split=1, pairs=False, x_ahead=False, warps=None):
-        asked.append(warps)
-        return torch.zeros(x.shape[0], n)
-
-    monkeypatch.setattr(qk, "linear", lambda x, blocks, fmt, cols, bias=None: None)
-    monkeypatch.setattr(quant_gluon, "repack", lambda b, cols, pairs: ("words", "heads"))
-    monkeypatch.setattr(quant_gluon, "linear", fake_linear)
-    quant_gluon.install(pairs=True, warps=8)
-    for n in (60, 100):
-        blocks = torch.zeros(n, FORMATS["Q4_K"].row_bytes(K), dtype=torch.uint8)
-        qk.linear(torch.zeros(1, K, dtype=torch.bfloat16), blocks, FORMATS["Q4_K"], K)
-    assert asked == [None, 8]
 
 
 def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
@@ -252,7 +165,6 @@ def test_q6_k_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_
     """``repack_q6_k``: the low nibbles as Q4_K's pair words; the top 2 bits of slice s = 2 u + o at field
     8 e + 4 o + 2 j + h of word [G][kt][g][t][u], read position by position against the file's bytes; read back, the
     values are (q - 32) * bf16(d * scale) rounded once, computed here from the file's blocks (not the planes)."""
-    import quant_packed
 
     from engine.models.quant import hold
 
@@ -274,7 +186,7 @@ def test_q6_k_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_
             qh = int(blocks[row, blk * 210 + 128 + half * 32 + l_])
             assert got == (qh >> (2 * quarter)) & 3, (G, kt, g, t, u, o, j, h, e)
     q, step = _q6_read(blocks)
-    want = quant_packed._round_bf16((q - 32).double() * step.double())
+    want = quant_gluon.round_bf16((q - 32).double() * step.double())
     assert torch.equal(quant_gluon.reference_q6_k(words, high, scales, d, N, K), want)
 
 
@@ -325,3 +237,84 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
             rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N2))
             assert torch.equal(a[: rows.stop - rows.start], q[rows, 128 * kt:128 * kt + 128]), (tile, kt)
             assert not a[rows.stop - rows.start:].any()  # padded rows
+
+
+# ------------------------------------------------------------------ a model's weights held as planes (the engine)
+
+
+def _layers() -> torch.nn.ModuleDict:
+    """Q4_K and Q6_K projections (the second fused of two Q4_K parts, one with a bias), and a Q8_0 one, which a load
+    leaves in blocks."""
+    from engine.models.quant import QuantFusedLinear, QuantLinear, hold
+
+    def layer(name, seed, n=N, bias=False):
+        fmt = FORMATS[name]
+        blocks = torch.from_numpy(random_blocks(getattr(gguf.GGMLQuantizationType, name), n, K, seed, scale=0.05))
+        out = QuantLinear(fmt, K, n, bias=bias, blocks=hold(blocks, fmt))
+        if bias:
+            torch.nn.init.normal_(out.bias)
+        return out
+
+    return torch.nn.ModuleDict({"q4": layer("Q4_K", 10), "fused": QuantFusedLinear([layer("Q4_K", 11, 64),
+                                                                                      layer("Q4_K", 12, 36, True)]),
+                                "q6": layer("Q6_K", 13), "q8": layer("Q8_0", 14)})
+
+
+def test_a_model_held_as_planes_multiplies_by_the_pair_decodes_values_and_frees_its_blocks():
+    """``hold_operands_`` (forced: off sm_90 it holds nothing): each bias-free Q4_K and Q6_K projection, fused ones
+    too, holds planes instead of its blocks (buffers, counted by ``nbytes`` and ``state_dict``; a float plane as
+    its bits, so ``.to(dtype)`` leaves it), and multiplies by the pair decode's values (against an independent
+    reading of the file's blocks), a bias after; a Q8_0 projection keeps its blocks. Idempotent."""
+    sys.path.insert(0, str(BENCH))
+    import quant_packed
+
+    from engine.models.quant import unhold
+
+    model = _layers()
+    files = {name: unhold(m.blocks, m.fmt).clone() for name, m in model.items()}
+    before = {name: m.blocks.numel() for name, m in model.items()}
+    quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    for name in ("q4", "fused", "q6"):
+        m = model[name]
+        assert m.operand is not None and m.blocks.numel() == 0 and m.operand.split == quant_gluon.split_for(
+            m.out_features, K)
+        state = {k: v for k, v in m.state_dict().items() if k.startswith("planes_")}
+        assert len(state) == (4 if name == "q6" else 2) and not any(v.is_floating_point() for v in state.values())
+        assert m.nbytes == sum(v.numel() * v.element_size() for v in state.values()) >= before[name]
+    assert model["q8"].operand is None and model["q8"].blocks.numel() == before["q8"]
+    assert torch.equal(model["q4"].dequantized(torch.float32), quant_packed.values(files["q4"], K).float())
+    assert torch.equal(model["fused"].dequantized(torch.float32), quant_packed.values(files["fused"], K).float())
+    q, step = _q6_read(files["q6"])
+    q6_values = quant_gluon.round_bf16((q - 32).double() * step.double())
+    assert torch.equal(model["q6"].dequantized(torch.bfloat16), q6_values)
+    x = torch.randn(3, K)
+    for name in ("q4", "q6"):
+        assert torch.equal(model[name](x), torch.nn.functional.linear(x, model[name].dequantized(torch.float32)))
+    whole = model["fused"].forward(x)
+    assert [t.shape[-1] for t in whole] == [64, 36]
+    assert torch.equal(whole[1], torch.nn.functional.linear(x, model["fused"].dequantized(torch.float32)[64:],
+                                                            model["fused"].bias[64:]))
+    assert torch.equal(model["fused"].part(x, 1), whole[1]) and torch.equal(model["fused"].part(x, 0), whole[0])
+    model.to(torch.float64)  # planes are integers: a cast leaves them
+    assert torch.equal(model["q6"].dequantized(torch.bfloat16), q6_values)
+    planes = model["q4"].planes()
+    quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    assert [p.data_ptr() for p in model["q4"].planes()] == [p.data_ptr() for p in planes]
+
+
+def test_the_decode_runs_only_on_sm_90_in_bf16_unless_the_kernel_is_asked_for(monkeypatch):
+    """``runs_on``: off CUDA, or in another dtype, never (a load there keeps its blocks); ``ENGINE_QUANT_DECODE``
+    "kernel" keeps quant_kernel's blocks everywhere, and a value that is neither is refused, naming it."""
+    assert not quant_gluon.runs_on(torch.device("cpu"), torch.bfloat16)
+    model = _layers()
+    quant_gluon.hold_operands_(model, torch.bfloat16)
+    assert all(m.operand is None for m in model.values())
+    monkeypatch.setattr("engine.models.linear.capability", lambda dev: (9, 0))
+    cuda = torch.device("cuda")
+    if quant_gluon.gluon is not None:
+        assert quant_gluon.runs_on(cuda, torch.bfloat16) and not quant_gluon.runs_on(cuda, torch.float16)
+    monkeypatch.setenv("ENGINE_QUANT_DECODE", "kernel")
+    assert not quant_gluon.runs_on(cuda, torch.bfloat16)
+    monkeypatch.setenv("ENGINE_QUANT_DECODE", "operand")
+    with pytest.raises(ValueError, match="ENGINE_QUANT_DECODE='operand': must be auto .* or kernel"):
+        quant_gluon.runs_on(cuda, torch.bfloat16)

@@ -1,0 +1,381 @@
+"""Q4_K and Q6_K weights decoded straight into the matrix unit's operand registers on Hopper (issue #28), in Gluon
+(Triton's explicit-layout dialect), so no decoded value touches shared memory: a native GGUF's Q4_K and Q6_K
+projections on an sm_90 GPU in bf16 (``hold_operands_``, at load) take it for every product, an AR step's, a
+verify's of any budget, a prefill's (the AR step of the 27B Q4_K_M shape 2.2x faster than ``quant_kernel``'s on an
+H100, 2026-12-06; benchmarks/RESULTS.md).
+
+Why: on an H100 (2026-12-06, ``benchmarks/quant_ncu.py``) the engine's few-row Q4_K launch keeps the L1/shared
+pipe 80% busy at 25% of DRAM's bandwidth. Its decoded bf16 tile goes through shared memory into the layout of
+``tl.dot``'s A operand (2 bytes a value written, 2 read): at the roofline's pace that round trip alone would
+take most of an SM's 128 bytes a cycle. Plain Triton chooses the decode's layout itself; Gluon lets this kernel
+name it.
+
+The layout. Hopper's ``warpgroup_mma`` takes A from registers in ``DotOperandLayout(0, parent, k_width=2)``: for
+a 64 x 128 tile on 4 warps, lane ``4 g + t`` of warp ``w`` holds rows ``16 w + 8 h + g`` and columns
+``16 s + 8 j + 2 t + e`` (register bits e, h, j, then s's three). So one 32-bit word holds exactly a thread's 8
+values of one 16-column slice: nibble ``4 j + 2 h + e`` (``repack``, at load). A thread's 8 words (s = 0..7) are
+contiguous (two 16-byte loads); a warp's 256 are one 1 KB run. The 8 nibbles are decoded into 8 tensors, joined
+(the outermost join is register bit 0: e, then h, then j), reshaped and permuted into [64, 128]; the conversion into
+the operand layout is then a renaming, checked at compile time (``convert_layout(..., assert_trivial=True)``:
+that the layout is the operand's; where each nibble lands within a thread is the joins' order, which a CPU test
+replays).
+
+Two decodes of Q4_K. The float one: ``d * scale * q - dmin * min`` in float32 with one rounding (a fused
+multiply-add), then bf16: the bits ``quant.dequantize`` gives, and so the engine kernel's. The pair one
+(``pairs``: nibble ``4 e + 2 j + h``, a register's two columns 16 bits apart): one ``LOP3`` makes their bf16 pair
+128 + q, ``HADD2`` takes 128 off, ``HFMA2`` gives q * bf16(d * scale) + bf16(-dmin * min), one rounding
+(``benchmarks/quant_packed.values``'s numbers, not ``dequantize``'s: the weights a native load holds here, so
+its products are not bit-equal to a dequantized load's, whose values are ``dequantize``'s; exactness is against AR
+on the same weights). Q6_K has the pair decode (``repack_q6_k``): its low
+nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). A row's bits never
+depend on the rows beside it, which is what exactness against AR needs: a launch of more than 64 rows takes them in
+blocks of 64 (``ROW_BLOCK``), each block's rows summed as a lone row's, so every launch of a decode (an AR step, a
+verify of any budget) reads one weight.
+
+The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
+(``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
+and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
+iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
+N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
+32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
+(``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
+engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
+
+No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
+(``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
+joins and permutations in PyTorch, and compile them for sm_90; on a GPU, ``tests/engine/models/test_quant_gluon.py``
+checks that one-hot rows read each kernel's weight back bit for bit, column block by column block, and rows
+invariant.
+``benchmarks/quant_gluon.py`` counts the kernels' instructions and times them against the engine's other kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.models import quant
+from engine.models import quant_gluon_kernels as kernels
+from engine.models.quant_gluon_kernels import gluon  # None: a Triton without Gluon
+
+Q4_K = quant.FORMATS["Q4_K"]
+TILE_N, TILE_K = 64, 128
+
+
+def _pack(q: Tensor, width: int, order: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+    """Fields ``width`` bits wide into int32 words: ``q`` reshaped to ``shape`` and permuted by ``order`` so that
+    its last dimensions (32 / width values) are one word's fields, lowest first."""
+    q = q.to(torch.int64).reshape(shape).permute(*order)
+    per = 32 // width
+    q = q.reshape(-1, per) << (width * torch.arange(per, device=q.device))
+    words = q.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def padded_rows(n: int) -> int:
+    """A weight's rows in its planes: whole 64-row tiles, the rows past ``n`` zero."""
+    return -(-n // TILE_N) * TILE_N
+
+
+def _padded(q: Tensor, n_pad: int) -> Tensor:
+    return torch.cat([q, q.new_zeros(n_pad - q.shape[0], q.shape[1])])
+
+
+def _nibble_words(q: Tensor, cols: int, pairs: bool) -> Tensor:
+    """Values 0..15 [N padded, cols] in natural order -> the words: order [16-row group][128-column tile][g][t][s]
+    (row ``16 G + 8 h + g``, column ``128 kt + 16 s + 8 j + 2 t + e``), nibble ``4 j + 2 h + e`` or with
+    ``pairs`` ``4 e + 2 j + h`` (the two columns of a register 16 bits apart: one mask makes their bf16 pair)."""
+    shape = (q.shape[0] // 16, 2, 8, cols // TILE_K, 8, 2, 4, 2)  # [G, h, g, kt, s, j, t, e]
+    return _pack(q, 4, (0, 3, 2, 6, 4, 7, 5, 1) if pairs else (0, 3, 2, 6, 4, 5, 1, 7), shape)
+
+
+REPACK_ROWS = 4096  # rows a repack takes at a time (a multiple of TILE_N)
+
+
+def _by_rows(repack_rows):
+    """A repack done ``REPACK_ROWS`` rows at a time (a multiple of the 64-row tile, so the planes concatenate in
+    order): its int64 temporaries stay ~16 bytes a value of that many rows (the 27B's head is 1.3 G values)."""
+    @functools.wraps(repack_rows)
+    def by_rows(blocks: Tensor, cols: int, *args, **kwargs) -> tuple[Tensor, ...]:
+        assert blocks.shape[0] > 0 and REPACK_ROWS % TILE_N == 0
+        parts = [repack_rows(blocks[r:r + REPACK_ROWS], cols, *args, **kwargs)
+                 for r in range(0, blocks.shape[0], REPACK_ROWS)]
+        return tuple(torch.cat(planes) for planes in zip(*parts, strict=True))
+    return by_rows
+
+
+@_by_rows
+def repack(blocks: Tensor, cols: int, pairs: bool = False) -> tuple[Tensor, Tensor]:
+    """Q4_K rows [N, row_bytes] -> (words, heads): the nibbles as the kernel's threads read them, int32
+    [ceil(N / 64) * 4 * (cols / 128) * 256] (``_nibble_words``), and each block's 16-byte head, int32
+    [N padded, cols / 256, 4]. Padded rows are zero."""
+    assert blocks.dtype == torch.uint8 and cols % quant.QK_K == 0 and blocks.shape[1] == Q4_K.row_bytes(cols)
+    n = blocks.shape[0]
+    n_pad = padded_rows(n)
+    b = blocks.reshape(-1, Q4_K.nbytes)
+    q = quant._nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(n, cols)  # natural order, 0..15
+    words = _nibble_words(_padded(q, n_pad), cols, pairs)
+    heads = b[:, :16].reshape(n, cols // quant.QK_K, 16).contiguous().view(torch.int32)
+    heads = torch.cat([heads, heads.new_zeros(n_pad - n, cols // quant.QK_K, 4)])
+    return words, heads.contiguous()
+
+
+@_by_rows
+def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q6_K rows (as a ``QuantLinear`` holds them: ``quant.hold``'s planes) -> (words, high, scales, d): the low
+    nibbles as ``_nibble_words`` (pairs), the top 2 bits int32 [groups][tiles][g][t][u] (a thread's slices
+    s = 2 u + o, field ``8 e + 4 o + 2 j + h``), the int8 scales [N padded, cols / 16] and the fp16 d's
+    [N padded, cols / 256]: 210 bytes a block, as the file's."""
+    fmt = quant.FORMATS["Q6_K"]
+    assert held.dtype == torch.uint8 and cols % quant.QK_K == 0 and held.shape[1] == fmt.row_bytes(cols)
+    n = held.shape[0]
+    n_pad = padded_rows(n)
+    b = quant.unhold(held, fmt).reshape(-1, fmt.nbytes)
+    low = quant._nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(n, cols)
+    top = quant._bits(b[:, 128:192].reshape(-1, 2, 32), 2).permute(0, 1, 3, 2).reshape(n, cols)
+    words = _nibble_words(_padded(low, n_pad), cols, True)
+    shape = (n_pad // 16, 2, 8, cols // TILE_K, 4, 2, 2, 4, 2)  # [G, h, g, kt, u, o, j, t, e]
+    high = _pack(_padded(top, n_pad), 2, (0, 3, 2, 7, 4, 8, 5, 6, 1), shape)
+    scales = _padded(b[:, 192:208].reshape(n, cols // 16), n_pad).view(torch.int8).contiguous()
+    d = _padded(b[:, 208:210].reshape(n, -1), n_pad).view(torch.float16).contiguous()
+    return words, high, scales, d
+
+
+def _unpacked(words: Tensor, n_pad: int, cols: int, pairs: bool) -> Tensor:
+    """``_nibble_words``'s inverse: the words -> values 0..15 [N padded, cols] in natural order."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    q = (w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15  # [word, nibble]
+    q = q.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, (j, h, e) or (e, j, h)]
+    return q.permute(*((0, 7, 2, 1, 4, 6, 3, 5) if pairs else (0, 6, 2, 1, 4, 5, 3, 7))).reshape(n_pad, cols)
+
+
+def reference_q6_k(words: Tensor, high: Tensor, scales: Tensor, d: Tensor, n: int, cols: int) -> Tensor:
+    """The bf16 weight [n, cols] ``repack_q6_k``'s planes hold, as the pair decode computes it: (q - 32) *
+    bf16(d * scale), one rounding (``quant.dequantize``: d * scale * (q - 32) in float32, then bf16)."""
+    n_pad = d.shape[0]
+    low = _unpacked(words, n_pad, cols, pairs=True)
+    hw = high.to(torch.int64) & 0xFFFFFFFF
+    top = (hw[:, None] >> (2 * torch.arange(16, device=hw.device))) & 3
+    top = top.reshape(n_pad // 16, cols // TILE_K, 8, 4, 4, 2, 2, 2, 2)  # [G, kt, g, t, u, e, o, j, h]
+    top = top.permute(0, 8, 2, 1, 4, 6, 7, 3, 5).reshape(n_pad, cols)
+    step = (d.float().repeat_interleave(16, dim=1) * scales.float()).to(torch.bfloat16).double()
+    q = (low | (top << 4)).double() - 32
+    return round_bf16(q.reshape(n_pad, -1, 16) * step[..., None]).reshape(n_pad, cols)[:n]
+
+
+def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = False) -> Tensor:
+    """The weight [n, cols] ``words`` and ``heads`` hold, by the layout ``repack`` documents (each word's 8 nibbles
+    at their rows and columns, each block's scale and min): ``quant.dequantize``'s values in float32, or with
+    ``pairs`` the bf16 pair decode's (``benchmarks/quant_packed.values``: q * bf16(d * scale) + bf16(-dmin * min), one
+    rounding). The kernel's own assembly of a tile is replayed by ``tests/engine/models/test_quant_gluon.py``."""
+    n_pad = heads.shape[0]
+    q = _unpacked(words, n_pad, cols, pairs)
+    head = heads.reshape(n_pad, -1, 4).contiguous().view(torch.uint8).reshape(-1, 16)
+    scales, mins = quant._k_scales(head[:, 4:16])
+    if pairs:
+        step = (quant._f16(head, 0) * scales.float()).to(torch.bfloat16).double()
+        offset = (-(quant._f16(head, 2) * mins.float())).to(torch.bfloat16).double()
+        values = round_bf16(q.reshape(-1, 8, 32).double() * step[..., None] + offset[..., None])
+        return values.reshape(n_pad, cols)[:n]
+    step = quant._f16(head, 0) * scales.float()
+    shift = quant._f16(head, 2) * mins.float()
+    values = step[:, :, None] * q.reshape(-1, 8, 32).float() - shift[:, :, None]
+    return values.reshape(n_pad, cols)[:n]
+
+
+def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
+           x_ahead: bool = False, warps: int | None = None) -> Tensor:
+    """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
+    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
+    (``_warps``), the same bits whichever."""
+    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
+                   X_AHEAD=x_ahead)
+
+
+def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
+                x_ahead: bool = False, warps: int | None = None) -> Tensor:
+    """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
+    any rows, on a GPU; the options as ``linear``'s."""
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead)
+
+
+def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
+            warps: int | None, **constexprs) -> Tensor:
+    """One launch: a program a tile of ``16 * warps`` rows, a part of K and a block of up to ``ROW_BLOCK`` of x's
+    rows; the parts' sums added in the kernel (the engine's tickets, one a tile and row block), so the output is
+    bf16 straight away."""
+    from engine.models.linear import _tickets
+
+    m = x.shape[0]
+    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
+    block_m = _block_m(m)
+    warps = _warps(block_m, n_pad, warps)
+    tiles = n_pad // (16 * warps)
+    row_blocks = -(-m // block_m)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
+    kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles * row_blocks),
+                                        m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
+                                        num_warps=warps, **constexprs)
+    return out
+
+
+ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
+
+
+def _block_m(m: int) -> int:
+    """A launch's rows a program: the power of two from 16 to ``ROW_BLOCK`` that holds ``m`` (or ``ROW_BLOCK``)."""
+    return min(ROW_BLOCK, max(16, 1 << (m - 1).bit_length()))
+
+
+def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
+    """A launch's warps: 8 (a 128-row tile, x read from L2 half as often) for 32 rows or more where the padded rows
+    are whole 128-row tiles, else 4; or as asked."""
+    if warps is None:
+        return 8 if block_m >= 32 and n_pad % 128 == 0 else 4
+    if warps not in (4, 8) or n_pad % (16 * warps):
+        raise ValueError(f"warps={warps}: a launch takes 4 or 8 warps, 16 rows each, over whole tiles of the "
+                         f"{n_pad} padded rows")
+    return warps
+
+
+def round_bf16(w: Tensor) -> Tensor:
+    """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings), in bf16's normal
+    range (below 2**-126 it rounds twice; no Q4_K or Q6_K value is that small)."""
+    bits = w.view(torch.int64)
+    bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)  # 7 mantissa bits kept
+    return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
+
+
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
+    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
+    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    common = {"x_ptr": "*bf16", "words_ptr": "*i32"}
+    after = {"out_ptr": "*bf16", "parts_ptr": "*fp32", "tickets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+             "k_tiles": "i32", "split": "i32"}
+    if decode == "q6_k":
+        fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
+                                       "tiles": "i32"}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
+    else:
+        fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
+    sig |= {name: "constexpr" for name in constexprs}
+    pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
+    src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM
+
+
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Parts of K (whole 128-column tiles: a divisor of K's tiles) whose 4-warp launch has the programs nearest, by
+    ratio, ``per_sm`` an SM (the 64-row tiles alone are fewer on a narrow weight). One split a weight, whatever a
+    launch's rows or warps (a row's bits depend on it). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K
+    weights at every split to 8): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
+    4.9), the wide ones are flat past 2 (gate_up 51.8-54.4 us from 4 to 33), a lone wave's tail is no cost. Parts
+    at least two tiles long (not measured: the engine's ``default_plan`` rule)."""
+    tiles, k_tiles = -(-n // TILE_N), cols // TILE_K
+    target = per_sm * sms
+    # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
+    return min((s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0),
+               key=lambda s: (abs(math.log(tiles * s / target)), s))
+
+
+# --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
+
+FORMATS = ("Q4_K", "Q6_K")
+DECODE_ENV = "ENGINE_QUANT_DECODE"  # "auto" (default): planes where they run; "kernel": quant_kernel's blocks
+
+
+@dataclass(frozen=True)
+class OperandWeight:
+    """How a weight [n, cols] is held as ``repack``'s (Q4_K, pair decode) or ``repack_q6_k``'s planes (the
+    module's buffers: ``.to`` moves them, ``state_dict`` counts them), with the split of K every launch of it
+    takes (a row's bits depend on the split, so AR steps, verifies and prefills share one)."""
+
+    fmt: str
+    n: int
+    cols: int
+    split: int
+    dtypes: tuple[torch.dtype, ...]  # each plane's (a module holds float ones as integers: ``.to(dtype)`` casts)
+
+    def product(self, x: Tensor, planes: tuple[Tensor, ...]) -> Tensor:
+        """``x @ W^T`` [..., n] for bf16 rows on the planes' GPU, any count (blocks of 64). A decode step's rows (up
+        to ``linear.MAX_ROWS``) take the weight's split; a prefill's K in one part (no [split, rows, n] of sums:
+        0.7 GB for a 4,096-row chunk of the 27B's down at 8 parts), so a prefill's bits are not a step's, as with
+        ``quant_kernel``, whose prefill dequantizes and multiplies."""
+        from engine.models.linear import MAX_ROWS
+
+        x2 = x.reshape(-1, self.cols)
+        split = self.split if x2.shape[0] <= MAX_ROWS else 1
+        if self.fmt == "Q6_K":
+            out = linear_q6_k(x2, planes, self.n, self.cols, split)
+        else:
+            out = linear(x2, *planes, self.n, self.cols, split, pairs=True)
+        return out.view(*x.shape[:-1], self.n)
+
+    def values(self, planes: tuple[Tensor, ...], dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        """The weight [n, cols] the kernel multiplies by (bf16 values), in ``dtype``: for a call the kernel does
+        not take (another dtype, the CPU)."""
+        if self.fmt == "Q6_K":
+            w = reference_q6_k(*planes, self.n, self.cols)
+        else:
+            w = reference(*planes, self.n, self.cols, pairs=True)
+        return w.to(dtype)
+
+
+def decode_choice() -> str:
+    """``ENGINE_QUANT_DECODE``: "auto" or "kernel"; anything else is refused, naming the value."""
+    choice = os.environ.get(DECODE_ENV, "auto") or "auto"
+    if choice not in ("auto", "kernel"):
+        raise ValueError(f"{DECODE_ENV}={choice!r}: must be auto (the operand-register decode where it runs) or "
+                         "kernel (quant_kernel's, every format)")
+    return choice
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this decode runs for a model on ``device`` in ``dtype``: Gluon, an sm_90 GPU (``warpgroup_mma``),
+    bf16 activations, and ``ENGINE_QUANT_DECODE`` not "kernel"."""
+    if gluon is None or device.type != "cuda" or dtype != torch.bfloat16 or decode_choice() == "kernel":
+        return False
+    from engine.models.linear import capability
+
+    return capability(device) == (9, 0)
+
+
+def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[OperandWeight, tuple[Tensor, ...]]:
+    """A ``QuantLinear``'s held rows of Q4_K or Q6_K blocks as planes (the same bytes, rows padded to 64)."""
+    planes = repack_q6_k(held, cols) if fmt.name == "Q6_K" else repack(held, cols, pairs=True)
+    sms = torch.cuda.get_device_properties(held.device).multi_processor_count if held.is_cuda else 132
+    operand = OperandWeight(fmt.name, held.shape[0], cols, split_for(held.shape[0], cols, sms),
+                            tuple(p.dtype for p in planes))
+    return operand, planes
+
+
+def hold_operands_(model: torch.nn.Module, dtype: torch.dtype, force: bool = False) -> torch.nn.Module:
+    """Every ``QuantLinear`` (fused ones too) of Q4_K or Q6_K blocks, K whole 256-value blocks (every such file's), on a
+    device this decode runs on for activations in ``dtype`` (``runs_on``; ``force``: anywhere, for the CPU tests),
+    held as planes instead of its blocks (``QuantLinear.hold_planes``; the blocks freed, one weight at a time, so a
+    load's peak holds one weight twice). Idempotent."""
+    from engine.models.quant import QuantLinear
+
+    for module in model.modules():
+        if not isinstance(module, QuantLinear) or module.operand is not None or module.fmt.name not in FORMATS:
+            continue
+        if module.in_features % quant.QK_K:
+            continue
+        if not (force or runs_on(module.blocks.device, dtype)):
+            continue
+        module.hold_planes(*operand_planes(module.blocks, module.fmt, module.in_features))
+    return model
