@@ -318,6 +318,8 @@ class OperandWeight:
         from engine.models.linear import MAX_ROWS
 
         x2 = x.reshape(-1, self.cols)
+        if x2.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.n)
         split = self.split if x2.shape[0] <= MAX_ROWS else 1
         if self.fmt == "Q6_K":
             out = linear_q6_k(x2, planes, self.n, self.cols, split)

@@ -318,3 +318,37 @@ def test_the_decode_runs_only_on_sm_90_in_bf16_unless_the_kernel_is_asked_for(mo
     monkeypatch.setenv("ENGINE_QUANT_DECODE", "operand")
     with pytest.raises(ValueError, match="ENGINE_QUANT_DECODE='operand': must be auto .* or kernel"):
         quant_gluon.runs_on(cuda, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None
+                    or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU and Gluon")
+def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_multiplies_a_prefill(monkeypatch):
+    """As a load holds them (``hold_operands_``, not forced): a decode step's rows (1, 33, 100: two row blocks, the
+    verify of a budget-99 tree) give each row the bits it has alone; a prefill's 300 rows (K in one part) and every
+    step multiply by the planes' values (the product of the dequantized bf16 weight, to float32 rounding); a
+    fused part is its columns of the whole; no row reaches quant_kernel."""
+    from engine.models import quant_kernel
+
+    model = _layers().cuda()
+    quant_gluon.hold_operands_(model, torch.bfloat16)
+    assert all(model[name].operand is not None for name in ("q4", "fused", "q6"))
+    calls = []
+    monkeypatch.setattr(quant_kernel, "linear", lambda *a, **k: calls.append(a[2].name))
+    x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16)
+
+    def run(m, rows):
+        out = m(x[rows])
+        return torch.cat(out, -1) if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        for name in ("q4", "fused", "q6"):
+            m = model[name]
+            full = run(m, slice(0, 300))
+            bias = 0 if m.bias is None else m.bias.float()
+            exact = x.float() @ m.dequantized(torch.float32).T + bias
+            assert float((full.float() - exact).norm() / exact.norm()) < 1e-2, name
+            step = run(m, slice(0, 100))
+            for rows in (slice(0, 1), slice(0, 33), slice(99, 100)):
+                assert torch.equal(run(m, rows), step[rows]), (name, rows)
+        assert torch.equal(model["fused"].part(x[:33], 1), model["fused"](x[:33])[1])
+    assert calls == []
