@@ -162,7 +162,7 @@ if gluon is not None:
     def _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M: gl.constexpr):
         """This program's block of x's rows (``program_id(2)``): x and out moved to its first row, its rows (at
         most ``BLOCK_M`` are read), its own tickets."""
-        rb = gl.program_id(2)
+        rb = gl.program_id(2).to(gl.int64)  # a prefill's rows times a head's N pass 2**31
         return (x_ptr + rb * BLOCK_M * K, out_ptr + rb * BLOCK_M * N, tickets_ptr + rb * tiles,
                 M - rb * BLOCK_M, rb * BLOCK_M * N)
 
