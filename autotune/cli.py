@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import subprocess
@@ -121,13 +120,10 @@ def parse_duration(raw: str, flag: str = "--timeout") -> float:
 
 def _check_engine_environment() -> None:
     """The engine's environment variables, before a trial or a server starts."""
-    from engine import EngineInputError, check_environment
+    from engine import environment_errors
 
-    try:
-        check_environment()
-    except EngineInputError:
-        raise InputError("environment", "ENGINE_KERNELS", "must be 'fused' or 'eager'",
-                         os.environ.get("ENGINE_KERNELS")) from None
+    for name, (rule, value) in environment_errors().items():
+        raise InputError("environment", name, rule, value)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

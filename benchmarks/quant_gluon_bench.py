@@ -5,9 +5,8 @@ weights cycled through 256 MB so each call reads from HBM; each decode's row inv
 from __future__ import annotations
 
 import torch
-from quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
-
 from engine.models import quant
+from engine.models.quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
 
 SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),
           ("27B o_proj", 5120, 6144)]

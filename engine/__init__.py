@@ -39,7 +39,7 @@ from engine.memory import (
     release_memory,
     reserve_memory,
 )
-from engine.models.fused import check_environment
+from engine.models.fused import check_environment, environment_errors
 from engine.models.quant import WEIGHTS
 from engine.models.quantize import RECIPES as DRAFT_RECIPES
 from engine.registry import check_model_spec
@@ -72,6 +72,7 @@ __all__ = [
     "check_model_spec",
     "diagnose",
     "draft_in_blocks",
+    "environment_errors",
     "first_divergence",
     "generate",
     "held_memory",

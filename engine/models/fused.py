@@ -42,13 +42,43 @@ def _from_environment() -> tuple[bool, str | None]:
 
 
 _enabled, _environment_error = _from_environment()
+QUANT_DECODES = ("auto", "kernel")
+
+
+def _quant_decode_from_environment() -> tuple[str, str | None]:
+    # ENGINE_QUANT_DECODE=kernel keeps Q4_K and Q6_K in their blocks for quant_kernel where the
+    # operand-register decode would take them (engine.models.quant_gluon: an sm_90 GPU in bf16)
+    value = os.environ.get("ENGINE_QUANT_DECODE", "auto").strip().lower() or "auto"
+    if value not in QUANT_DECODES:
+        return "auto", (f"environment variable ENGINE_QUANT_DECODE must be 'auto' (Q4_K and Q6_K decoded into the "
+                        f"matrix unit's registers where that runs) or 'kernel' (quant_kernel's, every format), "
+                        f"got {value!r}")
+    return value, None
+
+
+_quant_decode, _quant_decode_error = _quant_decode_from_environment()
+
+
+def environment_errors() -> dict[str, tuple[str, str]]:
+    """The engine's environment variables set to a bad value: name -> (the rule, the value)."""
+    rules = {"ENGINE_KERNELS": (_environment_error, "must be 'fused' or 'eager'"),
+             "ENGINE_QUANT_DECODE": (_quant_decode_error, "must be 'auto' or 'kernel'")}
+    return {name: (rule, os.environ.get(name, "")) for name, (error, rule) in rules.items() if error is not None}
 
 
 def check_environment() -> None:
-    """A bad ENGINE_KERNELS is an input error, raised here (the CLIs call this first: exit 2) and
-    at the first use of the kernels, never at import."""
-    if _environment_error is not None:
-        raise EngineInputError(_environment_error)
+    """A bad ENGINE_KERNELS or ENGINE_QUANT_DECODE is an input error, raised here (the CLIs call this first:
+    exit 2) and at the first use of the kernels, never at import."""
+    for error in (_environment_error, _quant_decode_error):
+        if error is not None:
+            raise EngineInputError(error)
+
+
+def quant_decode() -> str:
+    """``ENGINE_QUANT_DECODE`` as read at import: "auto" or "kernel" (a bad value raises, naming it)."""
+    if _quant_decode_error is not None:
+        raise EngineInputError(_quant_decode_error)
+    return _quant_decode
 
 
 def set_kernels(enabled: bool) -> bool:

@@ -18,7 +18,10 @@ then casts to the activation dtype. Both give the values a dequantized load copi
 multiplies them, so a model decodes the same tokens whichever way its weights are kept (tested on the
 CPU in float32). On CUDA in bf16 a group of mixed formats runs as separate products where the
 dequantized twin fuses them, with other launch plans, so the two can round apart at near-ties; each is
-still exact against its own AR.
+still exact against its own AR. On an sm_90 GPU in bf16, Q4_K and Q6_K weights are held instead as the
+planes of ``engine.models.quant_gluon`` (at load, ``hold_operands_``), whose decode into the matrix unit's
+registers takes every product and multiplies by values of its own (bf16 steps and offsets: not
+``dequantize``'s), so a native model there is exact against its own AR, not bit-equal to its dequantized twin.
 """
 
 from __future__ import annotations
@@ -405,9 +408,10 @@ class QuantFusedLinear(QuantLinear):
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
         bias = None if self.bias is None else self.bias[lo:hi]
-        if self.operand is not None:  # planes are not rows: the whole product, its columns lo:hi
+        if self.operand is not None:  # its rows of the planes where it starts a tile, else the whole's columns
             if self.takes_planes(x):
-                out = self.operand.product(x, self.planes())[..., lo:hi]
+                part = self.operand.rows(self.planes(), lo, hi)
+                out = part[0].product(x, part[1]) if part else self.operand.product(x, self.planes())[..., lo:hi]
                 return out if bias is None else out + bias
             return F.linear(x, self.dequantized(x.dtype)[lo:hi], bias)
         blocks = self.blocks[lo:hi]

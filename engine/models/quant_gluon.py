@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -219,7 +218,8 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     row_blocks = -(-m // block_m)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, _tickets(x.device, tiles * row_blocks),
+    tickets = _tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
+    kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
                                         num_warps=warps, **constexprs)
     return out
@@ -295,7 +295,6 @@ def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
 
 FORMATS = ("Q4_K", "Q6_K")
-DECODE_ENV = "ENGINE_QUANT_DECODE"  # "auto" (default): planes where they run; "kernel": quant_kernel's blocks
 
 
 @dataclass(frozen=True)
@@ -311,10 +310,10 @@ class OperandWeight:
     dtypes: tuple[torch.dtype, ...]  # each plane's (a module holds float ones as integers: ``.to(dtype)`` casts)
 
     def product(self, x: Tensor, planes: tuple[Tensor, ...]) -> Tensor:
-        """``x @ W^T`` [..., n] for bf16 rows on the planes' GPU, any count (blocks of 64). A decode step's rows (up
-        to ``linear.MAX_ROWS``) take the weight's split; a prefill's K in one part (no [split, rows, n] of sums:
-        0.7 GB for a 4,096-row chunk of the 27B's down at 8 parts), so a prefill's bits are not a step's, as with
-        ``quant_kernel``, whose prefill dequantizes and multiplies."""
+        """``x @ W^T`` [..., n] for bf16 rows on the planes' GPU, any count (blocks of 64). Up to ``linear.MAX_ROWS``
+        rows (a decode step's, a prefill chunk's: at most 512) take the weight's split; more (training's forwards)
+        sum K in one part, whose bits are not a step's (no [split, rows, n] of sums: 0.7 GB for 4,096 rows of the
+        27B's down at 8 parts)."""
         from engine.models.linear import MAX_ROWS
 
         x2 = x.reshape(-1, self.cols)
@@ -327,33 +326,46 @@ class OperandWeight:
             out = linear(x2, *planes, self.n, self.cols, split, pairs=True)
         return out.view(*x.shape[:-1], self.n)
 
+    def rows(self, planes: tuple[Tensor, ...], lo: int, hi: int) -> tuple[OperandWeight, tuple[Tensor, ...]] | None:
+        """Rows ``lo``..``hi`` as a weight of their own (views of the planes, the same split), where ``lo`` starts a
+        64-row tile (a fused weight's part; else None): the planes are ordered by 16-row groups and rows, and the
+        whole's padding covers the part's (``lo`` + the part's padded rows <= the whole's padded rows)."""
+        if lo % TILE_N or not 0 <= lo < hi <= self.n:
+            return None
+        pad = padded_rows(hi - lo)
+        per_group = self.cols // TILE_K * 256  # words of a 16-row group
+        words = planes[0][lo // 16 * per_group:(lo + pad) // 16 * per_group]
+        if self.fmt == "Q6_K":
+            high = planes[1][lo // 16 * per_group // 2:(lo + pad) // 16 * per_group // 2]
+            sliced = (words, high, planes[2][lo:lo + pad], planes[3][lo:lo + pad])
+        else:
+            sliced = (words, planes[1][lo:lo + pad])
+        return replace(self, n=hi - lo), sliced
+
     def values(self, planes: tuple[Tensor, ...], dtype: torch.dtype = torch.bfloat16) -> Tensor:
         """The weight [n, cols] the kernel multiplies by (bf16 values), in ``dtype``: for a call the kernel does
-        not take (another dtype, the CPU)."""
-        if self.fmt == "Q6_K":
-            w = reference_q6_k(*planes, self.n, self.cols)
-        else:
-            w = reference(*planes, self.n, self.cols, pairs=True)
-        return w.to(dtype)
-
-
-def decode_choice() -> str:
-    """``ENGINE_QUANT_DECODE``: "auto" or "kernel"; anything else is refused, naming the value."""
-    choice = os.environ.get(DECODE_ENV, "auto") or "auto"
-    if choice not in ("auto", "kernel"):
-        raise ValueError(f"{DECODE_ENV}={choice!r}: must be auto (the operand-register decode where it runs) or "
-                         "kernel (quant_kernel's, every format)")
-    return choice
+        not take (another dtype, the kernels off, the CPU), ``REPACK_ROWS`` rows at a time (the references' int64
+        and float64 temporaries, ~40 bytes a value, stay those rows')."""
+        out = torch.empty(self.n, self.cols, dtype=dtype, device=planes[0].device)
+        for lo in range(0, self.n, REPACK_ROWS):
+            part, sliced = self.rows(planes, lo, min(lo + REPACK_ROWS, self.n))
+            if self.fmt == "Q6_K":
+                out[lo:lo + part.n] = reference_q6_k(*sliced, part.n, self.cols)
+            else:
+                out[lo:lo + part.n] = reference(*sliced, part.n, self.cols, pairs=True)
+        return out
 
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this decode runs for a model on ``device`` in ``dtype``: Gluon, an sm_90 GPU (``warpgroup_mma``),
-    bf16 activations, and ``ENGINE_QUANT_DECODE`` not "kernel"."""
-    if gluon is None or device.type != "cuda" or dtype != torch.bfloat16 or decode_choice() == "kernel":
-        return False
+    bf16 activations, the kernels on (``ENGINE_KERNELS``) and ``ENGINE_QUANT_DECODE`` not "kernel" (read at
+    import: ``fused.quant_decode``; a bad value raises, naming it)."""
+    from engine.models import fused
     from engine.models.linear import capability
 
-    return capability(device) == (9, 0)
+    if fused.quant_decode() == "kernel" or gluon is None or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return fused.kernels_enabled() and capability(device) == (9, 0)
 
 
 def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[OperandWeight, tuple[Tensor, ...]]:

@@ -1,5 +1,5 @@
-"""The Gluon kernels of ``benchmarks/quant_gluon.py`` (issue #28's prototype; that module documents the planes, the
-decodes and the launches): the layouts and the K loops of the Q4_K and Q6_K few-row products.
+"""The Gluon kernels of ``engine.models.quant_gluon`` (issue #28; that module documents the planes, the decodes and
+the launches): the layouts and the K loops of the Q4_K and Q6_K products.
 
 A launch's warps set its tile: ``W`` warps (4 or 8) take ``16 W`` weight rows, one warpgroup (4 warps) each 64, all
 of them multiplying the same x tile in shared memory; so 8 warps read x from L2 half as often a weight row as 4 do,
@@ -166,7 +166,9 @@ if gluon is not None:
         return (x_ptr + rb * BLOCK_M * K, out_ptr + rb * BLOCK_M * N, tickets_ptr + rb * tiles,
                 M - rb * BLOCK_M, rb * BLOCK_M * N)
 
-    @gluon.jit
+    # Not specialised on M (a launch's rows: 1, a verify's, a prefill chunk's) or the split: one compiled variant
+    # a weight shape and BLOCK_M, met in the eager warm-up before a graph captures it
+    @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
@@ -232,8 +234,8 @@ if gluon is not None:
         """The decoded [16 W, 128] tile (``a``: [w, g, t, s, j, h, e] as the joins leave it) as wgmma's A operand."""
         W: gl.constexpr = gl.num_warps()
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [16 W, 128] (tests/test_quant_gluon.py replays the
-        # joins, this reshape and the permutation on the CPU)
+        # [w, g, t, s, j, h, e] -> [w, h, g | s, j, t, e] = [16 W, 128] (tests/engine/models/test_quant_gluon.py
+        # replays the joins, this reshape and the permutation on the CPU)
         a = a.reshape([W, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([16 * W, 128])
         return gl.convert_layout(a, a_layout, assert_trivial=True)  # a renaming: no data moves
 
@@ -317,7 +319,7 @@ if gluon is not None:
         d = gl.load(d_ptr + row * (K // 256) + kt // 2)
         return (d.to(gl.float32)[:, None] * sc.to(gl.float32)).to(gl.bfloat16).expand_dims(1)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["M", "split"])
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""

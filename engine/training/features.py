@@ -185,6 +185,9 @@ def token_store(target: DenseModel, data: list[Tensor], tokens_all: Tensor, lens
     if placement == "partial":
         room = DEVICE_FEATURE_SHARE * free if free is not None else n_bytes
         kept = kept_sequences(lens, n_bytes // max(tokens_all.numel(), 1), room)
+        if not kept.any():  # (asked for with no room for one sequence's)
+            placement, kept = "recompute", None
+    if placement == "partial":
         feats = target_features(target, [d for d, k in zip(data, kept.tolist(), strict=True) if k], ids)
         kept_lens = lens * kept
         feat_starts = torch.cumsum(kept_lens, 0) - kept_lens

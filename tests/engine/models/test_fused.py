@@ -301,8 +301,11 @@ def test_engine_kernels_environment_variable_sets_the_process_default():
     assert cli.returncode == 2 and "ENGINE_KERNELS must be 'fused' or 'eager', got 'off'" in cli.stderr
 
 
-def test_autotune_refuses_a_bad_engine_kernels_value():
+@pytest.mark.parametrize(("name", "says"), [("ENGINE_KERNELS", "must be 'fused' or 'eager'"),
+                                           ("ENGINE_QUANT_DECODE", "must be 'auto' or 'kernel'")])
+def test_autotune_refuses_a_bad_engine_environment_value(name, says):
     pytest.importorskip("optuna")  # the GPU machine runs the engine's tests without autotune's stack
     quickstart = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.yaml"
-    sweep = _with_kernels_env("off", "-m", "autotune", "sweep", str(quickstart))
-    assert sweep.returncode == 2 and "environment: ENGINE_KERNELS: must be 'fused' or 'eager'" in sweep.stderr
+    sweep = subprocess.run([sys.executable, "-m", "autotune", "sweep", str(quickstart)], capture_output=True,
+                           text=True, env={**os.environ, name: "off"})
+    assert sweep.returncode == 2 and f"environment: {name}: {says}" in sweep.stderr and "'off'" in sweep.stderr

@@ -302,31 +302,60 @@ def test_a_model_held_as_planes_multiplies_by_the_pair_decodes_values_and_frees_
     assert [p.data_ptr() for p in model["q4"].planes()] == [p.data_ptr() for p in planes]
 
 
-def test_the_decode_runs_only_on_sm_90_in_bf16_unless_the_kernel_is_asked_for(monkeypatch):
-    """``runs_on``: off CUDA, or in another dtype, never (a load there keeps its blocks); ``ENGINE_QUANT_DECODE``
-    "kernel" keeps quant_kernel's blocks everywhere, and a value that is neither is refused, naming it."""
+def test_a_fused_weights_part_is_its_rows_of_the_planes_where_it_starts_a_tile():
+    """``OperandWeight.rows``: a part starting a 64-row tile reads views of the whole's planes (its values the
+    whole's rows, the last part's padding the whole's); one starting inside a tile is refused (None)."""
+    model = _layers()
+    quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    for name, lo, hi in [("fused", 0, 64), ("fused", 64, 100), ("q6", 64, 100), ("q6", 0, 100)]:
+        m = model[name]
+        operand, planes = m.operand.rows(m.planes(), lo, hi)
+        assert operand.n == hi - lo and operand.split == m.operand.split
+        assert all(p.data_ptr() >= w.data_ptr() for p, w in zip(planes, m.planes(), strict=True))  # views
+        assert torch.equal(operand.values(planes), m.dequantized(torch.bfloat16)[lo:hi]), (name, lo, hi)
+    assert model["fused"].operand.rows(model["fused"].planes(), 32, 64) is None
+
+
+def test_the_decode_runs_only_on_sm_90_in_bf16_with_the_kernels_on_unless_quant_kernel_is_asked_for(monkeypatch):
+    """``runs_on``: off CUDA, in another dtype or with the kernels off, never (a load there keeps its blocks);
+    ``ENGINE_QUANT_DECODE=kernel`` keeps quant_kernel's blocks everywhere; a value that is neither is refused as an
+    input error naming it (``check_environment``, the CLIs' first check: exit 2)."""
+    from engine.config import EngineInputError
+    from engine.models import fused
+
     assert not quant_gluon.runs_on(torch.device("cpu"), torch.bfloat16)
     model = _layers()
     quant_gluon.hold_operands_(model, torch.bfloat16)
     assert all(m.operand is None for m in model.values())
     monkeypatch.setattr("engine.models.linear.capability", lambda dev: (9, 0))
+    monkeypatch.setattr(fused, "triton", object())  # (a CPU install without Triton: the kernels' switch alone)
     cuda = torch.device("cuda")
     if quant_gluon.gluon is not None:
         assert quant_gluon.runs_on(cuda, torch.bfloat16) and not quant_gluon.runs_on(cuda, torch.float16)
-    monkeypatch.setenv("ENGINE_QUANT_DECODE", "kernel")
+        previous = fused.set_kernels(False)
+        try:
+            assert not quant_gluon.runs_on(cuda, torch.bfloat16)
+        finally:
+            fused.set_kernels(previous)
+    monkeypatch.setattr(fused, "_quant_decode", "kernel")
     assert not quant_gluon.runs_on(cuda, torch.bfloat16)
-    monkeypatch.setenv("ENGINE_QUANT_DECODE", "operand")
-    with pytest.raises(ValueError, match="ENGINE_QUANT_DECODE='operand': must be auto .* or kernel"):
-        quant_gluon.runs_on(cuda, torch.bfloat16)
+    for value, error in [("Kernel ", None), ("", None), ("operand", "got 'operand'")]:
+        monkeypatch.setenv("ENGINE_QUANT_DECODE", value)
+        assert (fused._quant_decode_from_environment()[1] is None) == (error is None)
+    monkeypatch.setattr(fused, "_quant_decode_error", fused._quant_decode_from_environment()[1])
+    assert fused.environment_errors()["ENGINE_QUANT_DECODE"] == ("must be 'auto' or 'kernel'", "operand")
+    for check in (fused.check_environment, lambda: quant_gluon.runs_on(cuda, torch.bfloat16)):
+        with pytest.raises(EngineInputError, match="ENGINE_QUANT_DECODE must be 'auto' .* got 'operand'"):
+            check()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None
                     or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU and Gluon")
 def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_multiplies_a_prefill(monkeypatch):
     """As a load holds them (``hold_operands_``, not forced): a decode step's rows (1, 33, 100: two row blocks, the
-    verify of a budget-99 tree) give each row the bits it has alone; a prefill's 300 rows (K in one part) and every
-    step multiply by the planes' values (the product of the dequantized bf16 weight, to float32 rounding); a
-    fused part is its columns of the whole; no row reaches quant_kernel."""
+    verify of a budget-99 tree) give each row the bits it has alone; 1,100 rows (past ``MAX_ROWS``: K in one part)
+    and every step multiply by the planes' values (the product of the dequantized bf16 weight, to float32
+    rounding); a fused part (its rows of the planes) is its columns of the whole; no row reaches quant_kernel."""
     from engine.models import quant_kernel
 
     model = _layers().cuda()
@@ -334,7 +363,7 @@ def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_m
     assert all(model[name].operand is not None for name in ("q4", "fused", "q6"))
     calls = []
     monkeypatch.setattr(quant_kernel, "linear", lambda *a, **k: calls.append(a[2].name))
-    x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1100, K, device="cuda", dtype=torch.bfloat16)
 
     def run(m, rows):
         out = m(x[rows])
@@ -343,7 +372,7 @@ def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_m
     with torch.no_grad():
         for name in ("q4", "fused", "q6"):
             m = model[name]
-            full = run(m, slice(0, 300))
+            full = run(m, slice(0, 1100))
             bias = 0 if m.bias is None else m.bias.float()
             exact = x.float() @ m.dequantized(torch.float32).T + bias
             assert float((full.float() - exact).norm() / exact.norm()) < 1e-2, name

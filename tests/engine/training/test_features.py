@@ -102,3 +102,14 @@ def test_a_partial_store_trains_as_the_kept_one(pair, sequences, monkeypatch):
     line = next(m for m in logs if m.startswith("target features") and "recomputed each batch" in m)
     kept = int(line.split("(")[1].split()[0])
     assert 0 < kept < len(seqs) and f"of {len(seqs)} sequences" in line
+
+
+def test_a_partial_store_with_room_for_no_sequence_recomputes_every_batch(pair, sequences, monkeypatch):
+    seqs, plens = sequences
+    monkeypatch.setattr(features, "feature_placement", lambda choice, *a: choice)
+    monkeypatch.setattr(features, "kept_sequences", lambda lens, per_token, room: torch.zeros_like(lens, dtype=bool))
+    cfg = TrainConfig(layers=1, block_size=4, steps=2, batch_size=4, num_anchors=4, val_fraction=0.0,
+                      feature_store="partial")
+    logs = []
+    _, summary = train_draft(pair.target, seqs, plens, cfg, pair.tokenizer.mask_id, log=logs.append)
+    assert summary["feature_store"] == "recompute" and any("recomputed each batch (not kept)" in m for m in logs)
