@@ -5,6 +5,7 @@ weights cycled through 256 MB so each call reads from HBM; each decode's row inv
 from __future__ import annotations
 
 import torch
+
 from engine.models import quant
 from engine.models.quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
 
