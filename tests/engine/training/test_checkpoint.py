@@ -30,15 +30,8 @@ K, K1 = 10, 4  # steps in all, steps before the interruption
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return engine.load("tiny-dense", "none", device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def data(pair):
-    prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(12)]
-    answers = generate_responses(pair.target, prompts, 16, batch_size=12, stop_ids=pair.stop_ids)
-    return [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
+def data(answered):
+    return answered(12)
 
 
 CFG = TrainConfig(layers=1, block_size=4, steps=K, batch_size=3, num_anchors=4, lr=3e-3, warmup_steps=3,

@@ -6,24 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine
 import engine.training.features as features
 from engine.config import EngineInputError
 from engine.training.features import TokenStore, feature_placement, kept_sequences, target_features
-from engine.training.sequences import generate_responses
 from engine.training.train import TrainConfig, train_draft
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return engine.load("tiny-dense", "none", device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def sequences(pair):
-    prompts = [pair.encode(f"Item {i}: say {i} then {i + 1}.") for i in range(24)]
-    answers = generate_responses(pair.target, prompts, 16, batch_size=24, stop_ids=pair.stop_ids)
-    return [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts]
 
 
 def test_target_features_go_to_the_gpu_when_they_fit_and_in_part_when_a_quarter_does():

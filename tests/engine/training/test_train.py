@@ -50,11 +50,6 @@ def test_learning_rate_warms_up_then_decays_over_steps_or_time():
     assert learning_rate(timed, 20, 90.0) == pytest.approx(0.0, abs=1e-12)  # past the budget: the floor
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return engine.load("tiny-dense", "none", device="cpu", dtype="float32")
-
-
 def test_batched_forward_equals_one_sequence_forward(pair):
     model = pair.target
     seqs = [pair.encode("left padded prompt"), pair.encode("short"), pair.encode("a somewhat longer prompt here")]
