@@ -404,7 +404,8 @@ class QuantFusedLinear(QuantLinear):
 
     def part(self, x: Tensor, i: int) -> Tensor:
         """Projection ``i`` alone (a draft's context K/V: ``project_part``): its rows of blocks, through the
-        kernel where it takes them (read in place), else dequantized."""
+        kernel where it takes them (read in place), else dequantized; held as planes, its rows of the planes where
+        it starts a 64-row tile (``OperandWeight.rows``), else the whole product's columns."""
         lo = sum(self.sizes[:i])
         hi = lo + self.sizes[i]
         bias = None if self.bias is None else self.bias[lo:hi]
