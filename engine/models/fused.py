@@ -48,22 +48,24 @@ QUANT_DECODES = ("auto", "kernel")
 def _quant_decode_from_environment() -> tuple[str, str | None]:
     # ENGINE_QUANT_DECODE=kernel keeps Q4_K and Q6_K in their blocks for quant_kernel where the
     # operand-register decode would take them (engine.models.quant_gluon: an sm_90 GPU in bf16)
-    value = os.environ.get("ENGINE_QUANT_DECODE", "auto").strip().lower() or "auto"
+    raw = os.environ.get("ENGINE_QUANT_DECODE", "auto")
+    value = raw.strip().lower()
     if value not in QUANT_DECODES:
         return "auto", (f"environment variable ENGINE_QUANT_DECODE must be 'auto' (Q4_K and Q6_K decoded into the "
                         f"matrix unit's registers where that runs) or 'kernel' (quant_kernel's, every format), "
-                        f"got {value!r}")
+                        f"got {raw!r}")
     return value, None
 
 
 _quant_decode, _quant_decode_error = _quant_decode_from_environment()
+_AT_IMPORT = {name: os.environ.get(name, "") for name in ("ENGINE_KERNELS", "ENGINE_QUANT_DECODE")}  # as judged
 
 
 def environment_errors() -> dict[str, tuple[str, str]]:
-    """The engine's environment variables set to a bad value: name -> (the rule, the value)."""
+    """The engine's environment variables set to a bad value: name -> (the rule, the value read at import)."""
     rules = {"ENGINE_KERNELS": (_environment_error, "must be 'fused' or 'eager'"),
              "ENGINE_QUANT_DECODE": (_quant_decode_error, "must be 'auto' or 'kernel'")}
-    return {name: (rule, os.environ.get(name, "")) for name, (error, rule) in rules.items() if error is not None}
+    return {name: (rule, _AT_IMPORT[name]) for name, (error, rule) in rules.items() if error is not None}
 
 
 def check_environment() -> None:

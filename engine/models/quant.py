@@ -414,7 +414,9 @@ class QuantFusedLinear(QuantLinear):
                 part = self.operand.rows(self.planes(), lo, hi)
                 out = part[0].product(x, part[1]) if part else self.operand.product(x, self.planes())[..., lo:hi]
                 return out if bias is None else out + bias
-            return F.linear(x, self.dequantized(x.dtype)[lo:hi], bias)
+            part = self.operand.rows(self.planes(), lo, hi)
+            w = part[0].values(part[1], x.dtype) if part else self.dequantized(x.dtype)[lo:hi]
+            return F.linear(x, w, bias)
         blocks = self.blocks[lo:hi]
         if quant_kernel.use_kernel(x, blocks, self.fmt, bias):
             return quant_kernel.linear(x, blocks, self.fmt, self.in_features, bias)

@@ -329,7 +329,8 @@ class OperandWeight:
     def rows(self, planes: tuple[Tensor, ...], lo: int, hi: int) -> tuple[OperandWeight, tuple[Tensor, ...]] | None:
         """Rows ``lo``..``hi`` as a weight of their own (views of the planes, the same split), where ``lo`` starts a
         64-row tile (a fused weight's part; else None): the planes are ordered by 16-row groups and rows, and the
-        whole's padding covers the part's (``lo`` + the part's padded rows <= the whole's padded rows)."""
+        whole's padding covers the part's (``lo`` + the part's padded rows <= the whole's padded rows; a part's
+        padding rows are the next part's, not zeros: the kernel stores only rows below ``n``)."""
         if lo % TILE_N or not 0 <= lo < hi <= self.n:
             return None
         pad = padded_rows(hi - lo)

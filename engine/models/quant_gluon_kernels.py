@@ -166,8 +166,8 @@ if gluon is not None:
         return (x_ptr + rb * BLOCK_M * K, out_ptr + rb * BLOCK_M * N, tickets_ptr + rb * tiles,
                 M - rb * BLOCK_M, rb * BLOCK_M * N)
 
-    # Not specialised on M (a launch's rows: 1, a verify's, a prefill chunk's) or the split: one compiled variant
-    # a weight shape and BLOCK_M, met in the eager warm-up before a graph captures it
+    # Not specialised on M (a launch's rows: 1, a verify's, a prefill chunk's) or the split: a weight's step launches
+    # (up to MAX_ROWS rows) compile once a BLOCK_M and warps, in the eager warm-up before a graph captures them
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):

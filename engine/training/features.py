@@ -187,6 +187,7 @@ def token_store(target: DenseModel, data: list[Tensor], tokens_all: Tensor, lens
         kept = kept_sequences(lens, n_bytes // max(tokens_all.numel(), 1), room)
         if not kept.any():  # (asked for with no room for one sequence's)
             placement, kept = "recompute", None
+            log("target features: partial store has room for no sequence's; recomputing every batch's")
     if placement == "partial":
         feats = target_features(target, [d for d, k in zip(data, kept.tolist(), strict=True) if k], ids)
         kept_lens = lens * kept

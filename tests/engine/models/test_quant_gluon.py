@@ -302,18 +302,31 @@ def test_a_model_held_as_planes_multiplies_by_the_pair_decodes_values_and_frees_
     assert [p.data_ptr() for p in model["q4"].planes()] == [p.data_ptr() for p in planes]
 
 
-def test_a_fused_weights_part_is_its_rows_of_the_planes_where_it_starts_a_tile():
-    """``OperandWeight.rows``: a part starting a 64-row tile reads views of the whole's planes (its values the
-    whole's rows, the last part's padding the whole's); one starting inside a tile is refused (None)."""
+def test_a_fused_weights_part_is_its_rows_of_the_planes_where_it_starts_a_tile(monkeypatch):
+    """``OperandWeight.rows``: a part starting a 64-row tile reads views of the whole's planes, whose values are the
+    file's rows (an independent reading: ``quant_packed.values``, ``_q6_read``), the last part's padding the whole's;
+    one starting inside a tile is refused (None). ``values`` by chunks of 64 rows gives the values of one chunk."""
+    sys.path.insert(0, str(BENCH))
+    import quant_packed
+
+    from engine.models.quant import unhold
+
     model = _layers()
+    files = {name: unhold(m.blocks, m.fmt).clone() for name, m in model.items()}
     quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    q, step = _q6_read(files["q6"])
+    want = {"fused": quant_packed.values(files["fused"], K),
+            "q6": quant_gluon.round_bf16((q - 32).double() * step.double())}
     for name, lo, hi in [("fused", 0, 64), ("fused", 64, 100), ("q6", 64, 100), ("q6", 0, 100)]:
         m = model[name]
         operand, planes = m.operand.rows(m.planes(), lo, hi)
         assert operand.n == hi - lo and operand.split == m.operand.split
         assert all(p.data_ptr() >= w.data_ptr() for p, w in zip(planes, m.planes(), strict=True))  # views
-        assert torch.equal(operand.values(planes), m.dequantized(torch.bfloat16)[lo:hi]), (name, lo, hi)
+        assert torch.equal(operand.values(planes), want[name][lo:hi]), (name, lo, hi)
     assert model["fused"].operand.rows(model["fused"].planes(), 32, 64) is None
+    monkeypatch.setattr(quant_gluon, "REPACK_ROWS", 64)  # values in two chunks, the second 36 rows
+    for name in ("fused", "q6"):
+        assert torch.equal(model[name].dequantized(torch.bfloat16), want[name]), name
 
 
 def test_the_decode_runs_only_on_sm_90_in_bf16_with_the_kernels_on_unless_quant_kernel_is_asked_for(monkeypatch):
@@ -339,13 +352,15 @@ def test_the_decode_runs_only_on_sm_90_in_bf16_with_the_kernels_on_unless_quant_
             fused.set_kernels(previous)
     monkeypatch.setattr(fused, "_quant_decode", "kernel")
     assert not quant_gluon.runs_on(cuda, torch.bfloat16)
-    for value, error in [("Kernel ", None), ("", None), ("operand", "got 'operand'")]:
+    for value, error in [("Kernel ", None), ("", "got ''"), (" Operand", "got ' Operand'")]:
         monkeypatch.setenv("ENGINE_QUANT_DECODE", value)
-        assert (fused._quant_decode_from_environment()[1] is None) == (error is None)
+        got = fused._quant_decode_from_environment()[1]
+        assert got is None if error is None else error in got
     monkeypatch.setattr(fused, "_quant_decode_error", fused._quant_decode_from_environment()[1])
-    assert fused.environment_errors()["ENGINE_QUANT_DECODE"] == ("must be 'auto' or 'kernel'", "operand")
+    monkeypatch.setitem(fused._AT_IMPORT, "ENGINE_QUANT_DECODE", " Operand")
+    assert fused.environment_errors()["ENGINE_QUANT_DECODE"] == ("must be 'auto' or 'kernel'", " Operand")
     for check in (fused.check_environment, lambda: quant_gluon.runs_on(cuda, torch.bfloat16)):
-        with pytest.raises(EngineInputError, match="ENGINE_QUANT_DECODE must be 'auto' .* got 'operand'"):
+        with pytest.raises(EngineInputError, match="ENGINE_QUANT_DECODE must be 'auto' .* got ' Operand'"):
             check()
 
 
