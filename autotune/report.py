@@ -49,8 +49,8 @@ def _fmt(v: Any, nd: int = 2) -> str:
 
 def _weights(model: dict[str, Any], summary: dict[str, Any] | None) -> str:
     """How the target held its weights, for the model line: ``weights native (Q4_K x9, Q6_K x5 in
-    blocks; fallback TQ2_0 x1; 3.1 of 4.2 MiB in blocks)``. A study made before ``model.weights``
-    existed was dequantized; one whose worker did not report the summary shows the mode alone."""
+    blocks, 14 of them as operand planes; fallback TQ2_0 x1; 3.1 of 4.2 MiB in blocks)``. A study made before
+    ``model.weights`` existed was dequantized; one whose worker did not report the summary shows the mode alone."""
     mode = (summary or {}).get("mode") or model.get("weights", "dequantized")
     if not summary:
         return f"weights {mode}"
@@ -58,8 +58,12 @@ def _weights(model: dict[str, Any], summary: dict[str, Any] | None) -> str:
     if not summary.get("formats"):
         return f"weights {mode} ({total} MiB)"
     kept = ", ".join(f"{k} x{n}" for k, n in summary["formats"].items())
+    if summary.get("operand_projections"):
+        kept += f" in blocks, {summary['operand_projections']} of them as operand planes"
+    else:
+        kept += " in blocks"
     fallback = ", ".join(f"{k} x{n}" for k, n in (summary.get("fallback") or {}).items())
-    return (f"weights {mode} ({kept} in blocks; {f'fallback {fallback}; ' if fallback else ''}"
+    return (f"weights {mode} ({kept}; {f'fallback {fallback}; ' if fallback else ''}"
             f"{_mib(summary.get('native_bytes', 0))} of {total} MiB in blocks)")
 
 

@@ -177,12 +177,14 @@ class Worker:
         kept in it), ``fallback`` (file type -> projections ``native`` could not keep),
         ``native_projections`` (how many weights, projections and an untied embedding, a native load holds
         in blocks, whichever form is loaded: 0
-        makes the ``weights`` dimension moot, ``autotune.dimensions``), ``native_bytes`` and
-        ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
+        makes the ``weights`` dimension moot, ``autotune.dimensions``), ``operand_projections`` (of those,
+        the ones held as the planes of the decode into the matrix unit's registers: an sm_90 GPU in bf16),
+        ``native_bytes`` and ``weight_bytes``. Reported to the driver in :meth:`limits` (``Executor.describe``)."""
         summary = self.pair.weight_summary()
         fallback = Counter(summary["fallback"].values())
         return {"mode": summary["mode"], "formats": dict(summary["formats"]),
                 "fallback": dict(sorted(fallback.items())), "native_projections": int(summary["native_projections"]),
+                "operand_projections": len(summary.get("operand", {})),
                 "native_bytes": int(summary["native_bytes"]), "weight_bytes": int(summary["weight_bytes"])}
 
     @classmethod

@@ -453,8 +453,11 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
     with no native form here); ``native_projections``: how many weights (projections, an untied
     embedding) a native load of the file holds in their blocks (loaded native: ``native``'s; loaded
     dequantized: those it would, by :func:`would_keep`), where 0 means the two forms hold the same float
-    weights; ``native_bytes`` and ``weight_bytes`` (all stored weights)."""
+    weights; ``operand``: those of ``native`` held as the planes of ``quant_gluon``'s decode into the matrix
+    unit's registers (an sm_90 GPU in bf16: ``hold_operands_``); ``native_bytes`` and ``weight_bytes`` (all
+    stored weights)."""
     native: dict[str, str] = {}
+    operand: dict[str, str] = {}
     native_bytes = 0
     for owner, module in model.named_modules():
         prefix = f"{owner}." if owner else ""
@@ -468,6 +471,8 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
             parts = module.FUSED[child_name] if isinstance(child, QuantFusedLinear) else (child_name,)
             for part in parts:
                 native[f"{prefix}{part}.weight"] = child.fmt.name
+                if child.operand is not None:
+                    operand[f"{prefix}{part}.weight"] = child.fmt.name
     types: dict[str, str] = getattr(model, "weight_types", {})
     dequantized = {name: kind for name, kind in types.items() if name not in native}
     tied = shared_parameters(model)
@@ -478,7 +483,8 @@ def weights_summary(model: nn.Module, mode: str) -> dict:
         formats[kind] = formats.get(kind, 0) + 1
     kept = len(native) if mode == "native" else len(would_keep(model, types))
     return {"mode": mode, "native": native, "formats": formats, "dequantized": dequantized, "fallback": fallback,
-            "native_projections": kept, "native_bytes": native_bytes, "weight_bytes": weight_bytes(model)}
+            "native_projections": kept, "operand": operand, "native_bytes": native_bytes,
+            "weight_bytes": weight_bytes(model)}
 
 
 def would_keep(model: nn.Module, types: dict[str, str]) -> dict[str, str]:

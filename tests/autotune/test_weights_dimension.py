@@ -306,3 +306,16 @@ def test_the_weights_section_says_when_a_forms_ar_was_stopped_at_a_rung():
             or line.startswith("| dequantized")}
     assert rows["| native"].endswith("| stopped at rung 0: 763.24 (2) |")
     assert rows["| dequantized"].endswith(" (0) |") and "1042.6" in rows["| dequantized"]
+
+
+def test_the_report_says_how_many_weights_in_blocks_were_held_as_operand_planes():
+    """``report._weights``: a worker on an sm_90 GPU in bf16 reports ``operand_projections`` (the weights held as
+    the planes of the decode into the matrix unit's registers); the model line says how many, and nothing where
+    there are none."""
+    from autotune import report
+
+    summary = {"mode": "native", "formats": {"Q4_K": 9, "Q6_K": 5}, "fallback": {}, "native_bytes": 3 * 2**20,
+               "weight_bytes": 4 * 2**20}
+    assert report._weights({}, summary) == "weights native (Q4_K x9, Q6_K x5 in blocks; 3 of 4 MiB in blocks)"
+    held = report._weights({}, {**summary, "operand_projections": 14})
+    assert held == "weights native (Q4_K x9, Q6_K x5 in blocks, 14 of them as operand planes; 3 of 4 MiB in blocks)"

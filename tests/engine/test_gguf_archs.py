@@ -200,7 +200,8 @@ Q4_K_M = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
 def test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path(tmp_path, weights):
     """bf16 on the device: every verify / rollback / draft path decodes the tiny Qwen3.5 Q4_K_M file
     token for token as its AR with the same weights (the runtime's graphs replay out_proj's input
-    permutation, native); in float32 the native load decodes as its dequantized twin."""
+    permutation, native; on an sm_90 GPU its Q4_K and Q6_K through the operand-register decode); in float32
+    the native load decodes as its dequantized twin."""
     import itertools
 
     from engine import EngineConfig
@@ -208,6 +209,11 @@ def test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path(tmp_path, weights
     path = tmp_path / "q4_k_m.gguf"
     write_gguf(path, tiny_hf("qwen35"), "qwen35", Q.Q4_K, tokenizer=bpe_tokenizer(), qtypes=Q4_K_M)
     pair = engine.load(str(path), "random", device="cuda", dtype="bfloat16", weights=weights)
+    from engine.models import quant_gluon
+
+    if weights == "native" and quant_gluon.runs_on(torch.device("cuda"), torch.bfloat16):
+        # on an sm_90 GPU: Q4_K and Q6_K held as the operand-register decode's planes, the path under test
+        assert set(pair.weight_summary()["operand"].values()) == {"Q4_K", "Q6_K"}
     prompts = [pair.encode(t) for t in ("the sea of day is", "the key of night is 7", "the map")]
     ar = EngineConfig(verify="ar")
     ref = engine.bench(pair, ar, prompts, 48, ignore_eos=True)

@@ -396,3 +396,25 @@ def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_m
                 assert torch.equal(run(m, rows), step[rows]), (name, rows)
         assert torch.equal(model["fused"].part(x[:33], 1), model["fused"](x[:33])[1])
     assert calls == []
+
+
+def test_the_weights_summary_names_the_weights_held_as_planes():
+    """``quant.weights_summary``: ``operand`` lists the weights (a fused group by its parts' names) held as planes;
+    ``native`` lists every weight in blocks, as before."""
+    from engine.models.quant import weights_summary
+
+    class Owner(torch.nn.Module):
+        FUSED = {"fused": ("a_proj", "b_proj")}
+
+        def __init__(self):
+            super().__init__()
+            for name, layer in _layers().items():
+                setattr(self, name, layer)
+
+    model = Owner()
+    assert weights_summary(model, "native")["operand"] == {}
+    quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    summary = weights_summary(model, "native")
+    assert summary["operand"] == {"q4.weight": "Q4_K", "a_proj.weight": "Q4_K", "b_proj.weight": "Q4_K",
+                                  "q6.weight": "Q6_K"}
+    assert set(summary["native"]) == {*summary["operand"], "q8.weight"}
