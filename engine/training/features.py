@@ -39,9 +39,9 @@ def feature_placement(choice: str, n_bytes: int, device: torch.device, free_byte
 
 
 def kept_sequences(lens: Tensor, bytes_per_token: int, budget_bytes: float, seed: int = 0) -> Tensor:
-    """Which sequences a "partial" store keeps the features of: in a seeded random order (so each
-    dataset's sequences are kept in proportion, not the first file's), every sequence whose features
-    still fit ``budget_bytes``. A bool per sequence."""
+    """Which sequences a "partial" store keeps the features of: those of a seeded random order (so each
+    dataset's sequences are kept in proportion, not the first file's, and no length is favoured) up to
+    the first whose features no longer fit ``budget_bytes``. A bool per sequence."""
     order = torch.randperm(lens.numel(), generator=torch.Generator().manual_seed(seed))
     fits = torch.cumsum(lens.cpu()[order] * bytes_per_token, 0) <= budget_bytes
     kept = torch.zeros(lens.numel(), dtype=torch.bool)
