@@ -5,7 +5,8 @@
 #      beside the half-word one), summed over the step's launches; exactness against dequantized weights;
 #   2. gpu_bench large --weights q4_k_m: warm AR and verify against the roofline of the blocks' bytes, as the engine
 #      loads (on an H100/H200: Q4_K and Q6_K as the operand-register decode's planes; Q4K_DECODE=kernel: every format
-#      through quant_kernel) (DRAFT_RECIPE=q8_0: its draft held in Q8_0 blocks, `--draft-recipe`);
+#      through quant_kernel; Q4K_COMPARE=kernel: both, one after the other) (DRAFT_RECIPE=q8_0: its draft held in
+#      Q8_0 blocks, `--draft-recipe`);
 #   3. the quantized GPU tests (with .device/gguf); 4. kernel_bench quant-tiles: the 1-row launches of the
 #      27B's and SmolLM2's weights (QT_SHAPES="SmolLM2": labels' starts or NxK, as KQ_SHAPES for 1; QT_ROWS="1 33":
 #      a budget-32 verify's launches too, the K split as the step's);
@@ -27,9 +28,14 @@
 source benchmarks/device/common.sh quant
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
-section large_q4km ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode ${Q4K_DECODE:-engine} \
-  --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
-  --md "$OUT/large_q4km.md" --out "$OUT/large_q4km.json"
+# the step as the engine loads it (Q4K_DECODE as gpu_bench's --q4k-decode); Q4K_COMPARE="kernel": that decode's step
+# too, on the same machine (large_q4km_kernel), for a like-for-like ratio
+for decode in ${Q4K_DECODE:-engine} ${Q4K_COMPARE:-}; do
+  suffix=$([ "$decode" = "${Q4K_DECODE:-engine}" ] || echo "_$decode")
+  section large_q4km$suffix ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode $decode \
+    --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
+    --md "$OUT/large_q4km$suffix.md" --out "$OUT/large_q4km$suffix.json"
+done
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"
