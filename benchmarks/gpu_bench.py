@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -547,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fused.set_kernels(args.kernels == "on")
     if args.q4k_decode != "engine":  # the blocks kept for quant_kernel (or the prototypes that replace it)
-        os.environ["ENGINE_QUANT_DECODE"] = "kernel"
+        fused.set_quant_decode("kernel")  # (the engine read ENGINE_QUANT_DECODE when gpu_bench imported it)
     if args.q4k_decode == "packed":
         import quant_packed
 

@@ -34,7 +34,7 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     Q6_K products through ``linear_q6_k`` too; else the float decode, ``dequantize``'s values), every other
     product through ``quant_kernel``: ``quant_kernel.linear`` replaced in place, for a benchmark process only
     (``gpu_bench.py --q4k-decode gluon``, ``gluon-pairs`` or ``gluon-pairs-ahead``, which load with
-    ``ENGINE_QUANT_DECODE=kernel`` so that the weights stay in their blocks and reach it).
+    the decode set to "kernel", ``fused.set_quant_decode``, so that the weights stay in their blocks and reach it).
     ``x_ahead``: x read an iteration ahead; ``warps``: every launch on 4 or 8 where they take whole tiles of the
     weight's padded rows, else as ``_warps`` picks. A weight is repacked on its first such call and kept (the blocks
     stay too): that call must come before a graph is captured, as the engine's eager warm-up steps do; one first met

@@ -77,10 +77,21 @@ def check_environment() -> None:
 
 
 def quant_decode() -> str:
-    """``ENGINE_QUANT_DECODE`` as read at import: "auto" or "kernel" (a bad value raises, naming it)."""
+    """``ENGINE_QUANT_DECODE`` as read at import (or ``set_quant_decode``'s): "auto" or "kernel" (a bad value
+    raises, naming it)."""
     if _quant_decode_error is not None:
         raise EngineInputError(_quant_decode_error)
     return _quant_decode
+
+
+def set_quant_decode(choice: str) -> str:
+    """Choose the quantized decode for later loads, as ``ENGINE_QUANT_DECODE`` does from outside (read at import:
+    a benchmark that has imported the engine sets it here); returns the previous choice."""
+    global _quant_decode
+    if choice not in QUANT_DECODES:
+        raise EngineInputError(f"set_quant_decode: must be one of {list(QUANT_DECODES)}, got {choice!r}")
+    previous, _quant_decode = _quant_decode, choice
+    return previous
 
 
 def set_kernels(enabled: bool) -> bool:

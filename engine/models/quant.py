@@ -268,8 +268,7 @@ class QuantLinear(nn.Module):
 
     def planes(self) -> tuple[Tensor, ...]:
         """The planes, each in its own dtype (``operand.dtypes``)."""
-        held = [b for name, b in self.named_buffers(recurse=False) if name.startswith("planes_")]
-        return tuple(b.view(dtype) for b, dtype in zip(held, self.operand.dtypes, strict=True))
+        return tuple(getattr(self, f"planes_{i}").view(dtype) for i, dtype in enumerate(self.operand.dtypes))
 
     @property
     def nbytes(self) -> int:

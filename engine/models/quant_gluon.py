@@ -58,7 +58,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from engine.models import quant
+from engine.models import fused, quant
+from engine.models import linear as rows_linear
 from engine.models import quant_gluon_kernels as kernels
 from engine.models.quant_gluon_kernels import gluon  # None: a Triton without Gluon
 
@@ -208,8 +209,6 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     """One launch: a program a tile of ``16 * warps`` rows, a part of K and a block of up to ``ROW_BLOCK`` of x's
     rows; the parts' sums added in the kernel (the engine's tickets, one a tile and row block), so the output is
     bf16 straight away."""
-    from engine.models.linear import _tickets
-
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
     block_m = _block_m(m)
@@ -218,7 +217,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     row_blocks = -(-m // block_m)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    tickets = _tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
+    tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
     kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
                                         num_warps=warps, **constexprs)
@@ -314,12 +313,10 @@ class OperandWeight:
         rows (a decode step's, a prefill chunk's: at most 512) take the weight's split; more (training's forwards)
         sum K in one part, whose bits are not a step's (no [split, rows, n] of sums: 0.7 GB for 4,096 rows of the
         27B's down at 8 parts)."""
-        from engine.models.linear import MAX_ROWS
-
         x2 = x.reshape(-1, self.cols)
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.n)
-        split = self.split if x2.shape[0] <= MAX_ROWS else 1
+        split = self.split if x2.shape[0] <= rows_linear.MAX_ROWS else 1
         if self.fmt == "Q6_K":
             out = linear_q6_k(x2, planes, self.n, self.cols, split)
         else:
@@ -361,12 +358,9 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this decode runs for a model on ``device`` in ``dtype``: Gluon, an sm_90 GPU (``warpgroup_mma``),
     bf16 activations, the kernels on (``ENGINE_KERNELS``) and ``ENGINE_QUANT_DECODE`` not "kernel" (read at
     import: ``fused.quant_decode``; a bad value raises, naming it)."""
-    from engine.models import fused
-    from engine.models.linear import capability
-
     if fused.quant_decode() == "kernel" or gluon is None or device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    return fused.kernels_enabled() and capability(device) == (9, 0)
+    return fused.kernels_enabled() and rows_linear.capability(device) == (9, 0)
 
 
 def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[OperandWeight, tuple[Tensor, ...]]:
@@ -383,10 +377,8 @@ def hold_operands_(model: torch.nn.Module, dtype: torch.dtype, force: bool = Fal
     device this decode runs on for activations in ``dtype`` (``runs_on``; ``force``: anywhere, for the CPU tests),
     held as planes instead of its blocks (``QuantLinear.hold_planes``; the blocks freed, one weight at a time, so a
     load's peak holds one weight twice). Idempotent."""
-    from engine.models.quant import QuantLinear
-
     for module in model.modules():
-        if not isinstance(module, QuantLinear) or module.operand is not None or module.fmt.name not in FORMATS:
+        if not isinstance(module, quant.QuantLinear) or module.operand is not None or module.fmt.name not in FORMATS:
             continue
         if module.in_features % quant.QK_K:
             continue

@@ -350,8 +350,10 @@ def test_the_decode_runs_only_on_sm_90_in_bf16_with_the_kernels_on_unless_quant_
             assert not quant_gluon.runs_on(cuda, torch.bfloat16)
         finally:
             fused.set_kernels(previous)
-    monkeypatch.setattr(fused, "_quant_decode", "kernel")
-    assert not quant_gluon.runs_on(cuda, torch.bfloat16)
+    monkeypatch.setattr(fused, "_quant_decode", fused._quant_decode)  # restored after
+    assert fused.set_quant_decode("kernel") == "auto" and not quant_gluon.runs_on(cuda, torch.bfloat16)
+    with pytest.raises(EngineInputError, match=r"set_quant_decode: must be one of \['auto', 'kernel'\], got 'off'"):
+        fused.set_quant_decode("off")
     for value, error in [("Kernel ", None), ("", "got ''"), (" Operand", "got ' Operand'")]:
         monkeypatch.setenv("ENGINE_QUANT_DECODE", value)
         got = fused._quant_decode_from_environment()[1]
