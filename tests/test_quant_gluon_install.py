@@ -33,7 +33,8 @@ def _blocks(seed: int, n: int = N) -> torch.Tensor:
 def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
     """The point, statically (sm_90, a process of its own: Triton's interpreter may be on here): the conversion into
     the operand layout is a renaming (``assert_trivial``: the layout is the operand's, not where each nibble lands,
-    which the last test replays), and the K loop's shared memory holds the x tile and the steps only."""
+    which the last test replays), and the K loop's shared memory holds the x tile (the float decode's steps too)
+    only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for warps in (4, 8):
         proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64", "--warps",
@@ -43,10 +44,11 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
                           proc.stdout, flags=re.M)
         assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
         for decode, block_m, hgmma, sts, lds in rows:
-            # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores over 32 W threads; Q4_K's four step /
-            # offset tensors [8 W, 4] too (one a thread where they are decoded, four a thread where used: a 16-byte
-            # read each); the decoded tile (the engine kernel's 15 LDS + 8 LDSM a tile) not at all
-            steps = 0 if decode == "q6_k" else 4
+            # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores over 32 W threads; the float decode's
+            # four step / offset tensors [8 W, 4] too (one a thread where they are decoded, four a thread where
+            # used: a 16-byte read each; the pair decode gathers them by warp shuffles); the decoded tile (the
+            # engine kernel's 15 LDS + 8 LDSM a tile) not at all
+            steps = 4 if decode == "float" else 0
             x_stores = 128 * int(block_m) * 2 // 16 // (32 * warps)
             assert int(hgmma) == 8 and int(lds) == steps and int(sts) == x_stores + steps, (warps, rows)
 

@@ -96,6 +96,31 @@ if gluon is not None:
         return _half_of(head) * sc.to(gl.float32), _half_of(head >> 16) * mn.to(gl.float32)
 
     @gluon.jit
+    def _from_quad(word, i: gl.constexpr):
+        """Each thread's copy of lane ``4 g + i``'s ``word`` (its row's sub-block ``i``, ``_lanes_layout(W, 1)``):
+        ``shfl.sync.idx`` within segments of 4 lanes (c = 0x1c03: lane mask 0x1c, clamp 3)."""
+        return gl.inline_asm_elementwise(f"shfl.sync.idx.b32 $0, $1, {i}, 0x1c03, -1;", "=r,r", [word],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pair_steps(st, sh):
+        """A row's ``bf16(d * scale)`` and ``bf16(-dmin * min)`` for each of its thread's words (sub-block s // 2),
+        [8 W, 4, 8] bf16 each in ``_words_layout``, from one sub-block a thread (``_step_shift``'s): packed into one
+        word, gathered from the 4 lanes of the row by warp shuffles (no shared memory, no barrier: the same values as
+        ``_beside``'s, which converts through shared memory with a CTA barrier each)."""
+        W: gl.constexpr = gl.num_warps()
+        # cvt.rn.bf16x2.f32 d, a, b: a (here -dmin * min) rounds into the high half, b (d * scale) the low
+        packed = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [-sh, st], dtype=gl.int32,
+                                           is_pure=True, pack=1)
+        w0, w1, w2, w3 = _from_quad(packed, 0), _from_quad(packed, 1), _from_quad(packed, 2), _from_quad(packed, 3)
+        # joins: innermost on s // 4, then (s // 2) % 2, then s % 2 (the words of one sub-block): s // 2 = sub-block
+        w = gl.join(gl.join(gl.join(w0, w2), gl.join(w1, w3)), gl.join(gl.join(w0, w2), gl.join(w1, w3)))
+        w = gl.convert_layout(w.reshape([8 * W, 4, 8]), _words_layout(W), assert_trivial=True)
+        step = (w & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        shift = (w >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return step, shift
+
+    @gluon.jit
     def _beside(v):
         """[8 W rows, 4 sub-blocks], one a thread -> [8 W, 1, 8]: each thread's row, its 8 words' sub-blocks
         (s // 2)."""
@@ -126,17 +151,17 @@ if gluon is not None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _pairs_tile(words, st0, sh0, st1, sh1):
+    def _pairs_tile(words, st0, nsh0, st1, nsh1):
         """Nibbles ``4 e + 2 j + h``: for each (j, h) one mask puts the two columns' nibbles (16 bits apart) under
         bf16's exponent of 128, 128 + q each (``_bf16_pairs``); less 128 (exact), then q * bf16(d * scale) +
-        bf16(-dmin * min), one rounding (``HADD2.BF16_V2``, ``HFMA2.BF16_V2``: two values an instruction)."""
+        bf16(-dmin * min) (``st``, ``nsh``: ``_pair_steps``'s, rows h = 0 and 1), one rounding (``HADD2.BF16_V2``,
+        ``HFMA2.BF16_V2``: two values an instruction)."""
         p00 = _under_128(words)  # j 0, h 0 (nibbles 0 and 4)
         p01 = _under_128(words >> 4)  # j 0, h 1
         p10 = _under_128(words >> 8)  # j 1, h 0
         p11 = _under_128(words >> 12)  # j 1, h 1
         q = _bf16_pairs(p00, p01, p10, p11) - 128.0
-        step = _per_value(st0.to(gl.bfloat16), st1.to(gl.bfloat16))
-        return gl.fma(q, step, _per_value((-sh0).to(gl.bfloat16), (-sh1).to(gl.bfloat16)))
+        return gl.fma(q, _per_value(st0, st1), _per_value(nsh0, nsh1))
 
     @gluon.jit
     def _bf16_pairs(p00, p01, p10, p11):
@@ -210,11 +235,12 @@ if gluon is not None:
             h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, tile, nxt, K, 1)
             st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
             st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
-            st0, sh0, st1, sh1 = _beside(st0), _beside(sh0), _beside(st1), _beside(sh1)
             if PAIRS:
-                a = _pairs_tile(words, st0, sh0, st1, sh1)
+                pst0, pnsh0 = _pair_steps(st0, sh0)
+                pst1, pnsh1 = _pair_steps(st1, sh1)
+                a = _pairs_tile(words, pst0, pnsh0, pst1, pnsh1)
             else:
-                a = _values_tile(words, st0, sh0, st1, sh1)
+                a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
             acc = _times_x(acc, a, xt, x_smem)
