@@ -13,8 +13,9 @@ name it.
 The layout. Hopper's ``warpgroup_mma`` takes A from registers in ``DotOperandLayout(0, parent, k_width=2)``: for
 a 64 x 128 tile on 4 warps, lane ``4 g + t`` of warp ``w`` holds rows ``16 w + 8 h + g`` and columns
 ``16 s + 8 j + 2 t + e`` (register bits e, h, j, then s's three). So one 32-bit word holds exactly a thread's 8
-values of one 16-column slice: nibble ``4 j + 2 h + e`` (``repack``, at load). A thread's 8 words (s = 0..7) are
-contiguous (two 16-byte loads); a warp's 256 are one 1 KB run. The 8 nibbles are decoded into 8 tensors, joined
+values of one 16-column slice: nibble ``4 j + 2 h + e`` (``repack``, at load). A thread's 8 words (s = 0..7) are two
+runs of 4 (two 16-byte loads), ordered so that each of a warp's two loads reads 512 contiguous bytes; a warp's 256
+words are one 1 KB run. The 8 nibbles are decoded into 8 tensors, joined
 (the outermost join is register bit 0: e, then h, then j), reshaped and permuted into [64, 128]; the conversion into
 the operand layout is then a renaming, checked at compile time (``convert_layout(..., assert_trivial=True)``:
 that the layout is the operand's; where each nibble lands within a thread is the joins' order, which a CPU test
@@ -34,8 +35,9 @@ verify of any budget) reads one weight.
 
 The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
-and passed to the lanes that need them through a little shared memory. The next tile's words and heads are read an
-iteration ahead (``x_ahead``: its x rows too). The K order is the natural one, 16 columns an instruction. Rows past
+and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
+through a little shared memory). The next tiles' words and heads are read ``ahead`` iterations ahead (1 or 2;
+``x_ahead``: its x rows too, one). The K order is the natural one, 16 columns an instruction. Rows past
 N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
 32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
 (``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
@@ -87,11 +89,12 @@ def _padded(q: Tensor, n_pad: int) -> Tensor:
 
 
 def _nibble_words(q: Tensor, cols: int, pairs: bool) -> Tensor:
-    """Values 0..15 [N padded, cols] in natural order -> the words: order [16-row group][128-column tile][g][t][s]
-    (row ``16 G + 8 h + g``, column ``128 kt + 16 s + 8 j + 2 t + e``), nibble ``4 j + 2 h + e`` or with
-    ``pairs`` ``4 e + 2 j + h`` (the two columns of a register 16 bits apart: one mask makes their bf16 pair)."""
-    shape = (q.shape[0] // 16, 2, 8, cols // TILE_K, 8, 2, 4, 2)  # [G, h, g, kt, s, j, t, e]
-    return _pack(q, 4, (0, 3, 2, 6, 4, 7, 5, 1) if pairs else (0, 3, 2, 6, 4, 5, 1, 7), shape)
+    """Values 0..15 [N padded, cols] in natural order -> the words: order [16-row group][128-column tile][s // 4][g]
+    [t][s % 4] (row ``16 G + 8 h + g``, column ``128 kt + 16 s + 8 j + 2 t + e``: a thread's 8 words are two runs of
+    4, so each of a warp's two 16-byte loads reads 512 contiguous bytes), nibble ``4 j + 2 h + e`` or with ``pairs``
+    ``4 e + 2 j + h`` (the two columns of a register 16 bits apart: one mask makes their bf16 pair)."""
+    shape = (q.shape[0] // 16, 2, 8, cols // TILE_K, 2, 4, 2, 4, 2)  # [G, h, g, kt, s // 4, s % 4, j, t, e]
+    return _pack(q, 4, (0, 3, 4, 2, 7, 5, 8, 6, 1) if pairs else (0, 3, 4, 2, 7, 5, 6, 1, 8), shape)
 
 
 REPACK_ROWS = 4096  # rows a repack takes at a time (a multiple of TILE_N)
@@ -150,8 +153,10 @@ def _unpacked(words: Tensor, n_pad: int, cols: int, pairs: bool) -> Tensor:
     """``_nibble_words``'s inverse: the words -> values 0..15 [N padded, cols] in natural order."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     q = (w[:, None] >> (4 * torch.arange(8, device=w.device))) & 15  # [word, nibble]
-    q = q.reshape(n_pad // 16, cols // TILE_K, 8, 4, 8, 2, 2, 2)  # [G, kt, g, t, s, (j, h, e) or (e, j, h)]
-    return q.permute(*((0, 7, 2, 1, 4, 6, 3, 5) if pairs else (0, 6, 2, 1, 4, 5, 3, 7))).reshape(n_pad, cols)
+    q = q.reshape(n_pad // 16, cols // TILE_K, 2, 8, 4, 4, 2, 2, 2)  # [G, kt, s // 4, g, t, s % 4, (j, h, e) or
+    # (e, j, h)] -> [G, h, g, kt, s // 4, s % 4, j, t, e]
+    order = (0, 8, 3, 1, 2, 5, 7, 4, 6) if pairs else (0, 7, 3, 1, 2, 5, 6, 4, 8)
+    return q.permute(*order).reshape(n_pad, cols)
 
 
 def reference_q6_k(words: Tensor, high: Tensor, scales: Tensor, d: Tensor, n: int, cols: int) -> Tensor:
@@ -189,12 +194,14 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None, ahead: int = 1) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
-    (``_warps``), the same bits whichever."""
+    (``_warps``), ``ahead``: the weight's tiles read 1 or 2 iterations ahead; the same bits whichever."""
+    if ahead not in (1, 2):
+        raise ValueError(f"ahead={ahead}: the weight's tiles are read 1 or 2 iterations ahead")
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
-                   X_AHEAD=x_ahead)
+                   X_AHEAD=x_ahead, AHEAD=ahead)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
@@ -251,7 +258,8 @@ def round_bf16(w: Tensor) -> Tensor:
     return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
+                       ahead: int = 1):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
     ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
     import triton
@@ -266,7 +274,7 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead, "AHEAD": ahead}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}

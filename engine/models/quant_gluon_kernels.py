@@ -56,24 +56,27 @@ if gluon is not None:
 
     @gluon.jit
     def _word_offsets(tile, all_tiles):
-        """Each thread's 8 words of a 128-column tile (add ``kt * 256``): [8 W, 4, 8] in ``_words_layout``."""
+        """Each thread's 8 words of a 128-column tile (add ``kt * 256``): [8 W, 4, 8] in ``_words_layout``; word s
+        at ``128 (s // 4) + 4 (4 g + t) + s % 4`` of its warp's run (``_nibble_words``: a warp's 16-byte loads each
+        read 512 contiguous bytes)."""
         W: gl.constexpr = gl.num_warps()
         wl: gl.constexpr = _words_layout(W)
         rr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
         tt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
         ss = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        return ((tile * W + rr // 8) * (all_tiles * 256) + (rr % 8) * 32)[:, None, None] \
-            + (tt * 8)[None, :, None] + ss[None, None, :]
+        at = ((tile * W + rr // 8) * (all_tiles * 256) + (rr % 8) * 16)[:, None, None] \
+            + (tt * 4)[None, :, None] + ((ss // 4) * 128 + ss % 4)[None, None, :]
+        return gl.max_contiguous(gl.multiple_of(at, [1, 1, 4]), [1, 1, 4])
 
     @gluon.jit
     def _nibble(words, p: gl.constexpr):
         return _float((words >> (4 * p)) & 15, 0)  # the engine kernel's float of a small int, no conversion
 
     @gluon.jit
-    def _head(heads_ptr, tile, kt, K, h: gl.constexpr):
+    def _head_words(heads_ptr, tile, kt, K, h: gl.constexpr):
         """Rows ``h``'s 16-byte block heads for K tile ``kt`` (d and dmin, then the packed scales and mins: 4 words),
-        one 16-byte load a thread: 4 x [8 W, 4] in ``_lanes_layout(W, 1)`` (each thread its row, its lane's
-        sub-block: the 4 t lanes read the same head)."""
+        one 16-byte load a thread: [8 W, 4, 4] in ``_quads_layout`` (each thread its row, the 4 t lanes the same
+        head); ``_head_fields`` splits them."""
         W: gl.constexpr = gl.num_warps()
         hl: gl.constexpr = _quads_layout(W)
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(2, hl)))
@@ -81,7 +84,13 @@ if gluon is not None:
         lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
         row = tile * (16 * W) + (sr // 8) * 16 + 8 * h + sr % 8  # row 16 w + 8 h + g of the tile
         at = ((row * (K // 256) + kt // 2) * 4)[:, None, None] + (lane * 0)[None, :, None] + word[None, None, :]
-        head = gl.load(heads_ptr + gl.max_contiguous(gl.multiple_of(at, [1, 1, 4]), [1, 1, 4]))  # lanes t alike
+        return gl.load(heads_ptr + gl.max_contiguous(gl.multiple_of(at, [1, 1, 4]), [1, 1, 4]))  # lanes t alike
+
+    @gluon.jit
+    def _head_fields(head):
+        """``_head_words``' 4 words as 4 x [8 W, 4] in ``_lanes_layout(W, 1)`` (each thread its row, its lane's
+        sub-block)."""
+        W: gl.constexpr = gl.num_warps()
         even, odd = head.reshape([8 * W, 4, 2, 2]).split()  # words 0 and 2, 1 and 3
         dm, m = even.split()
         a, r = odd.split()
@@ -195,17 +204,17 @@ if gluon is not None:
     # (up to MAX_ROWS rows) compile once a BLOCK_M and warps, in the eager warm-up before a graph captures them
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
-                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, AHEAD: gl.constexpr = 1):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
         tile, part = gl.program_id(0), gl.program_id(1)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
-        acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD)
+        acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD, AHEAD)
         _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, AHEAD: gl.constexpr):
         """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
@@ -214,25 +223,37 @@ if gluon is not None:
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
-        # each tile's words and heads (X_AHEAD: and x rows) are read one iteration ahead (registers: the loads of
-        # tile i + 1 are in flight while tile i is decoded and multiplied); the last iteration reads its own tile
-        # again (a cache hit, no mask)
+        # each tile's words and heads (X_AHEAD: and x rows) are read AHEAD iterations ahead (registers: the loads of
+        # tiles i + 1 .. i + AHEAD are in flight while tile i is decoded and multiplied); past the part's last tile
+        # the reads repeat it (a cache hit, no mask)
         kt0 = part * k_tiles
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
-        h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, tile, kt0, K, 0)
-        h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, tile, kt0, K, 1)
+        hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
+        if AHEAD == 2:
+            kt1 = kt0 + (1 < k_tiles).to(gl.int32)
+            words_nn = gl.load(words_ptr + wbase + kt1 * 256)
+            hw0_nn, hw1_nn = _head_words(heads_ptr, tile, kt1, K, 0), _head_words(heads_ptr, tile, kt1, K, 1)
+        else:
+            words_nn, hw0_nn, hw1_nn = words_n, hw0_n, hw1_n  # (unused)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
             kt = kt0 + i
-            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-            words, h0, a0, m0, r0, h1, a1, m1, r1 = words_n, h0_n, a0_n, m0_n, r0_n, h1_n, a1_n, m1_n, r1_n
-            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            words, hw0, hw1 = words_n, hw0_n, hw1_n
+            if AHEAD == 2:
+                words_n, hw0_n, hw1_n = words_nn, hw0_nn, hw1_nn
+                far = kt0 + gl.minimum(i + 2, k_tiles - 1)
+                words_nn = gl.load(words_ptr + wbase + far * 256)
+                hw0_nn, hw1_nn = _head_words(heads_ptr, tile, far, K, 0), _head_words(heads_ptr, tile, far, K, 1)
+            else:
+                nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+                words_n = gl.load(words_ptr + wbase + nxt * 256)
+                hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
             if X_AHEAD:
                 xt = xt_n
-                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
-            h0_n, a0_n, m0_n, r0_n = _head(heads_ptr, tile, nxt, K, 0)
-            h1_n, a1_n, m1_n, r1_n = _head(heads_ptr, tile, nxt, K, 1)
+                xt_n = _x_tile(x_ptr, kt + (i + 1 < k_tiles).to(gl.int32), K, M, BLOCK_M)
+            h0, a0, m0, r0 = _head_fields(hw0)
+            h1, a1, m1, r1 = _head_fields(hw1)
             st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
             st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
             if PAIRS:

@@ -40,7 +40,7 @@ def _blocks(seed: int, n: int = N) -> torch.Tensor:
 
 @pytest.mark.parametrize("pairs", [False, True])
 def test_a_word_holds_one_threads_eight_values_of_a_slice(pairs):
-    """Word [G][kt][g][t][s], nibble 4 j + 2 h + e (pairs: 4 e + 2 j + h): row 16 G + 8 h + g, column
+    """Word [G][kt][s // 4][g][t][s % 4], nibble 4 j + 2 h + e (pairs: 4 e + 2 j + h): row 16 G + 8 h + g, column
     128 kt + 16 s + 8 j + 2 t + e (the operand layout's register bits e, h, j), read here position by position,
     not by the module's permutation; read back, the float decode's values are ``quant.dequantize``'s and the pair
     decode's ``quant_packed.values``'s."""
@@ -53,7 +53,7 @@ def test_a_word_holds_one_threads_eight_values_of_a_slice(pairs):
     want = quant_packed.values(blocks, K) if pairs else dequantize(blocks, FORMATS["Q4_K"], K)
     assert torch.equal(quant_gluon.reference(words, heads, N, K, pairs), want)
     for G, kt, g, t, s in [(0, 0, 0, 0, 0), (1, 2, 5, 3, 7), (6, 3, 3, 1, 4), (5, 1, 7, 2, 2)]:
-        word = int(words[((G * (K // 128) + kt) * 8 + g) * 32 + t * 8 + s]) & 0xFFFFFFFF
+        word = int(words[(G * (K // 128) + kt) * 256 + (s // 4) * 128 + (4 * g + t) * 4 + s % 4]) & 0xFFFFFFFF
         for j in range(2):
             for h in range(2):
                 for e in range(2):
@@ -71,21 +71,24 @@ def test_a_word_holds_one_threads_eight_values_of_a_slice(pairs):
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("warps", [4, 8])
-@pytest.mark.parametrize("pairs, ahead", [(False, False), (True, False), (True, True)])
-def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, warps, pairs, ahead):
+@pytest.mark.parametrize("pairs, x_ahead, ahead", [(False, False, 1), (True, False, 1), (True, True, 1),
+                                                    (True, False, 2)])
+def test_on_the_gpu_the_product_is_its_weights_and_rows_do_not_round_together(split, warps, pairs, x_ahead, ahead):
     """Each row of the product is the dot of its x row with the decode's weight (``reference``: one-hot rows read
     the weight's values back bit for bit, the parts of K added by the last part's program), and its bits do not
-    depend on the rows launched beside it (one, 33, 100 in two row blocks), on the tile's height (warps) or on x
-    read ahead."""
+    depend on the rows launched beside it (one, 33, 100 in two row blocks), on the tile's height (warps), on x
+    read ahead or on how far ahead the weight is read."""
     blocks = _blocks(seed=1, n=N2).cuda()
     words, heads = quant_gluon.repack(blocks, K, pairs)
     weight = quant_gluon.reference(words, heads, N2, K, pairs).to(torch.bfloat16)
-    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps), weight)
+    _reads_back(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, pairs, x_ahead, warps, ahead), weight)
     x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
-    many = quant_gluon.linear(x, words, heads, N2, K, split, pairs, ahead, warps)
+    many = quant_gluon.linear(x, words, heads, N2, K, split, pairs, x_ahead, warps, ahead)
     for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):  # a lone row, a verify, the last row block's
-        assert torch.equal(quant_gluon.linear(x[rows], words, heads, N2, K, split, pairs, ahead, 4), many[rows])
-    assert torch.equal(quant_gluon.linear(x, words, heads, N2, K, split, pairs, not ahead, 12 - warps), many)
+        assert torch.equal(quant_gluon.linear(x[rows], words, heads, N2, K, split, pairs, x_ahead, 4, ahead),
+                           many[rows])
+    assert torch.equal(quant_gluon.linear(x, words, heads, N2, K, split, pairs, not x_ahead, 12 - warps, 3 - ahead),
+                       many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -216,7 +219,8 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     rows_a_tile = 16 * warps
     for tile in range(256 // rows_a_tile):  # the 228 rows padded to 256: the last tile partial
         for kt in range(K // 128):
-            wbase = (tile * warps + rr // 8) * ((K // 128) * 256) + (rr % 8) * 32 + cc  # as the kernel's
+            wbase = (tile * warps + rr // 8) * ((K // 128) * 256) + (rr % 8) * 16 + cc // 8 * 4 \
+                + (cc % 8 // 4) * 128 + cc % 4  # as the kernel's (cc = 8 t + s)
             w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
             if decode == "q6_k":  # _q6_pairs_tile: the top words joined with themselves >> 8, then per (j, h)
                 hb = (tile * warps + rr // 8) * ((K // 128) * 128) + (rr % 8) * 16 + cc // 8 * 4 + cc % 8 // 2
