@@ -17,8 +17,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
     warps ``_warps`` picks), on each 27B Q4_K weight, weights cycled through 256 MB; each decode's row invariance and
-    error against the product of ``quant.dequantize``'s weight; the pair decode with the weight read 2 iterations
-    ahead too (4 and 8 warps); then the same for Q6_K's pair decode on two 27B
+    error against the product of ``quant.dequantize``'s weight; then the same for Q6_K's pair decode on two 27B
     shapes."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
@@ -29,8 +28,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / 2 ahead, 4 warps / 8 "
-                          "warps us" for m in rows)
+             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead us" for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
@@ -48,10 +46,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
             packed = [repack(blocks, k, pairs)]
             pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (copies - 1)])
             for m in rows:
-                variants = ((False, 4, 1), (False, 8, 1), (True, None, 1), (False, 4, 2), (False, 8, 2))
-                for x_ahead, warps, ahead in variants if pairs else ((False, 4, 1),):
-                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=x_ahead, w=warps,
-                                            a=ahead: linear(x, *p(), n, k, s, pr, xa, w, a)))
+                for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
+                    times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
+                                            linear(x, *p(), n, k, s, pr, xa, w)))
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)

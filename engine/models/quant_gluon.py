@@ -36,8 +36,8 @@ verify of any budget) reads one weight.
 The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
 and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
-through a little shared memory). The next tiles' words and heads are read ``ahead`` iterations ahead (1 or 2;
-``x_ahead``: its x rows too, one). The K order is the natural one, 16 columns an instruction. Rows past
+through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
+rows too). The K order is the natural one, 16 columns an instruction. Rows past
 N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
 32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
 (``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
@@ -194,14 +194,12 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None, ahead: int = 1) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
-    (``_warps``), ``ahead``: the weight's tiles read 1 or 2 iterations ahead; the same bits whichever."""
-    if ahead not in (1, 2):
-        raise ValueError(f"ahead={ahead}: the weight's tiles are read 1 or 2 iterations ahead")
+    (``_warps``), the same bits whichever."""
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
-                   X_AHEAD=x_ahead, AHEAD=ahead)
+                   X_AHEAD=x_ahead)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
@@ -258,8 +256,7 @@ def round_bf16(w: Tensor) -> Tensor:
     return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       ahead: int = 1):
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
     ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
     import triton
@@ -274,7 +271,7 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead, "AHEAD": ahead}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}

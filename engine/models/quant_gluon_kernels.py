@@ -204,17 +204,17 @@ if gluon is not None:
     # (up to MAX_ROWS rows) compile once a BLOCK_M and warps, in the eager warm-up before a graph captures them
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
-                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, AHEAD: gl.constexpr = 1):
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
         tile, part = gl.program_id(0), gl.program_id(1)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
-        acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD, AHEAD)
+        acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD)
         _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, AHEAD: gl.constexpr):
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
         """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
@@ -223,35 +223,24 @@ if gluon is not None:
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
-        # each tile's words and heads (X_AHEAD: and x rows) are read AHEAD iterations ahead (registers: the loads of
-        # tiles i + 1 .. i + AHEAD are in flight while tile i is decoded and multiplied); past the part's last tile
-        # the reads repeat it (a cache hit, no mask)
+        # each tile's words and heads (X_AHEAD: and x rows) are read one iteration ahead (registers: the loads of
+        # tile i + 1 are in flight while tile i is decoded and multiplied); the last iteration reads its own tile
+        # again (a cache hit, no mask). (Two iterations ahead ran 1.0-1.35x slower on an H100, 2026-12-06: 4
+        # programs an SM instead of 5 by registers, and the rotation's register moves.)
         kt0 = part * k_tiles
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
-        if AHEAD == 2:
-            kt1 = kt0 + (1 < k_tiles).to(gl.int32)
-            words_nn = gl.load(words_ptr + wbase + kt1 * 256)
-            hw0_nn, hw1_nn = _head_words(heads_ptr, tile, kt1, K, 0), _head_words(heads_ptr, tile, kt1, K, 1)
-        else:
-            words_nn, hw0_nn, hw1_nn = words_n, hw0_n, hw1_n  # (unused)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
             kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, hw0, hw1 = words_n, hw0_n, hw1_n
-            if AHEAD == 2:
-                words_n, hw0_n, hw1_n = words_nn, hw0_nn, hw1_nn
-                far = kt0 + gl.minimum(i + 2, k_tiles - 1)
-                words_nn = gl.load(words_ptr + wbase + far * 256)
-                hw0_nn, hw1_nn = _head_words(heads_ptr, tile, far, K, 0), _head_words(heads_ptr, tile, far, K, 1)
-            else:
-                nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-                words_n = gl.load(words_ptr + wbase + nxt * 256)
-                hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
                 xt = xt_n
-                xt_n = _x_tile(x_ptr, kt + (i + 1 < k_tiles).to(gl.int32), K, M, BLOCK_M)
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
+            hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
             h0, a0, m0, r0 = _head_fields(hw0)
             h1, a1, m1, r1 = _head_fields(hw1)
             st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
