@@ -38,8 +38,8 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
 through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
 rows too). The K order is the natural one, 16 columns an instruction. Rows past
-N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16,
-32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
+N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 8,
+16, 32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
 (``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
 engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
 
@@ -233,8 +233,10 @@ ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take s
 
 
 def _block_m(m: int) -> int:
-    """A launch's rows a program: the power of two from 16 to ``ROW_BLOCK`` that holds ``m`` (or ``ROW_BLOCK``)."""
-    return min(ROW_BLOCK, max(16, 1 << (m - 1).bit_length()))
+    """A launch's rows a program: the power of two from 8 (wgmma's narrowest N) to ``ROW_BLOCK`` that holds ``m`` (or
+    ``ROW_BLOCK``). An AR step's 1 row at 8: 72 registers a thread, 7 programs an SM, where 16 took 94 and 5
+    (Q6_K: 85 and 6, against 107 and 4)."""
+    return min(ROW_BLOCK, max(8, 1 << (m - 1).bit_length()))
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None) -> int:

@@ -311,7 +311,7 @@ if gluon is not None:
                 for c in gl.static_range(0, BLOCK_M, 16):
                     oc = c + gl.arange(0, 16, layout=gl.SliceLayout(0, ol))
                     at = oc[None, :] * N + on[:, None]
-                    at_mask = (on < N)[:, None] & (oc < M)[None, :]
+                    at_mask = (on < N)[:, None] & ((oc < M) & (oc < BLOCK_M))[None, :]  # (BLOCK_M 8: half a chunk)
                     total = gl.load(parts_ptr + at, mask=at_mask, other=0.0, cache_modifier=".cg")
                     for p in range(1, split):
                         total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0,
