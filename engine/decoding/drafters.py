@@ -77,11 +77,13 @@ class DFlashDrafter:
         """A new generation: nothing cached is valid any more."""
         self._cached = 0
 
-    def _context_kv(self, start: int, features: Tensor) -> None:
-        """Project the context K/V of the positions committed since the last call (< start)."""
+    def _context_kv(self, start: int, features: Tensor, slots: int) -> None:
+        """Project the context K/V of the positions committed since the last call (< start), into buffers of
+        at least ``slots`` slots (a row a feature row: the workspace's length on the generic loop)."""
         cfg = self.draft.cfg
-        if self._ctx_k is None or self._ctx_k.shape[1] < features.shape[0] or self._ctx_k.device != features.device:
-            shape = (cfg.num_hidden_layers, features.shape[0], cfg.num_key_value_heads, cfg.dim_per_head)
+        slots = max(slots, features.shape[0])
+        if self._ctx_k is None or self._ctx_k.shape[1] < slots or self._ctx_k.device != features.device:
+            shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.dim_per_head)
             self._ctx_k = torch.empty(shape, device=features.device, dtype=self.draft.norm.weight.dtype)
             self._ctx_v = torch.empty_like(self._ctx_k)
             self._cached = 0
@@ -111,11 +113,10 @@ class DFlashDrafter:
         if self._block_ids is None or self._block_ids.numel() != block_size or self._block_ids.device != device:
             self._block_ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=device)
         self._block_ids[:1].copy_(seq[start : start + 1])  # no host read of the root token
-        self._context_kv(start, features)
+        self._context_kv(start, features, start + block_size)  # (the block's K/V go past the context's)
         lo = 0 if window <= 0 else max(0, start - window)
-        ctx_kv = [(self._ctx_k[i, lo:start], self._ctx_v[i, lo:start]) for i in range(self._ctx_k.shape[0])]
-        block_pos = torch.arange(start, start + block_size, device=device)
-        h = self.draft.forward_cached(self.target.embed_tokens(self._block_ids), ctx_kv, block_pos)
+        h = self.draft.forward_cached(self.target.embed_tokens(self._block_ids), (self._ctx_k, self._ctx_v), lo,
+                                      start)
         return self._logits(h)
 
     def new_context(self, max_len: int) -> tuple[Tensor, Tensor]:

@@ -66,20 +66,27 @@ class DraftAttention(AttentionProjections):
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head,
                          cfg.attention_bias, cfg.rms_norm_eps, qk_norm=True, out_bias=cfg.attention_bias)
 
-    def forward(self, h: Tensor, ctx: Tensor | None, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor | None,
-                sin_k: Tensor | None, mask: Tensor | None, ctx_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Keys and values: the context's first, then the block's own. ``ctx_kv`` gives the
-        context's already projected (``context_kv``) instead of ``ctx`` with its cos/sin."""
+    def forward(self, h: Tensor, ctx: Tensor, cos_q: Tensor, sin_q: Tensor, cos_k: Tensor, sin_k: Tensor,
+                mask: Tensor | None) -> Tensor:
+        """Keys and values: the context's first, then the block's own."""
         lead = h.shape[:-1]  # [..., B]: a batch of sequences in training, one block at decode time
         q = project_part(self, "qkv_proj", "q_proj", h).view(*lead, self.n_heads, self.head_dim)
         q = apply_rope(self.q_norm(q), cos_q, sin_q)
-        if ctx_kv is None:
-            kv_in = torch.cat([ctx, h], dim=-2)
-            k, v = self._kv(kv_in, cos_k, sin_k)
-        else:
-            k_block, v_block = self._kv(h, cos_q, sin_q)
-            k, v = torch.cat([ctx_kv[0], k_block], dim=-3), torch.cat([ctx_kv[1], v_block], dim=-3)
+        k, v = self._kv(torch.cat([ctx, h], dim=-2), cos_k, sin_k)
         return self.o_proj(attention(q, k, v, mask).reshape(*lead, -1))
+
+    def forward_cached(self, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, lo: int,
+                       start: int, mask: Tensor) -> Tensor:
+        """The generic loop's step: the block ``h`` [B, H] at positions start..start+B-1; its keys and values
+        written at those slots of the caches [S, kv_heads, head_dim] (whose slots before ``start`` hold the
+        context's, ``DFlashDraft.context_kv``'s), and its queries attending over slots lo..start+B-1 in place
+        through ``mask`` [B, start + B - lo]: on CUDA the few-row kernel, which reads each K/V head once (no
+        copy of the context's keys and values, none widened to every query head or cast to float32)."""
+        b = h.shape[0]
+        q = project_part(self, "qkv_proj", "q_proj", h).view(b, self.n_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k_cache[start : start + b], v_cache[start : start + b] = self._kv(h, cos, sin)
+        return self.o_proj(attention(q, k_cache[lo : start + b], v_cache[lo : start + b], mask).reshape(b, -1))
 
     def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         shape = (*x.shape[:-1], self.n_kv, self.head_dim)
@@ -110,8 +117,13 @@ class DraftBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv=None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask, ctx_kv)
+    def forward(self, h, ctx, cos_q, sin_q, cos_k, sin_k, mask) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos_q, sin_q, cos_k, sin_k, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_cached(self, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, lo: int,
+                       start: int, mask: Tensor) -> Tensor:
+        h = h + self.self_attn.forward_cached(self.input_layernorm(h), cos, sin, k_cache, v_cache, lo, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_static(self, x: Tensor, delta: Tensor | None, ctx: Tensor, cos: Tensor, sin: Tensor, slots: Tensor,
@@ -171,14 +183,20 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(ctx_positions, self.inv_freq, ctx.dtype)
         return [layer.self_attn._kv(ctx, cos, sin) for layer in self.layers]
 
-    def forward_cached(self, block_embeds: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
-                       block_positions: Tensor) -> Tensor:
-        """``forward`` with the context given as ``context_kv``'s keys and values (no mask: the
-        block sees all of them and itself)."""
-        cos_q, sin_q = rope_cos_sin(block_positions, self.inv_freq, block_embeds.dtype)
+    def forward_cached(self, block_embeds: Tensor, context: tuple[Tensor, Tensor], lo: int, start: int) -> Tensor:
+        """``forward`` of the block ``block_embeds`` [B, H] at positions start..start+B-1 over the context
+        of positions lo..start-1 held as keys and values in ``context`` ([layers, S, kv_heads, head_dim]
+        each, S >= start + B: ``context_kv``'s at slots lo..start-1). Each layer writes the block's keys
+        and values at slots start..start+B-1 (not context: the next call's context overwrites them) and
+        attends over the slots in place: the block sees all of them and itself (a step's transient is the
+        block's, not the context's: ``DraftAttention.forward_cached``). Returns [B, H]."""
+        b = block_embeds.shape[0]
+        cos, sin = rope_cos_sin(torch.arange(start, start + b, device=block_embeds.device), self.inv_freq,
+                                block_embeds.dtype)
+        mask = torch.ones(b, start + b - lo, dtype=torch.bool, device=block_embeds.device)
         h = block_embeds
-        for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            h = layer(h, None, cos_q, sin_q, None, None, None, kv)
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_cached(h, cos, sin, context[0][i], context[1][i], lo, start, mask)
         return self.norm(h)
 
     def forward_static(self, block_embeds: Tensor, ctx_features: Tensor, slots: Tensor, k_cache: Tensor,

@@ -2,7 +2,11 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from engine.models import draft as draft_module
+from engine.models.attention import SMALL_QUERIES
 from tests.engine.engine_pairs import pair_for
 
 
@@ -108,3 +112,62 @@ def test_the_inference_draft_is_fused_and_saves_in_the_checkpoint_layout(tmp_pat
     block = torch.randn(4, pair.target.cfg.hidden_size)
     args = (block, feats, torch.arange(6), torch.arange(6, 10))
     torch.testing.assert_close(loaded(*args), pair.drafter.draft(*args), rtol=1e-5, atol=1e-5)
+
+
+class _NewBytes(TorchDispatchMode):
+    """Bytes of the tensors the ops make (an output sharing no input's storage), except while ``paused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            self.bytes += sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                              if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
+        return out
+
+
+def test_a_generic_proposal_attends_over_its_context_buffers_in_place(monkeypatch):
+    """The generic loop's proposal (``DFlashDrafter.propose``) writes the block's keys and values after the
+    context's in the drafter's own buffers and attends over them in place through a mask, as the runtime's
+    captured step does, so that on CUDA the few-row kernel takes it (a mask, few query rows, unit-stride K/V):
+    no op of it outside that attention makes anything that grows with the context but the mask (a bool per
+    block row and key). Each layer's ``torch.cat`` of the context's K/V with the block's, unmasked, took
+    ``attention_torch`` instead: the K/V widened to every query head, then cast to float32 and the keys scaled
+    by SDPA's math path (3-D inputs): 3.2 GiB per step on the Qwen3.5-27B shape's draft at 32k positions,
+    which the memory plan prices at a block's."""
+    pair = pair_for("tiny-dense", "random")
+    drafter, target, block = pair.drafter, pair.target, pair.drafter.block_size
+    layers = drafter.draft.cfg.num_hidden_layers
+    torch.manual_seed(3)
+    seq = torch.randint(0, 256, (640,))
+    features = torch.randn(640, len(drafter.feature_layers) * target.cfg.hidden_size)
+    real, calls, made = draft_module.attention, [], _NewBytes()
+
+    def spy(q, k, v, mask, *rest):
+        calls.append((q.shape[0], None if mask is None else tuple(mask.shape), k.untyped_storage().data_ptr(),
+                      v.untyped_storage().data_ptr(), k.stride(-1), v.stride(-1)))
+        made.paused = True
+        try:
+            return real(q, k, v, mask, *rest)
+        finally:
+            made.paused = False
+
+    monkeypatch.setattr(draft_module, "attention", spy)
+    grown = {}
+    for start in (64, 512):
+        drafter.reset()
+        drafter.propose(seq, start, block, 0, features)  # the context projected (a chunk at a time)
+        calls.clear()
+        made.bytes = 0
+        with made:
+            drafter.propose(seq, start + 1, block, 0, features)  # one more position: the decode's step
+        buffers = (drafter._ctx_k.untyped_storage().data_ptr(), drafter._ctx_v.untyped_storage().data_ptr())
+        assert calls == [(block, (block, start + 1 + block), *buffers, 1, 1)] * layers
+        assert block <= SMALL_QUERIES
+        grown[start] = made.bytes
+    assert 0 < grown[512] - grown[64] <= (512 - 64) * block  # the mask's bools, no K/V of the context
