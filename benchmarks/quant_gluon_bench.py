@@ -16,9 +16,9 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
-    warps ``_warps`` picks), on each 27B Q4_K weight, weights cycled through 256 MB; each decode's row invariance and
-    error against the product of ``quant.dequantize``'s weight; then the same for Q6_K's pair decode on two 27B
-    shapes."""
+    warps ``_warps`` picks; and on 4 warps with a program's fewest rows at 8), on each 27B Q4_K weight, weights
+    cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
+    weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
     from quant_bench import _copies, _rotating
 
@@ -28,7 +28,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead us" for m in rows)
+             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 us"
+                          for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
@@ -49,6 +50,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                 for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
                     times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
                                             linear(x, *p(), n, k, s, pr, xa, w)))
+                if pairs:  # and a program's fewest rows at 8 (wgmma's narrowest N), 4 warps
+                    times[m].append(_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
+                                                     linear(x, *p(), n, k, s, True, False, 4)))
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
@@ -62,7 +66,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         torch.cuda.empty_cache()
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
-              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead us" for m in rows)
+              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 us"
+                           for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
@@ -78,7 +83,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
                             linear_q6_k(x, p(), n, k, s, xa, w))
-                    for ahead, warps in ((False, 4), (False, 8), (True, None))] for m in rows}
+                    for ahead, warps in ((False, 4), (False, 8), (True, None))]
+                 + [_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))]
+                 for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)
         invariant = torch.equal(linear_q6_k(x[:1], planes, n, k, split), many[:1])
@@ -92,6 +99,19 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         del held, pick_held, planes, pick
         torch.cuda.empty_cache()
     return lines
+
+
+def _at_least_8_rows(call) -> float:
+    """``call``'s GPU us with a program's fewest rows at 8 (``quant_gluon.MIN_BLOCK_M``), then back to the engine's."""
+    from kernel_timing import time_us
+
+    from engine.models import quant_gluon
+
+    kept, quant_gluon.MIN_BLOCK_M = quant_gluon.MIN_BLOCK_M, 8
+    try:
+        return time_us(call)
+    finally:
+        quant_gluon.MIN_BLOCK_M = kept
 
 
 def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:

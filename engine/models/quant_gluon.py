@@ -37,9 +37,9 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
 and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
 through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
-rows too). The K order is the natural one, 16 columns an instruction. Rows past
-N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 8,
-16, 32 or 64; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
+rows too). The K order is the natural one, 16 columns an instruction. Rows past N are padded to whole 64-row tiles;
+K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16, 32 or 64, or 8 with
+``MIN_BLOCK_M``; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
 (``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
 engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
 
@@ -232,11 +232,17 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
 
 
+# A launch's fewest rows a program. 8 (wgmma's narrowest N) compiles an AR step's launch to 72 registers a thread
+# (7 programs an SM) where 16 takes 94 (5), Q6_K's to 85 (6) where 16 takes 107 (4) (static, sm_90, 2026-12-06), and
+# Nsight found the 1-row launch short of warps (3.8 a scheduler); not yet run on a GPU, so 16 stays the engine's
+# until its tests and timings there (``quant_gluon_bench`` times both, the GPU tests check 8's rows invariant)
+MIN_BLOCK_M = 16
+
+
 def _block_m(m: int) -> int:
-    """A launch's rows a program: the power of two from 8 (wgmma's narrowest N) to ``ROW_BLOCK`` that holds ``m`` (or
-    ``ROW_BLOCK``). An AR step's 1 row at 8: 72 registers a thread, 7 programs an SM, where 16 took 94 and 5
-    (Q6_K: 85 and 6, against 107 and 4)."""
-    return min(ROW_BLOCK, max(8, 1 << (m - 1).bit_length()))
+    """A launch's rows a program: the power of two from ``MIN_BLOCK_M`` to ``ROW_BLOCK`` that holds ``m`` (or
+    ``ROW_BLOCK``)."""
+    return min(ROW_BLOCK, max(MIN_BLOCK_M, 1 << (m - 1).bit_length()))
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None) -> int:

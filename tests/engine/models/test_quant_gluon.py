@@ -109,6 +109,37 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 4])
+def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split):
+    """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, not yet the engine's): one-hot rows read each
+    weight back bit for bit and a lone row's bits equal its bits among 33 (BLOCK_M 64), Q4_K's pairs and Q6_K."""
+    from engine.models.quant import hold
+
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
+    assert quant_gluon._block_m(1) == 8 and quant_gluon._block_m(9) == 16
+    words, heads = quant_gluon.repack(_blocks(seed=6, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=7, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
+    for product, weight in [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True),
+                             quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
+                            (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split),
+                             quant_gluon.reference_q6_k(*planes, N2, K))]:
+        for c0 in range(0, K, 8):  # 8 one-hot rows a launch: BLOCK_M 8
+            eye = torch.zeros(8, K, device="cuda", dtype=torch.bfloat16)
+            eye[torch.arange(8), c0 + torch.arange(8)] = 1
+            assert torch.equal(product(eye), weight[:, c0:c0 + 8].T), c0
+        many = product(x)
+        assert torch.equal(product(x[:1]), many[:1]) and torch.equal(product(x[5:13]), many[5:13])
+
+
+def test_a_launchs_rows_a_program_are_a_power_of_two_from_the_fewest_to_64(monkeypatch):
+    """``_block_m``: 1-16 rows at ``MIN_BLOCK_M`` 16, then 32, 64, and 64 a row block beyond; at 8, 1-8 rows at 8."""
+    assert [quant_gluon._block_m(m) for m in (1, 8, 16, 17, 33, 64, 65, 1100)] == [16, 16, 16, 32, 64, 64, 64, 64]
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
+    assert [quant_gluon._block_m(m) for m in (1, 8, 9, 33)] == [8, 8, 16, 64]
+
+
 def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refuses_other_counts():
     """``_warps``: 32 rows or more on 8 warps (a 128-row tile: x read half as often) where the padded rows are
     whole 128-row tiles, else 4; asked for, 4 or 8 over whole tiles, anything else refused with the value."""
