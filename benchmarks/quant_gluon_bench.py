@@ -4,6 +4,8 @@ weights cycled through 256 MB so each call reads from HBM; each decode's row inv
 
 from __future__ import annotations
 
+from math import nan
+
 import torch
 
 from engine.models import quant
@@ -50,9 +52,10 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                 for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
                     times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
                                             linear(x, *p(), n, k, s, pr, xa, w)))
-                if pairs:  # and a program's fewest rows at 8 (wgmma's narrowest N), 4 warps
+                if pairs:  # and a program's fewest rows at 8 (wgmma's narrowest N), 4 warps (nan: past 8 rows, the
+                    # 4-warp launch's own BLOCK_M)
                     times[m].append(_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
-                                                     linear(x, *p(), n, k, s, True, False, 4)))
+                                                     linear(x, *p(), n, k, s, True, False, 4)) if m <= 8 else nan)
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
@@ -84,7 +87,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
                             linear_q6_k(x, p(), n, k, s, xa, w))
                     for ahead, warps in ((False, 4), (False, 8), (True, None))]
-                 + [_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))]
+                 + [_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))
+                    if m <= 8 else nan]
                  for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)

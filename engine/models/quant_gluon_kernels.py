@@ -107,7 +107,9 @@ if gluon is not None:
     @gluon.jit
     def _from_quad(word, i: gl.constexpr):
         """Each thread's copy of lane ``4 g + i``'s ``word`` (its row's sub-block ``i``, ``_lanes_layout(W, 1)``):
-        ``shfl.sync.idx`` within segments of 4 lanes (c = 0x1c03: lane mask 0x1c, clamp 3)."""
+        ``shfl.sync.idx`` within segments of 4 lanes (c = 0x1c03: lane mask 0x1c, clamp 3). Marked pure (the
+        compiler may merge or move it): every call is in the K loop, where no branch diverges, so all 32 lanes
+        always execute it, as the full member mask (-1) requires."""
         return gl.inline_asm_elementwise(f"shfl.sync.idx.b32 $0, $1, {i}, 0x1c03, -1;", "=r,r", [word],
                                          dtype=gl.int32, is_pure=True, pack=1)
 

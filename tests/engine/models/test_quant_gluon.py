@@ -111,7 +111,8 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 4])
-def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split):
+@pytest.mark.parametrize("warps, x_ahead", [(4, False), (8, False), (4, True)])
+def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split, warps, x_ahead):
     """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, not yet the engine's): one-hot rows read each
     weight back bit for bit and a lone row's bits equal its bits among 33 (BLOCK_M 64), Q4_K's pairs and Q6_K."""
     from engine.models.quant import hold
@@ -121,15 +122,16 @@ def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkey
     words, heads = quant_gluon.repack(_blocks(seed=6, n=N2).cuda(), K, True)
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=7, n=N2), FORMATS["Q6_K"]).cuda(), K)
     x = torch.randn(33, K, device="cuda", dtype=torch.bfloat16)
-    for product, weight in [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True),
+    options = {"x_ahead": x_ahead, "warps": warps}  # (8 warps: the x tile's layout covers 16 rows, repeats them)
+    for product, weight in [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True, **options),
                              quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
-                            (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split),
+                            (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split, **options),
                              quant_gluon.reference_q6_k(*planes, N2, K))]:
         for c0 in range(0, K, 8):  # 8 one-hot rows a launch: BLOCK_M 8
             eye = torch.zeros(8, K, device="cuda", dtype=torch.bfloat16)
             eye[torch.arange(8), c0 + torch.arange(8)] = 1
             assert torch.equal(product(eye), weight[:, c0:c0 + 8].T), c0
-        many = product(x)
+        many = product(x)  # 33 rows: BLOCK_M 64, wgmma's N 64 (and the 33-row launch's own warps)
         assert torch.equal(product(x[:1]), many[:1]) and torch.equal(product(x[5:13]), many[5:13])
 
 
@@ -227,8 +229,10 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     """``_gluon_kernel``'s assembly of a 16 W x 128 tile (W warps: 64 or 128 rows) replayed in PyTorch (a join is a
     stack on a new minor dimension; the pair decode's ``mov`` splits an int32 into its low then high 16 bits on a new
     minor dimension): its word addresses, its nibbles' joins, its reshape and permutation give the tile of the
-    natural weight. The compile checks that the layout is the operand's; this checks that the data is the tile's
-    (the first version joined the nibbles the other way round and compiled all the same)."""
+    natural weight, and for the pair decode its steps' gather (``_pair_steps``: packed words, warp shuffles, joins)
+    gives each value its row's and sub-block's step and offset: the decode's weight, bit for bit. The compile
+    checks that the layout is the operand's; this checks that the data is the tile's (the first version joined the
+    nibbles the other way round and compiled all the same)."""
     from engine.models.quant import _nibbles, hold
 
     if decode == "q6_k":  # the 6-bit values, read from the file's bytes
@@ -237,8 +241,10 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
         q, _ = _q6_read(blocks)
     else:
         blocks = _blocks(seed=3, n=N2)
-        words, _ = quant_gluon.repack(blocks, K, decode == "pairs")
+        words, heads = quant_gluon.repack(blocks, K, decode == "pairs")
         q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N2, K)
+        if decode == "pairs":  # the pair decode's values, for its steps' replay below
+            weight, steps = quant_gluon.reference(words, heads, N2, K, True), _pair_step_words(heads)
 
     def join(a, b):
         return torch.stack([a, b], dim=-1)
@@ -265,10 +271,57 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
             else:  # _values_tile
                 v = [(w >> (4 * n)) & 15 for n in range(8)]
                 a = join(join(join(v[0], v[4]), join(v[2], v[6])), join(join(v[1], v[5]), join(v[3], v[7])))
-            a = a.reshape(warps, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(rows_a_tile, 128)
             rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N2))
+            if decode == "pairs":  # _pair_steps and _per_value: the values, against the decode's weight
+                values = _pair_values(a, steps, tile, kt, warps)
+                assert torch.equal(_tile(values, warps)[: rows.stop - rows.start],
+                                   weight[rows, 128 * kt:128 * kt + 128]), (tile, kt)
+            a = _tile(a, warps)
             assert torch.equal(a[: rows.stop - rows.start], q[rows, 128 * kt:128 * kt + 128]), (tile, kt)
             assert not a[rows.stop - rows.start:].any()  # padded rows
+
+
+def _tile(a: torch.Tensor, warps: int) -> torch.Tensor:
+    """``_operand``'s reshape and permutation: [w, g, t, s, j, h, e] (as the joins leave it) -> [16 W, 128]."""
+    return a.reshape(warps, 8, 4, 8, 2, 2, 2).permute(0, 5, 1, 3, 4, 2, 6).reshape(16 * warps, 128)
+
+
+def _pair_step_words(heads: torch.Tensor) -> torch.Tensor:
+    """What ``_pair_steps`` packs, one word a (row, block, sub-block), from the heads' bytes (not the kernel's
+    arithmetic): bf16(d * scale) in the low half, bf16(-dmin * min) in the high -> int64 [N padded, blocks, 8]."""
+    from engine.models.quant import _k_scales
+
+    head = heads.contiguous().view(torch.uint8).reshape(heads.shape[0], -1, 16)
+    d, dmin = (head[..., at:at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+    scales, mins = (v.reshape(head.shape[0], -1, 8).float() for v in _k_scales(head.reshape(-1, 16)[:, 4:]))
+    step, offset = (d * scales).to(torch.bfloat16), (-(dmin * mins)).to(torch.bfloat16)
+    return (step.view(torch.int16).long() & 0xFFFF) | ((offset.view(torch.int16).long() & 0xFFFF) << 16)
+
+
+def _pair_values(a: torch.Tensor, steps: torch.Tensor, tile: int, kt: int, warps: int) -> torch.Tensor:
+    """``_pair_steps`` replayed on one tile: lane 4 g + t of a row's quad holds sub-block t's word (rows h = 0 and
+    1: 8 apart), ``shfl.sync.idx`` gives every lane lane 4 g + i's, the joins put sub-block s // 2 at word s; then
+    ``_per_value`` (h picks the row's steps) and one rounding of q * step + offset: [w, g, t, s, j, h, e] as ``a``
+    (the nibbles q)."""
+    def join(x, y):
+        return torch.stack([x, y], dim=-1)
+
+    per_h = []
+    for h in range(2):
+        row = tile * 16 * warps + (torch.arange(8 * warps) // 8) * 16 + 8 * h + torch.arange(8 * warps) % 8
+        lanes = steps[row, kt // 2][:, (kt % 2) * 4 + torch.arange(4)]  # [8 W rows, 4 lanes t]: sub-block t
+        w = [lanes[:, i, None].expand(-1, 4) for i in range(4)]  # lane 4 g + i's word, in every lane t
+        packed = join(join(join(w[0], w[2]), join(w[1], w[3])), join(join(w[0], w[2]), join(w[1], w[3])))
+        packed = packed.reshape(8 * warps, 4, 8)  # [row, t, s]
+        per_h.append([(packed >> shift & 0xFFFF).to(torch.int16).view(torch.bfloat16).double() for shift in (0, 16)])
+    (st0, off0), (st1, off1) = per_h
+
+    def per_value(v0, v1):  # [row, t, s] -> [row, t, s, j, h, e]
+        v = join(join(v0, v0), join(v1, v1))
+        return join(v, v)
+
+    q = a.reshape(8 * warps, 4, 8, 2, 2, 2).double()
+    return quant_gluon.round_bf16(q * per_value(st0, st1) + per_value(off0, off1)).reshape(a.shape)
 
 
 # ------------------------------------------------------------------ a model's weights held as planes (the engine)
