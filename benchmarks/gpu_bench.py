@@ -420,6 +420,9 @@ def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
+    if args.q4k_decode in ("kernel", "packed") and args.gluon_min_rows is not None:
+        ap.error(f"--gluon-min-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode "
+                 f"{args.q4k_decode}")
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -514,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-warps", type=int, choices=[4, 8], default=None,
                     help="--q4k-decode gluon*: every launch on this many warps (a 64- or 128-row tile; default 8 for "
                          "32 rows or more, else 4)")
+    ap.add_argument("--gluon-min-rows", type=int, choices=[8, 16], default=None,
+                    help="--q4k-decode engine or gluon*: a launch's fewest rows a program (quant_gluon.MIN_BLOCK_M; "
+                         "8: 1-8 rows on wgmma's narrowest N, fewer registers; default the engine's)")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -556,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
 
         quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"),
                             warps=args.gluon_warps)
+    if args.gluon_min_rows is not None:
+        from engine.models import quant_gluon as engine_gluon
+
+        engine_gluon.MIN_BLOCK_M = args.gluon_min_rows
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -66,6 +66,8 @@ def test_a_mix_interleaves_its_sets_prompts():
     (["oracle", "--budgets", "0", "8"], "--budgets 0 8 --top-k 8: EngineConfig.budget must be >= 1"),
     (["oracle", "--top-k", "0"], "EngineConfig.top_k must be >= 1"),
     (["large", "--gluon-warps", "8"], "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode engine"),
+    (["large", "--q4k-decode", "kernel", "--gluon-min-rows", "8"],
+     "--gluon-min-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
      "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
 ])
