@@ -82,11 +82,13 @@ class DFlashDrafter:
         at least ``slots`` slots (a row a feature row: the workspace's length on the generic loop)."""
         cfg = self.draft.cfg
         slots = max(slots, features.shape[0])
-        if self._ctx_k is not None and self._ctx_k.device == features.device and self._ctx_k.shape[1] < slots:
-            slots = max(slots, 2 * self._ctx_k.shape[1])  # grown by doubling: a caller with fewer feature rows
-            # than the block's last slot would otherwise grow them, and reproject the context, every call (the
-            # generic loop's features are the workspace's length: at least start + 2 blocks, made once)
-        if self._ctx_k is None or self._ctx_k.shape[1] < slots or self._ctx_k.device != features.device:
+        held = self._ctx_k
+        if held is None or held.device != features.device or held.shape[1] < slots:
+            if held is not None and held.device == features.device:
+                # grown by doubling: a caller with fewer feature rows than the block's last slot would otherwise
+                # grow them, and reproject the context, every call (the generic loop's features are the
+                # workspace's length: at least start + 2 blocks, made once)
+                slots = max(slots, 2 * held.shape[1])
             shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.dim_per_head)
             self._ctx_k = torch.empty(shape, device=features.device, dtype=self.draft.norm.weight.dtype)
             self._ctx_v = torch.empty_like(self._ctx_k)
