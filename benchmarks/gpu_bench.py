@@ -420,9 +420,10 @@ def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    if args.q4k_decode in ("kernel", "packed") and args.gluon_min_rows is not None:
-        ap.error(f"--gluon-min-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode "
-                 f"{args.q4k_decode}")
+    for flag in ("gluon_min_rows", "gluon_stages"):
+        if args.q4k_decode in ("kernel", "packed") and getattr(args, flag) is not None:
+            ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
+                     f"--q4k-decode {args.q4k_decode}")
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -520,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-min-rows", type=int, choices=[8, 16], default=None,
                     help="--q4k-decode engine or gluon*: a launch's fewest rows a program (quant_gluon.MIN_BLOCK_M; "
                          "8: 1-8 rows on wgmma's narrowest N, fewer registers; default the engine's)")
+    ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
+                    help="--q4k-decode engine or gluon-pairs: the Q4_K products' tiles in flight through shared "
+                         "memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -566,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.models import quant_gluon as engine_gluon
 
         engine_gluon.MIN_BLOCK_M = args.gluon_min_rows
+    if args.gluon_stages is not None:
+        from engine.models import quant_gluon as engine_gluon
+
+        engine_gluon.STAGES = args.gluon_stages
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="--bench: write the table here too")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
+    ap.add_argument("--stages", type=int, choices=[0, 2, 3, 4], default=0,
+                    help="the pair decode's static counts with its tiles staged in shared memory (cp.async)")
     args = ap.parse_args(argv)
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
@@ -112,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps)
+        stages = 0 if decode == "float" else args.stages  # (shared-memory stages: the pair decodes' only)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
+        body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)
+        ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))
-        loads = ", ".join(f"{op} {v}" for op, v in sorted(ops.items()) if op.startswith("LDG"))
+        loads = ", ".join(f"{op} {v}" for op, v in sorted(ops.items()) if op.startswith("LDG"))  # LDGSTS: cp.async
         waits = [ins.split(None, 1)[-1].replace(" ", "") for ins in body if "WARPGROUP.DEPBAR" in ins]
         print(f"| {decode} | {block_m} | {resources(compiled)['REG']} | {len(body)} | "
               f"{len(body) * 128 / (TILE_N * TILE_K):.2f} | "

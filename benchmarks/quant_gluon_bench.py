@@ -11,6 +11,7 @@ import torch
 from engine.models import quant
 from engine.models.quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
 
+STAGES = (3, 4)  # the staged columns' stages (``quant_gluon.STAGES``: shared-memory tiles a program)
 SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),
           ("27B o_proj", 5120, 6144)]
 
@@ -30,8 +31,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 us"
-                          for m in rows)
+             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 / "
+                          f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
@@ -56,6 +57,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                     # 4-warp launch's own BLOCK_M)
                     times[m].append(_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
                                                      linear(x, *p(), n, k, s, True, False, 4)) if m <= 8 else nan)
+                    # and the planes and x staged in shared memory (the warps ``_warps`` picks)
+                    times[m] += [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st:
+                                         linear(x, *p(), n, k, s, True, False, None, st)) for st in STAGES]
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
@@ -69,8 +73,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         torch.cuda.empty_cache()
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
-              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 us"
-                           for m in rows)
+              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 / "
+                           f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
@@ -89,6 +93,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                     for ahead, warps in ((False, 4), (False, 8), (True, None))]
                  + [_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))
                     if m <= 8 else nan]
+                 + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st: linear_q6_k(x, p(), n, k, s, False, None,
+                                                                                         st)) for st in STAGES]
                  for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)

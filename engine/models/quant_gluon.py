@@ -194,19 +194,39 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None, stages: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
-    (``_warps``), the same bits whichever."""
+    (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory:
+    the same bits whichever."""
+    stages = _stages(stages, pairs, x_ahead)
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
-                   X_AHEAD=x_ahead)
+                   X_AHEAD=x_ahead, STAGES=stages)
+
+
+# Tiles a program has in flight through shared memory: ``STAGES - 1`` copied ahead by cp.async (no registers held,
+# so a program's bytes in flight are not bounded by its registers: Nsight found the 1-row launch short of them,
+# 2026-12-06); 0 (or 1): the register path, the next tile's planes read an iteration ahead into registers. Not yet
+# run on a GPU: 0 stays the engine's until its tests and timings there (``quant_gluon_bench`` times both)
+STAGES = 0
+
+
+def _stages(stages: int | None, pairs: bool, x_ahead: bool) -> int:
+    """A launch's stages (``STAGES`` when None): 0 / 1 the register path; 2 or more the pair decode only, x
+    staged with the planes (no ``x_ahead``)."""
+    stages = STAGES if stages is None else stages
+    if stages > 1 and (not pairs or x_ahead):
+        raise ValueError(f"stages={stages}: shared-memory stages take the pair decode with x staged beside the "
+                         f"planes (pairs=True, x_ahead=False), not pairs={pairs}, x_ahead={x_ahead}")
+    return max(stages, 0)
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
-                x_ahead: bool = False, warps: int | None = None) -> Tensor:
+                x_ahead: bool = False, warps: int | None = None, stages: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead)
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
+                   STAGES=_stages(stages, True, x_ahead))
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
@@ -264,9 +284,10 @@ def round_bf16(w: Tensor) -> Tensor:
     return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
 
 
-def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4):
+def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
+                       stages: int = 0):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
-    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps."""
+    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps with ``stages``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -276,10 +297,11 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     if decode == "q6_k":
         fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
                                        "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead)}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead}
+        constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
+                      "STAGES": _stages(stages, decode == "pairs", x_ahead)}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}

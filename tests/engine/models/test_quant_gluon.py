@@ -135,6 +135,43 @@ def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkey
         assert torch.equal(product(x[:1]), many[:1]) and torch.equal(product(x[5:13]), many[5:13])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("min_block_m", [8, 16])
+def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(monkeypatch, split, warps, stages,
+                                                                                min_block_m):
+    """``stages`` (the planes and x copied ahead into shared memory, not yet the engine's), Q4_K's pairs and Q6_K:
+    one-hot rows read the weight back bit for bit (the stages past a part's last tile copy nothing) and every row
+    count's product has the register path's bits (the same decode, the same matrix-unit order), a lone row's its
+    bits among 33 and 100."""
+    from engine.models.quant import hold
+
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", min_block_m)
+    words, heads = quant_gluon.repack(_blocks(seed=8, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=9, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
+    for product, weight in [
+            (lambda x, w, st: quant_gluon.linear(x, words, heads, N2, K, split, True, False, w, st),
+             quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
+            (lambda x, w, st: quant_gluon.linear_q6_k(x, planes, N2, K, split, False, w, st),
+             quant_gluon.reference_q6_k(*planes, N2, K))]:
+        _reads_back(lambda x, product=product: product(x, warps, stages), weight)
+        for rows in (1, 5, 8, 16, 33, ROWS):
+            staged = product(x[:rows], warps, stages)
+            assert torch.equal(staged, product(x[:rows], warps, 0)), rows
+            assert torch.equal(staged[:1], product(x[:1], 4, stages)), rows
+
+
+def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
+    """``stages`` 2 or more with the float decode or x read ahead into registers: refused, naming both."""
+    for pairs, ahead in [(False, False), (True, True)]:
+        with pytest.raises(ValueError, match=f"stages=3.*pairs={pairs}, x_ahead={ahead}"):
+            quant_gluon._stages(3, pairs, ahead)
+    assert quant_gluon._stages(3, True, False) == 3 and quant_gluon._stages(1, False, True) == 1
+
+
 def test_a_launchs_rows_a_program_are_a_power_of_two_from_the_fewest_to_64(monkeypatch):
     """``_block_m``: 1-16 rows at ``MIN_BLOCK_M`` 16, then 32, 64, and 64 a row block beyond; at 8, 1-8 rows at 8."""
     assert [quant_gluon._block_m(m) for m in (1, 8, 16, 17, 33, 64, 65, 1100)] == [16, 16, 16, 32, 64, 64, 64, 64]
