@@ -91,7 +91,7 @@ fi
 # float decode); large_q4km is the same step on the engine's kernel
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
-  section gluon_tests 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/engine/models/test_quant_gluon.py \
+  section gluon_tests ${GLUON_TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/engine/models/test_quant_gluon.py \
     tests/test_quant_gluon_install.py \
     tests/engine/test_gguf_archs.py::test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
