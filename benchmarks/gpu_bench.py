@@ -420,8 +420,8 @@ def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    for flag in ("gluon_min_rows", "gluon_stages"):
-        if args.q4k_decode in ("kernel", "packed") and getattr(args, flag) is not None:
+    for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl"):
+        if args.q4k_decode in ("kernel", "packed") and getattr(args, flag) not in (None, False):
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
 
@@ -524,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
                     help="--q4k-decode engine or gluon-pairs: the Q4_K products' tiles in flight through shared "
                          "memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
+    ap.add_argument("--gluon-pdl", action="store_true",
+                    help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch "
+                         "(quant_gluon.PDL: each may start as the kernel before it ends)")
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -574,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.models import quant_gluon as engine_gluon
 
         engine_gluon.STAGES = args.gluon_stages
+    if args.gluon_pdl:
+        from engine.models import quant_gluon as engine_gluon
+
+        engine_gluon.PDL = True
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

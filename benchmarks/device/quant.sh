@@ -44,12 +44,17 @@ if [ -n "${MIN_ROWS:-}" ]; then
     --q4k-decode engine --gluon-min-rows $MIN_ROWS --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
     --md "$OUT/large_q4km_m$MIN_ROWS.md" --out "$OUT/large_q4km_m$MIN_ROWS.json"
 fi
-# STAGES="3 ...": the engine's step again with its Q4_K products' tiles staged in shared memory (quant_gluon.STAGES,
-# gpu_bench's --gluon-stages; with MIN_ROWS, at that BLOCK_M too), on the same machine: large_q4km_s3, ...
-for stages in ${STAGES:-}; do
-  section large_q4km_s$stages ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-    --q4k-decode engine --gluon-stages $stages ${MIN_ROWS:+--gluon-min-rows $MIN_ROWS} --presets qwen35-27b-shape \
-    --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_s$stages.md" --out "$OUT/large_q4km_s$stages.json"
+# STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
+# (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
+# dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N)
+for v in ${STEPS:-}; do
+  flags=""
+  if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
+  if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
+  if [[ $v == *p* ]]; then flags+=" --gluon-pdl"; fi
+  section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \
+    $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
+    --out "$OUT/large_q4km_$v.json"
 done
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \

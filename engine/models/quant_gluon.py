@@ -210,6 +210,11 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
 # run on a GPU: 0 stays the engine's until its tests and timings there (``quant_gluon_bench`` times both)
 STAGES = 0
 
+# Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
+# kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
+# lets the kernel after it do the same; what it writes waits too. Not yet run on a GPU: off until measured
+PDL = False
+
 
 def _stages(stages: int | None, pairs: bool, x_ahead: bool) -> int:
     """A launch's stages (``STAGES`` when None): 0 / 1 the register path; 2 or more the pair decode only, x
@@ -245,7 +250,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
     kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
-                                        num_warps=warps, **constexprs)
+                                        num_warps=warps, PDL=PDL, launch_pdl=PDL, **constexprs)
     return out
 
 
@@ -285,7 +290,7 @@ def round_bf16(w: Tensor) -> Tensor:
 
 
 def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       stages: int = 0):
+                       stages: int = 0, pdl: bool = False):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
     ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps with ``stages``."""
     import triton
@@ -297,16 +302,16 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     if decode == "q6_k":
         fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
                                        "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead)}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
-                      "STAGES": _stages(stages, decode == "pairs", x_ahead)}
+                      "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
     src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
 
 
 PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM

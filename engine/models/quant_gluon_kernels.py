@@ -107,6 +107,21 @@ if gluon is not None:
         return _half_of(head) * sc.to(gl.float32), _half_of(head >> 16) * mn.to(gl.float32)
 
     @gluon.jit
+    def _dependency_wait(v):
+        """``griddepcontrol.wait``: until the kernel launched before this one (programmatic dependent launch, ``PDL``)
+        has ended and its writes are visible; a no-op in a launch without PDL. Returns ``v`` (a scalar int32: the
+        asm needs an operand, and the result keeps it ordered before what uses it)."""
+        return gl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _let_dependents_launch(v):
+        """``griddepcontrol.launch_dependents``: the next kernel (launched with PDL) may start its programs as this
+        one's leave room; they wait (``_dependency_wait``) before reading what this one writes."""
+        return gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [v],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _from_quad(word, i: gl.constexpr):
         """Each thread's copy of lane ``4 g + i``'s ``word`` (its row's sub-block ``i``, ``_lanes_layout(W, 1)``):
         ``shfl.sync.idx`` within segments of 4 lanes (c = 0x1c03: lane mask 0x1c, clamp 3). Marked pure (the
@@ -208,20 +223,23 @@ if gluon is not None:
     # (up to MAX_ROWS rows) compile once a BLOCK_M and warps, in the eager warm-up before a graph captures them
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
-                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr):
+                      BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
+                      PDL: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
         tile, part = gl.program_id(0), gl.program_id(1)
+        if PDL:
+            tile = _let_dependents_launch(tile)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
         if STAGES > 1:
-            acc = _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES)
+            acc = _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES, PDL)
         else:
-            acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD)
+            acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD, PDL)
         _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr):
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr):
         """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
@@ -237,6 +255,8 @@ if gluon is not None:
         kt0 = part * k_tiles
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
+        if PDL:  # the weight's first tile asked for; x only once the kernel before has written it
+            kt0 = _dependency_wait(kt0)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
@@ -332,20 +352,39 @@ if gluon is not None:
         _async_load(runs_s, ptr + run + kt * runs_s.shape[1], mask=(run >= 0) & ok)
 
     @gluon.jit
-    def _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0, k_tiles):
-        """cp.async of part tile ``j`` (K tile ``kt0 + j``: words, heads, x's rows) into stage ``j % STAGES``, one
-        commit group; past the part's tiles, nothing read (masked: an empty group)."""
+    def _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0, k_tiles,
+                   WITH_X: gl.constexpr = True):
+        """cp.async of part tile ``j`` (K tile ``kt0 + j``: words, heads, x's rows unless not ``WITH_X``) into stage
+        ``j % STAGES``, one commit group; past the part's tiles, nothing read (masked: an empty group)."""
         stage = j % words_s.shape[0]  # STAGES
         ok = j < k_tiles
         kt = kt0 + j
         _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
         _async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt // 2) * 4, mask=(hat0 >= 0) & ok)
         _async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt // 2) * 4, mask=(hat1 >= 0) & ok)
-        _async_load(x_s.index(stage), x_ptr + xat + kt * 128, mask=xrows & ok)
+        if WITH_X:
+            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
 
     @gluon.jit
-    def _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles):
+    def _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles):
+        """x's rows for part tile ``j`` into its stage (no commit: the caller's group)."""
+        _async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=xrows & (j < k_tiles))
+
+    @gluon.jit
+    def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr):
+        """With PDL, the prologue's weight stages are asked for first (without x); then, once the kernel before
+        has written x (``_dependency_wait``), x's rows for those stages, and all of it waited for (the loop's first
+        wait would leave x, the last group, in flight)."""
+        kt0 = _dependency_wait(kt0)
+        for j in gl.static_range(STAGES - 1):
+            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
+                  WITH_X: gl.constexpr = True):
         """``_stage_q4k`` for Q6_K: words, top bits, x's rows (its steps are read an iteration ahead into
         registers: a row's d is 2 bytes, below cp.async's 4)."""
         stage = j % words_s.shape[0]
@@ -353,7 +392,8 @@ if gluon is not None:
         kt = kt0 + j
         _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
         _stage_run(high_s.index(stage), high_ptr, hrun, kt, ok)
-        _async_load(x_s.index(stage), x_ptr + xat + kt * 128, mask=xrows & ok)
+        if WITH_X:
+            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
 
     @gluon.jit
@@ -367,7 +407,7 @@ if gluon is not None:
 
     @gluon.jit
     def _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, PDL: gl.constexpr):
         """``_q4k_tile``'s sums (the pair decode) with each tile's words, heads and x rows copied into shared memory
         ``STAGES - 1`` tiles ahead (cp.async, no registers held: the bytes in flight a program are no longer
         what its registers can hold)."""
@@ -387,7 +427,9 @@ if gluon is not None:
         kt0 = part * k_tiles
         for j in gl.static_range(STAGES - 1):
             _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0,
-                       k_tiles)
+                       k_tiles, not PDL)
+        if PDL:
+            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
         one: gl.constexpr = _lanes_layout(W, 1)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
         rl: gl.constexpr = _run_layout(W, 256)
@@ -511,22 +553,25 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
-                   split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr):
+                   split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
+                   PDL: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
         tile, part = gl.program_id(0), gl.program_id(1)
+        if PDL:
+            tile = _let_dependents_launch(tile)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
         if STAGES > 1:
             acc = _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                                  STAGES)
+                                  STAGES, PDL)
         else:
             acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                           X_AHEAD)
+                           X_AHEAD, PDL)
         _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
 
     @gluon.jit
     def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                 X_AHEAD: gl.constexpr):
+                 X_AHEAD: gl.constexpr, PDL: gl.constexpr):
         """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
@@ -548,6 +593,8 @@ if gluon is not None:
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
         st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
         st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
+        if PDL:  # as _q4k_tile's
+            kt0 = _dependency_wait(kt0)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
         for i in range(0, k_tiles):
@@ -569,7 +616,7 @@ if gluon is not None:
 
     @gluon.jit
     def _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """``_q6_tile``'s sums with each tile's words, top bits and x rows staged as ``_q4k_tile_staged``'s."""
         W: gl.constexpr = gl.num_warps()
         words_s = gl.allocate_shared_memory(gl.int32, [STAGES, W, 256], _flat(2))
@@ -580,7 +627,10 @@ if gluon is not None:
         xat, xrows = _x_offsets(K, M, BLOCK_M)
         kt0 = part * k_tiles
         for j in gl.static_range(STAGES - 1):
-            _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles)
+            _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
+                      not PDL)
+        if PDL:
+            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
         wl: gl.constexpr = _words_layout(W)
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on

@@ -68,6 +68,10 @@ def test_a_mix_interleaves_its_sets_prompts():
     (["large", "--gluon-warps", "8"], "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode engine"),
     (["large", "--q4k-decode", "kernel", "--gluon-min-rows", "8"],
      "--gluon-min-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--q4k-decode", "kernel", "--gluon-stages", "3"],
+     "--gluon-stages: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--q4k-decode", "packed", "--gluon-pdl"],
+     "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
      "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
 ])

@@ -164,6 +164,42 @@ def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(m
             assert torch.equal(staged[:1], product(x[:1], 4, stages)), rows
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("stages", [0, 3])
+def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
+    """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
+    the launch before it (a Q4_K of 2 parts: the tickets too; a Q6_K; a PyTorch op between pairs), x copied in
+    first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
+    from engine.models.quant import hold
+
+    words, heads = quant_gluon.repack(_blocks(seed=10, n=K).cuda(), K, True)  # K x K: a chain of them
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=11, n=K), FORMATS["Q6_K"]).cuda(), K)
+
+    def chain(x):
+        for _ in range(4):
+            x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)
+            x = quant_gluon.linear_q6_k(x, planes, K, K, 1, stages=stages)
+            x = x / x.abs().amax()  # (kept in range; two PyTorch kernels between the products)
+        return x
+
+    xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for rows in (1, 1, 3, 1, 33, 1)]
+    want = [chain(x) for x in xs]
+    monkeypatch.setattr(quant_gluon, "PDL", True)
+    buf = torch.empty(1, K, device="cuda", dtype=torch.bfloat16)
+    for x, w in zip(xs, want, strict=True):
+        assert torch.equal(chain(x.clone()), w)
+    chain(buf)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(buf)
+    for x, w in zip(xs, want, strict=True):
+        if x.shape[0] == 1:
+            buf.copy_(x)
+            graph.replay()
+            assert torch.equal(out, w)
+    torch.cuda.synchronize()
+
+
 def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
     """``stages`` 2 or more with the float decode or x read ahead into registers: refused, naming both."""
     for pairs, ahead in [(False, False), (True, True)]:
