@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                          "32 rows or more, else 4)")
     ap.add_argument("--gluon-min-rows", type=int, choices=[8, 16], default=None,
                     help="--q4k-decode engine or gluon*: a launch's fewest rows a program (quant_gluon.MIN_BLOCK_M; "
-                         "8: 1-8 rows on wgmma's narrowest N, fewer registers; default the engine's)")
+                         "8, the engine's: 1-8 rows on wgmma's narrowest N, fewer registers; 16: as before "
+                         "2026-12-06's tenth session)")
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
                     help="--q4k-decode engine or gluon-pairs: the Q4_K products' tiles in flight through shared "
                          "memory (quant_gluon.STAGES; 0: the register path; default the engine's)")

@@ -19,7 +19,7 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
-    warps ``_warps`` picks; and on 4 warps with a program's fewest rows at 8), on each 27B Q4_K weight, weights
+    warps ``_warps`` picks; and on 4 warps with a program's fewest rows at 16), on each 27B Q4_K weight, weights
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
@@ -31,7 +31,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
-             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 / "
+             + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
                           f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
@@ -53,9 +53,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                 for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
                     times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
                                             linear(x, *p(), n, k, s, pr, xa, w)))
-                if pairs:  # and a program's fewest rows at 8 (wgmma's narrowest N), 4 warps (nan: past 8 rows, the
+                if pairs:  # and a program's fewest rows at 16 (the engine's at 8), 4 warps (nan: past 8 rows, the
                     # 4-warp launch's own BLOCK_M)
-                    times[m].append(_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
+                    times[m].append(_at_least_16_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
                                                      linear(x, *p(), n, k, s, True, False, 4)) if m <= 8 else nan)
                     # and the planes and x staged in shared memory (the warps ``_warps`` picks)
                     times[m] += [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st:
@@ -73,7 +73,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         torch.cuda.empty_cache()
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
-              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 8 / "
+              + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
                            f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
@@ -91,7 +91,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
                             linear_q6_k(x, p(), n, k, s, xa, w))
                     for ahead, warps in ((False, 4), (False, 8), (True, None))]
-                 + [_at_least_8_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))
+                 + [_at_least_16_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))
                     if m <= 8 else nan]
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st: linear_q6_k(x, p(), n, k, s, False, None,
                                                                                          st)) for st in STAGES]
@@ -111,13 +111,14 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     return lines
 
 
-def _at_least_8_rows(call) -> float:
-    """``call``'s GPU us with a program's fewest rows at 8 (``quant_gluon.MIN_BLOCK_M``), then back to the engine's."""
+def _at_least_16_rows(call) -> float:
+    """``call``'s GPU us with a program's fewest rows at 16 (``quant_gluon.MIN_BLOCK_M``: the engine's 8 before
+    2026-12-06's tenth session), then back to the engine's."""
     from kernel_timing import time_us
 
     from engine.models import quant_gluon
 
-    kept, quant_gluon.MIN_BLOCK_M = quant_gluon.MIN_BLOCK_M, 8
+    kept, quant_gluon.MIN_BLOCK_M = quant_gluon.MIN_BLOCK_M, 16
     try:
         return time_us(call)
     finally:

@@ -37,9 +37,11 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
 and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
 through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
-rows too). The K order is the natural one, 16 columns an instruction. Rows past N are padded to whole 64-row tiles;
-K must be whole 256-value blocks; a program takes up to 64 rows (``BLOCK_M`` 16, 32 or 64, or 8 with
-``MIN_BLOCK_M``; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row tile: ``_warps``). Split over K
+rows too; ``STAGES``: or copied ahead into shared memory by cp.async, an option measured no faster; ``PDL``: a launch
+may start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
+Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows
+(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row
+tile: ``_warps``). Split over K
 (``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
 engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
 
@@ -205,14 +207,19 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
 
 
 # Tiles a program has in flight through shared memory: ``STAGES - 1`` copied ahead by cp.async (no registers held,
-# so a program's bytes in flight are not bounded by its registers: Nsight found the 1-row launch short of them,
-# 2026-12-06); 0 (or 1): the register path, the next tile's planes read an iteration ahead into registers. Not yet
-# run on a GPU: 0 stays the engine's until its tests and timings there (``quant_gluon_bench`` times both)
+# so a program's bytes in flight are not bounded by its registers); 0 (or 1): the register path, the next tile's
+# planes read an iteration ahead into registers, the engine's. Staged, the K loop takes 30-50 more instructions
+# (cp.async, its waits, two more CTA barriers): on an H100 (2026-12-06, tenth session; RESULTS.md) 1-row launches
+# within a few % of the register path's (Q6_K's down faster, 40.2 -> 33.5 us at BLOCK_M 16: fewer registers), the
+# 27B Q4_K_M AR step 9.5 -> 9.3 ms and its verify at 32 slower (18.67 -> 19.66 ms: 64-row programs at 75 KB of
+# shared memory). Bits equal to the register path's (GPU tests)
 STAGES = 0
 
 # Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
 # kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
-# lets the kernel after it do the same; what it writes waits too. Not yet run on a GPU: off until measured
+# lets the kernel after it do the same; what it writes waits too. On an H100 (2026-12-06): the AR step 9.1 -> 9.0 ms
+# (with ``MIN_BLOCK_M`` 8), its verify at 32 18.61 -> 18.76: within the spread of a change, so off; a chain of
+# launches reading each other's outputs keeps its bits, on a stream and from a graph (GPU test)
 PDL = False
 
 
@@ -257,11 +264,12 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
 
 
-# A launch's fewest rows a program. 8 (wgmma's narrowest N) compiles an AR step's launch to 72 registers a thread
-# (7 programs an SM) where 16 takes 94 (5), Q6_K's to 85 (6) where 16 takes 107 (4) (static, sm_90, 2026-12-06), and
-# Nsight found the 1-row launch short of warps (3.8 a scheduler); not yet run on a GPU, so 16 stays the engine's
-# until its tests and timings there (``quant_gluon_bench`` times both, the GPU tests check 8's rows invariant)
-MIN_BLOCK_M = 16
+# A launch's fewest rows a program: 8, wgmma's narrowest N. An AR step's launch compiles to 72 registers a thread (7
+# programs an SM) where 16 takes 94 (5), Q6_K's to 85 (6) where 16 takes 107 (4) (static, sm_90), and Nsight found
+# the 1-row launch at 16 short of warps (3.8 a scheduler). On an H100 (2026-12-06, tenth session; RESULTS.md): the
+# 27B Q4_K_M AR step 9.5 -> 9.1 ms, its verify at 32 unchanged (18.67 -> 18.61 ms), 1 row of the Q6_K down 40.2 ->
+# 32.5 us; its rows invariant against a verify's (GPU tests). 16 stays an option (``gpu_bench --gluon-min-rows``)
+MIN_BLOCK_M = 8
 
 
 def _block_m(m: int) -> int:

@@ -113,8 +113,8 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("warps, x_ahead", [(4, False), (8, False), (4, True)])
 def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split, warps, x_ahead):
-    """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, not yet the engine's): one-hot rows read each
-    weight back bit for bit and a lone row's bits equal its bits among 33 (BLOCK_M 64), Q4_K's pairs and Q6_K."""
+    """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, the engine's): one-hot rows read each weight
+    back bit for bit and a lone row's bits equal its bits among 33 (BLOCK_M 64), Q4_K's pairs and Q6_K."""
     from engine.models.quant import hold
 
     monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
@@ -209,10 +209,11 @@ def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
 
 
 def test_a_launchs_rows_a_program_are_a_power_of_two_from_the_fewest_to_64(monkeypatch):
-    """``_block_m``: 1-16 rows at ``MIN_BLOCK_M`` 16, then 32, 64, and 64 a row block beyond; at 8, 1-8 rows at 8."""
-    assert [quant_gluon._block_m(m) for m in (1, 8, 16, 17, 33, 64, 65, 1100)] == [16, 16, 16, 32, 64, 64, 64, 64]
-    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
-    assert [quant_gluon._block_m(m) for m in (1, 8, 9, 33)] == [8, 8, 16, 64]
+    """``_block_m``: 1-8 rows at ``MIN_BLOCK_M`` 8 (the engine's), then 16, 32, 64, and 64 a row block beyond; at 16,
+    1-16 rows at 16."""
+    assert [quant_gluon._block_m(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 1100)] == [8, 8, 16, 16, 32, 64, 64, 64, 64]
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 16)
+    assert [quant_gluon._block_m(m) for m in (1, 8, 16, 17, 33)] == [16, 16, 16, 32, 64]
 
 
 def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refuses_other_counts():
