@@ -420,7 +420,7 @@ def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl"):
+    for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl", "gluon_tails", "gluon_maxnreg"):
         if args.q4k_decode in ("kernel", "packed") and getattr(args, flag) not in (None, False):
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
@@ -525,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
                     help="--q4k-decode engine or gluon-pairs: the Q4_K products' tiles in flight through shared "
                          "memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
+    ap.add_argument("--gluon-tails", action="store_true",
+                    help="--q4k-decode engine or gluon*: a launch of a power of two and up to 16 rows as two products "
+                         "of one decoded tile (quant_gluon.TAILS: 33 rows as 32 + 8)")
+    ap.add_argument("--gluon-maxnreg", type=int, choices=[128, 168], default=None,
+                    help="--q4k-decode engine or gluon*: registers a thread at most for 8-warp launches "
+                         "(quant_gluon.MAXNREG)")
     ap.add_argument("--gluon-pdl", action="store_true",
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch "
                          "(quant_gluon.PDL: each may start as the kernel before it ends)")
@@ -578,10 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         from engine.models import quant_gluon as engine_gluon
 
         engine_gluon.STAGES = args.gluon_stages
-    if args.gluon_pdl:
+    if args.gluon_pdl or args.gluon_tails or args.gluon_maxnreg:
         from engine.models import quant_gluon as engine_gluon
 
-        engine_gluon.PDL = True
+        engine_gluon.PDL = engine_gluon.PDL or args.gluon_pdl
+        engine_gluon.TAILS = engine_gluon.TAILS or args.gluon_tails
+        engine_gluon.MAXNREG = args.gluon_maxnreg or engine_gluon.MAXNREG
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

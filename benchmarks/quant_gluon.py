@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
     ap.add_argument("--pdl", action="store_true", help="the static counts with programmatic dependent launch")
+    ap.add_argument("--tail", type=int, choices=[0, 8, 16], default=0,
+                    help="the static counts with a tail of this many rows after BLOCK_M's (two products a tile)")
     ap.add_argument("--stages", type=int, choices=[0, 2, 3, 4], default=0,
                     help="the pair decode's static counts with its tiles staged in shared memory (cp.async)")
     args = ap.parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
         stages = 0 if decode == "float" else args.stages  # (shared-memory stages: the pair decodes' only)
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)

@@ -46,12 +46,16 @@ if [ -n "${MIN_ROWS:-}" ]; then
 fi
 # STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
 # (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
-# dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N)
+# dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
+# verify's rows as a power of two and a tail (TAILS, --gluon-tails), rN registers at most for 8-warp launches
+# (MAXNREG, --gluon-maxnreg N); "engine" the step as the engine loads it (large_q4km_engine)
 for v in ${STEPS:-}; do
   flags=""
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
+  if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
   if [[ $v == *p* ]]; then flags+=" --gluon-pdl"; fi
+  if [[ $v == *t* ]]; then flags+=" --gluon-tails"; fi
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
     --out "$OUT/large_q4km_$v.json"

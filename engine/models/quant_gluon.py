@@ -248,16 +248,17 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     bf16 straight away."""
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
-    block_m = _block_m(m)
+    block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
     warps = _warps(block_m, n_pad, warps)
     tiles = n_pad // (16 * warps)
-    row_blocks = -(-m // block_m)
+    row_blocks = -(-m // (block_m + tail))
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
     tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
     kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
-                                        num_warps=warps, PDL=PDL, launch_pdl=PDL, **constexprs)
+                                        num_warps=warps, PDL=PDL, launch_pdl=PDL, TAIL=tail,
+                                        **({"maxnreg": MAXNREG} if MAXNREG and warps == 8 else {}), **constexprs)
     return out
 
 
@@ -276,6 +277,28 @@ def _block_m(m: int) -> int:
     """A launch's rows a program: the power of two from ``MIN_BLOCK_M`` to ``ROW_BLOCK`` that holds ``m`` (or
     ``ROW_BLOCK``)."""
     return min(ROW_BLOCK, max(MIN_BLOCK_M, 1 << (m - 1).bit_length()))
+
+
+# A launch of more rows than a power of two by at most 16 (a verify of budget 32: 33 rows) as two products of one
+# decoded tile: 32 + 8 columns instead of 64 (``_rows_a_program``): fewer of the matrix unit's columns and of x's
+# bytes. Not yet run on a GPU: off until measured
+TAILS = False
+
+# Registers a thread at most for 8-warp launches (a verify's): a 33-row launch compiles to 154 (32 + 8, ``TAILS``) or
+# 191 (64) registers, one program an SM; at 128, two (ptxas: no spill in the K loop of the Q4_K kernel, static,
+# sm_90). Not yet run on a GPU: None (ptxas' own) until measured
+MAXNREG: int | None = None
+
+
+def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
+    """A launch's rows a program as (``BLOCK_M``, ``TAIL``): ``_block_m``'s, or with ``TAILS`` (the register path:
+    ``stages`` 0 or 1) half of it and a tail of 8 or 16 where the rest fits one narrower than that half (17-24 rows:
+    16 + 8, 33-40: 32 + 8, 41-48: 32 + 16)."""
+    block_m = _block_m(m)
+    rest = m - block_m // 2
+    if not TAILS or stages > 1 or m > ROW_BLOCK or block_m < 32 or rest > 16:
+        return block_m, 0
+    return block_m // 2, 8 if rest <= 8 else 16
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
@@ -298,7 +321,7 @@ def round_bf16(w: Tensor) -> Tensor:
 
 
 def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       stages: int = 0, pdl: bool = False):
+                       stages: int = 0, pdl: bool = False, tail: int = 0):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
     ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps with ``stages``."""
     import triton
@@ -310,11 +333,12 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     if decode == "q6_k":
         fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
                                        "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
+                      "TAIL": tail}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
-                      "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl}
+                      "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl, "TAIL": tail}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}

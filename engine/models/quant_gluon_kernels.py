@@ -224,27 +224,36 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                      PDL: gl.constexpr):
+                      PDL: gl.constexpr, TAIL: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
         tile, part = gl.program_id(0), gl.program_id(1)
         if PDL:
             tile = _let_dependents_launch(tile)
         parts_stride = M * N
-        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
         if STAGES > 1:
             acc = _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES, PDL)
+            acc2 = acc
         else:
-            acc = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD, PDL)
-        _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
+            acc, acc2 = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD,
+                                  PDL, TAIL)
+        _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
+                    TAIL)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr):
-        """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout."""
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
+        """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout, and the ``TAIL``
+        rows' after them ([16 W, TAIL]; the first again when TAIL is 0)."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        if TAIL > 0:
+            x_tail = _x_smem(TAIL)
+            acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
+        else:
+            acc2 = acc
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
@@ -280,8 +289,13 @@ if gluon is not None:
                 a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc = _times_x(acc, a, xt, x_smem)
-        return acc
+            if TAIL > 0:
+                acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
+                                          x_smem, x_tail)
+            else:
+                acc = _times_x(acc, a, xt, x_smem)
+                acc2 = acc
+        return acc, acc2
 
     @gluon.constexpr_function
     def _run_layout(warps, width):
@@ -481,13 +495,27 @@ if gluon is not None:
         return warpgroup_mma(a, x_smem, acc)
 
     @gluon.jit
-    def _store_rows(acc, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride,
-                    BLOCK_M: gl.constexpr):
-        """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose) into ``out`` [M, N] in bf16 (this row block's: at
-        most ``BLOCK_M`` of its ``M`` rows); split over K, each part's sums into ``parts`` (part ``p`` at
-        ``p * parts_stride``), then a ticket: the part that takes the last adds every part in
-        order 0..split-1 (the same bits whichever finished last), writes ``out`` and resets the ticket (as
-        ``engine.models.linear.store_rows``, whose ticket buffer this shares)."""
+    def _times_x_tail(acc, acc2, a, xt, xt2, x_smem, x_tail):
+        """``_times_x`` for a program's rows in two parts (``TAIL``): the one decoded tile times both x tiles, two
+        matrix-unit products of the widths asked for (a column's sums do not depend on the product's width)."""
+        a = _operand(a, acc)
+        x_smem.store(xt)
+        x_tail.store(xt2)
+        fence_async_shared()
+        acc = warpgroup_mma(a, x_smem, acc)
+        a2 = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=acc2.type.layout, k_width=2),
+                               assert_trivial=True)  # A's registers do not depend on N
+        return acc, warpgroup_mma(a2, x_tail, acc2)
+
+    @gluon.jit
+    def _store_rows(acc, acc2, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride,
+                    BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+        """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose; ``TAIL`` > 0: and ``acc2``'s [16 W, TAIL], the
+        rows after them) into ``out`` [M, N] in bf16 (this row block's: at most ``BLOCK_M + TAIL`` of its ``M``
+        rows); split over K, each part's sums into ``parts`` (part ``p`` at ``p * parts_stride``), then a ticket:
+        the part that takes the last adds every part in order 0..split-1 (the same bits whichever finished last),
+        writes ``out`` and resets the ticket (as ``engine.models.linear.store_rows``, whose ticket buffer this
+        shares)."""
         W: gl.constexpr = gl.num_warps()
         # 4 rows a thread (16 bytes of a part, 8 of the output: few addresses, so few registers), 8 lanes over x's rows
         ol: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[4, 8], warps_per_cta=[W, 1],
@@ -497,17 +525,25 @@ if gluon is not None:
         om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ol))
         offs = om[None, :] * N + on[:, None]
         mask = (on < N)[:, None] & (om < M)[None, :]
+        if TAIL > 0:
+            acc2 = gl.convert_layout(acc2, ol)
+            om2 = BLOCK_M + gl.arange(0, TAIL, layout=gl.SliceLayout(0, ol))
+            offs2 = om2[None, :] * N + on[:, None]
+            mask2 = (on < N)[:, None] & (om2 < M)[None, :]
         if split > 1:
             gl.store(parts_ptr + part * parts_stride + offs, acc, mask=mask)
+            if TAIL > 0:
+                gl.store(parts_ptr + part * parts_stride + offs2, acc2, mask=mask2)
             _barrier()  # every thread's sums stored before the ticket is taken
             ticket = gl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
             if ticket == split - 1:
                 # 16 of x's rows at a time: a whole [16 W, 64] tile of sums at once held the kernels at 212 (Q4_K)
                 # and 213 (Q6_K) registers at 64 rows, 176 and 193 this way (with the sum in PyTorch: 176, 168)
-                for c in gl.static_range(0, BLOCK_M, 16):
+                for c in gl.static_range(0, BLOCK_M + TAIL, 16):
                     oc = c + gl.arange(0, 16, layout=gl.SliceLayout(0, ol))
                     at = oc[None, :] * N + on[:, None]
-                    at_mask = (on < N)[:, None] & ((oc < M) & (oc < BLOCK_M))[None, :]  # (BLOCK_M 8: half a chunk)
+                    # (BLOCK_M + TAIL 8, 24 or 40: half a chunk)
+                    at_mask = (on < N)[:, None] & ((oc < M) & (oc < BLOCK_M + TAIL))[None, :]
                     total = gl.load(parts_ptr + at, mask=at_mask, other=0.0, cache_modifier=".cg")
                     for p in range(1, split):
                         total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0,
@@ -516,6 +552,8 @@ if gluon is not None:
                 gl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
         else:
             gl.store(out_ptr + offs, acc.to(gl.bfloat16), mask=mask)
+            if TAIL > 0:
+                gl.store(out_ptr + offs2, acc2.to(gl.bfloat16), mask=mask2)
 
     @gluon.jit
     def _top_under_128(w):
@@ -554,25 +592,27 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                   PDL: gl.constexpr):
+                   PDL: gl.constexpr, TAIL: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
         tile, part = gl.program_id(0), gl.program_id(1)
         if PDL:
             tile = _let_dependents_launch(tile)
         parts_stride = M * N
-        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M)
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
         if STAGES > 1:
             acc = _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
                                   STAGES, PDL)
+            acc2 = acc
         else:
-            acc = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                           X_AHEAD, PDL)
-        _store_rows(acc, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M)
+            acc, acc2 = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
+                                 X_AHEAD, PDL, TAIL)
+        _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
+                    TAIL)
 
     @gluon.jit
     def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                 X_AHEAD: gl.constexpr, PDL: gl.constexpr):
-        """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s."""
+                 X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
+        """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows')."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
         wl: gl.constexpr = _words_layout(W)
@@ -588,6 +628,11 @@ if gluon is not None:
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        if TAIL > 0:
+            x_tail = _x_smem(TAIL)
+            acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
+        else:
+            acc2 = acc
         kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _q4k_tile
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
@@ -611,8 +656,13 @@ if gluon is not None:
             a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc = _times_x(acc, a, xt, x_smem)
-        return acc
+            if TAIL > 0:
+                acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
+                                          x_smem, x_tail)
+            else:
+                acc = _times_x(acc, a, xt, x_smem)
+                acc2 = acc
+        return acc, acc2
 
     @gluon.jit
     def _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,

@@ -70,6 +70,8 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-min-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "kernel", "--gluon-stages", "3"],
      "--gluon-stages: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--q4k-decode", "kernel", "--gluon-tails"],
+     "--gluon-tails: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],

@@ -200,6 +200,38 @@ def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(m
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("maxnreg", [None, 128])
+def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_product(monkeypatch, split, maxnreg):
+    """``TAILS`` (17-24 and 33-48 rows as two products of one decoded tile, not yet the engine's) and ``MAXNREG``
+    (8-warp launches at 128 registers): one-hot rows read each weight back (40 rows a launch: 32 + 8), and every row
+    count's product has the bits of the launch without them, Q4_K's pairs and Q6_K."""
+    from engine.models.quant import hold
+
+    words, heads = quant_gluon.repack(_blocks(seed=12, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=13, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    products = [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True),
+                 quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
+                (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split),
+                 quant_gluon.reference_q6_k(*planes, N2, K))]
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
+    counts = (1, 17, 20, 24, 33, 40, 41, 48, 49, ROWS)
+    want = [[product(x[:rows]) for rows in counts] for product, _ in products]  # (no tails, ptxas' registers)
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    monkeypatch.setattr(quant_gluon, "MAXNREG", maxnreg)
+    assert [quant_gluon._rows_a_program(m) for m in (16, 17, 24, 25, 33, 40, 41, 48, 49, 65)] == [
+        (16, 0), (16, 8), (16, 8), (32, 0), (32, 8), (32, 8), (32, 16), (32, 16), (64, 0), (64, 0)]
+    for (product, weight), wanted in zip(products, want, strict=True):
+        for c0 in range(0, K, 40):
+            rows = min(40, K - c0)  # 40 one-hot rows a launch (32 + 8), the last 32
+            eye = torch.zeros(rows, K, device="cuda", dtype=torch.bfloat16)
+            eye[torch.arange(rows), c0 + torch.arange(rows)] = 1
+            assert torch.equal(product(eye), weight[:, c0:c0 + rows].T), c0
+        for rows, w in zip(counts, wanted, strict=True):
+            assert torch.equal(product(x[:rows]), w), rows
+
+
 def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
     """``stages`` 2 or more with the float decode or x read ahead into registers: refused, naming both."""
     for pairs, ahead in [(False, False), (True, True)]:
