@@ -40,10 +40,12 @@ through a little shared memory). The next tile's words and heads are read an ite
 rows too; ``STAGES``: or copied ahead into shared memory by cp.async, an option measured no faster; ``PDL``: a launch
 may start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows
-(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks) on 4 or 8 warps (a 64- or 128-row
-tile: ``_warps``). Split over K
-(``split_for``): each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the
-engine's tickets). The kernels themselves are in ``quant_gluon_kernels.py``.
+(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: a power of two and a
+tail of 8 or 16, two products of one decoded tile, an option not yet run on a GPU) on 4 or 8 warps (a 64- or
+128-row tile: ``_warps``; ``MAXNREG``: the 8-warp launches' registers capped, the same). Split over K (``split_for``):
+each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's
+tickets). The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in
+``quant_gluon_staged.py``).
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'

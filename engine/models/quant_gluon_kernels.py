@@ -232,7 +232,8 @@ if gluon is not None:
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
         if STAGES > 1:
-            acc = _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES, PDL)
+            acc = staged._q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES,
+                                          PDL)
             acc2 = acc
         else:
             acc, acc2 = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD,
@@ -296,175 +297,6 @@ if gluon is not None:
                 acc = _times_x(acc, a, xt, x_smem)
                 acc2 = acc
         return acc, acc2
-
-    @gluon.constexpr_function
-    def _run_layout(warps, width):
-        """A tile's words (``width`` 256) or Q6_K's top bits (128) as the planes hold them, [W, width]: a warp's
-        contiguous run, lane l's 16 bytes at 4 l (and 128 + 4 l): the words ``_words_layout`` (``_quads_layout``)
-        gives lane l, so a thread reads back from shared memory what its own copies wrote."""
-        return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[warps, 1],
-                                order=[1, 0])
-
-    @gluon.constexpr_function
-    def _heads_copy_layout(warps):
-        """[8 W rows (w, g), 4 words]: a word a thread (each copied once)."""
-        return gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[warps, 1],
-                                order=[1, 0])
-
-    @gluon.constexpr_function
-    def _flat(rank):
-        """Shared memory in row-major order, no swizzle (each thread's 16 bytes contiguous)."""
-        return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank - 1, -1, -1)))
-
-    @gluon.jit
-    def _run_offsets(tile, all_tiles, width: gl.constexpr):
-        """[W, width] words of tile ``tile``'s K tile 0 (add ``kt * width``): warp w's run of its 16-row group."""
-        W: gl.constexpr = gl.num_warps()
-        rl: gl.constexpr = _run_layout(W, width)
-        w = gl.arange(0, W, layout=gl.SliceLayout(1, rl))
-        j = gl.arange(0, width, layout=gl.SliceLayout(0, rl))
-        at = ((tile * W + w) * (all_tiles * width))[:, None] + j[None, :]
-        return gl.max_contiguous(gl.multiple_of(at, [1, 4]), [1, 4])
-
-    @gluon.jit
-    def _from_run(run):
-        """``_run_offsets``' [W, 256] read back -> [8 W, 4, 8] in ``_words_layout`` (a renaming: word s of lane
-        4 g + t is run word 128 (s // 4) + 16 g + 4 t + s % 4, ``_word_offsets``')."""
-        W: gl.constexpr = gl.num_warps()
-        run = run.reshape([W, 2, 8, 4, 4]).permute([0, 2, 3, 1, 4]).reshape([8 * W, 4, 8])
-        return gl.convert_layout(run, _words_layout(W), assert_trivial=True)
-
-    @gluon.jit
-    def _staged_heads(heads_s):
-        """One row half's heads of a staged tile ([8 W, 4] words) as ``_head_words``' [8 W, 4, 4] (the t lanes
-        alike: a broadcast)."""
-        W: gl.constexpr = gl.num_warps()
-        hl: gl.constexpr = _quads_layout(W)
-        head = heads_s.load(gl.SliceLayout(1, hl)).expand_dims(1)  # [8 W, 1, 4]
-        return head + gl.zeros([8 * W, 4, 4], gl.int32, layout=hl)
-
-    @gluon.jit
-    def _x_offsets(K, M, BLOCK_M: gl.constexpr):
-        """x's rows for K tile 0 (add ``kt * 128``), [128, BLOCK_M] in ``_x_tile``'s layout, and the rows < M."""
-        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
-                                            warps_per_cta=[1, gl.num_warps()], order=[0, 1])
-        xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
-        xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
-        at = gl.max_contiguous(gl.multiple_of(xm[None, :] * K + xk[:, None], [8, 1]), [8, 1])
-        return at, (xm < M)[None, :] & (xk >= 0)[:, None]
-
-    @gluon.jit
-    def _x_staged(BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """``STAGES`` x tiles [128, BLOCK_M] in shared memory (``_x_smem``'s layout)."""
-        xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
-        return gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_M], xs)
-
-    @gluon.jit
-    def _stage_run(runs_s, ptr, run, kt, ok):
-        """cp.async of a plane's runs (``_run_offsets``') for K tile ``kt`` into ``runs_s`` [W, width]; ``ok``
-        false: nothing read."""
-        _async_load(runs_s, ptr + run + kt * runs_s.shape[1], mask=(run >= 0) & ok)
-
-    @gluon.jit
-    def _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0, k_tiles,
-                   WITH_X: gl.constexpr = True):
-        """cp.async of part tile ``j`` (K tile ``kt0 + j``: words, heads, x's rows unless not ``WITH_X``) into stage
-        ``j % STAGES``, one commit group; past the part's tiles, nothing read (masked: an empty group)."""
-        stage = j % words_s.shape[0]  # STAGES
-        ok = j < k_tiles
-        kt = kt0 + j
-        _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
-        _async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt // 2) * 4, mask=(hat0 >= 0) & ok)
-        _async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt // 2) * 4, mask=(hat1 >= 0) & ok)
-        if WITH_X:
-            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles):
-        """x's rows for part tile ``j`` into its stage (no commit: the caller's group)."""
-        _async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=xrows & (j < k_tiles))
-
-    @gluon.jit
-    def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr):
-        """With PDL, the prologue's weight stages are asked for first (without x); then, once the kernel before
-        has written x (``_dependency_wait``), x's rows for those stages, and all of it waited for (the loop's first
-        wait would leave x, the last group, in flight)."""
-        kt0 = _dependency_wait(kt0)
-        for j in gl.static_range(STAGES - 1):
-            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-
-    @gluon.jit
-    def _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
-                  WITH_X: gl.constexpr = True):
-        """``_stage_q4k`` for Q6_K: words, top bits, x's rows (its steps are read an iteration ahead into
-        registers: a row's d is 2 bytes, below cp.async's 4)."""
-        stage = j % words_s.shape[0]
-        ok = j < k_tiles
-        kt = kt0 + j
-        _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
-        _stage_run(high_s.index(stage), high_ptr, hrun, kt, ok)
-        if WITH_X:
-            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _staged_in(STAGES: gl.constexpr):
-        """The top of a staged K loop's iteration: this thread's copies of its tile in (``STAGES - 2`` groups left
-        in flight), visible to the matrix unit (x) and to every thread; every warp done with the last tile (the stage
-        the next copies go into)."""
-        async_copy.wait_group(STAGES - 2)
-        fence_async_shared()
-        _barrier()
-
-    @gluon.jit
-    def _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                         STAGES: gl.constexpr, PDL: gl.constexpr):
-        """``_q4k_tile``'s sums (the pair decode) with each tile's words, heads and x rows copied into shared memory
-        ``STAGES - 1`` tiles ahead (cp.async, no registers held: the bytes in flight a program are no longer
-        what its registers can hold)."""
-        W: gl.constexpr = gl.num_warps()
-        words_s = gl.allocate_shared_memory(gl.int32, [STAGES, W, 256], _flat(2))
-        heads_s = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W, 4], _flat(2))  # stage s, rows h: 2 s + h
-        x_s = _x_staged(BLOCK_M, STAGES)
-        all_tiles = K // 128
-        wrun = _run_offsets(tile, all_tiles, 256)
-        cl: gl.constexpr = _heads_copy_layout(W)
-        hr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, cl))
-        hw = gl.arange(0, 4, layout=gl.SliceLayout(0, cl))
-        row = tile * (16 * W) + (hr // 8) * 16 + hr % 8  # h = 0's row of lane g of warp w
-        hat0 = (row * (K // 256) * 4)[:, None] + hw[None, :]  # rows h = 0's heads (of K tile 0)
-        hat1 = hat0 + 8 * (K // 256) * 4  # rows h = 1: 8 rows on
-        xat, xrows = _x_offsets(K, M, BLOCK_M)
-        kt0 = part * k_tiles
-        for j in gl.static_range(STAGES - 1):
-            _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0,
-                       k_tiles, not PDL)
-        if PDL:
-            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
-        one: gl.constexpr = _lanes_layout(W, 1)
-        sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
-        rl: gl.constexpr = _run_layout(W, 256)
-        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        for i in range(0, k_tiles):
-            kt = kt0 + i
-            stage = i % STAGES
-            _staged_in(STAGES)
-            _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows,
-                       i + STAGES - 1, kt0, k_tiles)
-            words = _from_run(words_s.index(stage).load(rl))
-            h0, a0, m0, r0 = _head_fields(_staged_heads(heads_s.index(2 * stage)))
-            h1, a1, m1, r1 = _head_fields(_staged_heads(heads_s.index(2 * stage + 1)))
-            st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
-            st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
-            pst0, pnsh0 = _pair_steps(st0, sh0)
-            pst1, pnsh1 = _pair_steps(st1, sh1)
-            a = _operand(_pairs_tile(words, pst0, pnsh0, pst1, pnsh1), acc)
-            acc = warpgroup_mma(a, x_s.index(stage), acc)
-        async_copy.wait_group(0)  # no copy outstanding when the program ends (the empty groups past the part)
-        return acc
 
     @gluon.jit
     def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr):
@@ -600,8 +432,8 @@ if gluon is not None:
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
         if STAGES > 1:
-            acc = _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                                  STAGES, PDL)
+            acc = staged._q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,
+                                         BLOCK_M, STAGES, PDL)
             acc2 = acc
         else:
             acc, acc2 = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
@@ -664,43 +496,5 @@ if gluon is not None:
                 acc2 = acc
         return acc, acc2
 
-    @gluon.jit
-    def _q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
-        """``_q6_tile``'s sums with each tile's words, top bits and x rows staged as ``_q4k_tile_staged``'s."""
-        W: gl.constexpr = gl.num_warps()
-        words_s = gl.allocate_shared_memory(gl.int32, [STAGES, W, 256], _flat(2))
-        high_s = gl.allocate_shared_memory(gl.int32, [STAGES, W, 128], _flat(2))
-        x_s = _x_staged(BLOCK_M, STAGES)
-        all_tiles = K // 128
-        wrun, hrun = _run_offsets(tile, all_tiles, 256), _run_offsets(tile, all_tiles, 128)
-        xat, xrows = _x_offsets(K, M, BLOCK_M)
-        kt0 = part * k_tiles
-        for j in gl.static_range(STAGES - 1):
-            _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
-                      not PDL)
-        if PDL:
-            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
-        wl: gl.constexpr = _words_layout(W)
-        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
-        row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
-        slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
-        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
-        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        for i in range(0, k_tiles):
-            stage = i % STAGES
-            nxt = kt0 + i + (i + 1 < k_tiles).to(gl.int32)
-            st0, st1 = st0_n, st1_n
-            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
-            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
-            _staged_in(STAGES)
-            _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, i + STAGES - 1, kt0,
-                      k_tiles)
-            words = _from_run(words_s.index(stage).load(_run_layout(W, 256)))
-            high = high_s.index(stage).load(_run_layout(W, 128)).reshape([8 * W, 4, 4])  # [(w, g), t, u]
-            high = gl.convert_layout(high, _quads_layout(W), assert_trivial=True)
-            a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
-            acc = warpgroup_mma(_operand(a, acc), x_s.index(stage), acc)
-        async_copy.wait_group(0)
-        return acc
+    # the staged tiles (``quant_gluon.STAGES``): a module of their own, which imports this one's helpers (so last)
+    from engine.models import quant_gluon_staged as staged
