@@ -2,7 +2,7 @@
 (Triton's explicit-layout dialect), so no decoded value touches shared memory: a native GGUF's Q4_K and Q6_K
 projections on an sm_90 GPU in bf16 (``hold_operands_``, at load) take it for every product, an AR step's, a
 verify's of any budget, a prefill's (the AR step of the 27B Q4_K_M shape 2.45x faster than ``quant_kernel``'s on
-an H100, 9.5 against 23.3 ms, 2026-12-06; benchmarks/RESULTS.md).
+an H100, 9.5 against 23.3 ms, 2026-12-06; 9.1 since ``MIN_BLOCK_M`` 8; benchmarks/RESULTS.md).
 
 Why: on an H100 (2026-12-06, ``benchmarks/quant_ncu.py``) the engine's few-row Q4_K launch keeps the L1/shared
 pipe 80% busy at 25% of DRAM's bandwidth. Its decoded bf16 tile goes through shared memory into the layout of
