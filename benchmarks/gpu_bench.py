@@ -421,9 +421,13 @@ def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl", "gluon_tails", "gluon_maxnreg"):
-        if args.q4k_decode in ("kernel", "packed") and getattr(args, flag) not in (None, False):
+        value = getattr(args, flag)
+        if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
+    if (args.gluon_stages or 0) > 1 and args.q4k_decode in ("gluon", "gluon-pairs-ahead"):
+        ap.error(f"--gluon-stages {args.gluon_stages}: shared-memory stages take the pair decode with x staged "
+                 f"beside the planes (--q4k-decode engine or gluon-pairs), not --q4k-decode {args.q4k_decode}")
 
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -523,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                          "8, the engine's: 1-8 rows on wgmma's narrowest N, fewer registers; 16: as before "
                          "2026-12-06's tenth session)")
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
-                    help="--q4k-decode engine or gluon-pairs: the Q4_K products' tiles in flight through shared "
-                         "memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
+                    help="--q4k-decode engine or gluon-pairs: the Q4_K and Q6_K products' tiles in flight through "
+                         "shared memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
     ap.add_argument("--gluon-tails", action="store_true",
                     help="--q4k-decode engine or gluon*: a launch of a power of two and up to 16 rows as two products "
                          "of one decoded tile (quant_gluon.TAILS: 33 rows as 32 + 8)")

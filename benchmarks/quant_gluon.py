@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         stages = 0 if decode == "float" else args.stages  # (shared-memory stages: the pair decodes' only)
         compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
-        ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)
         hgmma, sts, lds = (sum(v for op, v in ops.items() if op.startswith(p)) for p in ("HGMMA", "STS", "LDS"))

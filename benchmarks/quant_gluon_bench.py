@@ -112,8 +112,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
 
 
 def _at_least_16_rows(call) -> float:
-    """``call``'s GPU us with a program's fewest rows at 16 (``quant_gluon.MIN_BLOCK_M``: the engine's 8 before
-    2026-12-06's tenth session), then back to the engine's."""
+    """``call``'s GPU us with a program's fewest rows at 16 (``quant_gluon.MIN_BLOCK_M``: the engine's until
+    2026-12-06's tenth session, 8 since), then back to the engine's."""
     from kernel_timing import time_us
 
     from engine.models import quant_gluon

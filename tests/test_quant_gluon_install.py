@@ -53,6 +53,25 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
             assert int(hgmma) == 8 and int(lds) == steps and int(sts) == x_stores + steps, (warps, rows)
 
 
+@pytest.mark.skipif(quant_gluon.gluon is None or not (Path(__import__("triton").__file__).parent / "backends"
+                    / "nvidia" / "bin" / "cuobjdump").is_file(), reason="no Gluon, or no NVIDIA tools in this Triton")
+def test_the_options_compile_for_hopper_staged_with_pdl_and_with_a_tail():
+    """The engine's options not on by default, statically (sm_90): ``STAGES`` 3 with ``PDL`` (the planes by cp.async,
+    no x tile stored from registers) and a tail of 8 after 32 rows on 8 warps (two products a tile: 16 HGMMA)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for flags, hgmma, sts in [(["--rows", "16", "--stages", "3", "--pdl"], "8", "0"),
+                              (["--rows", "32", "--tail", "8", "--warps", "8"], "16", None)]:
+        proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), *flags], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = re.findall(r"^\| (pairs|q6_k) \| \d+ \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| \d+ \| ([^|]*) \|",
+                          proc.stdout, flags=re.M)
+        assert [r[0] for r in rows] == ["pairs", "q6_k"], proc.stdout
+        for _, got_hgmma, got_sts, loads in rows:
+            assert got_hgmma == hgmma and (sts is None or got_sts == sts), (flags, rows)
+            assert ("LDGSTS" in loads) == ("--stages" in flags), (flags, loads)
+
+
 @pytest.mark.parametrize("pairs", [False, True])
 def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_weight_once(monkeypatch, pairs):
     """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (any count: row blocks) of a Q4_K

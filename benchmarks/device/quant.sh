@@ -21,8 +21,9 @@
 #      GLUON=1: the Q4_K / Q6_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests,
 #      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_WARPS="4 8": again with every launch on that many
 #      warps). GRAPHS=1: the step's graphs
-#      replayed alone, their kernels by name (GRAPHS_DECODE). MIN_ROWS=8: the engine's step again with 1-8-row
-#      launches on wgmma's narrowest N (gpu_bench's --gluon-min-rows). SKIP="large_q4km ..." leaves sections out.
+#      replayed alone, their kernels by name (GRAPHS_DECODE). MIN_ROWS=16: the engine's step again with a launch's
+#      fewest rows a program at 16 (gpu_bench's --gluon-min-rows; the engine's 8 since 2026-12-06); STEPS="s3 p t
+#      ...": the step again with other quant_gluon options (below). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
@@ -37,8 +38,8 @@ for decode in ${Q4K_DECODE:-engine} ${Q4K_COMPARE:-}; do
     --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
     --md "$OUT/large_q4km$suffix.md" --out "$OUT/large_q4km$suffix.json"
 done
-# MIN_ROWS=8: the engine's step again with a launch's fewest rows a program at 8 (quant_gluon.MIN_BLOCK_M: 1-8 rows on
-# wgmma's narrowest N, fewer registers, more programs an SM), on the same machine as large_q4km
+# MIN_ROWS=N: the engine's step again with a launch's fewest rows a program at N (quant_gluon.MIN_BLOCK_M: 8, the
+# engine's since 2026-12-06, is wgmma's narrowest N; 16 as before), on the same machine as large_q4km
 if [ -n "${MIN_ROWS:-}" ]; then
   section large_q4km_m$MIN_ROWS ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
     --q4k-decode engine --gluon-min-rows $MIN_ROWS --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \

@@ -213,13 +213,14 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
 # planes read an iteration ahead into registers, the engine's. Staged, the K loop takes 30-50 more instructions
 # (cp.async, its waits, two more CTA barriers): on an H100 (2026-12-06, tenth session; RESULTS.md) 1-row launches
 # within a few % of the register path's (Q6_K's down faster, 40.2 -> 33.5 us at BLOCK_M 16: fewer registers), the
-# 27B Q4_K_M AR step 9.5 -> 9.3 ms and its verify at 32 slower (18.67 -> 19.66 ms: 64-row programs at 75 KB of
+# 27B Q4_K_M AR step 9.5 -> 9.3 ms and its verify at 32 slower (18.67 -> 19.66 ms: 64-row programs at 78 KB of
 # shared memory). Bits equal to the register path's (GPU tests)
 STAGES = 0
 
 # Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
 # kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
-# lets the kernel after it do the same; what it writes waits too. On an H100 (2026-12-06): the AR step 9.1 -> 9.0 ms
+# lets the kernel after it do the same; what it writes waits too (so it holds while no kernel writes a weight's planes
+# during a step, which nothing does: they are written at load). On an H100 (2026-12-06): the AR step 9.1 -> 9.0 ms
 # (with ``MIN_BLOCK_M`` 8), its verify at 32 18.61 -> 18.76: within the spread of a change, so off; a chain of
 # launches reading each other's outputs keeps its bits, on a stream and from a graph (GPU test)
 PDL = False
@@ -251,16 +252,17 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     m = x.shape[0]
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
     block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
-    warps = _warps(block_m, n_pad, warps)
+    warps = _warps(_block_m(m), n_pad, warps)  # (a tail's launch takes the warps of its rows' power of two)
     tiles = n_pad // (16 * warps)
     row_blocks = -(-m // (block_m + tail))
+    capped = MAXNREG and warps == 8 and (tail or block_m <= 32)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
     tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
     kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
                                         m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
                                         num_warps=warps, PDL=PDL, launch_pdl=PDL, TAIL=tail,
-                                        **({"maxnreg": MAXNREG} if MAXNREG and warps == 8 else {}), **constexprs)
+                                        **({"maxnreg": MAXNREG} if capped else {}), **constexprs)
     return out
 
 
@@ -286,19 +288,20 @@ def _block_m(m: int) -> int:
 # bytes. Not yet run on a GPU: off until measured
 TAILS = False
 
-# Registers a thread at most for 8-warp launches (a verify's): a 33-row launch compiles to 154 (32 + 8, ``TAILS``) or
-# 191 (64) registers, one program an SM; at 128, two (ptxas: no spill in the K loop of the Q4_K kernel, static,
-# sm_90). Not yet run on a GPU: None (ptxas' own) until measured
+# Registers a thread at most for 8-warp launches of at most 32 rows a program or with a tail (a verify's): a 33-row
+# launch compiles to 154 registers as 32 + 8 (``TAILS``), one program an SM; at 128, two, with no spill in either
+# kernel's K loop (static, sm_90; at 64 rows Q6_K's would spill, so those launches keep ptxas' own). Not yet run on
+# a GPU: None (ptxas' own) until measured
 MAXNREG: int | None = None
 
 
 def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
     """A launch's rows a program as (``BLOCK_M``, ``TAIL``): ``_block_m``'s, or with ``TAILS`` (the register path:
-    ``stages`` 0 or 1) half of it and a tail of 8 or 16 where the rest fits one narrower than that half (17-24 rows:
-    16 + 8, 33-40: 32 + 8, 41-48: 32 + 16)."""
+    ``stages`` 0 or 1) half of it and a tail of 8 or 16 where the rest fits in a quarter of it (17-24 rows: 16 + 8,
+    33-40: 32 + 8, 41-48: 32 + 16; 25-32 and 49-64 take the power of two)."""
     block_m = _block_m(m)
     rest = m - block_m // 2
-    if not TAILS or stages > 1 or m > ROW_BLOCK or block_m < 32 or rest > 16:
+    if not TAILS or stages > 1 or m > ROW_BLOCK or block_m < 32 or rest > block_m // 4:
         return block_m, 0
     return block_m // 2, 8 if rest <= 8 else 16
 

@@ -231,6 +231,7 @@ if gluon is not None:
             tile = _let_dependents_launch(tile)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
+        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
         if STAGES > 1:
             acc = staged._q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES,
                                           PDL)
@@ -431,6 +432,7 @@ if gluon is not None:
             tile = _let_dependents_launch(tile)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
+        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
         if STAGES > 1:
             acc = staged._q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,
                                          BLOCK_M, STAGES, PDL)

@@ -6,7 +6,7 @@ products are the register path's (``quant_gluon_kernels``), so are the bits.
 A thread reads back from shared memory what its own copies wrote (the planes' runs, ``_run_layout``), the heads and
 x excepted (a CTA barrier a tile: ``_staged_in``). With ``PDL`` the prologue asks for the weight's stages first and
 copies x only after ``griddepcontrol.wait``. Measured on an H100 (2026-12-06, benchmarks/RESULTS.md): within a few %
-of the register path at 1 row, slower for a verify's 64-row programs (75 KB of shared memory at 3 stages), so not
+of the register path at 1 row, slower for a verify's 64-row programs (78 KB of shared memory at 3 stages), so not
 the engine's."""
 
 from __future__ import annotations
@@ -100,14 +100,15 @@ if gluon is not None:
     @gluon.jit
     def _stage_run(runs_s, ptr, run, kt, ok):
         """cp.async of a plane's runs (``_run_offsets``') for K tile ``kt`` into ``runs_s`` [W, width]; ``ok``
-        false: nothing read."""
+        false: nothing read (zeros written)."""
         _async_load(runs_s, ptr + run + kt * runs_s.shape[1], mask=(run >= 0) & ok)
 
     @gluon.jit
     def _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0, k_tiles,
                    WITH_X: gl.constexpr = True):
         """cp.async of part tile ``j`` (K tile ``kt0 + j``: words, heads, x's rows unless not ``WITH_X``) into stage
-        ``j % STAGES``, one commit group; past the part's tiles, nothing read (masked: an empty group)."""
+        ``j % STAGES``, one commit group; past the part's tiles nothing is read from global memory (masked copies
+        zero-fill the stage, which no product then reads)."""
         stage = j % words_s.shape[0]  # STAGES
         ok = j < k_tiles
         kt = kt0 + j
@@ -127,12 +128,13 @@ if gluon is not None:
     def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr):
         """With PDL, the prologue's weight stages are asked for first (without x); then, once the kernel before
         has written x (``_dependency_wait``), x's rows for those stages, and all of it waited for (the loop's first
-        wait would leave x, the last group, in flight)."""
+        wait would leave x, the last group, in flight). Returns ``kt0`` through the wait, for the loop's copies."""
         kt0 = _dependency_wait(kt0)
         for j in gl.static_range(STAGES - 1):
             _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
         async_copy.wait_group(0)
+        return kt0
 
     @gluon.jit
     def _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
@@ -181,7 +183,7 @@ if gluon is not None:
             _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0,
                        k_tiles, not PDL)
         if PDL:
-            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
+            kt0 = _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
         one: gl.constexpr = _lanes_layout(W, 1)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
         rl: gl.constexpr = _run_layout(W, 256)
@@ -220,7 +222,7 @@ if gluon is not None:
             _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, j, kt0, k_tiles,
                       not PDL)
         if PDL:
-            _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
+            kt0 = _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
         wl: gl.constexpr = _words_layout(W)
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on

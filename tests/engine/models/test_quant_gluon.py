@@ -168,7 +168,7 @@ def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(m
 @pytest.mark.parametrize("stages", [0, 3])
 def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
     """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
-    the launch before it (a Q4_K of 2 parts: the tickets too; a Q6_K; a PyTorch op between pairs), x copied in
+    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; PyTorch ops between), x copied in
     first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
     from engine.models.quant import hold
 
@@ -178,6 +178,7 @@ def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(m
     def chain(x):
         for _ in range(4):
             x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)
+            x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)  # two launches taking tickets
             x = quant_gluon.linear_q6_k(x, planes, K, K, 1, stages=stages)
             x = x / x.abs().amax()  # (kept in range; two PyTorch kernels between the products)
         return x
@@ -220,8 +221,6 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
     want = [[product(x[:rows]) for rows in counts] for product, _ in products]  # (no tails, ptxas' registers)
     monkeypatch.setattr(quant_gluon, "TAILS", True)
     monkeypatch.setattr(quant_gluon, "MAXNREG", maxnreg)
-    assert [quant_gluon._rows_a_program(m) for m in (16, 17, 24, 25, 33, 40, 41, 48, 49, 65)] == [
-        (16, 0), (16, 8), (16, 8), (32, 0), (32, 8), (32, 8), (32, 16), (32, 16), (64, 0), (64, 0)]
     for (product, weight), wanted in zip(products, want, strict=True):
         for c0 in range(0, K, 40):
             rows = min(40, K - c0)  # 40 one-hot rows a launch (32 + 8), the last 32
@@ -230,6 +229,46 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
             assert torch.equal(product(eye), weight[:, c0:c0 + rows].T), c0
         for rows, w in zip(counts, wanted, strict=True):
             assert torch.equal(product(x[:rows]), w), rows
+
+
+def test_a_verifys_rows_take_a_tail_only_where_it_fits_in_a_quarter_of_their_power_of_two(monkeypatch):
+    """``_rows_a_program`` with ``TAILS``: 17-24 rows as 16 + 8, 33-40 as 32 + 8, 41-48 as 32 + 16; 25-32, 49-64,
+    fewer than 17 and more than 64 (row blocks) the power of two; staged launches never; without ``TAILS`` never."""
+    counts = (1, 8, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 64, 65)
+    assert [quant_gluon._rows_a_program(m) for m in counts] == [(quant_gluon._block_m(m), 0) for m in counts]
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    assert [quant_gluon._rows_a_program(m) for m in counts] == [
+        (8, 0), (8, 0), (16, 0), (16, 8), (16, 8), (32, 0), (32, 0), (32, 8), (32, 8), (32, 16), (32, 16), (64, 0),
+        (64, 0), (64, 0)]
+    assert quant_gluon._rows_a_program(33, stages=3) == (64, 0)
+
+
+class _Launches:
+    """A kernel stand-in recording each launch's grid and keywords."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_launch_passes_its_tail_pdl_and_register_cap_to_the_kernel(monkeypatch, pdl):
+    """``_launch``: the grid (tiles of the warps of the rows' power of two, the split, row blocks of BLOCK_M + TAIL),
+    ``TAIL``, ``PDL`` as a constexpr and as ``launch_pdl``, and ``MAXNREG`` only on 8 warps with a tail or at most
+    32 rows a program."""
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    monkeypatch.setattr(quant_gluon, "MAXNREG", 128)
+    monkeypatch.setattr(quant_gluon, "PDL", pdl)
+    kernel = _Launches()
+    for m in (1, 20, 33, 50, 100):
+        quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), 256, 200, K, 2, None, STAGES=0)
+    grids = [grid for grid, _ in kernel.seen]
+    assert grids == [(4, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 2)]  # 256 padded rows: 64- or 128-row tiles
+    options = [(kw["BLOCK_M"], kw["TAIL"], kw["num_warps"], kw.get("maxnreg")) for _, kw in kernel.seen]
+    assert options == [(8, 0, 4, None), (16, 8, 8, 128), (32, 8, 8, 128), (64, 0, 8, None), (64, 0, 8, None)]
+    assert all(kw["PDL"] is pdl and kw["launch_pdl"] is pdl for _, kw in kernel.seen)
 
 
 def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
