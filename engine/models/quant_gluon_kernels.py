@@ -251,11 +251,7 @@ if gluon is not None:
         x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        if TAIL > 0:
-            x_tail = _x_smem(TAIL)
-            acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
-        else:
-            acc2 = acc
+        acc2, x_tail = _tail_sums(acc, x_smem, TAIL)
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
@@ -291,12 +287,7 @@ if gluon is not None:
                 a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            if TAIL > 0:
-                acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
-                                          x_smem, x_tail)
-            else:
-                acc = _times_x(acc, a, xt, x_smem)
-                acc2 = acc
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL)
         return acc, acc2
 
     @gluon.jit
@@ -326,6 +317,30 @@ if gluon is not None:
         x_smem.store(xt)
         fence_async_shared()
         return warpgroup_mma(a, x_smem, acc)
+
+    @gluon.jit
+    def _tail_sums(acc, x_smem, TAIL: gl.constexpr):
+        """The ``TAIL`` rows' sums [16 W, TAIL] (zero) and x tile; without a tail, ``acc`` and ``x_smem`` again."""
+        W: gl.constexpr = gl.num_warps()
+        if TAIL > 0:
+            acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
+            x_tail = _x_smem(TAIL)
+        else:
+            acc2 = acc
+            x_tail = x_smem
+        return acc2, x_tail
+
+    @gluon.jit
+    def _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+        """``_times_x`` for the ``BLOCK_M`` rows, and with a ``TAIL`` the tail's rows too (``_times_x_tail``):
+        (acc, acc2), acc2 being acc without a tail."""
+        if TAIL > 0:
+            acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
+                                      x_smem, x_tail)
+        else:
+            acc = _times_x(acc, a, xt, x_smem)
+            acc2 = acc
+        return acc, acc2
 
     @gluon.jit
     def _times_x_tail(acc, acc2, a, xt, xt2, x_smem, x_tail):
@@ -462,11 +477,7 @@ if gluon is not None:
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        if TAIL > 0:
-            x_tail = _x_smem(TAIL)
-            acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
-        else:
-            acc2 = acc
+        acc2, x_tail = _tail_sums(acc, x_smem, TAIL)
         kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _q4k_tile
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
@@ -490,12 +501,7 @@ if gluon is not None:
             a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            if TAIL > 0:
-                acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
-                                          x_smem, x_tail)
-            else:
-                acc = _times_x(acc, a, xt, x_smem)
-                acc2 = acc
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL)
         return acc, acc2
 
     # the staged tiles (``quant_gluon.STAGES``): a module of their own, which imports this one's helpers (so last)
