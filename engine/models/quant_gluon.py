@@ -45,7 +45,7 @@ tail of 8 or 16, two products of one decoded tile, an option not yet run on a GP
 128-row tile: ``_warps``; ``MAXNREG``: the 8-warp launches' registers capped, the same). Split over K (``split_for``):
 each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's
 tickets). The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in
-``quant_gluon_staged.py``).
+``quant_gluon_staged.py``, what both share in ``quant_gluon_decode.py``).
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'

@@ -11,13 +11,13 @@ the engine's."""
 
 from __future__ import annotations
 
-from engine.models.quant_gluon_kernels import gluon  # None: a Triton without Gluon
+from engine.models.quant_gluon_decode import gluon  # None: a Triton without Gluon
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-    from engine.models.quant_gluon_kernels import (
+    from engine.models.quant_gluon_decode import (
         _async_load,
         _barrier,
         _dependency_wait,
