@@ -19,7 +19,8 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
-    warps ``_warps`` picks; and on 4 warps with a program's fewest rows at 16), on each 27B Q4_K weight, weights
+    warps ``_warps`` picks; on 4 warps with a program's fewest rows at 16; staged in shared memory; a verify's rows
+    as a power of two and a tail, on ptxas' registers and at 128), on each 27B Q4_K weight, weights
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
@@ -32,7 +33,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
              + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
-                          f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
+                          f"{' / '.join(f'{s} stages' for s in STAGES)} / tails / tails, 128 registers us"
+                          for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
@@ -55,11 +57,13 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                                             linear(x, *p(), n, k, s, pr, xa, w)))
                 if pairs:  # and a program's fewest rows at 16 (the engine's at 8), 4 warps (nan: past 8 rows, the
                     # 4-warp launch's own BLOCK_M)
-                    times[m].append(_at_least_16_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split:
-                                                     linear(x, *p(), n, k, s, True, False, 4)) if m <= 8 else nan)
-                    # and the planes and x staged in shared memory (the warps ``_warps`` picks)
+                    times[m].append(_with(lambda x=xs[m], p=pick, n=n, k=k, s=split:
+                                          linear(x, *p(), n, k, s, True, False, 4), MIN_BLOCK_M=16) if m <= 8 else nan)
+                    # and the planes and x staged in shared memory (the warps ``_warps`` picks); and a verify's
+                    # rows as a power of two and a tail, ptxas' registers and 128 (nan: no tail at this count)
                     times[m] += [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st:
                                          linear(x, *p(), n, k, s, True, False, None, st)) for st in STAGES]
+                    times[m] += _tails(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear(x, *p(), n, k, s, True), m)
             many = linear(x, *packed[0], n, k, split, pairs)
             invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
             got.append(many)
@@ -74,7 +78,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
               + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
-                           f"{' / '.join(f'{s} stages' for s in STAGES)} us" for m in rows)
+                           f"{' / '.join(f'{s} stages' for s in STAGES)} / tails / tails, 128 registers us"
+                           for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
     q6 = quant.FORMATS["Q6_K"]
@@ -91,10 +96,11 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
                             linear_q6_k(x, p(), n, k, s, xa, w))
                     for ahead, warps in ((False, 4), (False, 8), (True, None))]
-                 + [_at_least_16_rows(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4))
-                    if m <= 8 else nan]
+                 + [_with(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s, False, 4),
+                          MIN_BLOCK_M=16) if m <= 8 else nan]
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st: linear_q6_k(x, p(), n, k, s, False, None,
                                                                                          st)) for st in STAGES]
+                 + _tails(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear_q6_k(x, p(), n, k, s), m)
                  for m in rows}
         x = xs[max(rows)]
         many = linear_q6_k(x, planes, n, k, split)
@@ -111,18 +117,34 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     return lines
 
 
-def _at_least_16_rows(call) -> float:
-    """``call``'s GPU us with a program's fewest rows at 16 (``quant_gluon.MIN_BLOCK_M``: the engine's until
-    2026-12-06's tenth session, 8 since), then back to the engine's."""
+def _with(call, **flags) -> float:
+    """``call``'s GPU us with ``quant_gluon``'s module settings ``flags`` (``MIN_BLOCK_M`` 16: the engine's until
+    2026-12-06's tenth session, 8 since; ``TAILS``, ``MAXNREG``), then back to the engine's."""
     from kernel_timing import time_us
 
     from engine.models import quant_gluon
 
-    kept, quant_gluon.MIN_BLOCK_M = quant_gluon.MIN_BLOCK_M, 16
+    kept = {name: getattr(quant_gluon, name) for name in flags}
+    for name, value in flags.items():
+        setattr(quant_gluon, name, value)
     try:
         return time_us(call)
     finally:
-        quant_gluon.MIN_BLOCK_M = kept
+        for name, value in kept.items():
+            setattr(quant_gluon, name, value)
+
+
+def _tails(call, rows: int) -> list[float]:
+    """``call`` with a verify's rows as a power of two and a tail (``TAILS``), on ptxas' registers and at 128
+    (``MAXNREG``); nan where ``rows`` takes no tail."""
+    from engine.models import quant_gluon
+
+    kept, quant_gluon.TAILS = quant_gluon.TAILS, True
+    try:
+        tail = quant_gluon._rows_a_program(rows)[1]
+    finally:
+        quant_gluon.TAILS = kept
+    return [_with(call, TAILS=True), _with(call, TAILS=True, MAXNREG=128)] if tail else [nan, nan]
 
 
 def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
