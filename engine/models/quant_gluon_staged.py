@@ -17,23 +17,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
 
-    from engine.models.quant_gluon_decode import (
-        _async_load,
-        _barrier,
-        _dependency_wait,
-        _head_fields,
-        _lanes_layout,
-        _mma_layout,
-        _operand,
-        _pair_steps,
-        _pairs_tile,
-        _per_value,
-        _q6_pairs_tile,
-        _q6_steps,
-        _quads_layout,
-        _step_shift,
-        _words_layout,
-    )
+    from engine.models import quant_gluon_decode as decode  # the layouts and decodes the register path uses too
 
     @gluon.constexpr_function
     def _run_layout(warps, width):
@@ -70,14 +54,14 @@ if gluon is not None:
         4 g + t is run word 128 (s // 4) + 16 g + 4 t + s % 4, ``_word_offsets``')."""
         W: gl.constexpr = gl.num_warps()
         run = run.reshape([W, 2, 8, 4, 4]).permute([0, 2, 3, 1, 4]).reshape([8 * W, 4, 8])
-        return gl.convert_layout(run, _words_layout(W), assert_trivial=True)
+        return gl.convert_layout(run, decode._words_layout(W), assert_trivial=True)
 
     @gluon.jit
     def _staged_heads(heads_s):
         """One row half's heads of a staged tile ([8 W, 4] words) as ``_head_words``' [8 W, 4, 4] (the t lanes
         alike: a broadcast)."""
         W: gl.constexpr = gl.num_warps()
-        hl: gl.constexpr = _quads_layout(W)
+        hl: gl.constexpr = decode._quads_layout(W)
         head = heads_s.load(gl.SliceLayout(1, hl)).expand_dims(1)  # [8 W, 1, 4]
         return head + gl.zeros([8 * W, 4, 4], gl.int32, layout=hl)
 
@@ -101,7 +85,7 @@ if gluon is not None:
     def _stage_run(runs_s, ptr, run, kt, ok):
         """cp.async of a plane's runs (``_run_offsets``') for K tile ``kt`` into ``runs_s`` [W, width]; ``ok``
         false: nothing read (zeros written)."""
-        _async_load(runs_s, ptr + run + kt * runs_s.shape[1], mask=(run >= 0) & ok)
+        decode._async_load(runs_s, ptr + run + kt * runs_s.shape[1], mask=(run >= 0) & ok)
 
     @gluon.jit
     def _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows, j, kt0, k_tiles,
@@ -113,8 +97,8 @@ if gluon is not None:
         ok = j < k_tiles
         kt = kt0 + j
         _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
-        _async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt // 2) * 4, mask=(hat0 >= 0) & ok)
-        _async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt // 2) * 4, mask=(hat1 >= 0) & ok)
+        decode._async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt // 2) * 4, mask=(hat0 >= 0) & ok)
+        decode._async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt // 2) * 4, mask=(hat1 >= 0) & ok)
         if WITH_X:
             _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
@@ -122,14 +106,14 @@ if gluon is not None:
     @gluon.jit
     def _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles):
         """x's rows for part tile ``j`` into its stage (no commit: the caller's group)."""
-        _async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=xrows & (j < k_tiles))
+        decode._async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=xrows & (j < k_tiles))
 
     @gluon.jit
     def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr):
         """With PDL, the prologue's weight stages are asked for first (without x); then, once the kernel before
         has written x (``_dependency_wait``), x's rows for those stages, and all of it waited for (the loop's first
         wait would leave x, the last group, in flight). Returns ``kt0`` through the wait, for the loop's copies."""
-        kt0 = _dependency_wait(kt0)
+        kt0 = decode._dependency_wait(kt0)
         for j in gl.static_range(STAGES - 1):
             _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
@@ -157,7 +141,7 @@ if gluon is not None:
         the next copies go into)."""
         async_copy.wait_group(STAGES - 2)
         fence_async_shared()
-        _barrier()
+        decode._barrier()
 
     @gluon.jit
     def _q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
@@ -184,10 +168,10 @@ if gluon is not None:
                        k_tiles, not PDL)
         if PDL:
             kt0 = _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
-        one: gl.constexpr = _lanes_layout(W, 1)
+        one: gl.constexpr = decode._lanes_layout(W, 1)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
         rl: gl.constexpr = _run_layout(W, 256)
-        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=decode._mma_layout(W, BLOCK_M))
         for i in range(0, k_tiles):
             kt = kt0 + i
             stage = i % STAGES
@@ -195,13 +179,13 @@ if gluon is not None:
             _stage_q4k(words_s, heads_s, x_s, x_ptr, words_ptr, heads_ptr, wrun, hat0, hat1, xat, xrows,
                        i + STAGES - 1, kt0, k_tiles)
             words = _from_run(words_s.index(stage).load(rl))
-            h0, a0, m0, r0 = _head_fields(_staged_heads(heads_s.index(2 * stage)))
-            h1, a1, m1, r1 = _head_fields(_staged_heads(heads_s.index(2 * stage + 1)))
-            st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
-            st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
-            pst0, pnsh0 = _pair_steps(st0, sh0)
-            pst1, pnsh1 = _pair_steps(st1, sh1)
-            a = _operand(_pairs_tile(words, pst0, pnsh0, pst1, pnsh1), acc)
+            h0, a0, m0, r0 = decode._head_fields(_staged_heads(heads_s.index(2 * stage)))
+            h1, a1, m1, r1 = decode._head_fields(_staged_heads(heads_s.index(2 * stage + 1)))
+            st0, sh0 = decode._step_shift(h0, a0, m0, r0, kt, sub)
+            st1, sh1 = decode._step_shift(h1, a1, m1, r1, kt, sub)
+            pst0, pnsh0 = decode._pair_steps(st0, sh0)
+            pst1, pnsh1 = decode._pair_steps(st1, sh1)
+            a = decode._operand(decode._pairs_tile(words, pst0, pnsh0, pst1, pnsh1), acc)
             acc = warpgroup_mma(a, x_s.index(stage), acc)
         async_copy.wait_group(0)  # no copy outstanding when the program ends (the empty groups past the part)
         return acc
@@ -223,26 +207,26 @@ if gluon is not None:
                       not PDL)
         if PDL:
             kt0 = _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES)
-        wl: gl.constexpr = _words_layout(W)
+        wl: gl.constexpr = decode._words_layout(W)
         sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, gl.SliceLayout(1, wl)))
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
-        st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
-        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
-        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        st0_n = decode._q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
+        st1_n = decode._q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=decode._mma_layout(W, BLOCK_M))
         for i in range(0, k_tiles):
             stage = i % STAGES
             nxt = kt0 + i + (i + 1 < k_tiles).to(gl.int32)
             st0, st1 = st0_n, st1_n
-            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
-            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
+            st0_n = decode._q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
+            st1_n = decode._q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
             _staged_in(STAGES)
             _stage_q6(words_s, high_s, x_s, x_ptr, words_ptr, high_ptr, wrun, hrun, xat, xrows, i + STAGES - 1, kt0,
                       k_tiles)
             words = _from_run(words_s.index(stage).load(_run_layout(W, 256)))
             high = high_s.index(stage).load(_run_layout(W, 128)).reshape([8 * W, 4, 4])  # [(w, g), t, u]
-            high = gl.convert_layout(high, _quads_layout(W), assert_trivial=True)
-            a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
-            acc = warpgroup_mma(_operand(a, acc), x_s.index(stage), acc)
+            high = gl.convert_layout(high, decode._quads_layout(W), assert_trivial=True)
+            a = decode._q6_pairs_tile(words, high) * decode._per_value(st0, st1)  # times bf16(d * scale), one rounding
+            acc = warpgroup_mma(decode._operand(a, acc), x_s.index(stage), acc)
         async_copy.wait_group(0)
         return acc
