@@ -580,20 +580,14 @@ def main(argv: list[str] | None = None) -> int:
 
         quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"),
                             warps=args.gluon_warps)
-    if args.gluon_min_rows is not None:
-        from engine.models import quant_gluon as engine_gluon
+    from engine.models import quant_gluon as engine_gluon
 
-        engine_gluon.MIN_BLOCK_M = args.gluon_min_rows
-    if args.gluon_stages is not None:
-        from engine.models import quant_gluon as engine_gluon
-
-        engine_gluon.STAGES = args.gluon_stages
-    if args.gluon_pdl or args.gluon_tails or args.gluon_maxnreg:
-        from engine.models import quant_gluon as engine_gluon
-
-        engine_gluon.PDL = engine_gluon.PDL or args.gluon_pdl
-        engine_gluon.TAILS = engine_gluon.TAILS or args.gluon_tails
-        engine_gluon.MAXNREG = args.gluon_maxnreg or engine_gluon.MAXNREG
+    # the Gluon decode's settings asked for (each left as the engine's where not)
+    for name, value in [("MIN_BLOCK_M", args.gluon_min_rows), ("STAGES", args.gluon_stages),
+                        ("PDL", args.gluon_pdl or None), ("TAILS", args.gluon_tails or None),
+                        ("MAXNREG", args.gluon_maxnreg)]:
+        if value is not None:
+            setattr(engine_gluon, name, value)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -39,12 +39,8 @@ for decode in ${Q4K_DECODE:-engine} ${Q4K_COMPARE:-}; do
     --md "$OUT/large_q4km$suffix.md" --out "$OUT/large_q4km$suffix.json"
 done
 # MIN_ROWS=N: the engine's step again with a launch's fewest rows a program at N (quant_gluon.MIN_BLOCK_M: 8, the
-# engine's since 2026-12-06, is wgmma's narrowest N; 16 as before), on the same machine as large_q4km
-if [ -n "${MIN_ROWS:-}" ]; then
-  section large_q4km_m$MIN_ROWS ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m \
-    --q4k-decode engine --gluon-min-rows $MIN_ROWS --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
-    --md "$OUT/large_q4km_m$MIN_ROWS.md" --out "$OUT/large_q4km_m$MIN_ROWS.json"
-fi
+# engine's since 2026-12-06, is wgmma's narrowest N; 16 as before), on the same machine as large_q4km: STEPS' mN
+STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 # STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
 # (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
 # dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
@@ -102,7 +98,7 @@ fi
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests ${GLUON_TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/engine/models/test_quant_gluon.py \
-    tests/test_quant_gluon_install.py \
+    tests/engine/models/test_quant_gluon_options.py tests/test_quant_gluon_install.py \
     tests/engine/test_gguf_archs.py::test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
   # the 27B Q4_K_M step through it: gluon_large, then (GLUON_WARPS="4 8") gluon_large_wN with every launch on N

@@ -1,0 +1,159 @@
+"""``engine.models.quant_gluon``'s options beside the engine's decode (issue #28): tiles staged in shared memory
+(``STAGES``), programmatic dependent launch (``PDL``), a verify's rows as a power of two and a tail (``TAILS``) and the
+8-warp launches' register cap (``MAXNREG``). On a GPU each keeps the engine's bits; on the CPU, the rules that pick
+them and what a launch passes to the kernel. (The engine's decode itself: ``test_quant_gluon.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import quant_gluon
+from engine.models.quant import FORMATS
+from tests.engine.models.test_quant_gluon import N2, ROWS, K, _blocks, _q6_blocks, _reads_back
+
+pytest.importorskip("gguf")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("min_block_m", [8, 16])
+def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(monkeypatch, split, warps, stages,
+                                                                                min_block_m):
+    """``stages`` (the planes and x copied ahead into shared memory, not yet the engine's), Q4_K's pairs and Q6_K:
+    one-hot rows read the weight back bit for bit (the stages past a part's last tile copy nothing) and every row
+    count's product has the register path's bits (the same decode, the same matrix-unit order), a lone row's its
+    bits among 33 and 100."""
+    from engine.models.quant import hold
+
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", min_block_m)
+    words, heads = quant_gluon.repack(_blocks(seed=8, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=9, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
+    for product, weight in [
+            (lambda x, w, st: quant_gluon.linear(x, words, heads, N2, K, split, True, False, w, st),
+             quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
+            (lambda x, w, st: quant_gluon.linear_q6_k(x, planes, N2, K, split, False, w, st),
+             quant_gluon.reference_q6_k(*planes, N2, K))]:
+        _reads_back(lambda x, product=product: product(x, warps, stages), weight)
+        for rows in (1, 5, 8, 16, 33, ROWS):
+            staged = product(x[:rows], warps, stages)
+            assert torch.equal(staged, product(x[:rows], warps, 0)), rows
+            assert torch.equal(staged[:1], product(x[:1], 4, stages)), rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("stages", [0, 3])
+def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
+    """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
+    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; PyTorch ops between), x copied in
+    first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
+    from engine.models.quant import hold
+
+    words, heads = quant_gluon.repack(_blocks(seed=10, n=K).cuda(), K, True)  # K x K: a chain of them
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=11, n=K), FORMATS["Q6_K"]).cuda(), K)
+
+    def chain(x):
+        for _ in range(4):
+            x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)
+            x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)  # two launches taking tickets
+            x = quant_gluon.linear_q6_k(x, planes, K, K, 1, stages=stages)
+            x = x / x.abs().amax()  # (kept in range; two PyTorch kernels between the products)
+        return x
+
+    xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for rows in (1, 1, 3, 1, 33, 1)]
+    want = [chain(x) for x in xs]
+    monkeypatch.setattr(quant_gluon, "PDL", True)
+    buf = torch.empty(1, K, device="cuda", dtype=torch.bfloat16)
+    for x, w in zip(xs, want, strict=True):
+        assert torch.equal(chain(x.clone()), w)
+    chain(buf)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(buf)
+    for x, w in zip(xs, want, strict=True):
+        if x.shape[0] == 1:
+            buf.copy_(x)
+            graph.replay()
+            assert torch.equal(out, w)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("maxnreg", [None, 128])
+def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_product(monkeypatch, split, maxnreg):
+    """``TAILS`` (17-24 and 33-48 rows as two products of one decoded tile, not yet the engine's) and ``MAXNREG``
+    (8-warp launches at 128 registers): one-hot rows read each weight back (40 rows a launch: 32 + 8), and every row
+    count's product has the bits of the launch without them, Q4_K's pairs and Q6_K."""
+    from engine.models.quant import hold
+
+    words, heads = quant_gluon.repack(_blocks(seed=12, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=13, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    products = [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True),
+                 quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
+                (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split),
+                 quant_gluon.reference_q6_k(*planes, N2, K))]
+    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
+    counts = (1, 17, 20, 24, 33, 40, 41, 48, 49, ROWS)
+    want = [[product(x[:rows]) for rows in counts] for product, _ in products]  # (no tails, ptxas' registers)
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    monkeypatch.setattr(quant_gluon, "MAXNREG", maxnreg)
+    for (product, weight), wanted in zip(products, want, strict=True):
+        for c0 in range(0, K, 40):
+            rows = min(40, K - c0)  # 40 one-hot rows a launch (32 + 8), the last 32
+            eye = torch.zeros(rows, K, device="cuda", dtype=torch.bfloat16)
+            eye[torch.arange(rows), c0 + torch.arange(rows)] = 1
+            assert torch.equal(product(eye), weight[:, c0:c0 + rows].T), c0
+        for rows, w in zip(counts, wanted, strict=True):
+            assert torch.equal(product(x[:rows]), w), rows
+
+
+def test_a_verifys_rows_take_a_tail_only_where_it_fits_in_a_quarter_of_their_power_of_two(monkeypatch):
+    """``_rows_a_program`` with ``TAILS``: 17-24 rows as 16 + 8, 33-40 as 32 + 8, 41-48 as 32 + 16; 25-32, 49-64,
+    fewer than 17 and more than 64 (row blocks) the power of two; staged launches never; without ``TAILS`` never."""
+    counts = (1, 8, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 64, 65)
+    assert [quant_gluon._rows_a_program(m) for m in counts] == [(quant_gluon._block_m(m), 0) for m in counts]
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    assert [quant_gluon._rows_a_program(m) for m in counts] == [
+        (8, 0), (8, 0), (16, 0), (16, 8), (16, 8), (32, 0), (32, 0), (32, 8), (32, 8), (32, 16), (32, 16), (64, 0),
+        (64, 0), (64, 0)]
+    assert quant_gluon._rows_a_program(33, stages=3) == (64, 0)
+
+
+class _Launches:
+    """A kernel stand-in recording each launch's grid and keywords."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_launch_passes_its_tail_pdl_and_register_cap_to_the_kernel(monkeypatch, pdl):
+    """``_launch``: the grid (tiles of the warps of the rows' power of two, the split, row blocks of BLOCK_M + TAIL),
+    ``TAIL``, ``PDL`` as a constexpr and as ``launch_pdl``, and ``MAXNREG`` only on 8 warps with a tail or at most
+    32 rows a program."""
+    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    monkeypatch.setattr(quant_gluon, "MAXNREG", 128)
+    monkeypatch.setattr(quant_gluon, "PDL", pdl)
+    kernel = _Launches()
+    for m in (1, 20, 33, 50, 100):
+        quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), 256, 200, K, 2, None, STAGES=0)
+    grids = [grid for grid, _ in kernel.seen]
+    assert grids == [(4, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 2)]  # 256 padded rows: 64- or 128-row tiles
+    options = [(kw["BLOCK_M"], kw["TAIL"], kw["num_warps"], kw.get("maxnreg")) for _, kw in kernel.seen]
+    assert options == [(8, 0, 4, None), (16, 8, 8, 128), (32, 8, 8, 128), (64, 0, 8, None), (64, 0, 8, None)]
+    assert all(kw["PDL"] is pdl and kw["launch_pdl"] is pdl for _, kw in kernel.seen)
+
+
+def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
+    """``stages`` 2 or more with the float decode or x read ahead into registers: refused, naming both."""
+    for pairs, ahead in [(False, False), (True, True)]:
+        with pytest.raises(ValueError, match=f"stages=3.*pairs={pairs}, x_ahead={ahead}"):
+            quant_gluon._stages(3, pairs, ahead)
+    assert quant_gluon._stages(3, True, False) == 3 and quant_gluon._stages(1, False, True) == 1
