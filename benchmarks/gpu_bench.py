@@ -416,6 +416,16 @@ def bytes_read_per_token(target: torch.nn.Module) -> int:
     return read if head is embed else read - embed.numel() * embed.element_size()
 
 
+def gluon_settings(args: argparse.Namespace) -> dict:
+    """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
+    tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
+    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None}
+    settings = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
+    if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
+        settings["MAXNREG"] = args.gluon_maxnreg or None
+    return settings
+
+
 def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
@@ -529,12 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
                     help="--q4k-decode engine or gluon-pairs: the Q4_K and Q6_K products' tiles in flight through "
                          "shared memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
-    ap.add_argument("--gluon-tails", action="store_true",
-                    help="--q4k-decode engine or gluon*: a launch of a power of two and up to 16 rows as two products "
-                         "of one decoded tile (quant_gluon.TAILS: 33 rows as 32 + 8)")
-    ap.add_argument("--gluon-maxnreg", type=int, choices=[128, 168], default=None,
-                    help="--q4k-decode engine or gluon*: registers a thread at most for 8-warp launches "
-                         "(quant_gluon.MAXNREG)")
+    ap.add_argument("--gluon-tails", choices=["on", "off", "16"], default=None,
+                    help="--q4k-decode engine or gluon*: 33-48 rows as 32 and a tail of 8 or 16, two products of one "
+                         "decoded tile (quant_gluon.TAILS; on: the engine's since 2026-12-07), 16: 17-24 rows as "
+                         "16 + 8 too (TAIL_FROM 32), off: the power of two")
+    ap.add_argument("--gluon-maxnreg", type=int, choices=[0, 128, 168], default=None,
+                    help="--q4k-decode engine or gluon*: registers a thread at most for a tail's 8-warp launches "
+                         "(quant_gluon.MAXNREG; 128 the engine's; 0: as ptxas allots them)")
     ap.add_argument("--gluon-pdl", action="store_true",
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch "
                          "(quant_gluon.PDL: each may start as the kernel before it ends)")
@@ -582,12 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                             warps=args.gluon_warps)
     from engine.models import quant_gluon as engine_gluon
 
-    # the Gluon decode's settings asked for (each left as the engine's where not)
-    for name, value in [("MIN_BLOCK_M", args.gluon_min_rows), ("STAGES", args.gluon_stages),
-                        ("PDL", args.gluon_pdl or None), ("TAILS", args.gluon_tails or None),
-                        ("MAXNREG", args.gluon_maxnreg)]:
-        if value is not None:
-            setattr(engine_gluon, name, value)
+    for name, value in gluon_settings(args).items():
+        setattr(engine_gluon, name, value)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

@@ -19,8 +19,8 @@ SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_
 def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
-    warps ``_warps`` picks; on 4 warps with a program's fewest rows at 16; staged in shared memory; a verify's rows
-    as a power of two and a tail, on ptxas' registers and at 128), on each 27B Q4_K weight, weights
+    warps ``_warps`` picks; on 4 warps with a program's fewest rows at 16; staged in shared memory; where the engine
+    takes a verify's rows as 32 and a tail, without it and on ptxas' registers), on each 27B Q4_K weight, weights
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
@@ -33,7 +33,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| weight | MB | split | "
              + " | ".join(f"{m} rows: engine / gluon / pairs, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
-                          f"{' / '.join(f'{s} stages' for s in STAGES)} / tails / tails, 128 registers us"
+                          f"{' / '.join(f'{s} stages' for s in STAGES)} / no tail / tail, ptxas' registers us"
                           for m in rows)
              + " | rows invariant: gluon, pairs | error: engine / gluon / pairs |",
              "|---|---|---|" + "---|" * (len(rows) + 2)]
@@ -59,8 +59,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                     # 4-warp launch's own BLOCK_M)
                     times[m].append(_with(lambda x=xs[m], p=pick, n=n, k=k, s=split:
                                           linear(x, *p(), n, k, s, True, False, 4), MIN_BLOCK_M=16) if m <= 8 else nan)
-                    # and the planes and x staged in shared memory (the warps ``_warps`` picks); and a verify's
-                    # rows as a power of two and a tail, ptxas' registers and 128 (nan: no tail at this count)
+                    # and the planes and x staged in shared memory (the warps ``_warps`` picks); and where the
+                    # engine takes 32 rows and a tail, without it and on ptxas' registers (nan: no tail here)
                     times[m] += [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st:
                                          linear(x, *p(), n, k, s, True, False, None, st)) for st in STAGES]
                     times[m] += _tails(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear(x, *p(), n, k, s, True), m)
@@ -78,7 +78,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     lines += ["", *_split_sweep(gen, sms)]
     lines += ["", "| Q6_K weight | MB | split | "
               + " | ".join(f"{m} rows: engine / gluon, 4 warps / 8 warps / x ahead / BLOCK_M >= 16 / "
-                           f"{' / '.join(f'{s} stages' for s in STAGES)} / tails / tails, 128 registers us"
+                           f"{' / '.join(f'{s} stages' for s in STAGES)} / no tail / tail, ptxas' registers us"
                            for m in rows)
               + " | rows invariant | error against its own weight: engine / gluon |", "|---|---|---|"
               + "---|" * (len(rows) + 2)]
@@ -135,16 +135,13 @@ def _with(call, **flags) -> float:
 
 
 def _tails(call, rows: int) -> list[float]:
-    """``call`` with a verify's rows as a power of two and a tail (``TAILS``), on ptxas' registers and at 128
-    (``MAXNREG``); nan where ``rows`` takes no tail."""
+    """``call`` where the engine takes ``rows`` as a power of two and a tail (``TAILS``): without the tail, and with
+    it on ptxas' registers (no ``MAXNREG``); nan where ``rows`` takes no tail."""
     from engine.models import quant_gluon
 
-    kept, quant_gluon.TAILS = quant_gluon.TAILS, True
-    try:
-        tail = quant_gluon._rows_a_program(rows)[1]
-    finally:
-        quant_gluon.TAILS = kept
-    return [_with(call, TAILS=True), _with(call, TAILS=True, MAXNREG=128)] if tail else [nan, nan]
+    if not quant_gluon._rows_a_program(rows)[1]:
+        return [nan, nan]
+    return [_with(call, TAILS=False), _with(call, MAXNREG=None)]
 
 
 def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:

@@ -44,15 +44,18 @@ STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 # STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
 # (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
 # dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
-# verify's rows as a power of two and a tail (TAILS, --gluon-tails), rN registers at most for 8-warp launches
-# (MAXNREG, --gluon-maxnreg N); "engine" the step as the engine loads it (large_q4km_engine)
+# verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
+# rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
+# engine's, r0 ptxas' own); "engine" the step as the engine loads it (large_q4km_engine)
 for v in ${STEPS:-}; do
   flags=""
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
   if [[ $v == *p* ]]; then flags+=" --gluon-pdl"; fi
-  if [[ $v == *t* ]]; then flags+=" --gluon-tails"; fi
+  if [[ $v =~ t([0-9]*) ]]; then
+    case ${BASH_REMATCH[1]} in 0) flags+=" --gluon-tails off" ;; 16) flags+=" --gluon-tails 16" ;; *) flags+=" --gluon-tails on" ;; esac
+  fi
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
     --out "$OUT/large_q4km_$v.json"

@@ -40,9 +40,9 @@ through a little shared memory). The next tile's words and heads are read an ite
 rows too; ``STAGES``: or copied ahead into shared memory by cp.async, an option measured no faster; ``PDL``: a launch
 may start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows
-(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: a power of two and a
-tail of 8 or 16, two products of one decoded tile, an option not yet run on a GPU) on 4 or 8 warps (a 64- or
-128-row tile: ``_warps``; ``MAXNREG``: the 8-warp launches' registers capped, the same). Split over K (``split_for``):
+(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32 and a
+tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64- or
+128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 registers). Split over K (``split_for``):
 each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's
 tickets). The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in
 ``quant_gluon_staged.py``, what both share in ``quant_gluon_decode.py``).
@@ -255,7 +255,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     warps = _warps(_block_m(m), n_pad, warps)  # (a tail's launch takes the warps of its rows' power of two)
     tiles = n_pad // (16 * warps)
     row_blocks = -(-m // (block_m + tail))
-    capped = MAXNREG and warps == 8 and (tail or block_m <= 32)
+    capped = MAXNREG and warps == 8 and tail
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
     tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
@@ -283,25 +283,30 @@ def _block_m(m: int) -> int:
     return min(ROW_BLOCK, max(MIN_BLOCK_M, 1 << (m - 1).bit_length()))
 
 
-# A launch of more rows than a power of two by at most 16 (a verify of budget 32: 33 rows) as two products of one
-# decoded tile: 32 + 8 columns instead of 64 (``_rows_a_program``): fewer of the matrix unit's columns and of x's
-# bytes. Not yet run on a GPU: off until measured
-TAILS = False
+# A launch of 33-48 rows (a verify of budget 32 to 47) as two products of one decoded tile: 32 + 8 or 32 + 16 columns
+# instead of 64 (``_rows_a_program``): fewer of the matrix unit's columns and of x's bytes. On an H100 (2026-12-07,
+# RESULTS.md), with ``MAXNREG``: the 27B Q4_K_M verify at 32 18.67 -> 17.54-17.66 ms; without the cap 18.97 (one
+# program an SM at 154 registers). 17-24 rows as 16 + 8 (``TAIL_FROM`` 32) measured 14.81 -> 14.87-15.09 ms at
+# budget 22: they take 32. Rows bit for bit as a lone row's either way (GPU tests)
+TAILS = True
 
-# Registers a thread at most for 8-warp launches of at most 32 rows a program or with a tail (a verify's): a 33-row
-# launch compiles to 154 registers as 32 + 8 (``TAILS``), one program an SM; at 128, two, with no spill in either
-# kernel's K loop (static, sm_90; at 64 rows Q6_K's would spill, so those launches keep ptxas' own). Not yet run on
-# a GPU: None (ptxas' own) until measured
-MAXNREG: int | None = None
+# Registers a thread at most for a tail's 8-warp launch: 154 as ptxas allots them, one program an SM; at 128, two,
+# with no spill in either kernel's K loop (static, sm_90). 8-warp launches of at most 32 rows without a tail measured
+# the same at 128 (14.86 / 18.65 against 14.80 / 18.68 ms at budgets 22 / 32) and keep ptxas' own. None: ptxas' own
+MAXNREG: int | None = 128
+
+# The smallest power of two whose rows take a tail (``TAILS``): 64, i.e. 33-48 rows (32: 17-24 rows too)
+TAIL_FROM = 64
 
 
 def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
     """A launch's rows a program as (``BLOCK_M``, ``TAIL``): ``_block_m``'s, or with ``TAILS`` (the register path:
-    ``stages`` 0 or 1) half of it and a tail of 8 or 16 where the rest fits in a quarter of it (17-24 rows: 16 + 8,
-    33-40: 32 + 8, 41-48: 32 + 16; 25-32 and 49-64 take the power of two)."""
+    ``stages`` 0 or 1) where that is at least ``TAIL_FROM``, half of it and a tail of 8 or 16 where the rest fits in a
+    quarter of it (33-40 rows: 32 + 8, 41-48: 32 + 16, and at ``TAIL_FROM`` 32 17-24: 16 + 8; 49-64 take the power
+    of two)."""
     block_m = _block_m(m)
     rest = m - block_m // 2
-    if not TAILS or stages > 1 or m > ROW_BLOCK or block_m < 32 or rest > block_m // 4:
+    if not TAILS or stages > 1 or m > ROW_BLOCK or block_m < TAIL_FROM or rest > block_m // 4:
         return block_m, 0
     return block_m // 2, 8 if rest <= 8 else 16
 

@@ -74,7 +74,7 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-stages: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "gluon-pairs-ahead", "--gluon-stages", "3"],
      "--gluon-stages 3: shared-memory stages take the pair decode with x staged beside the planes"),
-    (["large", "--q4k-decode", "kernel", "--gluon-tails"],
+    (["large", "--q4k-decode", "kernel", "--gluon-tails", "on"],
      "--gluon-tails: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
@@ -86,6 +86,22 @@ def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
     with pytest.raises(SystemExit) as exit_:
         gb.main(argv)
     assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_gluon_flags_set_only_what_they_ask_for():
+    """``--gluon-*``: each flag given sets its ``quant_gluon`` setting (``--gluon-tails off`` the power of two, ``16``
+    17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not given leaves the engine's."""
+    gb = load_benchmark("gpu_bench")
+
+    def settings(**flags):
+        asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_pdl=False, gluon_tails=None, gluon_maxnreg=None)
+        return gb.gluon_settings(argparse.Namespace(**(asked | flags)))
+
+    assert settings() == {}
+    assert settings(gluon_tails="off", gluon_maxnreg=0) == {"TAILS": False, "MAXNREG": None}
+    assert settings(gluon_tails="16", gluon_maxnreg=168) == {"TAILS": True, "TAIL_FROM": 32, "MAXNREG": 168}
+    assert settings(gluon_tails="on", gluon_min_rows=16, gluon_stages=0, gluon_pdl=True) == {
+        "TAILS": True, "MIN_BLOCK_M": 16, "STAGES": 0, "PDL": True}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():

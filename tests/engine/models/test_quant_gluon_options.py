@@ -84,10 +84,13 @@ def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(m
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("maxnreg", [None, 128])
-def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_product(monkeypatch, split, maxnreg):
-    """``TAILS`` (17-24 and 33-48 rows as two products of one decoded tile, not yet the engine's) and ``MAXNREG``
-    (8-warp launches at 128 registers): one-hot rows read each weight back (40 rows a launch: 32 + 8), and every row
-    count's product has the bits of the launch without them, Q4_K's pairs and Q6_K."""
+@pytest.mark.parametrize("tail_from", [32, 64])
+def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_product(monkeypatch, split, maxnreg,
+                                                                                        tail_from):
+    """``TAILS`` (33-48 rows as two products of one decoded tile, the engine's; 17-24 too at ``TAIL_FROM`` 32) and
+    ``MAXNREG`` (a tail's 8-warp launch at 128 registers, the engine's, or ptxas' own): one-hot rows read each weight
+    back (40 rows a launch: 32 + 8), and every row count's product has the bits of the launch without a tail, Q4_K's
+    pairs and Q6_K."""
     from engine.models.quant import hold
 
     words, heads = quant_gluon.repack(_blocks(seed=12, n=N2).cuda(), K, True)
@@ -98,9 +101,12 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
                  quant_gluon.reference_q6_k(*planes, N2, K))]
     x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
     counts = (1, 17, 20, 24, 33, 40, 41, 48, 49, ROWS)
+    monkeypatch.setattr(quant_gluon, "TAILS", False)
+    monkeypatch.setattr(quant_gluon, "MAXNREG", None)
     want = [[product(x[:rows]) for rows in counts] for product, _ in products]  # (no tails, ptxas' registers)
     monkeypatch.setattr(quant_gluon, "TAILS", True)
     monkeypatch.setattr(quant_gluon, "MAXNREG", maxnreg)
+    monkeypatch.setattr(quant_gluon, "TAIL_FROM", tail_from)
     for (product, weight), wanted in zip(products, want, strict=True):
         for c0 in range(0, K, 40):
             rows = min(40, K - c0)  # 40 one-hot rows a launch (32 + 8), the last 32
@@ -112,15 +118,20 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
 
 
 def test_a_verifys_rows_take_a_tail_only_where_it_fits_in_a_quarter_of_their_power_of_two(monkeypatch):
-    """``_rows_a_program`` with ``TAILS``: 17-24 rows as 16 + 8, 33-40 as 32 + 8, 41-48 as 32 + 16; 25-32, 49-64,
-    fewer than 17 and more than 64 (row blocks) the power of two; staged launches never; without ``TAILS`` never."""
+    """``_rows_a_program``: with ``TAILS`` (the engine's) 33-40 rows as 32 + 8, 41-48 as 32 + 16, and at ``TAIL_FROM``
+    32 17-24 as 16 + 8 too; 25-32, 49-64, fewer than 17 and more than 64 (row blocks) the power of two; staged
+    launches never; without ``TAILS`` never."""
     counts = (1, 8, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 64, 65)
-    assert [quant_gluon._rows_a_program(m) for m in counts] == [(quant_gluon._block_m(m), 0) for m in counts]
-    monkeypatch.setattr(quant_gluon, "TAILS", True)
+    powers = [(quant_gluon._block_m(m), 0) for m in counts]
+    assert [quant_gluon._rows_a_program(m) for m in counts] == [
+        *powers[:7], (32, 8), (32, 8), (32, 16), (32, 16), (64, 0), (64, 0), (64, 0)]
+    monkeypatch.setattr(quant_gluon, "TAIL_FROM", 32)
     assert [quant_gluon._rows_a_program(m) for m in counts] == [
         (8, 0), (8, 0), (16, 0), (16, 8), (16, 8), (32, 0), (32, 0), (32, 8), (32, 8), (32, 16), (32, 16), (64, 0),
         (64, 0), (64, 0)]
     assert quant_gluon._rows_a_program(33, stages=3) == (64, 0)
+    monkeypatch.setattr(quant_gluon, "TAILS", False)
+    assert [quant_gluon._rows_a_program(m) for m in counts] == powers
 
 
 class _Launches:
@@ -136,10 +147,8 @@ class _Launches:
 @pytest.mark.parametrize("pdl", [False, True])
 def test_a_launch_passes_its_tail_pdl_and_register_cap_to_the_kernel(monkeypatch, pdl):
     """``_launch``: the grid (tiles of the warps of the rows' power of two, the split, row blocks of BLOCK_M + TAIL),
-    ``TAIL``, ``PDL`` as a constexpr and as ``launch_pdl``, and ``MAXNREG`` only on 8 warps with a tail or at most
-    32 rows a program."""
-    monkeypatch.setattr(quant_gluon, "TAILS", True)
-    monkeypatch.setattr(quant_gluon, "MAXNREG", 128)
+    ``TAIL``, ``PDL`` as a constexpr and as ``launch_pdl``, and ``MAXNREG`` only on 8 warps with a tail (the engine's
+    settings: tails from 64 rows' power of two, 128 registers)."""
     monkeypatch.setattr(quant_gluon, "PDL", pdl)
     kernel = _Launches()
     for m in (1, 20, 33, 50, 100):
@@ -147,7 +156,7 @@ def test_a_launch_passes_its_tail_pdl_and_register_cap_to_the_kernel(monkeypatch
     grids = [grid for grid, _ in kernel.seen]
     assert grids == [(4, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 2)]  # 256 padded rows: 64- or 128-row tiles
     options = [(kw["BLOCK_M"], kw["TAIL"], kw["num_warps"], kw.get("maxnreg")) for _, kw in kernel.seen]
-    assert options == [(8, 0, 4, None), (16, 8, 8, 128), (32, 8, 8, 128), (64, 0, 8, None), (64, 0, 8, None)]
+    assert options == [(8, 0, 4, None), (32, 0, 8, None), (32, 8, 8, 128), (64, 0, 8, None), (64, 0, 8, None)]
     assert all(kw["PDL"] is pdl and kw["launch_pdl"] is pdl for _, kw in kernel.seen)
 
 
