@@ -71,6 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import oracle_bars  # noqa: E402
+import q4k_decode  # noqa: E402
 from bench_common import env_record, large_pair, named_config, set_prompts, spread, sync, timed  # noqa: E402
 from step_attention import STEP_ATTENTION_HELP, apply_step_attention  # noqa: E402
 from step_profile import section_graphs, section_profile  # noqa: E402
@@ -416,30 +417,6 @@ def bytes_read_per_token(target: torch.nn.Module) -> int:
     return read if head is embed else read - embed.numel() * embed.element_size()
 
 
-def gluon_settings(args: argparse.Namespace) -> dict:
-    """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
-    tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
-    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None}
-    settings = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
-    if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
-        settings["MAXNREG"] = args.gluon_maxnreg or None
-    return settings
-
-
-def _check_gluon_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
-    if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
-        ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl", "gluon_tails", "gluon_maxnreg"):
-        value = getattr(args, flag)
-        if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
-            ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
-                     f"--q4k-decode {args.q4k_decode}")
-    if (args.gluon_stages or 0) > 1 and args.q4k_decode in ("gluon", "gluon-pairs-ahead"):
-        ap.error(f"--gluon-stages {args.gluon_stages}: shared-memory stages take the pair decode with x staged "
-                 f"beside the planes (--q4k-decode engine or gluon-pairs), not --q4k-decode {args.q4k_decode}")
-
-
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check alone (exit 2, naming the flag), then the sections' defaults."""
     taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
@@ -450,7 +427,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.sets and args.section not in ("large", "oracle") and not (args.section == "pair" and args.mix):
         ap.error(f"--sets: section {args.section} needs at least one set" + (" (or --mix)" if args.section == "pair"
                                                                               else ""))
-    _check_gluon_flags(ap, args)
+    q4k_decode.check(ap, args)
     if args.mix is not None and len(set(args.mix)) < 2:
         ap.error(f"--mix {' '.join(args.mix)}: a mix interleaves at least two different sets")
     if args.section == "oracle":
@@ -520,35 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
                          "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
                          "(issue #28); the roofline counts the bytes held")
-    ap.add_argument("--q4k-decode", choices=["engine", "kernel", "packed", "gluon", "gluon-pairs", "gluon-pairs-ahead"],
-                    default="engine",
-                    help="engine: as the engine loads (on an sm_90 GPU in bf16 Q4_K and Q6_K held as the planes of "
-                         "the decode into operand registers, engine/models/quant_gluon.py; issue #28); kernel: every "
-                         "format in its blocks through quant_kernel (ENGINE_QUANT_DECODE=kernel); packed: the Q4_K "
-                         "products through the bf16-pair decode prototype (benchmarks/quant_packed.py); gluon: "
-                         "through the operand-register decode with a benchmark's options (benchmarks/quant_gluon.py: "
-                         "the float decode; gluon-pairs: the pair decode, Q6_K too; -ahead: x read an iteration "
-                         "ahead); the last four load as kernel does")
-    ap.add_argument("--gluon-warps", type=int, choices=[4, 8], default=None,
-                    help="--q4k-decode gluon*: every launch on this many warps (a 64- or 128-row tile; default 8 for "
-                         "32 rows or more, else 4)")
-    ap.add_argument("--gluon-min-rows", type=int, choices=[8, 16], default=None,
-                    help="--q4k-decode engine or gluon*: a launch's fewest rows a program (quant_gluon.MIN_BLOCK_M; "
-                         "8, the engine's: 1-8 rows on wgmma's narrowest N, fewer registers; 16: as before "
-                         "2026-12-06's tenth session)")
-    ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
-                    help="--q4k-decode engine or gluon-pairs: the Q4_K and Q6_K products' tiles in flight through "
-                         "shared memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
-    ap.add_argument("--gluon-tails", choices=["on", "off", "16"], default=None,
-                    help="--q4k-decode engine or gluon*: 33-48 rows as 32 and a tail of 8 or 16, two products of one "
-                         "decoded tile (quant_gluon.TAILS; on: the engine's since 2026-12-07), 16: 17-24 rows as "
-                         "16 + 8 too (TAIL_FROM 32), off: the power of two")
-    ap.add_argument("--gluon-maxnreg", type=int, choices=[0, 128, 168], default=None,
-                    help="--q4k-decode engine or gluon*: registers a thread at most for a tail's 8-warp launches "
-                         "(quant_gluon.MAXNREG; 128 the engine's; 0: as ptxas allots them)")
-    ap.add_argument("--gluon-pdl", action="store_true",
-                    help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch "
-                         "(quant_gluon.PDL: each may start as the kernel before it ends)")
+    q4k_decode.add_flags(ap)
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "
                          "qwen35-27b-shape, "
@@ -580,21 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if not apply_step_attention(args.step_attention):
         return 2
     fused.set_kernels(args.kernels == "on")
-    if args.q4k_decode != "engine":  # the blocks kept for quant_kernel (or the prototypes that replace it)
-        fused.set_quant_decode("kernel")  # (the engine read ENGINE_QUANT_DECODE when gpu_bench imported it)
-    if args.q4k_decode == "packed":
-        import quant_packed
-
-        quant_packed.install()
-    elif args.q4k_decode.startswith("gluon"):
-        import quant_gluon
-
-        quant_gluon.install(pairs=args.q4k_decode != "gluon", x_ahead=args.q4k_decode.endswith("-ahead"),
-                            warps=args.gluon_warps)
-    from engine.models import quant_gluon as engine_gluon
-
-    for name, value in gluon_settings(args).items():
-        setattr(engine_gluon, name, value)
+    q4k_decode.apply(args)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

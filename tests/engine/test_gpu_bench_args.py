@@ -89,13 +89,12 @@ def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
 
 
 def test_the_gluon_flags_set_only_what_they_ask_for():
-    """``--gluon-*``: each flag given sets its ``quant_gluon`` setting (``--gluon-tails off`` the power of two, ``16``
-    17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not given leaves the engine's."""
-    gb = load_benchmark("gpu_bench")
-
+    """``--gluon-*`` (``q4k_decode.settings``): each flag given sets its ``quant_gluon`` setting (``--gluon-tails
+    off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not
+    given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_pdl=False, gluon_tails=None, gluon_maxnreg=None)
-        return gb.gluon_settings(argparse.Namespace(**(asked | flags)))
+        return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
     assert settings(gluon_tails="off", gluon_maxnreg=0) == {"TAILS": False, "MAXNREG": None}
