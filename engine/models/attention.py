@@ -185,8 +185,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         gb = gate if gate.stride(-1) == 1 else gate.contiguous()
         gb = gb if batched else gb[None]
         g_strides = (gb.stride(0) if b > 1 else 0, gb.stride(1), gb.stride(2))
-    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, t * hq, n_split, *g_strides, HQ=hq, D=d,
-                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE)
+    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, acc, t * hq, n_split, 0, *g_strides, HQ=hq, D=d,
+                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE,
+                                         STEP=False, SPLIT=SPLIT_KEYS)
     return out if batched else out[0]
 
 
@@ -237,8 +238,9 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     else:
         gb = gate if gate.stride(-1) == 1 else gate.contiguous()
         g_strides = (0, gb.stride(0), gb.stride(1))
-    _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, t * hq, n_split, *g_strides, HQ=hq, D=d,
-                                         BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE)
+    _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, keys.start, t * hq, n_split, n_tail, *g_strides, HQ=hq,
+                                         D=d, BLOCK_D=launch["BLOCK_D"], GATED=gate is not None,
+                                         LIBDEVICE=_LIBDEVICE, STEP=True, SPLIT=launch["SPLIT"])
     return out
 
 
@@ -404,9 +406,10 @@ if triton is not None:
         # so each row's scores and sums see exactly an AR step's block at that position. Two kinds of
         # program, so that a span's rows are written by exactly one: the first row_blocks * n_split
         # take BLOCK_M rows of several tokens (token-major, as _small_attention_kernel) in the spans
-        # wholly before start, where every block is shared, and in those past every new token (they
-        # store empty partials); the other tok_blocks * n_tail take one token's heads (SUB blocks of
-        # them) in the n_tail spans from start's on, where the new tokens sit. Only the spans'
+        # wholly before start, where every block is shared; the other tok_blocks * n_tail take one
+        # token's heads (SUB blocks of them) in the n_tail spans from start's on, where the new tokens
+        # sit. The spans past every new token hold no key any row sees: nothing is written there, and
+        # the merge stops before them (the partials they would hold add exactly zero). Only the spans'
         # programs launch whose kind depends on start (known on the GPU only): a captured verify over
         # many spans schedules no idle program per token and span. A row's arithmetic is the same
         # whichever program has it.
@@ -425,7 +428,7 @@ if triton is not None:
         lo = span * SPLIT
         # the span's kind of program (compared as integers: a comparison of two booleans is no mask)
         tail = (span >= first_tail) & (span < first_tail + n_tail)
-        active = (multi.to(tl.int32) != tail.to(tl.int32)) & (span < n_split)
+        active = (multi.to(tl.int32) != tail.to(tl.int32)) & (span < tl.minimum(n_split, first_tail + n_tail))
         tok = tl.where(active, tok, T)  # an inactive program's rows: none (it stores nothing)
         mrow = (tok < T) & (hrow < GROUP)
         part = span * T * HQ
@@ -491,24 +494,31 @@ if triton is not None:
 
     # Not specialised on the rows, the spans or the gate's strides (a batched gate's first stride
     # grows with T): an AR step and a verify, or two key spans, run one variant.
-    @triton.jit(do_not_specialize=["ROWS", "n_split", "sgb", "sgt", "sgh"])
-    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, ROWS, n_split, sgb, sgt, sgh, HQ: tl.constexpr,
-                                D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
-                                LIBDEVICE: tl.constexpr):
+    @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh"])
+    def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, start_ptr, ROWS, n_split, n_tail, sgb, sgt, sgh,
+                                HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
+                                LIBDEVICE: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr):
         # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
-        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero. Row r is query
-        # token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager ops round.
+        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero (acc + 0 * 0 and
+        # total + 0 * 0 are acc and total, acc never -0), so it may as well not be read: STEP (a
+        # decode step's, ``step_attention``) merges only the spans up to the last one a new token
+        # reaches, start // SPLIT + n_tail, which the step kernel writes; past them it writes nothing.
+        # Row r is query token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager
+        # ops round.
         r = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
         rd = tl.arange(0, BLOCK_D)
         md = rd < D
+        live = n_split
+        if STEP:
+            live = tl.minimum(n_split, tl.load(start_ptr) // SPLIT + n_tail)
         m_all = tl.load(ml_ptr + (seq * n_split * ROWS + r) * 2)
-        for sp in range(1, n_split):
+        for sp in range(1, live):
             m_all = tl.maximum(m_all, tl.load(ml_ptr + ((seq * n_split + sp) * ROWS + r) * 2))
         m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
         acc = tl.zeros([BLOCK_D], tl.float32)
         total = 0.0
-        for sp in range(0, n_split):
+        for sp in range(0, live):
             at = (seq * n_split + sp) * ROWS + r
             w = tl.exp(tl.load(ml_ptr + at * 2) - m_safe)
             acc += w * tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)

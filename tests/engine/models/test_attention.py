@@ -239,6 +239,38 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
     assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypatch, gated):
+    """A verify whose key span runs far past its tokens (a captured step's bucket): the spans past the last one a
+    new token reaches hold no key any row sees, so the step kernel writes no partial there and the merge reads
+    none (their buffers left NaN change no bit), while every span up to it is written; the output has the bits
+    of the same call over buffers that held zeros."""
+    split = split_attention.step_attention_launch(32)["SPLIT"]
+    start, slots, t = 2 * split + 5, 8 * split, len(TREE_PARENTS)
+    q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, 8, 2, 32, torch.bfloat16, seed=6)
+    keys = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, slots)  # 8 spans, the tokens in 2-3
+    gate = _r(*q.shape, dtype=torch.bfloat16, seed=7) if gated else None
+    live = start // split + -(-(t - 1) // split) + 1
+    made, empty = [], torch.empty
+
+    def partials(*shape, fill, **kwargs):
+        out = empty(*shape, **kwargs)
+        if len(shape) == 5 and kwargs.get("dtype") == torch.float32:  # the spans' partials [1, spans, T, HQ, *]
+            made.append(out.fill_(fill))
+        return out
+
+    outs = []
+    for fill in (0.0, float("nan")):
+        monkeypatch.setattr(torch, "empty", lambda *shape, fill=fill, **kw: partials(*shape, fill=fill, **kw))
+        outs.append(split_attention.step_attention(q, k, v, keys, gate=gate))
+        monkeypatch.setattr(torch, "empty", empty)
+    acc, m_l = made[2:]
+    assert acc.shape[1] == 8 and live < 8
+    assert acc[:, live:].isnan().all() and m_l[:, live:].isnan().all()
+    assert not acc[:, :live].isnan().any() and not m_l[:, :live].isnan().any()
+    assert not outs[1].isnan().any() and torch.equal(outs[1], outs[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,hq,hkv,d,start", [
     *((dtype, 8, 2, 32, 150) for dtype in DTYPES),
