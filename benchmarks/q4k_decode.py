@@ -44,10 +44,10 @@ def settings(args: argparse.Namespace) -> dict:
     """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
     tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
     asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None}
-    settings = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
+    chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
-        settings["MAXNREG"] = args.gluon_maxnreg or None
-    return settings
+        chosen["MAXNREG"] = args.gluon_maxnreg or None
+    return chosen
 
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -59,6 +59,8 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
+    if args.gluon_maxnreg is not None and args.gluon_tails == "off":
+        ap.error(f"--gluon-maxnreg {args.gluon_maxnreg}: it caps a tail's launch, and --gluon-tails off takes none")
     if (args.gluon_stages or 0) > 1 and args.q4k_decode in ("gluon", "gluon-pairs-ahead"):
         ap.error(f"--gluon-stages {args.gluon_stages}: shared-memory stages take the pair decode with x staged "
                  f"beside the planes (--q4k-decode engine or gluon-pairs), not --q4k-decode {args.q4k_decode}")

@@ -20,7 +20,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     """GPU us a call of the engine's Q4_K kernel (the weight's plan) and of this one (``split_for``), its float decode
     and its bf16 pair decode (on 4 and on 8 warps: 64- and 128-row tiles; and with x read an iteration ahead, the
     warps ``_warps`` picks; on 4 warps with a program's fewest rows at 16; staged in shared memory; where the engine
-    takes a verify's rows as 32 and a tail, without it and on ptxas' registers), on each 27B Q4_K weight, weights
+    takes a verify's rows as 32 and a tail, without it and on ptxas' registers: the other columns run the engine's
+    settings, a tail at 128 registers at 33 rows since 2026-12-07), on each 27B Q4_K weight, weights
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us

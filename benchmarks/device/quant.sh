@@ -22,7 +22,7 @@
 #      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_WARPS="4 8": again with every launch on that many
 #      warps). GRAPHS=1: the step's graphs
 #      replayed alone, their kernels by name (GRAPHS_DECODE). MIN_ROWS=16: the engine's step again with a launch's
-#      fewest rows a program at 16 (gpu_bench's --gluon-min-rows; the engine's 8 since 2026-12-06); STEPS="s3 p t
+#      fewest rows a program at 16 (gpu_bench's --gluon-min-rows; the engine's 8 since 2026-12-06); STEPS="s3 p t0
 #      ...": the step again with other quant_gluon options (below). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
@@ -54,7 +54,10 @@ for v in ${STEPS:-}; do
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
   if [[ $v == *p* ]]; then flags+=" --gluon-pdl"; fi
   if [[ $v =~ t([0-9]*) ]]; then
-    case ${BASH_REMATCH[1]} in 0) flags+=" --gluon-tails off" ;; 16) flags+=" --gluon-tails 16" ;; *) flags+=" --gluon-tails on" ;; esac
+    case ${BASH_REMATCH[1]} in
+      "") flags+=" --gluon-tails on" ;; 0) flags+=" --gluon-tails off" ;; 16) flags+=" --gluon-tails 16" ;;
+      *) say "STEPS: $v: t takes nothing, 0 or 16"; exit 2 ;;
+    esac
   fi
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \

@@ -286,13 +286,13 @@ def _block_m(m: int) -> int:
 # A launch of 33-48 rows (a verify of budget 32 to 47) as two products of one decoded tile: 32 + 8 or 32 + 16 columns
 # instead of 64 (``_rows_a_program``): fewer of the matrix unit's columns and of x's bytes. On an H100 (2026-12-07,
 # RESULTS.md), with ``MAXNREG``: the 27B Q4_K_M verify at 32 18.67 -> 17.54-17.66 ms; without the cap 18.97 (one
-# program an SM at 154 registers). 17-24 rows as 16 + 8 (``TAIL_FROM`` 32) measured 14.81 -> 14.87-15.09 ms at
-# budget 22: they take 32. Rows bit for bit as a lone row's either way (GPU tests)
+# program an SM at 154 registers). 17-24 rows as 16 + 8 (``TAIL_FROM`` 32) measured 14.80-14.82 -> 14.95-15.09 ms
+# at budget 22: they take 32. Rows bit for bit as a lone row's either way (GPU tests)
 TAILS = True
 
 # Registers a thread at most for a tail's 8-warp launch: 154 as ptxas allots them, one program an SM; at 128, two,
-# with no spill in either kernel's K loop (static, sm_90). 8-warp launches of at most 32 rows without a tail measured
-# the same at 128 (14.86 / 18.65 against 14.80 / 18.68 ms at budgets 22 / 32) and keep ptxas' own. None: ptxas' own
+# with no spill in either kernel's K loop (static, sm_90). 8-warp launches of at most 32 rows without a tail, capped
+# too, measured 14.86 against 14.80 ms at budget 22 (23 rows) and keep ptxas' own. None: ptxas' own
 MAXNREG: int | None = 128
 
 # The smallest power of two whose rows take a tail (``TAILS``): 64, i.e. 33-48 rows (32: 17-24 rows too)

@@ -114,7 +114,8 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
 @pytest.mark.parametrize("warps, x_ahead", [(4, False), (8, False), (4, True)])
 def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split, warps, x_ahead):
     """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, the engine's): one-hot rows read each weight
-    back bit for bit and a lone row's bits equal its bits among 33 (BLOCK_M 64), Q4_K's pairs and Q6_K."""
+    back bit for bit and a lone row's bits equal its bits among 33 (32 + a tail of 8, the engine's), Q4_K's pairs and
+    Q6_K."""
     from engine.models.quant import hold
 
     monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
@@ -131,7 +132,7 @@ def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkey
             eye = torch.zeros(8, K, device="cuda", dtype=torch.bfloat16)
             eye[torch.arange(8), c0 + torch.arange(8)] = 1
             assert torch.equal(product(eye), weight[:, c0:c0 + 8].T), c0
-        many = product(x)  # 33 rows: BLOCK_M 64, wgmma's N 64 (and the 33-row launch's own warps)
+        many = product(x)  # 33 rows: 32 + a tail of 8 (``TAILS``; and the 33-row launch's own warps)
         assert torch.equal(product(x[:1]), many[:1]) and torch.equal(product(x[5:13]), many[5:13])
 
 
