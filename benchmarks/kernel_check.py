@@ -134,13 +134,15 @@ def _attention_cases(dtype: str):
         yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
                dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
                step_warps, step_stages)
-        merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, ROWS="i32", n_split="i32",
-                     sgb="i32", sgt="i32", sgh="i32")
-        for gated in (False, True):  # dense models' merge; Qwen3.5's, with its output gate
-            yield (f"attention merge{' gated' if gated else ''} {dtype} head_dim={d}",
+        merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*i64", ROWS="i32",
+                     n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32")
+        # dense models' merge; Qwen3.5's, with its output gate; the mask form's and a decode step's (its live spans)
+        for gated, step_form in [(gated, step_form) for gated in (False, True) for step_form in (False, True)]:
+            yield (f"attention merge{' gated' if gated else ''}{' step' if step_form else ''} {dtype} head_dim={d}",
                    split_attention._attention_merge_kernel, merge,
-                   dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated,
-                        LIBDEVICE=split_attention._LIBDEVICE), 4, 3)
+                   dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=split_attention._LIBDEVICE,
+                        STEP=step_form, SPLIT=step_launch["SPLIT"] if step_form else split_attention.SPLIT_KEYS),
+                   4, 3)
 
 
 def cases():
