@@ -51,7 +51,8 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The Gluon decode's own flags refused with any other --q4k-decode (they would do nothing)."""
+    """The Gluon decode's own flags refused where they would do nothing (exit 2): with any other --q4k-decode, a
+    register cap with no tail to cap, shared-memory stages with a decode that has none."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl", "gluon_tails", "gluon_maxnreg"):
