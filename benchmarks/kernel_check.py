@@ -134,12 +134,13 @@ def _attention_cases(dtype: str):
         yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
                dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
                step_warps, step_stages)
-        merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*i64", ROWS="i32",
+        merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*fp32", ROWS="i32",
                      n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32")
-        # dense models' merge; Qwen3.5's, with its output gate; the mask form's and a decode step's (its live spans)
+        # dense models' merge; Qwen3.5's, with its output gate; the mask form's (start_ptr: acc, not read) and a
+        # decode step's (its live spans from start)
         for gated, step_form in [(gated, step_form) for gated in (False, True) for step_form in (False, True)]:
             yield (f"attention merge{' gated' if gated else ''}{' step' if step_form else ''} {dtype} head_dim={d}",
-                   split_attention._attention_merge_kernel, merge,
+                   split_attention._attention_merge_kernel, merge | ({"start_ptr": "*i64"} if step_form else {}),
                    dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=split_attention._LIBDEVICE,
                         STEP=step_form, SPLIT=step_launch["SPLIT"] if step_form else split_attention.SPLIT_KEYS),
                    4, 3)

@@ -244,7 +244,7 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
     """A verify whose key span runs far past its tokens (a captured step's bucket): the spans past the last one a
     new token reaches hold no key any row sees, so the step kernel writes no partial there and the merge reads
     none (their buffers left NaN change no bit), while every span up to it is written; the output has the bits
-    of the same call over buffers that held zeros."""
+    of the same call over buffers that held zeros, and of the verify over a key span ending at its last token."""
     split = split_attention.step_attention_launch(32)["SPLIT"]
     start, slots, t = 2 * split + 5, 8 * split, len(TREE_PARENTS)
     q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, 8, 2, 32, torch.bfloat16, seed=6)
@@ -269,6 +269,9 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
     assert acc[:, live:].isnan().all() and m_l[:, live:].isnan().all()
     assert not acc[:, :live].isnan().any() and not m_l[:, :live].isnan().any()
     assert not outs[1].isnan().any() and torch.equal(outs[1], outs[0])
+    # and the bits of the same verify over a key span that ends at its last token (every span live there)
+    own = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, start + t)
+    assert torch.equal(outs[0], split_attention.step_attention(q, k, v, own, gate=gate))
 
 
 @pytest.mark.slow
