@@ -14,6 +14,7 @@ DIR triton==3.6.0`` and ``PYTHONPATH=DIR python benchmarks/kernel_check.py`` che
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def _attention_cases(dtype: str):
                      n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32")
         # dense models' merge; Qwen3.5's, with its output gate; the mask form's (start_ptr: acc, not read) and a
         # decode step's (its live spans from start)
-        for gated, step_form in [(gated, step_form) for gated in (False, True) for step_form in (False, True)]:
+        for gated, step_form in itertools.product((False, True), (False, True)):
             yield (f"attention merge{' gated' if gated else ''}{' step' if step_form else ''} {dtype} head_dim={d}",
                    split_attention._attention_merge_kernel, merge | ({"start_ptr": "*i64"} if step_form else {}),
                    dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=split_attention._LIBDEVICE,
