@@ -10,6 +10,8 @@
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
     python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
     python benchmarks/kernel_bench.py quant-tiles           # the block kernel's 1-row launches per 27B weight
+    python benchmarks/kernel_bench.py quant-plans           # a measured plan per weight kept in GGUF blocks
+                                                            # (SmolLM2's Q4_1 GGUF; --shapes 576x1536:Q4_1 ...)
                                                             # (--rows 33: a budget-32 verify's, K split as its step)
     python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
                                                             # dequantize-then-multiply and the bf16 weight
@@ -41,7 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_timing import LAUNCHES  # noqa: E402
 from kernel_timing import time_us as _time
 from linear_bench import LINEAR_NARROW_TILES, LINEAR_SHAPES, LINEAR_TILES, bench_blas, bench_linear, bench_plans  # noqa: E402
-from quant_bench import QUANT_ROWS, QUANT_SHAPES, TILE_SHAPES, bench_packed, bench_quant, bench_quant_tiles  # noqa: E402
+from quant_bench import (  # noqa: E402
+    NATIVE_SHAPES,
+    QUANT_ROWS,
+    QUANT_SHAPES,
+    TILE_SHAPES,
+    bench_packed,
+    bench_quant,
+    bench_quant_plans,
+    bench_quant_tiles,
+)
 
 from engine.decoding.tree import build_tree_host  # noqa: E402
 from engine.models import delta_rule  # noqa: E402
@@ -268,31 +279,52 @@ def bench_attention() -> tuple[list[dict], list[str]]:
 
 
 def _quant(args: argparse.Namespace) -> int:
-    """``quant`` and ``quant-tiles``: their weights (``--shapes``: labels' starts or NxK)."""
-    table = QUANT_SHAPES if args.kernel == "quant" else TILE_SHAPES
+    """``quant``, ``quant-tiles`` and ``quant-plans``: their weights (``--shapes``: labels' starts or NxK; quant-plans
+    also NxK:FORMAT, any weight in any block format)."""
+    table = {"quant": QUANT_SHAPES, "quant-tiles": TILE_SHAPES, "quant-plans": NATIVE_SHAPES}[args.kernel]
     shapes = [s for s in table if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
                                                          for w in args.shapes)]
+    if args.kernel == "quant-plans":
+        from engine.models.linear import BLOCK_FORMATS
+
+        for w in args.shapes or []:  # any weight by its dims and format: NxK:FORMAT
+            dims, _, name = w.partition(":")
+            nk = dims.split("x")
+            if name or not any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}" for s in table):
+                if len(nk) != 2 or not all(d.isdigit() and int(d) > 0 for d in nk) or name not in BLOCK_FORMATS:
+                    print(f"quant-plans: --shapes {w!r} is neither a label's start of {[s[0] for s in table]}, their "
+                          f"NxK, nor NxK:FORMAT with FORMAT one of {', '.join(BLOCK_FORMATS)}", file=sys.stderr)
+                    return 2
+                shapes.append((w, int(nk[0]), int(nk[1]), name))
     if not shapes:
         print(f"{args.kernel}: --shapes {args.shapes} match none of {[s[0] for s in table]}", file=sys.stderr)
         return 2
-    rows = sorted(set(args.rows or (QUANT_ROWS if args.kernel == "quant" else [1])))
-    if any(not 1 <= m <= 1024 for m in rows):
-        print(f"{args.kernel}: --rows {rows} must lie in 1..1024", file=sys.stderr)
+    default_rows = {"quant": QUANT_ROWS, "quant-tiles": [1], "quant-plans": [1, 49]}[args.kernel]
+    rows = sorted(set(args.rows or default_rows))
+    if any(not 1 <= m <= 1024 for m in rows) or args.workers < 0:
+        print(f"{args.kernel}: --rows {rows} must lie in 1..1024, --workers {args.workers} be 0 (the CPUs less two) "
+              "or a count of processes", file=sys.stderr)
         return 2
     if args.kernel == "quant":
         return _report(args, *bench_quant(shapes, rows=tuple(rows)))
+    if args.kernel == "quant-plans":
+        return _report(args, *bench_quant_plans(shapes, rows=rows, workers=args.workers))
     return _report(args, *bench_quant_tiles(shapes, rows=rows))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernel", choices=["delta", "tree", "blas", "attention", "linear", "plans", "quant",
-                                           "quant-tiles", "packed"])
+                                           "quant-tiles", "quant-plans", "packed"])
     ap.add_argument("--shapes", nargs="+",
-                    help="linear, plans, quant, quant-tiles: the weights whose label starts so (or NxK)")
+                    help="linear, plans, quant, quant-tiles, quant-plans: the weights whose label starts so (or NxK; "
+                         "quant-plans: NxK:FORMAT too)")
     ap.add_argument("--rows", nargs="+", type=int,
-                    help="plans (default 1 16 49), quant (1 16 33), quant-tiles (1): the row counts timed (up to 16: "
-                         "the step launch; beyond: the verify's, quant-tiles keeping the step's K partition)")
+                    help="plans (default 1 16 49), quant (1 16 33), quant-tiles (1), quant-plans (1 49): the row "
+                         "counts timed (up to 16: the step launch; beyond: the verify's, quant-tiles keeping the "
+                         "step's K partition)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="quant-plans: processes compiling the launches ahead of timing (0: the CPUs less two, <= 16)")
     ap.add_argument("--keep-step", action="store_true",
                     help="plans: keep the engine's step launch per weight; try only verify tiles of its K partition")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")
@@ -320,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"--rows {args.rows} lie in 1..1024", file=sys.stderr)
             return 2
         return _report(args, *bench_plans(shapes, args.rows, args.keep_step))
-    if args.kernel in ("quant", "quant-tiles"):
+    if args.kernel in ("quant", "quant-tiles", "quant-plans"):
         return _quant(args)
     if args.kernel == "packed":
         return _report(args, *bench_packed(rows=sorted(set(args.rows or [1, 33]))))

@@ -87,3 +87,35 @@ def graph_breakdown(dec, key: tuple, replays: int) -> dict:
             "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
             "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
             "order": [(short_kernel_name(ev.name), round(ev.device_time, 2)) for ev in kernels]}
+
+
+def precompile(launch, args: list, workers: int = 0) -> float:
+    """Compile Triton kernels ahead of timing them, in ``workers`` processes at once (0: the CPUs less two, at
+    most 16): ``launch(arg)`` for each of ``args`` run once in a pool of fresh interpreters (spawned, each with
+    its own CUDA context), so Triton's disk cache holds every variant before the timing loop asks for it
+    (a tile sweep is otherwise one compile, ~1-3 s, a launch after the other). ``launch`` must be picklable (a
+    module-level function, or a ``functools.partial`` of one) and build its own inputs; a launch that fails
+    (a tile past the shared memory) is left for the timing loop to report. Returns the wall seconds taken."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import time
+
+    t0 = time.perf_counter()
+    workers = workers or max(1, min(16, (os.cpu_count() or 4) - 2))
+    chunks = [args[i::workers] for i in range(workers) if args[i::workers]]
+    if chunks:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=spawn) as pool:
+            list(pool.map(_run_each, [launch] * len(chunks), chunks))
+    return time.perf_counter() - t0
+
+
+def _run_each(launch, args: list) -> None:
+    for arg in args:
+        try:
+            launch(arg)
+        except Exception:  # noqa: BLE001 - the timing loop meets it again and says what it was
+            pass
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -213,35 +213,45 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
         return ws[next(calls) % len(ws)]
 
     xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-    ref = {m: F.linear(xs[m].float(), ws[0].float()) for m in rows}
     cublas = {m: _time(lambda m=m: F.linear(xs[m], pick())) for m in rows}
+    found = plan_search(label, rows, xs, {m: F.linear(xs[m].float(), ws[0].float()) for m in rows}, ws[0], pick,
+                        lambda x, w, cfg: lin._kernel_linear(x, w, None, cfg),
+                        _plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, rows), keep_step)
+    return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, **found}
+
+
+def plan_search(label: str, rows: list[int], xs: dict, ref: dict, first, pick, launch, candidates,
+                verbose: bool = False) -> dict:
+    """The plan search of one weight (``bench_plans``, ``quant_bench.bench_quant_plans``): each (kind, launch) of
+    ``candidates`` timed at the row counts of its kind (``launch(x, weight, cfg)``: on ``first`` checked against
+    ``ref`` (float32 products), then timed on ``pick()``'s weights); per K partition (split, BLOCK_K) the fastest
+    step and verify launches; the partition with the least total wins."""
+    from engine.models import linear as lin
+
     kinds = {"step": [m for m in rows if m <= lin.STEP_ROWS], "verify": [m for m in rows if m > lin.STEP_ROWS]}
     parts: dict[tuple[int, int], dict] = {}  # (split, block_k) -> kind -> (us summed, config, us by rows)
     tried: list[dict] = []  # every launch timed: its config, kind and us by rows
 
     def timed(cfg: lin.LinearConfig, m: int) -> float:
-        got = lin._kernel_linear(xs[m], ws[0], None, cfg).float()
+        got = launch(xs[m], first, cfg).float()
         if float((got - ref[m]).norm() / ref[m].norm()) > 1e-2:
             raise RuntimeError(f"a wrong product at {m} rows")
-        return _time(lambda: lin._kernel_linear(xs[m], pick(), None, cfg))
+        return _time(lambda: launch(xs[m], pick(), cfg))
 
-    def consider(kind: str, cfg: lin.LinearConfig) -> None:
+    for kind, cfg in candidates:
         ms = kinds[kind]
         best = parts.setdefault((cfg.split, cfg.block_k), {})
         try:
             us = {m: timed(cfg, m) for m in ms}
-        except Exception as exc:  # a tile that does not fit (shared memory): skipped, said so
+        except Exception as exc:  # a tile that does not fit (shared memory, registers): skipped, said so
             print(f"  {label} {cfg}: {str(exc).splitlines()[0][:100]}", flush=True)
-            return
+            continue
         tried.append({"kind": kind, "config": _cfg_tuple(cfg.__dict__), "us": us})
-        if keep_step:
+        if verbose:
             print(f"  {label} {kind} {_cfg_tuple(cfg.__dict__)}: "
                   + ", ".join(f"{m} rows {u:.1f} us" for m, u in us.items()), flush=True)
         if ms and (kind not in best or sum(us.values()) < best[kind][0]):
             best[kind] = (sum(us.values()), cfg, us)
-
-    for kind, cfg in _plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, list(kinds)):
-        consider(kind, cfg)
     needed = [kind for kind, ms in kinds.items() if ms]
     ranked = sorted((sum(p[kind][0] for kind in needed), key, p) for key, p in parts.items()
                     if all(kind in p for kind in needed))
@@ -249,18 +259,19 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
     step = best["step"][1] if "step" in best else best["verify"][1]
     verify = best["verify"][1] if "verify" in best else step
     us = {m: u for kind in needed for m, u in best[kind][2].items()}
-    return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, "us": us, "total": total,
-            "step": step.__dict__, "verify": verify.__dict__,
+    return {"us": us, "total": total, "step": step.__dict__, "verify": verify.__dict__,
             "runners_up": [{"split": key[0], "block_k": key[1], "total": t} for t, key, _ in ranked[1:4]],
             "tried": tried}
 
 
-def _plan_candidates(engine, k: int, kinds: list[str]):
+def _plan_candidates(engine, k: int, rows: list[int]):
     """The (kind, launch) pairs a plan search times: with the engine's plan (``--keep-step``) its
     step launch, its verify launch, then ``PLAN_VERIFY_TILES`` under its K partition; else every
     tile of ``PLAN_TILES`` (``PLAN_TILES_LARGE`` from K 4,096) at every split."""
     from engine.models import linear as lin
 
+    kinds = [kind for kind, there in (("step", min(rows) <= lin.STEP_ROWS), ("verify", max(rows) > lin.STEP_ROWS))
+             if there]
     if engine is not None:
         yield "step", engine.step
         yield "verify", engine.verify

@@ -236,6 +236,137 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
     return out, lines
 
 
+# quant-plans: the weights of SmolLM2-135M-Instruct's Q4_1 GGUF as a native load launches them (q/k/v and gate/up
+# stacked; its tied head Q8_0), on the block kernel its decode is latency-bound at K = 576 (RESULTS.md, 2026-12-07:
+# 1.1-2.4x the bf16 weight's time a call on the dense plans)
+NATIVE_SHAPES = [("SmolLM2 qkv", 960, 576, "Q4_1"), ("SmolLM2 o_proj", 576, 576, "Q4_1"),
+                 ("SmolLM2 gate_up", 3072, 576, "Q4_1"), ("SmolLM2 down", 576, 1536, "Q4_1"),
+                 ("SmolLM2 lm_head", 49152, 576, "Q8_0")]
+# the tiles tried (block_n, block_k, warps, stages), each at every K partition of NATIVE_SPLITS: narrow tiles and
+# short K blocks (a short loop's latency a program, more programs), 3 stages (the loops are 2-18 blocks long);
+# from 16,384 outputs (a head: hundreds of programs already) wider tiles on 4 and 8 warps
+NATIVE_TILES = [(bn, bk, 4, 3) for bn in (16, 32, 64) for bk in (32, 64, 128)]
+NATIVE_TILES_WIDE = [(bn, bk, w, 3) for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (32, 64, 128)]
+NATIVE_SPLITS = (1, 2, 3, 4, 6, 8, 12)
+NATIVE_ROW_BLOCKS = (128, 16)  # a verify launch's rows a program at most (LinearConfig.row_block)
+
+
+def native_candidates(n: int, k: int, rows: Sequence[int]):
+    """The (kind, launch) pairs the native plan search times for an [n, k] block weight: every tile of
+    ``NATIVE_TILES`` (``NATIVE_TILES_WIDE`` from 16,384 outputs) at every K partition, a partition once (splits
+    that cut K into the same parts, ``linear.k_parts``, are one); verify launches (past ``STEP_ROWS`` rows) on the
+    two widest tiles, at each of ``NATIVE_ROW_BLOCKS``."""
+    from engine.models import linear as lin
+
+    tiles = NATIVE_TILES_WIDE if n >= 16384 else NATIVE_TILES
+    verify_widths = sorted({t[0] for t in tiles})[-2:]
+    for bn, bk, warps, stages in tiles:
+        seen = set()
+        for split in NATIVE_SPLITS:
+            parts = lin.k_parts(k, lin.LinearConfig(bn, bk, split))
+            if (split > 1 and k // split < bk) or parts in seen:
+                continue
+            seen.add(parts)
+            if min(rows) <= lin.STEP_ROWS:
+                yield "step", lin.LinearConfig(bn, bk, split, warps, stages)
+            if max(rows) > lin.STEP_ROWS and bn in verify_widths:
+                for row_block in NATIVE_ROW_BLOCKS:
+                    yield "verify", lin.LinearConfig(bn, bk, split, warps, stages, row_block)
+
+
+@functools.cache
+def _native_inputs(n: int, k: int, name: str, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from engine.models.quant import FORMATS, hold
+    from engine.models.quantize import quantize
+
+    fmt = FORMATS[name]
+    w = hold(quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
+    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w
+
+
+def _native_launch(n: int, k: int, name: str, launch: tuple[tuple[int, ...], int]) -> None:
+    """One launch of the block kernel (``kernel_timing.precompile``'s worker): (the config's fields, rows)."""
+    from engine.models import linear as lin
+    from engine.models import quant_kernel
+    from engine.models.quant import FORMATS
+
+    cfg, m = launch
+    x, w = _native_inputs(n, k, name, m)
+    quant_kernel.kernel_linear(x, w, FORMATS[name], k, None, lin.LinearConfig(*cfg))
+
+
+def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, rows: Sequence[int] = (1, 49),
+                      workers: int = 0) -> tuple[list[dict], list[str]]:
+    """A plan of its own per weight kept in GGUF blocks (``linear.TUNED_NATIVE``), measured as ``plans`` measures a
+    dense weight's (``linear_bench.plan_search``: per K partition the fastest step and verify launches, the
+    partition with the least total at ``rows``) on the block kernel over ``native_candidates``, every launch
+    compiled ahead in ``workers`` processes (``kernel_timing.precompile``). Beside it at each row count: the
+    block kernel on the weight's plan now (``quant_kernel.linear``) and its dequantized twin on the dense kernel
+    (``linear.linear``, the dense plan: what a dequantized load takes); and whether the new plan keeps a row's
+    bits across row counts (step launch at 1 row against the verify launch at the most rows). Prints the winners
+    as ``linear.TUNED_NATIVE`` entries."""
+    from linear_bench import _cfg_tuple
+
+    rows = sorted(set(rows))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out, entries = [], []
+    for label, n, k, name in shapes or NATIVE_SHAPES:
+        row = _native_plan_shape(label, n, k, name, rows, gen, workers)
+        out.append(row)
+        entries.append(f'        ("{name}", {n}, {k}): _plan(_C{_cfg_tuple(row["step"])}, '
+                       f'_C{_cfg_tuple(row["verify"])}),  # {label}')
+        torch.cuda.empty_cache()
+    lines = ["| weights | format | plan (step; verify: N, K, split, warps, stages, rows a program) | "
+             + " | ".join(f"{m} rows: plan / now / dequantized us" for m in rows) + " | rows invariant |",
+             "|---|---|---|" + "---|" * (len(rows) + 1)]
+    lines += [f"| {r['shape']} | {r['format']} | {_cfg_tuple(r['step'])}; {_cfg_tuple(r['verify'])} | "
+              + " | ".join(f"{r['us'][m]:.1f} / {r['now'][m]:.1f} / {r['dense'][m]:.1f}" for m in rows)
+              + f" | {'y' if r['row_invariant'] else 'n'} |" for r in out]
+    return out, lines + ["", "```python", *entries, "```"]
+
+
+def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], gen: torch.Generator,
+                       workers: int) -> dict:
+    import torch.nn.functional as F
+    from kernel_timing import precompile
+    from linear_bench import _cfg_tuple, plan_search
+
+    from engine.models import linear as lin
+    from engine.models import quant_kernel
+    from engine.models.quant import FORMATS, dequantize, hold, unhold
+    from engine.models.quantize import quantize
+
+    fmt = FORMATS[name]
+    candidates = list(native_candidates(n, k, rows))
+    launches = sorted({(_cfg_tuple(c.__dict__), m) for kind, c in candidates for m in rows
+                       if (m <= lin.STEP_ROWS) == (kind == "step")})
+    seconds = precompile(functools.partial(_native_launch, n, k, name), launches, workers)
+    print(f"{label} {name}: {len(launches)} launches compiled in {seconds:.0f} s", flush=True)
+    first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
+    pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+    twin = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
+    pick_twin = _rotating([twin] + [twin.clone() for _ in range(_copies(twin.numel() * 2) - 1)])
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+
+    def launch(x: torch.Tensor, w: torch.Tensor, cfg: lin.LinearConfig) -> torch.Tensor:
+        return quant_kernel.kernel_linear(x, w, fmt, k, None, cfg)
+
+    now = {m: _time(lambda m=m: quant_kernel.linear(xs[m], pick(), fmt, k)) for m in rows}
+    dense = {m: _time(lambda m=m: lin.linear(xs[m], pick_twin())) for m in rows}
+    found = plan_search(label, rows, xs, {m: F.linear(xs[m].float(), twin.float()) for m in rows}, first, pick,
+                        launch, candidates)
+    plan = lin.LinearPlan(lin.LinearConfig(**found["step"]), lin.LinearConfig(**found["verify"]))
+    most = xs[rows[-1]]
+    alone = launch(most[:1], first, plan.for_rows(1))
+    invariant = torch.equal(alone, launch(most, first, plan.for_rows(len(most)))[:1])
+    step = found["step"]
+    print(f"{label} ({n} x {k}) {name}: split {step['split']} block_k {step['block_k']}: " + ", ".join(
+        f"{m} rows {found['us'][m]:.1f} us (now {now[m]:.1f}, dequantized {dense[m]:.1f})" for m in rows)
+        + f"; rows invariant: {invariant}", flush=True)
+    return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "format": name, "bytes": first.numel(), "now": now,
+            "dense": dense, "row_invariant": invariant, **found}
+
+
 # The prototype of the decode redesign (benchmarks/quant_packed.py: Q4_K as bf16 pairs): the 27B Q4_K_M step's Q4_K
 # weights, on the engine's launch and on wider tiles (fewer loop instructions a value, kernel_sass.py --packed)
 PACKED_SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),

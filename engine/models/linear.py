@@ -23,7 +23,9 @@ sequential sum, the order the GPU's matrix unit keeps) on the CPU.
 
 Which launch each weight takes is measured, not guessed: ``TUNED`` holds, per GPU architecture and
 weight shape, the plan that beat cuBLAS (``benchmarks/kernel_bench.py linear``); any other weight
-takes ``default_plan``, sized from its shape. The kernel switch is ``engine.models.fused``'s.
+takes ``default_plan``, sized from its shape. A weight kept in GGUF blocks (``quant_kernel``) takes its
+shape's plan too, unless ``TUNED_NATIVE`` (or a plans file's entry with a ``format``) has one for its
+format and shape. The kernel switch is ``engine.models.fused``'s.
 """
 
 from __future__ import annotations
@@ -144,6 +146,17 @@ TUNED: dict[tuple[int, int], dict[tuple[int, int], LinearPlan]] = {
         (49152, 576): _plan(_C(64, 64, 1, 4, 2)),
     },
 }
+# The GGUF block formats the few-row block kernel decodes (``quant_kernel``), in the order of its format codes.
+BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Plans of weights kept in GGUF blocks, by (format, N, K), where a launch of their own beat the shape's plan on the
+# block kernel (``kernel_bench.py quant-plans``): a block kernel's decode is latency-bound where the dense kernel
+# streams, so at a small model's short K (SmolLM2's 576) its best tiles and K partition are not the dense ones.
+# A block weight without an entry takes its shape's plan and so rounds as its dequantized twin does; with one its K
+# splits its own way: its rows still sum alike at every row count (one partition a weight), but native and
+# dequantized weights then round apart at near-ties, each exact against its own AR.
+TUNED_NATIVE: dict[tuple[int, int], dict[tuple[str, int, int], LinearPlan]] = {
+    (9, 0): {},
+}
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 
 
@@ -161,15 +174,16 @@ def default_plan(n: int, k: int) -> LinearPlan:
 # A file of measured plans (``kernel_bench.py plans --out FILE``) for weights of your own model or
 # GPU, read once: its plans come before ``TUNED``'s on every GPU (measure on the GPU you run).
 PLANS_ENV = "ENGINE_LINEAR_PLANS"
-_FILE_PLANS: dict[str, dict[tuple[int, int], LinearPlan]] = {}
+_FILE_PLANS: dict[str, dict[tuple, LinearPlan]] = {}
 _CONFIG_FIELDS = ("block_n", "block_k", "split", "num_warps", "num_stages", "row_block")
 
 
-def load_plans(path: str) -> dict[tuple[int, int], LinearPlan]:
-    """The plans in ``path``, a JSON list as ``kernel_bench.py plans --out`` writes it: one object per
-    weight with ``n`` and ``k`` (its out and in features) and ``step`` and ``verify`` launches (objects
-    with ``LinearConfig``'s fields). Anything else raises ``ValueError`` naming the file, the entry and
-    the rule, so that a mistyped file never decodes on a launch nobody chose."""
+def load_plans(path: str) -> dict[tuple, LinearPlan]:
+    """The plans in ``path``, a JSON list as ``kernel_bench.py plans --out`` (or ``quant-plans --out``) writes
+    it: one object per weight with ``n`` and ``k`` (its out and in features), ``step`` and ``verify`` launches
+    (objects with ``LinearConfig``'s fields) and, for a weight kept in GGUF blocks, its ``format`` (one of
+    ``BLOCK_FORMATS``; keyed (format, n, k), as ``TUNED_NATIVE``). Anything else raises ``ValueError`` naming
+    the file, the entry and the rule, so that a mistyped file never decodes on a launch nobody chose."""
     try:
         with open(path) as f:
             entries = json.load(f)
@@ -180,7 +194,7 @@ def load_plans(path: str) -> dict[tuple[int, int], LinearPlan]:
     if not isinstance(entries, list):
         raise ValueError(f"{PLANS_ENV}: {path!r} must hold a list of plans (kernel_bench.py plans --out), "
                          f"got a {type(entries).__name__}")
-    plans: dict[tuple[int, int], LinearPlan] = {}
+    plans: dict[tuple, LinearPlan] = {}
     for i, e in enumerate(entries):
         where = f"{PLANS_ENV}: {path!r} entry {i}"
         if not isinstance(e, dict) or not all(key in e for key in ("n", "k", "step", "verify")):
@@ -188,6 +202,10 @@ def load_plans(path: str) -> dict[tuple[int, int], LinearPlan]:
         n, k = e["n"], e["k"]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, k)):
             raise ValueError(f"{where}: n and k must be positive integers, got n={n!r} k={k!r}")
+        fmt = e.get("format")
+        if fmt is not None and fmt not in BLOCK_FORMATS:
+            raise ValueError(f"{where}: format must be one of {', '.join(BLOCK_FORMATS)} (a weight kept in those "
+                             f"GGUF blocks) or absent (a dense weight), got {fmt!r}")
         launches = []
         for kind in ("step", "verify"):
             c = e[kind]
@@ -200,13 +218,13 @@ def load_plans(path: str) -> dict[tuple[int, int], LinearPlan]:
             except ValueError as exc:
                 raise ValueError(f"{where}: {kind}: {exc}") from None
         try:
-            plans[(n, k)] = LinearPlan(*launches)
+            plans[(n, k) if fmt is None else (fmt, n, k)] = LinearPlan(*launches)
         except ValueError as exc:
             raise ValueError(f"{where} ({n} x {k}): {exc}") from None
     return plans
 
 
-def file_plans() -> dict[tuple[int, int], LinearPlan]:
+def file_plans() -> dict[tuple, LinearPlan]:
     """The plans of the file ``ENGINE_LINEAR_PLANS`` names (none when unset), read once per path."""
     path = os.environ.get(PLANS_ENV, "")
     if not path:
@@ -230,9 +248,13 @@ def capability(dev: torch.device) -> tuple[int, int]:
     return _CAPABILITY[dev]
 
 
-def plan_for_shape(n: int, k: int, dev: torch.device) -> LinearPlan:
-    """``plan_for`` of an ``[n, k]`` weight on ``dev`` (a weight held otherwise: GGUF blocks, ``quant_kernel``)."""
-    plan = file_plans().get((n, k)) or TUNED.get(capability(dev), {}).get((n, k))
+def plan_for_shape(n: int, k: int, dev: torch.device, fmt: str | None = None) -> LinearPlan:
+    """``plan_for`` of an ``[n, k]`` weight on ``dev``; a weight kept in ``fmt``'s GGUF blocks (``quant_kernel``)
+    first takes its own (the file's, then ``TUNED_NATIVE``'s), else the shape's."""
+    plan = None
+    if fmt is not None:
+        plan = file_plans().get((fmt, n, k)) or TUNED_NATIVE.get(capability(dev), {}).get((fmt, n, k))
+    plan = plan or file_plans().get((n, k)) or TUNED.get(capability(dev), {}).get((n, k))
     return plan if plan is not None else default_plan(n, k)
 
 

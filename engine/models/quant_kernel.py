@@ -10,13 +10,14 @@ value is exact in float32, so the one rounding each value has is the same whethe
 fuses it into an FMA), rounds them to the activations' dtype as a dequantized load does, and multiplies
 as ``engine.models.linear``'s kernel does.
 
-Exactness. Everything after the decode is ``linear._linear_kernel``'s arithmetic on the same plan (the
-weight's ``LinearPlan`` by shape: the same ``split`` and ``block_k``, so the same sums over K in the
-same order, the parts added in order by the last one to finish). Hence:
+Exactness. Everything after the decode is ``linear._linear_kernel``'s arithmetic on the weight's plan (by
+shape, as a dense weight's: the same ``split`` and ``block_k``, so the same sums over K in the same order, the
+parts added in order by the last one to finish; or its format's own, ``linear.TUNED_NATIVE``). Hence:
 
 - row invariance: a row's bits do not depend on how many rows share the launch (1 to ``MAX_ROWS``,
   step and verify launches alike), as for the dense kernel: a verify's rows round as AR steps do;
-- native = dequantized: the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit,
+- native = dequantized, where the weight takes its shape's plan (not where ``TUNED_NATIVE`` gives it one of
+  its own): the result equals ``linear.linear(x, dequantize(blocks, x.dtype))`` bit for bit,
   so a native target decodes its dequantized twin's tokens. Checked in Triton's interpreter for every
   format and both decodes; on a GPU it holds where the matrix unit's sums depend on the K partition only
   (what ``linear.py``'s row invariance rests on): ``test_quant_kernel.py``'s CUDA tests and
@@ -66,7 +67,7 @@ except ImportError:  # pragma: no cover - installs without Triton dequantize per
 
 # The formats this kernel decodes, by the code the kernel branches on (a constexpr: one compiled
 # variant per format).
-KERNEL_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+KERNEL_FORMATS = {name: code for code, name in enumerate(rows_linear.BLOCK_FORMATS)}
 MAX_ROWS = rows_linear.MAX_ROWS  # every row count a decode step reaches (engine.config.MAX_BUDGET + 1)
 # Rows a program takes at most, where a plan's 128 (a tile's float32 sums, 64 registers a thread) and
 # the format's decode would spill registers (benchmarks/kernel_check.py); more rows take more row blocks,
@@ -134,9 +135,9 @@ def use_kernel(x: Tensor, blocks: Tensor, fmt: BlockFormat, bias: Tensor | None 
 
 def linear(x: Tensor, blocks: Tensor, fmt: BlockFormat, cols: int, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, W, bias)`` for W = the blocks' ``[N, cols]`` weight in ``x``'s dtype, where
-    ``use_kernel`` says the kernel takes it: on the launch the dense kernel's plan gives an ``[N, cols]``
-    weight (``linear.plan_for_shape``: a file's, the tuned one, or ``default_plan``)."""
-    plan = rows_linear.plan_for_shape(blocks.shape[0], cols, blocks.device)
+    ``use_kernel`` says the kernel takes it: on the weight's plan (``linear.plan_for_shape``: its format's
+    measured one, else the one an ``[N, cols]`` dense weight takes)."""
+    plan = rows_linear.plan_for_shape(blocks.shape[0], cols, blocks.device, fmt.name)
     return kernel_linear(x, blocks, fmt, cols, bias, plan.for_rows(x.numel() // cols))
 
 

@@ -22,3 +22,47 @@ def test_the_timed_weights_cover_every_launch_of_the_27b_q4_k_m_step():
     assert f"summed: {(273 + six) / 1000:.2f} ms over 273 of 273 launches" in qb.step_sum(rows)
     partial = qb.step_sum([r for r in rows if r["n"] != 248320])
     assert "over 272 of 273 launches (not timed: Q6_K 248320x5120 x1)" in partial
+
+
+def test_the_native_plan_search_tries_each_k_partition_once_with_step_and_verify_launches():
+    """``native_candidates``: per tile, splits that cut K into the same parts are tried once; every partition a
+    verify launch is tried on has step launches too (a plan's two launches share one), and row counts of one kind
+    give launches of that kind only."""
+    from engine.models import linear as lin
+
+    qb = load_benchmark("quant_bench")
+    for _, n, k, _ in qb.NATIVE_SHAPES:
+        both = list(qb.native_candidates(n, k, [1, 49]))
+        steps = [c for kind, c in both if kind == "step"]
+        assert len({(c.block_n, c.block_k, c.num_warps, lin.k_parts(k, c)) for c in steps}) == len(steps)
+        partitions = {(c.split, c.block_k) for c in steps}
+        assert {(c.split, c.block_k) for kind, c in both if kind == "verify"} <= partitions
+        assert all(k // c.split >= c.block_k or c.split == 1 for c in steps)
+        assert [c for kind, c in qb.native_candidates(n, k, [1]) if kind == "step"] == steps
+        assert {kind for kind, _ in qb.native_candidates(n, k, [33])} == {"verify"}
+    # SmolLM2's 576-wide K at 64-value blocks: 9, 5, 3 and 2 blocks a part (splits 1, 2, 3 and 6; 4 and 8 cut
+    # it as 3 and 6 do)
+    qkv = [c for kind, c in qb.native_candidates(960, 576, [1]) if c.block_k == 64 and c.block_n == 16]
+    assert [c.split for c in qkv] == [1, 2, 3, 6]
+
+
+def test_the_plans_the_native_search_writes_load_as_the_formats_own(tmp_path, monkeypatch):
+    """``kernel_bench.py quant-plans --out``'s rows (format, n, k, step and verify as the config's fields, with
+    the timings beside) are a plans file: ``ENGINE_LINEAR_PLANS`` gives the format's weights of that shape
+    those launches, and a dense weight of the shape keeps its own."""
+    import json
+
+    import torch
+
+    from engine.models import linear as lin
+
+    step = lin.LinearConfig(16, 64, 3, 4, 3)
+    verify = lin.LinearConfig(32, 64, 3, 4, 3, 16)
+    row = {"shape": "SmolLM2 qkv (960 x 576)", "n": 960, "k": 576, "format": "Q4_1", "now": {"1": 5.5},
+           "us": {"1": 3.1, "49": 4.0}, "step": step.__dict__, "verify": verify.__dict__, "tried": []}
+    path = tmp_path / "native.json"
+    path.write_text(json.dumps([row]))
+    monkeypatch.setenv(lin.PLANS_ENV, str(path))
+    cpu = torch.device("cpu")
+    assert lin.plan_for_shape(960, 576, cpu, "Q4_1") == lin.LinearPlan(step, verify)
+    assert lin.plan_for_shape(960, 576, cpu) == lin.default_plan(960, 576)

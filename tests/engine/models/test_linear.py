@@ -132,6 +132,25 @@ def test_a_plans_file_comes_before_the_tuned_plans(tmp_path, monkeypatch):
     assert lin.plan_for(w) == lin.default_plan(96, 640)
 
 
+def test_a_block_weights_own_plan_comes_before_its_shapes(tmp_path, monkeypatch):
+    """A weight kept in GGUF blocks takes its format's plan where one is measured (a plans file's entry with a
+    ``format``, then ``TUNED_NATIVE``), else its shape's; a dense weight of that shape never takes it."""
+    step = dict(block_n=16, block_k=64, split=3, num_warps=4, num_stages=3, row_block=128)
+    verify = {**step, "block_n": 32, "row_block": 16}
+    mine = lin.LinearPlan(lin.LinearConfig(**step), lin.LinearConfig(**verify))
+    cpu = torch.device("cpu")  # (capability (0, 0))
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == lin.default_plan(96, 640)
+    monkeypatch.setitem(lin.TUNED_NATIVE, (0, 0), {("Q4_1", 96, 640): mine})
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == mine
+    assert lin.plan_for_shape(96, 640, cpu, "Q8_0") == lin.plan_for_shape(96, 640, cpu) == lin.default_plan(96, 640)
+    filed = lin.LinearPlan(lin.LinearConfig(**verify), lin.LinearConfig(**verify))
+    monkeypatch.setenv(lin.PLANS_ENV, _plans_file(tmp_path, [{"n": 96, "k": 640, "format": "Q8_0", "step": verify,
+                                                              "verify": verify}]))
+    assert lin.plan_for_shape(96, 640, cpu, "Q8_0") == filed
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == mine and lin.plan_for_shape(96, 640, cpu) == lin.default_plan(
+        96, 640)
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("{}", "must hold a list of plans"),
     ("[1]", "entry 0 must be an object with n, k, step and verify"),
@@ -143,6 +162,8 @@ def test_a_plans_file_comes_before_the_tuned_plans(tmp_path, monkeypatch):
      '"row_block": 128}, "verify": {"block_n": 64, "block_k": 64, "split": 2, "num_warps": 4, "num_stages": 2, '
      '"row_block": 128}}]', r"entry 0 \(64 x 64\): a LinearPlan's step and verify launches must split K alike"),
     ("[{", "is not JSON"),
+    ('[{"n": 64, "k": 64, "format": "Q4_2", "step": {}, "verify": {}}]',
+     "entry 0: format must be one of Q4_0, Q4_1, .* or absent .*, got 'Q4_2'"),
 ])
 def test_a_bad_plans_file_is_refused_with_the_entry_and_the_rule(tmp_path, content, message):
     path = tmp_path / "plans.json"

@@ -198,12 +198,19 @@ def test_dispatch_takes_the_kernel_for_a_steps_rows_and_dequantizes_otherwise(mo
     plan = lin.plan_for_shape(40, 96, x.device)
     assert torch.equal(layer(x), _reference(x, layer.blocks, fmt, 96, layer.bias, plan.step))
     assert calls == [plan.step]
+    # a plan of the format's own (linear.TUNED_NATIVE) comes before the shape's
+    own = lin.LinearPlan(lin.LinearConfig(16, 32, 3, num_stages=2), lin.LinearConfig(32, 32, 3, row_block=16))
+    monkeypatch.setitem(lin.TUNED_NATIVE, lin.capability(x.device), {("Q8_0", 40, 96): own})
+    assert own.step.split != plan.step.split and torch.equal(
+        layer(x), _reference(x, layer.blocks, fmt, 96, layer.bias, own.step))
+    assert calls == [plan.step, own.step]
+    monkeypatch.setitem(lin.TUNED_NATIVE, lin.capability(x.device), {})
     assert not qk.use_kernel(x.float(), layer.blocks, fmt)  # float32: dequantize, then cuBLAS / the CPU
     big = torch.zeros(qk.MAX_ROWS + 1, 96, dtype=torch.bfloat16, device=DEVICE)
     assert not qk.use_kernel(big, layer.blocks, fmt)  # a long prefill: dequantize once, then a GEMM
     big[:3] = x
     assert torch.equal(layer(big), F.linear(big, layer.dequantized(torch.bfloat16), layer.bias))
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_a_fused_groups_part_takes_the_kernel_on_its_own_rows_of_blocks(monkeypatch):
@@ -237,9 +244,10 @@ GPU_CASES = [("Q4_1", 960, 576), ("Q8_0", 49152, 576), ("Q8_0", 5120, 6144), ("Q
 @pytest.mark.skipif(DEVICE != "cuda", reason="the matrix unit's own order: on a GPU")
 @pytest.mark.parametrize(("name", "n", "k"), GPU_CASES, ids=lambda c: str(c))
 def test_on_the_gpu_native_equals_dequantized_and_rows_round_alike(name, n, k):
-    """Through the engine's dispatch in bf16 on the GPU, SmolLM2's and the 27B shape's weights (tuned and
-    default plans): the blocks' product equals the dequantized weight's (``Linear``, the dense kernel)
-    bit for bit at 1 to 200 rows, and a row's bits are the same alone, among 7, 16, 17, 33, 65 and 200."""
+    """Through the engine's dispatch in bf16 on the GPU, SmolLM2's and the 27B shape's weights (tuned, native and
+    default plans): the blocks' product equals the dequantized weight's on the dense kernel and the same plan
+    (``Linear``'s where the weight takes its shape's plan; a format's own, ``linear.TUNED_NATIVE``, splits K its own
+    way) bit for bit at 1 to 200 rows, and a row's bits are the same alone, among 7, 16, 17, 33, 65 and 200."""
     previous = fused.set_kernels(True)
     try:
         fmt = FORMATS[name]
@@ -251,15 +259,21 @@ def test_on_the_gpu_native_equals_dequantized_and_rows_round_alike(name, n, k):
         with torch.no_grad():
             twin.weight.copy_(layer.dequantized(torch.bfloat16))
         x = torch.randn(200, k, device="cuda", dtype=torch.bfloat16)
+        plan = lin.plan_for_shape(n, k, x.device, name)
+        if plan == lin.plan_for_shape(n, k, x.device):
+            dequantized = twin
+        else:  # the dense kernel on the format's own plan
+            def dequantized(rows_x):
+                return lin.linear(rows_x, twin.weight, config=plan.for_rows(rows_x.shape[0]))
         with torch.no_grad():
             whole = layer(x)
-            assert torch.equal(whole, twin(x))
+            assert torch.equal(whole, dequantized(x))
             exact = F.linear(x.float(), twin.weight.float())
             assert float((whole.float() - exact).norm() / exact.norm()) < 1e-2
             for rows in ([0], [199], list(range(7)), list(range(16)), list(range(17)), list(range(33)),
                          list(range(100, 165)), [150, 3, 77, 0, 199, 42, 8]):
                 got = layer(x[rows])
                 assert torch.equal(got, whole[rows]), f"{len(rows)} rows"
-                assert torch.equal(got, twin(x[rows])), f"{len(rows)} rows against the dequantized weight"
+                assert torch.equal(got, dequantized(x[rows])), f"{len(rows)} rows against the dequantized weight"
     finally:
         fused.set_kernels(previous)
