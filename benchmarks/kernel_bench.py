@@ -10,9 +10,9 @@
     python benchmarks/kernel_bench.py linear                # the few-row linear kernel against cuBLAS
     python benchmarks/kernel_bench.py plans --shapes SmolLM2  # a measured LinearPlan per weight
     python benchmarks/kernel_bench.py quant-tiles           # the block kernel's 1-row launches per 27B weight
+                                                            # (--rows 33: a budget-32 verify's, K split as its step)
     python benchmarks/kernel_bench.py quant-plans           # a measured plan per weight kept in GGUF blocks
                                                             # (SmolLM2's Q4_1 GGUF; --shapes 576x1536:Q4_1 ...)
-                                                            # (--rows 33: a budget-32 verify's, K split as its step)
     python benchmarks/kernel_bench.py quant                 # GGUF blocks dequantized in registers, against
                                                             # dequantize-then-multiply and the bf16 weight
     python benchmarks/kernel_bench.py packed                # the Q4_K bf16-pair decode prototype beside the

@@ -61,8 +61,9 @@ QUANT_CASES = ([(n, k, "Q4_K") for n, k in ((16480, 5120), (14336, 5120), (34816
                + [(n, k, "Q8_0") for n, k in ((5120, 25600), (8192, 5120), (34816, 5120), (5120, 17408), (5120, 6144))]
                + [(n, k, "Q4_1") for n, k in DEFAULT_LINEAR_SHAPES[:5]]
                + [(576, 1536, name) for name in FORMATS if name != "Q4_1"]
-               # the weights with a plan of their format's own (linear.TUNED_NATIVE)
+               # the weights with a plan of their format's own (linear.TUNED_NATIVE), each case once
                + [(n, k, name) for (name, n, k) in rows_linear.TUNED_NATIVE[(9, 0)]])
+QUANT_CASES = list(dict.fromkeys(QUANT_CASES))
 # (L, top_k, budget) of the DDTree kernel: the default config, budget 48, a wide tree, the largest supported
 TREE_SHAPES = [(15, 8, 22), (15, 8, 32), (15, 8, 48), (15, 16, 128),
                (tree_kernel.MAX_DEPTH, tree_kernel.MAX_TOP_K, tree_kernel.MAX_BUDGET)]
@@ -260,8 +261,7 @@ def _quant_cases():
     where their row tiles differ (64 and 128 rows: other stages, other registers)."""
     for n, k, name in QUANT_CASES:
         fmt = FORMATS[name]
-        plan = (rows_linear.TUNED_NATIVE[(9, 0)].get((name, n, k)) or rows_linear.TUNED[(9, 0)].get((n, k))
-                or rows_linear.default_plan(n, k))
+        plan = rows_linear.tuned_plan(n, k, (9, 0), name)
         launches = [("step", plan.step, rows_linear.STEP_ROWS), ("verify", plan.verify, rows_linear.MAX_ROWS)]
         if quant_kernel.launch_shape(fmt, plan.verify, 33) != quant_kernel.launch_shape(fmt, plan.verify,
                                                                                          rows_linear.MAX_ROWS):

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| kernel ({args.rows}-row launch) | registers | warps | loop instructions a thread | thread instructions a "
           "weight value | HGMMA | global loads a thread |\n|---|---|---|---|---|---|---|")
     for n, k, name in CASES:
-        cfg = (rows_linear.TUNED[(9, 0)].get((n, k)) or rows_linear.default_plan(n, k)).for_rows(args.rows)
+        cfg = rows_linear.tuned_plan(n, k, (9, 0), name).for_rows(args.rows)
         fmt = FORMATS[name]
         words = not args.half_words and quant_kernel.words_fit(fmt, cfg.block_k, fmt.row_bytes(k))
         block_m, warps = quant_kernel.launch_shape(fmt, cfg, args.rows)

@@ -123,17 +123,19 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
         # the half-word decode on the same launches, where the kernel reads this weight's blocks as words
-        plan = lin.plan_for_shape(n, k, first.device)
+        plan = lin.plan_for_shape(n, k, first.device, name)  # (the format's own where it has one)
         halves = ({m: _time(lambda m=m, f=fmt, p=pick, pl=plan: quant_kernel.kernel_linear(
             xs[m], p(), f, k, None, pl.for_rows(m), words=False)) for m in rows}
             if quant_kernel.reads_words(fmt, plan.step.block_k, first) else None)
         deq = {m: _time(lambda m=m, f=fmt, p=pick: lin.linear(xs[m], dequantize(unhold(p(), f), f, k, torch.bfloat16)))
                for m in rows}
         w = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
-        bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), lin.linear(xs[m], w)) for m in rows)
+        # against the dequantized weight on the dense kernel and the same plan (a format's own splits K its own way)
+        twin = {m: lin.linear(xs[m], w, config=plan.for_rows(m)) for m in rows}
+        bits = all(torch.equal(quant_kernel.linear(xs[m], first, fmt, k), twin[m]) for m in rows)
         # the half-word decode's bits too: whether a weight the word decode is slow on could take it instead
         half_bits = None if halves is None else all(torch.equal(quant_kernel.kernel_linear(
-            xs[m], first, fmt, k, None, plan.for_rows(m), words=False), lin.linear(xs[m], w)) for m in rows)
+            xs[m], first, fmt, k, None, plan.for_rows(m), words=False), twin[m]) for m in rows)
         many = quant_kernel.linear(xs[max(rows)], first, fmt, k)
         invariant = torch.equal(quant_kernel.linear(xs[max(rows)][:1], first, fmt, k), many[:1])
         row = {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "format": name, "bytes": first.numel(),
@@ -188,7 +190,7 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
         fmt = FORMATS[name]
         first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
-        plan = lin.plan_for_shape(n, k, first.device)
+        plan = lin.plan_for_shape(n, k, first.device, name)
         for m in rows:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             own = plan.for_rows(m)
@@ -275,13 +277,12 @@ def native_candidates(n: int, k: int, rows: Sequence[int]):
 
 
 @functools.cache
-def _native_inputs(n: int, k: int, name: str, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _native_weight(n: int, k: int, name: str) -> torch.Tensor:
     from engine.models.quant import FORMATS, hold
     from engine.models.quantize import quantize
 
     fmt = FORMATS[name]
-    w = hold(quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
-    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w
+    return hold(quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
 
 
 def _native_launch(n: int, k: int, name: str, launch: tuple[tuple[int, ...], int]) -> None:
@@ -291,8 +292,8 @@ def _native_launch(n: int, k: int, name: str, launch: tuple[tuple[int, ...], int
     from engine.models.quant import FORMATS
 
     cfg, m = launch
-    x, w = _native_inputs(n, k, name, m)
-    quant_kernel.kernel_linear(x, w, FORMATS[name], k, None, lin.LinearConfig(*cfg))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    quant_kernel.kernel_linear(x, _native_weight(n, k, name), FORMATS[name], k, None, lin.LinearConfig(*cfg))
 
 
 def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, rows: Sequence[int] = (1, 49),
@@ -338,7 +339,8 @@ def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], g
 
     fmt = FORMATS[name]
     candidates = list(native_candidates(n, k, rows))
-    launches = sorted({(_cfg_tuple(c.__dict__), m) for kind, c in candidates for m in rows
+    # one launch a compiled variant: split and the K blocks a part are the kernel's runtime arguments
+    launches = sorted({(_cfg_tuple(dataclasses.replace(c, split=1).__dict__), m) for kind, c in candidates for m in rows
                        if (m <= lin.STEP_ROWS) == (kind == "step")})
     seconds = precompile(functools.partial(_native_launch, n, k, name), launches, workers)
     print(f"{label} {name}: {len(launches)} launches compiled in {seconds:.0f} s", flush=True)
@@ -391,7 +393,7 @@ def bench_packed(shapes: list[tuple[str, int, int]] | None = None, rows: Sequenc
         first = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
         pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-        plan = lin.plan_for_shape(n, k, first.device)
+        plan = lin.plan_for_shape(n, k, first.device, "Q4_K")
         row = {"shape": f"{label} ({n} x {k})", "bytes": first.numel(), "plan": {}, "tiles": {}}
         for m in rows:
             cfg, x = plan.for_rows(m), xs[m]

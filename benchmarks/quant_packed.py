@@ -63,7 +63,7 @@ def linear(x: Tensor, blocks: Tensor, cols: int, cfg: rows_linear.LinearConfig |
     x2 = x.reshape(-1, cols).contiguous()
     m = x2.shape[0]
     if cfg is None:
-        cfg = rows_linear.plan_for_shape(n, cols, x.device).for_rows(m)
+        cfg = rows_linear.plan_for_shape(n, cols, x.device, "Q4_K").for_rows(m)
     # K whole tiles: the loop reads x and the words unmasked along K
     assert cfg.block_k % 64 == 0 and cols % cfg.block_k == 0 and x.dtype == torch.bfloat16, (cfg, cols, x.dtype)
     block_m, warps = quant_kernel.launch_shape(Q4_K, cfg, m)  # the engine kernel's launch

@@ -171,8 +171,9 @@ def default_plan(n: int, k: int) -> LinearPlan:
     return _plan(LinearConfig(64, block_k, split, 4, 4))
 
 
-# A file of measured plans (``kernel_bench.py plans --out FILE``) for weights of your own model or
-# GPU, read once: its plans come before ``TUNED``'s on every GPU (measure on the GPU you run).
+# Files of measured plans (``kernel_bench.py plans --out FILE``, ``quant-plans --out FILE``) for weights of your own
+# model or GPU, read once: a dense weight's plan there comes before ``TUNED``'s on every GPU, a block weight's
+# (an entry with a ``format``) before ``TUNED_NATIVE``'s (measure on the GPU you run).
 PLANS_ENV = "ENGINE_LINEAR_PLANS"
 _FILE_PLANS: dict[str, dict[tuple, LinearPlan]] = {}
 _CONFIG_FIELDS = ("block_n", "block_k", "split", "num_warps", "num_stages", "row_block")
@@ -225,13 +226,21 @@ def load_plans(path: str) -> dict[tuple, LinearPlan]:
 
 
 def file_plans() -> dict[tuple, LinearPlan]:
-    """The plans of the file ``ENGINE_LINEAR_PLANS`` names (none when unset), read once per path."""
-    path = os.environ.get(PLANS_ENV, "")
-    if not path:
-        return {}
-    if path not in _FILE_PLANS:
-        _FILE_PLANS[path] = load_plans(path)
-    return _FILE_PLANS[path]
+    """The plans of the files ``ENGINE_LINEAR_PLANS`` names (none when unset; several separated by ``os.pathsep``,
+    e.g. a dense weights' ``plans --out`` and a GGUF's ``quant-plans --out``), read once per value of the variable;
+    a weight planned in two of them is refused, naming both."""
+    value = os.environ.get(PLANS_ENV, "")
+    if value not in _FILE_PLANS:
+        plans: dict[tuple, LinearPlan] = {}
+        where: dict[tuple, str] = {}
+        for path in [p for p in value.split(os.pathsep) if p]:
+            for key, plan in load_plans(path).items():
+                if key in where:
+                    raise ValueError(f"{PLANS_ENV}: {where[key]!r} and {path!r} both plan the weight {key}: a "
+                                     "weight takes one plan (keep one of the entries)")
+                plans[key], where[key] = plan, path
+        _FILE_PLANS[value] = plans
+    return _FILE_PLANS[value]
 
 
 def plan_for(weight: Tensor) -> LinearPlan:
@@ -250,12 +259,19 @@ def capability(dev: torch.device) -> tuple[int, int]:
 
 def plan_for_shape(n: int, k: int, dev: torch.device, fmt: str | None = None) -> LinearPlan:
     """``plan_for`` of an ``[n, k]`` weight on ``dev``; a weight kept in ``fmt``'s GGUF blocks (``quant_kernel``)
-    first takes its own (the file's, then ``TUNED_NATIVE``'s), else the shape's."""
-    plan = None
-    if fmt is not None:
-        plan = file_plans().get((fmt, n, k)) or TUNED_NATIVE.get(capability(dev), {}).get((fmt, n, k))
-    plan = plan or file_plans().get((n, k)) or TUNED.get(capability(dev), {}).get((n, k))
-    return plan if plan is not None else default_plan(n, k)
+    first takes its own (the file's, then ``TUNED_NATIVE``'s: measured on the block kernel, so before a file's
+    plan of the dense shape), else the shape's (the file's, then ``tuned_plan``'s)."""
+    files = file_plans()
+    cap = capability(dev)
+    native = None if fmt is None else files.get((fmt, n, k)) or TUNED_NATIVE.get(cap, {}).get((fmt, n, k))
+    return native or files.get((n, k)) or tuned_plan(n, k, cap)
+
+
+def tuned_plan(n: int, k: int, capability: tuple[int, int], fmt: str | None = None) -> LinearPlan:
+    """The plan this repository measured for an ``[n, k]`` weight (in ``fmt``'s blocks: ``TUNED_NATIVE`` first) on
+    GPUs of ``capability``, else ``default_plan``; no plans file (``benchmarks/kernel_check.py`` compiles these)."""
+    native = None if fmt is None else TUNED_NATIVE.get(capability, {}).get((fmt, n, k))
+    return native or TUNED.get(capability, {}).get((n, k)) or default_plan(n, k)
 
 
 def launch_config(x: Tensor, weight: Tensor) -> LinearConfig | None:

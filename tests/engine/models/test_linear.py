@@ -3,6 +3,9 @@ split-K ticket protocol, and the dispatch between it and cuBLAS."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,8 +113,6 @@ def test_default_plans_cover_any_weight(n, k):
 
 
 def _plans_file(tmp_path, entries) -> str:
-    import json
-
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(entries))
     return str(path)
@@ -133,22 +134,40 @@ def test_a_plans_file_comes_before_the_tuned_plans(tmp_path, monkeypatch):
 
 
 def test_a_block_weights_own_plan_comes_before_its_shapes(tmp_path, monkeypatch):
-    """A weight kept in GGUF blocks takes its format's plan where one is measured (a plans file's entry with a
-    ``format``, then ``TUNED_NATIVE``), else its shape's; a dense weight of that shape never takes it."""
-    step = dict(block_n=16, block_k=64, split=3, num_warps=4, num_stages=3, row_block=128)
-    verify = {**step, "block_n": 32, "row_block": 16}
-    mine = lin.LinearPlan(lin.LinearConfig(**step), lin.LinearConfig(**verify))
+    """A weight kept in GGUF blocks takes its format's plan where one is measured: a plans file's entry with its
+    ``format``, then ``TUNED_NATIVE``'s (measured on the block kernel: before a file's plan of the dense shape),
+    then the shape's (the file's, then ``TUNED``'s); a dense weight, or one in another format, never takes it.
+    Several files (``os.pathsep``) add up; a weight planned in two is refused, naming both."""
+    def plan(block_n: int, split: int) -> lin.LinearPlan:
+        cfg = lin.LinearConfig(block_n, 64, split, 4, 3)
+        return lin.LinearPlan(cfg, cfg)
+
+    def entry(p: lin.LinearPlan, **fmt) -> dict:
+        return {"n": 96, "k": 640, **fmt, "step": p.step.__dict__, "verify": p.verify.__dict__}
+
     cpu = torch.device("cpu")  # (capability (0, 0))
+    native, tuned, filed_native, filed_dense = plan(16, 3), plan(32, 2), plan(64, 5), plan(128, 4)
     assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == lin.default_plan(96, 640)
-    monkeypatch.setitem(lin.TUNED_NATIVE, (0, 0), {("Q4_1", 96, 640): mine})
-    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == mine
-    assert lin.plan_for_shape(96, 640, cpu, "Q8_0") == lin.plan_for_shape(96, 640, cpu) == lin.default_plan(96, 640)
-    filed = lin.LinearPlan(lin.LinearConfig(**verify), lin.LinearConfig(**verify))
-    monkeypatch.setenv(lin.PLANS_ENV, _plans_file(tmp_path, [{"n": 96, "k": 640, "format": "Q8_0", "step": verify,
-                                                              "verify": verify}]))
-    assert lin.plan_for_shape(96, 640, cpu, "Q8_0") == filed
-    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == mine and lin.plan_for_shape(96, 640, cpu) == lin.default_plan(
-        96, 640)
+    monkeypatch.setitem(lin.TUNED, (0, 0), {(96, 640): tuned})
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == tuned == lin.tuned_plan(96, 640, (0, 0), "Q4_1")
+    monkeypatch.setitem(lin.TUNED_NATIVE, (0, 0), {("Q4_1", 96, 640): native})
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == native == lin.tuned_plan(96, 640, (0, 0), "Q4_1")
+    assert lin.plan_for_shape(96, 640, cpu, "Q8_0") == lin.plan_for_shape(96, 640, cpu) == tuned
+    dense = _plans_file(tmp_path, [entry(filed_dense)])
+    monkeypatch.setenv(lin.PLANS_ENV, dense)
+    assert lin.plan_for_shape(96, 640, cpu) == lin.plan_for_shape(96, 640, cpu, "Q8_0") == filed_dense
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == native  # measured on the block kernel
+    (tmp_path / "native").mkdir()
+    mine = _plans_file(tmp_path / "native", [entry(filed_native, format="Q4_1")])
+    monkeypatch.setenv(lin.PLANS_ENV, os.pathsep.join([dense, mine]))
+    assert lin.plan_for_shape(96, 640, cpu, "Q4_1") == filed_native
+    assert lin.plan_for_shape(96, 640, cpu) == filed_dense
+    assert lin.tuned_plan(96, 640, (0, 0), "Q4_1") == native  # no file
+    (tmp_path / "again").mkdir()
+    again = _plans_file(tmp_path / "again", [entry(filed_dense, format="Q4_1")])
+    monkeypatch.setenv(lin.PLANS_ENV, os.pathsep.join([mine, again]))
+    with pytest.raises(ValueError, match=f"{mine!r} and {again!r} both plan the weight \\('Q4_1', 96, 640\\)"):
+        lin.plan_for_shape(96, 640, cpu, "Q4_1")
 
 
 @pytest.mark.parametrize(("content", "message"), [

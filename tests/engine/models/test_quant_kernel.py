@@ -168,7 +168,7 @@ def test_a_verify_launch_of_the_block_kernel_is_at_most_three_stages_deep():
     gate_up = lin.TUNED[(9, 0)][(34816, 5120)]
     assert lin.stages_for(gate_up.verify, 64, 2) == 6
     assert qk.launch_stages(gate_up.verify, 64, 2) == qk.MAX_VERIFY_STAGES == 3
-    for plan in lin.TUNED[(9, 0)].values():
+    for plan in [*lin.TUNED[(9, 0)].values(), *lin.TUNED_NATIVE[(9, 0)].values()]:
         assert qk.launch_stages(plan.step, lin.STEP_ROWS, 2) == lin.stages_for(plan.step, lin.STEP_ROWS, 2)
         assert qk.launch_stages(plan.verify, 64, 2) == min(lin.stages_for(plan.verify, 64, 2), 3)
     assert qk.launch_stages(lin.LinearConfig(32, 64, num_stages=2), 128, 2) == 2
@@ -182,8 +182,9 @@ def test_every_format_has_a_kernel_and_a_group_within_a_tile():
 
 def test_dispatch_takes_the_kernel_for_a_steps_rows_and_dequantizes_otherwise(monkeypatch):
     """``QuantLinear`` takes the kernel where the kernels are on (here forced on the CPU: Triton's
-    interpreter), on the plan an ``[N, K]`` weight has, for half-precision rows up to ``MAX_ROWS``; float32,
-    more rows, or the kernels off dequantize the weight and multiply (``kernels: eager``, the CPU)."""
+    interpreter), on the weight's plan (its format's own where ``TUNED_NATIVE`` has one, else its shape's), for
+    half-precision rows up to ``MAX_ROWS``; float32, more rows, or the kernels off dequantize the weight and
+    multiply (``kernels: eager``, the CPU)."""
     fmt = FORMATS["Q8_0"]
     layer = QuantLinear(fmt, 96, 40, bias=True, blocks=_blocks("Q8_0", 40, 96, seed=7))
     with torch.no_grad():
@@ -239,6 +240,7 @@ def test_a_fused_groups_part_takes_the_kernel_on_its_own_rows_of_blocks(monkeypa
 GPU_CASES = [("Q4_1", 960, 576), ("Q8_0", 49152, 576), ("Q8_0", 5120, 6144), ("Q4_0", 576, 1536), ("Q5_0", 576, 1536),
              ("Q5_1", 576, 1536), ("Q4_K", 576, 1536), ("Q5_K", 576, 1536), ("Q6_K", 576, 1536), ("Q4_K", 34816, 5120),
              ("Q4_K", 5120, 17408), ("Q6_K", 5120, 17408), ("Q6_K", 1024, 5120)]
+GPU_CASES += [case for case in lin.TUNED_NATIVE[(9, 0)] if case not in GPU_CASES]  # every format's own plan too
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the matrix unit's own order: on a GPU")
