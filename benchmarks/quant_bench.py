@@ -240,10 +240,10 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
 
 # quant-plans: the weights of SmolLM2-135M-Instruct's Q4_1 GGUF as a native load launches them (q/k/v and gate/up
 # stacked; its tied head Q8_0), on the block kernel its decode is latency-bound at K = 576 (RESULTS.md, 2026-12-07:
-# 1.1-2.4x the bf16 weight's time a call on the dense plans)
-NATIVE_SHAPES = [("SmolLM2 qkv", 960, 576, "Q4_1"), ("SmolLM2 o_proj", 576, 576, "Q4_1"),
-                 ("SmolLM2 gate_up", 3072, 576, "Q4_1"), ("SmolLM2 down", 576, 1536, "Q4_1"),
-                 ("SmolLM2 lm_head", 49152, 576, "Q8_0")]
+# 1.1-2.4x the bf16 weight's time a call on the dense plans), the largest gap a step first (a cut run keeps those)
+NATIVE_SHAPES = [("SmolLM2 gate_up", 3072, 576, "Q4_1"), ("SmolLM2 qkv", 960, 576, "Q4_1"),
+                 ("SmolLM2 lm_head", 49152, 576, "Q8_0"), ("SmolLM2 o_proj", 576, 576, "Q4_1"),
+                 ("SmolLM2 down", 576, 1536, "Q4_1")]
 # the tiles tried (block_n, block_k, warps, stages), each at every K partition of NATIVE_SPLITS: narrow tiles and
 # short K blocks (a short loop's latency a program, more programs), 3 stages (the loops are 2-18 blocks long);
 # from 16,384 outputs (a head: hundreds of programs already) wider tiles on 4 and 8 warps
@@ -316,6 +316,7 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
         out.append(row)
         entries.append(f'        ("{name}", {n}, {k}): _plan(_C{_cfg_tuple(row["step"])}, '
                        f'_C{_cfg_tuple(row["verify"])}),  # {label}')
+        print(entries[-1], flush=True)  # (a run cut short keeps the weights done)
         torch.cuda.empty_cache()
     lines = ["| weights | format | plan (step; verify: N, K, split, warps, stages, rows a program) | "
              + " | ".join(f"{m} rows: plan / now / dequantized us" for m in rows) + " | rows invariant |",
