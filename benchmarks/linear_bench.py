@@ -4,7 +4,11 @@ cuBLAS by tile and split (`linear`) and a measured ``LinearPlan`` per weight (`p
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
+from kernel_timing import precompile
 from kernel_timing import time_us as _time
 
 # One-row products of the large presets (N outputs, K inputs): what an AR step streams.
@@ -214,10 +218,37 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
 
     xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
     cublas = {m: _time(lambda m=m: F.linear(xs[m], pick())) for m in rows}
+    candidates = list(_plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, rows))
+    compile_ahead(label, candidates, rows, functools.partial(_dense_launch, n, k))
     found = plan_search(label, rows, xs, {m: F.linear(xs[m].float(), ws[0].float()) for m in rows}, ws[0], pick,
-                        lambda x, w, cfg: lin._kernel_linear(x, w, None, cfg),
-                        _plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, rows), keep_step)
+                        lambda x, w, cfg: lin._kernel_linear(x, w, None, cfg), candidates, keep_step)
     return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, **found}
+
+
+def compile_ahead(label: str, candidates: list, rows: list[int], launch, workers: int = 0) -> None:
+    """Every compiled variant ``candidates`` (kind, config) launch at their kind's ``rows``, compiled ahead in
+    parallel (``kernel_timing.precompile``: ``launch((config fields, rows))`` in each worker): one launch a variant,
+    since the few-row kernels take the split and the K blocks a part as runtime arguments."""
+    from engine.models import linear as lin
+
+    launches = sorted({(_cfg_tuple(dataclasses.replace(c, split=1).__dict__), m) for kind, c in candidates
+                       for m in rows if (m <= lin.STEP_ROWS) == (kind == "step")})
+    seconds = precompile(launch, launches, workers)
+    print(f"{label}: {len(launches)} launches compiled in {seconds:.0f} s", flush=True)
+
+
+@functools.cache
+def _dense_weight(n: int, k: int) -> torch.Tensor:
+    return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+
+def _dense_launch(n: int, k: int, launch: tuple[tuple[int, ...], int]) -> None:
+    """One launch of the dense few-row kernel (``compile_ahead``'s worker): (the config's fields, rows)."""
+    from engine.models import linear as lin
+
+    cfg, m = launch
+    lin._kernel_linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _dense_weight(n, k), None,
+                       lin.LinearConfig(*cfg))
 
 
 def plan_search(label: str, rows: list[int], xs: dict, ref: dict, first, pick, launch, candidates,

@@ -330,8 +330,7 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
 def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], gen: torch.Generator,
                        workers: int) -> dict:
     import torch.nn.functional as F
-    from kernel_timing import precompile
-    from linear_bench import _cfg_tuple, plan_search
+    from linear_bench import compile_ahead, plan_search
 
     from engine.models import linear as lin
     from engine.models import quant_kernel
@@ -340,11 +339,7 @@ def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], g
 
     fmt = FORMATS[name]
     candidates = list(native_candidates(n, k, rows))
-    # one launch a compiled variant: split and the K blocks a part are the kernel's runtime arguments
-    launches = sorted({(_cfg_tuple(dataclasses.replace(c, split=1).__dict__), m) for kind, c in candidates for m in rows
-                       if (m <= lin.STEP_ROWS) == (kind == "step")})
-    seconds = precompile(functools.partial(_native_launch, n, k, name), launches, workers)
-    print(f"{label} {name}: {len(launches)} launches compiled in {seconds:.0f} s", flush=True)
+    compile_ahead(f"{label} {name}", candidates, rows, functools.partial(_native_launch, n, k, name), workers)
     first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
     pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
     twin = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
