@@ -5,7 +5,8 @@
 # native vs dequantized": each form's AR tok/s and the acceptance of each config in both forms).
 # After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/wheels .device/gguf
 # .device/workloads .device/assets. SWEEP_LIMIT (default 470 s): the sweep starts no trial after it less 60 s.
-# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree.
+# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree. NATIVE_PLANS=1 (below): the
+# native weights' own plans measured and taken first.
 source benchmarks/device/common.sh weights
 install_wheels .device/wheels/*.whl
 install_assets smollm2 humaneval bfcl
@@ -36,6 +37,22 @@ yaml.safe_dump(exp, open("experiments/weights-device.yaml", "w"), sort_keys=Fals
 PY
   [ $? = 0 ] || { say "weights.sh: FORM / VERIFY not applied (above); nothing run"; exit 2; }
   STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
+fi
+# NATIVE_PLANS=1: the native weights' own plans measured first (`kernel_bench.py quant-plans`: SmolLM2's Q4_1 and Q8_0
+# weights on the block kernel, the launches compiled ahead; PLANS_LIMIT, default 240 s) into the stash (a later call
+# on this machine reuses them) and the sweep run on them (ENGINE_LINEAR_PLANS): native AR on plans of its own, the
+# dequantized form on the dense ones. Until linear.TUNED_NATIVE has them (then without NATIVE_PLANS)
+if [ -n "${NATIVE_PLANS:-}" ]; then
+  if [ ! -s /root/stash/native_plans.json ]; then
+    section native_plans ${PLANS_LIMIT:-240} python3 benchmarks/kernel_bench.py quant-plans --rows 1 49 \
+      --md "$OUT/native_plans.md" --out /root/stash/native_plans.json
+  fi
+  if [ -s /root/stash/native_plans.json ]; then
+    cp /root/stash/native_plans.json "$OUT/"
+    export ENGINE_LINEAR_PLANS=/root/stash/native_plans.json
+  else
+    say "NATIVE_PLANS: no plans measured (above); the sweep runs on the engine's plans"
+  fi
 fi
 say "study $STUDY: $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"
 section weights_sweep ${SWEEP_LIMIT:-470} python3 -m autotune sweep experiments/weights-device.yaml \
