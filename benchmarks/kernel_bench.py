@@ -308,7 +308,7 @@ def _quant(args: argparse.Namespace) -> int:
     if args.kernel == "quant":
         return _report(args, *bench_quant(shapes, rows=tuple(rows)))
     if args.kernel == "quant-plans":
-        return _report(args, *bench_quant_plans(shapes, rows=rows, workers=args.workers))
+        return _report(args, *bench_quant_plans(shapes, rows=rows, workers=args.workers, out_path=args.out))
     return _report(args, *bench_quant_tiles(shapes, rows=rows))
 
 
@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                          "counts timed (up to 16: the step launch; beyond: the verify's, quant-tiles keeping the "
                          "step's K partition)")
     ap.add_argument("--workers", type=int, default=0,
-                    help="quant-plans: processes compiling the launches ahead of timing (0: the CPUs less two, <= 16)")
+                    help="quant-plans: processes compiling the launches ahead of timing (0: the CPUs less two, <= 16; "
+                         "plans takes that default)")
     ap.add_argument("--keep-step", action="store_true",
                     help="plans: keep the engine's step launch per weight; try only verify tiles of its K partition")
     ap.add_argument("--narrow", action="store_true", help="linear: the narrower and deeper tiles instead")

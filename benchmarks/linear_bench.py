@@ -219,20 +219,24 @@ def _plan_shape(label: str, n: int, k: int, rows: list[int], gen: torch.Generato
     xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
     cublas = {m: _time(lambda m=m: F.linear(xs[m], pick())) for m in rows}
     candidates = list(_plan_candidates(lin.plan_for(ws[0]) if keep_step else None, k, rows))
-    compile_ahead(label, candidates, rows, functools.partial(_dense_launch, n, k))
+    compile_ahead(label, k, candidates, rows, functools.partial(_dense_launch, n, k))
     found = plan_search(label, rows, xs, {m: F.linear(xs[m].float(), ws[0].float()) for m in rows}, ws[0], pick,
                         lambda x, w, cfg: lin._kernel_linear(x, w, None, cfg), candidates, keep_step)
     return {"shape": f"{label} ({n} x {k})", "n": n, "k": k, "cublas": cublas, **found}
 
 
-def compile_ahead(label: str, candidates: list, rows: list[int], launch, workers: int = 0) -> None:
-    """Every compiled variant ``candidates`` (kind, config) launch at their kind's ``rows``, compiled ahead in
-    parallel (``kernel_timing.precompile``: ``launch((config fields, rows))`` in each worker): one launch a variant,
-    since the few-row kernels take the split and the K blocks a part as runtime arguments."""
+def compile_ahead(label: str, k: int, candidates: list, rows: list[int], launch, workers: int = 0) -> None:
+    """Every compiled variant ``candidates`` (kind, config) launch at their kind's ``rows`` over K = ``k``, compiled
+    ahead in parallel (``kernel_timing.precompile``: ``launch((config fields, rows))`` in each worker): one launch a
+    variant. The few-row kernels take the split and the K blocks a part as runtime arguments, but a launch of one
+    part passes its bf16 output where several pass float32 partial sums: two variants, split 1 and 2."""
     from engine.models import linear as lin
 
-    launches = sorted({(_cfg_tuple(dataclasses.replace(c, split=1).__dict__), m) for kind, c in candidates
-                       for m in rows if (m <= lin.STEP_ROWS) == (kind == "step")})
+    def variant(c: lin.LinearConfig) -> tuple[int, ...]:
+        return _cfg_tuple(dataclasses.replace(c, split=1 if lin.k_parts(k, c)[1] == 1 else 2).__dict__)
+
+    launches = sorted({(variant(c), m) for kind, c in candidates for m in rows
+                       if (m <= lin.STEP_ROWS) == (kind == "step")})
     seconds = precompile(launch, launches, workers)
     print(f"{label}: {len(launches)} launches compiled in {seconds:.0f} s", flush=True)
 

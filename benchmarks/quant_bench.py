@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Sequence
 
 import torch
@@ -297,7 +298,7 @@ def _native_launch(n: int, k: int, name: str, launch: tuple[tuple[int, ...], int
 
 
 def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, rows: Sequence[int] = (1, 49),
-                      workers: int = 0) -> tuple[list[dict], list[str]]:
+                      workers: int = 0, out_path: str | None = None) -> tuple[list[dict], list[str]]:
     """A plan of its own per weight kept in GGUF blocks (``linear.TUNED_NATIVE``), measured as ``plans`` measures a
     dense weight's (``linear_bench.plan_search``: per K partition the fastest step and verify launches, the
     partition with the least total at ``rows``) on the block kernel over ``native_candidates``, every launch
@@ -305,7 +306,8 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
     block kernel on the weight's plan now (``quant_kernel.linear``) and its dequantized twin on the dense kernel
     (``linear.linear``, the dense plan: what a dequantized load takes); and whether the new plan keeps a row's
     bits across row counts (step launch at 1 row against the verify launch at the most rows). Prints the winners
-    as ``linear.TUNED_NATIVE`` entries."""
+    as ``linear.TUNED_NATIVE`` entries; ``out_path``: the rows so far as JSON after each weight (a plans file, as
+    ``kernel_bench.py --out`` writes at the end: a run cut short keeps the weights done)."""
     from linear_bench import _cfg_tuple
 
     rows = sorted(set(rows))
@@ -317,6 +319,9 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
         entries.append(f'        ("{name}", {n}, {k}): _plan(_C{_cfg_tuple(row["step"])}, '
                        f'_C{_cfg_tuple(row["verify"])}),  # {label}')
         print(entries[-1], flush=True)  # (a run cut short keeps the weights done)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(out, f, indent=1)
         torch.cuda.empty_cache()
     lines = ["| weights | format | plan (step; verify: N, K, split, warps, stages, rows a program) | "
              + " | ".join(f"{m} rows: plan / now / dequantized us" for m in rows) + " | rows invariant |",
@@ -339,7 +344,7 @@ def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], g
 
     fmt = FORMATS[name]
     candidates = list(native_candidates(n, k, rows))
-    compile_ahead(f"{label} {name}", candidates, rows, functools.partial(_native_launch, n, k, name), workers)
+    compile_ahead(f"{label} {name}", k, candidates, rows, functools.partial(_native_launch, n, k, name), workers)
     first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
     pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
     twin = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)

@@ -39,13 +39,18 @@ PY
   STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
 fi
 # NATIVE_PLANS=1: the native weights' own plans measured first (`kernel_bench.py quant-plans`: SmolLM2's Q4_1 and Q8_0
-# weights on the block kernel, the launches compiled ahead; PLANS_LIMIT, default 240 s) into the stash (a later call
-# on this machine reuses them) and the sweep run on them (ENGINE_LINEAR_PLANS): native AR on plans of its own, the
-# dequantized form on the dense ones. Until linear.TUNED_NATIVE has them (then without NATIVE_PLANS)
+# weights on the block kernel, the launches compiled ahead; PLANS_LIMIT, default 240 s, taken off SWEEP_LIMIT) into the
+# stash (a later call on this machine reuses them: remove /root/stash/native_plans.json to measure again; a
+# measurement cut short keeps the weights it finished) and the sweep run on them (ENGINE_LINEAR_PLANS): native AR
+# on plans of its own, the dequantized form on the dense ones. Until linear.TUNED_NATIVE has them (then without it)
+SWEEP_LIMIT=${SWEEP_LIMIT:-470}
 if [ -n "${NATIVE_PLANS:-}" ]; then
   if [ ! -s /root/stash/native_plans.json ]; then
+    plans_start=$(date +%s)
     section native_plans ${PLANS_LIMIT:-240} python3 benchmarks/kernel_bench.py quant-plans --rows 1 49 \
       --md "$OUT/native_plans.md" --out /root/stash/native_plans.json
+    # the call's 600 s: the sweep gets what the plans left of its limit
+    SWEEP_LIMIT=$(( SWEEP_LIMIT - ($(date +%s) - plans_start) ))
   fi
   if [ -s /root/stash/native_plans.json ]; then
     cp /root/stash/native_plans.json "$OUT/"
@@ -55,8 +60,8 @@ if [ -n "${NATIVE_PLANS:-}" ]; then
   fi
 fi
 say "study $STUDY: $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"
-section weights_sweep ${SWEEP_LIMIT:-470} python3 -m autotune sweep experiments/weights-device.yaml \
-  --storage "sqlite:///$OUT/weights.db" --tracking-uri none --no-progress --timeout "$(( ${SWEEP_LIMIT:-470} - 60 ))s"
+section weights_sweep $SWEEP_LIMIT python3 -m autotune sweep experiments/weights-device.yaml \
+  --storage "sqlite:///$OUT/weights.db" --tracking-uri none --no-progress --timeout "$(( SWEEP_LIMIT - 60 ))s"
 section weights_report 60 python3 -m autotune report "$STUDY" --storage "sqlite:///$OUT/weights.db" \
   --out "$OUT/weights_report"
 summary

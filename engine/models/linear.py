@@ -233,7 +233,7 @@ def file_plans() -> dict[tuple, LinearPlan]:
     if value not in _FILE_PLANS:
         plans: dict[tuple, LinearPlan] = {}
         where: dict[tuple, str] = {}
-        for path in [p for p in value.split(os.pathsep) if p]:
+        for path in dict.fromkeys(p for p in value.split(os.pathsep) if p):  # (a file named twice: once)
             for key, plan in load_plans(path).items():
                 if key in where:
                     raise ValueError(f"{PLANS_ENV}: {where[key]!r} and {path!r} both plan the weight {key}: a "
@@ -267,11 +267,12 @@ def plan_for_shape(n: int, k: int, dev: torch.device, fmt: str | None = None) ->
     return native or files.get((n, k)) or tuned_plan(n, k, cap)
 
 
-def tuned_plan(n: int, k: int, capability: tuple[int, int], fmt: str | None = None) -> LinearPlan:
+def tuned_plan(n: int, k: int, arch: tuple[int, int], fmt: str | None = None) -> LinearPlan:
     """The plan this repository measured for an ``[n, k]`` weight (in ``fmt``'s blocks: ``TUNED_NATIVE`` first) on
-    GPUs of ``capability``, else ``default_plan``; no plans file (``benchmarks/kernel_check.py`` compiles these)."""
-    native = None if fmt is None else TUNED_NATIVE.get(capability, {}).get((fmt, n, k))
-    return native or TUNED.get(capability, {}).get((n, k)) or default_plan(n, k)
+    GPUs of compute capability ``arch``, else ``default_plan``; no plans file (``benchmarks/kernel_check.py``
+    compiles these)."""
+    native = None if fmt is None else TUNED_NATIVE.get(arch, {}).get((fmt, n, k))
+    return native or TUNED.get(arch, {}).get((n, k)) or default_plan(n, k)
 
 
 def launch_config(x: Tensor, weight: Tensor) -> LinearConfig | None:
