@@ -155,7 +155,7 @@ BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # splits its own way: its rows still sum alike at every row count (one partition a weight), but native and
 # dequantized weights then round apart at near-ties, each exact against its own AR.
 TUNED_NATIVE: dict[tuple[int, int], dict[tuple[str, int, int], LinearPlan]] = {
-    (9, 0): {},
+    (9, 0): {},  # none measured yet (2026-12-07: no GPU); meanwhile a plans file: weights.sh NATIVE_PLANS=1
 }
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 
