@@ -282,15 +282,18 @@ def _quant(args: argparse.Namespace) -> int:
     """``quant``, ``quant-tiles`` and ``quant-plans``: their weights (``--shapes``: labels' starts or NxK; quant-plans
     also NxK:FORMAT, any weight in any block format)."""
     table = {"quant": QUANT_SHAPES, "quant-tiles": TILE_SHAPES, "quant-plans": NATIVE_SHAPES}[args.kernel]
-    shapes = [s for s in table if not args.shapes or any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
-                                                         for w in args.shapes)]
+
+    def named(s: tuple, w: str) -> bool:  # a weight of the table by its label's start or its NxK
+        return s[0].startswith(w) or w == f"{s[1]}x{s[2]}"
+
+    shapes = [s for s in table if not args.shapes or any(named(s, w) for w in args.shapes)]
     if args.kernel == "quant-plans":
         from engine.models.linear import BLOCK_FORMATS
 
         for w in args.shapes or []:  # any weight by its dims and format: NxK:FORMAT
             dims, _, name = w.partition(":")
             nk = dims.split("x")
-            if name or not any(s[0].startswith(w) or w == f"{s[1]}x{s[2]}" for s in table):
+            if name or not any(named(s, w) for s in table):
                 if len(nk) != 2 or not all(d.isdigit() and int(d) > 0 for d in nk) or name not in BLOCK_FORMATS:
                     print(f"quant-plans: --shapes {w!r} is neither a label's start of {[s[0] for s in table]}, their "
                           f"NxK, nor NxK:FORMAT with FORMAT one of {', '.join(BLOCK_FORMATS)}", file=sys.stderr)

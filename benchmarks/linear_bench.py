@@ -189,8 +189,8 @@ def bench_plans(shapes: list[tuple[str, int, int]], rows: list[int], keep_step: 
     for label, n, k in shapes:
         row = _plan_shape(label, n, k, rows, gen, keep_step)
         out.append(row)
-        st, ve = row["step"], row["verify"]
-        entries.append(f"        ({n}, {k}): _plan(_C{_cfg_tuple(st)}, _C{_cfg_tuple(ve)}),  # {label}")
+        st = row["step"]
+        entries.append(plan_entry(f"{n}, {k}", row, label))
         print(f"{row['shape']}: split {st['split']} block_k {st['block_k']}: " + ", ".join(
             f"{m} rows {row['us'][m]:.1f} us (cuBLAS {row['cublas'][m]:.1f})" for m in rows), flush=True)
         torch.cuda.empty_cache()
@@ -199,6 +199,11 @@ def bench_plans(shapes: list[tuple[str, int, int]], rows: list[int], keep_step: 
     lines += [f"| {r['shape']} | {_cfg_tuple(r['step'])}; {_cfg_tuple(r['verify'])} | "
               + " | ".join(f"{r['us'][m]:.1f} ({r['cublas'][m]:.1f})" for m in rows) + " |" for r in out]
     return out, lines + ["", "```python", *entries, "```"]
+
+
+def plan_entry(key: str, row: dict, label: str) -> str:
+    """A searched plan (``row``'s step and verify launches) as a line of ``linear.TUNED`` / ``TUNED_NATIVE``."""
+    return f"        ({key}): _plan(_C{_cfg_tuple(row['step'])}, _C{_cfg_tuple(row['verify'])}),  # {label}"
 
 
 def _cfg_tuple(cfg: dict) -> tuple[int, ...]:

@@ -105,6 +105,11 @@ def _rotating(copies: list[torch.Tensor]):
     return lambda: copies[next(calls) % len(copies)]
 
 
+def _rotated(t: torch.Tensor):
+    """``_rotating`` over ``t`` and as many clones as ``ROTATE_BYTES`` of them take (``_copies``)."""
+    return _rotating([t] + [t.clone() for _ in range(_copies(t.numel() * t.element_size()) - 1)])
+
+
 def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tuple[int, ...],
                  gen: torch.Generator) -> list[dict]:
     from engine.models import linear as lin
@@ -121,7 +126,7 @@ def _quant_shape(label: str, n: int, k: int, formats: tuple[str, ...], rows: tup
     for name in formats:
         fmt = FORMATS[name]
         first = hold(quantize(dense[0], fmt), fmt)  # as a QuantLinear holds it (in planes where the format says)
-        pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+        pick = _rotated(first)
         kernel = {m: _time(lambda m=m, f=fmt, p=pick: quant_kernel.linear(xs[m], p(), f, k)) for m in rows}
         # the half-word decode on the same launches, where the kernel reads this weight's blocks as words
         plan = lin.plan_for_shape(n, k, first.device, name)  # (the format's own where it has one)
@@ -190,7 +195,7 @@ def bench_quant_tiles(shapes: list[tuple[str, int, int, str]] | None = None,
     for label, n, k, name in shapes or TILE_SHAPES:
         fmt = FORMATS[name]
         first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
-        pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+        pick = _rotated(first)
         plan = lin.plan_for_shape(n, k, first.device, name)
         for m in rows:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -308,7 +313,7 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
     bits across row counts (step launch at 1 row against the verify launch at the most rows). Prints the winners
     as ``linear.TUNED_NATIVE`` entries; ``out_path``: the rows so far as JSON after each weight (a plans file, as
     ``kernel_bench.py --out`` writes at the end: a run cut short keeps the weights done)."""
-    from linear_bench import _cfg_tuple
+    from linear_bench import _cfg_tuple, plan_entry
 
     rows = sorted(set(rows))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -316,8 +321,7 @@ def bench_quant_plans(shapes: list[tuple[str, int, int, str]] | None = None, row
     for label, n, k, name in shapes or NATIVE_SHAPES:
         row = _native_plan_shape(label, n, k, name, rows, gen, workers)
         out.append(row)
-        entries.append(f'        ("{name}", {n}, {k}): _plan(_C{_cfg_tuple(row["step"])}, '
-                       f'_C{_cfg_tuple(row["verify"])}),  # {label}')
+        entries.append(plan_entry(f'"{name}", {n}, {k}', row, label))
         print(entries[-1], flush=True)  # (a run cut short keeps the weights done)
         if out_path:
             with open(out_path, "w") as f:
@@ -346,9 +350,9 @@ def _native_plan_shape(label: str, n: int, k: int, name: str, rows: list[int], g
     candidates = list(native_candidates(n, k, rows))
     compile_ahead(f"{label} {name}", k, candidates, rows, functools.partial(_native_launch, n, k, name), workers)
     first = hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt), fmt)
-    pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+    pick = _rotated(first)
     twin = dequantize(unhold(first, fmt), fmt, k, torch.bfloat16)
-    pick_twin = _rotating([twin] + [twin.clone() for _ in range(_copies(twin.numel() * 2) - 1)])
+    pick_twin = _rotated(twin)
     xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
 
     def launch(x: torch.Tensor, w: torch.Tensor, cfg: lin.LinearConfig) -> torch.Tensor:
@@ -392,7 +396,7 @@ def bench_packed(shapes: list[tuple[str, int, int]] | None = None, rows: Sequenc
     fmt, gen, out = FORMATS["Q4_K"], torch.Generator(device="cuda").manual_seed(0), []
     for label, n, k in shapes or PACKED_SHAPES:
         first = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
-        pick = _rotating([first] + [first.clone() for _ in range(_copies(first.numel()) - 1)])
+        pick = _rotated(first)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         plan = lin.plan_for_shape(n, k, first.device, "Q4_K")
         row = {"shape": f"{label} ({n} x {k})", "bytes": first.numel(), "plan": {}, "tiles": {}}
