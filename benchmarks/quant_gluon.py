@@ -1,6 +1,6 @@
-"""The operand-register decode of Q4_K and Q6_K (``engine.models.quant_gluon``, issue #28) on its own: static counts
-of its K loop for sm_90 (no GPU needed: ``python benchmarks/quant_gluon.py [--warps 8] [--x-ahead]``), its launches
-timed beside the engine's other kernel (``--bench``, ``quant_gluon_bench.py``), and ``install``, which routes a
+"""The operand-register decode of Q4_K, Q6_K and Q4_1 (``engine.models.quant_gluon``, issue #28) on its own: static
+counts of its K loop for sm_90 (no GPU needed: ``python benchmarks/quant_gluon.py [--warps 8] [--x-ahead]``), its
+launches timed beside the engine's other kernel (``--bench``, ``quant_gluon_bench.py``), and ``install``, which routes a
 benchmark's products through it with options the engine does not take (the float decode, x read ahead, the warps
 of every launch) for ``gpu_bench.py --q4k-decode gluon*``."""
 
@@ -116,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print("| decode | BLOCK_M | registers | loop instructions a thread | a weight value | HGMMA | STS | LDS / LDSM | "
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
-    for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k") for block_m in args.rows]:
-        stages = 0 if decode == "float" else args.stages  # (shared-memory stages: the pair decodes' only)
+    for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k", "q4_1")
+                            for block_m in args.rows]:
+        # (shared-memory stages: the Q4_K and Q6_K pair decodes' only)
+        stages = 0 if decode in ("float", "q4_1") else args.stages
         compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)

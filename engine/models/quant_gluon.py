@@ -70,6 +70,7 @@ from engine.models import quant_gluon_kernels as kernels
 from engine.models.quant_gluon_kernels import gluon  # None: a Triton without Gluon
 
 Q4_K = quant.FORMATS["Q4_K"]
+Q4_1 = quant.FORMATS["Q4_1"]
 TILE_N, TILE_K = 64, 128
 
 
@@ -88,7 +89,16 @@ def padded_rows(n: int) -> int:
     return -(-n // TILE_N) * TILE_N
 
 
-def _padded(q: Tensor, n_pad: int) -> Tensor:
+def padded_cols(cols: int) -> int:
+    """A weight's columns in its planes: whole 128-column tiles (Q4_1's K = 576 is 4.5), the columns past ``cols``
+    zero."""
+    return -(-cols // TILE_K) * TILE_K
+
+
+def _padded(q: Tensor, n_pad: int, cols_pad: int | None = None) -> Tensor:
+    """Rows (and with ``cols_pad`` columns) zero-padded."""
+    if cols_pad is not None and cols_pad > q.shape[1]:
+        q = torch.cat([q, q.new_zeros(q.shape[0], cols_pad - q.shape[1])], dim=1)
     return torch.cat([q, q.new_zeros(n_pad - q.shape[0], q.shape[1])])
 
 
@@ -153,6 +163,26 @@ def repack_q6_k(held: Tensor, cols: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     return words, high, scales, d
 
 
+@_by_rows
+def repack_q4_1(blocks: Tensor, cols: int) -> tuple[Tensor, Tensor]:
+    """Q4_1 rows [N, row_bytes] (as the file has them, 20-byte blocks: fp16 d and m, 16 bytes of nibbles, values
+    0-15 low and 16-31 high) -> (words, steps): the nibbles as Q4_K's pair words (``_nibble_words``) over the
+    columns padded to whole 128-column tiles (``padded_cols``), and each block's bf16(d) (low half) and bf16(m)
+    (high) in one int32 [N padded, padded columns / 32]: the pair decode's q * bf16(d) + bf16(m) needs no
+    conversion in the kernel. Padded rows and columns are zero (their values 0)."""
+    assert blocks.dtype == torch.uint8 and cols % Q4_1.values == 0 and blocks.shape[1] == Q4_1.row_bytes(cols)
+    n = blocks.shape[0]
+    n_pad, cols_pad = padded_rows(n), padded_cols(cols)
+    b = blocks.reshape(-1, Q4_1.nbytes)
+    q = quant._nibbles(b[:, 4:20].unsqueeze(1)).reshape(n, cols)  # natural order, 0..15
+    words = _nibble_words(_padded(q, n_pad, cols_pad), cols_pad, True)
+    d, m = (b[:, at:at + 2].contiguous().view(torch.float16).to(torch.bfloat16).view(torch.int16).to(torch.int64)
+            & 0xFFFF for at in (0, 2))
+    packed = (d | (m << 16)).reshape(n, cols // Q4_1.values)
+    steps = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return words, _padded(steps, n_pad, cols_pad // Q4_1.values).contiguous()
+
+
 def _unpacked(words: Tensor, n_pad: int, cols: int, pairs: bool) -> Tensor:
     """``_nibble_words``'s inverse: the words -> values 0..15 [N padded, cols] in natural order."""
     w = words.to(torch.int64) & 0xFFFFFFFF
@@ -175,6 +205,16 @@ def reference_q6_k(words: Tensor, high: Tensor, scales: Tensor, d: Tensor, n: in
     step = (d.float().repeat_interleave(16, dim=1) * scales.float()).to(torch.bfloat16).double()
     q = (low | (top << 4)).double() - 32
     return round_bf16(q.reshape(n_pad, -1, 16) * step[..., None]).reshape(n_pad, cols)[:n]
+
+
+def reference_q4_1(words: Tensor, steps: Tensor, n: int, cols: int) -> Tensor:
+    """The bf16 weight [n, cols] ``repack_q4_1``'s planes hold, as the pair decode computes it: q * bf16(d) +
+    bf16(m), one rounding (``quant.dequantize``: d * q + m in float32, then bf16)."""
+    n_pad, cols_pad = steps.shape[0], padded_cols(cols)
+    q = _unpacked(words, n_pad, cols_pad, pairs=True).double().reshape(n_pad, -1, Q4_1.values)
+    w = steps.to(torch.int64) & 0xFFFFFFFF
+    d, m = ((w >> shift & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()[..., None] for shift in (0, 16))
+    return round_bf16(q * d + m).reshape(n_pad, cols_pad)[:n, :cols]
 
 
 def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = False) -> Tensor:
@@ -244,13 +284,23 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
                    STAGES=_stages(stages, True, x_ahead))
 
 
+def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, split: int = 1, x_ahead: bool = False,
+                warps: int | None = None) -> Tensor:
+    """``x @ W^T`` [M, n] for W the Q4_1 weight ``repack_q4_1``'s planes hold (``reference_q4_1``'s values), for
+    any rows and any K of whole 32-value blocks (the planes padded to 128-column tiles, x's columns past K not
+    read), on a GPU; the options as ``linear``'s (the register path: no stages)."""
+    return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
+                   K_MASK=cols % TILE_K != 0)
+
+
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
             warps: int | None, **constexprs) -> Tensor:
-    """One launch: a program a tile of ``16 * warps`` rows, a part of K and a block of up to ``ROW_BLOCK`` of x's
-    rows; the parts' sums added in the kernel (the engine's tickets, one a tile and row block), so the output is
-    bf16 straight away."""
+    """One launch: a program a tile of ``16 * warps`` rows, a part of K (whole 128-column tiles of the planes'
+    padded K) and a block of up to ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's
+    tickets, one a tile and row block), so the output is bf16 straight away."""
     m = x.shape[0]
-    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and cols % (TILE_K * split) == 0
+    k_tiles = padded_cols(cols) // TILE_K
+    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
     block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
     warps = _warps(_block_m(m), n_pad, warps)  # (a tail's launch takes the warps of its rows' power of two)
     tiles = n_pad // (16 * warps)
@@ -260,7 +310,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
     tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
     kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
-                                        m, n, cols, cols // TILE_K // split, split, tiles, BLOCK_M=block_m,
+                                        m, n, cols, k_tiles // split, split, tiles, BLOCK_M=block_m,
                                         num_warps=warps, PDL=PDL, launch_pdl=PDL, TAIL=tail,
                                         **({"maxnreg": MAXNREG} if capped else {}), **constexprs)
     return out
@@ -332,8 +382,9 @@ def round_bf16(w: Tensor) -> Tensor:
 
 def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
                        stages: int = 0, pdl: bool = False, tail: int = 0):
-    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs) or
-    ``linear_q6_k`` (q6_k) makes for ``block_m`` rows on ``warps`` warps with ``stages``."""
+    """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs),
+    ``linear_q6_k`` (q6_k) or ``linear_q4_1`` (q4_1: K not whole tiles, SmolLM2's 576) makes for ``block_m`` rows on
+    ``warps`` warps with ``stages``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -345,6 +396,11 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
                                        "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
                       "TAIL": tail}
+    elif decode == "q4_1":
+        if stages > 1:
+            raise ValueError(f"stages={stages}: Q4_1 takes the register path (0 or 1)")
+        fn, sig = kernels._q4_1_kernel, {**common, "steps_ptr": "*i32", **after, "tiles": "i32"}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "PDL": pdl, "TAIL": tail, "K_MASK": True}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
@@ -359,30 +415,34 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
 PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM
 
 
-def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM, min_part: int = 2) -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles) whose 4-warp launch has the programs nearest, by
     ratio, ``per_sm`` an SM (the 64-row tiles alone are fewer on a narrow weight). One split a weight, whatever a
     launch's rows or warps (a row's bits depend on it). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K
     weights at every split to 8): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
     4.9), the wide ones are flat past 2 (gate_up 51.8-54.4 us from 4 to 33), a lone wave's tail is no cost. Parts
-    at least two tiles long (not measured: the engine's ``default_plan`` rule)."""
-    tiles, k_tiles = -(-n // TILE_N), cols // TILE_K
+    at least ``min_part`` tiles long (2: not measured, the engine's ``default_plan`` rule; ``OperandWeight``'s Q4_1
+    takes 1: SmolLM2's K = 576 is 5 tiles, so 2 would leave its 1-row launches one part, 9-48 programs)."""
+    tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     target = per_sm * sms
-    # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
-    return min((s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0),
+    # parts at least min_part tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
+    return min((s for s in range(1, max(1, k_tiles // min_part) + 1) if k_tiles % s == 0),
                key=lambda s: (abs(math.log(tiles * s / target)), s))
 
 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
 
-FORMATS = ("Q4_K", "Q6_K")
+FORMATS = ("Q4_K", "Q6_K", "Q4_1")
+# Parts of K a weight's split keeps at least (``split_for``): Q4_1 holds SmolLM2's narrow weights (K 576 and 1536:
+# 5 and 12 tiles), whose 1-row launches want the programs
+MIN_PART = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1}
 
 
 @dataclass(frozen=True)
 class OperandWeight:
-    """How a weight [n, cols] is held as ``repack``'s (Q4_K, pair decode) or ``repack_q6_k``'s planes (the
-    module's buffers: ``.to`` moves them, ``state_dict`` counts them), with the split of K every launch of it
-    takes (a row's bits depend on the split, so AR steps, verifies and prefills share one)."""
+    """How a weight [n, cols] is held as ``repack``'s (Q4_K, pair decode), ``repack_q6_k``'s or ``repack_q4_1``'s
+    planes (the module's buffers: ``.to`` moves them, ``state_dict`` counts them), with the split of K every launch
+    of it takes (a row's bits depend on the split, so AR steps, verifies and prefills share one)."""
 
     fmt: str
     n: int
@@ -401,6 +461,8 @@ class OperandWeight:
         split = self.split if x2.shape[0] <= rows_linear.MAX_ROWS else 1
         if self.fmt == "Q6_K":
             out = linear_q6_k(x2, planes, self.n, self.cols, split)
+        elif self.fmt == "Q4_1":
+            out = linear_q4_1(x2, planes, self.n, self.cols, split)
         else:
             out = linear(x2, *planes, self.n, self.cols, split, pairs=True)
         return out.view(*x.shape[:-1], self.n)
@@ -413,12 +475,12 @@ class OperandWeight:
         if lo % TILE_N or not 0 <= lo < hi <= self.n:
             return None
         pad = padded_rows(hi - lo)
-        per_group = self.cols // TILE_K * 256  # words of a 16-row group
+        per_group = padded_cols(self.cols) // TILE_K * 256  # words of a 16-row group
         words = planes[0][lo // 16 * per_group:(lo + pad) // 16 * per_group]
         if self.fmt == "Q6_K":
             high = planes[1][lo // 16 * per_group // 2:(lo + pad) // 16 * per_group // 2]
             sliced = (words, high, planes[2][lo:lo + pad], planes[3][lo:lo + pad])
-        else:
+        else:  # Q4_K's heads, Q4_1's steps: a row each
             sliced = (words, planes[1][lo:lo + pad])
         return replace(self, n=hi - lo), sliced
 
@@ -431,6 +493,8 @@ class OperandWeight:
             part, sliced = self.rows(planes, lo, min(lo + REPACK_ROWS, self.n))
             if self.fmt == "Q6_K":
                 out[lo:lo + part.n] = reference_q6_k(*sliced, part.n, self.cols)
+            elif self.fmt == "Q4_1":
+                out[lo:lo + part.n] = reference_q4_1(*sliced, part.n, self.cols)
             else:
                 out[lo:lo + part.n] = reference(*sliced, part.n, self.cols, pairs=True)
         return out
@@ -446,23 +510,25 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[OperandWeight, tuple[Tensor, ...]]:
-    """A ``QuantLinear``'s held rows of Q4_K or Q6_K blocks as planes (the same bytes, rows padded to 64)."""
-    planes = repack_q6_k(held, cols) if fmt.name == "Q6_K" else repack(held, cols, pairs=True)
+    """A ``QuantLinear``'s held rows of Q4_K, Q6_K or Q4_1 blocks as planes (the same bytes, rows padded to 64;
+    Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
+    repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
+    planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
     sms = torch.cuda.get_device_properties(held.device).multi_processor_count if held.is_cuda else 132
-    operand = OperandWeight(fmt.name, held.shape[0], cols, split_for(held.shape[0], cols, sms),
-                            tuple(p.dtype for p in planes))
+    split = split_for(held.shape[0], cols, sms, min_part=MIN_PART[fmt.name])
+    operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
 
 
 def hold_operands_(model: torch.nn.Module, dtype: torch.dtype, force: bool = False) -> torch.nn.Module:
-    """Every ``QuantLinear`` (fused ones too) of Q4_K or Q6_K blocks, K whole 256-value blocks (every such file's), on a
+    """Every ``QuantLinear`` (fused ones too) of Q4_K, Q6_K or Q4_1 blocks, K whole blocks (every such file's), on a
     device this decode runs on for activations in ``dtype`` (``runs_on``; ``force``: anywhere, for the CPU tests),
     held as planes instead of its blocks (``QuantLinear.hold_planes``; the blocks freed, one weight at a time, so a
     load's peak holds one weight twice). Idempotent."""
     for module in model.modules():
         if not isinstance(module, quant.QuantLinear) or module.operand is not None or module.fmt.name not in FORMATS:
             continue
-        if module.in_features % quant.QK_K:
+        if module.in_features % module.fmt.values:
             continue
         if not (force or runs_on(module.blocks.device, dtype)):
             continue

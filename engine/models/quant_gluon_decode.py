@@ -125,10 +125,17 @@ if gluon is not None:
         [8 W, 4, 8] bf16 each in ``_words_layout``, from one sub-block a thread (``_step_shift``'s): packed into one
         word, gathered from the 4 lanes of the row by warp shuffles (no shared memory, no barrier: the same values as
         ``_beside``'s, which converts through shared memory with a CTA barrier each)."""
-        W: gl.constexpr = gl.num_warps()
         # cvt.rn.bf16x2.f32 d, a, b: a (here -dmin * min) rounds into the high half, b (d * scale) the low
         packed = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [-sh, st], dtype=gl.int32,
                                            is_pure=True, pack=1)
+        return _packed_steps(packed)
+
+    @gluon.jit
+    def _packed_steps(packed):
+        """Each thread's (row, sub-block) bf16 pair (step low, offset high), [8 W, 4] in ``_lanes_layout(W, 1)``
+        -> its row's step and offset for each of its thread's words (sub-block s // 2), [8 W, 4, 8] bf16 each in
+        ``_words_layout``: gathered from the 4 lanes of the row by warp shuffles, then joined."""
+        W: gl.constexpr = gl.num_warps()
         w0, w1, w2, w3 = _from_quad(packed, 0), _from_quad(packed, 1), _from_quad(packed, 2), _from_quad(packed, 3)
         # joins: innermost on s // 4, then (s // 2) % 2, then s % 2 (the words of one sub-block): s // 2 = sub-block
         w = gl.join(gl.join(gl.join(w0, w2), gl.join(w1, w3)), gl.join(gl.join(w0, w2), gl.join(w1, w3)))
@@ -201,13 +208,17 @@ if gluon is not None:
         return gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
 
     @gluon.jit
-    def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr):
-        """x's rows for K tile ``kt``, [128, BLOCK_M] bf16 in registers (rows past M zero, not read)."""
+    def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr, K_MASK: gl.constexpr):
+        """x's rows for K tile ``kt``, [128, BLOCK_M] bf16 in registers (rows past M zero, not read; with
+        ``K_MASK``, columns past K too: a K that is not whole 128-column tiles, its planes zero-padded)."""
         xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
                                             warps_per_cta=[1, gl.num_warps()], order=[0, 1])
         xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
         xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
-        return gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=(xm < M)[None, :], other=0.0)
+        mask = (xm < M)[None, :]
+        if K_MASK:
+            mask = mask & (kt * 128 + xk < K)[:, None]
+        return gl.load(x_ptr + xm[None, :] * K + (kt * 128 + xk)[:, None], mask=mask, other=0.0)
 
     @gluon.jit
     def _operand(a, acc):

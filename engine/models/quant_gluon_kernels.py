@@ -35,6 +35,7 @@ if gluon is not None:
         _let_dependents_launch,
         _mma_layout,
         _operand,
+        _packed_steps,
         _pair_steps,
         _pairs_tile,
         _per_value,
@@ -103,7 +104,7 @@ if gluon is not None:
         if PDL:  # the weight's first tile asked for; x only once the kernel before has written it
             kt0 = _dependency_wait(kt0)
         if X_AHEAD:
-            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
         for i in range(0, k_tiles):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
@@ -111,7 +112,7 @@ if gluon is not None:
             words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
                 xt = xt_n
-                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
             hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
             h0, a0, m0, r0 = _head_fields(hw0)
             h1, a1, m1, r1 = _head_fields(hw1)
@@ -124,8 +125,8 @@ if gluon is not None:
             else:
                 a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
             if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL)
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
         return acc, acc2
 
     @gluon.jit
@@ -150,12 +151,13 @@ if gluon is not None:
         return acc2, x_tail
 
     @gluon.jit
-    def _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+    def _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, TAIL: gl.constexpr,
+                      K_MASK: gl.constexpr):
         """``_times_x`` for the ``BLOCK_M`` rows, and with a ``TAIL`` the tail's rows too (``_times_x_tail``):
         (acc, acc2), acc2 being acc without a tail."""
         if TAIL > 0:
-            acc, acc2 = _times_x_tail(acc, acc2, a, xt, _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL),
-                                      x_smem, x_tail)
+            acc, acc2 = _times_x_tail(acc, acc2, a, xt,
+                                      _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL, K_MASK), x_smem, x_tail)
         else:
             acc = _times_x(acc, a, xt, x_smem)
             acc2 = acc
@@ -271,7 +273,7 @@ if gluon is not None:
         if PDL:  # as _q4k_tile's
             kt0 = _dependency_wait(kt0)
         if X_AHEAD:
-            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M)
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
         for i in range(0, k_tiles):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
@@ -279,12 +281,77 @@ if gluon is not None:
             words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
                 xt = xt_n
-                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M)
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
             high_n = gl.load(high_ptr + hbase + nxt * 128)
             st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
             st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
             a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
             if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M)
-            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL)
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
+        return acc, acc2
+
+    @gluon.jit(do_not_specialize=["M", "split"])
+    def _q4_1_kernel(x_ptr, words_ptr, steps_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
+                     BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr,
+                     K_MASK: gl.constexpr):
+        """Q4_1's few-row product (``quant_gluon.repack_q4_1``'s planes), launched as ``_gluon_kernel`` (the pair
+        decode, the register path); ``K_MASK``: K not whole 128-column tiles (the planes zero-padded past it, x's
+        columns past it not read)."""
+        tile, part = gl.program_id(0), gl.program_id(1)
+        if PDL:
+            tile = _let_dependents_launch(tile)
+        parts_stride = M * N
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
+        acc, acc2 = _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M, X_AHEAD, PDL,
+                               TAIL, K_MASK)
+        _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
+                    TAIL)
+
+    @gluon.jit
+    def _q4_1_steps(steps_ptr, at, kt):
+        """Each thread's (row, 32-value block) word of tile ``kt``: bf16(d) low, bf16(m) high (``at``: its row's and
+        lane's offset, [8 W, 4] in ``_lanes_layout(W, 1)``)."""
+        return gl.load(steps_ptr + at + kt * 4)
+
+    @gluon.jit
+    def _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M: gl.constexpr,
+                   X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, K_MASK: gl.constexpr):
+        """One Q4_1 tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows'): the nibbles as
+        Q4_K's pair words, each 32-value block's bf16(d) and bf16(m) a word already packed (one 4-byte load a
+        thread and row: lane t holds block t of the tile, shuffled to the lanes that need it)."""
+        W: gl.constexpr = gl.num_warps()
+        x_smem = _x_smem(BLOCK_M)
+        one: gl.constexpr = _lanes_layout(W, 1)
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
+        acc2, x_tail = _tail_sums(acc, x_smem, TAIL)
+        all_tiles = k_tiles * split  # (K padded to whole tiles: the planes')
+        wbase = _word_offsets(tile, all_tiles)
+        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, one))
+        sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
+        row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
+        at0 = (row0 * (all_tiles * 4))[:, None] + sub[None, :]
+        at1 = at0 + 8 * all_tiles * 4
+        kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _q4k_tile
+        words_n = gl.load(words_ptr + wbase + kt0 * 256)
+        s0_n, s1_n = _q4_1_steps(steps_ptr, at0, kt0), _q4_1_steps(steps_ptr, at1, kt0)
+        if PDL:  # as _q4k_tile's
+            kt0 = _dependency_wait(kt0)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, K_MASK)
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, s0, s1 = words_n, s0_n, s1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, K_MASK)
+            s0_n, s1_n = _q4_1_steps(steps_ptr, at0, nxt), _q4_1_steps(steps_ptr, at1, nxt)
+            st0, m0 = _packed_steps(s0)
+            st1, m1 = _packed_steps(s1)
+            a = _pairs_tile(words, st0, m0, st1, m1)  # q * bf16(d) + bf16(m), one rounding
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, K_MASK)
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, K_MASK)
         return acc, acc2

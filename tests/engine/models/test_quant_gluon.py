@@ -28,10 +28,12 @@ ROWS = 100  # the GPU tests' rows of x: two row blocks (64 and 36)
 def _reads_back(linear, weight: torch.Tensor) -> None:
     """One-hot rows, 64 columns at a time over all K: each launch's output is those columns of ``weight``, bit for
     bit (every tile, block, sub-block and the tile read ahead)."""
-    for c0 in range(0, K, 64):
-        eye = torch.zeros(64, K, device="cuda", dtype=torch.bfloat16)
-        eye[torch.arange(64), c0 + torch.arange(64)] = 1
-        assert torch.equal(linear(eye), weight[:, c0:c0 + 64].T), c0
+    cols = weight.shape[1]
+    for c0 in range(0, cols, 64):
+        eye = torch.zeros(64, cols, device="cuda", dtype=torch.bfloat16)
+        width = min(64, cols - c0)
+        eye[torch.arange(width), c0 + torch.arange(width)] = 1
+        assert torch.equal(linear(eye)[:width], weight[:, c0:c0 + 64].T), c0
 
 
 def _blocks(seed: int, n: int = N) -> torch.Tensor:
@@ -105,6 +107,66 @@ def test_on_the_gpu_the_q6_k_product_is_its_weights_and_rows_do_not_round_togeth
     for rows in (slice(0, 1), slice(0, 33), slice(ROWS - 1, ROWS)):
         assert torch.equal(quant_gluon.linear_q6_k(x[rows], planes, N2, K, split, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear_q6_k(x, planes, N2, K, split, not ahead, 12 - warps), many)
+    exact = x.double() @ weight.double().T
+    assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
+
+
+K1 = 576  # SmolLM2's K: 18 blocks of 32, 4.5 tiles of 128 (the planes padded to 5)
+
+
+def _q41_blocks(seed: int, n: int = N, cols: int = K1) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q4_1, n, cols, seed, scale=0.05))
+
+
+def _q41_read(blocks: torch.Tensor, cols: int = K1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 file blocks -> (q 0..15, bf16(d), bf16(m)) [N, cols], by ggml's layout value by value: block v // 32,
+    byte 4 + v % 16 of it, the low nibble for v % 32 < 16 (independent of ``quant`` and of the module)."""
+    v = torch.arange(cols)
+    blk, pos = v // 32, v % 32
+    q = (blocks[:, blk * 20 + 4 + pos % 16].long() >> (4 * (pos // 16))) & 15
+    fields = blocks.reshape(blocks.shape[0], -1, 20)
+    d, m = (fields[:, :, at:at + 2].contiguous().view(torch.float16).squeeze(-1).to(torch.bfloat16)
+            .repeat_interleave(32, dim=1) for at in (0, 2))
+    return q, d, m
+
+
+def test_q4_1_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_its_decode():
+    """``repack_q4_1``: the nibbles as Q4_K's pair words over K padded to whole 128-column tiles (576 -> 640, the
+    padding zero), read position by position against the file's bytes; each block's bf16(d) and bf16(m) one word;
+    read back, the values are q * bf16(d) + bf16(m) rounded once, computed here from the file's blocks."""
+    blocks = _q41_blocks(seed=20)
+    words, steps = quant_gluon.repack_q4_1(blocks, K1)
+    assert words.numel() == (128 // 16) * 5 * 256 and steps.shape == (128, 640 // 32) and steps.dtype == torch.int32
+    q, d, m = _q41_read(blocks)
+    for G, kt, g, t, s in [(0, 0, 0, 0, 0), (1, 2, 5, 3, 7), (6, 4, 3, 1, 4), (5, 4, 7, 2, 2), (2, 4, 1, 0, 3)]:
+        word = int(words[(G * 5 + kt) * 256 + (s // 4) * 128 + (4 * g + t) * 4 + s % 4]) & 0xFFFFFFFF
+        for j, h, e in [(j, h, e) for j in range(2) for h in range(2) for e in range(2)]:
+            row, col = 16 * G + 8 * h + g, 128 * kt + 16 * s + 8 * j + 2 * t + e
+            got = (word >> (4 * (4 * e + 2 * j + h))) & 15
+            assert got == (int(q[row, col]) if row < N and col < K1 else 0), (G, kt, g, t, s, j, h, e)
+    packed = steps.long() & 0xFFFFFFFF
+    assert torch.equal((packed[:N, :18] & 0xFFFF).to(torch.int16).view(torch.bfloat16), d[:, ::32])
+    assert torch.equal((packed[:N, :18] >> 16).to(torch.int16).view(torch.bfloat16), m[:, ::32])
+    assert not packed[N:].any() and not packed[:, 18:].any()  # padded rows and columns
+    want = quant_gluon.round_bf16(q.double() * d.double() + m.double())
+    assert torch.equal(quant_gluon.reference_q4_1(words, steps, N, K1), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("cols, split", [(K1, 1), (K1, 5), (1536, 3), (1536, 12), (512, 2)])
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_on_the_gpu_the_q4_1_product_is_its_weights_and_rows_do_not_round_together(cols, split, warps, ahead):
+    """As the Q4_K test, for Q4_1 at SmolLM2's K (576: the last tile half padding, x's columns past K not read;
+    1536) and at whole tiles (512)."""
+    planes = quant_gluon.repack_q4_1(_q41_blocks(seed=21, n=N2, cols=cols).cuda(), cols)
+    weight = quant_gluon.reference_q4_1(*planes, N2, cols)
+    _reads_back(lambda x: quant_gluon.linear_q4_1(x, planes, N2, cols, split, ahead, warps), weight)
+    x = torch.randn(ROWS, cols, device="cuda", dtype=torch.bfloat16)
+    many = quant_gluon.linear_q4_1(x, planes, N2, cols, split, ahead, warps)
+    for rows in (slice(0, 1), slice(0, 33), slice(0, 41), slice(ROWS - 1, ROWS)):  # 41: a tail of 16
+        assert torch.equal(quant_gluon.linear_q4_1(x[rows], planes, N2, cols, split, ahead, 4), many[rows])
+    assert torch.equal(quant_gluon.linear_q4_1(x, planes, N2, cols, split, not ahead, 12 - warps), many)
     exact = x.double() @ weight.double().T
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
@@ -226,7 +288,7 @@ def test_q6_k_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_
 
 
 @pytest.mark.parametrize("warps", [4, 8])
-@pytest.mark.parametrize("decode", ["float", "pairs", "q6_k"])
+@pytest.mark.parametrize("decode", ["float", "pairs", "q6_k", "q4_1"])
 def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column(decode, warps):
     """``_gluon_kernel``'s assembly of a 16 W x 128 tile (W warps: 64 or 128 rows) replayed in PyTorch (a join is a
     stack on a new minor dimension; the pair decode's ``mov`` splits an int32 into its low then high 16 bits on a new
@@ -234,19 +296,30 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     natural weight, and for the pair decode its steps' gather (``_pair_steps``: packed words, warp shuffles, joins)
     gives each value its row's and sub-block's step and offset: the decode's weight, bit for bit. The compile
     checks that the layout is the operand's; this checks that the data is the tile's (the first version joined the
-    nibbles the other way round and compiled all the same)."""
+    nibbles the other way round and compiled all the same). Q4_1 at K = 576: its steps loaded a word a lane
+    (``_q4_1_steps``), the last tile's padding zero."""
     from engine.models.quant import _nibbles, hold
 
+    cols = K1 if decode == "q4_1" else K
+    k_tiles = quant_gluon.padded_cols(cols) // 128
     if decode == "q6_k":  # the 6-bit values, read from the file's bytes
         blocks = _q6_blocks(seed=3, n=N2)
         words, high, _, _ = quant_gluon.repack_q6_k(hold(blocks, FORMATS["Q6_K"]), K)
         q, _ = _q6_read(blocks)
+    elif decode == "q4_1":
+        blocks = _q41_blocks(seed=3, n=N2)
+        words, q41_steps = quant_gluon.repack_q4_1(blocks, K1)
+        q = torch.cat([_q41_read(blocks)[0], torch.zeros(N2, 640 - K1, dtype=torch.long)], dim=1)
+        weight = torch.cat([quant_gluon.reference_q4_1(words, q41_steps, N2, K1),
+                            torch.zeros(N2, 640 - K1, dtype=torch.bfloat16)], dim=1)
+        steps = q41_steps.long() & 0xFFFFFFFF  # a word a (row, 32-value block), as the kernel loads them
     else:
         blocks = _blocks(seed=3, n=N2)
         words, heads = quant_gluon.repack(blocks, K, decode == "pairs")
         q = _nibbles(blocks.reshape(-1, 144)[:, 16:].reshape(-1, 4, 32)).reshape(N2, K)
         if decode == "pairs":  # the pair decode's values, for its steps' replay below
             weight, steps = quant_gluon.reference(words, heads, N2, K, True), _pair_step_words(heads)
+            steps = steps.reshape(steps.shape[0], -1)  # [row, 32-value sub-block]
 
     def join(a, b):
         return torch.stack([a, b], dim=-1)
@@ -254,8 +327,8 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
     rr, cc = torch.arange(8 * warps)[:, None], torch.arange(32)[None, :]
     rows_a_tile = 16 * warps
     for tile in range(256 // rows_a_tile):  # the 228 rows padded to 256: the last tile partial
-        for kt in range(K // 128):
-            wbase = (tile * warps + rr // 8) * ((K // 128) * 256) + (rr % 8) * 16 + cc // 8 * 4 \
+        for kt in range(k_tiles):
+            wbase = (tile * warps + rr // 8) * (k_tiles * 256) + (rr % 8) * 16 + cc // 8 * 4 \
                 + (cc % 8 // 4) * 128 + cc % 4  # as the kernel's (cc = 8 t + s)
             w = words[wbase + kt * 256].to(torch.int64) & 0xFFFFFFFF
             if decode == "q6_k":  # _q6_pairs_tile: the top words joined with themselves >> 8, then per (j, h)
@@ -266,7 +339,7 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
                 p = [((w >> (4 * n)) & 0x000F000F) | (shifted[n] & 0x00300030) for n in range(4)]
                 both = join(join(p[0], p[2]), join(p[1], p[3]))
                 a = join(both & 0xFFFF, (both >> 16) & 0xFFFF)
-            elif decode == "pairs":  # _pairs_tile: (w >> 4 (2 j + h)) & 0x000F000F, joined on j then h, in halves
+            elif decode in ("pairs", "q4_1"):  # _pairs_tile: (w >> 4 (2 j + h)) & 0x000F000F, joined on j then h
                 p = [(w >> (4 * n)) & 0x000F000F for n in range(4)]
                 both = join(join(p[0], p[2]), join(p[1], p[3]))
                 a = join(both & 0xFFFF, both >> 16)
@@ -274,7 +347,7 @@ def test_the_kernels_joins_and_permutation_put_each_nibble_at_its_row_and_column
                 v = [(w >> (4 * n)) & 15 for n in range(8)]
                 a = join(join(join(v[0], v[4]), join(v[2], v[6])), join(join(v[1], v[5]), join(v[3], v[7])))
             rows = slice(rows_a_tile * tile, min(rows_a_tile * (tile + 1), N2))
-            if decode == "pairs":  # _pair_steps and _per_value: the values, against the decode's weight
+            if decode in ("pairs", "q4_1"):  # _packed_steps and _per_value: the values, against the decode's weight
                 values = _pair_values(a, steps, tile, kt, warps)
                 assert torch.equal(_tile(values, warps)[: rows.stop - rows.start],
                                    weight[rows, 128 * kt:128 * kt + 128]), (tile, kt)
@@ -301,17 +374,17 @@ def _pair_step_words(heads: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_values(a: torch.Tensor, steps: torch.Tensor, tile: int, kt: int, warps: int) -> torch.Tensor:
-    """``_pair_steps`` replayed on one tile: lane 4 g + t of a row's quad holds sub-block t's word (rows h = 0 and
-    1: 8 apart), ``shfl.sync.idx`` gives every lane lane 4 g + i's, the joins put sub-block s // 2 at word s; then
-    ``_per_value`` (h picks the row's steps) and one rounding of q * step + offset: [w, g, t, s, j, h, e] as ``a``
-    (the nibbles q)."""
+    """``_packed_steps`` replayed on one tile (``steps``: a word a row and 32-value sub-block): lane 4 g + t of a
+    row's quad holds sub-block t's word (rows h = 0 and 1: 8 apart), ``shfl.sync.idx`` gives every lane lane 4 g +
+    i's, the joins put sub-block s // 2 at word s; then ``_per_value`` (h picks the row's steps) and one rounding of
+    q * step + offset: [w, g, t, s, j, h, e] as ``a`` (the nibbles q)."""
     def join(x, y):
         return torch.stack([x, y], dim=-1)
 
     per_h = []
     for h in range(2):
         row = tile * 16 * warps + (torch.arange(8 * warps) // 8) * 16 + 8 * h + torch.arange(8 * warps) % 8
-        lanes = steps[row, kt // 2][:, (kt % 2) * 4 + torch.arange(4)]  # [8 W rows, 4 lanes t]: sub-block t
+        lanes = steps[row][:, kt * 4 + torch.arange(4)]  # [8 W rows, 4 lanes t]: sub-block t
         w = [lanes[:, i, None].expand(-1, 4) for i in range(4)]  # lane 4 g + i's word, in every lane t
         packed = join(join(join(w[0], w[2]), join(w[1], w[3])), join(join(w[0], w[2]), join(w[1], w[3])))
         packed = packed.reshape(8 * warps, 4, 8)  # [row, t, s]
@@ -389,6 +462,47 @@ def test_a_model_held_as_planes_multiplies_by_the_pair_decodes_values_and_frees_
     assert [p.data_ptr() for p in model["q4"].planes()] == [p.data_ptr() for p in planes]
 
 
+def _q41_layers() -> torch.nn.ModuleDict:
+    """SmolLM2's Q4_1 projections' shape of K (576): one alone, one fused of two parts (64 + 36 rows, the second
+    with a bias)."""
+    from engine.models.quant import QuantFusedLinear, QuantLinear
+
+    def layer(seed, n=N, bias=False):
+        out = QuantLinear(FORMATS["Q4_1"], K1, n, bias=bias, blocks=_q41_blocks(seed, n))
+        if bias:
+            torch.nn.init.normal_(out.bias)
+        return out
+
+    return torch.nn.ModuleDict({"q41": layer(30), "fused": QuantFusedLinear([layer(31, 64), layer(32, 36, True)])})
+
+
+def _q41_values(blocks: torch.Tensor) -> torch.Tensor:
+    q, d, m = _q41_read(blocks)
+    return quant_gluon.round_bf16(q.double() * d.double() + m.double())
+
+
+def test_a_q4_1_model_held_as_planes_multiplies_by_the_pair_decodes_values():
+    """``hold_operands_`` (forced) holds Q4_1 projections of K = 576 (not whole 128-column tiles) as planes whose
+    split takes parts of one tile (``MIN_PART``), multiplying by q * bf16(d) + bf16(m) (against the file's blocks,
+    read independently); a fused part starting a tile is its rows of the planes."""
+    model = _q41_layers()
+    files = {name: m.blocks.clone() for name, m in model.items()}
+    quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
+    for name, m in model.items():
+        assert m.operand is not None and m.operand.fmt == "Q4_1" and m.blocks.numel() == 0
+        assert m.operand.split == quant_gluon.split_for(m.out_features, K1, min_part=1) == 5  # 1-tile parts
+        assert torch.equal(m.dequantized(torch.bfloat16), _q41_values(files[name])), name
+    x = torch.randn(3, K1)
+    assert torch.equal(model["q41"](x), torch.nn.functional.linear(x, model["q41"].dequantized(torch.float32)))
+    fused = model["fused"]
+    whole = fused(x)
+    assert torch.equal(whole[1], torch.nn.functional.linear(x, _q41_values(files["fused"])[64:].float(),
+                                                            fused.bias[64:]))
+    operand, planes = fused.operand.rows(fused.planes(), 64, 100)
+    assert torch.equal(operand.values(planes), _q41_values(files["fused"])[64:])
+    assert torch.equal(fused.part(x, 1), whole[1]) and torch.equal(fused.part(x, 0), whole[0])
+
+
 def test_a_fused_weights_part_is_its_rows_of_the_planes_where_it_starts_a_tile(monkeypatch):
     """``OperandWeight.rows``: a part starting a 64-row tile reads views of the whole's planes, whose values are the
     file's rows (an independent reading: ``quant_packed.values``, ``_q6_read``), the last part's padding the whole's;
@@ -462,20 +576,24 @@ def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_m
     rounding); a fused part (its rows of the planes) is its columns of the whole; no row reaches quant_kernel."""
     from engine.models import quant_kernel
 
-    model = _layers().cuda()
+    model = _layers()
+    model.update({f"{name}_q41": layer for name, layer in _q41_layers().items()})  # Q4_1 at K = 576
+    model = model.cuda()
     quant_gluon.hold_operands_(model, torch.bfloat16)
-    assert all(model[name].operand is not None for name in ("q4", "fused", "q6"))
+    assert all(model[name].operand is not None for name in ("q4", "fused", "q6", "q41_q41", "fused_q41"))
     calls = []
     monkeypatch.setattr(quant_kernel, "linear", lambda *a, **k: calls.append(a[2].name))
-    x = torch.randn(1100, K, device="cuda", dtype=torch.bfloat16)
+    xs = {K: torch.randn(1100, K, device="cuda", dtype=torch.bfloat16),
+          K1: torch.randn(1100, K1, device="cuda", dtype=torch.bfloat16)}
 
     def run(m, rows):
-        out = m(x[rows])
+        out = m(xs[m.in_features][rows])
         return torch.cat(out, -1) if isinstance(out, tuple) else out
 
     with torch.no_grad():
-        for name in ("q4", "fused", "q6"):
+        for name in ("q4", "fused", "q6", "q41_q41", "fused_q41"):
             m = model[name]
+            x = xs[m.in_features]
             full = run(m, slice(0, 1100))
             bias = 0 if m.bias is None else m.bias.float()
             exact = x.float() @ m.dequantized(torch.float32).T + bias
@@ -483,7 +601,9 @@ def test_on_hopper_a_model_held_as_planes_rounds_a_row_alike_in_every_step_and_m
             step = run(m, slice(0, 100))
             for rows in (slice(0, 1), slice(0, 33), slice(99, 100)):
                 assert torch.equal(run(m, rows), step[rows]), (name, rows)
-        assert torch.equal(model["fused"].part(x[:33], 1), model["fused"](x[:33])[1])
+        for name in ("fused", "fused_q41"):
+            x = xs[model[name].in_features]
+            assert torch.equal(model[name].part(x[:33], 1), model[name](x[:33])[1])
     assert calls == []
 
 
