@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="BLOCK_M of each launch (16, 32, 64)")
     ap.add_argument("--bench", action="store_true", help="on a GPU: time it beside the engine kernel (27B weights)")
     ap.add_argument("--md", help="--bench: write the table here too")
+    ap.add_argument("--q4-1", action="store_true",
+                    help="--bench: SmolLM2's Q4_1 weights instead (beside quant_kernel and the dense bf16 kernel)")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
     ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
     ap.add_argument("--pdl", action="store_true", help="the static counts with programmatic dependent launch")
@@ -106,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("--bench needs CUDA", file=sys.stderr)
             return 2
-        from quant_gluon_bench import bench
+        from quant_gluon_bench import bench, bench_q4_1
 
-        lines = bench()
+        lines = bench_q4_1() if args.q4_1 else bench()
         if args.md:
             Path(args.md).write_text("\n".join(lines) + "\n")
         return 0

@@ -9,7 +9,21 @@ from math import nan
 import torch
 
 from engine.models import quant
-from engine.models.quant_gluon import Q4_K, linear, linear_q6_k, reference_q6_k, repack, repack_q6_k, split_for
+from engine.models.quant_gluon import (
+    MIN_PART,
+    Q4_1,
+    Q4_K,
+    linear,
+    linear_q4_1,
+    linear_q6_k,
+    padded_cols,
+    reference_q4_1,
+    reference_q6_k,
+    repack,
+    repack_q4_1,
+    repack_q6_k,
+    split_for,
+)
 
 STAGES = (3, 4)  # the staged columns' stages (``quant_gluon.STAGES``: shared-memory tiles a program)
 SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B GDN in_proj", 16480, 5120),
@@ -180,3 +194,66 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
         del blocks, planes, pick
         torch.cuda.empty_cache()
     return lines
+
+
+Q4_1_SHAPES = [("SmolLM2 gate_up", 3072, 576), ("SmolLM2 qkv", 960, 576), ("SmolLM2 o_proj", 576, 576),
+               ("SmolLM2 down", 576, 1536)]
+
+
+def bench_q4_1(rows: tuple[int, ...] = (1, 49)) -> list[str]:
+    """SmolLM2's Q4_1 weights (a layer's four launches; ``Q4_1_SHAPES``): GPU us a call of the operand-register
+    decode (the split the engine takes, ``MIN_PART``'s), of ``quant_kernel`` on the weight's plan (what a native load
+    took before it) and of its dequantized twin on the dense kernel (a dequantized load's), weights cycled through
+    256 MB; rows invariant and the error against the product of its own values; then at 1 row each split of K."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = ["| Q4_1 weight | MB | split | " + " | ".join(f"{m} rows: gluon / quant_kernel / dense bf16 us"
+                                                         for m in rows)
+             + " | rows invariant | error: gluon / quant_kernel | 1 row, gluon by split: split us |",
+             "|---|---|---|" + "---|" * (len(rows) + 3)]
+    for label, n, k in Q4_1_SHAPES:
+        lines.append(_q4_1_weight(label, n, k, rows, gen, sms))
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    return lines
+
+
+def _q4_1_weight(label: str, n: int, k: int, rows: tuple[int, ...], gen: torch.Generator, sms: int) -> str:
+    """``bench_q4_1``'s row for one random weight [n, k] quantized to Q4_1."""
+    from kernel_timing import time_us
+    from quant_bench import _rotated
+
+    from engine.models import linear as rows_linear
+    from engine.models import quant_kernel
+    from engine.models.quantize import quantize
+
+    blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_1)
+    planes = repack_q4_1(blocks, k)
+    weight = reference_q4_1(*planes, n, k)
+    twin = quant.dequantize(blocks, Q4_1, k).to(torch.bfloat16)
+    pick_planes, pick_blocks, pick_twin = _rotating_planes(planes, blocks.numel()), _rotated(blocks), _rotated(twin)
+    split = split_for(n, k, sms, min_part=MIN_PART["Q4_1"])
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in (1, *rows)}
+    times = {m: [time_us(lambda x=xs[m]: linear_q4_1(x, pick_planes(), n, k, split)),
+                 time_us(lambda x=xs[m]: quant_kernel.linear(x, pick_blocks(), Q4_1, k)),
+                 time_us(lambda x=xs[m]: rows_linear.linear(x, pick_twin()))] for m in rows}
+    x = xs[max(rows)]
+    many = linear_q4_1(x, planes, n, k, split)
+    invariant = torch.equal(linear_q4_1(x[:1], planes, n, k, split), many[:1])
+    errors = [float((got.double() - x.double() @ w.double().T).norm() / (x.double() @ w.double().T).norm())
+              for got, w in ((many, weight), (quant_kernel.linear(x, blocks, Q4_1, k), twin))]
+    k_tiles, by_split = padded_cols(k) // 128, []
+    for s in (s for s in range(1, k_tiles + 1) if k_tiles % s == 0):
+        us = time_us(lambda s=s: linear_q4_1(xs[1], pick_planes(), n, k, s))
+        mark = "**" if s == split else ""
+        by_split.append(f"{mark}{s}: {us:.1f}{mark}")
+    return (f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.2f} | {split} | "
+            + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
+            + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} | {', '.join(by_split)} |")
+
+
+def _rotating_planes(planes: tuple[torch.Tensor, ...], nbytes: int):
+    """``quant_bench._rotating`` over ``planes`` and as many clones as 256 MB of the weight's bytes take."""
+    from quant_bench import _copies, _rotating
+
+    return _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(_copies(nbytes) - 1)])
