@@ -40,9 +40,10 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
         proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), "--rows", "16", "64", "--warps",
                                str(warps)], capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = re.findall(r"^\| (float|pairs|q6_k) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
+        rows = re.findall(r"^\| (float|pairs|q6_k|q4_1) \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \|",
                           proc.stdout, flags=re.M)
-        assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k") for m in ("16", "64")], proc.stdout
+        assert [r[:2] for r in rows] == [(d, m) for d in ("float", "pairs", "q6_k", "q4_1") for m in ("16", "64")], \
+            proc.stdout
         for decode, block_m, hgmma, sts, lds in rows:
             # shared memory: the x tile [128, BLOCK_M] bf16 in 16-byte stores over 32 W threads; the float decode's
             # four step / offset tensors [8 W, 4] too (one a thread where they are decoded, four a thread where
