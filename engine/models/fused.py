@@ -46,13 +46,13 @@ QUANT_DECODES = ("auto", "kernel")
 
 
 def _quant_decode_from_environment() -> tuple[str, str | None]:
-    # ENGINE_QUANT_DECODE=kernel keeps Q4_K and Q6_K in their blocks for quant_kernel where the
+    # ENGINE_QUANT_DECODE=kernel keeps Q4_K, Q6_K and Q4_1 in their blocks for quant_kernel where the
     # operand-register decode would take them (engine.models.quant_gluon: an sm_90 GPU in bf16)
     raw = os.environ.get("ENGINE_QUANT_DECODE", "auto")
     value = raw.strip().lower()
     if value not in QUANT_DECODES:
-        return "auto", (f"environment variable ENGINE_QUANT_DECODE must be 'auto' (Q4_K and Q6_K decoded into the "
-                        f"matrix unit's registers where that runs) or 'kernel' (quant_kernel's, every format), "
+        return "auto", (f"environment variable ENGINE_QUANT_DECODE must be 'auto' (Q4_K, Q6_K and Q4_1 decoded into "
+                        f"the matrix unit's registers where that runs) or 'kernel' (quant_kernel's, every format), "
                         f"got {raw!r}")
     return value, None
 

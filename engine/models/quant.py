@@ -18,7 +18,7 @@ then casts to the activation dtype. Both give the values a dequantized load copi
 multiplies them, so a model decodes the same tokens whichever way its weights are kept (tested on the
 CPU in float32). On CUDA in bf16 a group of mixed formats runs as separate products where the
 dequantized twin fuses them, with other launch plans, so the two can round apart at near-ties; each is
-still exact against its own AR. On an sm_90 GPU in bf16, Q4_K and Q6_K weights are held instead as the
+still exact against its own AR. On an sm_90 GPU in bf16, Q4_K, Q6_K and Q4_1 weights are held instead as the
 planes of ``engine.models.quant_gluon`` (at load, ``hold_operands_``), whose decode into the matrix unit's
 registers takes every product and multiplies by values of its own (bf16 steps and offsets: not
 ``dequantize``'s), so a native model there is exact against its own AR, not bit-equal to its dequantized twin.
@@ -240,7 +240,7 @@ class QuantLinear(nn.Module):
     A decode step's half-precision rows on CUDA take ``quant_kernel`` (the blocks read in place and
     dequantized in registers: a verify's rows round as AR steps do); any other call dequantizes the
     weight in the activation dtype and multiplies as ``common.Linear`` does. On an sm_90 GPU in bf16 a
-    Q4_K or Q6_K weight is held as planes instead (``quant_gluon.hold_operands_``, at load: ``operand``
+    Q4_K, Q6_K or Q4_1 weight is held as planes instead (``quant_gluon.hold_operands_``, at load: ``operand``
     says how, the buffers ``planes_0``... hold them, ``blocks`` is empty): every product of bf16 rows on
     that GPU, any count, takes ``quant_gluon``'s decode into the matrix unit's registers."""
 

@@ -1,6 +1,6 @@
-"""Q4_K and Q6_K weights decoded straight into the matrix unit's operand registers on Hopper (issue #28), in Gluon
-(Triton's explicit-layout dialect), so no decoded value touches shared memory: a native GGUF's Q4_K and Q6_K
-projections on an sm_90 GPU in bf16 (``hold_operands_``, at load) take it for every product, an AR step's, a
+"""Q4_K, Q6_K and Q4_1 weights decoded straight into the matrix unit's operand registers on Hopper (issue #28), in
+Gluon (Triton's explicit-layout dialect), so no decoded value touches shared memory: a native GGUF's Q4_K, Q6_K and
+Q4_1 projections on an sm_90 GPU in bf16 (``hold_operands_``, at load) take it for every product, an AR step's, a
 verify's of any budget, a prefill's (the AR step of the 27B Q4_K_M shape 2.45x faster than ``quant_kernel``'s on
 an H100, 9.5 against 23.3 ms, 2026-12-06; 9.1 since ``MIN_BLOCK_M`` 8; benchmarks/RESULTS.md).
 
@@ -28,7 +28,10 @@ multiply-add), then bf16: the bits ``quant.dequantize`` gives, and so the engine
 (``benchmarks/quant_packed.values``'s numbers, not ``dequantize``'s: the weights a native load holds here, so
 its products are not bit-equal to a dequantized load's, whose values are ``dequantize``'s; exactness is against AR
 on the same weights). Q6_K has the pair decode (``repack_q6_k``): its low
-nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). A row's bits never
+nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). Q4_1 (SmolLM2's
+file; ``repack_q4_1``) is Q4_K's pair decode with a 32-value block's bf16(d) and bf16(m) packed into one word at load
+(q * bf16(d) + bf16(m)), its K (576: 4.5 tiles) padded with zero planes to whole tiles and x's columns past it not
+read (``K_MASK``); its split may take parts of one tile (``MIN_PART``: K = 576 is 5 tiles). A row's bits never
 depend on the rows beside it, which is what exactness against AR needs: a launch of more than 64 rows takes them in
 blocks of 64 (``ROW_BLOCK``), each block's rows summed as a lone row's, so every launch of a decode (an AR step, a
 verify of any budget) reads one weight.
@@ -39,13 +42,13 @@ and passed to the lanes that need them (the pair decode: as one bf16 pair, by wa
 through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
 rows too; ``STAGES``: or copied ahead into shared memory by cp.async, an option measured no faster; ``PDL``: a launch
 may start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
-Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks; a program takes up to 64 rows
-(``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32 and a
-tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64- or
-128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 registers). Split over K (``split_for``):
-each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's
-tickets). The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in
-``quant_gluon_staged.py``, what both share in ``quant_gluon_decode.py``).
+Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks (Q4_1: 32-value ones); a program takes up
+to 64 rows (``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32
+and a tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64-
+or 128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 registers). Split over K (``split_for``):
+each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's tickets).
+The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in ``quant_gluon_staged.py``, what both share
+in ``quant_gluon_decode.py``).
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
 (``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
@@ -374,7 +377,7 @@ def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
 
 def round_bf16(w: Tensor) -> Tensor:
     """float64 -> bf16 to nearest even, once (PyTorch goes through float32: two roundings), in bf16's normal
-    range (below 2**-126 it rounds twice; no Q4_K or Q6_K value is that small)."""
+    range (below 2**-126 it rounds twice; no Q4_K, Q6_K or Q4_1 value is that small)."""
     bits = w.view(torch.int64)
     bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)  # 7 mantissa bits kept
     return bits.view(torch.float64).float().to(torch.bfloat16)  # now exact in float32 and in bf16
