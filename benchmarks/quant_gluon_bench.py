@@ -10,7 +10,6 @@ import torch
 
 from engine.models import quant
 from engine.models.quant_gluon import (
-    MIN_PART,
     Q4_1,
     Q4_K,
     linear,
@@ -202,14 +201,15 @@ Q4_1_SHAPES = [("SmolLM2 gate_up", 3072, 576), ("SmolLM2 qkv", 960, 576), ("Smol
 
 def bench_q4_1(rows: tuple[int, ...] = (1, 49)) -> list[str]:
     """SmolLM2's Q4_1 weights (a layer's four launches; ``Q4_1_SHAPES``): GPU us a call of the operand-register
-    decode (the split the engine takes, ``MIN_PART``'s), of ``quant_kernel`` on the weight's plan (what a native load
+    decode (the split the engine takes, ``split_for``'s), of ``quant_kernel`` on the weight's plan (what a native load
     took before it) and of its dequantized twin on the dense kernel (a dequantized load's), weights cycled through
-    256 MB; rows invariant and the error against the product of its own values; then at 1 row each split of K."""
+    256 MB; rows invariant and the error against the product of its own values; then each split of K at 1 row
+    and at the most rows."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| Q4_1 weight | MB | split | " + " | ".join(f"{m} rows: gluon / quant_kernel / dense bf16 us"
                                                          for m in rows)
-             + " | rows invariant | error: gluon / quant_kernel | 1 row, gluon by split: split us |",
+             + f" | rows invariant | error: gluon / quant_kernel | gluon by split: split: 1 / {max(rows)} rows us |",
              "|---|---|---|" + "---|" * (len(rows) + 3)]
     for label, n, k in Q4_1_SHAPES:
         lines.append(_q4_1_weight(label, n, k, rows, gen, sms))
@@ -232,7 +232,7 @@ def _q4_1_weight(label: str, n: int, k: int, rows: tuple[int, ...], gen: torch.G
     weight = reference_q4_1(*planes, n, k)
     twin = quant.dequantize(blocks, Q4_1, k).to(torch.bfloat16)
     pick_planes, pick_blocks, pick_twin = _rotating_planes(planes, blocks.numel()), _rotated(blocks), _rotated(twin)
-    split = split_for(n, k, sms, min_part=MIN_PART["Q4_1"])
+    split = split_for(n, k, sms)
     xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in (1, *rows)}
     times = {m: [time_us(lambda x=xs[m]: linear_q4_1(x, pick_planes(), n, k, split)),
                  time_us(lambda x=xs[m]: quant_kernel.linear(x, pick_blocks(), Q4_1, k)),
@@ -244,9 +244,9 @@ def _q4_1_weight(label: str, n: int, k: int, rows: tuple[int, ...], gen: torch.G
               for got, w in ((many, weight), (quant_kernel.linear(x, blocks, Q4_1, k), twin))]
     k_tiles, by_split = padded_cols(k) // 128, []
     for s in (s for s in range(1, k_tiles + 1) if k_tiles % s == 0):
-        us = time_us(lambda s=s: linear_q4_1(xs[1], pick_planes(), n, k, s))
+        us = [time_us(lambda s=s, m=m: linear_q4_1(xs[m], pick_planes(), n, k, s)) for m in sorted({1, max(rows)})]
         mark = "**" if s == split else ""
-        by_split.append(f"{mark}{s}: {us:.1f}{mark}")
+        by_split.append(f"{mark}{s}: {' / '.join(f'{t:.1f}' for t in us)}{mark}")
     return (f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.2f} | {split} | "
             + " | ".join(" / ".join(f"{t:.1f}" for t in times[m]) for m in rows)
             + f" | {'y' if invariant else 'n'} | {errors[0]:.1e} / {errors[1]:.1e} | {', '.join(by_split)} |")

@@ -31,7 +31,7 @@ on the same weights). Q6_K has the pair decode (``repack_q6_k``): its low
 nibbles as Q4_K's pair words, its top 2 bits in words of their own, (q - 32) * bf16(d * scale). Q4_1 (SmolLM2's
 file; ``repack_q4_1``) is Q4_K's pair decode with a 32-value block's bf16(d) and bf16(m) packed into one word at load
 (q * bf16(d) + bf16(m)), its K (576: 4.5 tiles) padded with zero planes to whole tiles and x's columns past it not
-read (``K_MASK``); its split may take parts of one tile (``MIN_PART``: K = 576 is 5 tiles). A row's bits never
+read (``K_MASK``; its split by the Q4_K rule: K = 576's 5 tiles one part). A row's bits never
 depend on the rows beside it, which is what exactness against AR needs: a launch of more than 64 rows takes them in
 blocks of 64 (``ROW_BLOCK``), each block's rows summed as a lone row's, so every launch of a decode (an AR step, a
 verify of any budget) reads one weight.
@@ -418,27 +418,26 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
 PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM
 
 
-def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM, min_part: int = 2) -> int:
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles) whose 4-warp launch has the programs nearest, by
     ratio, ``per_sm`` an SM (the 64-row tiles alone are fewer on a narrow weight). One split a weight, whatever a
     launch's rows or warps (a row's bits depend on it). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K
     weights at every split to 8): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
     4.9), the wide ones are flat past 2 (gate_up 51.8-54.4 us from 4 to 33), a lone wave's tail is no cost. Parts
-    at least ``min_part`` tiles long (2: not measured, the engine's ``default_plan`` rule; ``OperandWeight``'s Q4_1
-    takes 1: SmolLM2's K = 576 is 5 tiles, so 2 would leave its 1-row launches one part, 9-48 programs)."""
+    at least two tiles long (not measured: the engine's ``default_plan`` rule). SmolLM2's Q4_1 weights (K = 576: 5
+    tiles, one part) measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in
+    one part against 3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down (12 tiles) 4.2 in 6 or 12 parts; and
+    five parts cost a 49-row verify five [49, N] fp32 partial sums (gate_up 8.2 us against the dense kernel's 4.5)."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     target = per_sm * sms
-    # parts at least min_part tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
-    return min((s for s in range(1, max(1, k_tiles // min_part) + 1) if k_tiles % s == 0),
+    # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
+    return min((s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0),
                key=lambda s: (abs(math.log(tiles * s / target)), s))
 
 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
 
 FORMATS = ("Q4_K", "Q6_K", "Q4_1")
-# Parts of K a weight's split keeps at least (``split_for``): Q4_1 holds SmolLM2's narrow weights (K 576 and 1536:
-# 5 and 12 tiles), whose 1-row launches want the programs
-MIN_PART = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1}
 
 
 @dataclass(frozen=True)
@@ -518,7 +517,7 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
     sms = torch.cuda.get_device_properties(held.device).multi_processor_count if held.is_cuda else 132
-    split = split_for(held.shape[0], cols, sms, min_part=MIN_PART[fmt.name])
+    split = split_for(held.shape[0], cols, sms)
     operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
 

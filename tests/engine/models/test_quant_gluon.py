@@ -483,14 +483,14 @@ def _q41_values(blocks: torch.Tensor) -> torch.Tensor:
 
 def test_a_q4_1_model_held_as_planes_multiplies_by_the_pair_decodes_values():
     """``hold_operands_`` (forced) holds Q4_1 projections of K = 576 (not whole 128-column tiles) as planes whose
-    split takes parts of one tile (``MIN_PART``), multiplying by q * bf16(d) + bf16(m) (against the file's blocks,
+    split is ``split_for``'s (one part: 5 tiles), multiplying by q * bf16(d) + bf16(m) (against the file's blocks,
     read independently); a fused part starting a tile is its rows of the planes."""
     model = _q41_layers()
     files = {name: m.blocks.clone() for name, m in model.items()}
     quant_gluon.hold_operands_(model, torch.bfloat16, force=True)
     for name, m in model.items():
         assert m.operand is not None and m.operand.fmt == "Q4_1" and m.blocks.numel() == 0
-        assert m.operand.split == quant_gluon.split_for(m.out_features, K1, min_part=1) == 5  # 1-tile parts
+        assert m.operand.split == quant_gluon.split_for(m.out_features, K1) == 1  # parts of two tiles at least
         assert torch.equal(m.dequantized(torch.bfloat16), _q41_values(files[name])), name
     x = torch.randn(3, K1)
     assert torch.equal(model["q41"](x), torch.nn.functional.linear(x, model["q41"].dequantized(torch.float32)))
