@@ -31,7 +31,7 @@ def test_the_native_plan_search_tries_each_k_partition_once_with_step_and_verify
     from engine.models import linear as lin
 
     qb = load_benchmark("quant_bench")
-    for _, n, k, _ in qb.NATIVE_SHAPES:
+    for _, n, k, _ in [*qb.NATIVE_SHAPES, ("a Q8_0 head", 49152, 576, "Q8_0")]:  # (wide tiles from 16,384 rows)
         both = list(qb.native_candidates(n, k, [1, 49]))
         steps = [c for kind, c in both if kind == "step"]
         assert len({(c.block_n, c.block_k, c.num_warps, lin.k_parts(k, c)) for c in steps}) == len(steps)
