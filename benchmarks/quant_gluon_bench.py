@@ -204,12 +204,13 @@ def bench_q4_1(rows: tuple[int, ...] = (1, 49)) -> list[str]:
     decode (the split the engine takes, ``split_for``'s), of ``quant_kernel`` on the weight's plan (what a native load
     took before it) and of its dequantized twin on the dense kernel (a dequantized load's), weights cycled through
     256 MB; rows invariant and the error against the product of its own values; then each split of K at 1 row
-    and at the most rows."""
+    and at the most rows (on the warps the engine picks, and on 4)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lines = ["| Q4_1 weight | MB | split | " + " | ".join(f"{m} rows: gluon / quant_kernel / dense bf16 us"
                                                          for m in rows)
-             + f" | rows invariant | error: gluon / quant_kernel | gluon by split: split: 1 / {max(rows)} rows us |",
+             + f" | rows invariant | error: gluon / quant_kernel | gluon by split: split: 1 / {max(rows)} rows / "
+             f"{max(rows)} rows on 4 warps us |",
              "|---|---|---|" + "---|" * (len(rows) + 3)]
     for label, n, k in Q4_1_SHAPES:
         lines.append(_q4_1_weight(label, n, k, rows, gen, sms))
@@ -244,7 +245,10 @@ def _q4_1_weight(label: str, n: int, k: int, rows: tuple[int, ...], gen: torch.G
               for got, w in ((many, weight), (quant_kernel.linear(x, blocks, Q4_1, k), twin))]
     k_tiles, by_split = padded_cols(k) // 128, []
     for s in (s for s in range(1, k_tiles + 1) if k_tiles % s == 0):
-        us = [time_us(lambda s=s, m=m: linear_q4_1(xs[m], pick_planes(), n, k, s)) for m in sorted({1, max(rows)})]
+        # at 1 row, at the most rows (the warps ``_warps`` picks: 8 from 32 rows where the rows are whole 128-row
+        # tiles), and at the most rows on 4 warps (twice the programs: SmolLM2's weights have 5-48 tiles)
+        us = [time_us(lambda s=s, m=m, w=w: linear_q4_1(xs[m], pick_planes(), n, k, s, False, w))
+              for m, w in ((1, None), (max(rows), None), (max(rows), 4))]
         mark = "**" if s == split else ""
         by_split.append(f"{mark}{s}: {' / '.join(f'{t:.1f}' for t in us)}{mark}")
     return (f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.2f} | {split} | "
