@@ -417,6 +417,20 @@ def bytes_read_per_token(target: torch.nn.Module) -> int:
     return read if head is embed else read - embed.numel() * embed.element_size()
 
 
+def _check_native(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--weights native``: profile and graphs of a ``--target`` with GGUF blocks, refused elsewhere (exit 2)."""
+    from engine.registry import check_weights
+
+    if args.section not in ("profile", "graphs") or args.presets_given:
+        where = "--presets" if args.presets_given else f"section {args.section}"
+        ap.error(f"--weights native: a GGUF --target's own blocks, for profile and graphs without --presets, not "
+                 f"{where} (the presets take bf16 or {', '.join(PRESET_RECIPES)})")
+    try:  # a target with no blocks (a float preset, an HF folder) refused before a GPU is asked for
+        check_weights(args.target, "native")
+    except EngineInputError as exc:
+        ap.error(f"--weights native --target {args.target}: {exc}")
+
+
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check alone (exit 2, naming the flag), then the sections' defaults."""
     taken = ["ar", "chain", f"ddtree-b{args.budget}", f"ddtree-b{args.budget}-adaptive"]
@@ -441,10 +455,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except EngineInputError as exc:
             ap.error(f"--budgets {' '.join(map(str, args.budgets))} --top-k {args.top_k}: {exc}")
     args.presets_given = args.presets is not None
-    if args.weights == "native" and (args.section not in ("profile", "graphs") or args.presets_given):
-        where = "--presets" if args.presets_given else f"section {args.section}"
-        ap.error(f"--weights native: a GGUF --target's own blocks, for profile and graphs without --presets, not "
-                 f"{where} (the presets take bf16 or {', '.join(PRESET_RECIPES)})")
+    if args.weights == "native":
+        _check_native(ap, args)
     if args.presets is None:
         args.presets = ["qwen35-27b-shape"] if args.section == "oracle" else ["qwen3-8b-shape", "qwen35-27b-shape"]
     if args.section == "large" or (args.section in ("profile", "graphs") and args.presets_given):

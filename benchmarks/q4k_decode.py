@@ -11,10 +11,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     """``--q4k-decode`` and the Gluon decode's ``--gluon-*`` flags."""
     ap.add_argument("--q4k-decode", choices=["engine", "kernel", "packed", "gluon", "gluon-pairs", "gluon-pairs-ahead"],
                     default="engine",
-                    help="engine: as the engine loads (on an sm_90 GPU in bf16 Q4_K and Q6_K held as the planes of "
-                         "the decode into operand registers, engine/models/quant_gluon.py; issue #28); kernel: every "
-                         "format in its blocks through quant_kernel (ENGINE_QUANT_DECODE=kernel); packed: the Q4_K "
-                         "products through the bf16-pair decode prototype (benchmarks/quant_packed.py); gluon: "
+                    help="engine: as the engine loads (on an sm_90 GPU in bf16 Q4_K, Q6_K and Q4_1 held as the planes "
+                         "of the decode into operand registers, engine/models/quant_gluon.py; issue #28); kernel: "
+                         "every format in its blocks through quant_kernel (ENGINE_QUANT_DECODE=kernel); packed: the "
+                         "Q4_K products through the bf16-pair decode prototype (benchmarks/quant_packed.py); gluon: "
                          "through the operand-register decode with a benchmark's options (benchmarks/quant_gluon.py: "
                          "the float decode; gluon-pairs: the pair decode, Q6_K too; -ahead: x read an iteration "
                          "ahead); the last four load as kernel does")

@@ -6,13 +6,17 @@ of every launch) for ``gpu_bench.py --q4k-decode gluon*``."""
 
 from __future__ import annotations
 
+import sys
 import weakref
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from engine.models import quant
-from engine.models.quant_gluon import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: run as a script, engine imports
+
+from engine.models import quant  # noqa: E402
+from engine.models.quant_gluon import (  # noqa: E402
     TILE_K,
     TILE_N,
     compile_for_hopper,
@@ -100,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, choices=[0, 2, 3, 4], default=0,
                     help="the pair decode's static counts with its tiles staged in shared memory (cp.async)")
     args = ap.parse_args(argv)
+    if args.q4_1 and not args.bench:
+        ap.error("--q4-1: a choice of --bench's weights (SmolLM2's Q4_1 instead of the 27B's); the static counts "
+                 "cover every decode, Q4_1 included")
     if gluon is None:
         print("this Triton has no Gluon", file=sys.stderr)
         return 2

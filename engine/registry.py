@@ -551,7 +551,7 @@ def load_target(spec: str, device: torch.device, dtype: torch.dtype,
     model = cast_module_(model, device, dtype).eval()
     model.requires_grad_(False)
     # The projections that read one input become one GEMM each (the loaded names are checked by now); on an
-    # sm_90 GPU in bf16, Q4_K and Q6_K blocks become the planes of the decode into operand registers.
+    # sm_90 GPU in bf16, Q4_K, Q6_K and Q4_1 blocks become the planes of the decode into operand registers.
     return hold_operands_(fuse_projections_(model), dtype), tok
 
 

@@ -133,3 +133,11 @@ def test_install_asks_for_eight_warps_only_where_they_take_whole_tiles(monkeypat
         blocks = torch.zeros(n, FORMATS["Q4_K"].row_bytes(K), dtype=torch.uint8)
         qk.linear(torch.zeros(1, K, dtype=torch.bfloat16), blocks, FORMATS["Q4_K"], K)
     assert asked == [None, 8]
+
+
+def test_the_q4_1_bench_flag_without_the_bench_is_refused(capsys):
+    """``quant_gluon.py --q4-1`` picks ``--bench``'s weights; alone it would do nothing (the static counts cover every
+    decode): refused, exit 2, before anything is compiled."""
+    with pytest.raises(SystemExit) as exit_:
+        quant_gluon.main(["--q4-1"])
+    assert exit_.value.code == 2 and "--q4-1: a choice of --bench's weights" in capsys.readouterr().err

@@ -38,8 +38,9 @@ PY
   [ $? = 0 ] || { say "weights.sh: FORM / VERIFY not applied (above); nothing run"; exit 2; }
   STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
 fi
-# NATIVE_PLANS=1: the native weights' own plans measured first (`kernel_bench.py quant-plans`: SmolLM2's Q4_1 and Q8_0
-# weights on the block kernel, the launches compiled ahead; PLANS_LIMIT, default 240 s, taken off SWEEP_LIMIT) into the
+# NATIVE_PLANS=1: the native weights' own plans measured first (`kernel_bench.py quant-plans`: SmolLM2's Q4_1
+# weights on the block kernel, the launches compiled ahead; on an H100/H200 in bf16 those take quant_gluon's decode
+# since 2026-12-07, so there the plans are used by nothing: a GPU of another kind's option; PLANS_LIMIT, default 240 s, taken off SWEEP_LIMIT) into the
 # stash (a later call on this machine reuses them: remove /root/stash/native_plans.json to measure again; a
 # measurement cut short keeps the weights it finished) and the sweep run on them (ENGINE_LINEAR_PLANS): native AR
 # on plans of its own, the dequantized form on the dense ones. Until linear.TUNED_NATIVE has them (then without it)

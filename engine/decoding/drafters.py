@@ -60,7 +60,7 @@ class DFlashDrafter:
 
     def __init__(self, draft: DFlashDraft, target: nn.Module) -> None:
         # inference: one GEMM per input (checkpoints keep the parts), cuBLAS's rounding (free_rows_); a draft in
-        # Q4_K or Q6_K blocks on an sm_90 GPU in bf16 held as the planes of the operand-register decode
+        # Q4_K, Q6_K or Q4_1 blocks on an sm_90 GPU in bf16 held as the planes of the operand-register decode
         dtype = next((p.dtype for p in draft.parameters() if p.is_floating_point()), torch.float32)
         self.draft = hold_operands_(free_rows_(fuse_projections_(draft)), dtype)
         self.target = target

@@ -155,7 +155,9 @@ BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # splits its own way: its rows still sum alike at every row count (one partition a weight), but native and
 # dequantized weights then round apart at near-ties, each exact against its own AR.
 TUNED_NATIVE: dict[tuple[int, int], dict[tuple[str, int, int], LinearPlan]] = {
-    (9, 0): {},  # none measured yet (2026-12-07: no GPU); meanwhile a plans file: weights.sh NATIVE_PLANS=1
+    # none: on sm_90 in bf16 SmolLM2's Q4_1 weights take quant_gluon's decode (2026-12-07), and the Q8_0 head plan
+    # measured then (RESULTS.md, thirteenth session) is of a shape no native weight of ours has (SmolLM2's is tied)
+    (9, 0): {},
 }
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 

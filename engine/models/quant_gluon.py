@@ -51,10 +51,10 @@ The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in ``
 in ``quant_gluon_decode.py``).
 
 No interpreter runs Gluon: the CPU tests check the planes' order against the GGUF bytes and the references
-(``reference``, ``reference_q6_k``) against ``quant.dequantize`` and an independent reading, replay the kernels'
-joins and permutations in PyTorch, and compile them for sm_90; on a GPU, ``tests/engine/models/test_quant_gluon.py``
-checks that one-hot rows read each kernel's weight back bit for bit, column block by column block, and rows
-invariant (the options' own bits: ``test_quant_gluon_options.py``).
+(``reference``, ``reference_q6_k``, ``reference_q4_1``) against ``quant.dequantize`` and an independent reading, replay
+the kernels' joins and permutations in PyTorch, and compile them for sm_90; on a GPU,
+``tests/engine/models/test_quant_gluon.py`` checks that one-hot rows read each kernel's weight back bit for bit, column
+block by column block, and rows invariant (the options' own bits: ``test_quant_gluon_options.py``).
 ``benchmarks/quant_gluon.py`` counts the kernels' instructions and times them against the engine's other kernel.
 """
 
@@ -176,7 +176,7 @@ def repack_q4_1(blocks: Tensor, cols: int) -> tuple[Tensor, Tensor]:
     assert blocks.dtype == torch.uint8 and cols % Q4_1.values == 0 and blocks.shape[1] == Q4_1.row_bytes(cols)
     n = blocks.shape[0]
     n_pad, cols_pad = padded_rows(n), padded_cols(cols)
-    b = blocks.reshape(-1, Q4_1.nbytes)
+    b = quant.unhold(blocks, Q4_1).reshape(-1, Q4_1.nbytes)  # (Q4_1 is held as the file has it: the same bytes)
     q = quant._nibbles(b[:, 4:20].unsqueeze(1)).reshape(n, cols)  # natural order, 0..15
     words = _nibble_words(_padded(q, n_pad, cols_pad), cols_pad, True)
     d, m = (b[:, at:at + 2].contiguous().view(torch.float16).to(torch.bfloat16).view(torch.int16).to(torch.int64)

@@ -1,8 +1,8 @@
-"""The pieces the Gluon kernels of ``engine.models.quant_gluon`` share (issue #28; that module documents the planes,
-the decodes and the launches): the layouts (a thread's words, its lanes, the matrix unit's accumulator), a tile's
-words and heads and their offsets, the Q4_K and Q6_K pair decodes and the float one, x's tile, the decoded tile as
-wgmma's A operand, and the grid-dependency instructions of programmatic dependent launch. The K loops that use them
-are in ``quant_gluon_kernels`` (the register path) and ``quant_gluon_staged`` (tiles staged in shared memory)."""
+"""The pieces the Gluon kernels of ``engine.models.quant_gluon`` share (issue #28; that module documents the planes, the
+decodes and the launches): the layouts (a thread's words, its lanes, the matrix unit's accumulator), a tile's words and
+heads and their offsets, the Q4_K and Q6_K pair decodes (Q4_1's too) and the float one, x's tile, the decoded tile as
+wgmma's A operand, and the grid-dependency instructions of programmatic dependent launch. The K loops that use them are
+in ``quant_gluon_kernels`` (the register path) and ``quant_gluon_staged`` (tiles staged in shared memory)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Gluon kernels of ``engine.models.quant_gluon`` (issue #28; that module documents the planes, the decodes and
-the launches): the Q4_K and Q6_K products' entry points, their K loops on the register path and their stores (the
+the launches): the Q4_K, Q6_K and Q4_1 products' entry points, their K loops on the register path and their stores (the
 pieces they share with the staged loops, ``quant_gluon_staged``, are in ``quant_gluon_decode``).
 
 A launch's warps set its tile: ``W`` warps (4 or 8) take ``16 W`` weight rows, one warpgroup (4 warps) each 64, all

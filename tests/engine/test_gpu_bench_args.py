@@ -196,9 +196,11 @@ def test_profile_and_graphs_hold_a_gguf_targets_blocks_with_weights_native_and_o
     assert sp._shown("smollm2-135m-instruct", "native", native) == "smollm2-135m-instruct-native"
     for argv, says in [(["graphs", "--weights", "native", "--presets", "qwen3-8b-shape"], "not --presets"),
                        (["large", "--weights", "native"], "not section large"),
-                       (["pair", "--weights", "native"], "not section pair")]:
+                       (["pair", "--weights", "native"], "not section pair"),
+                       (["graphs", "--weights", "native", "--target", "qwen3-8b-shape"], "qwen3-8b-shape")]:
         with pytest.raises(SystemExit) as exit_:
             gb.main(argv)
         assert exit_.value.code == 2
         err = capsys.readouterr().err
-        assert "--weights native: a GGUF --target's own blocks, for profile and graphs" in err and says in err, err
+        assert "--weights native" in err and says in err, err
+        assert ("a GGUF --target's own blocks, for profile and graphs" in err) != ("keeps a GGUF file's" in err), err

@@ -157,13 +157,17 @@ def test_q4_1_planes_hold_each_value_where_the_kernel_reads_it_and_read_back_as_
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("ahead", [False, True])
 def test_on_the_gpu_the_q4_1_product_is_its_weights_and_rows_do_not_round_together(cols, split, warps, ahead):
-    """As the Q4_K test, for Q4_1 at SmolLM2's K (576: the last tile half padding, x's columns past K not read;
-    1536) and at whole tiles (512)."""
+    """As the Q4_K test, for Q4_1 at SmolLM2's K (576: the last tile half padding, x's columns past K not read:
+    x is followed in memory by a row of NaN, which a read past K would carry into the last rows' sums; 1536) and at
+    whole tiles (512)."""
     planes = quant_gluon.repack_q4_1(_q41_blocks(seed=21, n=N2, cols=cols).cuda(), cols)
     weight = quant_gluon.reference_q4_1(*planes, N2, cols)
     _reads_back(lambda x: quant_gluon.linear_q4_1(x, planes, N2, cols, split, ahead, warps), weight)
-    x = torch.randn(ROWS, cols, device="cuda", dtype=torch.bfloat16)
+    memory = torch.randn(ROWS + 1, cols, device="cuda", dtype=torch.bfloat16)
+    memory[ROWS] = float("nan")
+    x = memory[:ROWS]  # (contiguous: the launch reads it in place)
     many = quant_gluon.linear_q4_1(x, planes, N2, cols, split, ahead, warps)
+    assert torch.isfinite(many).all()
     for rows in (slice(0, 1), slice(0, 33), slice(0, 41), slice(ROWS - 1, ROWS)):  # 41: a tail of 16
         assert torch.equal(quant_gluon.linear_q4_1(x[rows], planes, N2, cols, split, ahead, 4), many[rows])
     assert torch.equal(quant_gluon.linear_q4_1(x, planes, N2, cols, split, not ahead, 12 - warps), many)
@@ -221,10 +225,12 @@ def test_a_weight_splits_k_into_parts_that_spread_its_launch_over_about_four_pro
     an SM of 132, each part at least two tiles long: the 27B's wide gate_up whole (544 tiles), its narrow down and
     o_proj in 8 and 6 parts (80 tiles: the split sweep's fastest, 2026-12-06), k or v at the two-tile floor."""
     cases = {(34816, 5120): 1, (16480, 5120): 2, (5120, 17408): 8, (5120, 6144): 6, (1024, 5120): 20,
-             (N, K): 2, (64, 256): 1}
+             (N, K): 2, (64, 256): 1,
+             # SmolLM2's Q4_1 weights: K = 576 is 5 tiles of the padded planes (one part), the down's 1536 is 12
+             (576, 576): 1, (3072, 576): 1, (960, 576): 1, (576, 1536): 6}
     assert {shape: quant_gluon.split_for(*shape) for shape in cases} == cases
     for n, cols in cases:
-        k_tiles = cols // quant_gluon.TILE_K
+        k_tiles = quant_gluon.padded_cols(cols) // quant_gluon.TILE_K
         assert k_tiles % quant_gluon.split_for(n, cols) == 0
 
 
@@ -233,11 +239,12 @@ def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
     one chunk gives, keyword arguments passed through."""
     from engine.models.quant import hold
 
-    blocks, q6 = _blocks(seed=6), hold(_q6_blocks(seed=6), FORMATS["Q6_K"])
-    whole = [quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K)]
+    blocks, q6, q41 = _blocks(seed=6), hold(_q6_blocks(seed=6), FORMATS["Q6_K"]), _q41_blocks(seed=6)
+    whole = [quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K),
+             quant_gluon.repack_q4_1(q41, K1)]
     monkeypatch.setattr(quant_gluon, "REPACK_ROWS", 64)
-    for got, want in zip([quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K)], whole,
-                         strict=True):
+    for got, want in zip([quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K),
+                          quant_gluon.repack_q4_1(q41, K1)], whole, strict=True):
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
