@@ -38,7 +38,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     cycled through 256 MB; each decode's row invariance and error against the product of ``quant.dequantize``'s
     weight; then the same for Q6_K's pair decode on two 27B shapes."""
     from kernel_timing import time_us
-    from quant_bench import _copies, _rotating
+    from quant_bench import _rotated
 
     from engine.models import quant_kernel
     from engine.models.quantize import quantize
@@ -53,8 +53,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
              "|---|---|---|" + "---|" * (len(rows) + 2)]
     for label, n, k in SHAPES:
         blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, Q4_K)
-        copies = _copies(blocks.numel())
-        pick_blocks = _rotating([blocks] + [blocks.clone() for _ in range(copies - 1)])
+        pick_blocks = _rotated(blocks)
         split = split_for(n, k, sms)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         times = {m: [time_us(lambda x=xs[m], b=pick_blocks, k=k: quant_kernel.linear(x, b(), Q4_K, k))] for m in rows}
@@ -63,8 +62,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         got = [quant_kernel.linear(x, blocks, Q4_K, k)]
         invariant = []
         for pairs in (False, True):
-            packed = [repack(blocks, k, pairs)]
-            pick = _rotating(packed + [(w.clone(), h.clone()) for w, h in packed * (copies - 1)])
+            packed = repack(blocks, k, pairs)
+            pick = _rotating_planes(packed, blocks.numel())
             for m in rows:
                 for ahead, warps in ((False, 4), (False, 8), (True, None)) if pairs else ((False, 4),):
                     times[m].append(time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, pr=pairs, xa=ahead, w=warps:
@@ -78,8 +77,8 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
                     times[m] += [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, st=st:
                                          linear(x, *p(), n, k, s, True, False, None, st)) for st in STAGES]
                     times[m] += _tails(lambda x=xs[m], p=pick, n=n, k=k, s=split: linear(x, *p(), n, k, s, True), m)
-            many = linear(x, *packed[0], n, k, split, pairs)
-            invariant.append("y" if torch.equal(linear(x[:1], *packed[0], n, k, split, pairs), many[:1]) else "n")
+            many = linear(x, *packed, n, k, split, pairs)
+            invariant.append("y" if torch.equal(linear(x[:1], *packed, n, k, split, pairs), many[:1]) else "n")
             got.append(many)
             del packed, pick
         errors = [float((g.double() - exact).norm() / exact.norm()) for g in got]
@@ -100,10 +99,9 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     for label, n, k in [("27B down", 5120, 17408), ("27B o_proj", 5120, 6144)]:
         held = quant.hold(quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, q6),
                           q6)
-        copies = _copies(held.numel())
-        pick_held = _rotating([held] + [held.clone() for _ in range(copies - 1)])
+        pick_held = _rotated(held)
         planes = repack_q6_k(held, k)
-        pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(copies - 1)])
+        pick = _rotating_planes(planes, held.numel())
         split = split_for(n, k, sms)
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
@@ -162,7 +160,6 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
     """The pair decode at 1 row on 4 warps, each 27B Q4_K weight (and the Q6_K down and o_proj) at every split of K
     up to 8 (whole 128-column tiles): programs an SM are tiles x split / SMs; ``split_for``'s choice marked."""
     from kernel_timing import time_us
-    from quant_bench import _copies, _rotating
 
     from engine.models.quantize import quantize
 
@@ -178,7 +175,7 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
         else:
             planes = repack(blocks, k, True)
             launch = lambda x, p, s, n=n, k=k: linear(x, *p, n, k, s, True, False, 4)  # noqa: E731
-        pick = _rotating([planes] + [tuple(t.clone() for t in planes) for _ in range(_copies(blocks.numel()) - 1)])
+        pick = _rotating_planes(planes, blocks.numel())
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
         tiles, chosen, cells = -(-n // 64), split_for(n, k, sms), []
         for split in range(1, 9):

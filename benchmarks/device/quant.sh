@@ -104,7 +104,7 @@ fi
 if [ -n "${GLUON:-}" ]; then
   section gluon_static 120 python3 benchmarks/quant_gluon.py
   section gluon_tests ${GLUON_TESTS_LIMIT:-150} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs tests/engine/models/test_quant_gluon.py \
-    tests/engine/models/test_quant_gluon_options.py tests/test_quant_gluon_install.py \
+    tests/engine/models/test_quant_gluon_q4_1.py tests/engine/models/test_quant_gluon_options.py tests/test_quant_gluon_install.py \
     tests/engine/test_gguf_archs.py::test_qwen35_q4_k_m_on_cuda_equals_its_own_ar_on_every_path
   section gluon_bench ${GLUON_LIMIT:-150} python3 benchmarks/quant_gluon.py --bench --md "$OUT/gluon.md"
   # the 27B Q4_K_M step through it: gluon_large, then (GLUON_WARPS="4 8") gluon_large_wN with every launch on N

@@ -5,8 +5,9 @@
 # native vs dequantized": each form's AR tok/s and the acceptance of each config in both forms).
 # After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/wheels .device/gguf
 # .device/workloads .device/assets. SWEEP_LIMIT (default 470 s): the sweep starts no trial after it less 60 s.
-# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree. NATIVE_PLANS=1 (below): the
-# native weights' own plans measured and taken first.
+# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree. (Its NATIVE_PLANS=1, which measured
+# `kernel_bench.py quant-plans` first, went on 2026-12-07: on the lent H100/H200 SmolLM2's Q4_1 takes quant_gluon's
+# decode, which no plan reaches; on another GPU run quant-plans and set ENGINE_LINEAR_PLANS, docs/exactness.md.)
 source benchmarks/device/common.sh weights
 install_wheels .device/wheels/*.whl
 install_assets smollm2 humaneval bfcl
@@ -38,28 +39,7 @@ PY
   [ $? = 0 ] || { say "weights.sh: FORM / VERIFY not applied (above); nothing run"; exit 2; }
   STUDY=$(python3 -c "import yaml; print(yaml.safe_load(open('experiments/weights-device.yaml'))['name'])")
 fi
-# NATIVE_PLANS=1: the native weights' own plans measured first (`kernel_bench.py quant-plans`: SmolLM2's Q4_1
-# weights on the block kernel, the launches compiled ahead; on an H100/H200 in bf16 those take quant_gluon's decode
-# since 2026-12-07, so there the plans are used by nothing: a GPU of another kind's option; PLANS_LIMIT, default 240 s, taken off SWEEP_LIMIT) into the
-# stash (a later call on this machine reuses them: remove /root/stash/native_plans.json to measure again; a
-# measurement cut short keeps the weights it finished) and the sweep run on them (ENGINE_LINEAR_PLANS): native AR
-# on plans of its own, the dequantized form on the dense ones. Until linear.TUNED_NATIVE has them (then without it)
 SWEEP_LIMIT=${SWEEP_LIMIT:-470}
-if [ -n "${NATIVE_PLANS:-}" ]; then
-  if [ ! -s /root/stash/native_plans.json ]; then
-    plans_start=$(date +%s)
-    section native_plans ${PLANS_LIMIT:-240} python3 benchmarks/kernel_bench.py quant-plans --rows 1 49 \
-      --md "$OUT/native_plans.md" --out /root/stash/native_plans.json
-    # the call's 600 s: the sweep gets what the plans left of its limit
-    SWEEP_LIMIT=$(( SWEEP_LIMIT - ($(date +%s) - plans_start) ))
-  fi
-  if [ -s /root/stash/native_plans.json ]; then
-    cp /root/stash/native_plans.json "$OUT/"
-    export ENGINE_LINEAR_PLANS=/root/stash/native_plans.json
-  else
-    say "NATIVE_PLANS: no plans measured (above); the sweep runs on the engine's plans"
-  fi
-fi
 say "study $STUDY: $N_PROMPTS prompts a set, $NEW_TOKENS new tokens"
 section weights_sweep $SWEEP_LIMIT python3 -m autotune sweep experiments/weights-device.yaml \
   --storage "sqlite:///$OUT/weights.db" --tracking-uri none --no-progress --timeout "$(( SWEEP_LIMIT - 60 ))s"

@@ -54,7 +54,8 @@ No interpreter runs Gluon: the CPU tests check the planes' order against the GGU
 (``reference``, ``reference_q6_k``, ``reference_q4_1``) against ``quant.dequantize`` and an independent reading, replay
 the kernels' joins and permutations in PyTorch, and compile them for sm_90; on a GPU,
 ``tests/engine/models/test_quant_gluon.py`` checks that one-hot rows read each kernel's weight back bit for bit, column
-block by column block, and rows invariant (the options' own bits: ``test_quant_gluon_options.py``).
+block by column block, and rows invariant (Q4_1's: ``test_quant_gluon_q4_1.py``; the options' own bits:
+``test_quant_gluon_options.py``).
 ``benchmarks/quant_gluon.py`` counts the kernels' instructions and times them against the engine's other kernel.
 """
 
