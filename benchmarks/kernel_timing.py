@@ -11,8 +11,24 @@ import torch
 LAUNCHES = 48  # launches per graph: the 27B shape's 48 Gated DeltaNet layers
 
 
+# Bytes written before each replay so that L2 (50 MB on an H100 / H200) holds none of what the launches read: a
+# benchmark cycling a weight through copies (quant_bench._rotating) promises reads from HBM, which held only for
+# weights over ~1 MB while the replays were back to back (48 copies of SmolLM2's 0.35 MB qkv, 17 MB, stayed in L2:
+# 3.3 us a launch in the bench, 4.7 in the model's step graph on an H200, 2026-12-07)
+FLUSH_BYTES = 256 << 20
+_flush: list[torch.Tensor] = []
+
+
+def flush_l2() -> None:
+    """Write ``FLUSH_BYTES`` on the current GPU (L2 then holds those lines, not a benchmark's data)."""
+    if not _flush:
+        _flush.append(torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda"))
+    _flush[0].zero_()
+
+
 def time_us(fn, reps: int = 5) -> float:
-    """GPU microseconds per call: LAUNCHES calls captured in one graph, replayed ``reps`` times."""
+    """GPU microseconds per call: LAUNCHES calls captured in one graph, replayed ``reps`` times, L2 flushed before
+    each replay (``flush_l2``: only what the launches themselves read again is an L2 hit)."""
     fn()  # compile, warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -22,6 +38,7 @@ def time_us(fn, reps: int = 5) -> float:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush_l2()
         a.record()
         graph.replay()
         b.record()

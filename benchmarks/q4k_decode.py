@@ -25,9 +25,14 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                     help="--q4k-decode engine or gluon*: a launch's fewest rows a program (quant_gluon.MIN_BLOCK_M; "
                          "8, the engine's: 1-8 rows on wgmma's narrowest N, fewer registers; 16: as before "
                          "2026-12-06's tenth session)")
-    ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4], default=None,
-                    help="--q4k-decode engine or gluon-pairs: the Q4_K and Q6_K products' tiles in flight through "
-                         "shared memory (quant_gluon.STAGES; 0: the register path; default the engine's)")
+    ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4, 5, 6], default=None,
+                    help="--q4k-decode engine or gluon-pairs: every Q4_K, Q6_K and Q4_1 product's tiles in flight "
+                         "through shared memory (quant_gluon.STAGES, less one; 0: the register path; default the "
+                         "engine's)")
+    ap.add_argument("--gluon-few-rows-stages", type=int, choices=[0, 2, 3, 4, 5, 6, 8], default=None,
+                    help="--q4k-decode engine or gluon-pairs: a launch of at most MIN_BLOCK_M rows (an AR step's) with "
+                         "its part's tiles in flight through shared memory, up to this many stages "
+                         "(quant_gluon.FEW_ROWS_STAGES; 0: the register path; default the engine's)")
     ap.add_argument("--gluon-tails", choices=["on", "off", "16"], default=None,
                     help="--q4k-decode engine or gluon*: 33-48 rows as 32 and a tail of 8 or 16, two products of one "
                          "decoded tile (quant_gluon.TAILS; on: the engine's since 2026-12-07), 16: 17-24 rows as "
@@ -43,7 +48,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 def settings(args: argparse.Namespace) -> dict:
     """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
     tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
-    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None}
+    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None,
+             "FEW_ROWS_STAGES": args.gluon_few_rows_stages}
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
@@ -55,16 +61,19 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     register cap with no tail to cap, shared-memory stages with a decode that has none."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    for flag in ("gluon_min_rows", "gluon_stages", "gluon_pdl", "gluon_tails", "gluon_maxnreg"):
+    for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_pdl", "gluon_tails",
+                 "gluon_maxnreg"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
     if args.gluon_maxnreg is not None and args.gluon_tails == "off":
         ap.error(f"--gluon-maxnreg {args.gluon_maxnreg}: it caps a tail's launch, and --gluon-tails off takes none")
-    if (args.gluon_stages or 0) > 1 and args.q4k_decode in ("gluon", "gluon-pairs-ahead"):
-        ap.error(f"--gluon-stages {args.gluon_stages}: shared-memory stages take the pair decode with x staged "
-                 f"beside the planes (--q4k-decode engine or gluon-pairs), not --q4k-decode {args.q4k_decode}")
+    for flag in ("gluon_stages", "gluon_few_rows_stages"):
+        if (getattr(args, flag) or 0) > 1 and args.q4k_decode in ("gluon", "gluon-pairs-ahead"):
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: shared-memory stages take the pair decode "
+                     f"with x staged beside the planes (--q4k-decode engine or gluon-pairs), not --q4k-decode "
+                     f"{args.q4k_decode}")
 
 
 def apply(args: argparse.Namespace) -> None:

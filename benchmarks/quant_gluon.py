@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
           "global loads | barriers, wgmma waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for decode, block_m in [(decode, block_m) for decode in ("float", "pairs", "q6_k", "q4_1")
                             for block_m in args.rows]:
-        # (shared-memory stages: the Q4_K and Q6_K pair decodes' only)
-        stages = 0 if decode in ("float", "q4_1") else args.stages
+        # (shared-memory stages: the pair decodes' only, Q4_K's, Q6_K's and Q4_1's)
+        stages = 0 if decode == "float" else args.stages
         compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)

@@ -66,9 +66,9 @@ def test_the_options_compile_for_hopper_staged_with_pdl_and_with_a_tail():
         proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), *flags], capture_output=True, text=True,
                               env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = re.findall(r"^\| (pairs|q6_k) \| \d+ \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| \d+ \| ([^|]*) \|",
-                          proc.stdout, flags=re.M)
-        assert [r[0] for r in rows] == ["pairs", "q6_k"], proc.stdout
+        rows = re.findall(r"^\| (pairs|q6_k|q4_1) \| \d+ \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| \d+ \| "
+                          r"([^|]*) \|", proc.stdout, flags=re.M)
+        assert [r[0] for r in rows] == ["pairs", "q6_k", "q4_1"], proc.stdout
         for _, got_hgmma, got_sts, loads in rows:
             assert got_hgmma == hgmma and (sts is None or got_sts == sts), (flags, rows)
             assert ("LDGSTS" in loads) == ("--stages" in flags), (flags, loads)

@@ -8,10 +8,17 @@
 source benchmarks/device/common.sh smol_native
 install_assets smollm2 humaneval
 section q4_1_bench 150 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
-for form in dequantized native native_pdl; do
+section layer_probe 150 python3 benchmarks/layer_probe.py --md "$OUT/layer_probe.md"
+section q4_1_tests 200 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
+  tests/engine/models/test_quant_gluon_q4_1.py
+# FORMS: dequantized, native (the engine's), native_pdl (--gluon-pdl), native_sN (--gluon-stages N: every launch's
+# tiles through shared memory), native_fN (--gluon-few-rows-stages N: an AR step's launches')
+for form in ${FORMS:-dequantized native native_pdl}; do
   flags=()
   [ "$form" != dequantized ] && flags+=(--weights native)
   [ "$form" = native_pdl ] && flags+=(--gluon-pdl)
+  [[ "$form" == native_s* ]] && flags+=(--gluon-stages "${form#native_s}")
+  [[ "$form" == native_f* ]] && flags+=(--gluon-few-rows-stages "${form#native_f}")
   section "graphs_$form" 110 python3 benchmarks/gpu_bench.py graphs --target smollm2-135m-instruct \
     --draft smollm2-135m-dflash --sets humaneval "${flags[@]}" --budgets ${BUDGETS:-22 48} --new-tokens 32 \
     --repeats 20 --md "$OUT/graphs_$form.md" --out "$OUT/graphs_$form.json"

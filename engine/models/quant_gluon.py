@@ -247,7 +247,7 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
     (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory:
     the same bits whichever."""
-    stages = _stages(stages, pairs, x_ahead)
+    stages = _stages(stages, pairs, x_ahead, x.shape[0], _part_tiles(cols, split))
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
                    X_AHEAD=x_ahead, STAGES=stages)
 
@@ -270,10 +270,19 @@ STAGES = 0
 PDL = False
 
 
-def _stages(stages: int | None, pairs: bool, x_ahead: bool) -> int:
-    """A launch's stages (``STAGES`` when None): 0 / 1 the register path; 2 or more the pair decode only, x
-    staged with the planes (no ``x_ahead``)."""
-    stages = STAGES if stages is None else stages
+# A launch of at most ``MIN_BLOCK_M`` rows (an AR step's: one program a tile and part) with every tile of its part of
+# K in flight through shared memory at once, up to this many stages (0: the register path, as any other launch).
+FEW_ROWS_STAGES = 0
+
+
+def _stages(stages: int | None, pairs: bool, x_ahead: bool, rows: int = 0, k_tiles: int = 0) -> int:
+    """A launch's stages (``STAGES`` when None, or for ``rows`` up to ``MIN_BLOCK_M`` with the pair decode, x not
+    ahead, ``FEW_ROWS_STAGES``: ``k_tiles``, its part's tiles, and one more, at most): 0 / 1 the register path; 2 or
+    more the pair decode only, x staged with the planes (no ``x_ahead``). The bits are the same whichever."""
+    if stages is None:
+        stages = STAGES
+        if not stages and FEW_ROWS_STAGES > 1 and 0 < rows <= MIN_BLOCK_M and pairs and not x_ahead:
+            stages = max(2, min(FEW_ROWS_STAGES, k_tiles + 1))
     if stages > 1 and (not pairs or x_ahead):
         raise ValueError(f"stages={stages}: shared-memory stages take the pair decode with x staged beside the "
                          f"planes (pairs=True, x_ahead=False), not pairs={pairs}, x_ahead={x_ahead}")
@@ -285,16 +294,22 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
     return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
-                   STAGES=_stages(stages, True, x_ahead))
+                   STAGES=_stages(stages, True, x_ahead, x.shape[0], _part_tiles(cols, split)))
 
 
 def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, split: int = 1, x_ahead: bool = False,
-                warps: int | None = None) -> Tensor:
+                warps: int | None = None, stages: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q4_1 weight ``repack_q4_1``'s planes hold (``reference_q4_1``'s values), for
     any rows and any K of whole 32-value blocks (the planes padded to 128-column tiles, x's columns past K not
-    read), on a GPU; the options as ``linear``'s (the register path: no stages)."""
+    read), on a GPU; the options as ``linear``'s."""
     return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
+                   STAGES=_stages(stages, True, x_ahead, x.shape[0], _part_tiles(cols, split)),
                    K_MASK=cols % TILE_K != 0)
+
+
+def _part_tiles(cols: int, split: int) -> int:
+    """The 128-column tiles of K (padded to whole ones) in each of ``split`` parts."""
+    return padded_cols(cols) // TILE_K // split
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
@@ -401,10 +416,9 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
                       "TAIL": tail}
     elif decode == "q4_1":
-        if stages > 1:
-            raise ValueError(f"stages={stages}: Q4_1 takes the register path (0 or 1)")
         fn, sig = kernels._q4_1_kernel, {**common, "steps_ptr": "*i32", **after, "tiles": "i32"}
-        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "PDL": pdl, "TAIL": tail, "K_MASK": True}
+        constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
+                      "TAIL": tail, "K_MASK": True}
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,

@@ -293,18 +293,24 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q4_1_kernel(x_ptr, words_ptr, steps_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
-                     BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr,
-                     K_MASK: gl.constexpr):
+                     BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                     TAIL: gl.constexpr, K_MASK: gl.constexpr):
         """Q4_1's few-row product (``quant_gluon.repack_q4_1``'s planes), launched as ``_gluon_kernel`` (the pair
-        decode, the register path); ``K_MASK``: K not whole 128-column tiles (the planes zero-padded past it, x's
-        columns past it not read)."""
+        decode; ``STAGES`` > 1: its tiles staged in shared memory); ``K_MASK``: K not whole 128-column tiles (the
+        planes zero-padded past it, x's columns past it not read)."""
         tile, part = gl.program_id(0), gl.program_id(1)
         if PDL:
             tile = _let_dependents_launch(tile)
         parts_stride = M * N
         x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
-        acc, acc2 = _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M, X_AHEAD, PDL,
-                               TAIL, K_MASK)
+        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
+        if STAGES > 1:
+            acc = staged._q4_1_tile_staged(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M,
+                                           STAGES, PDL, K_MASK)
+            acc2 = acc
+        else:
+            acc, acc2 = _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M, X_AHEAD,
+                                   PDL, TAIL, K_MASK)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
                     TAIL)
 

@@ -65,11 +65,16 @@ if gluon is not None:
         head = heads_s.load(gl.SliceLayout(1, hl)).expand_dims(1)  # [8 W, 1, 4]
         return head + gl.zeros([8 * W, 4, 4], gl.int32, layout=hl)
 
+    @gluon.constexpr_function
+    def _x_copy_layout(warps):
+        """x's rows [128, BLOCK_M] as ``_x_tile`` reads them: 8 columns (16 bytes) a thread."""
+        return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2], warps_per_cta=[1, warps],
+                                order=[0, 1])
+
     @gluon.jit
     def _x_offsets(K, M, BLOCK_M: gl.constexpr):
         """x's rows for K tile 0 (add ``kt * 128``), [128, BLOCK_M] in ``_x_tile``'s layout, and the rows < M."""
-        xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[16, 2],
-                                            warps_per_cta=[1, gl.num_warps()], order=[0, 1])
+        xl: gl.constexpr = _x_copy_layout(gl.num_warps())
         xk = gl.arange(0, 128, layout=gl.SliceLayout(1, xl))
         xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, xl))
         at = gl.max_contiguous(gl.multiple_of(xm[None, :] * K + xk[:, None], [8, 1]), [8, 1])
@@ -104,18 +109,24 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles):
-        """x's rows for part tile ``j`` into its stage (no commit: the caller's group)."""
-        decode._async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=xrows & (j < k_tiles))
+    def _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles, K=0, K_MASK: gl.constexpr = False):
+        """x's rows for part tile ``j`` into its stage (no commit: the caller's group); with ``K_MASK`` its columns
+        past K not read, zeros written (K a multiple of 16: a thread's 8 columns all read or none, 16-byte copies)."""
+        mask = xrows & (j < k_tiles)
+        if K_MASK:
+            xk = gl.arange(0, 128, layout=gl.SliceLayout(1, _x_copy_layout(gl.num_warps())))
+            mask = mask & ((kt0 + j) * 128 + xk < K)[:, None]
+        decode._async_load(x_s.index(j % x_s.shape[0]), x_ptr + xat + (kt0 + j) * 128, mask=mask)
 
     @gluon.jit
-    def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr):
+    def _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES: gl.constexpr, K=0,
+                           K_MASK: gl.constexpr = False):
         """With PDL, the prologue's weight stages are asked for first (without x); then, once the kernel before
         has written x (``_dependency_wait``), x's rows for those stages, and all of it waited for (the loop's first
         wait would leave x, the last group, in flight). Returns ``kt0`` through the wait, for the loop's copies."""
         kt0 = decode._dependency_wait(kt0)
         for j in gl.static_range(STAGES - 1):
-            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
+            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles, K, K_MASK)
         async_copy.commit_group()
         async_copy.wait_group(0)
         return kt0
@@ -228,5 +239,61 @@ if gluon is not None:
             high = gl.convert_layout(high, decode._quads_layout(W), assert_trivial=True)
             a = decode._q6_pairs_tile(words, high) * decode._per_value(st0, st1)  # times bf16(d * scale), one rounding
             acc = warpgroup_mma(decode._operand(a, acc), x_s.index(stage), acc)
+        async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
+    def _stage_q4_1(words_s, steps_s, x_s, x_ptr, words_ptr, steps_ptr, wrun, sat0, sat1, xat, xrows, j, kt0,
+                    k_tiles, K, WITH_X: gl.constexpr, K_MASK: gl.constexpr):
+        """``_stage_q4k`` for Q4_1: words, each row's four d | m words of the tile (4 bytes: cp.async's least), x's
+        rows (``K_MASK``: not past K)."""
+        stage = j % words_s.shape[0]
+        ok = j < k_tiles
+        kt = kt0 + j
+        _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
+        decode._async_load(steps_s.index(2 * stage), steps_ptr + sat0 + kt * 4, mask=(sat0 >= 0) & ok)
+        decode._async_load(steps_s.index(2 * stage + 1), steps_ptr + sat1 + kt * 4, mask=(sat1 >= 0) & ok)
+        if WITH_X:
+            _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles, K, K_MASK)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _q4_1_tile_staged(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M: gl.constexpr,
+                          STAGES: gl.constexpr, PDL: gl.constexpr, K_MASK: gl.constexpr):
+        """``_q4_1_tile``'s sums with each tile's words, steps and x rows staged as ``_q4k_tile_staged``'s: for a
+        launch of few programs (a small model's weights: SmolLM2's have 9-54 on 132 SMs), where one tile in flight
+        a program leaves each of the K loop's iterations a memory round trip."""
+        W: gl.constexpr = gl.num_warps()
+        words_s = gl.allocate_shared_memory(gl.int32, [STAGES, W, 256], _flat(2))
+        steps_s = gl.allocate_shared_memory(gl.int32, [2 * STAGES, 8 * W, 4], _flat(2))  # stage s, rows h: 2 s + h
+        x_s = _x_staged(BLOCK_M, STAGES)
+        all_tiles = k_tiles * split  # (K padded to whole tiles: the planes')
+        wrun = _run_offsets(tile, all_tiles, 256)
+        cl: gl.constexpr = _heads_copy_layout(W)
+        sr = gl.arange(0, 8 * W, layout=gl.SliceLayout(1, cl))
+        sw = gl.arange(0, 4, layout=gl.SliceLayout(0, cl))
+        row = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0's row of lane g of warp w
+        sat0 = (row * (all_tiles * 4))[:, None] + sw[None, :]  # rows h = 0's steps (of K tile 0)
+        sat1 = sat0 + 8 * all_tiles * 4  # rows h = 1: 8 rows on
+        xat, xrows = _x_offsets(K, M, BLOCK_M)
+        kt0 = part * k_tiles
+        for j in gl.static_range(STAGES - 1):
+            _stage_q4_1(words_s, steps_s, x_s, x_ptr, words_ptr, steps_ptr, wrun, sat0, sat1, xat, xrows, j, kt0,
+                        k_tiles, K, not PDL, K_MASK)
+        if PDL:
+            kt0 = _staged_prologue_x(x_s, x_ptr, xat, xrows, kt0, k_tiles, STAGES, K, K_MASK)
+        one: gl.constexpr = decode._lanes_layout(W, 1)
+        rl: gl.constexpr = _run_layout(W, 256)
+        acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=decode._mma_layout(W, BLOCK_M))
+        for i in range(0, k_tiles):
+            stage = i % STAGES
+            _staged_in(STAGES)
+            _stage_q4_1(words_s, steps_s, x_s, x_ptr, words_ptr, steps_ptr, wrun, sat0, sat1, xat, xrows,
+                        i + STAGES - 1, kt0, k_tiles, K, True, K_MASK)
+            words = _from_run(words_s.index(stage).load(rl))
+            st0, m0 = decode._packed_steps(steps_s.index(2 * stage).load(one))
+            st1, m1 = decode._packed_steps(steps_s.index(2 * stage + 1).load(one))
+            a = decode._operand(decode._pairs_tile(words, st0, m0, st1, m1), acc)
+            acc = warpgroup_mma(a, x_s.index(stage), acc)
         async_copy.wait_group(0)
         return acc

@@ -67,6 +67,26 @@ def test_on_the_gpu_the_q4_1_product_is_its_weights_and_rows_do_not_round_togeth
     assert float((many.double() - exact).norm() / exact.norm()) < 1e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("cols, split", [(K1, 1), (K1, 5), (1536, 6), (512, 2)])
+@pytest.mark.parametrize("stages", [2, 3, 6])
+def test_on_the_gpu_q4_1_tiles_staged_in_shared_memory_give_the_register_paths_bits(cols, split, stages):
+    """``stages`` for Q4_1 (each tile's words, d | m words and x rows copied ahead by cp.async; 6: all of a
+    576-column part's 5 tiles at once, the stages past it copying nothing): one-hot rows read the weight back bit
+    for bit, and every row count's product is the register path's, bit for bit, x's columns past K never read (a
+    row of NaN after x in memory)."""
+    planes = quant_gluon.repack_q4_1(_q41_blocks(seed=22, n=N2, cols=cols).cuda(), cols)
+    weight = quant_gluon.reference_q4_1(*planes, N2, cols)
+    _reads_back(lambda x: quant_gluon.linear_q4_1(x, planes, N2, cols, split, stages=stages), weight)
+    memory = torch.randn(ROWS + 1, cols, device="cuda", dtype=torch.bfloat16)
+    memory[ROWS] = float("nan")
+    x = memory[:ROWS]
+    for rows in (1, 5, 8, 16, 33, 49, ROWS):
+        staged = quant_gluon.linear_q4_1(x[:rows], planes, N2, cols, split, stages=stages)
+        assert torch.isfinite(staged).all(), rows
+        assert torch.equal(staged, quant_gluon.linear_q4_1(x[:rows], planes, N2, cols, split, stages=0)), rows
+
+
 def test_a_q4_1_model_held_as_planes_multiplies_by_the_pair_decodes_values():
     """``hold_operands_`` (forced) holds Q4_1 projections of K = 576 (not whole 128-column tiles) as planes whose
     split is ``split_for``'s (one part: 5 tiles), multiplying by q * bf16(d) + bf16(m) (against the file's blocks,

@@ -1,0 +1,131 @@
+"""SmolLM2's 30 layers' four projections launched in order in one CUDA graph, Q4_1 planes against their bf16 twins
+on the dense kernel: wall per layer and each launch's GPU time by position (the profiler), with and without an
+RMSNorm launch before each projection, beside the same weight launched 30 times (as the kernel bench times it)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models import fused, quant  # noqa: E402
+from engine.models import linear as rows_linear  # noqa: E402
+from engine.models import quant_gluon as qg  # noqa: E402
+
+SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
+LAYERS = 30
+
+
+def _graph_times(launches) -> tuple[float, list[float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in launches:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    walls = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        walls.append(1000 * a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
+                  and ev.device_time), key=lambda ev: ev.time_range.start)
+    return statistics.median(walls), [(ev.name, ev.device_time) for ev in evs]
+
+
+def main() -> None:  # noqa: C901
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--md", default=None, help="write the table here too")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fmt = qg.Q4_1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = []  # per layer: {name: (planes, twin, n, k, split)}
+    for _ in range(LAYERS):
+        layer = {}
+        for name, n, k in SHAPES:
+            blocks = quant.quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+            planes = qg.repack_q4_1(blocks, k)
+            twin = quant.dequantize(blocks, fmt, k).to(torch.bfloat16)
+            layer[name] = (planes, twin, n, k, qg.split_for(n, k, sms))
+        weights.append(layer)
+    xs = {k: torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
+    norm_w = {k: torch.ones(k, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
+    outs = {k: torch.empty(1, k, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
+
+    def proj(form, w):
+        planes, twin, n, k, s = w
+        if form == "dense":
+            return lambda: rows_linear.linear(xs[k], twin)
+        if form == "native split":  # K in as many parts as tiles
+            s = qg.padded_cols(k) // qg.TILE_K
+        stages = int(form.split(" s")[1]) if " s" in form else 0
+        return lambda: qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=form == "native x_ahead", stages=stages)
+
+    def norm(k):
+        return lambda: outs[k].copy_(fused.rms_norm(xs[k], norm_w[k], 1e-5))
+
+    rows = ["| variant | wall us | per layer us | proj us by position (qkv / o / gate_up / down) | norm us |",
+            "|---|---|---|---|---|"]
+    variants = {}
+    for name, n, k in SHAPES:  # the staged tiles' bits against the register path's
+        planes, _, _, _, split = weights[0][name]
+        x = torch.randn(49, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        ref = qg.linear_q4_1(x, planes, n, k, split)
+        for st in (2, 3, 6):
+            for m in (1, 8, 49):
+                got = qg.linear_q4_1(x[:m], planes, n, k, split, stages=st)
+                print(f"{name} stages {st} rows {m}: equal {torch.equal(got, ref[:m])}", flush=True)
+    for form in ("dense", "native", "native split", "native x_ahead", "native s2", "native s3", "native s6"):
+        for normed in (False, True):
+            seq, kinds = [], []
+            for layer in weights:
+                for name, _, k in SHAPES:
+                    if normed:
+                        seq.append(norm(k))
+                        kinds.append("norm")
+                    seq.append(proj(form, layer[name]))
+                    kinds.append(name)
+            variants[f"{form}{' +norm' if normed else ''}"] = (seq, kinds)
+        for name, _, k in SHAPES[:1 if form != "native" and form != "dense" else 4]:  # one weight 30 times
+            seq, kinds = [], []
+            for layer in weights:
+                seq += [norm(k), proj(form, layer[name])]
+                kinds += ["norm", name]
+            variants[f"{form} {name} alone +norm"] = (seq, kinds)
+    for label, (seq, kinds) in variants.items():
+        wall, evs = _graph_times(seq)
+        # a launch may add kernels (a dense split's none; a norm's copy): keep the projections' and norms' own
+        proj_names = ("_q4_1_kernel", "_linear_kernel")
+        by = {}
+        it = iter(kinds)
+        for name, us in evs:
+            if any(p in name for p in proj_names) or "_rms_norm" in name:
+                by.setdefault(next(it), []).append(us)
+        cols = " / ".join(f"{statistics.mean(by[s[0]]):.2f}" if s[0] in by else "-" for s in SHAPES)
+        nrm = f"{statistics.mean(by['norm']):.2f}" if "norm" in by else "-"
+        rows.append(f"| {label} | {wall:.1f} | {wall / LAYERS:.2f} | {cols} | {nrm} |")
+        print(rows[-1], flush=True)
+    if args.md:
+        Path(args.md).write_text("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
