@@ -76,8 +76,10 @@ def main() -> None:  # noqa: C901
             return lambda: rows_linear.linear(xs[k], twin)
         if form == "native split":  # K in as many parts as tiles
             s = qg.padded_cols(k) // qg.TILE_K
-        stages = int(form.split(" s")[1]) if " s" in form else 0
-        return lambda: qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=form == "native x_ahead", stages=stages)
+        # "native": the engine's launch (its stages rule); "native sN": N stages (0: the register path)
+        stages = int(form.rsplit(" s", 1)[1]) if form[-1].isdigit() else None
+        ahead = form == "native x_ahead"
+        return lambda: qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=ahead, stages=0 if ahead else stages)
 
     def norm(k):
         return lambda: outs[k].copy_(fused.rms_norm(xs[k], norm_w[k], 1e-5))
@@ -93,7 +95,7 @@ def main() -> None:  # noqa: C901
             for m in (1, 8, 49):
                 got = qg.linear_q4_1(x[:m], planes, n, k, split, stages=st)
                 print(f"{name} stages {st} rows {m}: equal {torch.equal(got, ref[:m])}", flush=True)
-    for form in ("dense", "native", "native split", "native x_ahead", "native s2", "native s3", "native s6"):
+    for form in ("dense", "native", "native s0", "native split", "native x_ahead", "native s3", "native s6"):
         for normed in (False, True):
             seq, kinds = [], []
             for layer in weights:
@@ -104,7 +106,7 @@ def main() -> None:  # noqa: C901
                     seq.append(proj(form, layer[name]))
                     kinds.append(name)
             variants[f"{form}{' +norm' if normed else ''}"] = (seq, kinds)
-        for name, _, k in SHAPES[:1 if form != "native" and form != "dense" else 4]:  # one weight 30 times
+        for name, _, k in SHAPES[:4 if form in ("dense", "native", "native s0") else 1]:  # one weight 30 times
             seq, kinds = [], []
             for layer in weights:
                 seq += [norm(k), proj(form, layer[name])]

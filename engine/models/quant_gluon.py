@@ -247,7 +247,7 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
     (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory:
     the same bits whichever."""
-    stages = _stages(stages, pairs, x_ahead, x.shape[0], _part_tiles(cols, split))
+    stages = _stages(stages, pairs, x_ahead, x, heads.shape[0], cols, split)
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
                    X_AHEAD=x_ahead, STAGES=stages)
 
@@ -270,19 +270,36 @@ STAGES = 0
 PDL = False
 
 
-# A launch of at most ``MIN_BLOCK_M`` rows (an AR step's: one program a tile and part) with every tile of its part of
-# K in flight through shared memory at once, up to this many stages (0: the register path, as any other launch).
-FEW_ROWS_STAGES = 0
+# A launch of at most ``MIN_BLOCK_M`` rows (an AR step's) whose programs (a tile and part each) are fewer than the
+# GPU's SMs (a small model's weights: SmolLM2's 9-54 on 132) takes every tile of its part of K in flight through
+# shared memory at once, up to this many stages: a program's K loop is then the launch's time, and one tile ahead
+# in registers leaves each iteration a memory round trip. 0: the register path, as any other launch
+FEW_ROWS_STAGES = 6
 
 
-def _stages(stages: int | None, pairs: bool, x_ahead: bool, rows: int = 0, k_tiles: int = 0) -> int:
-    """A launch's stages (``STAGES`` when None, or for ``rows`` up to ``MIN_BLOCK_M`` with the pair decode, x not
-    ahead, ``FEW_ROWS_STAGES``: ``k_tiles``, its part's tiles, and one more, at most): 0 / 1 the register path; 2 or
-    more the pair decode only, x staged with the planes (no ``x_ahead``). The bits are the same whichever."""
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def few_rows_stages(rows: int, n_pad: int, cols: int, split: int, sms: int) -> int:
+    """``FEW_ROWS_STAGES``' stages for a launch of ``rows`` over ``n_pad`` padded rows (64-row tiles), ``cols`` and
+    ``split`` parts of K on a GPU of ``sms`` SMs: its part's tiles and one more (all in flight), at most
+    ``FEW_ROWS_STAGES``, where the rows are at most ``MIN_BLOCK_M`` and the programs fewer than the SMs; else 0."""
+    if FEW_ROWS_STAGES < 2 or rows > MIN_BLOCK_M or n_pad // TILE_N * split >= sms:
+        return 0
+    return max(2, min(FEW_ROWS_STAGES, padded_cols(cols) // TILE_K // split + 1))
+
+
+def _stages(stages: int | None, pairs: bool, x_ahead: bool, x: Tensor | None = None, n_pad: int = 0, cols: int = 0,
+            split: int = 1) -> int:
+    """A launch's stages: ``stages``, or when None ``STAGES``, or for x on a GPU with the pair decode, x not ahead,
+    ``few_rows_stages``'. 0 / 1 the register path; 2 or more the pair decode only, x staged with the planes (no
+    ``x_ahead``). The bits are the same whichever."""
     if stages is None:
         stages = STAGES
-        if not stages and FEW_ROWS_STAGES > 1 and 0 < rows <= MIN_BLOCK_M and pairs and not x_ahead:
-            stages = max(2, min(FEW_ROWS_STAGES, k_tiles + 1))
+        if not stages and pairs and not x_ahead and x is not None and x.is_cuda:
+            stages = few_rows_stages(x.shape[0], n_pad, cols, split, _sms(x.device))
     if stages > 1 and (not pairs or x_ahead):
         raise ValueError(f"stages={stages}: shared-memory stages take the pair decode with x staged beside the "
                          f"planes (pairs=True, x_ahead=False), not pairs={pairs}, x_ahead={x_ahead}")
@@ -294,7 +311,7 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
     return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
-                   STAGES=_stages(stages, True, x_ahead, x.shape[0], _part_tiles(cols, split)))
+                   STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split))
 
 
 def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, split: int = 1, x_ahead: bool = False,
@@ -303,13 +320,8 @@ def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, spl
     any rows and any K of whole 32-value blocks (the planes padded to 128-column tiles, x's columns past K not
     read), on a GPU; the options as ``linear``'s."""
     return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
-                   STAGES=_stages(stages, True, x_ahead, x.shape[0], _part_tiles(cols, split)),
+                   STAGES=_stages(stages, True, x_ahead, x, planes[1].shape[0], cols, split),
                    K_MASK=cols % TILE_K != 0)
-
-
-def _part_tiles(cols: int, split: int) -> int:
-    """The 128-column tiles of K (padded to whole ones) in each of ``split`` parts."""
-    return padded_cols(cols) // TILE_K // split
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,

@@ -166,3 +166,24 @@ def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
         with pytest.raises(ValueError, match=f"stages=3.*pairs={pairs}, x_ahead={ahead}"):
             quant_gluon._stages(3, pairs, ahead)
     assert quant_gluon._stages(3, True, False) == 3 and quant_gluon._stages(1, False, True) == 1
+
+
+def test_an_ar_steps_launch_of_fewer_programs_than_sms_takes_its_tiles_through_shared_memory(monkeypatch):
+    """``few_rows_stages`` (``FEW_ROWS_STAGES``): 1-8 rows whose launch has fewer programs (64-row tiles times parts)
+    than SMs take their part's tiles and one more, at most ``FEW_ROWS_STAGES``; more rows, as many programs as SMs
+    or the setting off: the register path (0). SmolLM2's weights on 132 SMs, then the 27B's gate_up."""
+    monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", 6)
+    sms = 132
+    assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 6  # qkv: 15 programs, 5 tiles
+    assert quant_gluon.few_rows_stages(8, 3072, 576, 1, sms) == 6  # gate_up: 48
+    assert quant_gluon.few_rows_stages(1, 576, 1536, 6, sms) == 3  # down: 54 programs of 2 tiles
+    assert quant_gluon.few_rows_stages(9, 960, 576, 1, sms) == 0  # a verify's rows
+    assert quant_gluon.few_rows_stages(1, 34816, 5120, 1, sms) == 0  # 544 programs
+    assert quant_gluon.few_rows_stages(1, 8448, 576, 1, sms) == 0  # 132 programs: one an SM already
+    monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", 3)
+    assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 3
+    monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 16)
+    assert quant_gluon.few_rows_stages(16, 960, 576, 1, sms) == 3
+    monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", 0)
+    assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 0
+    assert quant_gluon._stages(None, True, False, torch.zeros(1, 576)) == quant_gluon.STAGES  # (the CPU: no rule)
