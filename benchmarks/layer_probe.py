@@ -74,7 +74,7 @@ def main() -> None:  # noqa: C901
         planes, twin, n, k, s = w
         if form == "dense":
             return lambda: rows_linear.linear(xs[k], twin)
-        if form == "native split":  # K in as many parts as tiles
+        if form == "native split":  # K in as many parts as tiles (the engine's rule: 2 stages at 1 row)
             s = qg.padded_cols(k) // qg.TILE_K
         # "native": the engine's launch (its stages rule); "native sN": N stages (0: the register path)
         stages = int(form.rsplit(" s", 1)[1]) if form[-1].isdigit() else None
@@ -90,11 +90,12 @@ def main() -> None:  # noqa: C901
     for name, n, k in SHAPES:  # the staged tiles' bits against the register path's
         planes, _, _, _, split = weights[0][name]
         x = torch.randn(49, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        ref = qg.linear_q4_1(x, planes, n, k, split)
+        ref = qg.linear_q4_1(x, planes, n, k, split, stages=0)
         for st in (2, 3, 6):
             for m in (1, 8, 49):
                 got = qg.linear_q4_1(x[:m], planes, n, k, split, stages=st)
-                print(f"{name} stages {st} rows {m}: equal {torch.equal(got, ref[:m])}", flush=True)
+                if not torch.equal(got, ref[:m]):
+                    raise SystemExit(f"{name}: {st} stages at {m} rows differ from the register path's bits")
     for form in ("dense", "native", "native s0", "native split", "native x_ahead", "native s3", "native s6"):
         for normed in (False, True):
             seq, kinds = [], []

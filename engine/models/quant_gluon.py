@@ -40,8 +40,9 @@ The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as th
 (``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
 and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
 through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
-rows too; ``STAGES``: or copied ahead into shared memory by cp.async, an option measured no faster; ``PDL``: a launch
-may start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
+rows too; or copied ahead into shared memory by cp.async: an AR step's launches of fewer programs than SMs, a small
+model's, ``FEW_ROWS_STAGES``, and any launch with ``STAGES``, an option measured no faster; ``PDL``: a launch may
+start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks (Q4_1: 32-value ones); a program takes up
 to 64 rows (``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32
 and a tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64-
@@ -252,14 +253,15 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
                    X_AHEAD=x_ahead, STAGES=stages)
 
 
-# Tiles a program has in flight through shared memory: ``STAGES - 1`` copied ahead by cp.async (no registers held,
-# so a program's bytes in flight are not bounded by its registers); 0 (or 1): the register path, the next tile's
-# planes read an iteration ahead into registers, the engine's. Staged, the K loop takes 30-50 more instructions
-# (cp.async, its waits, two more CTA barriers): on an H100 (2026-12-06, tenth session; RESULTS.md) 1-row launches
-# within a few % of the register path's (Q6_K's down faster, 40.2 -> 33.5 us at BLOCK_M 16: fewer registers), the
-# 27B Q4_K_M AR step 9.5 -> 9.3 ms and its verify at 32 slower (18.67 -> 19.66 ms: 64-row programs at 78 KB of
-# shared memory). Bits equal to the register path's (GPU tests)
-STAGES = 0
+# Tiles a program has in flight through shared memory, for every launch: ``STAGES - 1`` copied ahead by cp.async (no
+# registers held, so a program's bytes in flight are not bounded by its registers); 0 (or 1): the register path, the
+# next tile's planes read an iteration ahead into registers; None: the engine's, the register path but for an AR
+# step's launches of few programs (``FEW_ROWS_STAGES``). Staged, the K loop takes 30-50 more instructions (cp.async,
+# its waits, two more CTA barriers): on an H100 (2026-12-06, tenth session; RESULTS.md) 1-row launches within a few %
+# of the register path's (Q6_K's down faster, 40.2 -> 33.5 us at BLOCK_M 16: fewer registers), the 27B Q4_K_M AR
+# step 9.5 -> 9.3 ms and its verify at 32 slower (18.67 -> 19.66 ms: 64-row programs at 78 KB of shared memory).
+# Bits equal to the register path's (GPU tests)
+STAGES: int | None = None
 
 # Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
 # kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
@@ -293,13 +295,14 @@ def few_rows_stages(rows: int, n_pad: int, cols: int, split: int, sms: int) -> i
 
 def _stages(stages: int | None, pairs: bool, x_ahead: bool, x: Tensor | None = None, n_pad: int = 0, cols: int = 0,
             split: int = 1) -> int:
-    """A launch's stages: ``stages``, or when None ``STAGES``, or for x on a GPU with the pair decode, x not ahead,
-    ``few_rows_stages``'. 0 / 1 the register path; 2 or more the pair decode only, x staged with the planes (no
-    ``x_ahead``). The bits are the same whichever."""
+    """A launch's stages: ``stages``, or when None ``STAGES``, or when that is None too, for x on a GPU with the pair
+    decode, x not ahead, ``few_rows_stages``' (else 0). 0 / 1 the register path; 2 or more the pair decode only, x
+    staged with the planes (no ``x_ahead``). The bits are the same whichever."""
     if stages is None:
         stages = STAGES
-        if not stages and pairs and not x_ahead and x is not None and x.is_cuda:
-            stages = few_rows_stages(x.shape[0], n_pad, cols, split, _sms(x.device))
+    if stages is None:
+        on_gpu = pairs and not x_ahead and x is not None and x.is_cuda
+        stages = few_rows_stages(x.shape[0], n_pad, cols, split, _sms(x.device)) if on_gpu else 0
     if stages > 1 and (not pairs or x_ahead):
         raise ValueError(f"stages={stages}: shared-memory stages take the pair decode with x staged beside the "
                          f"planes (pairs=True, x_ahead=False), not pairs={pairs}, x_ahead={x_ahead}")

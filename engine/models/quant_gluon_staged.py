@@ -1,13 +1,14 @@
-"""The Q4_K and Q6_K products of ``engine.models.quant_gluon`` with each tile's planes and x rows copied into shared
-memory ahead of their use (``quant_gluon.STAGES``, issue #28): cp.async into ``STAGES`` buffers, ``STAGES - 1``
-tiles in flight, so a program's bytes in flight are not bounded by its registers. The decode and the matrix-unit
-products are the register path's (``quant_gluon_kernels``), so are the bits.
+"""The Q4_K, Q6_K and Q4_1 products of ``engine.models.quant_gluon`` with each tile's planes and x rows copied into
+shared memory ahead of their use (``quant_gluon.STAGES``, ``FEW_ROWS_STAGES``; issue #28): cp.async into ``STAGES``
+buffers, ``STAGES - 1`` tiles in flight, so a program's bytes in flight are not bounded by its registers. The decode
+and the matrix-unit products are the register path's (``quant_gluon_kernels``), so are the bits.
 
-A thread reads back from shared memory what its own copies wrote (the planes' runs, ``_run_layout``), the heads and
-x excepted (a CTA barrier a tile: ``_staged_in``). With ``PDL`` the prologue asks for the weight's stages first and
-copies x only after ``griddepcontrol.wait``. Measured on an H100 (2026-12-06, benchmarks/RESULTS.md): within a few %
-of the register path at 1 row, slower for a verify's 64-row programs (78 KB of shared memory at 3 stages), so not
-the engine's."""
+A thread reads back from shared memory what its own copies wrote (the planes' runs, ``_run_layout``), the heads (Q4_1:
+its d | m words) and x excepted (a CTA barrier a tile: ``_staged_in``). With ``PDL`` the prologue asks for the
+weight's stages first and copies x only after ``griddepcontrol.wait``. Measured on an H100 (2026-12-06,
+benchmarks/RESULTS.md): within a few % of the register path at 1 row, slower for a verify's 64-row programs (78 KB of
+shared memory at 3 stages), so not the engine's there; the engine's for an AR step's launches with fewer programs
+than SMs (a small model's: every tile of a program's part of K in flight at once)."""
 
 from __future__ import annotations
 

@@ -133,13 +133,17 @@ def _q41_read(blocks: torch.Tensor, cols: int = K1) -> tuple[torch.Tensor, torch
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("warps, x_ahead", [(4, False), (8, False), (4, True)])
-def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split, warps, x_ahead):
+@pytest.mark.parametrize("few_rows_stages", [0, 6])
+def test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify(monkeypatch, split, warps, x_ahead,
+                                                                          few_rows_stages):
     """``MIN_BLOCK_M`` 8 (a launch of 1-8 rows on wgmma's narrowest N, the engine's): one-hot rows read each weight
     back bit for bit and a lone row's bits equal its bits among 33 (32 + a tail of 8, the engine's), Q4_K's pairs and
-    Q6_K."""
+    Q6_K; on the register path and (``FEW_ROWS_STAGES`` 6, the engine's for these few programs, x not ahead) with
+    the tiles through shared memory."""
     from engine.models.quant import hold
 
     monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 8)
+    monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", few_rows_stages)
     assert quant_gluon._block_m(1) == 8 and quant_gluon._block_m(9) == 16
     words, heads = quant_gluon.repack(_blocks(seed=6, n=N2).cuda(), K, True)
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=7, n=N2), FORMATS["Q6_K"]).cuda(), K)

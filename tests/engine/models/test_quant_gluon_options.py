@@ -22,7 +22,8 @@ pytest.importorskip("gguf")
 @pytest.mark.parametrize("min_block_m", [8, 16])
 def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(monkeypatch, split, warps, stages,
                                                                                 min_block_m):
-    """``stages`` (the planes and x copied ahead into shared memory, not yet the engine's), Q4_K's pairs and Q6_K:
+    """``stages`` (the planes and x copied ahead into shared memory; the engine's for few-program AR launches only),
+    Q4_K's pairs and Q6_K:
     one-hot rows read the weight back bit for bit (the stages past a part's last tile copy nothing) and every row
     count's product has the register path's bits (the same decode, the same matrix-unit order), a lone row's its
     bits among 33 and 100."""
@@ -48,18 +49,22 @@ def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(m
 @pytest.mark.parametrize("stages", [0, 3])
 def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
     """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
-    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; PyTorch ops between), x copied in
-    first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
+    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; a Q4_1; PyTorch
+    ops between), x copied in first, run on a stream and replayed from a CUDA graph: every time the bits of the same
+    chain without PDL."""
     from engine.models.quant import hold
+    from tests.engine.models.test_quant_gluon import _q41_blocks
 
     words, heads = quant_gluon.repack(_blocks(seed=10, n=K).cuda(), K, True)  # K x K: a chain of them
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=11, n=K), FORMATS["Q6_K"]).cuda(), K)
+    q41 = quant_gluon.repack_q4_1(_q41_blocks(seed=12, n=K, cols=K).cuda(), K)
 
     def chain(x):
         for _ in range(4):
             x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)
             x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)  # two launches taking tickets
             x = quant_gluon.linear_q6_k(x, planes, K, K, 1, stages=stages)
+            x = quant_gluon.linear_q4_1(x, q41, K, K, 1, stages=stages)
             x = x / x.abs().amax()  # (kept in range; two PyTorch kernels between the products)
         return x
 
@@ -186,4 +191,7 @@ def test_an_ar_steps_launch_of_fewer_programs_than_sms_takes_its_tiles_through_s
     assert quant_gluon.few_rows_stages(16, 960, 576, 1, sms) == 3
     monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", 0)
     assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 0
-    assert quant_gluon._stages(None, True, False, torch.zeros(1, 576)) == quant_gluon.STAGES  # (the CPU: no rule)
+    assert quant_gluon.STAGES is None  # (the engine's: the rule; 0 the register path for every launch)
+    assert quant_gluon._stages(None, True, False, torch.zeros(1, 576)) == 0  # the CPU: no rule
+    monkeypatch.setattr(quant_gluon, "STAGES", 3)
+    assert quant_gluon._stages(None, True, False, torch.zeros(1, 576)) == 3
