@@ -10,9 +10,10 @@ install_assets smollm2 humaneval
 section q4_1_bench 150 python3 benchmarks/quant_gluon.py --bench --q4-1 --md "$OUT/q4_1.md"
 section layer_probe 150 python3 benchmarks/layer_probe.py --md "$OUT/layer_probe.md"
 section q4_1_tests 200 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
-  tests/engine/models/test_quant_gluon_q4_1.py
+  tests/engine/models/test_quant_gluon_q4_1.py tests/engine/models/test_quant_gluon_options.py \
+  tests/engine/models/test_quant_gluon.py::test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify
 # FORMS: dequantized, native (the engine's), native_pdl (--gluon-pdl), native_sN (--gluon-stages N: every launch's
-# tiles through shared memory), native_fN (--gluon-few-rows-stages N: an AR step's launches')
+# tiles through shared memory; 0 the register path everywhere), native_fN (--gluon-few-rows-stages N: an AR step's launches')
 for form in ${FORMS:-dequantized native native_pdl}; do
   flags=()
   [ "$form" != dequantized ] && flags+=(--weights native)
