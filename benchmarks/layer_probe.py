@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models import fused, quant  # noqa: E402
 from engine.models import linear as rows_linear  # noqa: E402
 from engine.models import quant_gluon as qg  # noqa: E402
+from engine.models.quantize import quantize  # noqa: E402
 
 SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536))
 LAYERS = 30
@@ -54,6 +55,9 @@ def main() -> None:  # noqa: C901
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--md", default=None, help="write the table here too")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("layer_probe.py needs CUDA", file=sys.stderr)
+        raise SystemExit(2)
     gen = torch.Generator(device="cuda").manual_seed(0)
     fmt = qg.Q4_1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -61,7 +65,7 @@ def main() -> None:  # noqa: C901
     for _ in range(LAYERS):
         layer = {}
         for name, n, k in SHAPES:
-            blocks = quant.quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+            blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
             planes = qg.repack_q4_1(blocks, k)
             twin = quant.dequantize(blocks, fmt, k).to(torch.bfloat16)
             layer[name] = (planes, twin, n, k, qg.split_for(n, k, sms))
@@ -115,15 +119,18 @@ def main() -> None:  # noqa: C901
             variants[f"{form} {name} alone +norm"] = (seq, kinds)
     for label, (seq, kinds) in variants.items():
         wall, evs = _graph_times(seq)
-        # a launch may add kernels (a dense split's none; a norm's copy): keep the projections' and norms' own
-        proj_names = ("_q4_1_kernel", "_linear_kernel")
+        # the projections' kernels in launch order, matched to the projections asked for (a norm's copy and any
+        # other kernel left out), and the norms'
+        proj = [us for name, us in evs if "_q4_1_kernel" in name or "_linear_kernel" in name]
+        asked = [kind for kind in kinds if kind != "norm"]
+        if len(proj) != len(asked):
+            raise SystemExit(f"{label}: {len(proj)} projection kernels for {len(asked)} projections")
         by = {}
-        it = iter(kinds)
-        for name, us in evs:
-            if any(p in name for p in proj_names) or "_rms_norm" in name:
-                by.setdefault(next(it), []).append(us)
+        for kind, us in zip(asked, proj, strict=True):
+            by.setdefault(kind, []).append(us)
+        by["norm"] = [us for name, us in evs if "_rms_norm" in name]
         cols = " / ".join(f"{statistics.mean(by[s[0]]):.2f}" if s[0] in by else "-" for s in SHAPES)
-        nrm = f"{statistics.mean(by['norm']):.2f}" if "norm" in by else "-"
+        nrm = f"{statistics.mean(by['norm']):.2f}" if by["norm"] else "-"
         rows.append(f"| {label} | {wall:.1f} | {wall / LAYERS:.2f} | {cols} | {nrm} |")
         print(rows[-1], flush=True)
     if args.md:
