@@ -51,6 +51,19 @@ if gluon is not None:
     )
 
     @gluon.jit
+    def _program(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                 PDL: gl.constexpr, TAIL: gl.constexpr):
+        """A product kernel's start: its tile and part of K (``PDL``: the kernel after it let launch), the parts'
+        stride, and its block of x's rows (``_row_block``); a tail only on the register path."""
+        tile, part = gl.program_id(0), gl.program_id(1)
+        if PDL:
+            tile = _let_dependents_launch(tile)
+        parts_stride = M * N
+        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
+        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
+        return tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at
+
+    @gluon.jit
     def _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M: gl.constexpr):
         """This program's block of x's rows (``program_id(2)``): x and out moved to its first row, its rows (at
         most ``BLOCK_M`` are read), its own tickets."""
@@ -65,12 +78,8 @@ if gluon is not None:
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
                       PDL: gl.constexpr, TAIL: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
-        tile, part = gl.program_id(0), gl.program_id(1)
-        if PDL:
-            tile = _let_dependents_launch(tile)
-        parts_stride = M * N
-        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
-        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
+        tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
+            x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
         if STAGES > 1:
             acc = staged._q4k_tile_staged(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, STAGES,
                                           PDL)
@@ -229,12 +238,8 @@ if gluon is not None:
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
                    PDL: gl.constexpr, TAIL: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
-        tile, part = gl.program_id(0), gl.program_id(1)
-        if PDL:
-            tile = _let_dependents_launch(tile)
-        parts_stride = M * N
-        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
-        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
+        tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
+            x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
         if STAGES > 1:
             acc = staged._q6_tile_staged(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles,
                                          BLOCK_M, STAGES, PDL)
@@ -298,12 +303,8 @@ if gluon is not None:
         """Q4_1's few-row product (``quant_gluon.repack_q4_1``'s planes), launched as ``_gluon_kernel`` (the pair
         decode; ``STAGES`` > 1: its tiles staged in shared memory); ``K_MASK``: K not whole 128-column tiles (the
         planes zero-padded past it, x's columns past it not read)."""
-        tile, part = gl.program_id(0), gl.program_id(1)
-        if PDL:
-            tile = _let_dependents_launch(tile)
-        parts_stride = M * N
-        x_ptr, out_ptr, tickets_ptr, M, at = _row_block(x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M + TAIL)
-        gl.static_assert(STAGES <= 1 or TAIL == 0, "a tail takes the register path (STAGES 0 or 1)")
+        tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
+            x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
         if STAGES > 1:
             acc = staged._q4_1_tile_staged(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M,
                                            STAGES, PDL, K_MASK)
