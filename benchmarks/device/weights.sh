@@ -5,7 +5,8 @@
 # native vs dequantized": each form's AR tok/s and the acceptance of each config in both forms).
 # After call 1 and the joins on the same machine (SmolLM2's wheel stashed); carry .device/wheels .device/gguf
 # .device/workloads .device/assets. SWEEP_LIMIT (default 470 s): the sweep starts no trial after it less 60 s.
-# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree. (Its NATIVE_PLANS=1, which measured
+# FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree (VERIFY=ar: both forms' AR alone, the
+# dimensions only DDTree takes left out; it stopped on the budget's condition before 2026-12-07's fourteenth session). (Its NATIVE_PLANS=1, which measured
 # `kernel_bench.py quant-plans` first, went on 2026-12-07: on the lent H100/H200 SmolLM2's Q4_1 takes quant_gluon's
 # decode, which no plan reaches; on another GPU run quant-plans and set ENGINE_LINEAR_PLANS, docs/exactness.md.)
 source benchmarks/device/common.sh weights
@@ -32,6 +33,11 @@ if form:
 if verify:
     space["verify"]["choices"] = verify.split()
     exp["name"] += "-" + "-".join(verify.split())
+    for name, dim in list(space.items()):  # a dimension only a verify left out takes goes (VERIFY=ar: no budget)
+        needs = dim.get("when", {}).get("verify") if isinstance(dim, dict) else None
+        needs = [needs] if isinstance(needs, str) else list(needs or [])
+        if needs and not set(needs) & set(verify.split()):
+            del space[name]
 yaml.safe_dump(space, open("experiments/weights-device-space.yaml", "w"), sort_keys=False)
 exp["search_space"] = "weights-device-space.yaml"
 yaml.safe_dump(exp, open("experiments/weights-device.yaml", "w"), sort_keys=False)
