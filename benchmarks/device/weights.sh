@@ -7,8 +7,9 @@
 # .device/workloads .device/assets. SWEEP_LIMIT (default 470 s): the sweep starts no trial after it less 60 s.
 # FORM / VERIFY (below): one form's configs alone, e.g. FORM=native VERIFY=ddtree (VERIFY=ar: both forms' AR alone,
 # the dimensions only DDTree takes left out; it stopped on the budget's condition before 2026-12-07's fourteenth
-# session). (Its NATIVE_PLANS=1, which measured `kernel_bench.py quant-plans` first, went on 2026-12-07: on the lent H100/H200 SmolLM2's Q4_1 takes quant_gluon's
-# decode, which no plan reaches; on another GPU run quant-plans and set ENGINE_LINEAR_PLANS, docs/exactness.md.)
+# session). Its NATIVE_PLANS=1, which measured `kernel_bench.py quant-plans` first, went on 2026-12-07: on the lent
+# H100/H200 SmolLM2's Q4_1 takes quant_gluon's decode, which no plan reaches; on another GPU run quant-plans and set
+# ENGINE_LINEAR_PLANS (docs/exactness.md).
 source benchmarks/device/common.sh weights
 install_wheels .device/wheels/*.whl
 install_assets smollm2 humaneval bfcl
