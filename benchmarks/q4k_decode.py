@@ -26,9 +26,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                          "8, the engine's: 1-8 rows on wgmma's narrowest N, fewer registers; 16: as before "
                          "2026-12-06's tenth session)")
     ap.add_argument("--gluon-stages", type=int, choices=[0, 2, 3, 4, 5, 6], default=None,
-                    help="--q4k-decode engine or gluon-pairs: every Q4_K, Q6_K and Q4_1 product's tiles in flight "
-                         "through shared memory (quant_gluon.STAGES, less one; 0: the register path; default the "
-                         "engine's)")
+                    help="--q4k-decode engine or gluon-pairs: every Q4_K, Q6_K and Q4_1 product's tiles through "
+                         "shared memory in this many stages, one less copied ahead (quant_gluon.STAGES; 0: the "
+                         "register path for every launch; default the engine's: staged only where "
+                         "--gluon-few-rows-stages' rule says)")
     ap.add_argument("--gluon-few-rows-stages", type=int, choices=[0, 2, 3, 4, 5, 6, 8], default=None,
                     help="--q4k-decode engine or gluon-pairs: a launch of at most MIN_BLOCK_M rows (an AR step's) with "
                          "its part's tiles in flight through shared memory, up to this many stages "

@@ -23,10 +23,9 @@ pytest.importorskip("gguf")
 def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(monkeypatch, split, warps, stages,
                                                                                 min_block_m):
     """``stages`` (the planes and x copied ahead into shared memory; the engine's for few-program AR launches only),
-    Q4_K's pairs and Q6_K:
-    one-hot rows read the weight back bit for bit (the stages past a part's last tile copy nothing) and every row
-    count's product has the register path's bits (the same decode, the same matrix-unit order), a lone row's its
-    bits among 33 and 100."""
+    Q4_K's pairs and Q6_K: one-hot rows read the weight back bit for bit (the stages past a part's last tile copy
+    nothing) and every row count's product has the register path's bits (the same decode, the same matrix-unit
+    order), a lone row's its bits among 33 and 100."""
     from engine.models.quant import hold
 
     monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", min_block_m)
@@ -49,9 +48,8 @@ def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(m
 @pytest.mark.parametrize("stages", [0, 3])
 def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
     """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
-    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; a Q4_1; PyTorch
-    ops between), x copied in first, run on a stream and replayed from a CUDA graph: every time the bits of the same
-    chain without PDL."""
+    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; a Q4_1; PyTorch ops between), x copied in
+    first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
     from engine.models.quant import hold
     from tests.engine.models.test_quant_gluon import _q41_blocks
 
