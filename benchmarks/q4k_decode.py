@@ -34,6 +34,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                     help="--q4k-decode engine or gluon-pairs: a launch of at most MIN_BLOCK_M rows (an AR step's) with "
                          "its part's tiles in flight through shared memory, up to this many stages "
                          "(quant_gluon.FEW_ROWS_STAGES; 0: the register path; default the engine's)")
+    ap.add_argument("--gluon-staged-rows", type=int, choices=[8, 16, 32, 64], default=None,
+                    help="--q4k-decode engine or gluon-pairs: the most rows a launch takes --gluon-few-rows-stages' "
+                         "rule at (quant_gluon.STAGED_ROWS; default the engine's, MIN_BLOCK_M: an AR step's; 64: "
+                         "a verify's launches of fewer programs than SMs too, without a tail)")
     ap.add_argument("--gluon-tails", choices=["on", "off", "16"], default=None,
                     help="--q4k-decode engine or gluon*: 33-48 rows as 32 and a tail of 8 or 16, two products of one "
                          "decoded tile (quant_gluon.TAILS; on: the engine's since 2026-12-07), 16: 17-24 rows as "
@@ -50,7 +54,7 @@ def settings(args: argparse.Namespace) -> dict:
     """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
     tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
     asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None,
-             "FEW_ROWS_STAGES": args.gluon_few_rows_stages}
+             "FEW_ROWS_STAGES": args.gluon_few_rows_stages, "STAGED_ROWS": args.gluon_staged_rows}
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
@@ -62,8 +66,8 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     register cap with no tail to cap, shared-memory stages with a decode that has none."""
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
-    for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_pdl", "gluon_tails",
-                 "gluon_maxnreg"):
+    for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
+                 "gluon_tails", "gluon_maxnreg"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "

@@ -278,6 +278,11 @@ PDL = False
 # in registers leaves each iteration a memory round trip. 0: the register path, as any other launch
 FEW_ROWS_STAGES = 6
 
+# The most rows a launch takes ``FEW_ROWS_STAGES``' rule at (None: ``MIN_BLOCK_M``, an AR step's; up to ``ROW_BLOCK``
+# a verify's too, whose staged launch takes no tail: the same bits, a column's sums not depending on the product's
+# width). Not measured past ``MIN_BLOCK_M`` (``gpu_bench --gluon-staged-rows``): an option
+STAGED_ROWS: int | None = None
+
 
 @functools.cache
 def _sms(device: torch.device) -> int:
@@ -287,8 +292,10 @@ def _sms(device: torch.device) -> int:
 def few_rows_stages(rows: int, n_pad: int, cols: int, split: int, sms: int) -> int:
     """``FEW_ROWS_STAGES``' stages for a launch of ``rows`` over ``n_pad`` padded rows (64-row tiles), ``cols`` and
     ``split`` parts of K on a GPU of ``sms`` SMs: its part's tiles and one more (all in flight), at most
-    ``FEW_ROWS_STAGES``, where the rows are at most ``MIN_BLOCK_M`` and the programs fewer than the SMs; else 0."""
-    if FEW_ROWS_STAGES < 2 or rows > MIN_BLOCK_M or n_pad // TILE_N * split >= sms:
+    ``FEW_ROWS_STAGES``, where the rows are at most ``STAGED_ROWS`` (``MIN_BLOCK_M``) and the programs fewer than the
+    SMs (at 64-row tiles: a launch of 128-row tiles has fewer); else 0."""
+    most = MIN_BLOCK_M if STAGED_ROWS is None else STAGED_ROWS
+    if FEW_ROWS_STAGES < 2 or rows > most or n_pad // TILE_N * split >= sms:
         return 0
     return max(2, min(FEW_ROWS_STAGES, padded_cols(cols) // TILE_K // split + 1))
 

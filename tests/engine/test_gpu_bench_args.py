@@ -78,6 +78,8 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-few-rows-stages: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "gluon", "--gluon-few-rows-stages", "4"],
      "--gluon-few-rows-stages 4: shared-memory stages take the pair decode with x staged beside the planes"),
+    (["large", "--q4k-decode", "packed", "--gluon-staged-rows", "64"],
+     "--gluon-staged-rows: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "kernel", "--gluon-tails", "on"],
      "--gluon-tails: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-tails", "off"],
@@ -103,8 +105,8 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not
     given leaves the engine's."""
     def settings(**flags):
-        asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_pdl=False,
-                     gluon_tails=None, gluon_maxnreg=None)
+        asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
+                     gluon_pdl=False, gluon_tails=None, gluon_maxnreg=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
@@ -113,6 +115,7 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_tails="on", gluon_min_rows=16, gluon_stages=0, gluon_pdl=True) == {
         "TAILS": True, "MIN_BLOCK_M": 16, "STAGES": 0, "PDL": True}
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
+    assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():

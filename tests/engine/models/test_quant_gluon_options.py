@@ -187,6 +187,10 @@ def test_an_ar_steps_launch_of_fewer_programs_than_sms_takes_its_tiles_through_s
     assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 3
     monkeypatch.setattr(quant_gluon, "MIN_BLOCK_M", 16)
     assert quant_gluon.few_rows_stages(16, 960, 576, 1, sms) == 3
+    monkeypatch.setattr(quant_gluon, "STAGED_ROWS", 64)  # a verify's few-program launches too
+    assert quant_gluon.few_rows_stages(49, 960, 576, 1, sms) == 3
+    assert quant_gluon.few_rows_stages(65, 960, 576, 1, sms) == 0
+    assert quant_gluon._rows_a_program(41, stages=3) == (64, 0)  # (staged: no tail)
     monkeypatch.setattr(quant_gluon, "FEW_ROWS_STAGES", 0)
     assert quant_gluon.few_rows_stages(1, 960, 576, 1, sms) == 0
     assert quant_gluon.STAGES is None  # (the engine's: the rule; 0 the register path for every launch)
