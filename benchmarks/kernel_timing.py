@@ -61,12 +61,24 @@ def short_kernel_name(kernel: str) -> str:
 
 
 @torch.inference_mode()  # the decoder's buffers are inference tensors
+def graph_kernels(replay) -> list:
+    """The kernels of one ``replay()`` under the PyTorch profiler, in launch order (the profiler's events; copies
+    and memsets left out: a replay's own state put back)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    return sorted((ev for ev in prof.events()
+                   if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.device_time
+                   and "Memcpy" not in ev.name and "Memset" not in ev.name),
+                  key=lambda ev: ev.time_range.start)
+
+
 def graph_breakdown(dec, key: tuple, replays: int) -> dict:
     """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
     kernels in launch order from the profiler (the first replay's), grouped by name. The root
     position is put back before every replay, so each replays the same step."""
-    from torch.profiler import ProfilerActivity, profile
-
     graph = dec.graphs.graph(key)
     start = dec.start.clone()
 
@@ -88,13 +100,7 @@ def graph_breakdown(dec, key: tuple, replays: int) -> dict:
         e1.synchronize()
         (walls if i % 2 else cold).append(1000 * e0.elapsed_time(e1))
         dec.start.copy_(start)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    kernels = sorted((ev for ev in prof.events()
-                      if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.device_time
-                      and "Memcpy" not in ev.name and "Memset" not in ev.name),  # the root's copy-back
-                     key=lambda ev: ev.time_range.start)
+    kernels = graph_kernels(replay)
     span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0.0
     grouped: dict[str, list[float]] = {}
     for ev in kernels:

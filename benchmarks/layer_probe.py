@@ -13,6 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernel_timing import graph_kernels  # noqa: E402
+
 from engine.models import fused, quant  # noqa: E402
 from engine.models import linear as rows_linear  # noqa: E402
 from engine.models import quant_gluon as qg  # noqa: E402
@@ -22,9 +24,9 @@ SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 5
 LAYERS = 30
 
 
-def _graph_times(launches) -> tuple[float, list[float]]:
-    from torch.profiler import ProfilerActivity, profile
-
+def _graph_times(launches) -> tuple[float, list[tuple[str, float]]]:
+    """``launches`` captured in one graph: its wall (median of 20 replays, the launch hidden behind a sleep) and
+    its kernels' (name, GPU us) in launch order."""
     for fn in launches:
         fn()
     torch.cuda.synchronize()
@@ -43,12 +45,7 @@ def _graph_times(launches) -> tuple[float, list[float]]:
         b.record()
         b.synchronize()
         walls.append(1000 * a.elapsed_time(b))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    evs = sorted((ev for ev in prof.events() if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA
-                  and ev.device_time), key=lambda ev: ev.time_range.start)
-    return statistics.median(walls), [(ev.name, ev.device_time) for ev in evs]
+    return statistics.median(walls), [(ev.name, ev.device_time) for ev in graph_kernels(graph.replay)]
 
 
 def main() -> None:  # noqa: C901

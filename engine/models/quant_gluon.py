@@ -553,7 +553,7 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
-    sms = torch.cuda.get_device_properties(held.device).multi_processor_count if held.is_cuda else 132
+    sms = _sms(held.device) if held.is_cuda else 132
     split = split_for(held.shape[0], cols, sms)
     operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
