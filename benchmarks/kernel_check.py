@@ -146,7 +146,8 @@ def _attention_cases(dtype: str):
             yield (f"attention merge{' gated' if gated else ''}{' step' if step_form else ''} {dtype} head_dim={d}",
                    split_attention._attention_merge_kernel, merge | ({"start_ptr": "*i64"} if step_form else {}),
                    dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=split_attention._LIBDEVICE,
-                        STEP=step_form, SPLIT=step_launch["SPLIT"] if step_form else split_attention.SPLIT_KEYS),
+                        STEP=step_form, SPLIT=step_launch["SPLIT"] if step_form else split_attention.SPLIT_KEYS,
+                        TRIGGER=True),
                    4, 3)
 
 
@@ -214,9 +215,11 @@ def cases():
                                                     ("gated rms_norm", False, True, False, False)):
                 yield (f"{label} {dtype} d={d}", fused._rms_norm_kernel,
                        dict(types, x_ptr="*fp32") if gated else types,  # the delta rule's float32 output
-                       dict(ZERO_CENTRED=zc, GATED=gated, RESIDUAL=residual, TEE=tee, **launch), warps, 3)
+                       dict(ZERO_CENTRED=zc, GATED=gated, RESIDUAL=residual, TEE=tee, TRIGGER=True, **launch), warps,
+                       3)
         yield (f"silu_mul {dtype}", fused._silu_mul_kernel,
-               dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32", g_stride="i32", u_stride="i32"), dict(BLOCK=2048), 4, 3)
+               dict(g_ptr=p, u_ptr=p, out_ptr=p, D="i32", g_stride="i32", u_stride="i32"),
+               dict(BLOCK=2048, TRIGGER=True), 4, 3)
         rope = dict(x_ptr=p, cos_ptr=p, sin_ptr=p, out_ptr=p, HEADS="i32", D="i32", RD="i32")
         for d, rd in ((64, 64), (128, 128), (256, 64)):  # full RoPE, and Qwen3.5's partial quarter
             yield f"rope {dtype} d={d} rd={rd}", fused._rope_kernel, rope, dict(HALF=rd // 2, BLOCK=d), 4, 3

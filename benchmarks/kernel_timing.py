@@ -60,7 +60,6 @@ def short_kernel_name(kernel: str) -> str:
     return name.replace("c10::", "").replace("std::", "").strip()[:110]
 
 
-@torch.inference_mode()  # the decoder's buffers are inference tensors
 def graph_kernels(replay) -> list:
     """The kernels of one ``replay()`` under the PyTorch profiler, in launch order (the profiler's events; copies
     and memsets left out: a replay's own state put back)."""
@@ -75,6 +74,7 @@ def graph_kernels(replay) -> list:
                   key=lambda ev: ev.time_range.start)
 
 
+@torch.inference_mode()  # the decoder's buffers are inference tensors
 def graph_breakdown(dec, key: tuple, replays: int) -> dict:
     """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
     kernels in launch order from the profiler (the first replay's), grouped by name. The root

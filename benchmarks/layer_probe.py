@@ -1,6 +1,8 @@
 """SmolLM2's 30 layers' four projections launched in order in one CUDA graph, Q4_1 planes against their bf16 twins
-on the dense kernel: wall per layer and each launch's GPU time by position (the profiler), with and without an
-RMSNorm launch before each projection, beside the same weight launched 30 times (as the kernel bench times it)."""
+on the dense kernel: wall per layer, each launch's GPU time by position and the idle time before it (the profiler's
+start less the end of the kernel before: a launch's own start-up), with and without an RMSNorm launch before each
+projection. Every variant reads the 30 layers' weights from HBM (~60 MB of Q4_1 planes, ~210 MB of bf16: past an
+H100's 50 MB L2); a graph of one weight's 30 launches would not (its planes stay in L2 across replays)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 5
 LAYERS = 30
 
 
-def _graph_times(launches) -> tuple[float, list[tuple[str, float]]]:
+def _graph_times(launches) -> tuple[float, list]:
     """``launches`` captured in one graph: its wall (median of 20 replays, the launch hidden behind a sleep) and
-    its kernels' (name, GPU us) in launch order."""
+    its kernels in launch order (the profiler's events: name, GPU us, start and end)."""
     for fn in launches:
         fn()
     torch.cuda.synchronize()
@@ -45,7 +47,7 @@ def _graph_times(launches) -> tuple[float, list[tuple[str, float]]]:
         b.record()
         b.synchronize()
         walls.append(1000 * a.elapsed_time(b))
-    return statistics.median(walls), [(ev.name, ev.device_time) for ev in graph_kernels(graph.replay)]
+    return statistics.median(walls), graph_kernels(graph.replay)
 
 
 def main() -> None:  # noqa: C901
@@ -69,7 +71,6 @@ def main() -> None:  # noqa: C901
         weights.append(layer)
     xs = {k: torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
     norm_w = {k: torch.ones(k, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
-    outs = {k: torch.empty(1, k, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
 
     def proj(form, w):
         planes, twin, n, k, s = w
@@ -77,16 +78,26 @@ def main() -> None:  # noqa: C901
             return lambda: rows_linear.linear(xs[k], twin)
         if form == "native split":  # K in as many parts as tiles (the engine's rule: 2 stages at 1 row)
             s = qg.padded_cols(k) // qg.TILE_K
-        # "native": the engine's launch (its stages rule); "native sN": N stages (0: the register path)
-        stages = int(form.rsplit(" s", 1)[1]) if form[-1].isdigit() else None
-        ahead = form == "native x_ahead"
-        return lambda: qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=ahead, stages=0 if ahead else stages)
+        # "native": the engine's launch (its stages rule); "native sN": N stages (0: the register path); "pdl": with
+        # programmatic dependent launch (the staged prologue asks for the weight's tiles before it waits for x)
+        digits = [word[1:] for word in form.split() if word[0] == "s" and word[1:].isdigit()]
+        stages = int(digits[0]) if digits else None
+        ahead = "x_ahead" in form
+        pdl = form.endswith(" pdl")
 
-    def norm(k):
-        return lambda: outs[k].copy_(fused.rms_norm(xs[k], norm_w[k], 1e-5))
+        def launch():
+            qg.PDL = pdl
+            try:
+                return qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=ahead, stages=0 if ahead else stages)
+            finally:
+                qg.PDL = False
+        return launch
 
-    rows = ["| variant | wall us | per layer us | proj us by position (qkv / o / gate_up / down) | norm us |",
-            "|---|---|---|---|---|"]
+    def norm(k):  # (its output unread: the kernel before a projection, as in a layer, with no copy between)
+        return lambda: fused.rms_norm(xs[k], norm_w[k], 1e-5)
+
+    rows = ["| variant | wall us | per layer us | kernel us (sum) | proj us by position (qkv / o / gate_up / down) "
+            "| idle us before each (qkv / o / gate_up / down) | norm us |", "|---|---|---|---|---|---|---|"]
     variants = {}
     for name, n, k in SHAPES:  # the staged tiles' bits against the register path's
         planes, _, _, _, split = weights[0][name]
@@ -97,7 +108,8 @@ def main() -> None:  # noqa: C901
                 got = qg.linear_q4_1(x[:m], planes, n, k, split, stages=st)
                 if not torch.equal(got, ref[:m]):
                     raise SystemExit(f"{name}: {st} stages at {m} rows differ from the register path's bits")
-    for form in ("dense", "native", "native s0", "native split", "native x_ahead", "native s3", "native s6"):
+    for form in ("dense", "native", "native pdl", "native s0", "native s0 pdl", "native split", "native x_ahead",
+                 "native s3", "native s3 pdl"):
         for normed in (False, True):
             seq, kinds = [], []
             for layer in weights:
@@ -108,27 +120,31 @@ def main() -> None:  # noqa: C901
                     seq.append(proj(form, layer[name]))
                     kinds.append(name)
             variants[f"{form}{' +norm' if normed else ''}"] = (seq, kinds)
-        for name, _, k in SHAPES[:4 if form in ("dense", "native", "native s0") else 1]:  # one weight 30 times
-            seq, kinds = [], []
-            for layer in weights:
-                seq += [norm(k), proj(form, layer[name])]
-                kinds += ["norm", name]
-            variants[f"{form} {name} alone +norm"] = (seq, kinds)
     for label, (seq, kinds) in variants.items():
         wall, evs = _graph_times(seq)
-        # the projections' kernels in launch order, matched to the projections asked for (a norm's copy and any
-        # other kernel left out), and the norms'
-        proj = [us for name, us in evs if "_q4_1_kernel" in name or "_linear_kernel" in name]
+        # the projections' kernels in launch order, matched to the projections asked for (any other kernel, a
+        # norm's copy, left out), each with the idle time since the kernel before it ended
+        proj, idle = [], []
+        for i, ev in enumerate(evs):
+            if "_q4_1_kernel" in ev.name or "_linear_kernel" in ev.name:
+                proj.append(ev.device_time)
+                idle.append(ev.time_range.start - evs[i - 1].time_range.end if i else None)
         asked = [kind for kind in kinds if kind != "norm"]
         if len(proj) != len(asked):
             raise SystemExit(f"{label}: {len(proj)} projection kernels for {len(asked)} projections")
-        by = {}
-        for kind, us in zip(asked, proj, strict=True):
+        by, gaps = {}, {}
+        for kind, us, gap in zip(asked, proj, idle, strict=True):
             by.setdefault(kind, []).append(us)
-        by["norm"] = [us for name, us in evs if "_rms_norm" in name]
-        cols = " / ".join(f"{statistics.mean(by[s[0]]):.2f}" if s[0] in by else "-" for s in SHAPES)
-        nrm = f"{statistics.mean(by['norm']):.2f}" if by["norm"] else "-"
-        rows.append(f"| {label} | {wall:.1f} | {wall / LAYERS:.2f} | {cols} | {nrm} |")
+            if gap is not None:
+                gaps.setdefault(kind, []).append(gap)
+        norms = [ev.device_time for ev in evs if "_rms_norm" in ev.name]
+
+        def cols(d):
+            return " / ".join(f"{statistics.mean(d[s[0]]):.2f}" if d.get(s[0]) else "-" for s in SHAPES)
+        nrm = f"{statistics.mean(norms):.2f}" if norms else "-"
+        total = sum(ev.device_time for ev in evs)
+        rows.append(f"| {label} | {wall:.1f} | {wall / LAYERS:.2f} | {total:.1f} | {cols(by)} | {cols(gaps)} | "
+                    f"{nrm} |")
         print(rows[-1], flush=True)
     if args.md:
         Path(args.md).write_text("\n".join(rows) + "\n")

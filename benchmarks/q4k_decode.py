@@ -45,15 +45,17 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gluon-maxnreg", type=int, choices=[0, 128, 168], default=None,
                     help="--q4k-decode engine or gluon*: registers a thread at most for a tail's 8-warp launches "
                          "(quant_gluon.MAXNREG; 128 the engine's; 0: as ptxas allots them)")
-    ap.add_argument("--gluon-pdl", action="store_true",
-                    help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch "
-                         "(quant_gluon.PDL: each may start as the kernel before it ends)")
+    ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
+                    help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
+                         "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
+                         "engine's since 2026-12-07)")
 
 
 def settings(args: argparse.Namespace) -> dict:
     """The Gluon decode's module settings the flags ask for (those not asked for stay the engine's)."""
     tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
-    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": args.gluon_pdl or None,
+    pdl = {None: None, "on": True, "off": False}[args.gluon_pdl]
+    asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": pdl,
              "FEW_ROWS_STAGES": args.gluon_few_rows_stages, "STAGED_ROWS": args.gluon_staged_rows}
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
@@ -69,7 +71,7 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
                  "gluon_tails", "gluon_maxnreg"):
         value = getattr(args, flag)
-        if args.q4k_decode in ("kernel", "packed") and value is not None and value is not False:
+        if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
     if args.gluon_maxnreg is not None and args.gluon_tails == "off":

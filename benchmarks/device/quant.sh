@@ -43,7 +43,7 @@ done
 STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 # STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
 # (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
-# dependent launch (PDL, --gluon-pdl), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
+# dependent launch (PDL, --gluon-pdl on: the engine's since 2026-12-07; p0 off), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
 # verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
 # rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
 # engine's, r0 ptxas' own); "engine" the step as the engine loads it (large_q4km_engine)
@@ -52,7 +52,7 @@ for v in ${STEPS:-}; do
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
-  if [[ $v == *p* ]]; then flags+=" --gluon-pdl"; fi
+  if [[ $v =~ p(0?) ]]; then flags+=" --gluon-pdl $([ -n "${BASH_REMATCH[1]}" ] && echo off || echo on)"; fi
   if [[ $v =~ t([0-9]*) ]]; then
     case ${BASH_REMATCH[1]} in
       "") flags+=" --gluon-tails on" ;; 0) flags+=" --gluon-tails off" ;; 16) flags+=" --gluon-tails 16" ;;

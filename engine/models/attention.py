@@ -31,6 +31,7 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    from triton.language.extra.cuda import gdc_launch_dependents
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 
@@ -187,7 +188,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         g_strides = (gb.stride(0) if b > 1 else 0, gb.stride(1), gb.stride(2))
     _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, acc, t * hq, n_split, 0, *g_strides, HQ=hq, D=d,
                                          BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE,
-                                         STEP=False, SPLIT=SPLIT_KEYS)
+                                         STEP=False, SPLIT=SPLIT_KEYS,
+                                         TRIGGER=fused.lets_dependents_launch(out.device))
     return out if batched else out[0]
 
 
@@ -240,7 +242,8 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
         g_strides = (0, gb.stride(0), gb.stride(1))
     _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, keys.start, t * hq, n_split, n_tail, *g_strides, HQ=hq,
                                          D=d, BLOCK_D=launch["BLOCK_D"], GATED=gate is not None,
-                                         LIBDEVICE=_LIBDEVICE, STEP=True, SPLIT=launch["SPLIT"])
+                                         LIBDEVICE=_LIBDEVICE, STEP=True, SPLIT=launch["SPLIT"],
+                                         TRIGGER=fused.lets_dependents_launch(out.device))
     return out
 
 
@@ -497,14 +500,17 @@ if triton is not None:
     @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh"])
     def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, start_ptr, ROWS, n_split, n_tail, sgb, sgt, sgh,
                                 HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
-                                LIBDEVICE: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr):
+                                LIBDEVICE: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr,
+                                TRIGGER: tl.constexpr):
         # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
         # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero (acc + 0 * 0 and
         # total + 0 * 0 are acc and total, acc never -0), so it may as well not be read: STEP (a
         # decode step's, ``step_attention``) merges only the spans up to the last one a new token
         # reaches, start // SPLIT + n_tail, which the step kernel writes; past them it writes nothing.
         # Row r is query token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager
-        # ops round.
+        # ops round. TRIGGER: the output projection after it may start (fused.lets_dependents_launch).
+        if TRIGGER:
+            gdc_launch_dependents()
         r = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
         rd = tl.arange(0, BLOCK_D)

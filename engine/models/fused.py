@@ -14,6 +14,7 @@ batch of rows it is computed in: a tree verify and an AR step round alike (exact
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from engine.config import EngineInputError
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 
@@ -180,7 +182,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) 
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, rows, rows, out, d, eps, 1, d, 0, rows, 0,
                                        ZERO_CENTRED=zero_centred, GATED=False, RESIDUAL=False, TEE=False,
-                                       **row_launch(d))
+                                       TRIGGER=lets_dependents_launch(x.device), **row_launch(d))
     return out.view(x.shape)
 
 
@@ -207,7 +209,8 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float, zero_cent
                                        rows if tee_rows is None else tee_rows,
                                        0 if tee_rows is None else tee_rows.stride(0),
                                        ZERO_CENTRED=zero_centred, GATED=False, RESIDUAL=True,
-                                       TEE=tee_rows is not None, **row_launch(d))
+                                       TEE=tee_rows is not None, TRIGGER=lets_dependents_launch(x.device),
+                                       **row_launch(d))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -237,7 +240,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, g, g, out, d, eps, heads, s_tok, s_head, rows, 0,
                                        ZERO_CENTRED=False, GATED=True, RESIDUAL=False, TEE=False,
-                                       **row_launch(d))
+                                       TRIGGER=lets_dependents_launch(x.device), **row_launch(d))
     return out
 
 
@@ -256,7 +259,8 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     g, u = _strided_rows(gate, d), _strided_rows(up, d)
     out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
     block = min(triton.next_power_of_2(d), 2048)  # elementwise: tiles of a wide row, no spills
-    _silu_mul_kernel[(g.shape[0], triton.cdiv(d, block))](g, u, out, d, g.stride(0), u.stride(0), BLOCK=block)
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(d, block))](g, u, out, d, g.stride(0), u.stride(0), BLOCK=block,
+                                                           TRIGGER=lets_dependents_launch(g.device))
     return out.view(gate.shape)
 
 
@@ -399,6 +403,18 @@ def gdn_inputs(conv: Tensor, mixed: Tensor, conv_index: Tensor, conv_w: Tensor, 
     return q, k, v, g, beta
 
 
+@functools.cache
+def lets_dependents_launch(device: torch.device) -> bool:
+    """Whether the kernels before a product in a decode step (the norms, the attention's merge, SwiGLU's product)
+    let the launch after them start as they start (``griddepcontrol.launch_dependents``, sm_90 and later; not in
+    Triton's interpreter): a product launched with programmatic dependent launch (``quant_gluon.PDL``) then asks
+    for its weight's tiles while they run and waits (``griddepcontrol.wait``) for their writes only before it reads
+    x. A hint: a launch after them without PDL starts when they end, as before."""
+    if triton is None or triton.knobs.runtime.interpret or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def row_launch(d: int) -> dict[str, int]:
     """A whole row per program (its reduction needs it): more warps for wider rows keep the values
     a thread holds in registers (a width sets one launch, so a row's bits never depend on T). At
@@ -419,10 +435,12 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, other_ptr, total_ptr, out_ptr, D, eps, other_heads, other_tok, other_head,
                          tee_ptr, tee_stride, ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr,
-                         RESIDUAL: tl.constexpr, TEE: tl.constexpr, BLOCK: tl.constexpr):
+                         RESIDUAL: tl.constexpr, TEE: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
         # other_ptr: the gate (GATED) or the residual update (RESIDUAL: x + other goes to total_ptr,
         # and with TEE to row * tee_stride of tee_ptr too); its row r at
         # (r // other_heads) * other_tok + (r % other_heads) * other_head
+        if TRIGGER:  # the product after this launch may start (lets_dependents_launch)
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)  # row * D overflows int32 on long prefills of wide models
         other_row = (row // other_heads) * other_tok + (row % other_heads) * other_head
         cols = tl.arange(0, BLOCK)
@@ -454,7 +472,9 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, g_stride, u_stride, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, D, g_stride, u_stride, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+        if TRIGGER:  # the down projection may start (lets_dependents_launch)
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < D

@@ -37,12 +37,12 @@ blocks of 64 (``ROW_BLOCK``), each block's rows summed as a lone row's, so every
 verify of any budget) reads one weight.
 
 The block's 16-byte head (d, dmin, the packed 6-bit scales and mins) stays as the file has it, in a plane of its own
-(``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread
-and passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode:
-through a little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x
-rows too; or copied ahead into shared memory by cp.async: an AR step's launches of fewer programs than SMs, a small
-model's, ``FEW_ROWS_STAGES``, and any launch with ``STAGES``, an option measured no faster; ``PDL``: a launch may
-start before the kernel ahead of it ends, an option). The K order is the natural one, 16 columns an instruction.
+(``repack``: one 16-byte load a thread); each (row, 32-value sub-block)'s scale and min are decoded by one thread and
+passed to the lanes that need them (the pair decode: as one bf16 pair, by warp shuffles; the float decode: through a
+little shared memory). The next tile's words and heads are read an iteration ahead (``x_ahead``: its x rows too; or
+copied ahead into shared memory by cp.async: an AR step's launches of fewer programs than SMs, a small model's,
+``FEW_ROWS_STAGES``, and any launch with ``STAGES``, an option measured no faster; ``PDL``, the engine's: a launch asks
+for its weight's tiles while the kernel ahead of it runs). The K order is the natural one, 16 columns an instruction.
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks (Q4_1: 32-value ones); a program takes up
 to 64 rows (``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32
 and a tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64-
@@ -266,10 +266,13 @@ STAGES: int | None = None
 # Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
 # kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
 # lets the kernel after it do the same; what it writes waits too (so it holds while no kernel writes a weight's planes
-# during a step, which nothing does: they are written at load). On an H100 (2026-12-06): the AR step 9.1 -> 9.0 ms
-# (with ``MIN_BLOCK_M`` 8), its verify at 32 18.61 -> 18.76: within the spread of a change, so off; a chain of
-# launches reading each other's outputs keeps its bits, on a stream and from a graph (GPU test)
-PDL = False
+# during a step, which nothing does: they are written at load). It pays where the kernel before lets it launch early:
+# a decode step's norms, attention merges and SwiGLU products do (``fused.lets_dependents_launch``). On an H100
+# (2026-12-07, fifteenth session; RESULTS.md), SmolLM2's native step graphs: AR 965.2 -> 918.1 us (gaps between
+# kernels 106.5 -> 39.3 us; the dequantized step 953.5), verify at budget 22 1,236.0 -> 1,182.1, at 48 1,416.3 ->
+# 1,360.9. Before those kernels let it (2026-12-06): the 27B Q4_K_M AR step 9.1 -> 9.0 ms, its verify at 32 18.61 ->
+# 18.76. A chain of launches reading each other's outputs keeps its bits, on a stream and from a graph (GPU test)
+PDL = True
 
 
 # A launch of at most ``MIN_BLOCK_M`` rows (an AR step's) whose programs (a tile and part each) are fewer than the

@@ -88,7 +88,7 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-maxnreg: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--gluon-tails", "off", "--gluon-maxnreg", "128"],
      "--gluon-maxnreg 128: it caps a tail's launch, and --gluon-tails off takes none"),
-    (["large", "--q4k-decode", "packed", "--gluon-pdl"],
+    (["large", "--q4k-decode", "packed", "--gluon-pdl", "on"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
      "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
@@ -106,14 +106,15 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
-                     gluon_pdl=False, gluon_tails=None, gluon_maxnreg=None)
+                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
     assert settings(gluon_tails="off", gluon_maxnreg=0) == {"TAILS": False, "MAXNREG": None}
     assert settings(gluon_tails="16", gluon_maxnreg=168) == {"TAILS": True, "TAIL_FROM": 32, "MAXNREG": 168}
-    assert settings(gluon_tails="on", gluon_min_rows=16, gluon_stages=0, gluon_pdl=True) == {
+    assert settings(gluon_tails="on", gluon_min_rows=16, gluon_stages=0, gluon_pdl="on") == {
         "TAILS": True, "MIN_BLOCK_M": 16, "STAGES": 0, "PDL": True}
+    assert settings(gluon_pdl="off") == {"PDL": False}
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
     assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
 
