@@ -530,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the hf, reference and oracle sections as a check")
     ap.add_argument("--kernels", choices=["on", "off"], default="on",
                     help="off: the PyTorch forms instead of the Triton kernels (fused ops, tree delta rule)")
+    ap.add_argument("--linear-pdl", choices=["on", "off"], default=None,
+                    help="the dense few-row kernel's launches with programmatic dependent launch or not "
+                         "(linear.PDL: its weight asked for into L2 while the kernel before runs; off: the engine's)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
                     help="the BLAS library torch prefers for the GEMMs (torch.backends.cuda.preferred_blas_library)")
     ap.add_argument("--md")
@@ -548,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fused.set_kernels(args.kernels == "on")
     q4k_decode.apply(args)
+    if args.linear_pdl is not None:
+        from engine.models import linear as rows_linear
+
+        rows_linear.PDL = args.linear_pdl == "on"
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     sections = {"pair": section_pair, "hf": section_hf, "reference": section_reference, "large": section_large,

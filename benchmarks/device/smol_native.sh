@@ -12,11 +12,11 @@ section layer_probe 150 python3 benchmarks/layer_probe.py --md "$OUT/layer_probe
 section q4_1_tests 200 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_gluon_q4_1.py tests/engine/models/test_quant_gluon_options.py \
   tests/engine/models/test_quant_gluon.py::test_on_the_gpu_a_few_rows_on_wgmmas_narrowest_n_round_as_in_a_verify
-# FORMS: dequantized, native (the engine's), native_pdl (--gluon-pdl on: the engine's since 2026-12-07), native_nopdl
-# (--gluon-pdl off), native_sN (--gluon-stages N: every launch's
+# FORMS: dequantized, native (the engine's), native_nopdl (--gluon-pdl off; on, native_pdl, is the engine's since
+# 2026-12-07), native_sN (--gluon-stages N: every launch's
 # tiles through shared memory; 0 the register path everywhere), native_fN (--gluon-few-rows-stages N: an AR step's
 # launches'), native_vN (--gluon-staged-rows N: that rule up to N rows, a verify's launches too)
-for form in ${FORMS:-dequantized native native_pdl}; do
+for form in ${FORMS:-dequantized native native_nopdl}; do
   flags=()
   [ "$form" != dequantized ] && flags+=(--weights native)
   [ "$form" = native_pdl ] && flags+=(--gluon-pdl on)

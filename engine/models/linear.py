@@ -43,6 +43,7 @@ from engine.models import fused
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - installs without Triton use F.linear
     triton = None
 
@@ -57,6 +58,12 @@ SHARED_BYTES = 200 * 2**10  # of an H100/H200 SM's 227 KB, what the pipeline sta
 # matrix's shape: there the product is an explicit sum over K in order (as the GPU's matrix unit keeps
 # it), so that a row's bits are checked not to depend on the launch on the CPU too.
 _INTERPRET = triton is not None and triton.knobs.runtime.interpret
+# Programmatic dependent launch for this kernel (issue #28), as ``quant_gluon.PDL`` is for the native products: a
+# launch may start while the kernel before it runs (a decode step's norms, attention merges and SwiGLU products let
+# it: ``fused.lets_dependents_launch``), asks for its part of the weight into L2 (a 128-byte line of each row at a
+# time, ``prefetch.global.L2``), then waits (``griddepcontrol.wait``) for that kernel's writes before it reads x; the
+# same products in the same order, so the same bits. sm_90 and later; an option, not measured yet (2026-12-07)
+PDL = False
 TARGET_PROGRAMS = 264  # default_plan's split aims at two programs per SM of an H100/H200 (132 SMs)
 
 
@@ -321,11 +328,12 @@ def _kernel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: LinearCo
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     tickets = _tickets(x.device, tiles * row_blocks)
+    pdl = PDL and fused.lets_dependents_launch(x.device)
     _linear_kernel[(tiles, split, row_blocks)](
         x2, weight, bias if bias is not None else out, out, parts, tickets, m, n, k, x2.stride(0), weight.stride(0),
         k_iters, split, tiles, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=_INTERPRET, num_warps=cfg.num_warps,
-        num_stages=stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=_INTERPRET, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=stages, launch_pdl=pdl,
     )
     return out.view(*lead, n)
 
@@ -378,6 +386,14 @@ if triton is not None:
         return tile, part, row_block, rn, rm, rn < N, rm < M, k_lo, tl.minimum(k_lo + k_iters * BLOCK_K, K)
 
     @triton.jit
+    def prefetch_rows(ptr, rows, lo, hi):
+        """``prefetch.global.L2`` of columns ``lo``..``hi`` of 2-byte rows at ``ptr + rows``: a 128-byte line (64
+        columns) an instruction a row, a hint (nothing waits for it, a line past the rows' end is not read)."""
+        for c in range(lo, hi, 64):
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr + rows + c],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def tile_product(acc, w, xt, INTERPRET: tl.constexpr):
         """``acc + w @ xt`` in float32: the matrix unit's (``tl.dot``), or in Triton's interpreter, whose dot is
         NumPy's matmul (its rounding depends on the shape), the sum over K in order, one product at a time: a row's
@@ -420,8 +436,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "k_iters", "split", "tiles"])
     def _linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, sxm, swn, k_iters, split, tiles,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+                       BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         tile, part, row_block, rn, rm, mn, mm, k_lo, k_hi = launch_tile(M, N, K, k_iters, BLOCK_N, BLOCK_K, BLOCK_M)
+        if PDL:  # the weight's part asked for while the kernel before runs; x read once it has ended (linear.PDL)
+            prefetch_rows(w_ptr, tl.where(mn, rn, 0).to(tl.int64) * swn, k_lo, k_hi)
+            gdc_wait()
+            gdc_launch_dependents()
         rk = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * swn + (k_lo + rk)[None, :]
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * sxm + (k_lo + rk)[:, None]

@@ -283,3 +283,34 @@ def test_free_rows_takes_the_draft_off_the_kernel(monkeypatch):
         assert torch.equal(torch.cat(parts, -1), F.linear(h, model[1].weight, model[1].bias))
     assert calls == [(4, 8), (8, 4)]  # the target's two, none of the draft's
     assert not any(m.row_invariant for m in draft if hasattr(m, "row_invariant"))
+
+
+class _Launches:
+    """A kernel stand-in recording each launch's keywords."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.append(kwargs)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("lets", [False, True])
+def test_a_launch_takes_pdl_only_where_asked_and_the_gpu_lets_it(monkeypatch, pdl, lets):
+    """``linear.PDL`` reaches the kernel (as a constexpr and as ``launch_pdl``) only where the kernels before it may
+    let it launch (``fused.lets_dependents_launch``: sm_90 and later, not the interpreter); off by default."""
+    assert lin.PDL is False
+    monkeypatch.setattr(lin, "PDL", pdl)
+    monkeypatch.setattr(fused, "lets_dependents_launch", lambda device: lets)
+    kernel = _Launches()
+    monkeypatch.setattr(lin, "_linear_kernel", kernel)
+    lin._kernel_linear(torch.zeros(3, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16), None,
+                       lin.LinearConfig(64, 64, 2))
+    (kw,) = kernel.seen
+    assert kw["PDL"] is (pdl and lets) and kw["launch_pdl"] is (pdl and lets)
+
+
+def test_the_kernels_before_a_product_let_it_launch_only_on_sm90_gpus():
+    """No trigger on the CPU (nor in the interpreter, where the tests run the kernels)."""
+    assert fused.lets_dependents_launch(torch.device("cpu")) is False
