@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                      INTERPRET=False)
         dense = compile_for_hopper(rows_linear._linear_kernel, dict(TYPES, w_ptr="*bf16", swn="i32"),
-                                   dict(shape, BLOCK_M=dense_m), cfg.num_warps,
+                                   dict(shape, BLOCK_M=dense_m, PDL=rows_linear.PDL), cfg.num_warps,
                                    rows_linear.stages_for(cfg, dense_m, 2), (*ALIGNED, "w_ptr", "swn"))
         print(row(f"bf16 {n}x{k}", dense, cfg.num_warps, cfg.block_n * cfg.block_k, args.dump))
         unit = 4 if words else 2  # the row stride's element: a word or a half-word (aligned: 16 of them)
