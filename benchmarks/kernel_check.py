@@ -171,7 +171,7 @@ def cases():
         for cls, cfg, block_m in (("step", plan.step, rows_linear.STEP_ROWS),
                                   ("verify", plan.verify, plan.verify.row_block)):
             stages = rows_linear.stages_for(cfg, block_m, 2)
-            for pdl in (False, True) if cls == "step" else (False,):  # (linear.PDL: its weight prefetched first)
+            for pdl in (False, True):  # (linear.PDL: its weight's first blocks prefetched before the wait)
                 yield (f"linear {where} {n}x{k} {cls} M<={block_m}{' pdl' if pdl else ''}", rows_linear._linear_kernel,
                        lin, dict(HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n,
                                  BLOCK_K=cfg.block_k, BLOCK_M=block_m, INTERPRET=False, PDL=pdl), cfg.num_warps,

@@ -72,26 +72,30 @@ def main() -> None:  # noqa: C901
     xs = {k: torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
     norm_w = {k: torch.ones(k, device="cuda", dtype=torch.bfloat16) for k in (576, 1536)}
 
+    def with_pdl(module, on, fn):
+        """``fn`` launched with ``module.PDL`` set to ``on`` (whatever the engine's), then put back."""
+        def launch():
+            before, module.PDL = module.PDL, on
+            try:
+                return fn()
+            finally:
+                module.PDL = before
+        return launch
+
     def proj(form, w):
         planes, twin, n, k, s = w
-        if form == "dense":
-            return lambda: rows_linear.linear(xs[k], twin)
+        pdl = form.endswith(" pdl")
+        if form.startswith("dense"):  # "dense pdl": linear.PDL (its weight's first blocks into L2 before the wait)
+            return with_pdl(rows_linear, pdl, lambda: rows_linear.linear(xs[k], twin))
         if form == "native split":  # K in as many parts as tiles (the engine's rule: 2 stages at 1 row)
             s = qg.padded_cols(k) // qg.TILE_K
-        # "native": the engine's launch (its stages rule); "native sN": N stages (0: the register path); "pdl": with
-        # programmatic dependent launch (the staged prologue asks for the weight's tiles before it waits for x)
+        # "native": the engine's stages rule, without PDL; "native sN": N stages (0: the register path); "pdl": with
+        # programmatic dependent launch (the engine's: the prologue asks for the weight's tiles before it waits for x)
         digits = [word[1:] for word in form.split() if word[0] == "s" and word[1:].isdigit()]
         stages = int(digits[0]) if digits else None
         ahead = "x_ahead" in form
-        pdl = form.endswith(" pdl")
-
-        def launch():
-            qg.PDL = pdl
-            try:
-                return qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=ahead, stages=0 if ahead else stages)
-            finally:
-                qg.PDL = False
-        return launch
+        return with_pdl(qg, pdl, lambda: qg.linear_q4_1(xs[k], planes, n, k, s, x_ahead=ahead,
+                                                         stages=0 if ahead else stages))
 
     def norm(k):  # (its output unread: the kernel before a projection, as in a layer, with no copy between)
         return lambda: fused.rms_norm(xs[k], norm_w[k], 1e-5)
@@ -108,8 +112,8 @@ def main() -> None:  # noqa: C901
                 got = qg.linear_q4_1(x[:m], planes, n, k, split, stages=st)
                 if not torch.equal(got, ref[:m]):
                     raise SystemExit(f"{name}: {st} stages at {m} rows differ from the register path's bits")
-    for form in ("dense", "native", "native pdl", "native s0", "native s0 pdl", "native split", "native x_ahead",
-                 "native s3", "native s3 pdl"):
+    for form in ("dense", "dense pdl", "native", "native pdl", "native s0", "native s0 pdl", "native split",
+                 "native x_ahead", "native s3", "native s3 pdl"):
         for normed in (False, True):
             seq, kinds = [], []
             for layer in weights:

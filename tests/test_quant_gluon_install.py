@@ -57,9 +57,9 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
 @pytest.mark.skipif(quant_gluon.gluon is None or not (Path(__import__("triton").__file__).parent / "backends"
                     / "nvidia" / "bin" / "cuobjdump").is_file(), reason="no Gluon, or no NVIDIA tools in this Triton")
 def test_the_options_compile_for_hopper_staged_with_pdl_and_with_a_tail():
-    """The engine's options, statically (sm_90): ``STAGES`` 3 with ``PDL`` (off by default: the planes by cp.async, no
-    x tile stored from registers) and a tail of 8 after 32 rows on 8 warps (``TAILS``, the engine's since 2026-12-07:
-    two products a tile, 16 HGMMA)."""
+    """The engine's options, statically (sm_90): ``STAGES`` 3 with ``PDL`` (the engine's since 2026-12-07: the planes
+    by cp.async, no x tile stored from registers) and a tail of 8 after 32 rows on 8 warps (``TAILS``, the engine's
+    since 2026-12-07: two products a tile, 16 HGMMA)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for flags, hgmma, sts in [(["--rows", "16", "--stages", "3", "--pdl"], "8", "0"),
                               (["--rows", "32", "--tail", "8", "--warps", "8"], "16", None)]:

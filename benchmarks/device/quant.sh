@@ -52,7 +52,12 @@ for v in ${STEPS:-}; do
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
-  if [[ $v =~ p(0?) ]]; then flags+=" --gluon-pdl $([ -n "${BASH_REMATCH[1]}" ] && echo off || echo on)"; fi
+  if [[ $v =~ p([0-9]*) ]]; then
+    case ${BASH_REMATCH[1]} in
+      "") flags+=" --gluon-pdl on" ;; 0) flags+=" --gluon-pdl off" ;;
+      *) say "STEPS: $v: p takes nothing or 0"; exit 2 ;;
+    esac
+  fi
   if [[ $v =~ t([0-9]*) ]]; then
     case ${BASH_REMATCH[1]} in
       "") flags+=" --gluon-tails on" ;; 0) flags+=" --gluon-tails off" ;; 16) flags+=" --gluon-tails 16" ;;

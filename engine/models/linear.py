@@ -60,9 +60,10 @@ SHARED_BYTES = 200 * 2**10  # of an H100/H200 SM's 227 KB, what the pipeline sta
 _INTERPRET = triton is not None and triton.knobs.runtime.interpret
 # Programmatic dependent launch for this kernel (issue #28), as ``quant_gluon.PDL`` is for the native products: a
 # launch may start while the kernel before it runs (a decode step's norms, attention merges and SwiGLU products let
-# it: ``fused.lets_dependents_launch``), asks for its part of the weight into L2 (a 128-byte line of each row at a
-# time, ``prefetch.global.L2``), then waits (``griddepcontrol.wait``) for that kernel's writes before it reads x; the
-# same products in the same order, so the same bits. sm_90 and later; an option, not measured yet (2026-12-07)
+# it: ``fused.lets_dependents_launch``), asks for the first K blocks of its part of the weight into L2 (a 128-byte
+# line of each row at a time, ``prefetch.global.L2``), then waits (``griddepcontrol.wait``) for that kernel's writes
+# before it reads x; the same products in the same order, so the same bits. sm_90 and later; an option, not measured
+# yet (2026-12-07)
 PDL = False
 TARGET_PROGRAMS = 264  # default_plan's split aims at two programs per SM of an H100/H200 (132 SMs)
 
@@ -438,8 +439,10 @@ if triton is not None:
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         tile, part, row_block, rn, rm, mn, mm, k_lo, k_hi = launch_tile(M, N, K, k_iters, BLOCK_N, BLOCK_K, BLOCK_M)
-        if PDL:  # the weight's part asked for while the kernel before runs; x read once it has ended (linear.PDL)
-            prefetch_rows(w_ptr, tl.where(mn, rn, 0).to(tl.int64) * swn, k_lo, k_hi)
+        if PDL:  # the part's first K blocks asked for while the kernel before runs; x once it has ended (linear.PDL)
+            # (at most 4 blocks, as a pipeline holds: the whole part of every program at once, past L2's size on a
+            # wide weight, would be evicted before its loop reads it)
+            prefetch_rows(w_ptr, tl.where(mn, rn, 0).to(tl.int64) * swn, k_lo, tl.minimum(k_hi, k_lo + 4 * BLOCK_K))
             gdc_wait()
             gdc_launch_dependents()
         rk = tl.arange(0, BLOCK_K)

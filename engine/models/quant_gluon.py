@@ -265,13 +265,15 @@ STAGES: int | None = None
 
 # Programmatic dependent launch: each launch may start as the kernel before it ends (its programs placed as that
 # kernel's leave room), asking for its weight's first tiles before it waits (``griddepcontrol.wait``) for x, and
-# lets the kernel after it do the same; what it writes waits too (so it holds while no kernel writes a weight's planes
-# during a step, which nothing does: they are written at load). It pays where the kernel before lets it launch early:
-# a decode step's norms, attention merges and SwiGLU products do (``fused.lets_dependents_launch``). On an H100
-# (2026-12-07, fifteenth session; RESULTS.md), SmolLM2's native step graphs: AR 965.2 -> 918.1 us (gaps between
-# kernels 106.5 -> 39.3 us; the dequantized step 953.5), verify at budget 22 1,236.0 -> 1,182.1, at 48 1,416.3 ->
-# 1,360.9. Before those kernels let it (2026-12-06): the 27B Q4_K_M AR step 9.1 -> 9.0 ms, its verify at 32 18.61 ->
-# 18.76. A chain of launches reading each other's outputs keeps its bits, on a stream and from a graph (GPU test)
+# lets the kernel after it do the same; what it writes waits too. The weight is read before the wait, so it holds
+# where the launch just before did not write the planes (nothing in a step does: they are written at load, and a
+# load's last kernels are not a product's predecessor in a step). A decode step's norms, attention merges and SwiGLU
+# products let the launch after them start as they start (``fused.lets_dependents_launch``). On an H100 (2026-12-07,
+# fifteenth session, those kernels letting it; RESULTS.md), SmolLM2's native step graphs: AR 965.2 -> 918.1 us (gaps
+# between kernels 106.5 -> 39.3 us; the dequantized step 953.5), verify at budget 22 1,236.0 -> 1,182.1, at 48
+# 1,416.3 -> 1,360.9; the 27B Q4_K_M AR step 9.0 -> 8.7 ms, its verify at 32 17.24 -> 17.04 (2026-12-06, before the
+# kernels let it: 9.1 -> 9.0 and 18.61 -> 18.76; PDL with them and without them not compared on one machine). A chain
+# of launches reading each other's outputs and those kernels' keeps its bits, on a stream and from a graph (GPU test)
 PDL = True
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import quant_gluon
+from engine.models import fused, quant_gluon
 from engine.models.quant import FORMATS
 from tests.engine.models.test_quant_gluon import N2, ROWS, K, _blocks, _q6_blocks, _reads_back
 
@@ -47,9 +47,11 @@ def test_on_the_gpu_tiles_staged_in_shared_memory_give_the_register_paths_bits(m
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("stages", [0, 3])
 def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(monkeypatch, stages):
-    """``PDL`` (programmatic dependent launch, not yet the engine's): a chain of products each reading the output of
-    the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; a Q4_1; PyTorch ops between), x copied in
-    first, run on a stream and replayed from a CUDA graph: every time the bits of the same chain without PDL."""
+    """``PDL`` (programmatic dependent launch, the engine's since 2026-12-07): a chain of products each reading the
+    output of the launch before it (two Q4_K of 2 parts: the tickets too; a Q6_K; a Q4_1), and reading the outputs of
+    the kernels a step puts before its products, which let them launch as they start (an RMSNorm, SwiGLU's product:
+    ``fused.lets_dependents_launch``), PyTorch ops between too; x copied in first, run on a stream and replayed from a
+    CUDA graph: every time the bits of the same chain without PDL."""
     from engine.models.quant import hold
     from tests.engine.models.test_quant_gluon import _q41_blocks
 
@@ -62,11 +64,16 @@ def test_on_the_gpu_a_launch_started_before_the_last_one_ends_reads_its_output(m
             x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)
             x = quant_gluon.linear(x, words, heads, K, K, 2, True, stages=stages)  # two launches taking tickets
             x = quant_gluon.linear_q6_k(x, planes, K, K, 1, stages=stages)
+            x = fused.rms_norm(x, norm_w, 1e-6)  # (a kernel that lets the product after it launch early)
+            x = quant_gluon.linear_q4_1(x, q41, K, K, 1, stages=stages)
+            x = fused.silu_mul(x, x)  # (another)
             x = quant_gluon.linear_q4_1(x, q41, K, K, 1, stages=stages)
             x = x / x.abs().amax()  # (kept in range; two PyTorch kernels between the products)
         return x
 
+    norm_w = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
     xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for rows in (1, 1, 3, 1, 33, 1)]
+    monkeypatch.setattr(quant_gluon, "PDL", False)
     want = [chain(x) for x in xs]
     monkeypatch.setattr(quant_gluon, "PDL", True)
     buf = torch.empty(1, K, device="cuda", dtype=torch.bfloat16)
