@@ -43,8 +43,8 @@ done
 STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 # STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
 # (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
-# dependent launch (PDL, --gluon-pdl on: the engine's since 2026-12-07; p0 off), mN a launch's fewest rows a program (MIN_BLOCK_M, --gluon-min-rows N), t a
-# verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
+# dependent launch (PDL, --gluon-pdl on: the engine's since 2026-12-07; p0 off), mN a launch's fewest rows a program
+# (MIN_BLOCK_M, --gluon-min-rows N), t a verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
 # rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
 # engine's, r0 ptxas' own); "engine" the step as the engine loads it (large_q4km_engine)
 for v in ${STEPS:-}; do

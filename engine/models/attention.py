@@ -31,7 +31,10 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-    from triton.language.extra.cuda import gdc_launch_dependents
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents
+    except ImportError:  # a Triton without it: TRIGGER is never on (fused.lets_dependents_launch)
+        gdc_launch_dependents = None
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 

@@ -29,7 +29,10 @@ from engine.config import EngineInputError
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents
+    except ImportError:  # a Triton without grid dependency control: no kernel lets another launch early
+        gdc_launch_dependents = None
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 
@@ -410,7 +413,7 @@ def lets_dependents_launch(device: torch.device) -> bool:
     Triton's interpreter): a product launched with programmatic dependent launch (``quant_gluon.PDL``) then asks
     for its weight's tiles while they run and waits (``griddepcontrol.wait``) for their writes only before it reads
     x. A hint: a launch after them without PDL starts when they end, as before."""
-    if triton is None or triton.knobs.runtime.interpret or device.type != "cuda":
+    if triton is None or gdc_launch_dependents is None or triton.knobs.runtime.interpret or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

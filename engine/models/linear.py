@@ -43,7 +43,10 @@ from engine.models import fused
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # a Triton without them: PDL is never on (fused.lets_dependents_launch)
+        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - installs without Triton use F.linear
     triton = None
 
