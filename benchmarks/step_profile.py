@@ -16,10 +16,14 @@ from engine import EngineConfig
 
 def profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, trace: Path | None,
                    name: str) -> tuple[list[str], dict]:
-    """Kernels of one generation after a warm-up one (graphs captured), grouped by name."""
+    """Kernels of one generation after a warm-up one (graphs captured), grouped by name, and the decode's wall a step
+    of one generation between them, not profiled (the loop's own step: its steps launched ahead, beside a step graph
+    replayed alone, ``section_graphs``)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)  # warm-up: captures, allocations
+    plain = engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)
+    plain_ms = 1000 * plain.stats.decode_s / max(plain.stats.steps, 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         gen = engine.generate(pair, prompt, cfg, new_tokens, ignore_eos=True)
     if trace is not None:
@@ -34,13 +38,15 @@ def profile_steps(pair, cfg: EngineConfig, prompt: list[int], new_tokens: int, t
     total_us = sum(sum(v) for v in kernels.values())
     wall_ms = 1000 * gen.stats.decode_s / steps
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
-    lines = [f"**{name}**: {steps} steps, wall {wall_ms:.2f} ms/step, kernels {total_us / 1000 / steps:.2f} ms/step "
-             f"({sum(len(v) for v in kernels.values()) / steps:.0f} launches/step; includes the prefill)", "",
+    lines = [f"**{name}**: {steps} steps, wall {plain_ms:.3f} ms/step (not profiled), {wall_ms:.2f} profiled, "
+             f"kernels {total_us / 1000 / steps:.2f} ms/step ({sum(len(v) for v in kernels.values()) / steps:.0f} "
+             "launches/step; includes the prefill)", "",
              "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
     for kname, times in top:
         lines.append(f"| `{kname[:90]}` | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | "
                      f"{100 * sum(times) / max(total_us, 1e-9):.1f}% |")
-    rep = {"steps": steps, "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_us / 1000 / steps,
+    rep = {"steps": steps, "wall_ms_per_step": wall_ms, "plain_wall_ms_per_step": plain_ms,
+           "kernel_ms_per_step": total_us / 1000 / steps,
            "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
            "top": {k: [len(v), sum(v)] for k, v in top}}
     return lines, rep
