@@ -319,3 +319,28 @@ def test_the_wheel_cut_in_three_joins_over_one_call_a_part(tmp_path):
     stash.mkdir()
     r = call(needs, None)
     assert r.returncode == 3 and "missing part1 part2 (the part count unknown" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("script, env, says", [
+    ("smol_native.sh", {"FORMS": "native bogus"}, "FORMS / PROFILE_FORMS: bogus is none of"),
+    ("smol_native.sh", {"FORMS": "native", "PROFILE": "1", "PROFILE_FORMS": "native_x"},
+     "FORMS / PROFILE_FORMS: native_x is none of"),
+    ("quant.sh", {"STEPS": "s3 p16"}, "STEPS: p16: p takes nothing or 0"),
+    ("quant.sh", {"STEPS": "p0 x3"}, "STEPS: x3: a step is engine or letters with their numbers"),
+])
+def test_a_device_script_refuses_an_unknown_form_or_step_before_its_sections(tmp_path, script, env, says):
+    """smol_native.sh checks every one of FORMS (and PROFILE_FORMS) before its first section, quant.sh every one of
+    STEPS (letters with their numbers): exit 2 naming the value, nothing run (no section started)."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "device").symlink_to(REPO / "benchmarks" / "device")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_ / "python3").chmod(0o755)
+    base = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
+            "SMOL_STASH": str(tmp_path / "stash")}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "device" / script)], cwd=tree, env=base | env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stdout, r.stdout + r.stderr
+    assert "=== " not in r.stdout

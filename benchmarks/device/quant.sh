@@ -28,27 +28,13 @@
 # on the warm machine: TILES_LIMIT=580 SKIP="kernel_quant large_q4km quant_tests" bash benchmarks/device/quant.sh
 # MEMORY=1 adds up to 560 s: give it a call of its own, SKIP="kernel_quant large_q4km quant_tests quant_tiles"
 source benchmarks/device/common.sh quant
-if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
-section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
-# the step as the engine loads it (Q4K_DECODE as gpu_bench's --q4k-decode); Q4K_COMPARE="kernel": that decode's step
-# too, on the same machine (large_q4km_kernel), for a like-for-like ratio
-for decode in ${Q4K_DECODE:-engine} ${Q4K_COMPARE:-}; do
-  suffix=$([ "$decode" = "${Q4K_DECODE:-engine}" ] || echo "_$decode")
-  section large_q4km$suffix ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode $decode \
-    --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
-    --md "$OUT/large_q4km$suffix.md" --out "$OUT/large_q4km$suffix.json"
-done
-# MIN_ROWS=N: the engine's step again with a launch's fewest rows a program at N (quant_gluon.MIN_BLOCK_M: 8, the
-# engine's since 2026-12-06, is wgmma's narrowest N; 16 as before), on the same machine as large_q4km: STEPS' mN
-STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
-# STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
-# (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
-# dependent launch (PDL, --gluon-pdl on: the engine's since 2026-12-07; p0 off), mN a launch's fewest rows a program
-# (MIN_BLOCK_M, --gluon-min-rows N), t a verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
-# rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
-# engine's, r0 ptxas' own); "engine" the step as the engine loads it (large_q4km_engine)
-for v in ${STEPS:-}; do
+# step_flags NAME: gpu_bench's flags for one of STEPS (below), or exit 2 naming it: each letter with its number
+step_flags() {
   flags=""
+  local v=$1
+  if [ "$v" != engine ] && ! [[ $v =~ ^(s[0-9]|m[0-9]+|r[0-9]+|p[0-9]*|t[0-9]*)+$ ]]; then
+    say "STEPS: $v: a step is engine or letters with their numbers (sN mN rN p p0 t t0 t16)"; exit 2
+  fi
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
@@ -64,6 +50,29 @@ for v in ${STEPS:-}; do
       *) say "STEPS: $v: t takes nothing, 0 or 16"; exit 2 ;;
     esac
   fi
+}
+STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
+for v in ${STEPS:-}; do step_flags "$v"; done  # every step checked before any section runs
+if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
+section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
+# the step as the engine loads it (Q4K_DECODE as gpu_bench's --q4k-decode); Q4K_COMPARE="kernel": that decode's step
+# too, on the same machine (large_q4km_kernel), for a like-for-like ratio
+for decode in ${Q4K_DECODE:-engine} ${Q4K_COMPARE:-}; do
+  suffix=$([ "$decode" = "${Q4K_DECODE:-engine}" ] || echo "_$decode")
+  section large_q4km$suffix ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode $decode \
+    --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} ${DRAFT_RECIPE:+--draft-recipe $DRAFT_RECIPE} \
+    --md "$OUT/large_q4km$suffix.md" --out "$OUT/large_q4km$suffix.json"
+done
+# MIN_ROWS=N: the engine's step again with a launch's fewest rows a program at N (quant_gluon.MIN_BLOCK_M: 8, the
+# engine's since 2026-12-06, is wgmma's narrowest N; 16 as before), on the same machine as large_q4km: STEPS' mN
+# STEPS="s3 p s3p m8 ...": the engine's step again with quant_gluon's options, a section each on the same machine
+# (large_q4km_s3, ...): sN its products' tiles staged in shared memory (STAGES, --gluon-stages N), p programmatic
+# dependent launch (PDL, --gluon-pdl on: the engine's since 2026-12-07; p0 off), mN a launch's fewest rows a program
+# (MIN_BLOCK_M, --gluon-min-rows N), t a verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
+# rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
+# engine's, r0 ptxas' own); "engine" the step as the engine loads it (large_q4km_engine)
+for v in ${STEPS:-}; do
+  step_flags "$v"
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
     --out "$OUT/large_q4km_$v.json"
