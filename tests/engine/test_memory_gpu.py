@@ -104,6 +104,29 @@ def test_measured_peak_within_the_bar_of_the_plan(target, draft, context, new, b
         del pair
 
 
+def test_a_configs_measured_peak_leaves_out_the_configs_measured_before_it():
+    """One pair, configs measured one after another as a sweep's trials are (``reserve_memory`` before each): the
+    last config, AR again, measures the peak the first AR did. On 2026-12-07 (the fifteenth session, an H100) the
+    SmolLM2 weights sweep's measured peaks grew by ~170 MiB a config (its "activations": 78 MiB at the first AR
+    trial, 950 at the same config eight trials on), so its report put the plan 10-78% under them: this test tells
+    whether the engine's release (``release_memory``) or the sweep's worker keeps what earlier configs held."""
+    pair, before = _load_pair("smollm2-135m-shape", SMOLLM2_DRAFT, "dequantized")
+    new = 64
+    prompt = torch.randint(10, pair.target.cfg.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    totals = []
+    try:
+        for cfg in (EngineConfig(verify="ar"), EngineConfig(budget=22, top_k=8), EngineConfig(verify="chain"),
+                    EngineConfig(budget=48, top_k=8), EngineConfig(verify="ar")):
+            reserve_memory(pair, cfg, len(prompt), new)
+            engine.bench(pair, cfg, [prompt], new, ignore_eos=True)  # warm-up: graphs captured
+            peak = engine.bench(pair, cfg, [prompt], new, ignore_eos=True).peak_memory_bytes - before
+            totals.append(measure_memory(pair, cfg, len(prompt), new, peak).total)
+            print(f"{cfg.verify} budget {cfg.budget}: measured {totals[-1] / 2**20:.1f} MiB", flush=True)
+        assert abs(totals[-1] - totals[0]) <= 0.05 * totals[0], [round(t / 2**20, 1) for t in totals]
+    finally:
+        del pair
+
+
 def _print_rows(title: str, plan, measured) -> None:
     print(f"\n{title}: planned {plan.total / 2**30:.3f} GiB, measured {measured.total / 2**30:.3f} GiB "
           f"({(plan.total - measured.total) / measured.total:+.1%})")
