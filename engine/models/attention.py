@@ -26,15 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.models import fused
+from engine.models.fused import gdc_launch_dependents  # (None without it: TRIGGER never on)
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents
-    except ImportError:  # a Triton without it: TRIGGER is never on (fused.lets_dependents_launch)
-        gdc_launch_dependents = None
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
     triton = None
 

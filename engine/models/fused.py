@@ -29,12 +29,12 @@ from engine.config import EngineInputError
 try:
     import triton
     import triton.language as tl
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents
+    try:  # (the engine's kernels take them from here: linear, attention)
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     except ImportError:  # a Triton without grid dependency control: no kernel lets another launch early
-        gdc_launch_dependents = None
+        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - installs without Triton use the PyTorch forms
-    triton = None
+    triton = gdc_launch_dependents = gdc_wait = None
 
 
 def _from_environment() -> tuple[bool, str | None]:

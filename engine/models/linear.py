@@ -39,14 +39,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.models import fused
+from engine.models.fused import gdc_launch_dependents, gdc_wait  # (None without them: PDL never on)
 
 try:
     import triton
     import triton.language as tl
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # a Triton without them: PDL is never on (fused.lets_dependents_launch)
-        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - installs without Triton use F.linear
     triton = None
 

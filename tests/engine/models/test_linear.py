@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.models import fused
 from engine.models import linear as lin
 from engine.models.common import Linear
+from tests.engine.models.test_quant_gluon_options import _Launches
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -285,16 +286,6 @@ def test_free_rows_takes_the_draft_off_the_kernel(monkeypatch):
     assert not any(m.row_invariant for m in draft if hasattr(m, "row_invariant"))
 
 
-class _Launches:
-    """A kernel stand-in recording each launch's keywords."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.seen.append(kwargs)
-
-
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("lets", [False, True])
 def test_a_launch_takes_pdl_only_where_asked_and_the_gpu_lets_it(monkeypatch, pdl, lets):
@@ -307,7 +298,7 @@ def test_a_launch_takes_pdl_only_where_asked_and_the_gpu_lets_it(monkeypatch, pd
     monkeypatch.setattr(lin, "_linear_kernel", kernel)
     lin._kernel_linear(torch.zeros(3, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16), None,
                        lin.LinearConfig(64, 64, 2))
-    (kw,) = kernel.seen
+    ((_, kw),) = kernel.seen
     assert kw["PDL"] is (pdl and lets) and kw["launch_pdl"] is (pdl and lets)
 
 
