@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import MAX_BUDGET, EngineConfig, EngineInputError
+from engine.decoding import graphs, runtime
 from engine.decoding import prefix_cache as prefix_cache_mod
-from engine.decoding import runtime
 from engine.decoding.decode import feature_rows, verify_shape, workspace_length
 from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter, OracleDrafter
 from engine.models.attention import step_split
+from engine.models.common import FusedLinear, Linear
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
 from engine.models.hybrid_cache import HybridCache
@@ -136,14 +139,17 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     in_place = dev.type == "cuda" and size == 2 and config.kernels == "fused"
     prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
                              prefix_cache_bytes > 0, in_place)
+    # a DFlash draft's free-row products run through cuBLAS (``free_rows_``), which keeps a workspace for each
+    # stream it ran on: the eager context fill's, held from there on, and a captured step's, in its graph pool
+    blas = blas_workspace_bytes(dev) if speculative and _draft_uses_blas(pair) else 0
     if speculative:  # after the prefill, the draft's context K/V of the prompt, a chunk at a time
-        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place))
+        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place) + blas)
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
                        in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
-        parts["graph_pools"], parts["activations"] = step, prefill
-    else:
-        parts["activations"] = max(prefill, step)
+        parts["graph_pools"], parts["activations"] = step + blas, prefill
+    else:  # (the eager steps reuse the context fill's workspace: one stream)
+        parts["activations"] = max(prefill, step + blas)
     return MemoryBreakdown("planned", parts, prompt_tokens, new_tokens, loop)
 
 
@@ -203,13 +209,22 @@ def release_memory(pair) -> None:
     if isinstance(drafter, DFlashDrafter):
         drafter._ctx_k = drafter._ctx_v = None
         drafter.reset()
+        drafter._constants.clear()
     elif isinstance(drafter, OracleDrafter):
         drafter._cache, drafter._cache_len = None, 0
+    # the rotary tables and step constants made per workspace length (``rope_rows``): another config's length
+    # made others, which stayed on the modules (~2 MiB over a SmolLM2 sweep's five configs, 2026-12-07)
+    for model in (pair.target, getattr(drafter, "draft", None)):
+        if model is not None:
+            for module in model.modules():
+                if isinstance(getattr(module, "_rope_tables", None), dict):
+                    module._rope_tables.clear()
     if pair.target.device.type == "cuda":
         # a captured graph's pool is given back only once the graph object is gone (no graphs off CUDA,
         # where a collection per config would only widen the window in which a Ctrl-C lands in a
         # finalizer and is dropped)
         gc.collect()
+        graphs.clear_blas_workspaces()  # the streams' cuBLAS workspaces, which empty_cache leaves
         torch.cuda.empty_cache()
 
 
@@ -379,6 +394,30 @@ def _planned_draft_context(pair, length: int, dtype: torch.dtype) -> int:
     if isinstance(drafter, OracleDrafter):  # its own target cache, about as long as the workspace
         return sum(_cache_parts(_meta_cache(pair.target, length, 0, dtype)).values())
     return 0
+
+
+def blas_workspace_bytes(device: torch.device | str) -> int:
+    """Bytes of the workspace PyTorch gives cuBLAS for each stream a product runs on, on ``device``: as
+    ``CUBLAS_WORKSPACE_CONFIG`` sets it (``:SIZE_KIB:COUNT`` pairs), else PyTorch's default, 32 MiB on compute
+    capability 9.x and 10.x (measured on an H100, torch 2.11: 32.0 MiB a stream) and 8 MiB + 128 KiB on others;
+    a plan made without the GPU takes 32 MiB. 0 off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":(\d+):(\d+)", config)
+    if pairs and re.fullmatch(r"(:\d+:\d+)+", config):  # (PyTorch ignores a malformed one, with a warning)
+        return sum(int(kib) * int(count) for kib, count in pairs) * 1024
+    major = torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 9
+    return 32 * 2**20 if major in (9, 10) else 8 * 2**20 + 128 * 2**10
+
+
+def _draft_uses_blas(pair) -> bool:
+    """Whether the pair's draft has a projection that cuBLAS computes: a DFlash draft's dense ones round freely
+    (``free_rows_``); one held in blocks takes the few-row kernel whatever its rows."""
+    drafter = pair.drafter
+    return isinstance(drafter, DFlashDrafter) and any(
+        isinstance(m, (Linear, FusedLinear)) and not m.row_invariant for m in drafter.draft.modules())
 
 
 def _context_fill_bytes(pair, prompt_tokens: int, size: int, in_place: bool = False) -> int:

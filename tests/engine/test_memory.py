@@ -12,10 +12,11 @@ import torch
 
 import engine
 from engine import EngineConfig, EngineInputError
+from engine import memory as memory_mod
 from engine.api import Pair
 from engine.decoding.decode import workspace_length
 from engine.decoding.drafters import DFlashDrafter
-from engine.memory import held_memory, plan_memory, release_memory, reserve_memory
+from engine.memory import blas_workspace_bytes, held_memory, plan_memory, release_memory, reserve_memory
 from engine.models.common import fuse_projections_
 from engine.models.draft import DFlashConfig, DFlashDraft, default_target_layer_ids
 from engine.models.hybrid import HybridModel
@@ -84,9 +85,13 @@ def test_release_drops_every_buffer_and_the_plan_grows_with_the_tree_and_the_con
     cfg = EngineConfig(verify="ddtree", draft_path="runtime", budget=4, top_k=3)
     engine.generate(pair, _prompts(12)[1], cfg, 6, ignore_eos=True)
     assert held_memory(pair)["kv_cache"] > 0
+    models = [pair.target, pair.drafter.draft]
+    assert all(m._rope_tables for m in models) and pair.drafter._constants  # made for this workspace's length
     release_memory(pair)
     held = held_memory(pair)
     assert held["kv_cache"] == held["features"] == held["draft_context"] == 0
+    # the length's rotary tables and step constants too: another config's length would make its own beside them
+    assert not any(m._rope_tables for m in models) and not pair.drafter._constants
     assert held["target_weights"] == _weight_bytes(pair.target)
     totals = [plan_memory(pair, cfg.replace(budget=b), 50, 10).total for b in (2, 4, 8, 16)]
     assert totals == sorted(set(totals))  # strictly more with every budget
@@ -118,6 +123,41 @@ def test_another_dtype_and_device_are_priced_not_loaded():
     assert bf16.parts["kv_cache"] == f32.parts["kv_cache"] // 2
     assert bf16.parts["recurrent_state"] < f32.parts["recurrent_state"]  # conv halves; the recurrence stays float32
     assert bf16.loop == "graphs" and bf16.parts["graph_pools"] > 0  # on CUDA the steps are captured
+
+
+def test_a_cuda_plan_counts_the_cublas_workspace_of_a_drafts_free_row_products(monkeypatch):
+    """On CUDA a DFlash draft's products run through cuBLAS (``free_rows_``), whose workspace PyTorch keeps per
+    stream: the eager context fill's stays for the generation, and a captured step's lives in its graph pool.
+    AR runs no draft, so none."""
+    pair = pair_for("tiny-dense", "random")
+    configs = {"ar": EngineConfig(verify="ar"), "ddtree": EngineConfig(budget=6, top_k=2)}
+    plans = {}
+    for setting in (":4096:8", ":0:0"):  # PyTorch's Hopper default, and no workspace
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", setting)
+        plans[setting] = {n: plan_memory(pair, c, 30, 8, device="cuda", dtype=torch.bfloat16)
+                          for n, c in configs.items()}
+    ws, none = plans[":4096:8"], plans[":0:0"]
+    assert ws["ddtree"].loop == "graphs"
+    assert ws["ddtree"].parts["graph_pools"] - none["ddtree"].parts["graph_pools"] == 32 * 2**20
+    assert ws["ddtree"].parts["activations"] - none["ddtree"].parts["activations"] > 31 * 2**20  # the fill's
+    assert ws["ar"].to_dict() == none["ar"].to_dict()
+    # a draft held in blocks takes the few-row kernel at every row count: no workspace, whatever the setting
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(memory_mod, "_draft_uses_blas", lambda p: False)
+    assert plan_memory(pair, configs["ddtree"], 30, 8, device="cuda", dtype=torch.bfloat16).to_dict() == \
+        none["ddtree"].to_dict()
+
+
+def test_the_cublas_workspace_is_pytorchs_setting_or_its_default(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # PyTorch's default before Hopper
+    assert blas_workspace_bytes("cuda") == (4096 * 2 + 16 * 8) * 1024
+    assert blas_workspace_bytes("cpu") == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")  # malformed (no leading colon): PyTorch's default
+    default = 32 * 2**20 if not torch.cuda.is_available() else None  # (no GPU here: the Hopper default)
+    if default is not None:
+        assert blas_workspace_bytes("cuda") == default
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+        assert blas_workspace_bytes("cuda") == default
 
 
 def test_a_pair_without_a_draft_plans_ar_and_refuses_speculation():
@@ -182,7 +222,9 @@ def test_the_drafts_context_fill_is_planned_a_chunk_at_a_time(monkeypatch):
     assert memory._context_fill_bytes(pair, 1000, 2) == chunk * 1000 // 1024
     monkeypatch.setattr(memory, "_prefill_bytes", lambda *a, **k: 0)  # the fill alone
     on_gpu = {"device": "cuda"}
-    assert plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, **on_gpu).parts["activations"] == chunk
+    # (with the cuBLAS workspace the draft's products keep for the fill's stream)
+    assert plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, **on_gpu).parts["activations"] == \
+        chunk + memory.blas_workspace_bytes("cuda")
     assert plan_memory(pair, EngineConfig(verify="ar"), 32768 - 256, 256, **on_gpu).parts["activations"] == 0
 
 
