@@ -344,3 +344,28 @@ def test_a_device_script_refuses_an_unknown_form_or_step_before_its_sections(tmp
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stdout, r.stdout + r.stderr
     assert "=== " not in r.stdout
+
+
+def test_a_call_that_writes_more_files_than_come_back_packs_them_beside_its_log(tmp_path):
+    """Only 8 files under $OUT come back from the lent machine (common.sh's OUT_FILES_BACK): ``summary`` packs every
+    file but the log into ``files.tar.gz`` where there are more (smol_native.sh's profiles were left behind on
+    2026-12-07), and leaves a call with 8 or fewer as it is, and the runbook's files (no OUT_FILES_BACK) too."""
+    import tarfile
+
+    script = ('source benchmarks/device/sections.sh probe\nmkdir -p "$OUT/report"\n'
+              'for i in $(seq 1 "$N"); do echo "table $i" > "$OUT/t$i.md"; done\necho png > "$OUT/report/plot.png"\n'
+              'summary\n')
+    for n, back, packed in ((6, "8", False), (9, "", False), (9, "8", True)):
+        out = tmp_path / f"out{n}{back}"
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "N": str(n), "OUT_FILES_BACK": back}
+        r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+        if not packed:
+            assert len(files) == n + 2 and "packed" not in r.stdout
+            continue
+        assert files == ["files.tar.gz", "probe.log"] and "11 files under $OUT" in r.stdout
+        with tarfile.open(out / "files.tar.gz") as tar:
+            names = sorted(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
+            assert names == sorted([f"t{i}.md" for i in range(1, n + 1)] + ["report/plot.png"])
+            assert tar.extractfile("./t9.md").read() == b"table 9\n"

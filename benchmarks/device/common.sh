@@ -4,6 +4,7 @@
 #   source benchmarks/device/common.sh NAME
 source "$(dirname "${BASH_SOURCE[0]}")/sections.sh" "$1"
 mkdir -p /root/stash
+OUT_FILES_BACK=8  # what comes back of $OUT: summary packs the rest (sections.sh)
 
 # install_wheels FILES...: into /tmp/site (kept while the machine stays warm between calls)
 install_wheels() {

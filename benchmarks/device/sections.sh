@@ -33,7 +33,18 @@ section() {
   return 0
 }
 
+# OUT_FILES_BACK (common.sh sets it: at most 8 files under $OUT come back from the lent machine, benchmarks/DEVICE.md):
+# where a call wrote more, every file but the log goes into one $OUT/files.tar.gz (unpacked with `tar xzf`), so no
+# table is left behind. Unset (the runbook on one's own machine), the files stay as they are.
 summary() {
   say "=== summary (+$(( $(date +%s) - START ))s)"
   for line in "${SUMMARY[@]}"; do say "$line"; done
+  local n
+  n=$(find "$OUT" -type f | wc -l)
+  if [ -n "${OUT_FILES_BACK:-}" ] && [ "$n" -gt "$OUT_FILES_BACK" ]; then
+    say "$n files under \$OUT, more than the $OUT_FILES_BACK that come back: all but $(basename "$LOG") packed into files.tar.gz"
+    (cd "$OUT" && find . -type f ! -path "./$(basename "$LOG")" ! -name files.tar.gz | sort > /tmp/out_files.$$ \
+      && tar czf files.tar.gz -T /tmp/out_files.$$ && xargs -a /tmp/out_files.$$ rm -f \
+      && find . -mindepth 1 -type d -empty -delete; rm -f /tmp/out_files.$$)
+  fi
 }
