@@ -39,7 +39,7 @@ from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding.decode import feature_rows, verify_shape, workspace_length
 from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter, OracleDrafter
 from engine.models.attention import step_split
-from engine.models.common import FusedLinear, Linear
+from engine.models.common import FusedLinear
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
 from engine.models.hybrid_cache import HybridCache
@@ -139,17 +139,18 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     in_place = dev.type == "cuda" and size == 2 and config.kernels == "fused"
     prefill = _prefill_bytes(pair.target, prompt_tokens, size, feature_width, dev.type == "cuda",
                              prefix_cache_bytes > 0, in_place)
-    # a DFlash draft's free-row products run through cuBLAS (``free_rows_``), which keeps a workspace for each
-    # stream it ran on: the eager context fill's, held from there on, and a captured step's, in its graph pool
-    blas = blas_workspace_bytes(dev) if speculative and _draft_uses_blas(pair) else 0
-    if speculative:  # after the prefill, the draft's context K/V of the prompt, a chunk at a time
-        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place) + blas)
+    # a product through cuBLAS (a DFlash draft's, ``_uses_blas``) has PyTorch keep a workspace for its stream: the
+    # eager one's is made by the context fill, which runs inside the prefill (at each ``CONTEXT_ROWS`` boundary), and
+    # held from there on; a captured step's lives in its graph pool
+    blas = blas_workspace_bytes(dev) if _uses_blas(pair, config, speculative) else 0
+    if speculative:  # the draft's context K/V of the prompt, a chunk at a time, as the prefill reaches it
+        prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place))
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
                        in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
-        parts["graph_pools"], parts["activations"] = step + blas, prefill
-    else:  # (the eager steps reuse the context fill's workspace: one stream)
-        parts["activations"] = max(prefill, step + blas)
+        parts["graph_pools"], parts["activations"] = step + blas, prefill + blas
+    else:  # (the eager steps reuse the prefill's workspace: one stream)
+        parts["activations"] = max(prefill, step) + blas
     return MemoryBreakdown("planned", parts, prompt_tokens, new_tokens, loop)
 
 
@@ -406,18 +407,23 @@ def blas_workspace_bytes(device: torch.device | str) -> int:
         return 0
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
     pairs = re.findall(r":(\d+):(\d+)", config)
-    if pairs and re.fullmatch(r"(:\d+:\d+)+", config):  # (PyTorch ignores a malformed one, with a warning)
+    if pairs:  # as PyTorch reads it: every ``:SIZE:COUNT`` found, summed (none found: its default, with a warning)
         return sum(int(kib) * int(count) for kib, count in pairs) * 1024
     major = torch.cuda.get_device_capability(device)[0] if torch.cuda.is_available() else 9
     return 32 * 2**20 if major in (9, 10) else 8 * 2**20 + 128 * 2**10
 
 
-def _draft_uses_blas(pair) -> bool:
-    """Whether the pair's draft has a projection that cuBLAS computes: a DFlash draft's dense ones round freely
-    (``free_rows_``); one held in blocks takes the few-row kernel whatever its rows."""
+def _uses_blas(pair, config: EngineConfig, speculative: bool) -> bool:
+    """Whether a generation under ``config`` runs a product through cuBLAS: every product with the kernels off
+    (``kernels: eager``: target and draft take ``F.linear``), else a DFlash draft's plain projections (a fused
+    group's parts always, ``nn.Linear`` unless it keeps its rows invariant: ``free_rows_`` turns that off); a draft
+    held in blocks takes the few-row kernel at any row count a step forwards."""
+    if config.kernels != "fused":
+        return True
     drafter = pair.drafter
-    return isinstance(drafter, DFlashDrafter) and any(
-        isinstance(m, (Linear, FusedLinear)) and not m.row_invariant for m in drafter.draft.modules())
+    return speculative and isinstance(drafter, DFlashDrafter) and any(
+        isinstance(m, FusedLinear) or (isinstance(m, nn.Linear) and not getattr(m, "row_invariant", False))
+        for m in drafter.draft.modules())
 
 
 def _context_fill_bytes(pair, prompt_tokens: int, size: int, in_place: bool = False) -> int:

@@ -353,7 +353,7 @@ def test_a_call_that_writes_more_files_than_come_back_packs_them_beside_its_log(
     import tarfile
 
     script = ('source benchmarks/device/sections.sh probe\nmkdir -p "$OUT/report"\n'
-              'for i in $(seq 1 "$N"); do echo "table $i" > "$OUT/t$i.md"; done\necho png > "$OUT/report/plot.png"\n'
+              'for i in $(seq 1 "$N"); do echo "table $i" > "$OUT/t$i.md"; done\necho png > "$OUT/report/a plot.png"\n'
               'summary\n')
     for n, back, packed in ((6, "8", False), (9, "", False), (9, "8", True)):
         out = tmp_path / f"out{n}{back}"
@@ -367,5 +367,5 @@ def test_a_call_that_writes_more_files_than_come_back_packs_them_beside_its_log(
         assert files == ["files.tar.gz", "probe.log"] and "11 files under $OUT" in r.stdout
         with tarfile.open(out / "files.tar.gz") as tar:
             names = sorted(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
-            assert names == sorted([f"t{i}.md" for i in range(1, n + 1)] + ["report/plot.png"])
+            assert names == sorted([f"t{i}.md" for i in range(1, n + 1)] + ["report/a plot.png"])  # (a space too)
             assert tar.extractfile("./t9.md").read() == b"table 9\n"

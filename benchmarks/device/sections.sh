@@ -43,8 +43,13 @@ summary() {
   n=$(find "$OUT" -type f | wc -l)
   if [ -n "${OUT_FILES_BACK:-}" ] && [ "$n" -gt "$OUT_FILES_BACK" ]; then
     say "$n files under \$OUT, more than the $OUT_FILES_BACK that come back: all but $(basename "$LOG") packed into files.tar.gz"
-    (cd "$OUT" && find . -type f ! -path "./$(basename "$LOG")" ! -name files.tar.gz | sort > /tmp/out_files.$$ \
-      && tar czf files.tar.gz -T /tmp/out_files.$$ && xargs -a /tmp/out_files.$$ rm -f \
-      && find . -mindepth 1 -type d -empty -delete; rm -f /tmp/out_files.$$)
+    (cd "$OUT" && find . -type f ! -path "./$(basename "$LOG")" ! -path ./files.tar.gz -print0 \
+      | tar czf files.tar.gz --null --verbatim-files-from -T - --remove-files \
+      && find . -mindepth 1 -type d -empty -delete) || say "packing \$OUT failed (tar says why above): what it left is there"
+    local size
+    size=$(stat -c %s "$OUT/files.tar.gz" 2>/dev/null || echo 0)
+    if [ "$size" -gt $((16 << 20)) ]; then  # a file over 16 MiB does not come back
+      say "files.tar.gz is $size bytes, over the 16 MiB a file may be to come back: write less under \$OUT"
+    fi
   fi
 }

@@ -86,15 +86,20 @@ class Graphs:
                 self._side = torch.cuda.Stream()
             side = self._side
             side.wait_stream(torch.cuda.current_stream())
+            # the eager stream's workspace (the prefill's) given back first, so that the warm-up's does not
+            # stand beside it in the peak
+            clear_blas_workspaces()
             with torch.cuda.stream(side):  # warm-up outside capture: lazy kernel and workspace init
                 fn(*args)
             torch.cuda.current_stream().wait_stream(side)
             for t, s in zip(self.state, saved, strict=True):
                 t.copy_(s)
             graph = torch.cuda.CUDAGraph()
-            # a capture must take its cuBLAS workspace inside its pool (one made before, outside it, could
-            # be given back while the graph still writes it), and nothing after may keep that one: so the
-            # workspaces are cleared before and after, as PyTorch's own graph trees do
+            # a capture must take its cuBLAS workspace inside its pool (one made before, outside it, could be
+            # given back while the graph still writes it), and nothing after may keep that one: so the workspaces
+            # are cleared before and after, as PyTorch's own graph trees do. Given back, the capture's workspace
+            # is one more of its intermediates freed into the pool every capture here shares: a later capture
+            # may place its tensors there, under the same rule as over the capture's other intermediates
             clear_blas_workspaces()
             try:
                 # the outer stream context puts this thread's stream back if the capture fails: the

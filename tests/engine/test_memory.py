@@ -12,7 +12,6 @@ import torch
 
 import engine
 from engine import EngineConfig, EngineInputError
-from engine import memory as memory_mod
 from engine.api import Pair
 from engine.decoding.decode import workspace_length
 from engine.decoding.drafters import DFlashDrafter
@@ -127,37 +126,48 @@ def test_another_dtype_and_device_are_priced_not_loaded():
 
 def test_a_cuda_plan_counts_the_cublas_workspace_of_a_drafts_free_row_products(monkeypatch):
     """On CUDA a DFlash draft's products run through cuBLAS (``free_rows_``), whose workspace PyTorch keeps per
-    stream: the eager context fill's stays for the generation, and a captured step's lives in its graph pool.
-    AR runs no draft, so none."""
-    pair = pair_for("tiny-dense", "random")
-    configs = {"ar": EngineConfig(verify="ar"), "ddtree": EngineConfig(budget=6, top_k=2)}
+    stream: the eager one's from the context fill inside the prefill on, and a captured step's in its graph pool.
+    AR runs no draft, and a draft in blocks takes the few-row kernel: none; with the kernels off every product
+    is cuBLAS's, AR's too."""
+    floats = pair_for("tiny-dense", "random")
+    blocks = engine.load("tiny-dense", "random@q8_0", device="cpu", dtype="float32")
+    configs = {"ar": EngineConfig(verify="ar"), "ddtree": EngineConfig(budget=6, top_k=2),
+               "ar-eager": EngineConfig(verify="ar", kernels="eager")}
     plans = {}
     for setting in (":4096:8", ":0:0"):  # PyTorch's Hopper default, and no workspace
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", setting)
-        plans[setting] = {n: plan_memory(pair, c, 30, 8, device="cuda", dtype=torch.bfloat16)
-                          for n, c in configs.items()}
+        plans[setting] = {(n, p): plan_memory(pair, c, 30, 8, device="cuda", dtype=torch.bfloat16)
+                          for n, c in configs.items() for p, pair in (("floats", floats), ("blocks", blocks))}
     ws, none = plans[":4096:8"], plans[":0:0"]
-    assert ws["ddtree"].loop == "graphs"
-    assert ws["ddtree"].parts["graph_pools"] - none["ddtree"].parts["graph_pools"] == 32 * 2**20
-    assert ws["ddtree"].parts["activations"] - none["ddtree"].parts["activations"] > 31 * 2**20  # the fill's
-    assert ws["ar"].to_dict() == none["ar"].to_dict()
-    # a draft held in blocks takes the few-row kernel at every row count: no workspace, whatever the setting
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    monkeypatch.setattr(memory_mod, "_draft_uses_blas", lambda p: False)
-    assert plan_memory(pair, configs["ddtree"], 30, 8, device="cuda", dtype=torch.bfloat16).to_dict() == \
-        none["ddtree"].to_dict()
+
+    def grew(key: tuple[str, str]) -> tuple[int, int]:
+        return tuple(ws[key].parts[k] - none[key].parts[k] for k in ("activations", "graph_pools"))
+
+    assert ws["ddtree", "floats"].loop == ws["ar-eager", "floats"].loop == "graphs"
+    assert grew(("ddtree", "floats")) == (32 * 2**20, 32 * 2**20)
+    assert grew(("ar-eager", "floats")) == grew(("ar-eager", "blocks")) == (32 * 2**20, 32 * 2**20)
+    assert grew(("ar", "floats")) == grew(("ar", "blocks")) == grew(("ddtree", "blocks")) == (0, 0)
+    assert plan_memory(floats, configs["ddtree"], 30, 8).to_dict() == \
+        plan_memory(floats, configs["ddtree"], 30, 8, device="cpu").to_dict()  # (none off CUDA)
+    assert blas_workspace_bytes("cpu") == 0
 
 
 def test_the_cublas_workspace_is_pytorchs_setting_or_its_default(monkeypatch):
+    """PyTorch's reading of ``CUBLAS_WORKSPACE_CONFIG``: every ``:SIZE_KIB:COUNT`` found, summed; none found, its
+    default by the GPU's compute capability (32 MiB on 9.x/10.x; without a GPU the plan assumes that)."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")  # PyTorch's default before Hopper
     assert blas_workspace_bytes("cuda") == (4096 * 2 + 16 * 8) * 1024
-    assert blas_workspace_bytes("cpu") == 0
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")  # malformed (no leading colon): PyTorch's default
-    default = 32 * 2**20 if not torch.cuda.is_available() else None  # (no GPU here: the Hopper default)
-    if default is not None:
-        assert blas_workspace_bytes("cuda") == default
-        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-        assert blas_workspace_bytes("cuda") == default
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8,junk:16:8")  # what matches counts, as PyTorch reads it
+    assert blas_workspace_bytes("cuda") == (4096 * 8 + 16 * 8) * 1024
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability()[0]
+        default = 32 * 2**20 if major in (9, 10) else 8 * 2**20 + 128 * 2**10
+    else:
+        default = 32 * 2**20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")  # nothing matches (no leading colon): the default
+    assert blas_workspace_bytes("cuda") == default
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    assert blas_workspace_bytes("cuda") == default
 
 
 def test_a_pair_without_a_draft_plans_ar_and_refuses_speculation():
