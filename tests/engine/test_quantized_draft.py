@@ -9,7 +9,7 @@ import torch
 
 import engine
 from engine import EngineConfig, EngineInputError
-from engine.memory import held_memory, plan_memory
+from engine.memory import blas_workspace_bytes, held_memory, plan_memory
 from engine.models.common import FusedLinear, Linear
 from engine.models.quant import QuantFusedLinear, QuantLinear
 from engine.registry import check_draft_spec, draft_recipe
@@ -86,14 +86,20 @@ def test_a_folder_named_with_an_at_is_a_folder(tmp_path):
 
 
 
-def test_on_cuda_in_half_precision_a_draft_in_blocks_adds_no_transient():
+def test_on_cuda_in_half_precision_a_draft_in_blocks_adds_no_transient(monkeypatch):
     """Planned for CUDA in bf16 (the few-row kernel reads the blocks in place: the draft's step, and its
-    context fill of ``CONTEXT_ROWS`` rows) a quantized draft changes only ``draft_weights``; in float32 a
-    step's draft forward dequantizes a weight whole."""
+    context fill of ``CONTEXT_ROWS`` rows) a quantized draft changes only ``draft_weights``, and runs no product
+    through cuBLAS, so it needs none of the float draft's two cuBLAS workspaces; in float32 a step's draft
+    forward dequantizes a weight whole."""
     cfg, at = EngineConfig(budget=8, top_k=4), (6, 64)  # (a short prompt: the fill's transient above the prefill's)
     floats = engine.load("tiny-dense", "random", device="cpu", dtype="float32")
     quant = engine.load("tiny-dense", "random@q8_0", device="cpu", dtype="float32")
     gpu = {"device": "cuda", "dtype": torch.bfloat16}
+    a, b = plan_memory(floats, cfg, *at, **gpu), plan_memory(quant, cfg, *at, **gpu)
+    workspace = blas_workspace_bytes("cuda")
+    assert a.parts["activations"] - b.parts["activations"] == a.parts["graph_pools"] - b.parts["graph_pools"] \
+        == workspace
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # no workspace: the rest the same
     a, b = plan_memory(floats, cfg, *at, **gpu), plan_memory(quant, cfg, *at, **gpu)
     assert {k: v for k, v in a.parts.items() if k != "draft_weights"} == \
         {k: v for k, v in b.parts.items() if k != "draft_weights"}
