@@ -19,3 +19,15 @@ def load_benchmark(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def usage_error(capsys, name: str, argv: list[str]) -> str:
+    """``benchmarks/<name>.py``'s ``main(argv)`` refusing its command line: asserts it exits 2 and returns what it
+    wrote to stderr (the rule and the value, for the test to check)."""
+    import pytest
+
+    module = load_benchmark(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err

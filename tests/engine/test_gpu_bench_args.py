@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from bench_modules import load_benchmark
+from bench_modules import load_benchmark, usage_error
 
 
 def test_also_reads_a_named_config_with_yaml_values():
@@ -94,10 +94,7 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
 ])
 def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
-    gb = load_benchmark("gpu_bench")
-    with pytest.raises(SystemExit) as exit_:
-        gb.main(argv)
-    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert says in usage_error(capsys, "gpu_bench", argv)
 
 
 def test_the_gluon_flags_set_only_what_they_ask_for():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bench_modules import load_benchmark
+from bench_modules import load_benchmark, usage_error
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -18,10 +18,7 @@ from bench_modules import load_benchmark
     (["--weights", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_a_bad_flag_exits_2_naming_it(capsys, argv, says):
-    probe = load_benchmark("memory_probe")
-    with pytest.raises(SystemExit) as exc:
-        probe.main(argv)
-    assert exc.value.code == 2 and says in capsys.readouterr().err
+    assert says in usage_error(capsys, "memory_probe", argv)
 
 
 def test_the_default_configs_are_ar_and_ddtree_22():
@@ -33,7 +30,4 @@ def test_the_default_configs_are_ar_and_ddtree_22():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal off CUDA")
 def test_without_cuda_it_says_so_and_exits_2(capsys):
-    probe = load_benchmark("memory_probe")
-    with pytest.raises(SystemExit) as exc:
-        probe.main(["--lengths", "300"])
-    assert exc.value.code == 2 and "needs CUDA" in capsys.readouterr().err
+    assert "needs CUDA" in usage_error(capsys, "memory_probe", ["--lengths", "300"])
