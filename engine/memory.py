@@ -214,7 +214,7 @@ def release_memory(pair) -> None:
     elif isinstance(drafter, OracleDrafter):
         drafter._cache, drafter._cache_len = None, 0
     # the rotary tables and step constants made per workspace length (``rope_rows``): another config's length
-    # made others, which stayed on the modules (~2 MiB over a SmolLM2 sweep's five configs, 2026-12-07)
+    # made others, which stayed on the modules (~0.5 MiB a config on SmolLM2's shape, 2026-12-07)
     for model in (pair.target, getattr(drafter, "draft", None)):
         if model is not None:
             for module in model.modules():
