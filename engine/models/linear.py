@@ -62,8 +62,9 @@ _INTERPRET = triton is not None and triton.knobs.runtime.interpret
 # launch may start while the kernel before it runs (a decode step's norms, attention merges and SwiGLU products let
 # it: ``fused.lets_dependents_launch``), asks for the first K blocks of its part of the weight into L2 (a 128-byte
 # line of each row at a time, ``prefetch.global.L2``), then waits (``griddepcontrol.wait``) for that kernel's writes
-# before it reads x; the same products in the same order, so the same bits. sm_90 and later; an option, not measured
-# yet (2026-12-07)
+# before it reads x; the same products in the same order, so the same bits. sm_90 and later; an option: on an H100
+# (2026-12-07, sixteenth session; RESULTS.md) SmolLM2's AR step graph 960.3 -> 945.0 us, its budget-48 verify
+# 1,089.2 -> 1,161.8 (its kernels longer than the gaps it closes), so off
 PDL = False
 TARGET_PROGRAMS = 264  # default_plan's split aims at two programs per SM of an H100/H200 (132 SMs)
 
