@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=WEIGHTS, default="dequantized",
                     help="native: a GGUF target's quantized projections kept in their blocks (engine.load)")
     ap.add_argument("--md")
-    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN]", help=STEP_ATTENTION_HELP)
+    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN][mBLOCK_M]",
+                    help=STEP_ATTENTION_HELP)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not apply_step_attention(args.step_attention):

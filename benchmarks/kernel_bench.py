@@ -209,14 +209,20 @@ def bench_tree(old_module=None) -> tuple[list[dict], list[str]]:
 
 
 # (label, query heads, K/V heads, head_dim, committed keys, new tokens): SmolLM2 and the 27B shape's
-# attention in an AR step and a DDTree verify (budget 48 and 32)
+# attention in an AR step and a DDTree verify (budget 48 and 32), the 27B's also at 4k and 32k keys
 ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64, 463, 49),
               ("8B AR", 32, 8, 128, 522, 1), ("8B verify b32", 32, 8, 128, 991, 33),
-              ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33)]
+              ("27B AR", 24, 4, 256, 522, 1), ("27B verify b32", 24, 4, 256, 991, 33),
+              ("27B AR 4k", 24, 4, 256, 4096, 1), ("27B verify b32 4k", 24, 4, 256, 4096, 33),
+              ("27B AR 32k", 24, 4, 256, 32768, 1), ("27B verify b32 32k", 24, 4, 256, 32768, 33)]
 # the step kernel's launch candidates: step_attention_launch's ("engine") with these keys overridden
-# (SPLIT keys per span, BLOCK_N x num_warps)
+# (SPLIT keys per span, BLOCK_N x num_warps, BLOCK_M query rows a program: fewer programs read each
+# span's keys and values, each with more rows)
 ATTN_VARIANTS = [("engine", {}), ("spans 64", {"SPLIT": 64}), ("spans 128", {"SPLIT": 128}),
-                 ("64x4", {"BLOCK_N": 64}), ("32x8", {"num_warps": 8}), ("64x8", {"BLOCK_N": 64, "num_warps": 8})]
+                 ("64x4", {"BLOCK_N": 64}), ("32x8", {"num_warps": 8}), ("64x8", {"BLOCK_N": 64, "num_warps": 8}),
+                 ("m32", {"BLOCK_M": 32}), ("m32 32x8", {"BLOCK_M": 32, "num_warps": 8}),
+                 ("m64 32x8", {"BLOCK_M": 64, "num_warps": 8}),
+                 ("m64 64x8", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8})]
 
 
 def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,9 +267,10 @@ def bench_attention() -> tuple[list[dict], list[str]]:
                 split_attention.step_attention_launch = lambda dd, fp32=False, o=own: {**saved_launch(dd, fp32), **o}
                 try:
                     row[name] = _time(lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
-                    engine_blocks = (saved_launch(d)["SPLIT"], saved_launch(d)["BLOCK_N"])
+                    blocks = ("SPLIT", "BLOCK_N", "BLOCK_M")
                     got = split_attention.step_attention(q, k, v, keys)
-                    if (launch["SPLIT"], launch["BLOCK_N"]) == engine_blocks and not torch.equal(got, want):
+                    same_blocks = all(launch[b] == saved_launch(d)[b] for b in blocks)
+                    if same_blocks and not torch.equal(got, want):
                         print(f"  {label} {name}: bits differ from the engine's launch (same spans and blocks)")
                 except Exception as exc:  # a launch that does not fit: said so
                     print(f"  {label} {name}: {str(exc).splitlines()[0][:100]}")

@@ -77,6 +77,13 @@ for v in ${STEPS:-}; do
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
     --out "$OUT/large_q4km_$v.json"
 done
+# ATTENTIONS="32x8m64 ...": the engine's step again with every decode step's attention on that launch (gpu_bench's
+# --step-attention BLOCK_NxWARPS[xSPAN][mBLOCK_M]: AR and verify alike), a section each (large_q4km_attn_32x8m64)
+for a in ${ATTENTIONS:-}; do
+  section large_q4km_attn_$a ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode \
+    engine --step-attention $a --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \
+    --md "$OUT/large_q4km_attn_$a.md" --out "$OUT/large_q4km_attn_$a.json"
+done
 section quant_tests ${TESTS_LIMIT:-90} python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs \
   tests/engine/models/test_quant_kernel.py tests/engine/models/test_quantize.py tests/engine/test_gguf_archs.py \
   -k "cuda or gpu"

@@ -171,7 +171,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     acc = torch.empty(b, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
     m_l = torch.empty(b, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
     launch = attention_launch(d, q.dtype == torch.float32)
-    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)
+    row_blocks = triton.cdiv(t * group, launch["BLOCK_M"])
     grid = (row_blocks * n_split, hkv, b)  # spans on the first axis: its limit is 2**31 - 1, not 65,535
     _small_attention_kernel[grid](
         qc, kb, vb, mb, acc, m_l, t, s, n_split, row_blocks, kb.stride(0), kb.stride(1), kb.stride(2),
@@ -224,8 +224,8 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     n_split = triton.cdiv(keys.key_len, launch["SPLIT"])
     acc = torch.empty(1, n_split, t, hq, d, device=qc.device, dtype=torch.float32)
     m_l = torch.empty(1, n_split, t, hq, 2, device=qc.device, dtype=torch.float32)
-    row_blocks = triton.cdiv(t * group, ATTN_BLOCK_M)  # programs of several tokens' rows, per span
-    sub = triton.cdiv(group, ATTN_BLOCK_M)  # and programs of one token's rows (see the kernel),
+    row_blocks = triton.cdiv(t * group, launch["BLOCK_M"])  # programs of several tokens' rows, per span
+    sub = triton.cdiv(group, launch["BLOCK_M"])  # and programs of one token's rows (see the kernel),
     n_tail = min(n_split, triton.cdiv(t - 1, launch["SPLIT"]) + 1)  # in the spans the new tokens reach
     anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
     _step_attention_kernel[(row_blocks * n_split + t * sub * n_tail, hkv)](
