@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=WEIGHTS, default="dequantized",
                     help="native: a GGUF target's quantized projections kept in their blocks (engine.load)")
     ap.add_argument("--md")
-    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN][mBLOCK_M]",
+    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]",
                     help=STEP_ATTENTION_HELP)
     ap.add_argument("--out")
     args = ap.parse_args(argv)

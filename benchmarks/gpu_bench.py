@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", nargs="+", choices=["generic", "auto", "runtime"], default=None,
                     help="pair: the draft paths to time (default generic runtime; our AR is always timed on the "
                          "runtime path); oracle: the paths AR and the drafts run on (default runtime: graphs on CUDA)")
-    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN][mBLOCK_M]",
+    ap.add_argument("--step-attention", default=None, metavar="BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]",
                     help=STEP_ATTENTION_HELP)
     ap.add_argument("--hf-static", action="store_true",
                     help="hf: also time transformers' static cache (it may compile the model first: minutes)")

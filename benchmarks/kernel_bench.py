@@ -217,11 +217,13 @@ ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64,
               ("27B AR 32k", 24, 4, 256, 32768, 1), ("27B verify b32 32k", 24, 4, 256, 32768, 33)]
 # the step kernel's launch candidates: step_attention_launch's ("engine") with these keys overridden
 # (SPLIT keys per span, BLOCK_N x num_warps, BLOCK_M query rows a program: fewer programs read each
-# span's keys and values, each with more rows)
-ATTN_VARIANTS = [("engine", {}), ("spans 64", {"SPLIT": 64}), ("spans 128", {"SPLIT": 128}),
-                 ("64x4", {"BLOCK_N": 64}), ("32x8", {"num_warps": 8}), ("64x8", {"BLOCK_N": 64, "num_warps": 8}),
-                 ("m32", {"BLOCK_M": 32}), ("m32 32x8", {"BLOCK_M": 32, "num_warps": 8}),
+# span's keys and values, each with more rows; FOLD spans a run, a verify's programs folding the runs
+# of committed spans themselves, 1 never)
+ATTN_VARIANTS = [("engine", {}), ("fold 1", {"FOLD": 1}), ("fold 8", {"FOLD": 8}), ("spans 64", {"SPLIT": 64}),
+                 ("32x8", {"num_warps": 8}), ("m32 32x8", {"BLOCK_M": 32, "num_warps": 8}),
                  ("m64 32x8", {"BLOCK_M": 64, "num_warps": 8}),
+                 ("m64 32x8 fold 1", {"BLOCK_M": 64, "num_warps": 8, "FOLD": 1}),
+                 ("m64 32x8 fold 8", {"BLOCK_M": 64, "num_warps": 8, "FOLD": 8}),
                  ("m64 64x8", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8})]
 
 
@@ -267,7 +269,7 @@ def bench_attention() -> tuple[list[dict], list[str]]:
                 split_attention.step_attention_launch = lambda dd, fp32=False, o=own: {**saved_launch(dd, fp32), **o}
                 try:
                     row[name] = _time(lambda q=q, k=k, v=v, keys=keys: split_attention.step_attention(q, k, v, keys))
-                    blocks = ("SPLIT", "BLOCK_N", "BLOCK_M")
+                    blocks = ("SPLIT", "BLOCK_N", "BLOCK_M", "FOLD")
                     got = split_attention.step_attention(q, k, v, keys)
                     same_blocks = all(launch[b] == saved_launch(d)[b] for b in blocks)
                     if same_blocks and not torch.equal(got, want):

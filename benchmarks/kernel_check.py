@@ -44,6 +44,8 @@ DEFAULT_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4915
 # Kernels allowed to spill, and why: not on a path whose speed is measured.
 MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwen3.5) checks the algorithm, "
                                                  "not speed: 8 warps hold q, the partial sums and a gathered block",
+             "step attention fp32 head_dim=64": "float32 checks the algorithm, not speed: a folded run's sums "
+                                                "beside a span's (56 bytes a thread, Triton 3.6)",
              # 4 warps spill 56 bytes a thread at head_dim 128 with Triton 3.6 (none with 3.9) and 24-136 at
              # 256, and are still the faster launch on the H200, spills included (`kernel_bench.py
              # attention`, 2026-12-04, us): the 8B shape's verify@32 36.9 -> 26.9, AR 9.8 -> 9.6; the 27B
@@ -133,13 +135,13 @@ def _attention_cases(dtype: str):
         step_warps, step_stages = step_launch.pop("num_warps"), step_launch.pop("num_stages")
         step = dict(q_ptr=p, k_ptr=p, v_ptr=p, start_ptr="*i64", depth_ptr="*i32", anc_ptr="*i32",
                     acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", n_tail="i32",
-                    row_blocks="i32", tok_blocks="i32", s_anc="i32", skt="i32", skh="i32", svt="i32",
-                    svh="i32", scale="fp32")
+                    row_blocks="i32", tok_blocks="i32", s_anc="i32", span_run="i32", skt="i32", skh="i32",
+                    svt="i32", svh="i32", scale="fp32")
         yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
                dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
                step_warps, step_stages)
         merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*fp32", ROWS="i32",
-                     n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32")
+                     n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32", folded_runs="i32")
         # dense models' merge; Qwen3.5's, with its output gate; the mask form's (start_ptr: acc, not read) and a
         # decode step's (its live spans from start)
         for gated, step_form in itertools.product((False, True), (False, True)):
@@ -147,7 +149,7 @@ def _attention_cases(dtype: str):
                    split_attention._attention_merge_kernel, merge | ({"start_ptr": "*i64"} if step_form else {}),
                    dict(HQ=24, D=d, BLOCK_D=launch["BLOCK_D"], GATED=gated, LIBDEVICE=split_attention._LIBDEVICE,
                         STEP=step_form, SPLIT=step_launch["SPLIT"] if step_form else split_attention.SPLIT_KEYS,
-                        TRIGGER=True),
+                        FOLD=step_launch["FOLD"], TRIGGER=True),
                    4, 3)
 
 

@@ -19,6 +19,7 @@ token). The mask form (``attention``) serves prefills, draft blocks and training
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,15 @@ SPLIT_KEYS = 128
 # Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
 # compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
 ATTN_BLOCK_M = 16
+# Spans a decode step's partial softmaxes are folded in runs of (``_attention_merge_kernel``): a run of
+# FOLD spans is folded alone, then the runs in order, in every step, so a verify's programs may fold
+# the runs of committed spans themselves (``step_attention``: each row then writes one partial a run,
+# not FOLD) with the bits the merge gives an AR step. Part of the arithmetic: the same for every
+# launch of a head_dim.
+FOLD_SPANS = 4
+# A verify's programs fold their runs while they number at least this many times the SMs (a choice
+# of speed, not of bits; 0: always where a run is whole, inf: never, as the GPU tests pin both).
+FOLD_FROM_SMS = 0.5
 # The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
 # interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
 _LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret
@@ -186,9 +196,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
         gb = gate if gate.stride(-1) == 1 else gate.contiguous()
         gb = gb if batched else gb[None]
         g_strides = (gb.stride(0) if b > 1 else 0, gb.stride(1), gb.stride(2))
-    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, acc, t * hq, n_split, 0, *g_strides, HQ=hq, D=d,
+    _attention_merge_kernel[(t * hq, b)](acc, m_l, out, gb, acc, t * hq, n_split, 0, *g_strides, 0, HQ=hq, D=d,
                                          BLOCK_D=launch["BLOCK_D"], GATED=gate is not None, LIBDEVICE=_LIBDEVICE,
-                                         STEP=False, SPLIT=SPLIT_KEYS,
+                                         STEP=False, SPLIT=SPLIT_KEYS, FOLD=FOLD_SPANS,
                                          TRIGGER=fused.lets_dependents_launch(out.device))
     return out if batched else out[0]
 
@@ -227,12 +237,13 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     row_blocks = triton.cdiv(t * group, launch["BLOCK_M"])  # programs of several tokens' rows, per span
     sub = triton.cdiv(group, launch["BLOCK_M"])  # and programs of one token's rows (see the kernel),
     n_tail = min(n_split, triton.cdiv(t - 1, launch["SPLIT"]) + 1)  # in the spans the new tokens reach
+    span_run = launch["FOLD"] if folds_runs(row_blocks, n_split, hkv, launch["FOLD"], qc.device) else 1
     anc = keys.ancestors if keys.ancestors.stride(-1) == 1 else keys.ancestors.contiguous()
-    _step_attention_kernel[(row_blocks * n_split + t * sub * n_tail, hkv)](
+    _step_attention_kernel[(row_blocks * triton.cdiv(n_split, span_run) + t * sub * n_tail, hkv)](
         qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, n_tail, row_blocks, t * sub,
-        anc.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale if scale is not None else d**-0.5,
-        HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32, INTERPRET=_INTERPRET,
-        **launch,
+        anc.stride(0), span_run, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32,
+        INTERPRET=_INTERPRET, **launch,
     )
     out = torch.empty_like(qc)
     if gate is None:
@@ -240,11 +251,30 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
     else:
         gb = gate if gate.stride(-1) == 1 else gate.contiguous()
         g_strides = (0, gb.stride(0), gb.stride(1))
-    _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, keys.start, t * hq, n_split, n_tail, *g_strides, HQ=hq,
-                                         D=d, BLOCK_D=launch["BLOCK_D"], GATED=gate is not None,
-                                         LIBDEVICE=_LIBDEVICE, STEP=True, SPLIT=launch["SPLIT"],
+    _attention_merge_kernel[(t * hq, 1)](acc, m_l, out, gb, keys.start, t * hq, n_split, n_tail, *g_strides,
+                                         int(span_run > 1), HQ=hq, D=d, BLOCK_D=launch["BLOCK_D"],
+                                         GATED=gate is not None, LIBDEVICE=_LIBDEVICE, STEP=True,
+                                         SPLIT=launch["SPLIT"], FOLD=launch["FOLD"],
                                          TRIGGER=fused.lets_dependents_launch(out.device))
     return out
+
+
+def folds_runs(row_blocks: int, n_split: int, kv_heads: int, fold: int, device: torch.device) -> bool:
+    """Whether a step's programs fold their runs of ``fold`` committed spans themselves (the bits are the
+    same either way: a choice of speed). A verify's rows in several row blocks write their partials
+    row_blocks times over per span, which then cost more than the keys themselves (the 27B shape at
+    budget 32: 3x the K/V bytes): folded, a run's programs write one; while they still number at least
+    ``FOLD_FROM_SMS`` times the SMs (an AR step's one row block keeps its span-wide parallelism)."""
+    if row_blocks < 2 or fold < 2 or FOLD_FROM_SMS == float("inf"):
+        return False
+    sms = _sm_count(device.index) if device.type == "cuda" else 0  # the interpreter: folded wherever it can be
+    return row_blocks * triton.cdiv(n_split, fold) * kv_heads >= FOLD_FROM_SMS * sms
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
 
 
 def attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
@@ -277,8 +307,8 @@ def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     if fp32:
         if launch["BLOCK_D"] >= 128:
             launch["BLOCK_N"] = 16
-        return {**launch, "SPLIT": step_split(d, fp32)}
-    return {**launch, "BLOCK_N": 32, "num_warps": 4, "SPLIT": step_split(d, fp32)}
+        return {**launch, "SPLIT": step_split(d, fp32), "FOLD": FOLD_SPANS}
+    return {**launch, "BLOCK_N": 32, "num_warps": 4, "SPLIT": step_split(d, fp32), "FOLD": FOLD_SPANS}
 
 
 def step_split(d: int, fp32: bool = False) -> int:
@@ -395,65 +425,20 @@ if triton is not None:
             pv = tl.dot(p, vb.to(tl.float32), input_precision="tf32")
         return pv
 
-    # Not specialised on T, S, the spans or the table's stride: an AR step (T == 1), a chain and a
-    # tree run one variant.
-    @triton.jit(do_not_specialize=["T", "S", "n_split", "n_tail", "row_blocks", "tok_blocks", "s_anc"])
-    def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
-                               n_tail, row_blocks, tok_blocks, s_anc, skt, skh, svt, svh, scale, HQ: tl.constexpr,
-                               GROUP: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                               INTERPRET: tl.constexpr):
-        # Rows: (token, head) pairs of one K/V head. Keys: one span of SPLIT logical positions in
-        # blocks of BLOCK_N. A block wholly before start is the committed keys, shared by every row;
-        # a block reaching past it holds the token's ancestors at their depths, gathered by position,
-        # so each row's scores and sums see exactly an AR step's block at that position. Two kinds of
-        # program, so that a span's rows are written by exactly one: the first row_blocks * n_split
-        # take BLOCK_M rows of several tokens (token-major, as _small_attention_kernel) in the spans
-        # wholly before start, where every block is shared; the other tok_blocks * n_tail take one
-        # token's heads (SUB blocks of them) in the n_tail spans from start's on, where the new tokens
-        # sit. The spans past every new token hold no key any row sees: nothing is written there, and
-        # the merge stops before them (the partials they would hold add exactly zero). Only the spans'
-        # programs launch whose kind depends on start (known on the GPU only): a captured verify over
-        # many spans schedules no idle program per token and span. A row's arithmetic is the same
-        # whichever program has it.
-        kv_head = tl.program_id(1)
-        pid = tl.program_id(0)
-        start = tl.load(start_ptr)
-        first_tail = start // SPLIT
-        multi = pid < row_blocks * n_split
-        p1 = tl.maximum(pid - row_blocks * n_split, 0)
-        span = tl.where(multi, pid // row_blocks, first_tail + p1 // tok_blocks)
-        rb = pid % row_blocks
-        one_tok = (p1 % tok_blocks) // SUB
-        r = tl.arange(0, BLOCK_M)
-        tok = tl.where(multi, (rb * BLOCK_M + r) // GROUP, one_tok)
-        hrow = tl.where(multi, (rb * BLOCK_M + r) % GROUP, ((p1 % tok_blocks) % SUB) * BLOCK_M + r)
-        lo = span * SPLIT
-        # the span's kind of program (compared as integers: a comparison of two booleans is no mask)
-        tail = (span >= first_tail) & (span < first_tail + n_tail)
-        active = (multi.to(tl.int32) != tail.to(tl.int32)) & (span < tl.minimum(n_split, first_tail + n_tail))
-        tok = tl.where(active, tok, T)  # an inactive program's rows: none (it stores nothing)
-        mrow = (tok < T) & (hrow < GROUP)
-        part = span * T * HQ
-        head = kv_head * GROUP + hrow
-        rd = tl.arange(0, BLOCK_D)
-        md = rd < D
-        q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :], mask=mrow[:, None] & md[None, :],
-                    other=0.0)
-        deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
-        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.minimum(S, lo + SPLIT)
-        # Blocks past every row's position are skipped: for a row they would add exactly nothing
-        # (an inactive program skips them all and stores nothing).
-        hi = tl.where(active, tl.minimum(end, start + deepest + 1), lo)
-        # The blocks wholly before start (committed keys, the same for every row) in a plain pipelined
-        # loop; then the blocks reaching past it, gathered per token. Both run the same arithmetic
-        # on a block (the gathered block holds what the AR step's plain one holds), so a row's bits
-        # do not depend on which loop saw a block: an AR step's start is the node's start + depth.
-        shared_hi = tl.minimum(hi, lo + (tl.maximum(start - lo, 0) // BLOCK_N) * BLOCK_N)
-        for n0 in range(lo, shared_hi, BLOCK_N):
+    @triton.jit
+    def _fold_weights(m, m_s):
+        # Folding a span's (or a run's) partial softmax, max m_s, into a running one of max m: the new
+        # max and the two rescales. A side with nothing visible (max -inf) gets weight 0 (exp(-inf)).
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return m_new, tl.exp(m - m_safe), tl.exp(m_s - m_safe)
+
+    @triton.jit
+    def _committed_blocks(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, lo, hi, end, scale, m_i, l_i,
+                          acc, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # The key blocks lo..hi of committed keys (shared by every row of the program), folded into the
+        # running softmax (m_i, l_i, acc) in order.
+        for n0 in range(lo, hi, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
             visible = rn < end
             kb = tl.load(k_ptr + rn[:, None] * skt + kv_head * skh + rd[None, :], mask=visible[:, None] & md[None, :],
@@ -465,22 +450,129 @@ if triton is not None:
                          other=0.0)
             acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
             m_i = m_new
-        # Past the shared blocks only a one-token program has work (a several-token one's spans end
-        # before start): its token's keys gathered by position, keys and values loaded together.
-        depth = tl.load(depth_ptr + one_tok)  # (one_tok < T in every program)
-        anc_row = anc_ptr + one_tok * s_anc
-        for n0 in range(shared_hi, hi, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
-            slot, visible = _tree_slots(start, rn, depth, anc_row, end)
-            kv_mask = visible[:, None] & md[None, :]
-            kb = tl.load(k_ptr + slot[:, None] * skt + kv_head * skh + rd[None, :], mask=kv_mask, other=0.0)
-            vb = tl.load(v_ptr + slot[:, None] * svt + kv_head * svh + rd[None, :], mask=kv_mask, other=0.0)
-            scores = _step_scores(q, kb, IEEE, INTERPRET)
-            scores = tl.where(visible[None, :] & mrow[:, None], scores * scale, float("-inf"))
-            p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
-            acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
-            m_i = m_new
-        _store_partials(acc_ptr, ml_ptr, part + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span, S, scale,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                      IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # A span of committed keys alone: its partial softmax from nothing
+        lo = span * SPLIT
+        end = tl.minimum(S, lo + SPLIT)
+        m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        return _committed_blocks(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, lo, end, end, scale,
+                                 m_i, l_i, acc, BLOCK_N, IEEE, INTERPRET)
+
+    # Not specialised on T, S, the spans, the runs or the table's stride: an AR step (T == 1), a chain
+    # and a tree run one variant.
+    @triton.jit(do_not_specialize=["T", "S", "n_split", "n_tail", "row_blocks", "tok_blocks", "s_anc", "span_run"])
+    def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
+                               n_tail, row_blocks, tok_blocks, s_anc, span_run, skt, skh, svt, svh, scale,
+                               HQ: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               IEEE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
+                               INTERPRET: tl.constexpr):
+        # Rows: (token, head) pairs of one K/V head. Keys: spans of SPLIT logical positions in blocks of
+        # BLOCK_N, each span's partial softmax computed alone, then folded in order: a run of FOLD spans
+        # into one partial, the runs into the row's result (``_attention_merge_kernel``). Two kinds of
+        # program, so that a span's rows are written by exactly one:
+        # - the first row_blocks * cdiv(n_split, span_run) take BLOCK_M rows of several tokens (token-
+        #   major, as _small_attention_kernel) in span_run spans (1, or FOLD: a verify's many rows) of
+        #   those wholly before start, the committed keys, where every block is shared by every row.
+        #   With span_run == FOLD, a run of FOLD spans all before start is folded here and its partial
+        #   written at its first span's place (the merge reads it whole): its rows write one partial
+        #   instead of FOLD (the partials' traffic grows with rows x spans: a verify's many rows, long
+        #   contexts). Each span's partial is the same computation either way, and the fold the merge's,
+        #   so a row's bits do not depend on span_run.
+        # - the other tok_blocks * n_tail take one token's heads (SUB blocks of them) in the n_tail spans
+        #   from start's on, where the new tokens sit: a block reaching past start holds the token's
+        #   ancestors at their depths, gathered by position, so each row's scores and sums see exactly
+        #   an AR step's block at that position.
+        # The spans past every new token hold no key any row sees: nothing is written there, and the
+        # merge stops before them (the partials they would hold add exactly zero). Only the spans'
+        # programs launch whose kind depends on start (known on the GPU only): a captured verify over
+        # many spans schedules no idle program per token and span. A row's arithmetic is the same
+        # whichever program has it.
+        kv_head = tl.program_id(1)
+        pid = tl.program_id(0)
+        start = tl.load(start_ptr)
+        first_tail = start // SPLIT
+        n_multi = row_blocks * tl.cdiv(n_split, span_run)
+        multi = pid < n_multi
+        p1 = tl.maximum(pid - n_multi, 0)
+        rb = pid % row_blocks
+        one_tok = (p1 % tok_blocks) // SUB
+        r = tl.arange(0, BLOCK_M)
+        tok = tl.where(multi, (rb * BLOCK_M + r) // GROUP, one_tok)
+        hrow = tl.where(multi, (rb * BLOCK_M + r) % GROUP, ((p1 % tok_blocks) % SUB) * BLOCK_M + r)
+        head = kv_head * GROUP + hrow
+        rd = tl.arange(0, BLOCK_D)
+        md = rd < D
+        if multi:
+            # committed spans s_lo..s_hi - 1 (none when the run starts at or past start's span)
+            s_lo = (pid // row_blocks) * span_run
+            s_hi = tl.minimum(tl.minimum(s_lo + span_run, first_tail), n_split)
+            folded = (span_run == FOLD) & (s_lo + FOLD <= first_tail)
+            tok = tl.where(s_lo < s_hi, tok, T)
+            mrow = (tok < T) & (hrow < GROUP)
+            q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :],
+                        mask=mrow[:, None] & md[None, :], other=0.0)
+            # Two loops, so that the run's sums are live only where they are folded (registers: an AR
+            # step takes the first)
+            if not folded:
+                for span in range(s_lo, s_hi):
+                    m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span,
+                                                  S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
+                    _store_partials(acc_ptr, ml_ptr, span * T * HQ + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
+            else:
+                f_m = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+                f_l = tl.zeros([BLOCK_M], tl.float32)
+                f_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for span in range(s_lo, s_hi):
+                    m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span,
+                                                  S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
+                    f_m, alpha, beta = _fold_weights(f_m, m_i)
+                    f_acc = tl.fma(f_acc, alpha[:, None], acc * beta[:, None])
+                    f_l = tl.fma(f_l, alpha, l_i * beta)
+                _store_partials(acc_ptr, ml_ptr, s_lo * T * HQ + tok * HQ + head, f_acc, f_m, f_l, mrow, rd, md, D)
+        else:
+            span = first_tail + p1 // tok_blocks
+            lo = span * SPLIT
+            tok = tl.where(span < tl.minimum(n_split, first_tail + n_tail), tok, T)  # past the spans: no rows
+            mrow = (tok < T) & (hrow < GROUP)
+            q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :],
+                        mask=mrow[:, None] & md[None, :], other=0.0)
+            deepest = tl.max(tl.where(mrow, tl.load(depth_ptr + tok, mask=mrow, other=0), 0), axis=0)
+            m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            end = tl.minimum(S, lo + SPLIT)
+            # Blocks past every row's position are skipped: for a row they would add exactly nothing
+            # (a program with no rows skips them all and stores nothing).
+            hi = tl.where(span < tl.minimum(n_split, first_tail + n_tail), tl.minimum(end, start + deepest + 1), lo)
+            # The blocks wholly before start (committed keys, the same for every row), then the blocks
+            # reaching past it, gathered per token. Both run the same arithmetic on a block (the
+            # gathered block holds what the AR step's plain one holds), so a row's bits do not depend on
+            # which loop saw a block: an AR step's start is the node's start + depth.
+            shared_hi = tl.minimum(hi, lo + (tl.maximum(start - lo, 0) // BLOCK_N) * BLOCK_N)
+            m_i, l_i, acc = _committed_blocks(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, lo,
+                                              shared_hi, end, scale, m_i, l_i, acc, BLOCK_N, IEEE, INTERPRET)
+            depth = tl.load(depth_ptr + one_tok)  # (one_tok < T in every program)
+            anc_row = anc_ptr + one_tok * s_anc
+            for n0 in range(shared_hi, hi, BLOCK_N):
+                rn = n0 + tl.arange(0, BLOCK_N)
+                slot, visible = _tree_slots(start, rn, depth, anc_row, end)
+                kv_mask = visible[:, None] & md[None, :]
+                kb = tl.load(k_ptr + slot[:, None] * skt + kv_head * skh + rd[None, :], mask=kv_mask, other=0.0)
+                vb = tl.load(v_ptr + slot[:, None] * svt + kv_head * svh + rd[None, :], mask=kv_mask, other=0.0)
+                scores = _step_scores(q, kb, IEEE, INTERPRET)
+                scores = tl.where(visible[None, :] & mrow[:, None], scores * scale, float("-inf"))
+                p, alpha, m_new, l_i = _online_softmax(scores, m_i, l_i)
+                acc = acc * alpha[:, None] + _step_values(p, vb, IEEE, INTERPRET)
+                m_i = m_new
+            _store_partials(acc_ptr, ml_ptr, span * T * HQ + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 
     @triton.jit
     def _round_rne(x, ty: tl.constexpr):
@@ -497,18 +589,22 @@ if triton is not None:
 
     # Not specialised on the rows, the spans or the gate's strides (a batched gate's first stride
     # grows with T): an AR step and a verify, or two key spans, run one variant.
-    @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh"])
+    @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh", "folded_runs"])
     def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, start_ptr, ROWS, n_split, n_tail, sgb, sgt, sgh,
-                                HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, GATED: tl.constexpr,
-                                LIBDEVICE: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr,
-                                TRIGGER: tl.constexpr):
-        # One query row of one sequence: the spans' partial softmaxes merged in span order. A span
-        # that saw no visible key (max -inf, sum 0, output 0) adds exactly zero (acc + 0 * 0 and
-        # total + 0 * 0 are acc and total, acc never -0), so it may as well not be read: STEP (a
-        # decode step's, ``step_attention``) merges only the spans up to the last one a new token
-        # reaches, start // SPLIT + n_tail, which the step kernel writes; past them it writes nothing.
-        # Row r is query token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as the eager
-        # ops round. TRIGGER: the output projection after it may start (fused.lets_dependents_launch).
+                                folded_runs, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                GATED: tl.constexpr, LIBDEVICE: tl.constexpr, STEP: tl.constexpr,
+                                SPLIT: tl.constexpr, FOLD: tl.constexpr, TRIGGER: tl.constexpr):
+        # One query row of one sequence: the spans' partial softmaxes folded in span order, in runs of
+        # FOLD spans (each run folded from nothing, then the runs into the row's result, all by
+        # _fold_weights): folded_runs != 0 (STEP only) when the step kernel has folded every run
+        # wholly before start's span itself, one partial at its first span's place, by the same
+        # arithmetic; the other runs are folded here. A span that saw no visible key (max -inf, sum
+        # 0, output 0) adds exactly zero (its weight is exp(-inf) = 0), so it may as well not be read:
+        # STEP (a decode step's, ``step_attention``) folds only the spans up to the last one a new
+        # token reaches, start // SPLIT + n_tail, which the step kernel writes; past them it writes
+        # nothing. Row r is query token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as
+        # the eager ops round. TRIGGER: the output projection after it may start
+        # (fused.lets_dependents_launch).
         if TRIGGER:
             gdc_launch_dependents()
         r = tl.program_id(0)
@@ -516,19 +612,31 @@ if triton is not None:
         rd = tl.arange(0, BLOCK_D)
         md = rd < D
         live = n_split
+        first_tail = 0
         if STEP:
-            live = tl.minimum(n_split, tl.load(start_ptr) // SPLIT + n_tail)
-        m_all = tl.load(ml_ptr + (seq * n_split * ROWS + r) * 2)
-        for sp in range(1, live):
-            m_all = tl.maximum(m_all, tl.load(ml_ptr + ((seq * n_split + sp) * ROWS + r) * 2))
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        acc = tl.zeros([BLOCK_D], tl.float32)
+            first_tail = tl.load(start_ptr) // SPLIT
+            live = tl.minimum(n_split, first_tail + n_tail)
+        m_all = -float("inf")
         total = 0.0
-        for sp in range(0, live):
-            at = (seq * n_split + sp) * ROWS + r
-            w = tl.exp(tl.load(ml_ptr + at * 2) - m_safe)
-            acc += w * tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)
-            total += w * tl.load(ml_ptr + at * 2 + 1)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for run in range(0, live, FOLD):
+            at = (seq * n_split + run) * ROWS + r
+            if (folded_runs != 0) & (run + FOLD <= first_tail):  # folded by the step kernel
+                m_run = tl.load(ml_ptr + at * 2)
+                l_run = tl.load(ml_ptr + at * 2 + 1)
+                a_run = tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)
+            else:
+                m_run = -float("inf")
+                l_run = 0.0
+                a_run = tl.zeros([BLOCK_D], tl.float32)
+                for sp in range(run, tl.minimum(run + FOLD, live)):
+                    at = (seq * n_split + sp) * ROWS + r
+                    m_run, alpha, beta = _fold_weights(m_run, tl.load(ml_ptr + at * 2))
+                    a_run = tl.fma(a_run, alpha, tl.load(acc_ptr + at * D + rd, mask=md, other=0.0) * beta)
+                    l_run = tl.fma(l_run, alpha, tl.load(ml_ptr + at * 2 + 1) * beta)
+            m_all, alpha, beta = _fold_weights(m_all, m_run)
+            acc = tl.fma(acc, alpha, a_run * beta)
+            total = tl.fma(total, alpha, l_run * beta)
         out = acc / tl.where(total > 0, total, 1.0)  # a row with nothing visible gets zeros
         ty = out_ptr.dtype.element_ty
         if GATED:

@@ -64,7 +64,7 @@ def test_exact_bench_reports_a_divergence_with_its_margins_and_verdict(tmp_path,
 
 
 def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch, capsys):
-    """``--step-attention``: every field of BLOCK_NxWARPS[xSPAN][mBLOCK_M] reaches the launch; a bad value is
+    """``--step-attention``: every field of BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD] reaches the launch; a bad value is
     refused with the rule and the value, and exact_bench exits 2 before loading anything."""
     import sys
 
@@ -78,10 +78,11 @@ def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch,
     launch = attention.step_attention_launch(64)
     assert (launch["BLOCK_N"], launch["num_warps"], launch["SPLIT"]) == (64, 8, 128)
     assert launch["BLOCK_M"] == attention.ATTN_BLOCK_M  # the engine's rows unless named
-    step_attention.override_step_attention("32x8m64")
+    step_attention.override_step_attention("32x8m64f8")
     launch = attention.step_attention_launch(256)
-    assert (launch["BLOCK_N"], launch["num_warps"], launch["BLOCK_M"]) == (32, 8, 64)
-    for bad in ("32x4x48", "32x3", "16x4x64x2", "wide", "32x4m24", "32x4m8", "32x4m256", "32x4mx"):
+    assert (launch["BLOCK_N"], launch["num_warps"], launch["BLOCK_M"], launch["FOLD"]) == (32, 8, 64, 8)
+    for bad in ("32x4x48", "32x3", "16x4x64x2", "wide", "32x4m24", "32x4m8", "32x4m256", "32x4mx", "32x4f0",
+                "32x4f8m64"):
         assert not step_attention.apply_step_attention(bad)
         assert f"got {bad!r}" in capsys.readouterr().err
     assert _exact_bench().main(["--step-attention", "32x4x48", "--device", "cpu"]) == 2

@@ -239,14 +239,18 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
     assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypatch, gated):
+@pytest.mark.parametrize("gated,spans_before", [(False, 2), (True, 2), (True, 5)])
+def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypatch, gated, spans_before):
     """A verify whose key span runs far past its tokens (a captured step's bucket): the spans past the last one a
     new token reaches hold no key any row sees, so the step kernel writes no partial there and the merge reads
     none (their buffers left NaN change no bit), while every span up to it is written; the output has the bits
-    of the same call over buffers that held zeros, and of the verify over a key span ending at its last token."""
+    of the same call over buffers that held zeros, and of the verify over a key span ending at its last token.
+    With a whole run of FOLD_SPANS committed spans before start (spans_before 5), the verify's programs fold it
+    themselves: its first span's place holds the run's partial, the others are neither written nor read."""
+    monkeypatch.setattr(split_attention, "FOLD_FROM_SMS", 0.0)  # a verify folds every whole run it can
     split = split_attention.step_attention_launch(32)["SPLIT"]
-    start, slots, t = 2 * split + 5, 8 * split, len(TREE_PARENTS)
+    fold = split_attention.step_attention_launch(32)["FOLD"]
+    start, slots, t = spans_before * split + 5, 12 * split, len(TREE_PARENTS)
     q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, 8, 2, 32, torch.bfloat16, seed=6)
     keys = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, slots)  # 8 spans, the tokens in 2-3
     gate = _r(*q.shape, dtype=torch.bfloat16, seed=7) if gated else None
@@ -265,9 +269,14 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
         outs.append(split_attention.step_attention(q, k, v, keys, gate=gate))
         monkeypatch.setattr(torch, "empty", empty)
     acc, m_l = made[2:]
-    assert acc.shape[1] == 8 and live < 8
+    assert acc.shape[1] == 12 and live < 12
     assert acc[:, live:].isnan().all() and m_l[:, live:].isnan().all()
-    assert not acc[:, :live].isnan().any() and not m_l[:, :live].isnan().any()
+    runs = spans_before // fold  # runs wholly before start's span: folded by the step kernel
+    unread = [sp for sp in range(runs * fold) if sp % fold]
+    assert runs == (spans_before >= fold)
+    for sp in range(live):
+        assert acc[:, sp].isnan().all() == (sp in unread) and m_l[:, sp].isnan().all() == (sp in unread), sp
+        assert sp in unread or not (acc[:, sp].isnan().any() or m_l[:, sp].isnan().any()), sp
     assert not outs[1].isnan().any() and torch.equal(outs[1], outs[0])
     # and the bits of the same verify over a key span that ends at its last token (every span live there)
     own = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, start + t)
@@ -280,17 +289,25 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
     (torch.bfloat16, 6, 1, 64, 150),
     (torch.bfloat16, 20, 1, 16, 150),  # a token's 20 heads in two row blocks (ATTN_BLOCK_M 16)
     (torch.bfloat16, 8, 2, 32, 2 * split_attention.step_attention_launch(32)["SPLIT"] - 3),  # across a span's end
+    # a run of FOLD_SPANS spans wholly before start: the verify's programs fold it, an AR step's merge does
+    *((dtype, 8, 2, 32, 5 * split_attention.step_attention_launch(32)["SPLIT"] + 7) for dtype in DTYPES),
 ])
-def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, d, start):
+@pytest.mark.parametrize("fold_from_sms", [0.0, float("inf")], ids=["folded", "unfolded"])
+def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(monkeypatch, dtype, hq, hkv, d, start, fold_from_sms):
     """Row invariance of the attention: node i of a verify at depth d gives the bits an AR step gives
     at position start + d over the same keys (its ancestors committed at start..start+d), whatever
     the verify's size (1, 7 or 33 nodes), the node's slot among them, and the key span (the AR step's
     bucket against the verify's). Queries past the first span's end: committed blocks shared by every
-    row of a program, tree blocks gathered per token."""
-    q, k, v, keys = _step_inputs(TREE_PARENTS, start, 400, hq, hkv, d, dtype, seed=11)
+    row of a program, tree blocks gathered per token. A verify's programs folding the runs of committed
+    spans themselves (``FOLD_FROM_SMS`` 0) or leaving them to the merge (inf) give the same bits."""
+    if fold_from_sms and start < 5 * split_attention.step_attention_launch(32)["SPLIT"]:
+        pytest.skip("no whole run before start: the two cases are one")
+    monkeypatch.setattr(split_attention, "FOLD_FROM_SMS", fold_from_sms)
+    slots = max(400, start + 64)
+    q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, hq, hkv, d, dtype, seed=11)
     full = split_attention.step_attention(q, k, v, keys)
     sub_parents = TREE_PARENTS[:7]
-    _, _, _, sub_keys = _step_inputs(sub_parents, start, 400, hq, hkv, d, dtype, seed=11)
+    _, _, _, sub_keys = _step_inputs(sub_parents, start, slots, hq, hkv, d, dtype, seed=11)
     sub = split_attention.step_attention(q[:7], k, v, sub_keys)
     assert torch.equal(sub, full[:7])
     # Nodes at the root, mid-tree and the last slot, each against AR steps of a different key span
@@ -305,7 +322,7 @@ def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(dtype, hq, hkv, 
             v[start + torch.tensor(path)]
         pos = torch.tensor([start + depth], device=DEVICE)
         for span in spans:
-            key_len = {"own": start + depth + 1, "bucket": start + 40, "all": 400}[span]
+            key_len = {"own": start + depth + 1, "bucket": start + 40, "all": slots}[span]
             ar = split_attention.step_attention(q[i : i + 1], k_ar, v_ar, split_attention.chain_keys(pos, 1, key_len))
             assert torch.equal(ar, full[i : i + 1]), f"node {i} (depth {depth}), key span {key_len}"
 
