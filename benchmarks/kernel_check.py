@@ -44,14 +44,18 @@ DEFAULT_LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4915
 # Kernels allowed to spill, and why: not on a path whose speed is measured.
 MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwen3.5) checks the algorithm, "
                                                  "not speed: 8 warps hold q, the partial sums and a gathered block",
-             "step attention fp32 head_dim=64": "float32 checks the algorithm, not speed: a folded run's sums "
-                                                "beside a span's (56 bytes a thread, Triton 3.6)",
+             # float32 checks the algorithm, not speed: a verify's folded run's sums beside a span's
+             **{f"step attention fp32 head_dim={d} folding": "float32 checks the algorithm, not speed: a folded "
+                                                             "run's sums beside a span's" for d in (16, 64, 256)},
              # 4 warps spill 56 bytes a thread at head_dim 128 with Triton 3.6 (none with 3.9) and 24-136 at
              # 256, and are still the faster launch on the H200, spills included (`kernel_bench.py
              # attention`, 2026-12-04, us): the 8B shape's verify@32 36.9 -> 26.9, AR 9.8 -> 9.6; the 27B
-             # shape's 37.3 -> 31.6 and 12.8 -> 12.3, against the spill-free 8 warps
+             # shape's 37.3 -> 31.6 and 12.8 -> 12.3, against the spill-free 8 warps. Since the runs' fold
+             # (2026-12-07), an AR step's variant spills 8 and 64 bytes, a folding verify's 416 and 632
              "step attention bf16 head_dim=128": "measured faster than 8 warps with its spills (8B shape)",
-             "step attention bf16 head_dim=256": "measured faster than 8 warps with its spills (27B shape)"}
+             "step attention bf16 head_dim=256": "measured faster than 8 warps with its spills (27B shape)",
+             "step attention bf16 head_dim=128 folding": "a folded run's sums beside a span's: being measured",
+             "step attention bf16 head_dim=256 folding": "a folded run's sums beside a span's: being measured"}
 # Weights kept in GGUF blocks (quant_kernel), on their plans: a Q4_K_M 27B shape's (the MLP, head and fused
 # groups in Q4_K; the head and down projections in Q6_K; a mixed attention group's parts on default
 # plans), SmolLM2's Q4_1 file, every other format on one weight, and the 27B shape's draft held in blocks
@@ -137,9 +141,12 @@ def _attention_cases(dtype: str):
                     acc_ptr="*fp32", ml_ptr="*fp32", T="i32", S="i32", n_split="i32", n_tail="i32",
                     row_blocks="i32", tok_blocks="i32", s_anc="i32", span_run="i32", skt="i32", skh="i32",
                     svt="i32", svh="i32", scale="fp32")
-        yield (f"step attention {dtype} head_dim={d}", split_attention._step_attention_kernel, step,
-               dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", INTERPRET=False, **step_launch),
-               step_warps, step_stages)
+        for folding in (False, True):  # an AR step's variant, a verify's that folds runs
+            yield (f"step attention {dtype} head_dim={d}{' folding' if folding else ''}",
+                   split_attention._step_attention_kernel, step,
+                   dict(HQ=24, GROUP=6, SUB=1, D=d, IEEE=dtype == "fp32", FOLDING=folding, INTERPRET=False,
+                        **step_launch),
+                   step_warps, step_stages)
         merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*fp32", ROWS="i32",
                      n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32", folded_runs="i32")
         # dense models' merge; Qwen3.5's, with its output gate; the mask form's (start_ptr: acc, not read) and a

@@ -243,7 +243,7 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
         qc, k, v, keys.start, keys.depths, anc, acc, m_l, t, keys.key_len, n_split, n_tail, row_blocks, t * sub,
         anc.stride(0), span_run, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scale if scale is not None else d**-0.5, HQ=hq, GROUP=group, SUB=sub, D=d, IEEE=q.dtype == torch.float32,
-        INTERPRET=_INTERPRET, **launch,
+        FOLDING=span_run > 1, INTERPRET=_INTERPRET, **launch,
     )
     out = torch.empty_like(qc)
     if gate is None:
@@ -453,27 +453,37 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span, S, scale,
+    def _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span, live, S, scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                       IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        # A span of committed keys alone: its partial softmax from nothing
+        # A span of committed keys alone: its partial softmax from nothing (not live: no block read)
         lo = span * SPLIT
         end = tl.minimum(S, lo + SPLIT)
         m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        return _committed_blocks(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, lo, end, end, scale,
-                                 m_i, l_i, acc, BLOCK_N, IEEE, INTERPRET)
+        return _committed_blocks(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, lo,
+                                 tl.where(live, end, lo), end, scale, m_i, l_i, acc, BLOCK_N, IEEE, INTERPRET)
+
+    @triton.jit
+    def _plain_run(q, k_ptr, v_ptr, acc_ptr, ml_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, tok, head, s_lo, s_hi,
+                   T, S, scale, HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # committed spans s_lo..s_hi - 1, each partial written at its own place
+        for span in range(s_lo, s_hi):
+            m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span, True, S,
+                                          scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
+            _store_partials(acc_ptr, ml_ptr, span * T * HQ + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
 
     # Not specialised on T, S, the spans, the runs or the table's stride: an AR step (T == 1), a chain
-    # and a tree run one variant.
+    # and a tree run one variant (two with FOLDING: a verify that folds runs, the same code for the rest).
     @triton.jit(do_not_specialize=["T", "S", "n_split", "n_tail", "row_blocks", "tok_blocks", "s_anc", "span_run"])
     def _step_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, depth_ptr, anc_ptr, acc_ptr, ml_ptr, T, S, n_split,
                                n_tail, row_blocks, tok_blocks, s_anc, span_run, skt, skh, svt, svh, scale,
                                HQ: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                IEEE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
-                               INTERPRET: tl.constexpr):
+                               FOLDING: tl.constexpr, INTERPRET: tl.constexpr):
         # Rows: (token, head) pairs of one K/V head. Keys: spans of SPLIT logical positions in blocks of
         # BLOCK_N, each span's partial softmax computed alone, then folded in order: a run of FOLD spans
         # into one partial, the runs into the row's result (``_attention_merge_kernel``). Two kinds of
@@ -519,20 +529,23 @@ if triton is not None:
             mrow = (tok < T) & (hrow < GROUP)
             q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :],
                         mask=mrow[:, None] & md[None, :], other=0.0)
-            # Two loops, so that the run's sums are live only where they are folded (registers: an AR
-            # step takes the first)
-            if not folded:
-                for span in range(s_lo, s_hi):
-                    m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span,
-                                                  S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
-                    _store_partials(acc_ptr, ml_ptr, span * T * HQ + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
+            # FOLDING (a launch that folds) compiles the fold's loop beside the plain one: a launch that
+            # does not (an AR step's) holds no run's sums in its registers
+            if not FOLDING:  # (span_run 1: one span, no loop over spans)
+                m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, s_lo,
+                                              s_lo < s_hi, S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE,
+                                              INTERPRET)
+                _store_partials(acc_ptr, ml_ptr, s_lo * T * HQ + tok * HQ + head, acc, m_i, l_i, mrow, rd, md, D)
+            elif not folded:
+                _plain_run(q, k_ptr, v_ptr, acc_ptr, ml_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, tok, head,
+                           s_lo, s_hi, T, S, scale, HQ, D, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
             else:
                 f_m = tl.zeros([BLOCK_M], tl.float32) - float("inf")
                 f_l = tl.zeros([BLOCK_M], tl.float32)
                 f_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
                 for span in range(s_lo, s_hi):
                     m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, span,
-                                                  S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
+                                                  True, S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE, INTERPRET)
                     f_m, alpha, beta = _fold_weights(f_m, m_i)
                     f_acc = tl.fma(f_acc, alpha[:, None], acc * beta[:, None])
                     f_l = tl.fma(f_l, alpha, l_i * beta)
