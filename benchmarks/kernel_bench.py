@@ -217,14 +217,15 @@ ATTN_CASES = [("SmolLM2 AR", 9, 3, 64, 290, 1), ("SmolLM2 verify b48", 9, 3, 64,
               ("27B AR 32k", 24, 4, 256, 32768, 1), ("27B verify b32 32k", 24, 4, 256, 32768, 33)]
 # the step kernel's launch candidates: step_attention_launch's ("engine") with these keys overridden
 # (SPLIT keys per span, BLOCK_N x num_warps, BLOCK_M query rows a program: fewer programs read each
-# span's keys and values, each with more rows; FOLD spans a run, a verify's programs folding the runs
-# of committed spans themselves, 1 never)
-ATTN_VARIANTS = [("engine", {}), ("fold 1", {"FOLD": 1}), ("fold 8", {"FOLD": 8}), ("spans 64", {"SPLIT": 64}),
-                 ("32x8", {"num_warps": 8}), ("m32 32x8", {"BLOCK_M": 32, "num_warps": 8}),
+# span's keys and values, each with more rows; FOLD spans a run of the merge's fold); FOLD_FROM_SMS is
+# the module's (a verify's programs folding the runs of committed spans themselves: the same bits)
+_FOLDED = {"FOLD_FROM_SMS": 0.5}
+ATTN_VARIANTS = [("engine", {}), ("folded", _FOLDED), ("folded always", {"FOLD_FROM_SMS": 0.0}),
+                 ("fold 8 folded", {"FOLD": 8, **_FOLDED}), ("spans 64", {"SPLIT": 64}), ("32x8", {"num_warps": 8}),
+                 ("m32 32x8", {"BLOCK_M": 32, "num_warps": 8}),
+                 ("m32 32x8 folded", {"BLOCK_M": 32, "num_warps": 8, **_FOLDED}),
                  ("m64 32x8", {"BLOCK_M": 64, "num_warps": 8}),
-                 ("m64 32x8 fold 1", {"BLOCK_M": 64, "num_warps": 8, "FOLD": 1}),
-                 ("m64 32x8 fold 8", {"BLOCK_M": 64, "num_warps": 8, "FOLD": 8}),
-                 ("m64 64x8", {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8})]
+                 ("m64 32x8 folded", {"BLOCK_M": 64, "num_warps": 8, **_FOLDED})]
 
 
 def _random_tree(t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +248,7 @@ def bench_attention() -> tuple[list[dict], list[str]]:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu = torch.Generator().manual_seed(0)
-    saved_launch = split_attention.step_attention_launch
+    saved_launch, saved_fold = split_attention.step_attention_launch, split_attention.FOLD_FROM_SMS
     rows = []
     try:
         for label, hq, hkv, d, start, t in ATTN_CASES:
@@ -261,7 +262,9 @@ def bench_attention() -> tuple[list[dict], list[str]]:
             row = {"case": f"{label} (T={t}, keys {start + t}, depth {int(depths.max())})",
                    "mask": _time(lambda q=q, k=k, v=v, m=mask: split_attention.attention(q, k, v, m))}
             want = split_attention.step_attention(q, k, v, keys)
-            for name, own in ATTN_VARIANTS:
+            for name, variant in ATTN_VARIANTS:
+                own = {key: v for key, v in variant.items() if key != "FOLD_FROM_SMS"}
+                split_attention.FOLD_FROM_SMS = variant.get("FOLD_FROM_SMS", saved_fold)
                 launch = {**saved_launch(d), **own}
                 if launch["SPLIT"] % launch["BLOCK_N"]:
                     row[name] = float("nan")
@@ -282,7 +285,7 @@ def bench_attention() -> tuple[list[dict], list[str]]:
             print(row, flush=True)
             rows.append(row)
     finally:
-        split_attention.step_attention_launch = saved_launch
+        split_attention.step_attention_launch, split_attention.FOLD_FROM_SMS = saved_launch, saved_fold
     cols = [("mask kernel", "mask")] + [(name, name) for name, _ in ATTN_VARIANTS]
     return rows, _table("case", cols, rows)
 

@@ -51,11 +51,12 @@ MAY_SPILL = {"step attention fp32 head_dim=256": "float32 on 256-wide heads (Qwe
              # 256, and are still the faster launch on the H200, spills included (`kernel_bench.py
              # attention`, 2026-12-04, us): the 8B shape's verify@32 36.9 -> 26.9, AR 9.8 -> 9.6; the 27B
              # shape's 37.3 -> 31.6 and 12.8 -> 12.3, against the spill-free 8 warps. Since the runs' fold
-             # (2026-12-07), an AR step's variant spills 8 and 64 bytes, a folding verify's 416 and 632
+             # (2026-12-07), an AR step's variant spills 8 and 64 bytes, a folding verify's 416 and 632 (3.6)
              "step attention bf16 head_dim=128": "measured faster than 8 warps with its spills (8B shape)",
              "step attention bf16 head_dim=256": "measured faster than 8 warps with its spills (27B shape)",
-             "step attention bf16 head_dim=128 folding": "a folded run's sums beside a span's: being measured",
-             "step attention bf16 head_dim=256 folding": "a folded run's sums beside a span's: being measured"}
+             # a verify folding runs (not the engine's default, FOLD_FROM_SMS inf, until measured)
+             "step attention bf16 head_dim=128 folding": "a folded run's sums beside a span's: off until measured",
+             "step attention bf16 head_dim=256 folding": "a folded run's sums beside a span's: off until measured"}
 # Weights kept in GGUF blocks (quant_kernel), on their plans: a Q4_K_M 27B shape's (the MLP, head and fused
 # groups in Q4_K; the head and down projections in Q6_K; a mixed attention group's parts on default
 # plans), SmolLM2's Q4_1 file, every other format on one weight, and the 27B shape's draft held in blocks
@@ -148,7 +149,7 @@ def _attention_cases(dtype: str):
                         **step_launch),
                    step_warps, step_stages)
         merge = dict(acc_ptr="*fp32", ml_ptr="*fp32", out_ptr=p, gate_ptr=p, start_ptr="*fp32", ROWS="i32",
-                     n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32", folded_runs="i32")
+                     n_split="i32", n_tail="i32", sgb="i32", sgt="i32", sgh="i32", runs_folded="i32")
         # dense models' merge; Qwen3.5's, with its output gate; the mask form's (start_ptr: acc, not read) and a
         # decode step's (its live spans from start)
         for gated, step_form in itertools.product((False, True), (False, True)):

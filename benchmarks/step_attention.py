@@ -17,11 +17,12 @@ STEP_ATTENTION_HELP = ("the decode steps' attention launch (key block and warps,
 def override_step_attention(text: str) -> None:
     """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on the
     launch ``text`` names: ``BLOCK_NxWARPS``, then optionally ``xSPAN`` (keys per span), ``mBLOCK_M``
-    (query rows per program) and ``fFOLD`` (spans a run of the merge's fold). Raises ValueError naming
-    the rule and the value."""
+    (query rows per program) and ``fFOLD`` (spans a run of the merge's fold; a verify's programs then
+    fold the runs of committed spans themselves, ``FOLD_FROM_SMS`` 0.5, where the engine's default
+    leaves them to the merge). Raises ValueError naming the rule and the value."""
     from engine.models import attention
 
-    match = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?(?:m(\d+))?(?:f(\d+))?", text.lower())
+    match = re.fullmatch(r"([0-9]+)x([0-9]+)(?:x([0-9]+))?(?:m([0-9]+))?(?:f([0-9]+))?", text.lower())
     block_n, warps, split, block_m, fold = (int(v) if v else None for v in (match.groups() if match else [0] * 5))
     if (not block_n or block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8)
             or (split is not None and (split < block_n or split % block_n))
@@ -38,6 +39,8 @@ def override_step_attention(text: str) -> None:
                 "BLOCK_M": block_m or own["BLOCK_M"], "FOLD": fold or own["FOLD"]}
 
     attention.step_attention_launch = launch
+    if fold is not None:
+        attention.FOLD_FROM_SMS = 0.5
 
 
 def apply_step_attention(text: str | None) -> bool:

@@ -41,8 +41,9 @@ except ImportError:  # pragma: no cover - installs without Triton use the PyTorc
 SMALL_QUERIES = 256
 # Keys per span of the split decode attention: a multiple of every key block (attention_launch).
 SPLIT_KEYS = 128
-# Query rows per program: one constant, so an AR step (a few rows) and a verify (many) run the same
-# compiled variant (a different BLOCK_M may select other matrix instructions and round otherwise).
+# Query rows per program (the launches' BLOCK_M): part of the arithmetic, the same for an AR step (a few
+# rows) and a verify (many) of a head_dim (a different BLOCK_M may select other matrix instructions and
+# round otherwise).
 ATTN_BLOCK_M = 16
 # Spans a decode step's partial softmaxes are folded in runs of (``_attention_merge_kernel``): a run of
 # FOLD spans is folded alone, then the runs in order, in every step, so a verify's programs may fold
@@ -51,8 +52,10 @@ ATTN_BLOCK_M = 16
 # launch of a head_dim.
 FOLD_SPANS = 4
 # A verify's programs fold their runs while they number at least this many times the SMs (a choice
-# of speed, not of bits; 0: always where a run is whole, inf: never, as the GPU tests pin both).
-FOLD_FROM_SMS = 0.5
+# of speed, not of bits; 0: always where a run is whole). inf: never, until a GPU has measured the
+# folding variant (its registers spill 416 / 632 bytes at head_dim 128 / 256 on sm_90, Triton 3.6) and
+# its bits (the GPU tests pin both ways).
+FOLD_FROM_SMS = float("inf")
 # The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
 # interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
 _LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret
@@ -261,10 +264,12 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, keys: StepKeys, scale: float
 
 def folds_runs(row_blocks: int, n_split: int, kv_heads: int, fold: int, device: torch.device) -> bool:
     """Whether a step's programs fold their runs of ``fold`` committed spans themselves (the bits are the
-    same either way: a choice of speed). A verify's rows in several row blocks write their partials
-    row_blocks times over per span, which then cost more than the keys themselves (the 27B shape at
-    budget 32: 3x the K/V bytes): folded, a run's programs write one; while they still number at least
-    ``FOLD_FROM_SMS`` times the SMs (an AR step's one row block keeps its span-wide parallelism)."""
+    same either way: a choice of speed). Rows in several row blocks (a verify's; an AR step's only where
+    a K/V head's query heads outnumber BLOCK_M) write their partials row_blocks times over per span, which
+    then cost more than the keys themselves (the 27B shape at budget 32: 3x the K/V bytes read and
+    written again): folded, a run's programs write one; while they still number at least
+    ``FOLD_FROM_SMS`` times the SMs (one row block keeps its span-wide parallelism). The count includes
+    runs past start in a captured bucket, which end at once."""
     if row_blocks < 2 or fold < 2 or FOLD_FROM_SMS == float("inf"):
         return False
     sms = _sm_count(device.index) if device.type == "cuda" else 0  # the interpreter: folded wherever it can be
@@ -302,7 +307,8 @@ def step_attention_launch(d: int, fp32: bool = False) -> dict[str, int]:
     blocks of 16 from head_dim 128. At head_dims 128 and 256 the 4 warps spill a little and are still
     the faster launch (`benchmarks/kernel_check.py`, ``MAY_SPILL``). One launch per
     head_dim and dtype, whatever the rows: an AR step and a verify reduce their keys in the same
-    spans (``SPLIT``; the mask kernel's need not match, since no AR step takes it) and blocks."""
+    spans (``SPLIT``; the mask kernel's need not match, since no AR step takes it), blocks, rows a
+    program (``BLOCK_M``) and runs of spans folded (``FOLD``): all part of the arithmetic."""
     launch = attention_launch(d, fp32)
     if fp32:
         if launch["BLOCK_D"] >= 128:
@@ -487,7 +493,7 @@ if triton is not None:
         # Rows: (token, head) pairs of one K/V head. Keys: spans of SPLIT logical positions in blocks of
         # BLOCK_N, each span's partial softmax computed alone, then folded in order: a run of FOLD spans
         # into one partial, the runs into the row's result (``_attention_merge_kernel``). Two kinds of
-        # program, so that a span's rows are written by exactly one:
+        # program, so that a span's rows are written by at most one:
         # - the first row_blocks * cdiv(n_split, span_run) take BLOCK_M rows of several tokens (token-
         #   major, as _small_attention_kernel) in span_run spans (1, or FOLD: a verify's many rows) of
         #   those wholly before start, the committed keys, where every block is shared by every row.
@@ -530,7 +536,9 @@ if triton is not None:
             q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + rd[None, :],
                         mask=mrow[:, None] & md[None, :], other=0.0)
             # FOLDING (a launch that folds) compiles the fold's loop beside the plain one: a launch that
-            # does not (an AR step's) holds no run's sums in its registers
+            # does not (an AR step's) holds no run's sums in its registers. Both variants run the same
+            # code for a span (_span_partial, _committed_blocks) and the merge's fold (_fold_weights,
+            # then a product and a fused multiply-add, which nothing can contract further).
             if not FOLDING:  # (span_run 1: one span, no loop over spans)
                 m_i, l_i, acc = _span_partial(q, k_ptr, v_ptr, kv_head, skt, skh, svt, svh, rd, md, mrow, s_lo,
                                               s_lo < s_hi, S, scale, BLOCK_M, BLOCK_N, BLOCK_D, SPLIT, IEEE,
@@ -602,17 +610,18 @@ if triton is not None:
 
     # Not specialised on the rows, the spans or the gate's strides (a batched gate's first stride
     # grows with T): an AR step and a verify, or two key spans, run one variant.
-    @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh", "folded_runs"])
+    @triton.jit(do_not_specialize=["ROWS", "n_split", "n_tail", "sgb", "sgt", "sgh", "runs_folded"])
     def _attention_merge_kernel(acc_ptr, ml_ptr, out_ptr, gate_ptr, start_ptr, ROWS, n_split, n_tail, sgb, sgt, sgh,
-                                folded_runs, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                runs_folded, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                 GATED: tl.constexpr, LIBDEVICE: tl.constexpr, STEP: tl.constexpr,
                                 SPLIT: tl.constexpr, FOLD: tl.constexpr, TRIGGER: tl.constexpr):
         # One query row of one sequence: the spans' partial softmaxes folded in span order, in runs of
         # FOLD spans (each run folded from nothing, then the runs into the row's result, all by
-        # _fold_weights): folded_runs != 0 (STEP only) when the step kernel has folded every run
-        # wholly before start's span itself, one partial at its first span's place, by the same
+        # _fold_weights): runs_folded != 0 (a flag; STEP only) when the step kernel has folded every
+        # run wholly before start's span itself, one partial at its first span's place, by the same
         # arithmetic; the other runs are folded here. A span that saw no visible key (max -inf, sum
-        # 0, output 0) adds exactly zero (its weight is exp(-inf) = 0), so it may as well not be read:
+        # 0, output 0) adds exactly zero (its weight is exp(-inf) = 0: fma(a, 1, +-0) is a, but for the
+        # sign of a zero a, which both paths share), so it may as well not be read:
         # STEP (a decode step's, ``step_attention``) folds only the spans up to the last one a new
         # token reaches, start // SPLIT + n_tail, which the step kernel writes; past them it writes
         # nothing. Row r is query token r // HQ, head r % HQ. GATED: times sigmoid(gate), rounded as
@@ -634,7 +643,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_D], tl.float32)
         for run in range(0, live, FOLD):
             at = (seq * n_split + run) * ROWS + r
-            if (folded_runs != 0) & (run + FOLD <= first_tail):  # folded by the step kernel
+            if (runs_folded != 0) & (run + FOLD <= first_tail):  # folded by the step kernel
                 m_run = tl.load(ml_ptr + at * 2)
                 l_run = tl.load(ml_ptr + at * 2 + 1)
                 a_run = tl.load(acc_ptr + at * D + rd, mask=md, other=0.0)

@@ -239,20 +239,20 @@ def test_step_attention_matches_the_mask_form(dtype, gated):
     assert _rel(got, want) < {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
 
 
-@pytest.mark.parametrize("gated,spans_before", [(False, 2), (True, 2), (True, 5)])
+@pytest.mark.parametrize("gated,spans_before", [(False, "none"), (True, "none"), (True, "one run")])
 def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypatch, gated, spans_before):
     """A verify whose key span runs far past its tokens (a captured step's bucket): the spans past the last one a
     new token reaches hold no key any row sees, so the step kernel writes no partial there and the merge reads
     none (their buffers left NaN change no bit), while every span up to it is written; the output has the bits
     of the same call over buffers that held zeros, and of the verify over a key span ending at its last token.
-    With a whole run of FOLD_SPANS committed spans before start (spans_before 5), the verify's programs fold it
+    With a whole run of FOLD_SPANS committed spans before start ("one run"), the verify's programs fold it
     themselves: its first span's place holds the run's partial, the others are neither written nor read."""
     monkeypatch.setattr(split_attention, "FOLD_FROM_SMS", 0.0)  # a verify folds every whole run it can
-    split = split_attention.step_attention_launch(32)["SPLIT"]
-    fold = split_attention.step_attention_launch(32)["FOLD"]
-    start, slots, t = spans_before * split + 5, 12 * split, len(TREE_PARENTS)
+    split, fold = _spans(torch.bfloat16)
+    spans_before = {"none": 2, "one run": fold + 1}[spans_before]
+    start, slots, t = spans_before * split + 5, 3 * (fold + 1) * split, len(TREE_PARENTS)
     q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, 8, 2, 32, torch.bfloat16, seed=6)
-    keys = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, slots)  # 8 spans, the tokens in 2-3
+    keys = split_attention.StepKeys(keys.start, keys.depths, keys.ancestors, slots)  # the tokens in 2 of 3 (FOLD + 1)
     gate = _r(*q.shape, dtype=torch.bfloat16, seed=7) if gated else None
     live = start // split + -(-(t - 1) // split) + 1
     made, empty = [], torch.empty
@@ -269,11 +269,11 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
         outs.append(split_attention.step_attention(q, k, v, keys, gate=gate))
         monkeypatch.setattr(torch, "empty", empty)
     acc, m_l = made[2:]
-    assert acc.shape[1] == 12 and live < 12
+    assert acc.shape[1] == 3 * (fold + 1) and live < acc.shape[1]
     assert acc[:, live:].isnan().all() and m_l[:, live:].isnan().all()
-    runs = spans_before // fold  # runs wholly before start's span: folded by the step kernel
+    runs = spans_before // fold if fold > 1 else 0  # runs wholly before start's span: folded by the step kernel
     unread = [sp for sp in range(runs * fold) if sp % fold]
-    assert runs == (spans_before >= fold)
+    assert runs == (spans_before > fold > 1)
     for sp in range(live):
         assert acc[:, sp].isnan().all() == (sp in unread) and m_l[:, sp].isnan().all() == (sp in unread), sp
         assert sp in unread or not (acc[:, sp].isnan().any() or m_l[:, sp].isnan().any()), sp
@@ -283,14 +283,34 @@ def test_a_step_neither_writes_nor_merges_the_spans_past_its_new_tokens(monkeypa
     assert torch.equal(outs[0], split_attention.step_attention(q, k, v, own, gate=gate))
 
 
+def _spans(dtype: torch.dtype, d: int = 32) -> tuple[int, int]:
+    """(SPLIT, FOLD) of the step kernel at head_dim d in dtype."""
+    launch = split_attention.step_attention_launch(d, dtype == torch.float32)
+    return launch["SPLIT"], launch["FOLD"]
+
+
+def _past_runs(dtype: torch.dtype, d: int = 32, extra: int = 7) -> int:
+    """A start with a whole run of FOLD spans before start's span, ``extra`` keys into the span after it."""
+    split, fold = _spans(dtype, d)
+    return (fold + 1) * split + extra
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,hq,hkv,d,start", [
     *((dtype, 8, 2, 32, 150) for dtype in DTYPES),
     (torch.bfloat16, 6, 1, 64, 150),
     (torch.bfloat16, 20, 1, 16, 150),  # a token's 20 heads in two row blocks (ATTN_BLOCK_M 16)
-    (torch.bfloat16, 8, 2, 32, 2 * split_attention.step_attention_launch(32)["SPLIT"] - 3),  # across a span's end
-    # a run of FOLD_SPANS spans wholly before start: the verify's programs fold it, an AR step's merge does
-    *((dtype, 8, 2, 32, 5 * split_attention.step_attention_launch(32)["SPLIT"] + 7) for dtype in DTYPES),
+    (torch.bfloat16, 8, 2, 32, 2 * _spans(torch.bfloat16)[0] - 3),  # across a span's end
+    # a run of FOLD spans wholly before start: the verify's programs fold it, an AR step's merge does
+    *((dtype, 8, 2, 32, _past_runs(dtype)) for dtype in DTYPES),
+    # start on a span's first key, the run before it whole: the fold's limit (s_lo + FOLD == start's span)
+    (torch.bfloat16, 8, 2, 32, _spans(torch.bfloat16)[0] * _spans(torch.bfloat16)[1]),
+    (torch.bfloat16, 8, 2, 32, _spans(torch.bfloat16)[0] * _spans(torch.bfloat16)[1] + 1),
+    # the shapes the engine runs: the 8B's and the 27B's heads (the GPU only: minutes in the interpreter)
+    pytest.param(torch.bfloat16, 32, 8, 128, _past_runs(torch.bfloat16, 128), marks=pytest.mark.skipif(
+        DEVICE != "cuda", reason="the 8B shape's heads: on the GPU")),
+    pytest.param(torch.bfloat16, 24, 4, 256, _past_runs(torch.bfloat16, 256), marks=pytest.mark.skipif(
+        DEVICE != "cuda", reason="the 27B shape's heads: on the GPU")),
 ])
 @pytest.mark.parametrize("fold_from_sms", [0.0, float("inf")], ids=["folded", "unfolded"])
 def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(monkeypatch, dtype, hq, hkv, d, start, fold_from_sms):
@@ -300,8 +320,9 @@ def test_a_tree_node_has_the_bits_of_an_ar_step_at_its_position(monkeypatch, dty
     bucket against the verify's). Queries past the first span's end: committed blocks shared by every
     row of a program, tree blocks gathered per token. A verify's programs folding the runs of committed
     spans themselves (``FOLD_FROM_SMS`` 0) or leaving them to the merge (inf) give the same bits."""
-    if fold_from_sms and start < 5 * split_attention.step_attention_launch(32)["SPLIT"]:
-        pytest.skip("no whole run before start: the two cases are one")
+    split, fold = _spans(dtype, d)
+    if fold_from_sms and start // split < fold:
+        pytest.skip("no whole run before start's span: the two cases are one")
     monkeypatch.setattr(split_attention, "FOLD_FROM_SMS", fold_from_sms)
     slots = max(400, start + 64)
     q, k, v, keys = _step_inputs(TREE_PARENTS, start, slots, hq, hkv, d, dtype, seed=11)
