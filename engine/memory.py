@@ -38,7 +38,7 @@ from engine.decoding import graphs, runtime
 from engine.decoding import prefix_cache as prefix_cache_mod
 from engine.decoding.decode import feature_rows, verify_shape, workspace_length
 from engine.decoding.drafters import CONTEXT_ROWS, DFlashDrafter, OracleDrafter
-from engine.models.attention import step_split
+from engine.models.attention import SMALL_QUERIES, step_split
 from engine.models.common import FusedLinear
 from engine.models.dense import KVCache
 from engine.models.hybrid import HybridModel
@@ -143,14 +143,18 @@ def plan_memory(pair, config: EngineConfig, prompt_tokens: int, new_tokens: int,
     # eager one's is made by the context fill, which runs inside the prefill (at each ``CONTEXT_ROWS`` boundary), and
     # held from there on; a captured step's lives in its graph pool
     blas = blas_workspace_bytes(dev) if _uses_blas(pair, config, speculative) else 0
+    # and a whole prompt's forward past SMALL_QUERIES rows attends through SDPA's math path, whose products are
+    # cuBLAS's too, on the prefill's stream (AR's as well)
+    sdpa = _prefill_sdpa_rows(prompt_tokens, dev.type == "cuda", prefix_cache_bytes > 0) > 0
+    prefill_blas = blas_workspace_bytes(dev) if blas or sdpa else 0
     if speculative:  # the draft's context K/V of the prompt, a chunk at a time, as the prefill reaches it
         prefill = max(prefill, _context_fill_bytes(pair, prompt_tokens, size, in_place))
     step = _step_bytes(pair, config, prompt_tokens + new_tokens, length, n_verify, size, feature_width, speculative,
                        in_place)
     if loop == "graphs":  # the steps' transients live in the pool; the prefill runs eagerly beside it
-        parts["graph_pools"], parts["activations"] = step + blas, prefill + blas
+        parts["graph_pools"], parts["activations"] = step + blas, prefill + prefill_blas
     else:  # (the eager steps reuse the prefill's workspace: one stream)
-        parts["activations"] = max(prefill, step) + blas
+        parts["activations"] = max(prefill, step) + prefill_blas
     return MemoryBreakdown("planned", parts, prompt_tokens, new_tokens, loop)
 
 
@@ -502,6 +506,8 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     heads, head_dim = cfg.num_attention_heads, getattr(cfg, "dim_per_head", None) or cfg.head_dim
     if prefill:  # the [rows, keys] bool mask (made, then joined) and SDPA's bias in the dtype; K/V per query head
         attend = rows * keys * (2 + size + (0 if cuda else 4 * heads)) + 2 * keys * heads * head_dim * size
+        if cuda and rows > SMALL_QUERIES:  # SDPA's math path (``attention_torch``: an unbatched, 3-D call)
+            attend += _sdpa_math_bytes(rows, keys, heads, head_dim)
     else:
         attend = math.ceil(keys / step_split(head_dim, size == 4)) * rows * heads * (head_dim + 2) * 4
     features = rows * feature_width * size
@@ -509,6 +515,21 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     total = 3 * rows * cfg.hidden_size * size + layer + features
     total += logits_rows * getattr(cfg, "vocab_size", 0) * (size + 4)
     return total + (0 if in_place else _dequantized_bytes(model, size))
+
+
+def _sdpa_math_bytes(rows: int, keys: int, heads: int, head_dim: int) -> int:
+    """SDPA's math path on CUDA, which an unbatched (3-D) call takes (its fused kernels want 4-D inputs), for a
+    half-precision forward of ``rows`` queries over ``keys`` keys: PyTorch upcasts the inputs to float32 (unless
+    ``allow_fp16_bf16_reduction_math_sdp``) and holds the scores and their softmax [heads, rows, keys] in float32
+    beside the mask as a float32 bias, then the output in float32."""
+    return 4 * (2 * heads * rows * keys + rows * keys + (2 * rows + 2 * keys) * heads * head_dim)
+
+
+def _prefill_sdpa_rows(prompt_tokens: int, cuda: bool, chunked: bool) -> int:
+    """The rows of the widest whole-prompt forward (``loop.prefill``: up to ``PREFILL_CHUNK`` tokens, no prefix
+    cache) that attends through SDPA on CUDA (past ``SMALL_QUERIES`` rows: ``attention.attention``); 0 if none."""
+    rows = min(prompt_tokens, prefix_cache_mod.PREFILL_CHUNK)
+    return rows if cuda and not chunked and rows > SMALL_QUERIES else 0
 
 
 def _dequantized_bytes(model: nn.Module, size: int) -> int:

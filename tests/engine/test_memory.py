@@ -235,7 +235,38 @@ def test_the_drafts_context_fill_is_planned_a_chunk_at_a_time(monkeypatch):
     # (with the cuBLAS workspace the draft's products keep for the fill's stream)
     assert plan_memory(pair, EngineConfig(budget=22), 32768 - 256, 256, **on_gpu).parts["activations"] == \
         chunk + memory.blas_workspace_bytes("cuda")
-    assert plan_memory(pair, EngineConfig(verify="ar"), 32768 - 256, 256, **on_gpu).parts["activations"] == 0
+    # AR fills none; a prompt of at most 32k tokens may be one of 257-512, forwarded whole through SDPA (below)
+    assert plan_memory(pair, EngineConfig(verify="ar"), 32768 - 256, 256, **on_gpu).parts["activations"] == \
+        memory.blas_workspace_bytes("cuda")
+
+
+def test_a_whole_prompts_forward_through_sdpa_is_planned_with_its_math_path_and_workspace(monkeypatch):
+    """A prompt of SMALL_QUERIES + 1 to PREFILL_CHUNK tokens is forwarded whole (``loop.prefill``) and its
+    attention takes SDPA (``attention.attention``), on CUDA by its math path (an unbatched 3-D call): float32
+    scores and weights per head and a cuBLAS workspace on the prefill's stream, AR's too. A shorter prompt takes
+    the mask kernel, a prefix cache forwards in chunks, the CPU keeps no workspace: none of it there (2026-12-07:
+    SmolLM2's sweep measured its AR 10% over its plan, 78 MiB of activations against 39)."""
+    from engine import memory
+    from engine.models.attention import SMALL_QUERIES
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    pair = pair_for("tiny-dense", "random")
+    ar = EngineConfig(verify="ar")
+    cfg = pair.target.cfg
+    heads, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or head_dim
+
+    def acts(prompt: int, **kw) -> int:
+        return plan_memory(pair, ar, prompt, 8, dtype=torch.bfloat16, **kw).parts["activations"]
+
+    short, whole = SMALL_QUERIES, SMALL_QUERIES + 64
+    assert acts(short, device="cuda") < 2**20  # the mask kernel: no SDPA, no workspace (a tiny model's rows)
+    math = memory._sdpa_math_bytes(whole, whole, heads, head_dim)
+    assert math >= 2 * 4 * heads * whole * whole  # float32 scores and weights
+    assert acts(whole, device="cuda") >= acts(short, device="cuda") + 32 * 2**20 + math
+    assert memory._prefill_sdpa_rows(whole, True, False) == whole
+    assert memory._prefill_sdpa_rows(5000, True, False) == memory.prefix_cache_mod.PREFILL_CHUNK
+    assert memory._prefill_sdpa_rows(whole, False, False) == memory._prefill_sdpa_rows(whole, True, True) == 0
 
 
 def test_native_blocks_are_planned_at_their_bytes(tmp_path):
