@@ -17,9 +17,8 @@ STEP_ATTENTION_HELP = ("the decode steps' attention launch (key block and warps,
 def override_step_attention(text: str) -> None:
     """Every decode step's attention (AR and verify alike: one launch, so exactness is kept) on the
     launch ``text`` names: ``BLOCK_NxWARPS``, then optionally ``xSPAN`` (keys per span), ``mBLOCK_M``
-    (query rows per program) and ``fFOLD`` (spans a run of the merge's fold; a verify's programs then
-    fold the runs of committed spans themselves, ``FOLD_FROM_SMS`` 0.5, where the engine's default
-    leaves them to the merge). Raises ValueError naming the rule and the value."""
+    (query rows per program) and ``fFOLD`` (spans a run of the merge's fold, which a verify's programs
+    fold themselves by ``folds_runs``' rule). Raises ValueError naming the rule and the value."""
     from engine.models import attention
 
     match = re.fullmatch(r"([0-9]+)x([0-9]+)(?:x([0-9]+))?(?:m([0-9]+))?(?:f([0-9]+))?", text.lower())
@@ -39,8 +38,6 @@ def override_step_attention(text: str) -> None:
                 "BLOCK_M": block_m or own["BLOCK_M"], "FOLD": fold or own["FOLD"]}
 
     attention.step_attention_launch = launch
-    if fold is not None:
-        attention.FOLD_FROM_SMS = 0.5
 
 
 def apply_step_attention(text: str | None) -> bool:

@@ -7,16 +7,16 @@
 #   2. attention_tests: tests/engine/models/test_attention.py on the GPU, slow ones too: a verify whose programs
 #      fold the runs of committed spans (FOLD_FROM_SMS 0) and one whose merge folds them (inf) against AR steps,
 #      bit for bit, at SmolLM2's, the 8B's and the 27B's heads;
-#   3. attention_bench: kernel_bench.py attention: the engine's launch beside folded, 32- and 64-row programs at 1k,
-#      4k and 32k keys (folded against unfolded checked for equal bits);
+#   3. attention_bench: kernel_bench.py attention: the engine's launch beside unfolded, always folded, 32- and 64-row
+#      programs at 1k, 4k and 32k keys (folded against unfolded checked for equal bits);
 #   4. large_q4km and large_q4km_attn_*: the 27B Q4_K_M step (BUDGETS, 32 by default) as the engine runs it, then
-#      with each of ATTENTIONS (default "32x4f4 32x8m64f4": folding on; --step-attention's grammar; "" none), as
-#      quant.sh's ATTENTIONS.
+#      with each of ATTENTIONS (default "32x4f1 32x4f8": runs of 1 span, which no verify folds, and of 8;
+#      --step-attention's grammar; "" none), as quant.sh's ATTENTIONS.
 source benchmarks/device/common.sh attention
-ATTENTIONS=${ATTENTIONS-32x4f4 32x8m64f4}
+ATTENTIONS=${ATTENTIONS-32x4f1 32x4f8}
 for a in $ATTENTIONS; do  # every launch checked before any section runs (the full rule: gpu_bench's)
   if ! [[ $a =~ ^[0-9]+x[0-9]+(x[0-9]+)?(m[0-9]+)?(f[0-9]+)?$ ]]; then
-    say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f4 or 32x8m64f4"; exit 2
+    say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f1 or 32x8m64f4"; exit 2
   fi
 done
 section memory_short 120 python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs tests/engine/test_memory_gpu.py \

@@ -78,8 +78,8 @@ for v in ${STEPS:-}; do
     --out "$OUT/large_q4km_$v.json"
 done
 # ATTENTIONS="32x8m64 32x4f4 ...": the engine's step again with every decode step's attention on that launch
-# (gpu_bench's --step-attention BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]: AR and verify alike; fFOLD: a verify's programs
-# fold runs of FOLD committed spans themselves), a section each (large_q4km_attn_32x8m64)
+# (gpu_bench's --step-attention BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]: AR and verify alike; fFOLD: spans a run of
+# the merge's fold), a section each (large_q4km_attn_32x8m64)
 for a in ${ATTENTIONS:-}; do
   section large_q4km_attn_$a ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode \
     engine --step-attention $a --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} \

@@ -52,10 +52,12 @@ ATTN_BLOCK_M = 16
 # launch of a head_dim.
 FOLD_SPANS = 4
 # A verify's programs fold their runs while they number at least this many times the SMs (a choice
-# of speed, not of bits; 0: always where a run is whole). inf: never, until a GPU has measured the
-# folding variant (its registers spill 416 / 632 bytes at head_dim 128 / 256 on sm_90, Triton 3.6) and
-# its bits (the GPU tests pin both ways).
-FOLD_FROM_SMS = float("inf")
+# of speed, not of bits; 0: always where a run is whole, inf: never; the GPU tests pin both ways). On an
+# H100 (2026-12-07, `kernel_bench.py attention`, us a call, the same bits folded or not) the 27B shape's
+# budget-32 verify took 87.7 -> 83.5 folded at 4k keys (416 programs) and 615.2 -> 549.5 at 32k, but
+# 29.5 -> 43.3 at 1k (104 programs), as the 8B's at 1k (144: 26.0 -> 35.5) and SmolLM2's budget 48
+# at 512 keys (60, folded always: 9.2 -> 13.9): folded from twice the SMs, so none of those three.
+FOLD_FROM_SMS = 2.0
 # The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
 # interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
 _LIBDEVICE = triton is not None and not triton.knobs.runtime.interpret

@@ -72,7 +72,6 @@ def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch,
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     monkeypatch.setattr(attention, "step_attention_launch", attention.step_attention_launch)
-    monkeypatch.setattr(attention, "FOLD_FROM_SMS", attention.FOLD_FROM_SMS)
     import step_attention
 
     step_attention.override_step_attention("64x8x128")
@@ -82,7 +81,6 @@ def test_step_attention_candidate_is_parsed_and_refused_by_its_rule(monkeypatch,
     step_attention.override_step_attention("32x8m64f8")
     launch = attention.step_attention_launch(256)
     assert (launch["BLOCK_N"], launch["num_warps"], launch["BLOCK_M"], launch["FOLD"]) == (32, 8, 64, 8)
-    assert attention.FOLD_FROM_SMS == 0.5  # fFOLD: a verify's programs fold the runs themselves
     for bad in ("32x4x48", "32x3", "16x4x64x2", "wide", "32x4m24", "32x4m8", "32x4m256", "32x4mx", "32x4f0",
                 "32x4f8m64"):
         assert not step_attention.apply_step_attention(bad)
