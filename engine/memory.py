@@ -497,7 +497,8 @@ def _forward_bytes(model: nn.Module, rows: int, keys: int, size: int, logits_row
     """Transient bytes of a forward of ``rows`` tokens over ``keys`` keys through ``model``'s layers
     (an estimate): the residual stream and the widest layer's temporaries, the target features
     gathered, the logits rows; a prefill's mask and the attention's masked product over every key
-    pair (SDPA; off CUDA its math path also holds every head's float32 scores), a decode step's
+    pair (SDPA, whose math path holds every head's float32 scores: off CUDA, and on CUDA past
+    ``SMALL_QUERIES`` rows, ``_sdpa_math_bytes``), a decode step's
     split-attention partials (float32, per span of ``step_split`` keys); and a quantized weight
     dequantized for a call (float32, then the dtype), unless ``in_place`` (the few-row kernel reads the
     blocks in registers). The features are one buffer from the first layer on, each feature layer's
@@ -521,8 +522,10 @@ def _sdpa_math_bytes(rows: int, keys: int, heads: int, head_dim: int) -> int:
     """SDPA's math path on CUDA, which an unbatched (3-D) call takes (its fused kernels want 4-D inputs), for a
     half-precision forward of ``rows`` queries over ``keys`` keys: PyTorch upcasts the inputs to float32 (unless
     ``allow_fp16_bf16_reduction_math_sdp``) and holds the scores and their softmax [heads, rows, keys] in float32
-    beside the mask as a float32 bias, then the output in float32."""
-    return 4 * (2 * heads * rows * keys + rows * keys + (2 * rows + 2 * keys) * heads * head_dim)
+    beside the mask as a float32 bias, then the output in float32; its safe softmax also holds a bool of the
+    masked scores and a float32 result at once (13 bytes a score in all: an H100 measured SmolLM2's AR at 384
+    tokens 6.9 MiB over 8 bytes a score, 2026-12-07; this adds 6.3)."""
+    return 13 * heads * rows * keys + 4 * (rows * keys + (2 * rows + 2 * keys) * heads * head_dim)
 
 
 def _prefill_sdpa_rows(prompt_tokens: int, cuda: bool, chunked: bool) -> int:

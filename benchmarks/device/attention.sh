@@ -6,7 +6,7 @@
 #      SDPA's float32 scores and the prefill stream's cuBLAS workspace since 2026-12-07);
 #   2. attention_tests: tests/engine/models/test_attention.py on the GPU, slow ones too: a verify whose programs
 #      fold the runs of committed spans (FOLD_FROM_SMS 0) and one whose merge folds them (inf) against AR steps,
-#      bit for bit, at SmolLM2's, the 8B's and the 27B's heads;
+#      bit for bit, at head_dims 32 and 64 and the 8B's and the 27B's heads;
 #   3. attention_bench: kernel_bench.py attention: the engine's launch beside unfolded, always folded, 32- and 64-row
 #      programs at 1k, 4k and 32k keys (folded against unfolded checked for equal bits);
 #   4. large_q4km and large_q4km_attn_*: the 27B Q4_K_M step (BUDGETS, 32 by default) as the engine runs it, then

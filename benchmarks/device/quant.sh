@@ -53,6 +53,11 @@ step_flags() {
 }
 STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 for v in ${STEPS:-}; do step_flags "$v"; done  # every step checked before any section runs
+for a in ${ATTENTIONS:-}; do  # and every attention launch (the full rule: gpu_bench's --step-attention)
+  if ! [[ $a =~ ^[0-9]+x[0-9]+(x[0-9]+)?(m[0-9]+)?(f[0-9]+)?$ ]]; then
+    say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f1 or 32x8m64f4"; exit 2
+  fi
+done
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
 # the step as the engine loads it (Q4K_DECODE as gpu_bench's --q4k-decode); Q4K_COMPARE="kernel": that decode's step
@@ -77,7 +82,7 @@ for v in ${STEPS:-}; do
     $flags --presets qwen35-27b-shape --context 4096 --budgets ${BUDGETS:-8 32} --md "$OUT/large_q4km_$v.md" \
     --out "$OUT/large_q4km_$v.json"
 done
-# ATTENTIONS="32x8m64 32x4f4 ...": the engine's step again with every decode step's attention on that launch
+# ATTENTIONS="32x4f1 32x4f8 ...": the engine's step again with every decode step's attention on that launch
 # (gpu_bench's --step-attention BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]: AR and verify alike; fFOLD: spans a run of
 # the merge's fold), a section each (large_q4km_attn_32x8m64)
 for a in ${ATTENTIONS:-}; do
@@ -100,7 +105,7 @@ if [ -n "${MEMORY:-}" ]; then
     tests/engine/test_memory_gpu.py -k "${MEMORY_K:-q4_k_m}"
 fi
 # VRAM=1 (carry .device/wheels too: optuna and the rest): the sweep under a limit the largest trees do not fit
-# (experiments/qwen35-27b-q4km-vram.yaml: DDTree b8-b128 against 19.25 GiB; b64 and b128 over by their plan),
+# (experiments/qwen35-27b-q4km-vram.yaml: DDTree b8-b128 against 19.33 GiB; b64 and b128 over by their plan),
 # its report's "Planned against measured" for the bar's "plan within 10% of the measured peaks"
 if [ -n "${VRAM:-}" ]; then
   install_wheels .device/wheels/*.whl

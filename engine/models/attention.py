@@ -51,12 +51,14 @@ ATTN_BLOCK_M = 16
 # not FOLD) with the bits the merge gives an AR step. Part of the arithmetic: the same for every
 # launch of a head_dim.
 FOLD_SPANS = 4
-# A verify's programs fold their runs while they number at least this many times the SMs (a choice
-# of speed, not of bits; 0: always where a run is whole, inf: never; the GPU tests pin both ways). On an
-# H100 (2026-12-07, `kernel_bench.py attention`, us a call, the same bits folded or not) the 27B shape's
-# budget-32 verify took 87.7 -> 83.5 folded at 4k keys (416 programs) and 615.2 -> 549.5 at 32k, but
-# 29.5 -> 43.3 at 1k (104 programs), as the 8B's at 1k (144: 26.0 -> 35.5) and SmolLM2's budget 48
-# at 512 keys (60, folded always: 9.2 -> 13.9): folded from twice the SMs, so none of those three.
+# A verify's programs fold their runs while they number at least this many times the SMs, counted
+# over half the key span (``folds_runs``; a choice of speed, not of bits; 0: always where a run is
+# whole, inf: never; the GPU tests pin both ways). On an H100 (2026-12-07, `kernel_bench.py
+# attention`, us a call, the same bits folded or not, no dead spans) the 27B shape's budget-32 verify
+# took 87.7 -> 83.5 folded at 4,129 keys (468 programs) and 615.2 -> 549.5 at 32,801 (3,380), but
+# 29.5 -> 43.3 at 1,057 (104), as the 8B's (144: 26.0 -> 35.5) and SmolLM2's budget 48 at 512 keys
+# (60, folded always: 9.2 -> 13.9). The gain is 5-11%, the loss up to 47%: folded only where even
+# the fewest live keys a captured bucket holds give twice the SMs' programs.
 FOLD_FROM_SMS = 2.0
 # The gate's exp through libdevice (PyTorch's expf: _attention_merge_kernel), except in Triton's
 # interpreter (the CPU tests), which has none; read as triton.jit reads it, when the module loads.
@@ -270,12 +272,13 @@ def folds_runs(row_blocks: int, n_split: int, kv_heads: int, fold: int, device: 
     a K/V head's query heads outnumber BLOCK_M) write their partials row_blocks times over per span, which
     then cost more than the keys themselves (the 27B shape at budget 32: 3x the K/V bytes read and
     written again): folded, a run's programs write one; while they still number at least
-    ``FOLD_FROM_SMS`` times the SMs (one row block keeps its span-wide parallelism). The count includes
-    runs past start in a captured bucket, which end at once."""
+    ``FOLD_FROM_SMS`` times the SMs (one row block keeps its span-wide parallelism). A captured step's key
+    span is its bucket (``runtime.bucket_for``: a power of two), of which at least half may be live, the
+    rest runs past start that end at once: the programs are counted over half the spans."""
     if row_blocks < 2 or fold < 2 or FOLD_FROM_SMS == float("inf"):
         return False
     sms = _sm_count(device.index) if device.type == "cuda" else 0  # the interpreter: folded wherever it can be
-    return row_blocks * triton.cdiv(n_split, fold) * kv_heads >= FOLD_FROM_SMS * sms
+    return row_blocks * triton.cdiv(max(n_split // 2, 1), fold) * kv_heads >= FOLD_FROM_SMS * sms
 
 
 @functools.cache

@@ -264,6 +264,12 @@ def test_a_whole_prompts_forward_through_sdpa_is_planned_with_its_math_path_and_
     math = memory._sdpa_math_bytes(whole, whole, heads, head_dim)
     assert math >= 2 * 4 * heads * whole * whole  # float32 scores and weights
     assert acts(whole, device="cuda") >= acts(short, device="cuda") + 32 * 2**20 + math
+    # a prefix cache forwards every prompt in chunks: no SDPA, no workspace for AR
+    assert acts(whole, device="cuda", prefix_cache_bytes=2**30) < acts(whole, device="cuda") - 32 * 2**20
+    # the eager loop (the generic path) holds the same workspace on its one stream
+    generic = plan_memory(pair, EngineConfig(verify="chain", draft_path="generic"), whole, 8, device="cuda",
+                          dtype=torch.bfloat16)
+    assert generic.loop == "generic" and generic.parts["activations"] >= 32 * 2**20 + math
     assert memory._prefill_sdpa_rows(whole, True, False) == whole
     assert memory._prefill_sdpa_rows(5000, True, False) == memory.prefix_cache_mod.PREFILL_CHUNK
     assert memory._prefill_sdpa_rows(whole, False, False) == memory._prefill_sdpa_rows(whole, True, True) == 0

@@ -303,6 +303,7 @@ def _past_runs(dtype: torch.dtype, d: int = 32, extra: int = 7) -> int:
     (torch.bfloat16, 8, 2, 32, 2 * _spans(torch.bfloat16)[0] - 3),  # across a span's end
     # a run of FOLD spans wholly before start: the verify's programs fold it, an AR step's merge does
     *((dtype, 8, 2, 32, _past_runs(dtype)) for dtype in DTYPES),
+    (torch.bfloat16, 9, 3, 64, _past_runs(torch.bfloat16, 64)),  # SmolLM2's heads
     # start on a span's first key, the run before it whole: the fold's limit (s_lo + FOLD == start's span)
     (torch.bfloat16, 8, 2, 32, _spans(torch.bfloat16)[0] * _spans(torch.bfloat16)[1]),
     (torch.bfloat16, 8, 2, 32, _spans(torch.bfloat16)[0] * _spans(torch.bfloat16)[1] + 1),
