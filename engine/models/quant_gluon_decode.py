@@ -74,7 +74,7 @@ if gluon is not None:
         word = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, hl)))
         lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, hl)))
         row = tile * (16 * W) + (sr // 8) * 16 + 8 * h + sr % 8  # row 16 w + 8 h + g of the tile
-        at = ((row * (K // 256) + kt // 2) * 4)[:, None, None] + (lane * 0)[None, :, None] + word[None, None, :]
+        at = ((row * (K // 256) + (kt >> 1)) * 4)[:, None, None] + (lane * 0)[None, :, None] + word[None, None, :]
         return gl.load(heads_ptr + gl.max_contiguous(gl.multiple_of(at, [1, 1, 4]), [1, 1, 4]))  # lanes t alike
 
     @gluon.jit
@@ -92,7 +92,7 @@ if gluon is not None:
     @gluon.jit
     def _step_shift(head, a, m, r, kt, sub):
         """d * scale and dmin * min (exact in float32) of each row's 32-value sub-block ``sub`` of tile ``kt``."""
-        sc, mn = k_scale_min(a, m, r, (kt % 2) * 4 + sub[None, :])  # the sub-block within its 256-value block
+        sc, mn = k_scale_min(a, m, r, (kt & 1) * 4 + sub[None, :])  # the sub-block within its 256-value block
         return _half_of(head) * sc.to(gl.float32), _half_of(head >> 16) * mn.to(gl.float32)
 
     @gluon.jit
@@ -266,5 +266,5 @@ if gluon is not None:
         """bf16(d * scale) of each row's 8 slices of tile ``kt`` (16 values a scale): [8 W, 1, 8]."""
         at = gl.max_contiguous(gl.multiple_of(row[:, None] * (K // 16) + kt * 8 + s[None, :], [1, 8]), [1, 8])
         sc = gl.load(scales_ptr + at)  # 8 bytes a row (K // 16 is a multiple of 16: K is of 256)
-        d = gl.load(d_ptr + row * (K // 256) + kt // 2)
+        d = gl.load(d_ptr + row * (K // 256) + (kt >> 1))
         return (d.to(gl.float32)[:, None] * sc.to(gl.float32)).to(gl.bfloat16).expand_dims(1)

@@ -103,8 +103,8 @@ if gluon is not None:
         ok = j < k_tiles
         kt = kt0 + j
         _stage_run(words_s.index(stage), words_ptr, wrun, kt, ok)
-        decode._async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt // 2) * 4, mask=(hat0 >= 0) & ok)
-        decode._async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt // 2) * 4, mask=(hat1 >= 0) & ok)
+        decode._async_load(heads_s.index(2 * stage), heads_ptr + hat0 + (kt >> 1) * 4, mask=(hat0 >= 0) & ok)
+        decode._async_load(heads_s.index(2 * stage + 1), heads_ptr + hat1 + (kt >> 1) * 4, mask=(hat1 >= 0) & ok)
         if WITH_X:
             _stage_x(x_s, x_ptr, xat, xrows, j, kt0, k_tiles)
         async_copy.commit_group()
