@@ -116,32 +116,45 @@ if gluon is not None:
         hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
         if PDL:  # the weight's first tile asked for; x only once the kernel before has written it
             kt0 = _dependency_wait(kt0)
+        xt_n = words_n  # (X_AHEAD: x's rows for the first tile; else not read)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):
-            kt = kt0 + i
-            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-            words, hw0, hw1 = words_n, hw0_n, hw1_n
-            words_n = gl.load(words_ptr + wbase + nxt * 256)
-            if X_AHEAD:
-                xt = xt_n
-                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
-            hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
-            h0, a0, m0, r0 = _head_fields(hw0)
-            h1, a1, m1, r1 = _head_fields(hw1)
-            st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
-            st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
-            if PAIRS:
-                pst0, pnsh0 = _pair_steps(st0, sh0)
-                pst1, pnsh1 = _pair_steps(st1, sh1)
-                a = _pairs_tile(words, pst0, pnsh0, pst1, pnsh1)
-            else:
-                a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
-            if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
-            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
-                                      a_smem, i, ASYNC)
+        for i in range(0, k_tiles):  # (ASYNC: tiles alternate between two buffers)
+            words_n, hw0_n, hw1_n, xt_n, acc, acc2 = _q4k_step(
+                x_ptr, words_ptr, heads_ptr, wbase, sub, tile, kt0, i, k_tiles, K, M, words_n, hw0_n, hw1_n, xt_n,
+                acc, acc2, x_smem, x_tail, a_smem, BLOCK_M, PAIRS, X_AHEAD, TAIL, ASYNC)
         return _mma_done(acc, acc2, TAIL, ASYNC)
+
+    @gluon.jit
+    def _q4k_step(x_ptr, words_ptr, heads_ptr, wbase, sub, tile, kt0, i, k_tiles, K, M, words_n, hw0_n, hw1_n, xt_n,
+                  acc, acc2, x_smem, x_tail, a_smem, BLOCK_M: gl.constexpr, PAIRS: gl.constexpr,
+                  X_AHEAD: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr):
+        """Part tile ``i`` (K tile ``kt0 + i``) of ``_q4k_tile``: the next tile's planes (and x's rows) asked for, this
+        one's decoded and multiplied (``ASYNC``: through buffer ``i % 2``); returns what the next step reads. (Two
+        steps an iteration, each with a buffer of its own, made the descriptors constants but ptxas interleaved the
+        two tiles: 80 -> 127 registers at 8 rows, 161 -> 215 at 32 + 8; static, sm_90, 2026-12-07.)"""
+        kt = kt0 + i
+        nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+        words, hw0, hw1, xt = words_n, hw0_n, hw1_n, xt_n
+        words_n = gl.load(words_ptr + wbase + nxt * 256)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
+        hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
+        h0, a0, m0, r0 = _head_fields(hw0)
+        h1, a1, m1, r1 = _head_fields(hw1)
+        st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
+        st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
+        if PAIRS:
+            pst0, pnsh0 = _pair_steps(st0, sh0)
+            pst1, pnsh1 = _pair_steps(st1, sh1)
+            a = _pairs_tile(words, pst0, pnsh0, pst1, pnsh1)
+        else:
+            a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
+        if not X_AHEAD:
+            xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+        acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
+                                  a_smem, i % 2, ASYNC)
+        return words_n, hw0_n, hw1_n, xt_n, acc, acc2
 
     @gluon.jit
     def _times_x(acc, a, xt, x_smem):
@@ -167,14 +180,14 @@ if gluon is not None:
 
     @gluon.jit
     def _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, TAIL: gl.constexpr,
-                      K_MASK: gl.constexpr, a_smem=None, i=0, ASYNC: gl.constexpr = False):
+                      K_MASK: gl.constexpr, a_smem=None, buf=0, ASYNC: gl.constexpr = False):
         """``_times_x`` for the ``BLOCK_M`` rows, and with a ``TAIL`` the tail's rows too (``_times_x_tail``):
-        (acc, acc2), acc2 being acc without a tail. ``ASYNC``: ``_times_x_async`` (iteration ``i``)."""
+        (acc, acc2), acc2 being acc without a tail. ``ASYNC``: ``_times_x_async`` (through buffer ``buf``)."""
         if ASYNC:
             xt2 = xt
             if TAIL > 0:
                 xt2 = _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL, K_MASK)
-            acc, acc2 = _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, i, TAIL)
+            acc, acc2 = _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, buf, TAIL)
         elif TAIL > 0:
             acc, acc2 = _times_x_tail(acc, acc2, a, xt,
                                       _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL, K_MASK), x_smem, x_tail)
@@ -196,13 +209,12 @@ if gluon is not None:
         return a_smem
 
     @gluon.jit
-    def _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, i, TAIL: gl.constexpr):
-        """``ASYNC``: the decoded tile and x's rows into buffer ``i % 2`` of shared memory, the products asked for
-        and left in flight while the next tile is read and decoded (``warpgroup_mma_wait``: at most this tile's in
-        flight, so buffer ``(i + 1) % 2``'s last reader, tile ``i - 1``'s products, has ended before the next
-        iteration writes it). The same instructions, K order and accumulators as ``_times_x``: the same bits."""
+    def _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, buf, TAIL: gl.constexpr):
+        """``ASYNC``: the decoded tile and x's rows into buffer ``buf`` of shared memory (tiles alternate), the
+        products asked for and left in flight while the next tile is read and decoded (``warpgroup_mma_wait``: at
+        most this tile's in flight, so the other buffer's last reader, the tile before's products, has ended before
+        the next tile writes it). The same instructions, K order and accumulators as ``_times_x``: the same bits."""
         W: gl.constexpr = gl.num_warps()
-        buf = i % 2
         a = a.reshape([W, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([16 * W, 128])
         a_s = a_smem.index(buf)
         a_s.store(a)
@@ -340,25 +352,35 @@ if gluon is not None:
         st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
         if PDL:  # as _q4k_tile's
             kt0 = _dependency_wait(kt0)
+        xt_n = words_n  # (X_AHEAD: x's rows for the first tile; else not read)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):
-            kt = kt0 + i
-            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-            words, high, st0, st1 = words_n, high_n, st0_n, st1_n
-            words_n = gl.load(words_ptr + wbase + nxt * 256)
-            if X_AHEAD:
-                xt = xt_n
-                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
-            high_n = gl.load(high_ptr + hbase + nxt * 128)
-            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
-            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
-            a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
-            if not X_AHEAD:
-                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
-            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
-                                      a_smem, i, ASYNC)
+        for i in range(0, k_tiles):  # (ASYNC: tiles alternate between two buffers)
+            words_n, high_n, st0_n, st1_n, xt_n, acc, acc2 = _q6_step(
+                x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase, hbase, row0, slices, kt0, i, k_tiles, K, M,
+                words_n, high_n, st0_n, st1_n, xt_n, acc, acc2, x_smem, x_tail, a_smem, BLOCK_M, X_AHEAD, TAIL, ASYNC)
         return _mma_done(acc, acc2, TAIL, ASYNC)
+
+    @gluon.jit
+    def _q6_step(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase, hbase, row0, slices, kt0, i, k_tiles, K, M,
+                 words_n, high_n, st0_n, st1_n, xt_n, acc, acc2, x_smem, x_tail, a_smem, BLOCK_M: gl.constexpr,
+                 X_AHEAD: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr):
+        """Part tile ``i`` of ``_q6_tile``, as ``_q4k_step``."""
+        kt = kt0 + i
+        nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+        words, high, st0, st1, xt = words_n, high_n, st0_n, st1_n, xt_n
+        words_n = gl.load(words_ptr + wbase + nxt * 256)
+        if X_AHEAD:
+            xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
+        high_n = gl.load(high_ptr + hbase + nxt * 128)
+        st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
+        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
+        a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
+        if not X_AHEAD:
+            xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+        acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
+                                  a_smem, i % 2, ASYNC)
+        return words_n, high_n, st0_n, st1_n, xt_n, acc, acc2
 
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q4_1_kernel(x_ptr, words_ptr, steps_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
