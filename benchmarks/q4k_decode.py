@@ -45,10 +45,6 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gluon-maxnreg", type=int, choices=[0, 128, 168], default=None,
                     help="--q4k-decode engine or gluon*: registers a thread at most for a tail's 8-warp launches "
                          "(quant_gluon.MAXNREG; 128 the engine's; 0: as ptxas allots them)")
-    ap.add_argument("--gluon-async-from", type=int, choices=[0, 8, 16, 32, 64], default=None,
-                    help="--q4k-decode engine or gluon*: Q4_K and Q6_K launches of at least this many rows a program "
-                         "store each decoded tile in shared memory and leave its products in flight while the next "
-                         "tile is decoded (quant_gluon.ASYNC_FROM; 0: none, the engine's)")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
@@ -64,8 +60,6 @@ def settings(args: argparse.Namespace) -> dict:
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
-    if args.gluon_async_from is not None:  # (0: none)
-        chosen["ASYNC_FROM"] = args.gluon_async_from or None
     return chosen
 
 
@@ -75,7 +69,7 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
-                 "gluon_tails", "gluon_maxnreg", "gluon_async_from"):
+                 "gluon_tails", "gluon_maxnreg"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "

@@ -103,17 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the static counts with a tail of this many rows after BLOCK_M's (two products a tile)")
     ap.add_argument("--stages", type=int, choices=[0, 2, 3, 4], default=0,
                     help="the pair decode's static counts with its tiles staged in shared memory (cp.async)")
-    ap.add_argument("--async-mma", action="store_true",
-                    help="the static counts with the decoded tile through shared memory and its products left in "
-                         "flight (quant_gluon.ASYNC_FROM's launches; Q4_K and Q6_K)")
-    ap.add_argument("--async-from", type=int, choices=[8, 16, 32, 64], default=None,
-                    help="--bench: the 27B's Q4_K and Q6_K launches at an AR step's and verifies' rows as the engine "
-                         "runs them and with their products in flight from this many rows a program "
-                         "(quant_gluon.ASYNC_FROM), their bits compared")
     args = ap.parse_args(argv)
-    if args.async_from is not None and (not args.bench or args.q4_1):
-        ap.error(f"--async-from {args.async_from}: a choice of --bench's launches (the 27B's Q4_K and Q6_K), not of "
-                 f"the static counts or --q4-1")
     if args.q4_1 and not args.bench:
         ap.error("--q4-1: a choice of --bench's weights (SmolLM2's Q4_1 instead of the 27B's); the static counts "
                  "cover every decode, Q4_1 included")
@@ -125,12 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("--bench needs CUDA", file=sys.stderr)
             return 2
-        from quant_gluon_bench import bench, bench_async, bench_q4_1
+        from quant_gluon_bench import bench, bench_q4_1
 
-        if args.async_from is not None:
-            lines = bench_async(async_from=args.async_from)
-        else:
-            lines = bench_q4_1() if args.q4_1 else bench()
+        lines = bench_q4_1() if args.q4_1 else bench()
         if args.md:
             Path(args.md).write_text("\n".join(lines) + "\n")
         return 0
@@ -142,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                             for block_m in args.rows]:
         # (shared-memory stages: the pair decodes' only, Q4_K's, Q6_K's and Q4_1's)
         stages = 0 if decode == "float" else args.stages
-        if args.async_mma and decode in ("float", "q4_1"):
-            continue
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail,
-                                      args.async_mma)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)

@@ -129,55 +129,6 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
     return lines
 
 
-ASYNC_ROWS = (1, 8, 16, 23, 33, 41, 49, 64)  # an AR step's, and a verify's at budgets 22, 32, 40, 48 and 63
-
-
-def bench_async(rows: tuple[int, ...] = ASYNC_ROWS, async_from: int = 8) -> list[str]:
-    """Each 27B Q4_K and Q6_K weight's launch at each row count as the engine runs it and with its products left in
-    flight (``quant_gluon.ASYNC_FROM`` = ``async_from``: the decoded tile through shared memory): GPU us a call of
-    captured launches, weights cycled through 256 MB, and whether the two give the same bits (each row count)."""
-    from kernel_timing import time_us
-
-    from engine.models import quant_gluon
-    from engine.models.quantize import quantize
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    q6 = quant.FORMATS["Q6_K"]
-    lines = ["| weight | MB | split | " + " | ".join(f"{m} rows us: engine / async" for m in rows)
-             + f" | same bits (ASYNC_FROM {async_from}) |", "|---|---|---|" + "---|" * (len(rows) + 1)]
-    for label, n, k, fmt in [(*shape, Q4_K) for shape in SHAPES] + [("27B down Q6_K", 5120, 17408, q6),
-                                                                    ("27B o_proj Q6_K", 5120, 6144, q6)]:
-        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
-        split = split_for(n, k, sms)
-        if fmt is q6:
-            planes = repack_q6_k(quant.hold(blocks, q6), k)
-            launch = lambda x, p, n=n, k=k, s=split: linear_q6_k(x, p, n, k, s)  # noqa: E731
-        else:
-            planes = repack(blocks, k, True)
-            launch = lambda x, p, n=n, k=k, s=split: linear(x, *p, n, k, s, True)  # noqa: E731
-        pick = _rotating_planes(planes, blocks.numel())
-        cells, same = [], []
-        for m in rows:
-            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-            engine = time_us(lambda x=x, p=pick, f=launch: f(x, p()))
-            want = launch(x, planes)
-            overlapped = _with(lambda x=x, p=pick, f=launch: f(x, p()), ASYNC_FROM=async_from)
-            kept = quant_gluon.ASYNC_FROM
-            quant_gluon.ASYNC_FROM = async_from
-            try:
-                same.append("y" if torch.equal(launch(x, planes), want) else f"n ({m})")
-            finally:
-                quant_gluon.ASYNC_FROM = kept
-            cells.append(f"{engine:.1f} / {overlapped:.1f}")
-        lines.append(f"| {label} ({n} x {k}) | {blocks.numel() / 1e6:.1f} | {split} | " + " | ".join(cells)
-                     + f" | {'y' if all(v == 'y' for v in same) else ', '.join(v for v in same if v != 'y')} |")
-        print(lines[-1], flush=True)
-        del blocks, planes, pick
-        torch.cuda.empty_cache()
-    return lines
-
-
 def _with(call, **flags) -> float:
     """``call``'s GPU us with ``quant_gluon``'s module settings ``flags`` (``MIN_BLOCK_M`` 16: the engine's until
     2026-12-06's tenth session, 8 since; ``TAILS``, ``MAXNREG``), then back to the engine's."""

@@ -328,14 +328,12 @@ def test_the_wheel_cut_in_three_joins_over_one_call_a_part(tmp_path):
     ("quant.sh", {"STEPS": "s3 p16"}, "STEPS: p16: p takes nothing or 0"),
     ("quant.sh", {"STEPS": "p0 x3"}, "STEPS: x3: a step is engine or letters with their numbers"),
     ("attention.sh", {"ATTENTIONS": "32x4f4 wide"}, "ATTENTIONS: wide: a launch is BLOCK_NxWARPS"),
-    ("inflight.sh", {"ASYNC_FROMS": "32 12"}, "ASYNC_FROMS: 12: rows a program are 8, 16, 32 or 64"),
-    ("quant.sh", {"STEPS": "a32 ax"}, "STEPS: ax: a step is engine or letters with their numbers"),
     ("quant.sh", {"ATTENTIONS": "32x4f1 32x4q"}, "ATTENTIONS: 32x4q: a launch is BLOCK_NxWARPS"),
 ])
 def test_a_device_script_refuses_an_unknown_form_or_step_before_its_sections(tmp_path, script, env, says):
     """smol_native.sh checks every one of FORMS (and PROFILE_FORMS) before its first section, quant.sh every one of
     STEPS (letters with their numbers) and of ATTENTIONS, attention.sh every one of ATTENTIONS (--step-attention's
-    grammar), inflight.sh every one of ASYNC_FROMS: exit 2
+    grammar): exit 2
     naming the value, nothing run (no section started)."""
     tree = tmp_path / "tree"
     (tree / "benchmarks").mkdir(parents=True)

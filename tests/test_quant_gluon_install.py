@@ -74,26 +74,6 @@ def test_the_options_compile_for_hopper_staged_with_pdl_and_with_a_tail():
             assert ("LDGSTS" in loads) == ("--stages" in flags), (flags, loads)
 
 
-@pytest.mark.skipif(quant_gluon.gluon is None or not (Path(__import__("triton").__file__).parent / "backends"
-                    / "nvidia" / "bin" / "cuobjdump").is_file(), reason="no Gluon, or no NVIDIA tools in this Triton")
-def test_products_left_in_flight_compile_for_hopper_with_one_wait_a_tile():
-    """``ASYNC_FROM``'s launches, statically (sm_90): the decoded tile stored into shared memory by ``STSM`` (8 a
-    thread a tile) and one ``warpgroup_mma_wait`` a tile that leaves this tile's products in flight (1 without a
-    tail, 2 with one), where the register path waits for each of its products (ptxas serialises them)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for flags, decodes, hgmma, waits in [
-            (["--rows", "16", "32"], ["pairs", "pairs", "q6_k", "q6_k"], "8", "gsb0,0x1"),
-            (["--rows", "32", "--tail", "8", "--warps", "8"], ["pairs", "q6_k"], "16", "gsb0,0x2")]:
-        proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), *flags, "--async-mma"],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = re.findall(r"^\| (float|pairs|q6_k|q4_1) \| \d+ \| \d+ \| \d+ \| [\d.]+ \| (\d+) \| (\d+) \| \d+ \| "
-                          r"[^|]* \| \d+, ([^|]*) \|", proc.stdout, flags=re.M)
-        assert [r[0] for r in rows] == decodes, proc.stdout  # (the float decode and Q4_1 have no such launch)
-        for _, got_hgmma, got_sts, got_waits in rows:
-            assert got_hgmma == hgmma and int(got_sts) >= 8 and got_waits.strip() == waits, (flags, rows)
-
-
 @pytest.mark.parametrize("pairs", [False, True])
 def test_install_routes_only_bf16_q4_k_products_of_whole_blocks_and_repacks_a_weight_once(monkeypatch, pairs):
     """``gpu_bench.py --q4k-decode gluon`` (``gluon-pairs``: Q6_K too): bf16 rows (any count: row blocks) of a Q4_K

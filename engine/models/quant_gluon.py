@@ -250,7 +250,7 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     the same bits whichever."""
     stages = _stages(stages, pairs, x_ahead, x, heads.shape[0], cols, split)
     return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
-                   X_AHEAD=x_ahead, STAGES=stages, ASYNC=None)
+                   X_AHEAD=x_ahead, STAGES=stages)
 
 
 # Tiles a program has in flight through shared memory, for every launch: ``STAGES - 1`` copied ahead by cp.async (no
@@ -326,7 +326,7 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
     return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
-                   STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split), ASYNC=None)
+                   STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split))
 
 
 def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, split: int = 1, x_ahead: bool = False,
@@ -343,14 +343,11 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
             warps: int | None, **constexprs) -> Tensor:
     """One launch: a program a tile of ``16 * warps`` rows, a part of K (whole 128-column tiles of the planes'
     padded K) and a block of up to ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's
-    tickets, one a tile and row block), so the output is bf16 straight away. ``ASYNC=None`` (a kernel that has
-    it): ``ASYNC_FROM``'s rule."""
+    tickets, one a tile and row block), so the output is bf16 straight away."""
     m = x.shape[0]
     k_tiles = padded_cols(cols) // TILE_K
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
     block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
-    if "ASYNC" in constexprs and constexprs["ASYNC"] is None:
-        constexprs["ASYNC"] = takes_async(block_m, constexprs.get("STAGES", 0))
     warps = _warps(_block_m(m), n_pad, warps)  # (a tail's launch takes the warps of its rows' power of two)
     tiles = n_pad // (16 * warps)
     row_blocks = -(-m // (block_m + tail))
@@ -366,22 +363,6 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
 
 
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
-
-# A launch of at least this many rows a program (``BLOCK_M``; a tail's launch by its first part) on the register path
-# stores each decoded tile into shared memory (wgmma's A operand there, two buffers with x's rows beside) and leaves the
-# tile's matrix-unit products in flight while the next tile is read and decoded (``ASYNC``: one ``warpgroup_mma_wait``
-# a tile, for the tile before). The register path's products wait for themselves: with A in registers ptxas serialises
-# every in-flight product (2026-12-06), so a verify's 33-row tile is decoded, then multiplied (16 HGMMA), then the next
-# decoded. Q4_K and Q6_K; the same products in the same K order into the same sums: the same bits (GPU test). Static
-# counts (sm_90, Triton 3.6, ``quant_gluon.py --async-mma``): the K loop 268 -> 326 instructions a thread at 32 + 8 rows
-# on 8 warps (8 ``STSM`` of the tile, the buffers' descriptors), shared memory 16 -> 86 KB a program. None: never
-ASYNC_FROM: int | None = None
-
-
-def takes_async(block_m: int, stages: int = 0) -> bool:
-    """Whether a launch of ``block_m`` rows a program with ``stages`` takes ``ASYNC_FROM``'s products in flight (the
-    register path only: ``stages`` 0 or 1)."""
-    return ASYNC_FROM is not None and block_m >= ASYNC_FROM and stages <= 1
 
 
 # A launch's fewest rows a program: 8, wgmma's narrowest N. An AR step's launch compiles to 72 registers a thread (7
@@ -446,7 +427,7 @@ def round_bf16(w: Tensor) -> Tensor:
 
 
 def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       stages: int = 0, pdl: bool = False, tail: int = 0, async_mma: bool = False):
+                       stages: int = 0, pdl: bool = False, tail: int = 0):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs),
     ``linear_q6_k`` (q6_k) or ``linear_q4_1`` (q4_1: K not whole tiles, SmolLM2's 576) makes for ``block_m`` rows on
     ``warps`` warps with ``stages``."""
@@ -460,7 +441,7 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         fn, sig = kernels._q6_kernel, {**common, "high_ptr": "*i32", "scales_ptr": "*i8", "d_ptr": "*fp16", **after,
                                        "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
-                      "TAIL": tail, "ASYNC": async_mma}
+                      "TAIL": tail}
     elif decode == "q4_1":
         fn, sig = kernels._q4_1_kernel, {**common, "steps_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "X_AHEAD": x_ahead, "STAGES": _stages(stages, True, x_ahead), "PDL": pdl,
@@ -468,8 +449,7 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
     else:
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
-                      "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl, "TAIL": tail,
-                      "ASYNC": async_mma}
+                      "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl, "TAIL": tail}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}

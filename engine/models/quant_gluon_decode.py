@@ -202,15 +202,10 @@ if gluon is not None:
         return gl.join(v, v)
 
     @gluon.jit
-    def _x_smem(BLOCK_M: gl.constexpr, BUFFERS: gl.constexpr = 0):
-        """The x tile's shared buffer [128, BLOCK_M] (wgmma's B operand, K-major); ``BUFFERS`` > 0: that many,
-        [BUFFERS, 128, BLOCK_M]."""
+    def _x_smem(BLOCK_M: gl.constexpr):
+        """The x tile's shared buffer [128, BLOCK_M] (wgmma's B operand, K-major)."""
         xs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=True)
-        if BUFFERS:
-            smem = gl.allocate_shared_memory(gl.bfloat16, [BUFFERS, 128, BLOCK_M], xs)
-        else:
-            smem = gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
-        return smem
+        return gl.allocate_shared_memory(gl.bfloat16, [128, BLOCK_M], xs)
 
     @gluon.jit
     def _x_tile(x_ptr, kt, K, M, BLOCK_M: gl.constexpr, K_MASK: gl.constexpr):

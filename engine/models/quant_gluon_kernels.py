@@ -11,7 +11,11 @@ keeps its place in the planes whatever the tile (the planes are ordered by 16-ro
 a program taking a strided group of tiles and reading x once instead of once a tile, ran 1.2-1.9x slower at 33 rows
 on an H100, 2026-12-06: one program an SM, where the decode's latency wants two or more.) (Each tile's
 ``warpgroup_mma`` waits for itself: left in flight while the next tile was decoded, the x tile in two buffers, ptxas
-put a wait after every one of its 8 instructions, its A operand being registers: more instructions, no overlap.)
+put a wait after every one of its 8 instructions, its A operand being registers: more instructions, no overlap. With the
+decoded tile stored into shared memory instead, two buffers and one ``warpgroup_mma_wait`` a tile, the products were in
+flight for real, and on an H100 the Q4_K launches ran 1.2-1.6x slower at 1-64 rows, Q6_K's 1.3-1.7x from 16-23 rows
+(within 4% at 1-8), the 27B Q4_K_M verify at 32 16.3 -> 22.0 ms: the round trip through shared memory this decode
+exists to avoid. 448bcb0, dropped; benchmarks/RESULTS.md, 2026-12-07.)
 Split over K, each part's fp32 sums and then a ticket, as the engine's few-row kernels
 (``engine.models.linear.store_rows``): the part that takes the last adds every part in order 0..split-1 and writes
 the bf16 output, so a product is one launch whatever its split."""
@@ -22,7 +26,7 @@ from engine.models.quant_gluon_decode import gluon  # None: a Triton without Glu
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
     from engine.models import quant_gluon_staged as staged  # the staged tiles (``quant_gluon.STAGES``)
     from engine.models.quant_gluon_decode import (
@@ -76,7 +80,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                      PDL: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr = False):
+                      PDL: gl.constexpr, TAIL: gl.constexpr):
         """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
         tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
             x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
@@ -86,22 +90,20 @@ if gluon is not None:
             acc2 = acc
         else:
             acc, acc2 = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD,
-                                  PDL, TAIL, ASYNC)
+                                  PDL, TAIL)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
                     TAIL)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr,
-                  ASYNC: gl.constexpr = False):
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
         """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout, and the ``TAIL``
         rows' after them ([16 W, TAIL]; the first again when TAIL is 0)."""
         W: gl.constexpr = gl.num_warps()
-        x_smem = _x_smem(BLOCK_M, 2 if ASYNC else 0)
-        a_smem = _a_smem(x_smem, ASYNC)
+        x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        acc2, x_tail = _tail_sums(acc, x_smem, TAIL, ASYNC)
+        acc2, x_tail = _tail_sums(acc, x_smem, TAIL)
         all_tiles = K // 128
         wbase = _word_offsets(tile, all_tiles)
         sub = gl.arange(0, 4, layout=gl.SliceLayout(0, one))
@@ -110,51 +112,35 @@ if gluon is not None:
         # again (a cache hit, no mask). (Two iterations ahead ran 1.0-1.35x slower on an H100, 2026-12-06: 4
         # programs an SM instead of 5 by registers, and the rotation's register moves.)
         kt0 = part * k_tiles
-        if ASYNC:  # (a launch has a tile a part: no path skips the loop, whose wgmma waits ptxas would serialize)
-            gl.assume(k_tiles > 0)
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
         if PDL:  # the weight's first tile asked for; x only once the kernel before has written it
             kt0 = _dependency_wait(kt0)
-        xt_n = words_n  # (X_AHEAD: x's rows for the first tile; else not read)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):  # (ASYNC: tiles alternate between two buffers)
-            words_n, hw0_n, hw1_n, xt_n, acc, acc2 = _q4k_step(
-                x_ptr, words_ptr, heads_ptr, wbase, sub, tile, kt0, i, k_tiles, K, M, words_n, hw0_n, hw1_n, xt_n,
-                acc, acc2, x_smem, x_tail, a_smem, BLOCK_M, PAIRS, X_AHEAD, TAIL, ASYNC)
-        return _mma_done(acc, acc2, TAIL, ASYNC)
-
-    @gluon.jit
-    def _q4k_step(x_ptr, words_ptr, heads_ptr, wbase, sub, tile, kt0, i, k_tiles, K, M, words_n, hw0_n, hw1_n, xt_n,
-                  acc, acc2, x_smem, x_tail, a_smem, BLOCK_M: gl.constexpr, PAIRS: gl.constexpr,
-                  X_AHEAD: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr):
-        """Part tile ``i`` (K tile ``kt0 + i``) of ``_q4k_tile``: the next tile's planes (and x's rows) asked for, this
-        one's decoded and multiplied (``ASYNC``: through buffer ``i % 2``); returns what the next step reads. (Two
-        steps an iteration, each with a buffer of its own, made the descriptors constants but ptxas interleaved the
-        two tiles: 80 -> 127 registers at 8 rows, 161 -> 215 at 32 + 8; static, sm_90, 2026-12-07.)"""
-        kt = kt0 + i
-        nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-        words, hw0, hw1, xt = words_n, hw0_n, hw1_n, xt_n
-        words_n = gl.load(words_ptr + wbase + nxt * 256)
-        if X_AHEAD:
-            xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
-        hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
-        h0, a0, m0, r0 = _head_fields(hw0)
-        h1, a1, m1, r1 = _head_fields(hw1)
-        st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
-        st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
-        if PAIRS:
-            pst0, pnsh0 = _pair_steps(st0, sh0)
-            pst1, pnsh1 = _pair_steps(st1, sh1)
-            a = _pairs_tile(words, pst0, pnsh0, pst1, pnsh1)
-        else:
-            a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
-        if not X_AHEAD:
-            xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
-        acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
-                                  a_smem, i % 2, ASYNC)
-        return words_n, hw0_n, hw1_n, xt_n, acc, acc2
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, hw0, hw1 = words_n, hw0_n, hw1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
+            hw0_n, hw1_n = _head_words(heads_ptr, tile, nxt, K, 0), _head_words(heads_ptr, tile, nxt, K, 1)
+            h0, a0, m0, r0 = _head_fields(hw0)
+            h1, a1, m1, r1 = _head_fields(hw1)
+            st0, sh0 = _step_shift(h0, a0, m0, r0, kt, sub)
+            st1, sh1 = _step_shift(h1, a1, m1, r1, kt, sub)
+            if PAIRS:
+                pst0, pnsh0 = _pair_steps(st0, sh0)
+                pst1, pnsh1 = _pair_steps(st1, sh1)
+                a = _pairs_tile(words, pst0, pnsh0, pst1, pnsh1)
+            else:
+                a = _values_tile(words, _beside(st0), _beside(sh0), _beside(st1), _beside(sh1))
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
+        return acc, acc2
 
     @gluon.jit
     def _times_x(acc, a, xt, x_smem):
@@ -166,13 +152,12 @@ if gluon is not None:
         return warpgroup_mma(a, x_smem, acc)
 
     @gluon.jit
-    def _tail_sums(acc, x_smem, TAIL: gl.constexpr, ASYNC: gl.constexpr = False):
-        """The ``TAIL`` rows' sums [16 W, TAIL] (zero) and x tile (``ASYNC``: two); without a tail, ``acc`` and
-        ``x_smem`` again."""
+    def _tail_sums(acc, x_smem, TAIL: gl.constexpr):
+        """The ``TAIL`` rows' sums [16 W, TAIL] (zero) and x tile; without a tail, ``acc`` and ``x_smem`` again."""
         W: gl.constexpr = gl.num_warps()
         if TAIL > 0:
             acc2 = gl.zeros([16 * W, TAIL], gl.float32, layout=_mma_layout(W, TAIL))
-            x_tail = _x_smem(TAIL, 2 if ASYNC else 0)
+            x_tail = _x_smem(TAIL)
         else:
             acc2 = acc
             x_tail = x_smem
@@ -180,68 +165,15 @@ if gluon is not None:
 
     @gluon.jit
     def _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, TAIL: gl.constexpr,
-                      K_MASK: gl.constexpr, a_smem=None, buf=0, ASYNC: gl.constexpr = False):
+                      K_MASK: gl.constexpr):
         """``_times_x`` for the ``BLOCK_M`` rows, and with a ``TAIL`` the tail's rows too (``_times_x_tail``):
-        (acc, acc2), acc2 being acc without a tail. ``ASYNC``: ``_times_x_async`` (through buffer ``buf``)."""
-        if ASYNC:
-            xt2 = xt
-            if TAIL > 0:
-                xt2 = _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL, K_MASK)
-            acc, acc2 = _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, buf, TAIL)
-        elif TAIL > 0:
+        (acc, acc2), acc2 being acc without a tail."""
+        if TAIL > 0:
             acc, acc2 = _times_x_tail(acc, acc2, a, xt,
                                       _x_tile(x_ptr + BLOCK_M * K, kt, K, M - BLOCK_M, TAIL, K_MASK), x_smem, x_tail)
         else:
             acc = _times_x(acc, a, xt, x_smem)
             acc2 = acc
-        return acc, acc2
-
-    @gluon.jit
-    def _a_smem(x_smem, ASYNC: gl.constexpr):
-        """``ASYNC``'s two buffers for the decoded tile, [2, 16 W, 128] bf16 (wgmma's A operand, K-major); else
-        ``x_smem`` again (not used)."""
-        W: gl.constexpr = gl.num_warps()
-        if ASYNC:
-            al: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-            a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 16 * W, 128], al)
-        else:
-            a_smem = x_smem
-        return a_smem
-
-    @gluon.jit
-    def _times_x_async(acc, acc2, a, xt, xt2, x_smem, x_tail, a_smem, buf, TAIL: gl.constexpr):
-        """``ASYNC``: the decoded tile and x's rows into buffer ``buf`` of shared memory (tiles alternate), the
-        products asked for and left in flight while the next tile is read and decoded (``warpgroup_mma_wait``: at
-        most this tile's in flight, so the other buffer's last reader, the tile before's products, has ended before
-        the next tile writes it). The same instructions, K order and accumulators as ``_times_x``: the same bits."""
-        W: gl.constexpr = gl.num_warps()
-        a = a.reshape([W, 8, 4, 8, 2, 2, 2]).permute([0, 5, 1, 3, 4, 2, 6]).reshape([16 * W, 128])
-        a_s = a_smem.index(buf)
-        a_s.store(a)
-        x_s = x_smem.index(buf)
-        x_s.store(xt)
-        if TAIL > 0:
-            x_t = x_tail.index(buf)
-            x_t.store(xt2)
-        fence_async_shared()
-        acc = warpgroup_mma(a_s, x_s, acc, is_async=True)
-        if TAIL > 0:
-            acc2 = warpgroup_mma(a_s, x_t, acc2, is_async=True)
-            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc2])
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            acc2 = acc
-        return acc, acc2
-
-    @gluon.jit
-    def _mma_done(acc, acc2, TAIL: gl.constexpr, ASYNC: gl.constexpr):
-        """The loop's sums once every product is done (``ASYNC``: the last tile's still in flight)."""
-        if ASYNC:
-            if TAIL > 0:
-                acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc2])
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                acc2 = acc
         return acc, acc2
 
     @gluon.jit
@@ -308,7 +240,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                   PDL: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr = False):
+                   PDL: gl.constexpr, TAIL: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
         tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
             x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
@@ -318,17 +250,16 @@ if gluon is not None:
             acc2 = acc
         else:
             acc, acc2 = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                                 X_AHEAD, PDL, TAIL, ASYNC)
+                                 X_AHEAD, PDL, TAIL)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
                     TAIL)
 
     @gluon.jit
     def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                 X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr = False):
+                 X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
         """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows')."""
         W: gl.constexpr = gl.num_warps()
-        x_smem = _x_smem(BLOCK_M, 2 if ASYNC else 0)
-        a_smem = _a_smem(x_smem, ASYNC)
+        x_smem = _x_smem(BLOCK_M)
         wl: gl.constexpr = _words_layout(W)
         hl: gl.constexpr = _quads_layout(W)  # the top bits [8 W = (w, g), 4 = t, 4 = u]
         all_tiles = K // 128
@@ -342,45 +273,32 @@ if gluon is not None:
         row0 = tile * (16 * W) + (sr // 8) * 16 + sr % 8  # h = 0; h = 1 is 8 rows on
         slices = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
         acc = gl.zeros([16 * W, BLOCK_M], gl.float32, layout=_mma_layout(W, BLOCK_M))
-        acc2, x_tail = _tail_sums(acc, x_smem, TAIL, ASYNC)
+        acc2, x_tail = _tail_sums(acc, x_smem, TAIL)
         kt0 = part * k_tiles  # the next tile's planes read one iteration ahead, as in _q4k_tile
-        if ASYNC:  # as in _q4k_tile
-            gl.assume(k_tiles > 0)
         words_n = gl.load(words_ptr + wbase + kt0 * 256)
         high_n = gl.load(high_ptr + hbase + kt0 * 128)
         st0_n = _q6_steps(scales_ptr, d_ptr, row0, kt0, slices, K)
         st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
         if PDL:  # as _q4k_tile's
             kt0 = _dependency_wait(kt0)
-        xt_n = words_n  # (X_AHEAD: x's rows for the first tile; else not read)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):  # (ASYNC: tiles alternate between two buffers)
-            words_n, high_n, st0_n, st1_n, xt_n, acc, acc2 = _q6_step(
-                x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase, hbase, row0, slices, kt0, i, k_tiles, K, M,
-                words_n, high_n, st0_n, st1_n, xt_n, acc, acc2, x_smem, x_tail, a_smem, BLOCK_M, X_AHEAD, TAIL, ASYNC)
-        return _mma_done(acc, acc2, TAIL, ASYNC)
-
-    @gluon.jit
-    def _q6_step(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase, hbase, row0, slices, kt0, i, k_tiles, K, M,
-                 words_n, high_n, st0_n, st1_n, xt_n, acc, acc2, x_smem, x_tail, a_smem, BLOCK_M: gl.constexpr,
-                 X_AHEAD: gl.constexpr, TAIL: gl.constexpr, ASYNC: gl.constexpr):
-        """Part tile ``i`` of ``_q6_tile``, as ``_q4k_step``."""
-        kt = kt0 + i
-        nxt = kt + (i + 1 < k_tiles).to(gl.int32)
-        words, high, st0, st1, xt = words_n, high_n, st0_n, st1_n, xt_n
-        words_n = gl.load(words_ptr + wbase + nxt * 256)
-        if X_AHEAD:
-            xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
-        high_n = gl.load(high_ptr + hbase + nxt * 128)
-        st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
-        st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
-        a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
-        if not X_AHEAD:
-            xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
-        acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False,
-                                  a_smem, i % 2, ASYNC)
-        return words_n, high_n, st0_n, st1_n, xt_n, acc, acc2
+        for i in range(0, k_tiles):
+            kt = kt0 + i
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
+            words, high, st0, st1 = words_n, high_n, st0_n, st1_n
+            words_n = gl.load(words_ptr + wbase + nxt * 256)
+            if X_AHEAD:
+                xt = xt_n
+                xt_n = _x_tile(x_ptr, nxt, K, M, BLOCK_M, False)
+            high_n = gl.load(high_ptr + hbase + nxt * 128)
+            st0_n = _q6_steps(scales_ptr, d_ptr, row0, nxt, slices, K)
+            st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, nxt, slices, K)
+            a = _q6_pairs_tile(words, high) * _per_value(st0, st1)  # times bf16(d * scale), one rounding
+            if not X_AHEAD:
+                xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
+            acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
+        return acc, acc2
 
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q4_1_kernel(x_ptr, words_ptr, steps_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,

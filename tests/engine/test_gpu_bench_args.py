@@ -88,8 +88,6 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-maxnreg: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--gluon-tails", "off", "--gluon-maxnreg", "128"],
      "--gluon-maxnreg 128: it caps a tail's launch, and --gluon-tails off takes none"),
-    (["large", "--q4k-decode", "kernel", "--gluon-async-from", "32"],
-     "--gluon-async-from: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl", "on"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
@@ -101,11 +99,11 @@ def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
 
 def test_the_gluon_flags_set_only_what_they_ask_for():
     """``--gluon-*`` (``q4k_decode.settings``): each flag given sets its ``quant_gluon`` setting (``--gluon-tails
-    off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers,
-    ``--gluon-async-from 0`` no products in flight); a flag not given leaves the engine's."""
+    off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not
+    given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
-                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None, gluon_async_from=None)
+                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
@@ -116,8 +114,6 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_pdl="off") == {"PDL": False}
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
     assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
-    assert settings(gluon_async_from=32) == {"ASYNC_FROM": 32}
-    assert settings(gluon_async_from=0) == {"ASYNC_FROM": None}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():

@@ -1,8 +1,7 @@
 """``engine.models.quant_gluon``'s options beside the engine's decode (issue #28): tiles staged in shared memory
-(``STAGES``), programmatic dependent launch (``PDL``), a verify's rows as a power of two and a tail (``TAILS``), the
-8-warp launches' register cap (``MAXNREG``) and products left in flight (``ASYNC_FROM``). On a GPU each keeps the
-engine's bits; on the CPU, the rules that pick them and what a launch passes to the kernel. (The engine's decode
-itself: ``test_quant_gluon.py``.)"""
+(``STAGES``), programmatic dependent launch (``PDL``), a verify's rows as a power of two and a tail (``TAILS``) and the
+8-warp launches' register cap (``MAXNREG``). On a GPU each keeps the engine's bits; on the CPU, the rules that pick
+them and what a launch passes to the kernel. (The engine's decode itself: ``test_quant_gluon.py``.)"""
 
 from __future__ import annotations
 
@@ -126,52 +125,6 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
             assert torch.equal(product(eye), weight[:, c0:c0 + rows].T), c0
         for rows, w in zip(counts, wanted, strict=True):
             assert torch.equal(product(x[:rows]), w), rows
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
-@pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("warps", [None, 4, 8])
-@pytest.mark.parametrize("async_from", [8, 32])
-def test_on_the_gpu_products_left_in_flight_give_the_register_paths_bits(monkeypatch, split, warps, async_from):
-    """``ASYNC_FROM`` (each decoded tile through shared memory, its products in flight while the next is decoded),
-    Q4_K's pairs and Q6_K: one-hot rows read the weight back bit for bit, and every row count's product (a tail's
-    32 + 8 and 32 + 16 among them, the engine's launches) has the bits of the launch whose products wait for
-    themselves, so a lone row's (which at ``ASYNC_FROM`` 32 takes the register path) its bits among a verify's."""
-    from engine.models.quant import hold
-
-    words, heads = quant_gluon.repack(_blocks(seed=14, n=N2).cuda(), K, True)
-    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=15, n=N2), FORMATS["Q6_K"]).cuda(), K)
-    products = [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True, False, warps),
-                 quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
-                (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split, False, warps),
-                 quant_gluon.reference_q6_k(*planes, N2, K))]
-    x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
-    counts = (1, 5, 8, 16, 23, 33, 40, 41, 48, 64, ROWS)
-    monkeypatch.setattr(quant_gluon, "ASYNC_FROM", None)
-    want = [[product(x[:rows]) for rows in counts] for product, _ in products]
-    monkeypatch.setattr(quant_gluon, "ASYNC_FROM", async_from)
-    for (product, weight), wanted in zip(products, want, strict=True):
-        _reads_back(product, weight)
-        for rows, w in zip(counts, wanted, strict=True):
-            assert torch.equal(product(x[:rows]), w), rows
-
-
-def test_a_launch_leaves_its_products_in_flight_from_async_from_rows_a_program_on_the_register_path(monkeypatch):
-    """``_launch`` with ``ASYNC=None`` (Q4_K's and Q6_K's): ``ASYNC`` true where the rows a program (a tail's launch:
-    its first part) reach ``ASYNC_FROM`` and the tiles take the register path; never at ``ASYNC_FROM`` None (the
-    engine's) or with shared-memory stages; a kernel without it (Q4_1's) is passed none."""
-    def asked(m: int, **constexprs) -> list:
-        kernel = _Launches()
-        quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), 256, 200, K, 1, None, **constexprs)
-        return [kw.get("ASYNC", "absent") for _, kw in kernel.seen]
-
-    counts = (1, 8, 16, 33, 48, 64, 100)
-    assert [asked(m, STAGES=0, ASYNC=None) for m in counts] == [[False]] * 7
-    monkeypatch.setattr(quant_gluon, "ASYNC_FROM", 32)
-    assert [asked(m, STAGES=0, ASYNC=None)[0] for m in counts] == [False, False, False, True, True, True, True]
-    assert asked(33, STAGES=3, ASYNC=None) == [False] and asked(33, STAGES=0) == ["absent"]
-    monkeypatch.setattr(quant_gluon, "ASYNC_FROM", 8)
-    assert [asked(m, STAGES=0, ASYNC=None)[0] for m in counts] == [True] * 7
 
 
 def test_a_verifys_rows_take_a_tail_only_where_it_fits_in_a_quarter_of_their_power_of_two(monkeypatch):
