@@ -118,10 +118,9 @@ if gluon is not None:
             kt0 = _dependency_wait(kt0)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        last = kt0 + k_tiles - 1  # (the last tile reads itself again)
         for i in range(0, k_tiles):
             kt = kt0 + i
-            nxt = gl.minimum(kt + 1, last)
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, hw0, hw1 = words_n, hw0_n, hw1_n
             words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
@@ -284,10 +283,9 @@ if gluon is not None:
             kt0 = _dependency_wait(kt0)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        last = kt0 + k_tiles - 1  # (the last tile reads itself again)
         for i in range(0, k_tiles):
             kt = kt0 + i
-            nxt = gl.minimum(kt + 1, last)
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, high, st0, st1 = words_n, high_n, st0_n, st1_n
             words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
@@ -352,10 +350,9 @@ if gluon is not None:
             kt0 = _dependency_wait(kt0)
         if X_AHEAD:
             xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, K_MASK)
-        last = kt0 + k_tiles - 1  # (the last tile reads itself again)
         for i in range(0, k_tiles):
             kt = kt0 + i
-            nxt = gl.minimum(kt + 1, last)
+            nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, s0, s1 = words_n, s0_n, s1_n
             words_n = gl.load(words_ptr + wbase + nxt * 256)
             if X_AHEAD:
