@@ -14,8 +14,8 @@ on an H100, 2026-12-06: one program an SM, where the decode's latency wants two 
 put a wait after every one of its 8 instructions, its A operand being registers: more instructions, no overlap. With the
 decoded tile stored into shared memory instead, two buffers and one ``warpgroup_mma_wait`` a tile, the products were in
 flight for real, and on an H100 the Q4_K launches ran 1.2-1.6x slower at 1-64 rows, Q6_K's 1.3-1.7x from 16-23 rows
-(within 4% at 1-8), the 27B Q4_K_M verify at 32 16.3 -> 22.0 ms: the round trip through shared memory this decode
-exists to avoid. 448bcb0, dropped; benchmarks/RESULTS.md, 2026-12-07.)
+(at 1-8 rows 0.96-1.00x), the 27B Q4_K_M verify at 32 16.3 -> 22.0 ms: the round trip through shared memory this
+decode exists to avoid. 448bcb0, dropped; benchmarks/RESULTS.md, 2026-12-07.)
 Split over K, each part's fp32 sums and then a ticket, as the engine's few-row kernels
 (``engine.models.linear.store_rows``): the part that takes the last adds every part in order 0..split-1 and writes
 the bf16 output, so a product is one launch whatever its split."""
