@@ -329,11 +329,14 @@ def test_the_wheel_cut_in_three_joins_over_one_call_a_part(tmp_path):
     ("quant.sh", {"STEPS": "p0 x3"}, "STEPS: x3: a step is engine or letters with their numbers"),
     ("attention.sh", {"ATTENTIONS": "32x4f4 wide"}, "ATTENTIONS: wide: a launch is BLOCK_NxWARPS"),
     ("quant.sh", {"ATTENTIONS": "32x4f1 32x4q"}, "ATTENTIONS: 32x4q: a launch is BLOCK_NxWARPS"),
+    ("versus.sh", {}, "HEAD: '' must name an earlier tree carried in .device/"),
+    ("versus.sh", {"HEAD": "benchmarks/device"}, "HEAD: 'benchmarks/device' must name an earlier tree"),
+    ("versus.sh", {"HEAD": str(REPO), "PAIRS": "two"}, "PAIRS: two: the pairs of runs, a whole number from 1"),
 ])
 def test_a_device_script_refuses_an_unknown_form_or_step_before_its_sections(tmp_path, script, env, says):
     """smol_native.sh checks every one of FORMS (and PROFILE_FORMS) before its first section, quant.sh every one of
     STEPS (letters with their numbers) and of ATTENTIONS, attention.sh every one of ATTENTIONS (--step-attention's
-    grammar): exit 2
+    grammar), versus.sh its HEAD tree and PAIRS: exit 2
     naming the value, nothing run (no section started)."""
     tree = tmp_path / "tree"
     (tree / "benchmarks").mkdir(parents=True)
