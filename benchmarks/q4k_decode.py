@@ -45,6 +45,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gluon-maxnreg", type=int, choices=[0, 128, 168], default=None,
                     help="--q4k-decode engine or gluon*: registers a thread at most for a tail's 8-warp launches "
                          "(quant_gluon.MAXNREG; 128 the engine's; 0: as ptxas allots them)")
+    ap.add_argument("--gluon-wide-warps", type=int, choices=[8, 16], default=None,
+                    help="--q4k-decode engine or gluon*: the warps of a launch of 32 rows a program or more (a "
+                         "verify's) where the weight's padded rows are whole tiles of theirs (quant_gluon.WIDE_WARPS; "
+                         "8: 128-row tiles, the engine's; 16: 256-row tiles, x read half as often)")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
@@ -56,7 +60,8 @@ def settings(args: argparse.Namespace) -> dict:
     tails = {None: {}, "on": {"TAILS": True}, "off": {"TAILS": False}, "16": {"TAILS": True, "TAIL_FROM": 32}}
     pdl = {None: None, "on": True, "off": False}[args.gluon_pdl]
     asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": pdl,
-             "FEW_ROWS_STAGES": args.gluon_few_rows_stages, "STAGED_ROWS": args.gluon_staged_rows}
+             "FEW_ROWS_STAGES": args.gluon_few_rows_stages, "STAGED_ROWS": args.gluon_staged_rows,
+             "WIDE_WARPS": args.gluon_wide_warps}
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
@@ -69,7 +74,7 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
-                 "gluon_tails", "gluon_maxnreg"):
+                 "gluon_tails", "gluon_maxnreg", "gluon_wide_warps"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "

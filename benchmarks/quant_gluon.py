@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--q4-1", action="store_true",
                     help="--bench: SmolLM2's Q4_1 weights instead (beside quant_kernel and the dense bf16 kernel)")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
-    ap.add_argument("--warps", type=int, choices=[4, 8], default=4, help="the static counts of a 16 x WARPS-row tile")
+    ap.add_argument("--warps", type=int, choices=[4, 8, 16], default=4,
+                    help="the static counts of a 16 x WARPS-row tile")
     ap.add_argument("--pdl", action="store_true", help="the static counts with programmatic dependent launch")
     ap.add_argument("--tail", type=int, choices=[0, 8, 16], default=0,
                     help="the static counts with a tail of this many rows after BLOCK_M's (two products a tile)")

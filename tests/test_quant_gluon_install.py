@@ -59,10 +59,11 @@ def test_it_compiles_for_hopper_with_the_decoded_tile_never_in_shared_memory():
 def test_the_options_compile_for_hopper_staged_with_pdl_and_with_a_tail():
     """The engine's options, statically (sm_90): ``STAGES`` 3 with ``PDL`` (the engine's since 2026-12-07: the planes
     by cp.async, no x tile stored from registers) and a tail of 8 after 32 rows on 8 warps (``TAILS``, the engine's
-    since 2026-12-07: two products a tile, 16 HGMMA)."""
+    since 2026-12-07: two products a tile, 16 HGMMA), and on 16 warps (``WIDE_WARPS`` 16: 256-row tiles)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for flags, hgmma, sts in [(["--rows", "16", "--stages", "3", "--pdl"], "8", "0"),
-                              (["--rows", "32", "--tail", "8", "--warps", "8"], "16", None)]:
+                              (["--rows", "32", "--tail", "8", "--warps", "8"], "16", None),
+                              (["--rows", "32", "--tail", "8", "--warps", "16", "--pdl"], "16", None)]:
         proc = subprocess.run([sys.executable, str(BENCH / "quant_gluon.py"), *flags], capture_output=True, text=True,
                               env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

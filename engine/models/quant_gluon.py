@@ -46,7 +46,8 @@ for its weight's tiles while the kernel ahead of it runs). The K order is the na
 Rows past N are padded to whole 64-row tiles; K must be whole 256-value blocks (Q4_1: 32-value ones); a program takes up
 to 64 rows (``BLOCK_M`` 8, 16, 32 or 64 from ``MIN_BLOCK_M``; more rows, more row blocks; ``TAILS``: 33-48 rows as 32
 and a tail of 8 or 16, two products of one decoded tile: a verify of budget 32 18.7 -> 17.7 ms) on 4 or 8 warps (a 64-
-or 128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 registers). Split over K (``split_for``):
+or 128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 registers; ``WIDE_WARPS``, an option: a
+verify's launches on 16, 256-row tiles). Split over K (``split_for``):
 each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's tickets).
 The kernels themselves are in ``quant_gluon_kernels.py`` (the staged tiles in ``quant_gluon_staged.py``, what both share
 in ``quant_gluon_decode.py``).
@@ -348,7 +349,8 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     k_tiles = padded_cols(cols) // TILE_K
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
     block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
-    warps = _warps(_block_m(m), n_pad, warps)  # (a tail's launch takes the warps of its rows' power of two)
+    # (a tail's launch takes the warps of its rows' power of two; 16 on the register path only)
+    warps = _warps(_block_m(m), n_pad, warps, wide=constexprs.get("STAGES", 0) <= 1)
     tiles = n_pad // (16 * warps)
     row_blocks = -(-m // (block_m + tail))
     capped = MAXNREG and warps == 8 and tail
@@ -407,13 +409,24 @@ def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
     return block_m // 2, 8 if rest <= 8 else 16
 
 
-def _warps(block_m: int, n_pad: int, warps: int | None) -> int:
-    """A launch's warps: 8 (a 128-row tile, x read from L2 half as often) for 32 rows or more where the padded rows
-    are whole 128-row tiles, else 4; or as asked."""
+# The warps of a launch of 32 rows a program or more (a verify's) on the register path, where its weight's padded rows
+# are whole tiles of theirs (else 8, else 4): 8, a 128-row tile (the engine's), or 16, a 256-row tile, whose four
+# warpgroups multiply one x tile, so x's rows are read from L2 half as often again; one program an SM at 128 registers
+# where 8 warps run two (static, sm_90, Triton 3.6: 259 instructions a thread a tile at 32 + 8 rows against 257, no
+# spill). Not yet run on a GPU: an option (``gpu_bench --gluon-wide-warps 16``)
+WIDE_WARPS = 8
+
+
+def _warps(block_m: int, n_pad: int, warps: int | None, wide: bool = True) -> int:
+    """A launch's warps: for 32 rows or more ``WIDE_WARPS`` where the padded rows are whole tiles of theirs and
+    ``wide`` (the register path), else 8 (a 128-row tile, x read from L2 half as often as at 4) where they are whole
+    128-row tiles, else 4; or as asked (4, 8 or 16)."""
     if warps is None:
+        if block_m >= 32 and wide and n_pad % (16 * WIDE_WARPS) == 0:
+            return WIDE_WARPS
         return 8 if block_m >= 32 and n_pad % 128 == 0 else 4
-    if warps not in (4, 8) or n_pad % (16 * warps):
-        raise ValueError(f"warps={warps}: a launch takes 4 or 8 warps, 16 rows each, over whole tiles of the "
+    if warps not in (4, 8, 16) or n_pad % (16 * warps):
+        raise ValueError(f"warps={warps}: a launch takes 4, 8 or 16 warps, 16 rows each, over whole tiles of the "
                          f"{n_pad} padded rows")
     return warps
 

@@ -2,10 +2,11 @@
 the launches): the Q4_K, Q6_K and Q4_1 products' entry points, their K loops on the register path and their stores (the
 pieces they share with the staged loops, ``quant_gluon_staged``, are in ``quant_gluon_decode``).
 
-A launch's warps set its tile: ``W`` warps (4 or 8) take ``16 W`` weight rows, one warpgroup (4 warps) each 64, all
-of them multiplying the same x tile in shared memory; so 8 warps read x from L2 half as often a weight row as 4 do,
-which is what a verify's 33 rows pay for (x is then ~1.8x the weight's bytes at 4 warps). A row's 16-row group
-keeps its place in the planes whatever the tile (the planes are ordered by 16-row groups), so one repack serves both.
+A launch's warps set its tile: ``W`` warps (4, 8 or 16) take ``16 W`` weight rows, one warpgroup (4 warps) each 64,
+all of them multiplying the same x tile in shared memory; so 8 warps read x from L2 half as often a weight row as 4 do,
+which is what a verify's 33 rows pay for (x is then ~1.8x the weight's bytes at 4 warps), and 16 half as often again. A
+row's 16-row group keeps its place in the planes whatever the tile (the planes are ordered by 16-row groups), so one
+repack serves every tile.
 
 ``X_AHEAD``: x's rows read an iteration ahead, into registers. (x kept in shared memory for the whole part of K,
 a program taking a strided group of tiles and reading x once instead of once a tile, ran 1.2-1.9x slower at 33 rows

@@ -88,6 +88,8 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-maxnreg: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--gluon-tails", "off", "--gluon-maxnreg", "128"],
      "--gluon-maxnreg 128: it caps a tail's launch, and --gluon-tails off takes none"),
+    (["large", "--q4k-decode", "kernel", "--gluon-wide-warps", "16"],
+     "--gluon-wide-warps: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl", "on"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
@@ -103,7 +105,7 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
-                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None)
+                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None, gluon_wide_warps=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
@@ -114,6 +116,7 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_pdl="off") == {"PDL": False}
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
     assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
+    assert settings(gluon_wide_warps=16) == {"WIDE_WARPS": 16}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():

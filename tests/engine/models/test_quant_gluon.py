@@ -171,11 +171,13 @@ def test_a_launchs_rows_a_program_are_a_power_of_two_from_the_fewest_to_64(monke
 
 def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refuses_other_counts():
     """``_warps``: 32 rows or more on 8 warps (a 128-row tile: x read half as often) where the padded rows are
-    whole 128-row tiles, else 4; asked for, 4 or 8 over whole tiles, anything else refused with the value."""
+    whole 128-row tiles, else 4 (``WIDE_WARPS`` 8, the engine's); asked for, 4, 8 or 16 over whole tiles, anything
+    else refused with the value."""
     assert [quant_gluon._warps(m, 128, None) for m in (16, 32, 64)] == [4, 8, 8]
     assert quant_gluon._warps(64, 192, None) == 4 and quant_gluon._warps(16, 256, 8) == 8
-    for warps, n_pad in [(8, 192), (2, 128), (16, 256)]:
-        with pytest.raises(ValueError, match=f"warps={warps}: a launch takes 4 or 8 warps.*{n_pad} padded rows"):
+    assert quant_gluon._warps(32, 256, 16) == 16
+    for warps, n_pad in [(8, 192), (2, 128), (16, 384), (32, 512)]:
+        with pytest.raises(ValueError, match=f"warps={warps}: a launch takes 4, 8 or 16 warps.*{n_pad} padded rows"):
             quant_gluon._warps(64, n_pad, warps)
 
 
