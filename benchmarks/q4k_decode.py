@@ -79,6 +79,10 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "
                      f"--q4k-decode {args.q4k_decode}")
+    if args.gluon_wide_warps == 16 and ((args.gluon_stages or 0) > 1 or args.gluon_warps is not None):
+        ap.error("--gluon-wide-warps 16: a verify's launches on the register path at the engine's own warps, not "
+                 f"with --gluon-stages {args.gluon_stages} or --gluon-warps {args.gluon_warps} (every launch then "
+                 "takes those)")
     if args.gluon_maxnreg is not None and args.gluon_tails == "off":
         ap.error(f"--gluon-maxnreg {args.gluon_maxnreg}: it caps a tail's launch, and --gluon-tails off takes none")
     for flag in ("gluon_stages", "gluon_few_rows_stages"):

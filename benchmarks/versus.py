@@ -19,14 +19,16 @@ from pathlib import Path
 
 
 class VersusError(ValueError):
-    """A run file that is not a ``gpu_bench.py large --out`` of the presets and budgets the others have."""
+    """A run file that is not a ``gpu_bench.py large --out``, or not of the GPU, presets, weights and budgets the
+    others have."""
 
 
 def load_runs(paths: list[str]) -> dict[str, dict]:
     """Per preset: its AR ms (every run of every file), each budget's verify ms (one a file), its roofline ms (one
-    a file) and its weights; from ``gpu_bench.py large --out`` files. Raises VersusError naming the file and what
-    it lacks."""
+    a file), its weights and GPU; from ``gpu_bench.py large --out`` files, each of the same presets, budgets, weights
+    and GPU as the first. Raises VersusError naming the file and what it lacks or changes."""
     pooled: dict[str, dict] = {}
+    first: tuple | None = None
     for path in paths:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -37,15 +39,32 @@ def load_runs(paths: list[str]) -> dict[str, dict]:
         presets = data.get("presets") if isinstance(data, dict) else None
         if not isinstance(presets, dict) or not presets:
             raise VersusError(f"{path}: no 'presets' (a gpu_bench.py large --out file has one per preset timed)")
+        gpu = (data.get("env") or {}).get("gpu", "?")
+        shape = []
         for name, run in presets.items():
-            if not isinstance(run.get("ar_ms"), list) or not run["ar_ms"] or "roofline_ms" not in run:
-                raise VersusError(f"{path}: preset {name} has no AR runs ('ar_ms') or no 'roofline_ms'")
-            into = pooled.setdefault(name, {"ar_ms": [], "verify_ms": {}, "roofline_ms": [],
-                                            "weights": run.get("weights", "bf16")})
-            into["ar_ms"] += [float(v) for v in run["ar_ms"]]
-            into["roofline_ms"].append(float(run["roofline_ms"]))
-            for budget, timed in (run.get("budgets") or {}).items():
-                into["verify_ms"].setdefault(int(budget), []).append(float(timed["verify_ms"]))
+            try:
+                ar = [float(v) for v in run["ar_ms"]]
+                roofline = float(run["roofline_ms"])
+                verify = {int(b): float(timed["verify_ms"]) for b, timed in (run.get("budgets") or {}).items()}
+                weights = str(run.get("weights", "bf16"))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise VersusError(f"{path}: preset {name}: not a gpu_bench.py large run (AR runs 'ar_ms', "
+                                  f"'roofline_ms' and each budget's 'verify_ms' as numbers): {exc!r}") from exc
+            if not ar:
+                raise VersusError(f"{path}: preset {name} has no AR runs ('ar_ms' is empty)")
+            into = pooled.setdefault(name, {"ar_ms": [], "verify_ms": {}, "roofline_ms": [], "weights": weights,
+                                            "gpu": gpu})
+            into["ar_ms"] += ar
+            into["roofline_ms"].append(roofline)
+            for budget, ms in verify.items():
+                into["verify_ms"].setdefault(budget, []).append(ms)
+            shape.append((name, weights, tuple(sorted(verify))))
+        seen = (gpu, tuple(sorted(shape)))
+        if first is None:
+            first = (path, *seen)
+        elif seen != first[1:]:
+            raise VersusError(f"{path}: GPU, presets, weights or budgets {seen} differ from {first[0]}'s {first[1:]}: "
+                              f"a tree's runs are pooled only alike")
     return pooled
 
 
@@ -65,11 +84,15 @@ def table(head: dict[str, dict], this: dict[str, dict]) -> list[str]:
         raise VersusError(f"the trees timed different presets: head {sorted(head)}, this {sorted(this)}")
     lines = []
     for name in sorted(head):
+        for key in ("weights", "gpu"):
+            if head[name][key] != this[name][key]:
+                raise VersusError(f"{name}: the trees ran with different {key}: head {head[name][key]}, this "
+                                  f"{this[name][key]}")
         budgets = sorted(head[name]["verify_ms"])
         if budgets != sorted(this[name]["verify_ms"]):
             raise VersusError(f"{name}: the trees timed different budgets: head {budgets}, this "
                               f"{sorted(this[name]['verify_ms'])}")
-        lines += [f"**{name}** ({head[name]['weights']}): ms, min / median / max over the runs",
+        lines += [f"**{name}** ({head[name]['weights']}, {head[name]['gpu']}): ms, min / median / max over the runs",
                   "",
                   "| tree | AR runs | AR ms | % of roofline | "
                   + " | ".join(f"verify at {b} ms | verify at {b} / AR" for b in budgets) + " |",

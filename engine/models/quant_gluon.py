@@ -246,7 +246,7 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
            x_ahead: bool = False, warps: int | None = None, stages: int | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
-    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4 or 8
+    any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4, 8 or 16
     (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory:
     the same bits whichever."""
     stages = _stages(stages, pairs, x_ahead, x, heads.shape[0], cols, split)
@@ -348,9 +348,13 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     m = x.shape[0]
     k_tiles = padded_cols(cols) // TILE_K
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
-    block_m, tail = _rows_a_program(m, constexprs.get("STAGES", 0))
-    # (a tail's launch takes the warps of its rows' power of two; 16 on the register path only)
-    warps = _warps(_block_m(m), n_pad, warps, wide=constexprs.get("STAGES", 0) <= 1)
+    stages = constexprs.get("STAGES", 0)
+    block_m, tail = _rows_a_program(m, stages)
+    # (a tail's launch takes the warps of its rows' power of two; WIDE_WARPS by wide_warps' rule)
+    sms = _sms(x.device) if x.is_cuda else 132
+    warps = _warps(_block_m(m), n_pad, warps, wide=wide_warps(block_m, stages, n_pad, split, sms))
+    if warps == 16 and stages > 1:
+        raise ValueError(f"warps=16 takes the register path (stages 0 or 1), not stages={stages}")
     tiles = n_pad // (16 * warps)
     row_blocks = -(-m // (block_m + tail))
     capped = MAXNREG and warps == 8 and tail
@@ -409,12 +413,22 @@ def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
     return block_m // 2, 8 if rest <= 8 else 16
 
 
-# The warps of a launch of 32 rows a program or more (a verify's) on the register path, where its weight's padded rows
-# are whole tiles of theirs (else 8, else 4): 8, a 128-row tile (the engine's), or 16, a 256-row tile, whose four
-# warpgroups multiply one x tile, so x's rows are read from L2 half as often again; one program an SM at 128 registers
-# where 8 warps run two (static, sm_90, Triton 3.6: 259 instructions a thread a tile at 32 + 8 rows against 257, no
-# spill). Not yet run on a GPU: an option (``gpu_bench --gluon-wide-warps 16``)
+# The warps of a launch of 32 rows a program (``wide_warps``: 17-48 rows, a verify of budget 16 to 47) on the register
+# path, where its weight's padded rows are whole tiles of theirs and those tiles still fill the SMs (else 8, else 4): 8,
+# a 128-row tile (the engine's), or 16, a 256-row tile, whose four warpgroups multiply one x tile, so x's rows (a
+# tail's excepted: its tile is replicated) are read from L2 half as often again; one program an SM at 128 registers
+# where 8 warps run two. Static (sm_90, PDL, 32 + 8 rows, against the engine's 8-warp launch capped at 128 registers):
+# Triton 3.6 259 / 327 / 228 instructions a thread a tile (Q4_K / Q6_K / Q4_1) against 260 / 331 / 229, no spill;
+# Triton 3.9 285 / 352 / 257 against 283 / 358 / 255. (64 rows a program spill 48 bytes on Triton 3.6, outside the K
+# loop: not taken.) Not yet run on a GPU: an option (``gpu_bench --gluon-wide-warps 16``)
 WIDE_WARPS = 8
+
+
+def wide_warps(block_m: int, stages: int, n_pad: int, split: int, sms: int) -> bool:
+    """Whether a launch of ``block_m`` rows a program (its first part, with a tail) with ``stages`` may take
+    ``WIDE_WARPS``: 32 rows a program on the register path whose ``WIDE_WARPS``-warp tiles, times the ``split``, number
+    at least the GPU's ``sms`` (so a small model's weight keeps its programs)."""
+    return block_m == 32 and stages <= 1 and n_pad // (16 * WIDE_WARPS) * split >= sms
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None, wide: bool = True) -> int:

@@ -90,6 +90,9 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-maxnreg 128: it caps a tail's launch, and --gluon-tails off takes none"),
     (["large", "--q4k-decode", "kernel", "--gluon-wide-warps", "16"],
      "--gluon-wide-warps: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--gluon-wide-warps", "16", "--gluon-stages", "3"],
+     "--gluon-wide-warps 16: a verify's launches on the register path at the engine's own warps, not with "
+     "--gluon-stages 3"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl", "on"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],

@@ -130,47 +130,53 @@ def test_on_the_gpu_a_verifys_rows_as_a_power_of_two_and_a_tail_round_as_in_one_
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [1, 4])
-def test_on_the_gpu_a_verifys_256_row_tiles_give_the_128_row_tiles_bits(monkeypatch, split):
-    """``WIDE_WARPS`` 16 (a launch of 32 rows a program or more on 16 warps: four warpgroups, one x tile), Q4_K's pairs
-    and Q6_K: one-hot rows read each weight back (40 rows a launch, 32 + 8), and every row count's product has the
-    bits of the engine's 8-warp launch (a column's sums do not depend on the rows beside it)."""
+@pytest.mark.parametrize("n", [N2, 500])
+def test_on_the_gpu_a_verifys_256_row_tiles_give_the_128_row_tiles_bits(split, n):
+    """16 warps (``WIDE_WARPS``' launch: four warpgroups, one x tile; asked for here, since the rule keeps a weight
+    this small on 8), Q4_K's pairs and Q6_K, one 256-row tile (``N2``) and two, the second partial (500 rows): one-hot
+    rows read each weight back (40 rows a launch, 32 + 8), and every row count's product has the bits of the engine's
+    8-warp launch (a column's sums do not depend on the rows beside it)."""
     from engine.models.quant import hold
 
-    words, heads = quant_gluon.repack(_blocks(seed=16, n=N2).cuda(), K, True)
-    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=17, n=N2), FORMATS["Q6_K"]).cuda(), K)
-    products = [(lambda x: quant_gluon.linear(x, words, heads, N2, K, split, True),
-                 quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16)),
-                (lambda x: quant_gluon.linear_q6_k(x, planes, N2, K, split),
-                 quant_gluon.reference_q6_k(*planes, N2, K))]
+    words, heads = quant_gluon.repack(_blocks(seed=16, n=n).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=17, n=n), FORMATS["Q6_K"]).cuda(), K)
+    products = [(lambda x, w: quant_gluon.linear(x, words, heads, n, K, split, True, False, w),
+                 quant_gluon.reference(words, heads, n, K, True).to(torch.bfloat16)),
+                (lambda x, w: quant_gluon.linear_q6_k(x, planes, n, K, split, False, w),
+                 quant_gluon.reference_q6_k(*planes, n, K))]
     x = torch.randn(ROWS, K, device="cuda", dtype=torch.bfloat16)
-    counts = (1, 17, 32, 33, 40, 41, 48, 49, 64, ROWS)
-    want = [[product(x[:rows]) for rows in counts] for product, _ in products]  # 8 warps from 32 rows (the engine's)
-    monkeypatch.setattr(quant_gluon, "WIDE_WARPS", 16)
-    assert quant_gluon._warps(32, quant_gluon.padded_rows(N2), None) == 16  # (N2's 256 padded rows: one wide tile)
-    for (product, weight), wanted in zip(products, want, strict=True):
+    for product, weight in products:
         for c0 in range(0, K, 40):
             rows = min(40, K - c0)
             eye = torch.zeros(rows, K, device="cuda", dtype=torch.bfloat16)
             eye[torch.arange(rows), c0 + torch.arange(rows)] = 1
-            assert torch.equal(product(eye), weight[:, c0:c0 + rows].T), c0
-        for rows, w in zip(counts, wanted, strict=True):
-            assert torch.equal(product(x[:rows]), w), rows
+            assert torch.equal(product(eye, 16), weight[:, c0:c0 + rows].T), c0
+        for rows in (17, 32, 33, 40, 41, 48):  # (the rows WIDE_WARPS takes: 32 a program, with a tail or not)
+            assert torch.equal(product(x[:rows], 16), product(x[:rows], None)), rows
 
 
 def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_theirs(monkeypatch):
-    """``_warps``: 32 rows a program or more take ``WIDE_WARPS`` (8, the engine's; 16: 256-row tiles) where the padded
-    rows are whole tiles of theirs and the launch is on the register path, else 8 where they are whole 128-row tiles,
-    else 4; fewer rows 4 (warps asked for: ``test_quant_gluon.py``). ``_launch`` then grids the tiles of its warps."""
+    """``wide_warps``: ``WIDE_WARPS`` (8, the engine's; 16: 256-row tiles) for 32 rows a program (17-48 rows) on the
+    register path whose wide tiles, times the split, fill the SMs; ``_warps`` then takes it where the padded rows are
+    whole tiles of theirs, else 8 where they are whole 128-row tiles, else 4 (warps asked for: ``test_quant_gluon.py``).
+    ``_launch`` grids the tiles of its warps, and refuses 16 warps with shared-memory stages."""
     assert [quant_gluon._warps(b, 256, None) for b in (8, 16, 32, 64)] == [4, 4, 8, 8]
     monkeypatch.setattr(quant_gluon, "WIDE_WARPS", 16)
-    assert [quant_gluon._warps(b, n, None) for b, n in ((8, 256), (32, 256), (64, 512), (32, 384), (32, 192))] == [
-        4, 16, 16, 8, 4]
-    assert quant_gluon._warps(32, 256, None, wide=False) == 8  # (a staged launch)
+    wide = quant_gluon.wide_warps
+    assert [wide(32, 0, 34816, 1, 132), wide(32, 0, 5120, 8, 132), wide(32, 0, 5120, 6, 132)] == [True, True, False]
+    assert not wide(64, 0, 34816, 1, 132) and not wide(16, 0, 34816, 1, 132) and not wide(32, 3, 34816, 1, 132)
+    assert [quant_gluon._warps(32, n, None) for n in (256, 384, 192)] == [16, 8, 4]
+    assert quant_gluon._warps(32, 256, None, wide=False) == 8
     kernel = _Launches()
-    for m, stages in ((1, 0), (33, 0), (50, 0), (33, 3)):
-        quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), 512, 500, K, 2, None, STAGES=stages)
+    n_pad = 256 * 66  # 66 wide tiles x 2 parts: 132 programs
+    for m in (1, 20, 33, 50):
+        quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=0)
+    quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=3)
     assert [(grid, kw["num_warps"], kw.get("maxnreg")) for grid, kw in kernel.seen] == [
-        ((8, 2, 1), 4, None), ((2, 2, 1), 16, None), ((2, 2, 1), 16, None), ((4, 2, 1), 8, None)]
+        ((264, 2, 1), 4, None), ((66, 2, 1), 16, None), ((66, 2, 1), 16, None), ((132, 2, 1), 8, None),
+        ((132, 2, 1), 8, None)]
+    with pytest.raises(ValueError, match="warps=16 takes the register path .stages 0 or 1., not stages=3"):
+        quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), 256, 256, K, 2, 16, STAGES=3)
 
 
 def test_a_verifys_rows_take_a_tail_only_where_it_fits_in_a_quarter_of_their_power_of_two(monkeypatch):
