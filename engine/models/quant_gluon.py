@@ -292,7 +292,8 @@ STAGED_ROWS: int | None = None
 
 @functools.cache
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The GPU's SMs; off a GPU (the CPU tests' launches and planes) an H100's and H200's 132."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def few_rows_stages(rows: int, n_pad: int, cols: int, split: int, sms: int) -> int:
@@ -351,8 +352,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     stages = constexprs.get("STAGES", 0)
     block_m, tail = _rows_a_program(m, stages)
     # (a tail's launch takes the warps of its rows' power of two; WIDE_WARPS by wide_warps' rule)
-    sms = _sms(x.device) if x.is_cuda else 132
-    warps = _warps(_block_m(m), n_pad, warps, wide=wide_warps(block_m, stages, n_pad, split, sms))
+    warps = _warps(_block_m(m), n_pad, warps, wide=wide_warps(block_m, stages, n_pad, split, _sms(x.device)))
     if warps == 16 and stages > 1:
         raise ValueError(f"warps=16 takes the register path (stages 0 or 1), not stages={stages}")
     tiles = n_pad // (16 * warps)
@@ -413,28 +413,22 @@ def _rows_a_program(m: int, stages: int = 0) -> tuple[int, int]:
     return block_m // 2, 8 if rest <= 8 else 16
 
 
-# The warps of a launch of 32 rows a program (``wide_warps``: 17-48 rows, a verify of budget 16 to 47) on the register
-# path, where its weight's padded rows are whole tiles of theirs and those tiles still fill the SMs (else 8, else 4): 8,
-# a 128-row tile (the engine's), or 16, a 256-row tile, whose four warpgroups multiply one x tile, so x's rows (a
-# tail's excepted: its tile is replicated) are read from L2 half as often again; one program an SM at 128 registers
-# where 8 warps run two. Static (sm_90, PDL, 32 + 8 rows, against the engine's 8-warp launch capped at 128 registers):
-# Triton 3.6 259 / 327 / 228 instructions a thread a tile (Q4_K / Q6_K / Q4_1) against 260 / 331 / 229, no spill;
-# Triton 3.9 285 / 352 / 257 against 283 / 358 / 255. (64 rows a program spill 48 bytes on Triton 3.6, outside the K
-# loop: not taken.) Not yet run on a GPU: an option (``gpu_bench --gluon-wide-warps 16``)
+# The warps of a launch of 32 rows a program (``wide_warps``) where its padded rows are whole tiles of theirs (else 8,
+# else 4): 8, a 128-row tile (the engine's), or 16, a 256-row tile: x read from L2 half as often again, one program an
+# SM at 128 registers, no spill (64 rows a program spill on Triton 3.6: not taken). Static counts in
+# benchmarks/RESULTS.md (2026-12-07); not yet run on a GPU: an option (``gpu_bench --gluon-wide-warps 16``)
 WIDE_WARPS = 8
 
 
 def wide_warps(block_m: int, stages: int, n_pad: int, split: int, sms: int) -> bool:
-    """Whether a launch of ``block_m`` rows a program (its first part, with a tail) with ``stages`` may take
-    ``WIDE_WARPS``: 32 rows a program on the register path whose ``WIDE_WARPS``-warp tiles, times the ``split``, number
-    at least the GPU's ``sms`` (so a small model's weight keeps its programs)."""
+    """Whether a launch may take ``WIDE_WARPS``: 32 rows a program (a tail's first part), the register path, and wide
+    tiles that times the ``split`` still number the ``sms`` (a small model's weight keeps its programs)."""
     return block_m == 32 and stages <= 1 and n_pad // (16 * WIDE_WARPS) * split >= sms
 
 
 def _warps(block_m: int, n_pad: int, warps: int | None, wide: bool = True) -> int:
-    """A launch's warps: for 32 rows or more ``WIDE_WARPS`` where the padded rows are whole tiles of theirs and
-    ``wide`` (the register path), else 8 (a 128-row tile, x read from L2 half as often as at 4) where they are whole
-    128-row tiles, else 4; or as asked (4, 8 or 16)."""
+    """A launch's warps: for 32 rows or more ``WIDE_WARPS`` where ``wide`` and the padded rows are whole tiles of
+    theirs, else 8 (x read from L2 half as often as at 4) over whole 128-row tiles, else 4; or as asked (4, 8, 16)."""
     if warps is None:
         if block_m >= 32 and wide and n_pad % (16 * WIDE_WARPS) == 0:
             return WIDE_WARPS
@@ -585,8 +579,7 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
-    sms = _sms(held.device) if held.is_cuda else 132
-    split = split_for(held.shape[0], cols, sms)
+    split = split_for(held.shape[0], cols, _sms(held.device))
     operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
 
