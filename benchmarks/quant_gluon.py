@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64], help="BLOCK_M of each launch (16, 32, 64)")
     ap.add_argument("--bench", action="store_true", help="on a GPU: time it beside the engine kernel (27B weights)")
-    ap.add_argument("--md", help="--bench: write the table here too")
+    ap.add_argument("--launches", action="store_true",
+                    help="on a GPU: each 27B weight's launch at every split and warp count, 1 and 33 rows")
+    ap.add_argument("--md", help="--bench, --launches: write the table here too")
     ap.add_argument("--q4-1", action="store_true",
                     help="--bench: SmolLM2's Q4_1 weights instead (beside quant_kernel and the dense bf16 kernel)")
     ap.add_argument("--x-ahead", action="store_true", help="the static counts with x's rows read an iteration ahead")
@@ -102,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl", action="store_true", help="the static counts with programmatic dependent launch")
     ap.add_argument("--tail", type=int, choices=[0, 8, 16], default=0,
                     help="the static counts with a tail of this many rows after BLOCK_M's (two products a tile)")
+    ap.add_argument("--fold", action="store_true",
+                    help="the static counts of a program adding two parts of K itself (FOLD: a verify's launch)")
+    ap.add_argument("--maxnreg", type=int, help="the static counts with registers a thread capped (MAXNREG)")
     ap.add_argument("--stages", type=int, choices=[0, 2, 3, 4], default=0,
                     help="the pair decode's static counts with its tiles staged in shared memory (cp.async)")
     args = ap.parse_args(argv)
+    if args.bench and args.launches:
+        ap.error("--bench and --launches: one table a run (each times the 27B's weights for a minute or more)")
     if args.q4_1 and not args.bench:
         ap.error("--q4-1: a choice of --bench's weights (SmolLM2's Q4_1 instead of the 27B's); the static counts "
                  "cover every decode, Q4_1 included")
@@ -112,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         print("this Triton has no Gluon", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if args.bench:
+    if args.bench or args.launches:
         if not torch.cuda.is_available():
-            print("--bench needs CUDA", file=sys.stderr)
+            print(f"{'--bench' if args.bench else '--launches'} needs CUDA", file=sys.stderr)
             return 2
-        from quant_gluon_bench import bench, bench_q4_1
+        from quant_gluon_bench import bench, bench_launches, bench_q4_1
 
-        lines = bench_q4_1() if args.q4_1 else bench()
+        lines = bench_launches() if args.launches else bench_q4_1() if args.q4_1 else bench()
         if args.md:
             Path(args.md).write_text("\n".join(lines) + "\n")
         return 0
@@ -130,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                             for block_m in args.rows]:
         # (shared-memory stages: the pair decodes' only, Q4_K's, Q6_K's and Q4_1's)
         stages = 0 if decode == "float" else args.stages
-        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail)
+        compiled = compile_for_hopper(block_m, decode, args.x_ahead, args.warps, stages, args.pdl, args.tail,
+                                      args.fold, args.maxnreg)
         body = loop(compiled, containing="HGMMA")  # the K loop (not the parts' sum)
         body = [ins for ins in body if not ins.startswith("@!PT ")]  # (never executed: ptxas' padding)
         ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0] for ins in body)

@@ -16,6 +16,7 @@ from engine.models.quant_gluon import (
     linear_q4_1,
     linear_q6_k,
     padded_cols,
+    padded_rows,
     reference_q4_1,
     reference_q6_k,
     repack,
@@ -187,6 +188,66 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
             cells.append(f"{mark}{tiles * split / sms:.2f}, {us:.1f}{mark}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+        del blocks, planes, pick
+        torch.cuda.empty_cache()
+    return lines
+
+
+LAUNCH_SHAPES = [(*shape, "Q4_K") for shape in SHAPES] + [("27B down", 5120, 17408, "Q6_K"),
+                                                          ("27B o_proj", 5120, 6144, "Q6_K")]
+
+
+def bench_launches(rows: tuple[int, ...] = (1, 33), most_split: int = 17) -> list[str]:
+    """Where a launch's programs fall on the SMs: each 27B Q4_K / Q6_K weight at every split of K (whole parts of
+    at least two 128-column tiles, up to ``most_split``) and, at each row count, on the warps the engine picks and
+    on every other warp count whose tiles the padded rows hold whole (4, 8, 16: 64-, 128-, 256-row tiles), unfolded,
+    and for an even split from 16 rows a program folded too (``fold``: two parts a program, on the engine's warps),
+    GPU us a call (weights cycled through 256 MB), with the launch's programs an SM. A split is the weight's for
+    every row count (a row's bits depend on it), the warps and the fold are a launch's own (the same bits); the
+    engine's launch marked *, ``split_for``'s split **."""
+    from kernel_timing import time_us
+
+    from engine.models import quant_gluon
+    from engine.models.quantize import quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lines = ["| weight | split | " + " | ".join(f"{m} rows: warps (programs / SM) us" for m in rows) + " |",
+             "|---|---|" + "---|" * len(rows)]
+    for label, n, k, fmt_name in LAUNCH_SHAPES:
+        fmt = quant.FORMATS[fmt_name]
+        blocks = quantize(torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02, fmt)
+        if fmt_name == "Q6_K":
+            planes = repack_q6_k(quant.hold(blocks, fmt), k)
+            launch = lambda x, p, s, w, f, n=n, k=k: linear_q6_k(x, p, n, k, s, False, w, fold=f)  # noqa: E731
+        else:
+            planes = repack(blocks, k, True)
+            launch = lambda x, p, s, w, f, n=n, k=k: linear(x, *p, n, k, s, True, False, w, fold=f)  # noqa: E731
+        pick = _rotating_planes(planes, blocks.numel())
+        n_pad, k_tiles = padded_rows(n), padded_cols(k) // 128
+        xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
+        chosen = split_for(n, k, sms)
+        for split in (s for s in range(1, most_split + 1) if k_tiles % s == 0 and k_tiles // s >= 2):
+            cells = []
+            for m in rows:
+                block_m, _ = quant_gluon._rows_a_program(m)
+                engine = quant_gluon._warps(quant_gluon._block_m(m), n_pad, None, wide=quant_gluon.wide_warps(
+                    block_m, 0, n_pad, split, sms))
+                engine_fold = quant_gluon.folds(block_m, 0, n_pad // (16 * engine), split, sms)
+                launches = [(w, False) for w in sorted({engine} | {w for w in (4, 8, 16)
+                                                                    if block_m >= 16 and n_pad % (16 * w) == 0})]
+                launches += [(engine, True)] if block_m >= 16 and split % 2 == 0 else []
+                timed = []
+                for w, f in launches:
+                    us = time_us(lambda x=xs[m], s=split, w=w, f=f, go=launch, p=pick: go(x, p(), s, w, f))
+                    mark = "*" if (w, f) == (engine, engine_fold) else ""
+                    programs = n_pad // (16 * w) * (split // 2 if f else split) / sms
+                    timed.append(f"{mark}{w}{' folded' if f else ''} ({programs:.2f}) {us:.1f}{mark}")
+                cells.append(", ".join(timed))
+            mark = "**" if split == chosen else ""
+            lines.append(f"| {label} {fmt_name} ({blocks.numel() / 1e6:.1f} MB) | {mark}{split}{mark} | "
+                         + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
         del blocks, planes, pick
         torch.cuda.empty_cache()
     return lines

@@ -244,14 +244,15 @@ def reference(words: Tensor, heads: Tensor, n: int, cols: int, pairs: bool = Fal
 
 
 def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: int = 1, pairs: bool = False,
-           x_ahead: bool = False, warps: int | None = None, stages: int | None = None) -> Tensor:
+           x_ahead: bool = False, warps: int | None = None, stages: int | None = None,
+           fold: bool | None = None) -> Tensor:
     """``x @ W^T`` [M, n] in x's dtype (bf16), W the repacked Q4_K weight (``repack`` with the same ``pairs``), for
     any rows (blocks of up to 64), on a GPU; ``x_ahead``: x's rows read an iteration ahead too, ``warps`` 4, 8 or 16
-    (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory:
-    the same bits whichever."""
+    (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory,
+    ``fold`` two parts of an even split a program (``folds``' rule by default): the same bits whichever."""
     stages = _stages(stages, pairs, x_ahead, x, heads.shape[0], cols, split)
-    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, PAIRS=pairs,
-                   X_AHEAD=x_ahead, STAGES=stages)
+    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, fold,
+                   PAIRS=pairs, X_AHEAD=x_ahead, STAGES=stages)
 
 
 # Tiles a program has in flight through shared memory, for every launch: ``STAGES - 1`` copied ahead by cp.async (no
@@ -324,28 +325,30 @@ def _stages(stages: int | None, pairs: bool, x_ahead: bool, x: Tensor | None = N
 
 
 def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int, cols: int, split: int = 1,
-                x_ahead: bool = False, warps: int | None = None, stages: int | None = None) -> Tensor:
+                x_ahead: bool = False, warps: int | None = None, stages: int | None = None,
+                fold: bool | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, fold, X_AHEAD=x_ahead,
                    STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split))
 
 
 def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, split: int = 1, x_ahead: bool = False,
-                warps: int | None = None, stages: int | None = None) -> Tensor:
+                warps: int | None = None, stages: int | None = None, fold: bool | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q4_1 weight ``repack_q4_1``'s planes hold (``reference_q4_1``'s values), for
     any rows and any K of whole 32-value blocks (the planes padded to 128-column tiles, x's columns past K not
     read), on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, X_AHEAD=x_ahead,
+    return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, fold, X_AHEAD=x_ahead,
                    STAGES=_stages(stages, True, x_ahead, x, planes[1].shape[0], cols, split),
                    K_MASK=cols % TILE_K != 0)
 
 
 def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, cols: int, split: int,
-            warps: int | None, **constexprs) -> Tensor:
+            warps: int | None, fold: bool | None = None, **constexprs) -> Tensor:
     """One launch: a program a tile of ``16 * warps`` rows, a part of K (whole 128-column tiles of the planes'
-    padded K) and a block of up to ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's
-    tickets, one a tile and row block), so the output is bf16 straight away."""
+    padded K; ``fold``, None for ``folds``' rule: two of the weight's ``split`` parts) and a block of up to
+    ``ROW_BLOCK`` of x's rows; the parts' sums added in the kernel (the engine's tickets, one a tile and row block;
+    an even split's in pairs first, ``PAIRED``), so the output is bf16 straight away."""
     m = x.shape[0]
     k_tiles = padded_cols(cols) // TILE_K
     assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
@@ -356,16 +359,41 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     if warps == 16 and stages > 1:
         raise ValueError(f"warps=16 takes the register path (stages 0 or 1), not stages={stages}")
     tiles = n_pad // (16 * warps)
+    if fold is None:
+        fold = folds(block_m, stages, tiles, split, _sms(x.device))
+    elif fold and (split % 2 or stages > 1):
+        raise ValueError(f"fold=True takes an even split on the register path (stages 0 or 1), not split={split}, "
+                         f"stages={stages}")
+    programs = split // 2 if fold else split  # a launch's parts of K
     row_blocks = -(-m // (block_m + tail))
     capped = MAXNREG and warps == 8 and tail
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    parts = torch.empty(split if split > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    tickets = rows_linear._tickets(x.device, tiles * row_blocks if split > 1 else 1)  # (a lone part takes no ticket)
-    kernel[(tiles, split, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
-                                        m, n, cols, k_tiles // split, split, tiles, BLOCK_M=block_m,
-                                        num_warps=warps, PDL=PDL, launch_pdl=PDL, TAIL=tail,
-                                        **({"maxnreg": MAXNREG} if capped else {}), **constexprs)
+    parts = torch.empty(programs if programs > 1 else 0, m, n, device=x.device, dtype=torch.float32)
+    tickets = rows_linear._tickets(x.device, tiles * row_blocks if programs > 1 else 1)  # (a lone part: no ticket)
+    kernel[(tiles, programs, row_blocks)](x.contiguous(), *planes, out, parts, tickets,
+                                           m, n, cols, k_tiles // programs, programs, tiles, BLOCK_M=block_m,
+                                           num_warps=warps, PDL=PDL, launch_pdl=PDL, TAIL=tail, FOLD=fold,
+                                           PAIRED=split % 2 == 0 and not fold,
+                                           **({"maxnreg": MAXNREG} if capped else {}), **constexprs)
     return out
+
+
+# A launch of at least this many rows a program (a verify's 32 + a tail, on 8 warps) whose weight's split is even
+# takes two of its parts a program (``folds``): fewer programs, each adding its pair itself, as the last part adds an
+# even split's pairs (``PAIRED``), so the bits are the unfolded launch's. None: never. On an H100 (2026-12-07,
+# nineteenth session, ``quant_gluon.py --launches``; RESULTS.md) a launch of 33 rows spread over more programs than
+# two an SM slows: the 27B's GDN in_proj 30.5 us in 2 parts, 35.2 in 4; the Q4_K down 44.7 in 4, 49.1 in 8; the
+# o_proj 15.9 in 6, 19.8 in 12; where 1-row launches gain from those parts (24.0 in 4 against 29.5 in 2, o_proj
+# 12.1 in 12 against 14.3 in 6)
+FOLD_FROM: int | None = 32
+
+
+def folds(block_m: int, stages: int, tiles: int, split: int, sms: int) -> bool:
+    """Whether a launch of ``block_m`` rows a program over ``tiles`` tiles folds its weight's ``split`` parts in
+    pairs (``FOLD_FROM``): from that many rows a program, the register path, an even split, and the folded
+    programs still at least the ``sms``."""
+    return (FOLD_FROM is not None and block_m >= FOLD_FROM and stages <= 1 and split % 2 == 0
+            and tiles * split // 2 >= sms)
 
 
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
@@ -448,10 +476,12 @@ def round_bf16(w: Tensor) -> Tensor:
 
 
 def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool = False, warps: int = 4,
-                       stages: int = 0, pdl: bool = False, tail: int = 0):
+                       stages: int = 0, pdl: bool = False, tail: int = 0, fold: bool = False,
+                       maxnreg: int | None = None):
     """The kernel compiled for sm_90 (no GPU needed): the launch ``linear`` (``decode`` float or pairs),
     ``linear_q6_k`` (q6_k) or ``linear_q4_1`` (q4_1: K not whole tiles, SmolLM2's 576) makes for ``block_m`` rows on
-    ``warps`` warps with ``stages``."""
+    ``warps`` warps with ``stages`` (``fold``: a program's two parts added by it, ``FOLD``; ``maxnreg``: registers
+    a thread at most)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -471,31 +501,36 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
                       "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl, "TAIL": tail}
+    constexprs |= {"FOLD": fold, "PAIRED": False}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers + [list(sig).index("K")]}
     src = gluon._runtime.GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": pdl})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "launch_pdl": pdl, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-PROGRAMS_PER_SM = 4  # split_for's aim: a 1-row launch spread over ~4 programs an SM
+PROGRAMS_PER_SM = 8  # split_for's aim: a 1-row launch spread over ~8 programs an SM
 
 
 def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Parts of K (whole 128-column tiles: a divisor of K's tiles) whose 4-warp launch has the programs nearest, by
-    ratio, ``per_sm`` an SM (the 64-row tiles alone are fewer on a narrow weight). One split a weight, whatever a
-    launch's rows or warps (a row's bits depend on it). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K
-    weights at every split to 8): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
-    4.9), the wide ones are flat past 2 (gate_up 51.8-54.4 us from 4 to 33), a lone wave's tail is no cost. Parts
-    at least two tiles long (not measured: the engine's ``default_plan`` rule). SmolLM2's Q4_1 weights (K = 576: 5
-    tiles, one part) measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in
-    one part against 3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down (12 tiles) 4.2 in 6 or 12 parts; and
-    five parts cost a 49-row verify five [49, N] fp32 partial sums (gate_up 8.2 us against the dense kernel's 4.5)."""
+    """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
+    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` an SM; an even number of them (or one) where
+    K's tiles have an even divisor, so that a verify's launch can fold them in pairs (``folds``). One split a
+    weight, whatever a launch's rows or warps (a row's bits depend on it). Measured on an H100 (2026-12-07,
+    nineteenth session, ``quant_gluon.py --launches``: the 27B's weights at every split to 17; RESULTS.md), 1-row
+    launches gain to ~8-20 programs an SM since they take 8 rows a program (``MIN_BLOCK_M``, 7 programs resident an
+    SM): gate_up 54.4 us in 1 part (4.1 an SM), 45.6 in 2, 41.7 in 4; GDN in_proj 29.5 in 2, 24.0 in 4; o_proj 14.3
+    in 6, 12.1 in 12; the down 26.0 in 8 (4.9 an SM), 23.9 in 17. (Aimed at 4 an SM until then; at 1 row on 16 rows a
+    program, 2026-12-06, the wide weights were flat past 2.) SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part;
+    the down's 12 in 6) as before: measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``)
+    qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6, the down 4.2 in 6 or 12 parts."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     target = per_sm * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
-    return min((s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0),
-               key=lambda s: (abs(math.log(tiles * s / target)), s))
+    splits = [s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0]
+    even = [s for s in splits if s == 1 or s % 2 == 0]
+    return min(even if len(even) > 1 else splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
 
 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------

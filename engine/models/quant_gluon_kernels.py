@@ -81,8 +81,10 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _gluon_kernel(x_ptr, words_ptr, heads_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                       BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                      PDL: gl.constexpr, TAIL: gl.constexpr):
-        """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks])."""
+                      PDL: gl.constexpr, TAIL: gl.constexpr, FOLD: gl.constexpr, PAIRED: gl.constexpr):
+        """A program a tile, a part of K and a block of x's rows (grid [tiles, split, row blocks]); ``FOLD``: its
+        part is two of the weight's, added by the program; ``PAIRED``: the weight's parts are added in pairs
+        (``_store_rows``)."""
         tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
             x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
         if STAGES > 1:
@@ -91,15 +93,17 @@ if gluon is not None:
             acc2 = acc
         else:
             acc, acc2 = _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M, PAIRS, X_AHEAD,
-                                  PDL, TAIL)
+                                  PDL, TAIL, FOLD)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
-                    TAIL)
+                    TAIL, PAIRED)
 
     @gluon.jit
     def _q4k_tile(x_ptr, words_ptr, heads_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
+                  PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr,
+                  FOLD: gl.constexpr):
         """One tile's sums over part ``part`` of K: [16 W, BLOCK_M] in the matrix unit's layout, and the ``TAIL``
-        rows' after them ([16 W, TAIL]; the first again when TAIL is 0)."""
+        rows' after them ([16 W, TAIL]; the first again when TAIL is 0); ``FOLD``: the part's two halves summed
+        apart and then added (``_folded``)."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
@@ -117,9 +121,29 @@ if gluon is not None:
         hw0_n, hw1_n = _head_words(heads_ptr, tile, kt0, K, 0), _head_words(heads_ptr, tile, kt0, K, 1)
         if PDL:  # the weight's first tile asked for; x only once the kernel before has written it
             kt0 = _dependency_wait(kt0)
-        if X_AHEAD:
-            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):
+        xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False) if X_AHEAD else 0
+        ahead = (words_n, hw0_n, hw1_n, xt_n)
+        if FOLD:
+            half = k_tiles // 2
+            first, first2, ahead = _q4k_steps(acc, acc2, ahead, 0, half, k_tiles, kt0, x_ptr, words_ptr, heads_ptr,
+                                              wbase, tile, K, M, sub, x_smem, x_tail, BLOCK_M, PAIRS, X_AHEAD, TAIL)
+            held, held2 = _held(first), _held(first2) if TAIL > 0 else 0
+            acc, acc2, ahead = _q4k_steps(gl.zeros_like(acc), gl.zeros_like(acc2), ahead, half, k_tiles, k_tiles, kt0,
+                                          x_ptr, words_ptr, heads_ptr, wbase, tile, K, M, sub, x_smem, x_tail, BLOCK_M,
+                                          PAIRS, X_AHEAD, TAIL)
+            acc, acc2 = _folded(held, held2, acc, acc2, TAIL)
+        else:
+            acc, acc2, ahead = _q4k_steps(acc, acc2, ahead, 0, k_tiles, k_tiles, kt0, x_ptr, words_ptr, heads_ptr,
+                                          wbase, tile, K, M, sub, x_smem, x_tail, BLOCK_M, PAIRS, X_AHEAD, TAIL)
+        return acc, acc2
+
+    @gluon.jit
+    def _q4k_steps(acc, acc2, ahead, i0, i1, k_tiles, kt0, x_ptr, words_ptr, heads_ptr, wbase, tile, K, M, sub, x_smem,
+                   x_tail, BLOCK_M: gl.constexpr, PAIRS: gl.constexpr, X_AHEAD: gl.constexpr, TAIL: gl.constexpr):
+        """``_q4k_tile``'s K loop over its tiles ``i0``..``i1`` (of ``k_tiles`` from ``kt0``): the sums, and the
+        next tile's planes (and x) read ahead (``ahead``), carried from one run of tiles to the next."""
+        words_n, hw0_n, hw1_n, xt_n = ahead
+        for i in range(i0, i1):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, hw0, hw1 = words_n, hw0_n, hw1_n
@@ -141,6 +165,26 @@ if gluon is not None:
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
             acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
+        return acc, acc2, (words_n, hw0_n, hw1_n, xt_n)
+
+    @gluon.jit
+    def _held(acc):
+        """``acc`` put aside in shared memory: a folded program's first half's sums, their registers free for the
+        second half's (held in registers, the 32 + 8-row launches spilled on Triton 3.6, static: 40 bytes)."""
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        buffer = gl.allocate_shared_memory(gl.float32, acc.type.shape, flat)
+        buffer.store(acc)
+        return buffer
+
+    @gluon.jit
+    def _folded(held, held2, acc, acc2, TAIL: gl.constexpr):
+        """A folded program's sums (``FOLD``): its first half's (``_held``) plus its second's, as ``_store_rows``
+        adds a ``PAIRED`` weight's pair of parts (the same bits)."""
+        acc = held.load(acc.type.layout) + acc
+        if TAIL > 0:
+            acc2 = held2.load(acc2.type.layout) + acc2
+        else:
+            acc2 = acc
         return acc, acc2
 
     @gluon.jit
@@ -192,12 +236,13 @@ if gluon is not None:
 
     @gluon.jit
     def _store_rows(acc, acc2, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride,
-                    BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+                    BLOCK_M: gl.constexpr, TAIL: gl.constexpr, PAIRED: gl.constexpr = False):
         """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose; ``TAIL`` > 0: and ``acc2``'s [16 W, TAIL], the
         rows after them) into ``out`` [M, N] in bf16 (this row block's: at most ``BLOCK_M + TAIL`` of its ``M``
         rows); split over K, each part's sums into ``parts`` (part ``p`` at ``p * parts_stride``), then a ticket:
-        the part that takes the last adds every part in order 0..split-1 (the same bits whichever finished last),
-        writes ``out`` and resets the ticket (as ``engine.models.linear.store_rows``, whose ticket buffer this
+        the part that takes the last adds every part in order 0..split-1 (``PAIRED``: parts 2j and 2j + 1 first,
+        then those sums in order, as folded programs give them; the same bits whichever finished last), writes
+        ``out`` and resets the ticket (as ``engine.models.linear.store_rows``, whose ticket buffer this
         shares)."""
         W: gl.constexpr = gl.num_warps()
         # 4 rows a thread (16 bytes of a part, 8 of the output: few addresses, so few registers), 8 lanes over x's rows
@@ -228,9 +273,18 @@ if gluon is not None:
                     # (BLOCK_M + TAIL 8, 24 or 40: half a chunk)
                     at_mask = (on < N)[:, None] & ((oc < M) & (oc < BLOCK_M + TAIL))[None, :]
                     total = gl.load(parts_ptr + at, mask=at_mask, other=0.0, cache_modifier=".cg")
-                    for p in range(1, split):
-                        total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0,
-                                         cache_modifier=".cg")
+                    if PAIRED:
+                        total += gl.load(parts_ptr + parts_stride + at, mask=at_mask, other=0.0, cache_modifier=".cg")
+                        for p in range(1, split // 2):
+                            pair = gl.load(parts_ptr + 2 * p * parts_stride + at, mask=at_mask, other=0.0,
+                                           cache_modifier=".cg")
+                            pair += gl.load(parts_ptr + (2 * p + 1) * parts_stride + at, mask=at_mask, other=0.0,
+                                            cache_modifier=".cg")
+                            total += pair
+                    else:
+                        for p in range(1, split):
+                            total += gl.load(parts_ptr + p * parts_stride + at, mask=at_mask, other=0.0,
+                                             cache_modifier=".cg")
                     gl.store(out_ptr + at, total.to(gl.bfloat16), mask=at_mask)
                 gl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
         else:
@@ -241,7 +295,7 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q6_kernel(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles,
                    split, tiles, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr,
-                   PDL: gl.constexpr, TAIL: gl.constexpr):
+                   PDL: gl.constexpr, TAIL: gl.constexpr, FOLD: gl.constexpr, PAIRED: gl.constexpr):
         """Q6_K's few-row product, launched as ``_gluon_kernel`` (pairs decode only)."""
         tile, part, parts_stride, x_ptr, out_ptr, tickets_ptr, M, at = _program(
             x_ptr, out_ptr, tickets_ptr, M, N, K, tiles, BLOCK_M, STAGES, PDL, TAIL)
@@ -251,14 +305,14 @@ if gluon is not None:
             acc2 = acc
         else:
             acc, acc2 = _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M,
-                                 X_AHEAD, PDL, TAIL)
+                                 X_AHEAD, PDL, TAIL, FOLD)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
-                    TAIL)
+                    TAIL, PAIRED)
 
     @gluon.jit
     def _q6_tile(x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, tile, part, M, K, k_tiles, BLOCK_M: gl.constexpr,
-                 X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr):
-        """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows')."""
+                 X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, FOLD: gl.constexpr):
+        """One Q6_K tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows'; ``FOLD``)."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
         wl: gl.constexpr = _words_layout(W)
@@ -282,9 +336,31 @@ if gluon is not None:
         st1_n = _q6_steps(scales_ptr, d_ptr, row0 + 8, kt0, slices, K)
         if PDL:  # as _q4k_tile's
             kt0 = _dependency_wait(kt0)
-        if X_AHEAD:
-            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False)
-        for i in range(0, k_tiles):
+        xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, False) if X_AHEAD else 0
+        ahead = (words_n, high_n, st0_n, st1_n, xt_n)
+        if FOLD:
+            half = k_tiles // 2
+            first, first2, ahead = _q6_steps_run(acc, acc2, ahead, 0, half, k_tiles, kt0, x_ptr, words_ptr,
+                                                 high_ptr, scales_ptr, d_ptr, wbase, hbase, row0, slices, K, M, x_smem,
+                                                 x_tail, BLOCK_M, X_AHEAD, TAIL)
+            held, held2 = _held(first), _held(first2) if TAIL > 0 else 0
+            acc, acc2, ahead = _q6_steps_run(gl.zeros_like(acc), gl.zeros_like(acc2), ahead, half, k_tiles, k_tiles,
+                                             kt0, x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase, hbase, row0,
+                                             slices, K, M, x_smem, x_tail, BLOCK_M, X_AHEAD, TAIL)
+            acc, acc2 = _folded(held, held2, acc, acc2, TAIL)
+        else:
+            acc, acc2, ahead = _q6_steps_run(acc, acc2, ahead, 0, k_tiles, k_tiles, kt0, x_ptr, words_ptr, high_ptr,
+                                             scales_ptr, d_ptr, wbase, hbase, row0, slices, K, M, x_smem, x_tail,
+                                             BLOCK_M, X_AHEAD, TAIL)
+        return acc, acc2
+
+    @gluon.jit
+    def _q6_steps_run(acc, acc2, ahead, i0, i1, k_tiles, kt0, x_ptr, words_ptr, high_ptr, scales_ptr, d_ptr, wbase,
+                      hbase, row0, slices, K, M, x_smem, x_tail, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr,
+                      TAIL: gl.constexpr):
+        """``_q6_tile``'s K loop over its tiles ``i0``..``i1``, as ``_q4k_steps``."""
+        words_n, high_n, st0_n, st1_n, xt_n = ahead
+        for i in range(i0, i1):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, high, st0, st1 = words_n, high_n, st0_n, st1_n
@@ -299,12 +375,12 @@ if gluon is not None:
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, False)
             acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, False)
-        return acc, acc2
+        return acc, acc2, (words_n, high_n, st0_n, st1_n, xt_n)
 
     @gluon.jit(do_not_specialize=["M", "split"])
     def _q4_1_kernel(x_ptr, words_ptr, steps_ptr, out_ptr, parts_ptr, tickets_ptr, M, N, K, k_tiles, split, tiles,
                      BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                     TAIL: gl.constexpr, K_MASK: gl.constexpr):
+                     TAIL: gl.constexpr, K_MASK: gl.constexpr, FOLD: gl.constexpr, PAIRED: gl.constexpr):
         """Q4_1's few-row product (``quant_gluon.repack_q4_1``'s planes), launched as ``_gluon_kernel`` (the pair
         decode; ``STAGES`` > 1: its tiles staged in shared memory); ``K_MASK``: K not whole 128-column tiles (the
         planes zero-padded past it, x's columns past it not read)."""
@@ -316,9 +392,9 @@ if gluon is not None:
             acc2 = acc
         else:
             acc, acc2 = _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M, X_AHEAD,
-                                   PDL, TAIL, K_MASK)
+                                   PDL, TAIL, K_MASK, FOLD)
         _store_rows(acc, acc2, out_ptr, parts_ptr + at, tickets_ptr, tile, part, split, M, N, parts_stride, BLOCK_M,
-                    TAIL)
+                    TAIL, PAIRED)
 
     @gluon.jit
     def _q4_1_steps(steps_ptr, at, kt):
@@ -328,10 +404,11 @@ if gluon is not None:
 
     @gluon.jit
     def _q4_1_tile(x_ptr, words_ptr, steps_ptr, tile, part, M, K, k_tiles, split, BLOCK_M: gl.constexpr,
-                   X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, K_MASK: gl.constexpr):
-        """One Q4_1 tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows'): the nibbles as
-        Q4_K's pair words, each 32-value block's bf16(d) and bf16(m) a word already packed (one 4-byte load a
-        thread and row: lane t holds block t of the tile, shuffled to the lanes that need it)."""
+                   X_AHEAD: gl.constexpr, PDL: gl.constexpr, TAIL: gl.constexpr, K_MASK: gl.constexpr,
+                   FOLD: gl.constexpr):
+        """One Q4_1 tile's sums over part ``part`` of K, as ``_q4k_tile``'s (and its ``TAIL`` rows'; ``FOLD``): the
+        nibbles as Q4_K's pair words, each 32-value block's bf16(d) and bf16(m) a word already packed (one 4-byte
+        load a thread and row: lane t holds block t of the tile, shuffled to the lanes that need it)."""
         W: gl.constexpr = gl.num_warps()
         x_smem = _x_smem(BLOCK_M)
         one: gl.constexpr = _lanes_layout(W, 1)
@@ -349,9 +426,30 @@ if gluon is not None:
         s0_n, s1_n = _q4_1_steps(steps_ptr, at0, kt0), _q4_1_steps(steps_ptr, at1, kt0)
         if PDL:  # as _q4k_tile's
             kt0 = _dependency_wait(kt0)
-        if X_AHEAD:
-            xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, K_MASK)
-        for i in range(0, k_tiles):
+        xt_n = _x_tile(x_ptr, kt0, K, M, BLOCK_M, K_MASK) if X_AHEAD else 0
+        ahead = (words_n, s0_n, s1_n, xt_n)
+        if FOLD:
+            half = k_tiles // 2
+            first, first2, ahead = _q4_1_steps_run(acc, acc2, ahead, 0, half, k_tiles, kt0, x_ptr, words_ptr,
+                                                   steps_ptr, wbase, at0, at1, K, M, x_smem, x_tail, BLOCK_M, X_AHEAD,
+                                                   TAIL, K_MASK)
+            held, held2 = _held(first), _held(first2) if TAIL > 0 else 0
+            acc, acc2, ahead = _q4_1_steps_run(gl.zeros_like(acc), gl.zeros_like(acc2), ahead, half, k_tiles, k_tiles,
+                                               kt0, x_ptr, words_ptr, steps_ptr, wbase, at0, at1, K, M, x_smem,
+                                               x_tail, BLOCK_M, X_AHEAD, TAIL, K_MASK)
+            acc, acc2 = _folded(held, held2, acc, acc2, TAIL)
+        else:
+            acc, acc2, ahead = _q4_1_steps_run(acc, acc2, ahead, 0, k_tiles, k_tiles, kt0, x_ptr, words_ptr, steps_ptr,
+                                               wbase, at0, at1, K, M, x_smem, x_tail, BLOCK_M, X_AHEAD, TAIL, K_MASK)
+        return acc, acc2
+
+    @gluon.jit
+    def _q4_1_steps_run(acc, acc2, ahead, i0, i1, k_tiles, kt0, x_ptr, words_ptr, steps_ptr, wbase, at0, at1, K, M,
+                        x_smem, x_tail, BLOCK_M: gl.constexpr, X_AHEAD: gl.constexpr, TAIL: gl.constexpr,
+                        K_MASK: gl.constexpr):
+        """``_q4_1_tile``'s K loop over its tiles ``i0``..``i1``, as ``_q4k_steps``."""
+        words_n, s0_n, s1_n, xt_n = ahead
+        for i in range(i0, i1):
             kt = kt0 + i
             nxt = kt + (i + 1 < k_tiles).to(gl.int32)
             words, s0, s1 = words_n, s0_n, s1_n
@@ -366,4 +464,4 @@ if gluon is not None:
             if not X_AHEAD:
                 xt = _x_tile(x_ptr, kt, K, M, BLOCK_M, K_MASK)
             acc, acc2 = _times_x_rows(acc, acc2, a, xt, x_ptr, kt, K, M, x_smem, x_tail, BLOCK_M, TAIL, K_MASK)
-        return acc, acc2
+        return acc, acc2, (words_n, s0_n, s1_n, xt_n)

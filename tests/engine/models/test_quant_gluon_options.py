@@ -1,6 +1,7 @@
 """``engine.models.quant_gluon``'s options beside the engine's decode (issue #28): tiles staged in shared memory
 (``STAGES``), programmatic dependent launch (``PDL``), a verify's rows as a power of two and a tail (``TAILS``), the
-8-warp launches' register cap (``MAXNREG``) and a verify's 256-row tiles (``WIDE_WARPS``). On a GPU each keeps the
+8-warp launches' register cap (``MAXNREG``), a verify's 256-row tiles (``WIDE_WARPS``) and its parts of K folded in
+pairs (``FOLD_FROM``). On a GPU each keeps the
 engine's bits; on the CPU, the rules that pick them and what a launch passes to the kernel. (The engine's decode
 itself: ``test_quant_gluon.py``.)"""
 
@@ -155,6 +156,64 @@ def test_on_the_gpu_a_verifys_256_row_tiles_give_the_128_row_tiles_bits(split, n
             assert torch.equal(product(x[:rows], 16), product(x[:rows], None)), rows
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("split", [2, 4])
+def test_on_the_gpu_a_folded_launch_gives_the_unfolded_launchs_bits(split):
+    """``fold`` (two of an even split's parts a program, the program adding the pair; the engine's for a verify's
+    launches by ``folds``' rule), Q4_K's pairs, Q6_K and Q4_1 (K = 1536: 12 tiles, 6 parts too): one-hot rows read
+    each weight back folded, and at every row count a folded launch has the unfolded one's bits (whose last part adds
+    the pairs first, ``PAIRED``), a lone row's bits its bits among the rest."""
+    from engine.models.quant import hold
+    from tests.engine.models.test_quant_gluon import _q41_blocks
+
+    cols1 = 1536
+    words, heads = quant_gluon.repack(_blocks(seed=18, n=N2).cuda(), K, True)
+    planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=19, n=N2), FORMATS["Q6_K"]).cuda(), K)
+    q41 = quant_gluon.repack_q4_1(_q41_blocks(seed=20, n=N2, cols=cols1).cuda(), cols1)
+    products = [(lambda x, f: quant_gluon.linear(x, words, heads, N2, K, split, True, fold=f),
+                 quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16), K, split),
+                (lambda x, f: quant_gluon.linear_q6_k(x, planes, N2, K, split, fold=f),
+                 quant_gluon.reference_q6_k(*planes, N2, K), K, split),
+                *[(lambda x, f, s=s: quant_gluon.linear_q4_1(x, q41, N2, cols1, s, fold=f),
+                   quant_gluon.reference_q4_1(*q41, N2, cols1), cols1, s) for s in (split, 6)]]
+    for product, weight, cols, s in products:
+        _reads_back(lambda x, product=product: product(x, True), weight)
+        x = torch.randn(ROWS, cols, device="cuda", dtype=torch.bfloat16)
+        for rows in (1, 8, 16, 17, 33, 40, 41, 48, 64, ROWS):
+            unfolded = product(x[:rows], False)
+            assert torch.equal(product(x[:rows], True), unfolded), (s, rows)
+            assert torch.equal(unfolded[:1], product(x[:1], False)), (s, rows)
+
+
+def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the_sms(monkeypatch):
+    """``folds``: from ``FOLD_FROM`` rows a program (32: a verify's 8-warp launches), the register path, an even
+    split, and the folded programs (tiles x split / 2) at least the SMs: the 27B's Q4_K weights at 33 rows on 8 warps
+    (272 tiles in 2 parts; the GDN in_proj's 129 in 4, its 1 row's 258 tiles in 4 not; 40 in 8 and in 12; 40 in 6
+    not: 120 programs). ``_launch`` grids the folded parts and passes ``FOLD``, and ``PAIRED`` where the last part
+    adds an even split's pairs; ``fold=True`` with an odd split or stages is refused, naming both."""
+    folds = quant_gluon.folds
+    assert [folds(32, 0, 272, 2, 132), folds(32, 0, 129, 4, 132), folds(32, 0, 40, 8, 132),
+            folds(32, 0, 40, 12, 132), folds(64, 0, 40, 8, 132)] == [True] * 5
+    assert not any([folds(8, 0, 258, 4, 132), folds(16, 0, 258, 4, 132), folds(32, 0, 40, 6, 132),
+                    folds(32, 0, 272, 3, 132), folds(32, 3, 272, 2, 132)])
+    kernel = _Launches()
+    n_pad, cols = 128 * 132, 1536  # (K: 12 tiles)
+    for m, split, fold in [(33, 2, None), (33, 3, None), (1, 2, None), (33, 4, False), (50, 4, True)]:
+        quant_gluon._launch(kernel, torch.zeros(m, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split, None,
+                            fold, STAGES=0)
+    assert [(grid, kw["FOLD"], kw["PAIRED"]) for grid, kw, _ in kernel.seen] == [
+        ((132, 1, 1), True, False), ((132, 3, 1), False, False), ((264, 2, 1), False, True),
+        ((132, 4, 1), False, True), ((132, 2, 1), True, False)]
+    args = kernel.seen[-1][2]  # (k_tiles, split): a folded program's tiles, the launch's parts
+    assert args[-3:-1] == (6, 2)
+    monkeypatch.setattr(quant_gluon, "FOLD_FROM", None)
+    assert not folds(32, 0, 272, 2, 132)
+    for split, stages in [(3, 0), (2, 3)]:
+        with pytest.raises(ValueError, match=f"fold=True takes an even split.*split={split}, stages={stages}"):
+            quant_gluon._launch(kernel, torch.zeros(33, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split,
+                                None, True, STAGES=stages)
+
+
 def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_theirs(monkeypatch):
     """``wide_warps``: ``WIDE_WARPS`` (8, the engine's; 16: 256-row tiles) for 32 rows a program (17-48 rows) on the
     register path whose wide tiles, times the split, fill the SMs; ``_warps`` then takes it where the padded rows are
@@ -172,9 +231,9 @@ def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_the
     for m in (1, 20, 33, 50):
         quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=0)
     quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=3)
-    assert [(grid, kw["num_warps"], kw.get("maxnreg")) for grid, kw in kernel.seen] == [
-        ((264, 2, 1), 4, None), ((66, 2, 1), 16, None), ((66, 2, 1), 16, None), ((132, 2, 1), 8, None),
-        ((132, 2, 1), 8, None)]
+    assert [(grid, kw["num_warps"], kw.get("maxnreg")) for grid, kw, _ in kernel.seen] == [
+        ((264, 2, 1), 4, None), ((66, 2, 1), 16, None), ((66, 2, 1), 16, None), ((132, 1, 1), 8, None),
+        ((132, 2, 1), 8, None)]  # (50 rows: 64 a program on 8 warps, the 132 tiles' 2 parts folded)
     with pytest.raises(ValueError, match="warps=16 takes the register path .stages 0 or 1., not stages=3"):
         quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), 256, 256, K, 2, 16, STAGES=3)
 
@@ -203,7 +262,7 @@ class _Launches:
         self.seen = []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.seen.append((grid, kwargs))
+        return lambda *args, **kwargs: self.seen.append((grid, kwargs, args))
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -215,11 +274,11 @@ def test_a_launch_passes_its_tail_pdl_and_register_cap_to_the_kernel(monkeypatch
     kernel = _Launches()
     for m in (1, 20, 33, 50, 100):
         quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), 256, 200, K, 2, None, STAGES=0)
-    grids = [grid for grid, _ in kernel.seen]
+    grids = [grid for grid, _, _ in kernel.seen]
     assert grids == [(4, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 1), (2, 2, 2)]  # 256 padded rows: 64- or 128-row tiles
-    options = [(kw["BLOCK_M"], kw["TAIL"], kw["num_warps"], kw.get("maxnreg")) for _, kw in kernel.seen]
+    options = [(kw["BLOCK_M"], kw["TAIL"], kw["num_warps"], kw.get("maxnreg")) for _, kw, _ in kernel.seen]
     assert options == [(8, 0, 4, None), (32, 0, 8, None), (32, 8, 8, 128), (64, 0, 8, None), (64, 0, 8, None)]
-    assert all(kw["PDL"] is pdl and kw["launch_pdl"] is pdl for _, kw in kernel.seen)
+    assert all(kw["PDL"] is pdl and kw["launch_pdl"] is pdl for _, kw, _ in kernel.seen)
 
 
 def test_shared_memory_stages_take_the_pair_decode_with_x_staged():
