@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models import quant_gluon
+from engine.models import quant_gluon, quant_gluon_planes
 from engine.models.quant import FORMATS, dequantize
 from tests.engine.gguf_files import random_blocks
 
@@ -206,7 +206,7 @@ def test_a_repack_in_row_chunks_is_the_repack_in_one(monkeypatch):
     blocks, q6, q41 = _blocks(seed=6), hold(_q6_blocks(seed=6), FORMATS["Q6_K"]), _q41_blocks(seed=6)
     whole = [quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K),
              quant_gluon.repack_q4_1(q41, K1)]
-    monkeypatch.setattr(quant_gluon, "REPACK_ROWS", 64)
+    monkeypatch.setattr(quant_gluon_planes, "REPACK_ROWS", 64)
     for got, want in zip([quant_gluon.repack(blocks, K, pairs=True), quant_gluon.repack_q6_k(q6, K),
                           quant_gluon.repack_q4_1(q41, K1)], whole, strict=True):
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -474,7 +474,7 @@ def test_a_fused_weights_part_is_its_rows_of_the_planes_where_it_starts_a_tile(m
         assert all(p.data_ptr() >= w.data_ptr() for p, w in zip(planes, m.planes(), strict=True))  # views
         assert torch.equal(operand.values(planes), want[name][lo:hi]), (name, lo, hi)
     assert model["fused"].operand.rows(model["fused"].planes(), 32, 64) is None
-    monkeypatch.setattr(quant_gluon, "REPACK_ROWS", 64)  # values in two chunks, the second 36 rows
+    monkeypatch.setattr(quant_gluon_planes, "REPACK_ROWS", 64)  # values in two chunks, the second 36 rows
     for name in ("fused", "q6"):
         assert torch.equal(model[name].dequantized(torch.bfloat16), want[name]), name
 
