@@ -49,6 +49,14 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                     help="--q4k-decode engine or gluon*: the warps of a launch of 32 rows a program or more (a "
                          "verify's) where the weight's padded rows are whole tiles of theirs (quant_gluon.WIDE_WARPS; "
                          "8: 128-row tiles, the engine's; 16: 256-row tiles, x read half as often)")
+    ap.add_argument("--gluon-fold-from", type=int, choices=[0, 16, 32, 64], default=None,
+                    help="--q4k-decode engine or gluon*: the fewest rows a program from which a launch takes two of "
+                         "an even split's parts a program, the program adding them (quant_gluon.FOLD_FROM; 32 the "
+                         "engine's: a verify's 8-warp launches; 0: never)")
+    ap.add_argument("--gluon-programs-per-sm", type=int, choices=[4, 8, 12, 16], default=None,
+                    help="--q4k-decode engine or gluon*: split_for's aim, a weight's 1-row launch spread over about "
+                         "this many programs an SM (quant_gluon.PROGRAMS_PER_SM; 8 the engine's since 2026-12-07, 4 "
+                         "before); it sets the weight's split for every launch, so its bits")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
@@ -61,8 +69,10 @@ def settings(args: argparse.Namespace) -> dict:
     pdl = {None: None, "on": True, "off": False}[args.gluon_pdl]
     asked = {"MIN_BLOCK_M": args.gluon_min_rows, "STAGES": args.gluon_stages, "PDL": pdl,
              "FEW_ROWS_STAGES": args.gluon_few_rows_stages, "STAGED_ROWS": args.gluon_staged_rows,
-             "WIDE_WARPS": args.gluon_wide_warps}
+             "WIDE_WARPS": args.gluon_wide_warps, "PROGRAMS_PER_SM": args.gluon_programs_per_sm}
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
+    if args.gluon_fold_from is not None:  # (0: never)
+        chosen["FOLD_FROM"] = args.gluon_fold_from or None
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
     return chosen
@@ -74,7 +84,7 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
-                 "gluon_tails", "gluon_maxnreg", "gluon_wide_warps"):
+                 "gluon_tails", "gluon_maxnreg", "gluon_wide_warps", "gluon_fold_from", "gluon_programs_per_sm"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "

@@ -32,13 +32,15 @@ source benchmarks/device/common.sh quant
 step_flags() {
   flags=""
   local v=$1
-  if [ "$v" != engine ] && ! [[ $v =~ ^(s[0-9]|m[0-9]+|r[0-9]+|w[0-9]+|p[0-9]*|t[0-9]*)+$ ]]; then
-    say "STEPS: $v: a step is engine or letters with their numbers (sN mN rN wN p p0 t t0 t16)"; exit 2
+  if [ "$v" != engine ] && ! [[ $v =~ ^(s[0-9]|m[0-9]+|r[0-9]+|w[0-9]+|f[0-9]+|k[0-9]+|p[0-9]*|t[0-9]*)+$ ]]; then
+    say "STEPS: $v: a step is engine or letters with their numbers (sN mN rN wN fN kN p p0 t t0 t16)"; exit 2
   fi
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ r([0-9]+) ]]; then flags+=" --gluon-maxnreg ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ w([0-9]+) ]]; then flags+=" --gluon-wide-warps ${BASH_REMATCH[1]}"; fi
+  if [[ $v =~ f([0-9]+) ]]; then flags+=" --gluon-fold-from ${BASH_REMATCH[1]}"; fi
+  if [[ $v =~ k([0-9]+) ]]; then flags+=" --gluon-programs-per-sm ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ p([0-9]*) ]]; then
     case ${BASH_REMATCH[1]} in
       "") flags+=" --gluon-pdl on" ;; 0) flags+=" --gluon-pdl off" ;;
@@ -73,7 +75,10 @@ done
 # (MIN_BLOCK_M, --gluon-min-rows N), t a verify's 33-48 rows as 32 and a tail (TAILS, --gluon-tails on: the engine's since 2026-12-07; t0 off, t16 17-24
 # rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
 # engine's, r0 ptxas' own), wN a verify's launches on N warps (WIDE_WARPS, --gluon-wide-warps N: 8 the engine's, 16
-# 256-row tiles); "engine" the step as the engine loads it (large_q4km_engine)
+# 256-row tiles), fN a launch folds an even split's parts in pairs from N rows a program (FOLD_FROM, --gluon-fold-from
+# N: 32 the engine's, f0 never), kN a weight's split aimed at N programs an SM at 1 row (PROGRAMS_PER_SM,
+# --gluon-programs-per-sm N: 8 the engine's, 4 before 2026-12-07's nineteenth session); "engine" the step as the
+# engine loads it (large_q4km_engine)
 for v in ${STEPS:-}; do
   step_flags "$v"
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \

@@ -356,20 +356,21 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
 PROGRAMS_PER_SM = 8  # split_for's aim: a 1-row launch spread over ~8 programs an SM
 
 
-def split_for(n: int, cols: int, sms: int = 132, per_sm: int = PROGRAMS_PER_SM) -> int:
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None) -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
-    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` an SM; an even number of them (or one) where
-    K's tiles have an even divisor, so that a verify's launch can fold them in pairs (``folds``). One split a
-    weight, whatever a launch's rows or warps (a row's bits depend on it). Measured on an H100 (2026-12-07,
-    nineteenth session, ``quant_gluon.py --launches``: the 27B's weights at every split to 17; RESULTS.md), 1-row
-    launches gain to ~8-20 programs an SM since they take 8 rows a program (``MIN_BLOCK_M``, 7 programs resident an
-    SM): gate_up 54.4 us in 1 part (4.1 an SM), 45.6 in 2, 41.7 in 4; GDN in_proj 29.5 in 2, 24.0 in 4; o_proj 14.3
-    in 6, 12.1 in 12; the down 26.0 in 8 (4.9 an SM), 23.9 in 17. (Aimed at 4 an SM until then; at 1 row on 16 rows a
-    program, 2026-12-06, the wide weights were flat past 2.) SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part;
-    the down's 12 in 6) as before: measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``)
-    qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6, the down 4.2 in 6 or 12 parts."""
+    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` (``PROGRAMS_PER_SM``) an SM; an even number
+    of them (or one) where K's tiles have an even divisor, so that a verify's launch can fold them in pairs
+    (``folds``). One split a weight, whatever a launch's rows or warps (a row's bits depend on it). Measured on an
+    H100 (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: the 27B's weights at every split to 17;
+    RESULTS.md), 1-row launches gain to ~8-20 programs an SM since they take 8 rows a program (``MIN_BLOCK_M``, 7
+    programs resident an SM): gate_up 54.4 us in 1 part (4.1 an SM), 45.6 in 2, 41.7 in 4; GDN in_proj 29.5 in 2,
+    24.0 in 4; o_proj 14.3 in 6, 12.1 in 12; the down 26.0 in 8 (4.9 an SM), 23.9 in 17. (Aimed at 4 an SM until
+    then; at 1 row on 16 rows a program, 2026-12-06, the wide weights were flat past 2.) SmolLM2's Q4_1 weights (K =
+    576: 5 tiles, one part; the down's 12 in 6) as before: measured at 1 row on an H100 (2026-12-07,
+    ``quant_gluon.py --bench --q4-1``) qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6, the down 4.2
+    in 6 or 12 parts."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
-    target = per_sm * sms
+    target = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
     splits = [s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0]
     even = [s for s in splits if s == 1 or s % 2 == 0]

@@ -93,6 +93,10 @@ def test_a_mix_interleaves_its_sets_prompts():
     (["large", "--gluon-wide-warps", "16", "--gluon-stages", "3"],
      "--gluon-wide-warps 16: a verify's launches on the register path at the engine's own warps, not with "
      "--gluon-stages 3"),
+    (["large", "--q4k-decode", "kernel", "--gluon-fold-from", "0"],
+     "--gluon-fold-from: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--q4k-decode", "packed", "--gluon-programs-per-sm", "4"],
+     "--gluon-programs-per-sm: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-pdl", "on"],
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
@@ -108,7 +112,8 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
-                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None, gluon_wide_warps=None)
+                     gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None, gluon_wide_warps=None, gluon_fold_from=None,
+                     gluon_programs_per_sm=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
@@ -120,6 +125,8 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
     assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
     assert settings(gluon_wide_warps=16) == {"WIDE_WARPS": 16}
+    assert settings(gluon_fold_from=0) == {"FOLD_FROM": None} and settings(gluon_fold_from=64) == {"FOLD_FROM": 64}
+    assert settings(gluon_programs_per_sm=4) == {"PROGRAMS_PER_SM": 4}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():
