@@ -226,14 +226,15 @@ def bench_launches(rows: tuple[int, ...] = (1, 33), most_split: int = 17) -> lis
         pick = _rotating_planes(planes, blocks.numel())
         n_pad, k_tiles = padded_rows(n), padded_cols(k) // 128
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-        chosen = split_for(n, k, sms)
+        chosen = split_for(n, k, sms, quant_gluon.Q6_K_PROGRAMS_PER_SM if fmt_name == "Q6_K" else None)
         for split in (s for s in range(1, most_split + 1) if k_tiles % s == 0 and k_tiles // s >= 2):
             cells = []
             for m in rows:
                 block_m, _ = quant_gluon._rows_a_program(m)
                 engine = quant_gluon._warps(quant_gluon._block_m(m), n_pad, None, wide=quant_gluon.wide_warps(
                     block_m, 0, n_pad, split, sms))
-                engine_fold = quant_gluon.folds(block_m, 0, n_pad // (16 * engine), split, sms)
+                engine_fold = fmt_name in quant_gluon.FOLD_FORMATS and quant_gluon.folds(
+                    block_m, 0, n_pad // (16 * engine), split, sms, engine)
                 launches = [(w, False) for w in sorted({engine} | {w for w in (4, 8, 16)
                                                                     if block_m >= 16 and n_pad % (16 * w) == 0})]
                 launches += [(engine, True)] if block_m >= 16 and split % 2 == 0 else []

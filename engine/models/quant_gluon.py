@@ -180,6 +180,7 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
                 fold: bool | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
+    fold = False if fold is None and "Q6_K" not in FOLD_FORMATS else fold
     return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, fold, X_AHEAD=x_ahead,
                    STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split))
 
@@ -211,7 +212,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
         raise ValueError(f"warps=16 takes the register path (stages 0 or 1), not stages={stages}")
     tiles = n_pad // (16 * warps)
     if fold is None:
-        fold = folds(block_m, stages, tiles, split, _sms(x.device))
+        fold = folds(block_m, stages, tiles, split, _sms(x.device), warps)
     elif fold and (split % 2 or stages > 1):
         raise ValueError(f"fold=True takes an even split on the register path (stages 0 or 1), not split={split}, "
                          f"stages={stages}")
@@ -229,22 +230,26 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     return out
 
 
-# A launch of at least this many rows a program (a verify's 32 + a tail, on 8 warps) whose weight's split is even
-# takes two of its parts a program (``folds``): fewer programs, each adding its pair itself, as the last part adds an
-# even split's pairs (``PAIRED``), so the bits are the unfolded launch's. None: never. On an H100 (2026-12-07,
-# nineteenth session, ``quant_gluon.py --launches``; RESULTS.md) a launch of 33 rows spread over more programs than
-# two an SM slows: the 27B's GDN in_proj 30.5 us in 2 parts, 35.2 in 4; the Q4_K down 44.7 in 4, 49.1 in 8; the
-# o_proj 15.9 in 6, 19.8 in 12; where 1-row launches gain from those parts (24.0 in 4 against 29.5 in 2, o_proj
-# 12.1 in 12 against 14.3 in 6)
+# A launch of at least this many rows a program (a verify's 32 + a tail, on 8 warps) of a ``FOLD_FORMATS`` weight whose
+# split is even takes two of its parts a program (``folds``) where the folded programs fill the SMs in one wave: fewer
+# programs, each adding its pair itself, as the last part adds an even split's pairs (``PAIRED``), so the bits are the
+# unfolded launch's. None: never. On an H200 (2026-12-07, nineteenth session, ``quant_gluon.py --launches``;
+# RESULTS.md), 33 rows: the 27B's GDN in_proj in 4 parts 33.4 us, folded 28.8 (in 2 unfolded 29.3); its o_proj in 12
+# 20.4, folded 16.3; the gate_up in 2 folded (272 programs: a second wave of 8) 80.8 against 73.9; Q6_K folded 1.2-1.3x
+# slower (its down 48.5 -> 64.1 us: the held sums' registers). One split a weight serves both: the 1-row launches
+# gain from more parts (``split_for``)
 FOLD_FROM: int | None = 32
+FOLD_FORMATS = ("Q4_K", "Q4_1")
 
 
-def folds(block_m: int, stages: int, tiles: int, split: int, sms: int) -> bool:
-    """Whether a launch of ``block_m`` rows a program over ``tiles`` tiles folds its weight's ``split`` parts in
-    pairs (``FOLD_FROM``): from that many rows a program, the register path, an even split, and the folded
-    programs still at least the ``sms``."""
+def folds(block_m: int, stages: int, tiles: int, split: int, sms: int, warps: int = 8) -> bool:
+    """Whether a launch of ``block_m`` rows a program over ``tiles`` tiles of ``warps`` warps folds its weight's
+    ``split`` parts in pairs (``FOLD_FROM``; the launchers pass False for a format not in ``FOLD_FORMATS``): from
+    that many rows a program, the register path, an even split, and the folded programs at least the ``sms`` and at
+    most one wave of them (two 8-warp programs an SM at 128 registers, four of 4 warps, one of 16)."""
+    folded = tiles * split // 2
     return (FOLD_FROM is not None and block_m >= FOLD_FROM and stages <= 1 and split % 2 == 0
-            and tiles * split // 2 >= sms)
+            and sms <= folded <= 16 // warps * sms)
 
 
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
@@ -353,28 +358,28 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
                           options={"num_warps": warps, "launch_pdl": pdl, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-PROGRAMS_PER_SM = 8  # split_for's aim: a 1-row launch spread over ~8 programs an SM
+PROGRAMS_PER_SM = 8  # split_for's aim: a 1-row launch spread over ~8 programs an SM (Q6_K's: ``Q6_K_PROGRAMS_PER_SM``)
+Q6_K_PROGRAMS_PER_SM = 4  # (its verify launches do not fold, ``FOLD_FORMATS``, and slow in more parts: as before)
 
 
 def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None) -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
-    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` (``PROGRAMS_PER_SM``) an SM; an even number
-    of them (or one) where K's tiles have an even divisor, so that a verify's launch can fold them in pairs
-    (``folds``). One split a weight, whatever a launch's rows or warps (a row's bits depend on it). Measured on an
-    H100 (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: the 27B's weights at every split to 17;
-    RESULTS.md), 1-row launches gain to ~8-20 programs an SM since they take 8 rows a program (``MIN_BLOCK_M``, 7
-    programs resident an SM): gate_up 54.4 us in 1 part (4.1 an SM), 45.6 in 2, 41.7 in 4; GDN in_proj 29.5 in 2,
-    24.0 in 4; o_proj 14.3 in 6, 12.1 in 12; the down 26.0 in 8 (4.9 an SM), 23.9 in 17. (Aimed at 4 an SM until
-    then; at 1 row on 16 rows a program, 2026-12-06, the wide weights were flat past 2.) SmolLM2's Q4_1 weights (K =
-    576: 5 tiles, one part; the down's 12 in 6) as before: measured at 1 row on an H100 (2026-12-07,
-    ``quant_gluon.py --bench --q4-1``) qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6, the down 4.2
-    in 6 or 12 parts."""
+    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` (``PROGRAMS_PER_SM``) an SM. One split a
+    weight, whatever a launch's rows or warps (a row's bits depend on it); a verify's launch may take two of an even
+    split's parts a program (``folds``). Measured (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: the
+    27B's weights at every split to 17; RESULTS.md), 1-row launches gain to ~8-20 programs an SM since they take 8
+    rows a program (``MIN_BLOCK_M``, 7 programs resident an SM); on an H200: gate_up 54.2 us in 1 part (4.1 an SM),
+    39.2 in 2; GDN in_proj 29.7 in 2, 21.5 in 4; o_proj 14.3 in 6, 11.3 in 12; the down 26.6 in 8 (4.9 an SM), 21.8
+    in 17. (Aimed at 4 an SM until then; at 1 row on 16 rows a program, 2026-12-06, the wide weights were flat past
+    2.) Q6_K's at 4 (``Q6_K_PROGRAMS_PER_SM``): its o_proj's 33-row launch took 17.6 us in 6 parts, 22.6 in 12.
+    SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part; the down's 12 in 6) as before: measured at 1 row on an H100
+    (2026-12-07, ``quant_gluon.py --bench --q4-1``) qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6,
+    the down 4.2 in 6 or 12 parts."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     target = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
     splits = [s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0]
-    even = [s for s in splits if s == 1 or s % 2 == 0]
-    return min(even if len(even) > 1 else splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
+    return min(splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
 
 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
@@ -459,7 +464,8 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
-    split = split_for(held.shape[0], cols, _sms(held.device))
+    per_sm = Q6_K_PROGRAMS_PER_SM if fmt.name == "Q6_K" else None
+    split = split_for(held.shape[0], cols, _sms(held.device), per_sm)
     operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
 

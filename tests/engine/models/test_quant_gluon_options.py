@@ -170,11 +170,12 @@ def test_on_the_gpu_a_folded_launch_gives_the_unfolded_launchs_bits(split):
     words, heads = quant_gluon.repack(_blocks(seed=18, n=N2).cuda(), K, True)
     planes = quant_gluon.repack_q6_k(hold(_q6_blocks(seed=19, n=N2), FORMATS["Q6_K"]).cuda(), K)
     q41 = quant_gluon.repack_q4_1(_q41_blocks(seed=20, n=N2, cols=cols1).cuda(), cols1)
-    products = [(lambda x, f: quant_gluon.linear(x, words, heads, N2, K, split, True, fold=f),
+    # (the register path: an AR step's few programs would take shared-memory stages, which do not fold)
+    products = [(lambda x, f: quant_gluon.linear(x, words, heads, N2, K, split, True, stages=0, fold=f),
                  quant_gluon.reference(words, heads, N2, K, True).to(torch.bfloat16), K, split),
-                (lambda x, f: quant_gluon.linear_q6_k(x, planes, N2, K, split, fold=f),
+                (lambda x, f: quant_gluon.linear_q6_k(x, planes, N2, K, split, stages=0, fold=f),
                  quant_gluon.reference_q6_k(*planes, N2, K), K, split),
-                *[(lambda x, f, s=s: quant_gluon.linear_q4_1(x, q41, N2, cols1, s, fold=f),
+                *[(lambda x, f, s=s: quant_gluon.linear_q4_1(x, q41, N2, cols1, s, stages=0, fold=f),
                    quant_gluon.reference_q4_1(*q41, N2, cols1), cols1, s) for s in (split, 6)]]
     for product, weight, cols, s in products:
         _reads_back(lambda x, product=product: product(x, True), weight)
@@ -185,20 +186,22 @@ def test_on_the_gpu_a_folded_launch_gives_the_unfolded_launchs_bits(split):
             assert torch.equal(unfolded[:1], product(x[:1], False)), (s, rows)
 
 
-def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the_sms(monkeypatch):
+def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the_sms_in_one_wave(monkeypatch):
     """``folds``: from ``FOLD_FROM`` rows a program (32: a verify's 8-warp launches), the register path, an even
-    split, and the folded programs (tiles x split / 2) at least the SMs: the 27B's Q4_K weights at 33 rows on 8 warps
-    (272 tiles in 2 parts; the GDN in_proj's 129 in 4, its 1 row's 258 tiles in 4 not; 40 in 8 and in 12; 40 in 6
-    not: 120 programs). ``_launch`` grids the folded parts and passes ``FOLD``, and ``PAIRED`` where the last part
-    adds an even split's pairs; ``fold=True`` with an odd split or stages is refused, naming both."""
+    split, and the folded programs (tiles x split / 2) at least the SMs and at most a wave (two 8-warp programs an SM,
+    four of 4 warps): the 27B's GDN in_proj at 33 rows (129 tiles of 128 rows in 4 parts), its o_proj (40 in 12), not
+    its gate_up in 2 (272: a second wave), not 40 in 6 (120 programs), not at 1 or 16 rows. ``_launch`` grids the
+    folded parts and passes ``FOLD``, and ``PAIRED`` where the last part adds an even split's pairs; a Q6_K launch
+    folds only when asked; ``fold=True`` with an odd split or stages is refused, naming both."""
     folds = quant_gluon.folds
-    assert [folds(32, 0, 272, 2, 132), folds(32, 0, 129, 4, 132), folds(32, 0, 40, 8, 132),
-            folds(32, 0, 40, 12, 132), folds(64, 0, 40, 8, 132)] == [True] * 5
-    assert not any([folds(8, 0, 258, 4, 132), folds(16, 0, 258, 4, 132), folds(32, 0, 40, 6, 132),
-                    folds(32, 0, 272, 3, 132), folds(32, 3, 272, 2, 132)])
+    assert [folds(32, 0, 129, 4, 132), folds(32, 0, 40, 12, 132), folds(64, 0, 40, 8, 132),
+            folds(32, 0, 272, 2, 132, 4), folds(32, 0, 66, 4, 132, 16)] == [True] * 5
+    assert not any([folds(32, 0, 272, 2, 132), folds(8, 0, 258, 4, 132, 4), folds(16, 0, 258, 4, 132, 4),
+                    folds(32, 0, 40, 6, 132), folds(32, 0, 272, 3, 132), folds(32, 3, 129, 4, 132),
+                    folds(32, 0, 66, 6, 132, 16)])
     kernel = _Launches()
     n_pad, cols = 128 * 132, 1536  # (K: 12 tiles)
-    for m, split, fold in [(33, 2, None), (33, 3, None), (1, 2, None), (33, 4, False), (50, 4, True)]:
+    for m, split, fold in [(33, 2, None), (33, 3, None), (1, 2, None), (33, 4, False), (50, 4, True)]:  # 132 tiles
         quant_gluon._launch(kernel, torch.zeros(m, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split, None,
                             fold, STAGES=0)
     assert [(grid, kw["FOLD"], kw["PAIRED"]) for grid, kw, _ in kernel.seen] == [
@@ -206,8 +209,13 @@ def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the
         ((132, 4, 1), False, True), ((132, 2, 1), True, False)]
     args = kernel.seen[-1][2]  # (k_tiles, split): a folded program's tiles, the launch's parts
     assert args[-3:-1] == (6, 2)
+    planes = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(n_pad))  # (Q6_K's d: n_pad rows)
+    monkeypatch.setattr(quant_gluon.kernels, "_q6_kernel", kernel)
+    for fold in (None, True):
+        quant_gluon.linear_q6_k(torch.zeros(33, cols, dtype=torch.bfloat16), planes, n_pad, cols, 2, fold=fold)
+    assert [kw["FOLD"] for _, kw, _ in kernel.seen[-2:]] == [False, True]
     monkeypatch.setattr(quant_gluon, "FOLD_FROM", None)
-    assert not folds(32, 0, 272, 2, 132)
+    assert not folds(32, 0, 129, 4, 132)
     for split, stages in [(3, 0), (2, 3)]:
         with pytest.raises(ValueError, match=f"fold=True takes an even split.*split={split}, stages={stages}"):
             quant_gluon._launch(kernel, torch.zeros(33, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split,
