@@ -55,8 +55,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                          "engine's: a verify's 8-warp launches; 0: never)")
     ap.add_argument("--gluon-programs-per-sm", type=int, choices=[4, 8, 12, 16], default=None,
                     help="--q4k-decode engine or gluon*: split_for's aim, a weight's 1-row launch spread over about "
-                         "this many programs an SM (quant_gluon.PROGRAMS_PER_SM; 8 the engine's since 2026-12-07, 4 "
-                         "before); it sets the weight's split for every launch, so its bits")
+                         "this many programs an SM (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: the 27B's 1-row "
+                         "launches faster alone, its AR step slower, 2026-12-07); it sets the weight's split for "
+                         "every launch, so its bits")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "

@@ -358,23 +358,26 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
                           options={"num_warps": warps, "launch_pdl": pdl, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-PROGRAMS_PER_SM = 8  # split_for's aim: a 1-row launch spread over ~8 programs an SM (Q6_K's: ``Q6_K_PROGRAMS_PER_SM``)
-Q6_K_PROGRAMS_PER_SM = 4  # (its verify launches do not fold, ``FOLD_FORMATS``, and slow in more parts: as before)
+# split_for's aim: a 1-row launch spread over ~4 programs an SM. On the 27B's weights alone 8 is faster at 1 row
+# (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: gate_up 54.2 -> 39.2 us, GDN in_proj 29.7 -> 21.5,
+# o_proj 14.3 -> 11.3, the down 26.6 -> 21.8 on an H200; the H100's alike), yet the 27B Q4_K_M AR step at 8 was
+# slower on an H100 (8.66 -> 9.01 ms, medians of 6 runs, two processes a tree; its verify at 32 16.35 -> 16.02 with
+# the fold): kept at 4 until a step's own launches say why (``gpu_bench --gluon-programs-per-sm 8``; RESULTS.md)
+PROGRAMS_PER_SM = 4
+Q6_K_PROGRAMS_PER_SM = 4  # Q6_K's (its verify launches do not fold, ``FOLD_FORMATS``, and slow in more parts)
 
 
 def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None) -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
     4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` (``PROGRAMS_PER_SM``) an SM. One split a
     weight, whatever a launch's rows or warps (a row's bits depend on it); a verify's launch may take two of an even
-    split's parts a program (``folds``). Measured (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: the
-    27B's weights at every split to 17; RESULTS.md), 1-row launches gain to ~8-20 programs an SM since they take 8
-    rows a program (``MIN_BLOCK_M``, 7 programs resident an SM); on an H200: gate_up 54.2 us in 1 part (4.1 an SM),
-    39.2 in 2; GDN in_proj 29.7 in 2, 21.5 in 4; o_proj 14.3 in 6, 11.3 in 12; the down 26.6 in 8 (4.9 an SM), 21.8
-    in 17. (Aimed at 4 an SM until then; at 1 row on 16 rows a program, 2026-12-06, the wide weights were flat past
-    2.) Q6_K's at 4 (``Q6_K_PROGRAMS_PER_SM``): its o_proj's 33-row launch took 17.6 us in 6 parts, 22.6 in 12.
-    SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part; the down's 12 in 6) as before: measured at 1 row on an H100
-    (2026-12-07, ``quant_gluon.py --bench --q4-1``) qkv 3.3 us in one part against 3.5 in five, gate_up 5.1 / 4.6,
-    the down 4.2 in 6 or 12 parts."""
+    split's parts a program (``folds``). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K weights at every
+    split to 8, 16 rows a program): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
+    4.9), the wide ones flat past 2 (gate_up 51.8-54.4 us from 4 to 33); at 8 rows a program (``MIN_BLOCK_M``) more
+    parts are faster alone (``PROGRAMS_PER_SM``). SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part; the down's 12
+    in 6) measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in one part
+    against 3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down 4.2 in 6 or 12 parts; and five parts cost a
+    49-row verify five [49, N] fp32 partial sums (gate_up 8.2 us against the dense kernel's 4.5)."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     target = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)

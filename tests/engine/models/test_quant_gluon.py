@@ -181,13 +181,14 @@ def test_a_launch_takes_eight_warps_for_a_verify_of_whole_128_row_tiles_and_refu
             quant_gluon._warps(64, n_pad, warps)
 
 
-def test_a_weight_splits_k_into_parts_that_spread_its_launch_over_about_eight_programs_an_sm():
-    """``split_for``: the divisor of K's 128-column tiles whose 4-warp, 1-row launch is nearest (by ratio) 8 programs
-    an SM of 132 (Q6_K's: 4), each part at least two tiles long: the 27B's gate_up in 2 parts (544 tiles), GDN in_proj
-    in 4, its down and o_proj in 17 and 12 (80 tiles: the 2026-12-07 sweep's), k or v at the two-tile floor; a Q6_K
-    down and o_proj in 8 and 6."""
-    assert [quant_gluon.split_for(5120, 17408, per_sm=4), quant_gluon.split_for(5120, 6144, 132, 4)] == [8, 6]
-    cases = {(34816, 5120): 2, (16480, 5120): 4, (5120, 17408): 17, (5120, 6144): 12, (1024, 5120): 20,
+def test_a_weight_splits_k_into_parts_that_spread_its_launch_over_about_four_programs_an_sm():
+    """``split_for``: the divisor of K's 128-column tiles whose 4-warp, 1-row launch is nearest (by ratio) 4 programs
+    an SM of 132 (``PROGRAMS_PER_SM``; at 8: the 2026-12-07 sweep's faster launches alone), each part at least two
+    tiles long: the 27B's wide gate_up whole (544 tiles), its narrow down and o_proj in 8 and 6 parts (80 tiles), k or
+    v at the two-tile floor; at 8 an SM the gate_up in 2, the GDN in_proj in 4, the down in 17, the o_proj in 12."""
+    assert [quant_gluon.split_for(*shape, per_sm=8) for shape in [(34816, 5120), (16480, 5120), (5120, 17408),
+                                                                  (5120, 6144)]] == [2, 4, 17, 12]
+    cases = {(34816, 5120): 1, (16480, 5120): 2, (5120, 17408): 8, (5120, 6144): 6, (1024, 5120): 20,
              (N, K): 2, (64, 256): 1,
              # SmolLM2's Q4_1 weights: K = 576 is 5 tiles of the padded planes (one part), the down's 1536 is 12
              (576, 576): 1, (3072, 576): 1, (960, 576): 1, (576, 1536): 6, (1024, 1920): 5}
