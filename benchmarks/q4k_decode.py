@@ -51,8 +51,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                          "8: 128-row tiles, the engine's; 16: 256-row tiles, x read half as often)")
     ap.add_argument("--gluon-fold-from", type=int, choices=[0, 16, 32, 64], default=None,
                     help="--q4k-decode engine or gluon*: the fewest rows a program from which a launch takes two of "
-                         "an even split's parts a program, the program adding them (quant_gluon.FOLD_FROM; 32 the "
-                         "engine's: a verify's 8-warp launches; 0: never)")
+                         "an even split's parts a program, the program adding them (quant_gluon.FOLD_FROM; 32: a "
+                         "verify's 8-warp launches; 0: never, the engine's until its GPU bits test has run)")
     ap.add_argument("--gluon-programs-per-sm", type=int, choices=[4, 8, 12, 16], default=None,
                     help="--q4k-decode engine or gluon*: split_for's aim, a weight's 1-row launch spread over about "
                          "this many programs an SM (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: the 27B's 1-row "

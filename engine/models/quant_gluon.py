@@ -50,7 +50,8 @@ or 128-row tile: ``_warps``; ``MAXNREG``: a tail's 8-warp launch capped at 128 r
 verify's launches on 16, 256-row tiles). Split over K (``split_for``):
 each part's fp32 sums, added in order 0..split-1 by the part that finishes last, in the kernel (the engine's tickets);
 an even split's in pairs first (parts 2j and 2j + 1, then those sums in order), so that a verify's launch may take
-two parts a program, the program adding its pair (``folds``): the same bits from fewer programs.
+two parts a program, the program adding its pair (``folds``, an option: ``FOLD_FROM``): the same bits from fewer
+programs.
 The planes and the weights they hold are in ``quant_gluon_planes.py``, the kernels in ``quant_gluon_kernels.py`` (the
 staged tiles in ``quant_gluon_staged.py``, what both share in ``quant_gluon_decode.py``).
 
@@ -237,8 +238,9 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
 # RESULTS.md), 33 rows: the 27B's GDN in_proj in 4 parts 33.4 us, folded 28.8 (in 2 unfolded 29.3); its o_proj in 12
 # 20.4, folded 16.3; the gate_up in 2 folded (272 programs: a second wave of 8) 80.8 against 73.9; Q6_K folded 1.2-1.3x
 # slower (its down 48.5 -> 64.1 us: the held sums' registers). One split a weight serves both: the 1-row launches
-# gain from more parts (``split_for``)
-FOLD_FROM: int | None = 32
+# gain from more parts (``split_for``). An option until its GPU bits test runs (the session's device time ran out;
+# at ``PROGRAMS_PER_SM`` 4 it would take the 27B's Q4_K down alone): 32 turns it on (``gpu_bench --gluon-fold-from``)
+FOLD_FROM: int | None = None
 FOLD_FORMATS = ("Q4_K", "Q4_1")
 
 

@@ -187,13 +187,16 @@ def test_on_the_gpu_a_folded_launch_gives_the_unfolded_launchs_bits(split):
 
 
 def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the_sms_in_one_wave(monkeypatch):
-    """``folds``: from ``FOLD_FROM`` rows a program (32: a verify's 8-warp launches), the register path, an even
+    """``folds``: from ``FOLD_FROM`` rows a program (32 here: a verify's 8-warp launches; None, the engine's until its
+    GPU test has run: never), the register path, an even
     split, and the folded programs (tiles x split / 2) at least the SMs and at most a wave (two 8-warp programs an SM,
     four of 4 warps): the 27B's GDN in_proj at 33 rows (129 tiles of 128 rows in 4 parts), its o_proj (40 in 12), not
     its gate_up in 2 (272: a second wave), not 40 in 6 (120 programs), not at 1 or 16 rows. ``_launch`` grids the
     folded parts and passes ``FOLD``, and ``PAIRED`` where the last part adds an even split's pairs; a Q6_K launch
     folds only when asked; ``fold=True`` with an odd split or stages is refused, naming both."""
     folds = quant_gluon.folds
+    assert quant_gluon.FOLD_FROM is None and not folds(32, 0, 129, 4, 132)
+    monkeypatch.setattr(quant_gluon, "FOLD_FROM", 32)
     assert [folds(32, 0, 129, 4, 132), folds(32, 0, 40, 12, 132), folds(64, 0, 40, 8, 132),
             folds(32, 0, 272, 2, 132, 4), folds(32, 0, 66, 4, 132, 16)] == [True] * 5
     assert not any([folds(32, 0, 272, 2, 132), folds(8, 0, 258, 4, 132, 4), folds(16, 0, 258, 4, 132, 4),
@@ -240,8 +243,8 @@ def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_the
         quant_gluon._launch(kernel, torch.zeros(m, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=0)
     quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), n_pad, n_pad, K, 2, None, STAGES=3)
     assert [(grid, kw["num_warps"], kw.get("maxnreg")) for grid, kw, _ in kernel.seen] == [
-        ((264, 2, 1), 4, None), ((66, 2, 1), 16, None), ((66, 2, 1), 16, None), ((132, 1, 1), 8, None),
-        ((132, 2, 1), 8, None)]  # (50 rows: 64 a program on 8 warps, the 132 tiles' 2 parts folded)
+        ((264, 2, 1), 4, None), ((66, 2, 1), 16, None), ((66, 2, 1), 16, None), ((132, 2, 1), 8, None),
+        ((132, 2, 1), 8, None)]
     with pytest.raises(ValueError, match="warps=16 takes the register path .stages 0 or 1., not stages=3"):
         quant_gluon._launch(kernel, torch.zeros(33, K, dtype=torch.bfloat16), (), 256, 256, K, 2, 16, STAGES=3)
 
