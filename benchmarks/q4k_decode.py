@@ -49,15 +49,16 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                     help="--q4k-decode engine or gluon*: the warps of a launch of 32 rows a program or more (a "
                          "verify's) where the weight's padded rows are whole tiles of theirs (quant_gluon.WIDE_WARPS; "
                          "8: 128-row tiles, the engine's; 16: 256-row tiles, x read half as often)")
-    ap.add_argument("--gluon-fold-from", type=int, choices=[0, 16, 32, 64], default=None,
-                    help="--q4k-decode engine or gluon*: the fewest rows a program from which a launch takes two of "
-                         "an even split's parts a program, the program adding them (quant_gluon.FOLD_FROM; 32: a "
-                         "verify's 8-warp launches; 0: never, the engine's until its GPU bits test has run)")
+    ap.add_argument("--gluon-fold-from", type=int, choices=[0, 16, 32], default=None,
+                    help="--q4k-decode engine or gluon*: the fewest rows a program (up to 32) from which a Q4_K or "
+                         "Q4_1 launch takes two of an even split's parts a program, the program adding them "
+                         "(quant_gluon.FOLD_FROM; 32: a verify's 8-warp launches; 0: never, the engine's until its "
+                         "GPU bits test has run)")
     ap.add_argument("--gluon-programs-per-sm", type=int, choices=[4, 8, 12, 16], default=None,
                     help="--q4k-decode engine or gluon*: split_for's aim, a weight's 1-row launch spread over about "
-                         "this many programs an SM (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: the 27B's 1-row "
-                         "launches faster alone, its AR step slower, 2026-12-07); it sets the weight's split for "
-                         "every launch, so its bits")
+                         "this many programs an SM, Q6_K's aside (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: "
+                         "the 27B's 1-row launches faster alone, its AR step slower, 2026-12-07); it sets the "
+                         "weight's split for every launch, so its bits")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "

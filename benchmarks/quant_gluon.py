@@ -45,6 +45,7 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     during a capture takes the engine's kernel. A launch of more than 64 rows takes row blocks (a verify of any
     budget reads the AR step's weight); a prefill takes the engine's dequantized product, ``dequantize``'s values
     (with ``pairs``: not the decode's; the benchmarks time steps)."""
+    from engine.models import quant_gluon as engine_gluon
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
@@ -65,7 +66,8 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
             owner = blocks if blocks._base is None else blocks._base
             planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
             n = blocks.shape[0]
-            split = split_for(n, cols)
+            # (Q6_K's aim its own, as the engine's operand_planes)
+            split = split_for(n, cols, per_sm=engine_gluon.Q6_K_PROGRAMS_PER_SM if fmt.name == "Q6_K" else None)
             # asked-for warps where they take whole tiles of this weight's padded rows, else each launch's own choice
             w = warps if warps is None or padded_rows(n) % (16 * warps) == 0 else None
             repacked[key] = (weakref.ref(owner), planes, split, w)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.bench and args.launches:
         ap.error("--bench and --launches: one table a run (each times the 27B's weights for a minute or more)")
+    if args.fold and args.stages > 1:
+        ap.error(f"--fold with --stages {args.stages}: a folded program takes the register path (stages 0)")
     if args.q4_1 and not args.bench:
         ap.error("--q4-1: a choice of --bench's weights (SmolLM2's Q4_1 instead of the 27B's); the static counts "
                  "cover every decode, Q4_1 included")

@@ -103,8 +103,8 @@ def linear(x: Tensor, words: Tensor, heads: Tensor, n: int, cols: int, split: in
     (``_warps``), ``stages`` (the pair decode; ``STAGES`` by default) the tiles in flight through shared memory,
     ``fold`` two parts of an even split a program (``folds``' rule by default): the same bits whichever."""
     stages = _stages(stages, pairs, x_ahead, x, heads.shape[0], cols, split)
-    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps, fold,
-                   PAIRS=pairs, X_AHEAD=x_ahead, STAGES=stages)
+    return _launch(kernels._gluon_kernel, x, (words, heads), heads.shape[0], n, cols, split, warps,
+                   _fold(fold, "Q4_K"), PAIRS=pairs, X_AHEAD=x_ahead, STAGES=stages)
 
 
 # Tiles a program has in flight through shared memory, for every launch: ``STAGES - 1`` copied ahead by cp.async (no
@@ -181,8 +181,8 @@ def linear_q6_k(x: Tensor, planes: tuple[Tensor, Tensor, Tensor, Tensor], n: int
                 fold: bool | None = None) -> Tensor:
     """``x @ W^T`` [M, n] for W the Q6_K weight ``repack_q6_k``'s planes hold (``reference_q6_k``'s values), for
     any rows, on a GPU; the options as ``linear``'s."""
-    fold = False if fold is None and "Q6_K" not in FOLD_FORMATS else fold
-    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, fold, X_AHEAD=x_ahead,
+    return _launch(kernels._q6_kernel, x, planes, planes[3].shape[0], n, cols, split, warps, _fold(fold, "Q6_K"),
+                   X_AHEAD=x_ahead,
                    STAGES=_stages(stages, True, x_ahead, x, planes[3].shape[0], cols, split))
 
 
@@ -191,7 +191,8 @@ def linear_q4_1(x: Tensor, planes: tuple[Tensor, Tensor], n: int, cols: int, spl
     """``x @ W^T`` [M, n] for W the Q4_1 weight ``repack_q4_1``'s planes hold (``reference_q4_1``'s values), for
     any rows and any K of whole 32-value blocks (the planes padded to 128-column tiles, x's columns past K not
     read), on a GPU; the options as ``linear``'s."""
-    return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, fold, X_AHEAD=x_ahead,
+    return _launch(kernels._q4_1_kernel, x, planes, planes[1].shape[0], n, cols, split, warps, _fold(fold, "Q4_1"),
+                   X_AHEAD=x_ahead,
                    STAGES=_stages(stages, True, x_ahead, x, planes[1].shape[0], cols, split),
                    K_MASK=cols % TILE_K != 0)
 
@@ -204,7 +205,10 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     an even split's in pairs first, ``PAIRED``), so the output is bf16 straight away."""
     m = x.shape[0]
     k_tiles = padded_cols(cols) // TILE_K
-    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols and k_tiles % split == 0
+    assert x.dtype == torch.bfloat16 and m >= 1 and x.shape[1] == cols
+    if split < 1 or k_tiles % split:
+        raise ValueError(f"split={split}: a weight's K splits into whole 128-column tiles, a divisor of its "
+                         f"{k_tiles}")
     stages = constexprs.get("STAGES", 0)
     block_m, tail = _rows_a_program(m, stages)
     # (a tail's launch takes the warps of its rows' power of two; WIDE_WARPS by wide_warps' rule)
@@ -231,7 +235,7 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
     return out
 
 
-# A launch of at least this many rows a program (a verify's 32 + a tail, on 8 warps) of a ``FOLD_FORMATS`` weight whose
+# A launch of this many rows a program up to 32 (a verify's 32 + a tail, on 8 warps) of a ``FOLD_FORMATS`` weight whose
 # split is even takes two of its parts a program (``folds``) where the folded programs fill the SMs in one wave: fewer
 # programs, each adding its pair itself, as the last part adds an even split's pairs (``PAIRED``), so the bits are the
 # unfolded launch's. None: never. On an H200 (2026-12-07, nineteenth session, ``quant_gluon.py --launches``;
@@ -246,12 +250,19 @@ FOLD_FORMATS = ("Q4_K", "Q4_1")
 
 def folds(block_m: int, stages: int, tiles: int, split: int, sms: int, warps: int = 8) -> bool:
     """Whether a launch of ``block_m`` rows a program over ``tiles`` tiles of ``warps`` warps folds its weight's
-    ``split`` parts in pairs (``FOLD_FROM``; the launchers pass False for a format not in ``FOLD_FORMATS``): from
-    that many rows a program, the register path, an even split, and the folded programs at least the ``sms`` and at
-    most one wave of them (two 8-warp programs an SM at 128 registers, four of 4 warps, one of 16)."""
+    ``split`` parts in pairs (``FOLD_FROM``; a format not in ``FOLD_FORMATS`` never, ``_fold``): from that many rows a
+    program up to 32 (a tail's launch, capped at 128 registers: 64 rows a program take ~180, one program an SM, not
+    measured folded), the register path, an even split, and the folded programs at least the ``sms`` and at most
+    one wave of them (two 8-warp programs an SM at 128 registers, four of 4 warps, one of 16)."""
     folded = tiles * split // 2
-    return (FOLD_FROM is not None and block_m >= FOLD_FROM and stages <= 1 and split % 2 == 0
+    return (FOLD_FROM is not None and FOLD_FROM <= block_m <= 32 and stages <= 1 and split % 2 == 0
             and sms <= folded <= 16 // warps * sms)
+
+
+def _fold(fold: bool | None, fmt: str) -> bool | None:
+    """A launcher's ``fold`` for a weight of format ``fmt``: as asked, or where not asked (None: ``folds``' rule)
+    False for a format not in ``FOLD_FORMATS``."""
+    return False if fold is None and fmt not in FOLD_FORMATS else fold
 
 
 ROW_BLOCK = 64  # x's rows a program multiplies at most (wgmma's N); more take several row blocks
@@ -351,6 +362,8 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
         fn, sig = kernels._gluon_kernel, {**common, "heads_ptr": "*i32", **after, "tiles": "i32"}
         constexprs = {"BLOCK_M": block_m, "PAIRS": decode == "pairs", "X_AHEAD": x_ahead,
                       "STAGES": _stages(stages, decode == "pairs", x_ahead), "PDL": pdl, "TAIL": tail}
+    if fold and constexprs["STAGES"] > 1:
+        raise ValueError(f"fold=True takes the register path (stages 0 or 1), not stages={stages}")
     constexprs |= {"FOLD": fold, "PAIRED": False}
     sig |= {name: "constexpr" for name in constexprs}
     pointers = [i for i, kind in enumerate(sig.values()) if kind.startswith("*")]

@@ -18,8 +18,10 @@ flight for real, and on an H100 the Q4_K launches ran 1.2-1.6x slower at 1-64 ro
 (at 1-8 rows 0.96-1.00x), the 27B Q4_K_M verify at 32 16.3 -> 22.0 ms: the round trip through shared memory this
 decode exists to avoid. 448bcb0, dropped; benchmarks/RESULTS.md, 2026-12-07.)
 Split over K, each part's fp32 sums and then a ticket, as the engine's few-row kernels
-(``engine.models.linear.store_rows``): the part that takes the last adds every part in order 0..split-1 and writes
-the bf16 output, so a product is one launch whatever its split."""
+(``engine.models.linear.store_rows``): the part that takes the last adds every part in order 0..split-1 (an even
+split's in pairs first: parts 2j and 2j + 1, then those sums in order, ``PAIRED``) and writes the bf16 output, so a
+product is one launch whatever its split; ``FOLD``: a program takes two parts and adds its pair itself, the same
+additions (``quant_gluon.folds``)."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_few_rows_stages=6) == {"FEW_ROWS_STAGES": 6}
     assert settings(gluon_staged_rows=64) == {"STAGED_ROWS": 64}
     assert settings(gluon_wide_warps=16) == {"WIDE_WARPS": 16}
-    assert settings(gluon_fold_from=0) == {"FOLD_FROM": None} and settings(gluon_fold_from=64) == {"FOLD_FROM": 64}
+    assert settings(gluon_fold_from=0) == {"FOLD_FROM": None} and settings(gluon_fold_from=32) == {"FOLD_FROM": 32}
     assert settings(gluon_programs_per_sm=4) == {"PROGRAMS_PER_SM": 4}
 
 

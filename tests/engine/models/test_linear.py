@@ -298,7 +298,7 @@ def test_a_launch_takes_pdl_only_where_asked_and_the_gpu_lets_it(monkeypatch, pd
     monkeypatch.setattr(lin, "_linear_kernel", kernel)
     lin._kernel_linear(torch.zeros(3, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16), None,
                        lin.LinearConfig(64, 64, 2))
-    ((_, kw),) = kernel.seen
+    ((_, kw, _),) = kernel.seen
     assert kw["PDL"] is (pdl and lets) and kw["launch_pdl"] is (pdl and lets)
 
 

@@ -159,10 +159,11 @@ def test_on_the_gpu_a_verifys_256_row_tiles_give_the_128_row_tiles_bits(split, n
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
 @pytest.mark.parametrize("split", [2, 4])
 def test_on_the_gpu_a_folded_launch_gives_the_unfolded_launchs_bits(split):
-    """``fold`` (two of an even split's parts a program, the program adding the pair; the engine's for a verify's
-    launches by ``folds``' rule), Q4_K's pairs, Q6_K and Q4_1 (K = 1536: 12 tiles, 6 parts too): one-hot rows read
-    each weight back folded, and at every row count a folded launch has the unfolded one's bits (whose last part adds
-    the pairs first, ``PAIRED``), a lone row's bits its bits among the rest."""
+    """``fold`` (two of an even split's parts a program, the program adding the pair; for a verify's launches by
+    ``folds``' rule where ``FOLD_FROM`` is set, an option), Q4_K's pairs, Q6_K and Q4_1 (K = 1536: 12 tiles, 6
+    parts too): one-hot rows read each weight back folded, and at every row count a folded launch has the
+    unfolded one's bits (whose last part adds the pairs first, ``PAIRED``), a lone row's bits its bits among the
+    rest."""
     from engine.models.quant import hold
     from tests.engine.models.test_quant_gluon import _q41_blocks
 
@@ -197,28 +198,35 @@ def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the
     folds = quant_gluon.folds
     assert quant_gluon.FOLD_FROM is None and not folds(32, 0, 129, 4, 132)
     monkeypatch.setattr(quant_gluon, "FOLD_FROM", 32)
-    assert [folds(32, 0, 129, 4, 132), folds(32, 0, 40, 12, 132), folds(64, 0, 40, 8, 132),
-            folds(32, 0, 272, 2, 132, 4), folds(32, 0, 66, 4, 132, 16)] == [True] * 5
+    assert [folds(32, 0, 129, 4, 132), folds(32, 0, 40, 12, 132), folds(32, 0, 272, 2, 132, 4),
+            folds(32, 0, 66, 4, 132, 16)] == [True] * 4
     assert not any([folds(32, 0, 272, 2, 132), folds(8, 0, 258, 4, 132, 4), folds(16, 0, 258, 4, 132, 4),
                     folds(32, 0, 40, 6, 132), folds(32, 0, 272, 3, 132), folds(32, 3, 129, 4, 132),
-                    folds(32, 0, 66, 6, 132, 16)])
+                    folds(32, 0, 66, 6, 132, 16), folds(64, 0, 40, 8, 132)])  # (64 a program: one an SM)
     kernel = _Launches()
     n_pad, cols = 128 * 132, 1536  # (K: 12 tiles)
-    for m, split, fold in [(33, 2, None), (33, 3, None), (1, 2, None), (33, 4, False), (50, 4, True)]:  # 132 tiles
+    for m, split, fold in [(33, 2, None), (33, 3, None), (1, 2, None), (33, 4, False), (50, 4, True),
+                           (33, 1, None)]:  # 132 tiles
         quant_gluon._launch(kernel, torch.zeros(m, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split, None,
                             fold, STAGES=0)
     assert [(grid, kw["FOLD"], kw["PAIRED"]) for grid, kw, _ in kernel.seen] == [
         ((132, 1, 1), True, False), ((132, 3, 1), False, False), ((264, 2, 1), False, True),
-        ((132, 4, 1), False, True), ((132, 2, 1), True, False)]
-    args = kernel.seen[-1][2]  # (k_tiles, split): a folded program's tiles, the launch's parts
+        ((132, 4, 1), False, True), ((132, 2, 1), True, False), ((132, 1, 1), False, False)]
+    args = kernel.seen[-2][2]  # (k_tiles, split): a folded program's tiles, the launch's parts
     assert args[-3:-1] == (6, 2)
     planes = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(n_pad))  # (Q6_K's d: n_pad rows)
     monkeypatch.setattr(quant_gluon.kernels, "_q6_kernel", kernel)
+    monkeypatch.setattr(quant_gluon.kernels, "_q4_1_kernel", kernel)
+    x = torch.zeros(33, cols, dtype=torch.bfloat16)
     for fold in (None, True):
-        quant_gluon.linear_q6_k(torch.zeros(33, cols, dtype=torch.bfloat16), planes, n_pad, cols, 2, fold=fold)
-    assert [kw["FOLD"] for _, kw, _ in kernel.seen[-2:]] == [False, True]
-    monkeypatch.setattr(quant_gluon, "FOLD_FROM", None)
-    assert not folds(32, 0, 129, 4, 132)
+        quant_gluon.linear_q6_k(x, planes, n_pad, cols, 2, fold=fold)
+        quant_gluon.linear_q4_1(x, planes[:1] + planes[3:], n_pad, cols, 2, fold=fold)
+    assert [kw["FOLD"] for _, kw, _ in kernel.seen[-4:]] == [False, True, True, True]  # (Q6_K folds when asked)
+    with pytest.raises(ValueError, match="split=5: a weight's K splits into whole 128-column tiles, a divisor of "
+                                         "its 12"):
+        quant_gluon._launch(kernel, x, (), n_pad, n_pad, cols, 5, None, STAGES=0)
+    with pytest.raises(ValueError, match="fold=True takes the register path .stages 0 or 1., not stages=3"):
+        quant_gluon.compile_for_hopper(32, "pairs", stages=3, fold=True)
     for split, stages in [(3, 0), (2, 3)]:
         with pytest.raises(ValueError, match=f"fold=True takes an even split.*split={split}, stages={stages}"):
             quant_gluon._launch(kernel, torch.zeros(33, cols, dtype=torch.bfloat16), (), n_pad, n_pad, cols, split,
