@@ -21,7 +21,8 @@
 #      GLUON=1: the Q4_K / Q6_K decode into operand registers (benchmarks/quant_gluon.py): static counts, tests,
 #      launches, the 27B Q4_K_M step through it (gluon_large; GLUON_WARPS="4 8": again with every launch on that many
 #      warps). GRAPHS=1: the step's graphs
-#      replayed alone, their kernels by name (GRAPHS_DECODE). MIN_ROWS=16: the engine's step again with a launch's
+#      replayed alone, their kernels by name (GRAPHS_DECODE; GRAPHS_VS="k8": again with those options, compared
+#      launch by launch). MIN_ROWS=16: the engine's step again with a launch's
 #      fewest rows a program at 16 (gpu_bench's --gluon-min-rows; the engine's 8 since 2026-12-06); STEPS="s3 p t0
 #      ...": the step again with other quant_gluon options (below). SKIP="large_q4km ..." leaves sections out.
 # The limits add up to 580 s, under a call's 600: quant_tiles gets what is left; for all of it, a second call
@@ -55,7 +56,7 @@ step_flags() {
   fi
 }
 STEPS="${MIN_ROWS:+m$MIN_ROWS} ${STEPS:-}"
-for v in ${STEPS:-}; do step_flags "$v"; done  # every step checked before any section runs
+for v in ${STEPS:-} ${GRAPHS_VS:-}; do step_flags "$v"; done  # every step checked before any section runs
 check_attentions ${ATTENTIONS:-}  # and every attention launch
 if ls .device/gguf/*.whl >/dev/null 2>&1; then install_wheels .device/gguf/*.whl; fi
 section kernel_quant ${KQ_LIMIT:-150} python3 benchmarks/kernel_bench.py quant ${KQ_SHAPES:+--shapes $KQ_SHAPES} --md "$OUT/quant.md"
@@ -163,9 +164,21 @@ fi
 # GRAPHS=1: the 27B Q4_K_M step graphs (AR once, DDTree's propose and verify at each of BUDGETS, 32 by default)
 # replayed alone, their kernels by name: where a step's time goes beside its products (GRAPHS_DECODE, as
 # gpu_bench's --q4k-decode: engine by default; kernel: quant_kernel's)
+# GRAPHS_VS="k8 f32" (with GRAPHS=1): the graphs again with each of those quant_gluon options (STEPS' letters), and
+# benchmarks/graphs_versus.py of the engine's against each: the launches matched one by one, grouped by the kernel
+# before them (where a step's time moved; 2026-12-07: the 1-row launches at 8 programs an SM faster alone, the AR
+# step slower)
 if [ -n "${GRAPHS:-}" ]; then
   section graphs_q4km ${GRAPHS_LIMIT:-170} python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
     --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} --q4k-decode ${GRAPHS_DECODE:-engine} \
     --md "$OUT/graphs_q4km.md" --out "$OUT/graphs_q4km.json"
+  for v in ${GRAPHS_VS:-}; do
+    step_flags "$v"
+    section graphs_q4km_$v ${GRAPHS_LIMIT:-170} python3 benchmarks/gpu_bench.py graphs --presets qwen35-27b-shape \
+      --weights q4_k_m --context 4096 --new-tokens 8 --budgets ${BUDGETS:-32} $flags \
+      --md "$OUT/graphs_q4km_$v.md" --out "$OUT/graphs_q4km_$v.json"
+    section graphs_versus_$v 30 python3 benchmarks/graphs_versus.py --a "$OUT/graphs_q4km.json" \
+      --b "$OUT/graphs_q4km_$v.json" --md "$OUT/graphs_versus_$v.md"
+  done
 fi
 summary
