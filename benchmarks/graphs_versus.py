@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from versus import shown  # (benchmarks/ on the path: run as a script, or tests.engine.bench_modules)
+
 
 class GraphsError(ValueError):
     """A file that is not a ``gpu_bench.py graphs --out``, or two with no graph in common."""
@@ -111,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except GraphsError as exc:
         print(f"graphs_versus: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
-    if args.md:
-        Path(args.md).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return 0
+    return shown(lines, args.md)
 
 
 if __name__ == "__main__":

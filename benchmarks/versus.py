@@ -121,9 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     except VersusError as exc:
         print(f"versus: {exc}", file=sys.stderr)
         return 2
+    return shown(lines, args.md)
+
+
+def shown(lines: list[str], md: str | None) -> int:
+    """``lines`` printed, and written to ``md`` too where given; 0 (a script's exit status)."""
     print("\n".join(lines))
-    if args.md:
-        Path(args.md).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if md:
+        Path(md).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 
 
