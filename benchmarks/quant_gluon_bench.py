@@ -193,7 +193,10 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
     return lines
 
 
-LAUNCH_SHAPES = [(*shape, "Q4_K") for shape in SHAPES] + [("27B down", 5120, 17408, "Q6_K"),
+# (the attention layers' q and fused qkv too: 8 of each in the 27B Q4_K_M preset, whose split the aim changes)
+LAUNCH_SHAPES = [(*shape, "Q4_K") for shape in SHAPES] + [("27B attention qkv", 14336, 5120, "Q4_K"),
+                                                          ("27B attention q", 12288, 5120, "Q4_K"),
+                                                          ("27B down", 5120, 17408, "Q6_K"),
                                                           ("27B o_proj", 5120, 6144, "Q6_K")]
 
 
