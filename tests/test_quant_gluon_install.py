@@ -142,3 +142,21 @@ def test_the_q4_1_bench_flag_without_the_bench_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         quant_gluon.main(["--q4-1"])
     assert exit_.value.code == 2 and "--q4-1: a choice of --bench's weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bench", "--launches"], "--bench and --launches: one table a run"),
+    (["--fold", "--stages", "3"], "--fold with --stages 3: a folded program takes the register path"),
+])
+def test_a_bad_mix_of_the_static_counts_and_bench_flags_is_refused(capsys, argv, says):
+    """Two tables asked for at once, or a fold with shared-memory stages (which do not fold): refused, exit 2, before
+    anything is compiled or timed."""
+    with pytest.raises(SystemExit) as exit_:
+        quant_gluon.main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_the_launches_sweep_without_a_gpu_exits_2_naming_it(capsys):
+    assert quant_gluon.main(["--launches"]) == 2
+    assert "--launches needs CUDA" in capsys.readouterr().err
