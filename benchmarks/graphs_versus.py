@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
-from pathlib import Path
 
-from versus import shown  # (benchmarks/ on the path: run as a script, or tests.engine.bench_modules)
+from versus import read_json, shown  # (benchmarks/ on the path: run as a script, or tests.engine.bench_modules)
 
 
 class GraphsError(ValueError):
@@ -29,12 +27,7 @@ class GraphsError(ValueError):
 def load(path: str) -> dict[str, dict]:
     """The graphs of one ``gpu_bench.py graphs --out`` file by name: each with ``wall_us``, ``kernel_us`` and
     ``order`` ([name, us] in launch order). Raises GraphsError naming the file and what it lacks."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise GraphsError(f"{path}: cannot be read ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise GraphsError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
+    data = read_json(path, GraphsError)
     runs = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(runs, dict) or not runs:
         raise GraphsError(f"{path}: no 'runs' (a gpu_bench.py graphs --out file has one per step graph)")

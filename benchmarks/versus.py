@@ -30,12 +30,7 @@ def load_runs(paths: list[str]) -> dict[str, dict]:
     pooled: dict[str, dict] = {}
     first: tuple | None = None
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise VersusError(f"{path}: cannot be read ({exc.strerror})") from exc
-        except json.JSONDecodeError as exc:
-            raise VersusError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
+        data = read_json(path, VersusError)
         presets = data.get("presets") if isinstance(data, dict) else None
         if not isinstance(presets, dict) or not presets:
             raise VersusError(f"{path}: no 'presets' (a gpu_bench.py large --out file has one per preset timed)")
@@ -122,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"versus: {exc}", file=sys.stderr)
         return 2
     return shown(lines, args.md)
+
+
+def read_json(path: str, error: type[ValueError]) -> object:
+    """``path``'s JSON, or ``error`` naming the file and why it cannot be read or is not JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from exc
 
 
 def shown(lines: list[str], md: str | None) -> int:
