@@ -45,7 +45,6 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
     during a capture takes the engine's kernel. A launch of more than 64 rows takes row blocks (a verify of any
     budget reads the AR step's weight); a prefill takes the engine's dequantized product, ``dequantize``'s values
     (with ``pairs``: not the decode's; the benchmarks time steps)."""
-    from engine.models import quant_gluon as engine_gluon
     from engine.models import quant_kernel
 
     engine_linear = quant_kernel.linear
@@ -66,8 +65,7 @@ def install(pairs: bool = False, x_ahead: bool = False, warps: int | None = None
             owner = blocks if blocks._base is None else blocks._base
             planes = repack_q6_k(blocks, cols) if fmt.name == "Q6_K" else repack(blocks, cols, pairs)
             n = blocks.shape[0]
-            # (Q6_K's aim its own, as the engine's operand_planes)
-            split = split_for(n, cols, per_sm=engine_gluon.Q6_K_PROGRAMS_PER_SM if fmt.name == "Q6_K" else None)
+            split = split_for(n, cols, fmt=fmt.name)
             # asked-for warps where they take whole tiles of this weight's padded rows, else each launch's own choice
             w = warps if warps is None or padded_rows(n) % (16 * warps) == 0 else None
             repacked[key] = (weakref.ref(owner), planes, split, w)

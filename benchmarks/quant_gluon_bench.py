@@ -103,7 +103,7 @@ def bench(rows: tuple[int, ...] = (1, 33)) -> list[str]:
         pick_held = _rotated(held)
         planes = repack_q6_k(held, k)
         pick = _rotating_planes(planes, held.numel())
-        split = split_for(n, k, sms)
+        split = split_for(n, k, sms, fmt="Q6_K")
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
         times = {m: [time_us(lambda x=xs[m], b=pick_held, k=k: quant_kernel.linear(x, b(), q6, k))]
                  + [time_us(lambda x=xs[m], p=pick, n=n, k=k, s=split, xa=ahead, w=warps:
@@ -178,7 +178,7 @@ def _split_sweep(gen: torch.Generator, sms: int) -> list[str]:
             launch = lambda x, p, s, n=n, k=k: linear(x, *p, n, k, s, True, False, 4)  # noqa: E731
         pick = _rotating_planes(planes, blocks.numel())
         x = torch.randn(1, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        tiles, chosen, cells = -(-n // 64), split_for(n, k, sms), []
+        tiles, chosen, cells = -(-n // 64), split_for(n, k, sms, fmt=fmt.name), []
         for split in range(1, 9):
             if (k // 128) % split:
                 cells.append("-")
@@ -229,7 +229,7 @@ def bench_launches(rows: tuple[int, ...] = (1, 33), most_split: int = 17) -> lis
         pick = _rotating_planes(planes, blocks.numel())
         n_pad, k_tiles = padded_rows(n), padded_cols(k) // 128
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-        chosen = split_for(n, k, sms, quant_gluon.Q6_K_PROGRAMS_PER_SM if fmt_name == "Q6_K" else None)
+        chosen = split_for(n, k, sms, fmt=fmt_name)
         for split in (s for s in range(1, most_split + 1) if k_tiles % s == 0 and k_tiles // s >= 2):
             cells = []
             for m in rows:

@@ -383,19 +383,22 @@ PROGRAMS_PER_SM = 4
 Q6_K_PROGRAMS_PER_SM = 4  # Q6_K's (its verify launches do not fold, ``FOLD_FORMATS``, and slow in more parts)
 
 
-def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None) -> int:
+def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None, fmt: str = "Q4_K") -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
-    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` (``PROGRAMS_PER_SM``) an SM. One split a
-    weight, whatever a launch's rows or warps (a row's bits depend on it); a verify's launch may take two of an even
-    split's parts a program (``folds``). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K weights at every
-    split to 8, 16 rows a program): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to
-    4.9), the wide ones flat past 2 (gate_up 51.8-54.4 us from 4 to 33); at 8 rows a program (``MIN_BLOCK_M``) more
-    parts are faster alone (``PROGRAMS_PER_SM``). SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part; the down's 12
-    in 6) measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in one part
-    against 3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down 4.2 in 6 or 12 parts; and five parts cost a
+    4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` an SM (by default the format ``fmt``'s
+    aim: ``Q6_K_PROGRAMS_PER_SM`` for Q6_K, else ``PROGRAMS_PER_SM``). One split a weight, whatever a launch's
+    rows or warps (a row's bits depend on it); a verify's launch may take two of an even split's parts a program
+    (``folds``). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K weights at every split to 8, 16 rows a
+    program): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to 4.9), the wide
+    ones flat past 2 (gate_up 51.8-54.4 us from 4 to 33); at 8 rows a program (``MIN_BLOCK_M``) more parts are
+    faster alone (``PROGRAMS_PER_SM``). SmolLM2's Q4_1 weights (K = 576: 5 tiles, one part; the down's 12 in 6)
+    measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in one part against
+    3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down 4.2 in 6 or 12 parts; and five parts cost a
     49-row verify five [49, N] fp32 partial sums (gate_up 8.2 us against the dense kernel's 4.5)."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
-    target = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms
+    if per_sm is None:
+        per_sm = Q6_K_PROGRAMS_PER_SM if fmt == "Q6_K" else PROGRAMS_PER_SM
+    target = per_sm * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
     splits = [s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0]
     return min(splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
@@ -483,8 +486,7 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
-    per_sm = Q6_K_PROGRAMS_PER_SM if fmt.name == "Q6_K" else None
-    split = split_for(held.shape[0], cols, _sms(held.device), per_sm)
+    split = split_for(held.shape[0], cols, _sms(held.device), fmt=fmt.name)
     operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
     return operand, planes
 

@@ -238,7 +238,7 @@ if gluon is not None:
 
     @gluon.jit
     def _store_rows(acc, acc2, out_ptr, parts_ptr, tickets_ptr, tile, part, split, M, N, parts_stride,
-                    BLOCK_M: gl.constexpr, TAIL: gl.constexpr, PAIRED: gl.constexpr = False):
+                    BLOCK_M: gl.constexpr, TAIL: gl.constexpr, PAIRED: gl.constexpr):
         """The tile's fp32 sums [16 W, BLOCK_M] (out's transpose; ``TAIL`` > 0: and ``acc2``'s [16 W, TAIL], the
         rows after them) into ``out`` [M, N] in bf16 (this row block's: at most ``BLOCK_M + TAIL`` of its ``M``
         rows); split over K, each part's sums into ``parts`` (part ``p`` at ``p * parts_stride``), then a ticket:
