@@ -156,6 +156,41 @@ def delta_bits(module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _walks_agree() -> str:
+    """The engine's kernel at its config as set now on a budget-32 tree of the 27B's heads:
+    its error against the torch loop, and whether its walks agree bit for bit: every leaf's path as a chain against
+    the tree forward, the chain against AR steps one token at a time, a path commit against the chain's state."""
+    gen = torch.Generator().manual_seed(2)
+    x = _inputs(33, gen)
+    parents = _tree_parents(32, gen)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    tree = delta_rule.tree_delta_rule(*args, parents, x["state"], tree=True, backend="triton")
+    ref = delta_rule.tree_delta_rule(*args, parents, x["state"].clone(), tree=True, backend="torch")
+    err = float((tree - ref).norm() / ref.norm())
+    wrong = []
+    paths = delta_rule.leaf_paths(parents)
+    for leaf in torch.nonzero(paths.counts).flatten().tolist():
+        path = paths.index[leaf, : int(paths.counts[leaf])].long()
+        chain = delta_rule.tree_delta_rule(*(a[path] for a in args), torch.arange(len(path), device="cuda") - 1,
+                                           x["state"].clone(), backend="triton")
+        if not torch.equal(chain, tree[path]):
+            wrong.append(f"leaf {leaf}'s path")
+    chain_idx = torch.arange(12, device="cuda") - 1
+    chain_state = x["state"].clone()
+    chain = delta_rule.tree_delta_rule(*(a[:12] for a in args), chain_idx, chain_state, backend="triton")
+    steps_state = x["state"].clone()
+    steps = torch.cat([delta_rule.tree_delta_rule(*(a[i:i + 1] for a in args), chain_idx[:1], steps_state,
+                                                  backend="triton") for i in range(12)])
+    if not (torch.equal(steps, chain) and torch.equal(steps_state, chain_state)):
+        wrong.append("AR steps")
+    committed = x["state"].clone()[None]
+    delta_rule.delta_rule_path(*(a[:12][None].contiguous() for a in args), torch.arange(12, device="cuda"),
+                               torch.tensor([12], device="cuda"), committed)
+    if not torch.equal(committed[0], chain_state):
+        wrong.append("path commit")
+    return f"error {err:.1e} against the torch loop, walks {'alike' if not wrong else 'differ: ' + ', '.join(wrong)}"
+
+
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
     differ = [k for k in a
               if a[k].shape != b[k].shape or not torch.equal(a[k].view(torch.int32), b[k].view(torch.int32))]
@@ -372,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel == "linear":
         shapes = _pick_shapes(args.shapes)
         return _report(args, *bench_linear(shapes, LINEAR_NARROW_TILES if args.narrow else LINEAR_TILES))
+    return _delta(args)
+
+
+def _delta(args) -> int:
+    """``delta``: the tree delta rule's kernel at each of ``--configs`` (and the ``--old`` copies) on the 27B's
+    heads."""
     configs = []
     for c in args.configs:
         try:
@@ -391,11 +432,14 @@ def main(argv: list[str] | None = None) -> int:
         old = _load_module(f"old_delta_rule_{i}", path)
         rows.append({"config": f"{Path(path).name} (its own)", "bits": _same_bits(engine_bits, delta_bits(old)),
                      **bench_delta(old)})
-    rows.append({"config": f"default {default(DK, DV)[1:]}", "bits": "the engine's", **bench_delta(delta_rule)})
+    rows.append({"config": f"default {default(DK, DV)[1:]}", "bits": f"the engine's; {_walks_agree()}",
+                 **bench_delta(delta_rule)})
     try:
         for block_v, warps in configs:
             delta_rule.kernel_config = lambda dk, dv, bv=block_v, w=warps: (default(dk, dv)[0], bv, w)
-            rows.append({"config": f"BLOCK_V={block_v} warps={warps}", **bench_delta(delta_rule)})
+            rows.append({"config": f"BLOCK_V={block_v} warps={warps}",
+                         "bits": f"{_same_bits(engine_bits, delta_bits(delta_rule))}; {_walks_agree()}",
+                         **bench_delta(delta_rule)})
     finally:
         delta_rule.kernel_config = default
     lines = ["| config | AR step (T=1) us | verify, budget 32 (T=33) us | budget 64 (T=65) us | its programs "
@@ -411,6 +455,7 @@ def _load_module(name: str, path: str):
     """A module from a file (another copy of an engine module, ``--old``)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up there (delta_rule's LeafPaths)
     spec.loader.exec_module(module)
     return module
 

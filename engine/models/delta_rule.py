@@ -11,7 +11,8 @@ Two backends compute the same function:
   graphs can capture it); the CPU path, and the reference the kernel is tested against.
 - ``triton``: one launch. Each program owns one value head and a block of value columns (the rule
   is independent per column of S) and walks a chain of nodes with its state block in registers,
-  each node's inputs loaded a node ahead, so only the arithmetic is a chain from node to node.
+  each node's inputs loaded a node ahead (a gathered walk's node indices two), so only the arithmetic
+  is a chain from node to node.
 
 A tree forward (``tree=True``) leaves the committed state alone and runs one program per leaf
 (``LeafPaths``): each walks its root-to-leaf path from the committed state and writes the outputs
@@ -305,20 +306,24 @@ if triton is not None:
             s = tl.load(state_ptr + head_offs, mask=m2, other=0.0)
             # Software pipelining: node i + 1's inputs are loaded before node i's update, so that
             # their latency hides behind it (the updates are a chain from node to node, the loads
-            # are not). The arithmetic is the same whatever the order of the loads.
+            # are not). The arithmetic is the same whatever the order of the loads. A gathered walk reads
+            # its node indices two nodes ahead, so node i + 1's inputs are asked for from an index already
+            # in a register (read one ahead, the loop first waited for the index's load, every node).
             src = 0  # the first node's inputs
+            src_ahead = 1 % T  # the second node's index
             if gather != 0:
                 src = tl.load(index_ptr)
+                src_ahead = tl.load(index_ptr + 1 % T)
             kk = tl.load(k_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
             qq = tl.load(q_ptr + (src * HK + key_head) * DK + rk, mask=mk, other=0.0)
             vv = tl.load(v_ptr + (src * HV + head) * DV + rv, mask=mv, other=0.0)
             g = tl.load(g_ptr + src * HV + head)
             b = tl.load(beta_ptr + src * HV + head)
             for i in range(0, T):
-                n = (i + 1) % T  # after the last node: the first again, loaded and never used
-                src_next = n
+                src_next = src_ahead  # after the last node: the first again, loaded and never used
+                src_ahead = tl.where(i + 2 < T, i + 2, 0)  # past the last node: the first (no division)
                 if gather != 0:
-                    src_next = tl.load(index_ptr + n)
+                    src_ahead = tl.load(index_ptr + src_ahead)
                 kk_next = tl.load(k_ptr + (src_next * HK + key_head) * DK + rk, mask=mk, other=0.0)
                 qq_next = tl.load(q_ptr + (src_next * HK + key_head) * DK + rk, mask=mk, other=0.0)
                 vv_next = tl.load(v_ptr + (src_next * HV + head) * DV + rv, mask=mv, other=0.0)
