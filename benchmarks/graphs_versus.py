@@ -4,12 +4,14 @@
     python benchmarks/graphs_versus.py --a graphs_engine.json --b graphs_k8.json --md graphs_versus.md
 
 Each file is one ``gpu_bench.py graphs --out`` (every captured step graph replayed alone: its wall time and each
-kernel's GPU us in launch order, ``kernel_timing.graph_breakdown``). For each graph both files have: the wall and the
-kernels' sum, A then B; the kernels by name (calls, us, the change); and the launches matched one by one in launch
-order (where the two sequences of names differ, by ``difflib``'s matching), grouped by the kernel name and the name
-of the kernel before it (a product after a norm, after an attention merge...: a weight's place in its layer), the
-groups that moved most first. Why: on 2026-12-07 (nineteenth session) the 27B's 1-row launches at 8 programs an SM
-were faster alone, its AR step slower; a step's sum cannot say which launches lost."""
+kernel's GPU us and end-to-end us in launch order, ``kernel_timing.graph_breakdown``). For each graph both files have:
+the wall and the kernels' sum, A then B; the kernels by name (calls, GPU us, the change); and the launches matched one
+by one in launch order (where the two sequences of names differ, by ``difflib``'s matching), grouped by the kernel name
+and the name of the kernel before it (a product after a norm, after an attention merge...: a weight's place in its
+layer), the groups that moved most first, by end-to-end us where both files have them (a launch's GPU time under
+programmatic dependent launch counts its wait for the launch before). Why: on 2026-12-07 (nineteenth session) the
+27B's 1-row launches at 8 programs an SM were faster alone, its AR step slower; a step's sum cannot say which
+launches lost."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ class GraphsError(ValueError):
 
 
 def load(path: str) -> dict[str, dict]:
-    """The graphs of one ``gpu_bench.py graphs --out`` file by name: each with ``wall_us``, ``kernel_us`` and
-    ``order`` ([name, us] in launch order). Raises GraphsError naming the file and what it lacks."""
+    """The graphs of one ``gpu_bench.py graphs --out`` file by name: each with ``wall_us``, ``kernel_us``,
+    ``order`` ([name, us] in launch order) and ``ends`` (each launch's end-to-end us, ``kernel_timing.end_to_end``;
+    None in a file from before 2026-12-07's twentieth session, whose entries are [name, us]). Raises GraphsError
+    naming the file and what it lacks."""
     data = read_json(path, GraphsError)
     runs = data.get("runs") if isinstance(data, dict) else None
     if not isinstance(runs, dict) or not runs:
@@ -34,11 +38,16 @@ def load(path: str) -> dict[str, dict]:
     graphs = {}
     for name, run in runs.items():
         try:
-            order = [(str(kernel), float(us)) for kernel, us in run["order"]]
-            graphs[name] = {"wall_us": float(run["wall_us"]), "kernel_us": float(run["kernel_us"]), "order": order}
+            entries = [list(entry) for entry in run["order"]]
+            if any(len(e) not in (2, 3) for e in entries) or len({len(e) for e in entries}) > 1:
+                raise ValueError("each launch [kernel, us] or [kernel, us, end-to-end us], all alike")
+            order = [(str(e[0]), float(e[1])) for e in entries]
+            ends = [float(e[2]) for e in entries] if entries and len(entries[0]) == 3 else None
+            graphs[name] = {"wall_us": float(run["wall_us"]), "kernel_us": float(run["kernel_us"]), "order": order,
+                            "ends": ends}
         except (KeyError, TypeError, ValueError) as exc:
             raise GraphsError(f"{path}: graph {name}: not a gpu_bench.py graphs run ('wall_us', 'kernel_us' and "
-                              f"'order' as [kernel, us] pairs): {exc!r}") from exc
+                              f"'order' as [kernel, us] or [kernel, us, end-to-end us]): {exc!r}") from exc
     return graphs
 
 
@@ -74,16 +83,23 @@ def compare(a: dict[str, dict], b: dict[str, dict], top: int = 12) -> list[str]:
         for kernel, (na, nb, ua, ub) in sorted(by_name.items(), key=lambda kv: -abs(kv[1][3] - kv[1][2]))[:top]:
             lines.append(f"| `{kernel}` | {na} / {nb} | {ua:.1f} | {ub:.1f} | {ub - ua:+.1f} |")
         pairs = matched(ga["order"], gb["order"])
+        # end-to-end where both files have it (a launch's share of the span, its wait for the one before left out)
+        ends = ga["ends"] is not None and gb["ends"] is not None
+        ua_of = ga["ends"] if ends else [us for _, us in ga["order"]]
+        ub_of = gb["ends"] if ends else [us for _, us in gb["order"]]
         groups: dict[tuple[str, str], list[float]] = {}
         for i, j in pairs:
             kernel = ga["order"][i][0]
             before = ga["order"][i - 1][0] if i else "(first)"
             row = groups.setdefault((kernel, before), [0, 0.0, 0.0])
             row[0] += 1
-            row[1] += ga["order"][i][1]
-            row[2] += gb["order"][j][1]
+            row[1] += ua_of[i]
+            row[2] += ub_of[j]
+        what = ("end-to-end us (from the end of the launch before)" if ends else
+                "GPU us (a launch's own: under programmatic dependent launch its wait for the one before too)")
         lines += ["", f"{len(pairs)} of {len(ga['order'])} / {len(gb['order'])} launches matched; by kernel and the "
-                  "kernel before it:", "", "| kernel | after | launches | us A | us B | change | us a launch A -> B |",
+                  f"kernel before it, {what}:", "",
+                  "| kernel | after | launches | us A | us B | change | us a launch A -> B |",
                   "|---|---|---|---|---|---|---|"]
         for (kernel, before), (n, ua, ub) in sorted(groups.items(), key=lambda kv: -abs(kv[1][2] - kv[1][1]))[:top]:
             lines.append(f"| `{kernel}` | `{before}` | {n} | {ua:.1f} | {ub:.1f} | {ub - ua:+.1f} | "

@@ -77,7 +77,8 @@ def graph_kernels(replay) -> list:
 @torch.inference_mode()  # the decoder's buffers are inference tensors
 def graph_breakdown(dec, key: tuple, replays: int) -> dict:
     """One captured graph replayed alone: wall (CUDA events around ``replays`` replays) and its
-    kernels in launch order from the profiler (the first replay's), grouped by name. The root
+    kernels in launch order from the profiler (the first replay's), grouped by name; ``order``: [name, GPU us,
+    end-to-end us (``end_to_end``)] a launch. The root
     position is put back before every replay, so each replays the same step."""
     graph = dec.graphs.graph(key)
     start = dec.start.clone()
@@ -109,7 +110,22 @@ def graph_breakdown(dec, key: tuple, replays: int) -> dict:
             "cold_us": statistics.median(cold),
             "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
             "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
-            "order": [(short_kernel_name(ev.name), round(ev.device_time, 2)) for ev in kernels]}
+            "order": [(short_kernel_name(ev.name), round(ev.device_time, 2), round(ends, 2))
+                      for ev, ends in zip(kernels, end_to_end(kernels), strict=True)]}
+
+
+def end_to_end(kernels: list) -> list[float]:
+    """Each kernel's share of a replay's span: from the end of the kernel before it (the first: from its own start)
+    to its own end, us. Under programmatic dependent launch a kernel's programs start while the kernel before runs
+    and wait for it, so its GPU time counts that wait too and the launches' times add to more than the span; these
+    shares add to the span (2026-12-07, twentieth session: at 8 programs an SM the 27B's v projection took 26 -> 14
+    us of GPU time, after a q/k launch that had slowed)."""
+    out, last = [], None
+    for ev in kernels:
+        end = ev.time_range.end
+        out.append(end - ev.time_range.start if last is None else max(0.0, end - last))
+        last = end if last is None else max(last, end)  # (one that ends inside the span so far: 0)
+    return out
 
 
 def precompile(launch, args: list, workers: int = 0) -> float:

@@ -51,6 +51,47 @@ def test_the_launches_that_moved_are_grouped_by_the_kernel_before_them(tmp_path,
     assert "14 of 14 / 14 launches matched" in out
 
 
+def test_with_end_to_end_shares_the_groups_compare_them_not_the_gpu_times(tmp_path, capsys):
+    """Files with each launch's end-to-end share (``kernel_timing.end_to_end``): the grouped rows add those (a
+    product's GPU time under PDL counts its wait for the launch before), the by-name rows still the GPU times."""
+    def run(path, gate_up_gpu: float, gate_up_ends: float, wall: float) -> str:
+        order = [["rms_norm", 2.0, 2.0], ["_gluon_kernel", gate_up_gpu, gate_up_ends], ["_q6_kernel", 30.0, 28.0]]
+        run = {"wall_us": wall, "kernel_us": sum(e[1] for e in order), "order": order}
+        path.write_text(json.dumps({"runs": {"m/ar/ar@1": run}}), encoding="utf-8")
+        return str(path)
+
+    # B's gate_up: more GPU time (it starts earlier, beside the norm) but less of the span
+    a, b = run(tmp_path / "a.json", 50.0, 48.0, 78.0), run(tmp_path / "b.json", 52.0, 45.0, 75.0)
+    assert gv.main(["--a", a, "--b", b]) == 0
+    out = capsys.readouterr().out
+    assert "by kernel and the kernel before it, end-to-end us (from the end of the launch before):" in out
+    assert "| `_gluon_kernel` | `rms_norm` | 1 | 48.0 | 45.0 | -3.0 | 48.00 -> 45.00 |" in out
+    assert "| `_gluon_kernel` | 1 / 1 | 50.0 | 52.0 | +2.0 |" in out
+    # one file without the shares (from before them): both sides compare GPU times, and say so
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"runs": {"m/ar/ar@1": {"wall_us": 78.0, "kernel_us": 82.0, "order": [
+        ["rms_norm", 2.0], ["_gluon_kernel", 50.0], ["_q6_kernel", 30.0]]}}}), encoding="utf-8")
+    assert gv.main(["--a", str(old), "--b", b]) == 0
+    out = capsys.readouterr().out
+    assert "GPU us (a launch's own" in out and "| `_gluon_kernel` | `rms_norm` | 1 | 50.0 | 52.0 | +2.0 |" in out
+
+
+def test_end_to_end_shares_add_to_the_span_whatever_the_overlap():
+    """``kernel_timing.end_to_end``: a launch's share runs from the latest end before it to its own end (0 if it
+    ends inside what ran before), so the shares add to the replay's span."""
+    from types import SimpleNamespace
+
+    kt = load_benchmark("kernel_timing")
+
+    def ev(start: float, end: float):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end))
+
+    # a norm 0-3; a PDL product started at 1 (beside the norm), ending at 40; one inside it (5-30); then 40-52
+    kernels = [ev(0.0, 3.0), ev(1.0, 40.0), ev(5.0, 30.0), ev(40.0, 52.0)]
+    assert kt.end_to_end(kernels) == [3.0, 37.0, 0.0, 12.0]
+    assert sum(kt.end_to_end(kernels)) == 52.0 - 0.0
+
+
 def test_launches_one_side_lacks_are_left_unmatched():
     """A kernel B adds (a merge after each attention) leaves the rest matched in order."""
     a = [("norm", 1.0), ("prod", 10.0), ("attn", 3.0), ("prod", 5.0)]
@@ -65,6 +106,9 @@ def test_launches_one_side_lacks_are_left_unmatched():
     (json.dumps({"runs": {"g": {"wall_us": 1.0, "kernel_us": 1.0}}}), "graph g: not a gpu_bench.py graphs run"),
     (json.dumps({"runs": {"g": {"wall_us": 1.0, "kernel_us": 1.0, "order": [["k", "x"]]}}}),
      "graph g: not a gpu_bench.py graphs run"),
+    (json.dumps({"runs": {"g": {"wall_us": 1.0, "kernel_us": 1.0, "order": [["k", 1.0, 1.0], ["k", 1.0]]}}}),
+     "graph g: not a gpu_bench.py graphs run ('wall_us', 'kernel_us' and 'order' as [kernel, us] or [kernel, us, "
+     "end-to-end us]): ValueError('each launch [kernel, us] or [kernel, us, end-to-end us], all alike')"),
 ])
 def test_a_file_that_is_not_a_graphs_run_exits_2_naming_it(tmp_path, capsys, content, says):
     bad = tmp_path / "bad.json"
