@@ -95,7 +95,7 @@ def compare(a: dict[str, dict], b: dict[str, dict], top: int = 12) -> list[str]:
             row[0] += 1
             row[1] += ua_of[i]
             row[2] += ub_of[j]
-        what = ("end-to-end us (from the end of the launch before)" if ends else
+        what = ("end-to-end us (from the latest end of the launches before)" if ends else
                 "GPU us (a launch's own: under programmatic dependent launch its wait for the one before too)")
         lines += ["", f"{len(pairs)} of {len(ga['order'])} / {len(gb['order'])} launches matched; by kernel and the "
                   f"kernel before it, {what}:", "",

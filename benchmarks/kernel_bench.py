@@ -185,7 +185,7 @@ def _walks_agree() -> str:
         wrong.append("AR steps")
     committed = x["state"].clone()[None]
     delta_rule.delta_rule_path(*(a[:12][None].contiguous() for a in args), torch.arange(12, device="cuda"),
-                               torch.tensor([12], device="cuda"), committed)
+                               torch.tensor([12], device="cuda"), committed, backend="triton")
     if not torch.equal(committed[0], chain_state):
         wrong.append("path commit")
     return f"error {err:.1e} against the torch loop, walks {'alike' if not wrong else 'differ: ' + ', '.join(wrong)}"

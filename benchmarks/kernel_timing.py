@@ -115,11 +115,12 @@ def graph_breakdown(dec, key: tuple, replays: int) -> dict:
 
 
 def end_to_end(kernels: list) -> list[float]:
-    """Each kernel's share of a replay's span: from the end of the kernel before it (the first: from its own start)
-    to its own end, us. Under programmatic dependent launch a kernel's programs start while the kernel before runs
-    and wait for it, so its GPU time counts that wait too and the launches' times add to more than the span; these
-    shares add to the span (2026-12-07, twentieth session: at 8 programs an SM the 27B's v projection took 26 -> 14
-    us of GPU time, after a q/k launch that had slowed)."""
+    """Each kernel's share of a replay's span: from the latest end of the kernels before it (the first: from its own
+    start) to its own end, us (0 for one that ends inside what ran before). Under programmatic dependent launch a
+    kernel's programs start while the kernel before runs and wait for it, so its GPU time counts that wait too and the
+    launches' times can add to more than the span; these shares add to the span (2026-12-07, twentieth session: at 8
+    programs an SM an attention layer's second product took 26 -> 14 us of GPU time, after a launch that had
+    slowed)."""
     out, last = [], None
     for ev in kernels:
         end = ev.time_range.end

@@ -69,8 +69,8 @@ def test_tree_forward_matches_the_per_path_reference(backend, shape):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("parents", [[-1], [-1, 0], [-1, 0, 0]], ids=["root", "chain2", "two-leaves"])
 def test_the_smallest_trees_match_the_reference(backend, parents):
-    """Paths of one and two nodes: a walk reads its node indices two nodes ahead, wrapping to the first
-    past its end (a root-only tree's one-entry rows; nothing past a path is read)."""
+    """Paths of one and two nodes (a root-only tree's one-entry rows): a walk reads its node indices two nodes
+    ahead, wrapping to the first past its end."""
     parents = torch.tensor(parents, device=DEVICE)
     q, k, v, g, beta, state = _inputs(parents.numel(), 1, 2, 16, 8, seed=4)
     ref_out, _ = _reference(q, k, v, g, beta, parents, state)
@@ -208,4 +208,3 @@ def test_bad_shapes_and_backend_are_refused():
     with pytest.raises(ValueError, match="shapes do not match"):  # the path commit: one layer too few states
         delta_rule_path(q[None], k[None], v[None], g[None], beta[None], parents, torch.tensor([1]),
                         state[None].expand(2, -1, -1, -1))
-
