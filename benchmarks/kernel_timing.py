@@ -102,16 +102,19 @@ def graph_breakdown(dec, key: tuple, replays: int) -> dict:
         (walls if i % 2 else cold).append(1000 * e0.elapsed_time(e1))
         dec.start.copy_(start)
     kernels = graph_kernels(replay)
-    span = (kernels[-1].time_range.end - kernels[0].time_range.start) if kernels else 0.0
-    grouped: dict[str, list[float]] = {}
-    for ev in kernels:
-        grouped.setdefault(short_kernel_name(ev.name), []).append(ev.device_time)
+    ends = end_to_end(kernels)
+    span = sum(ends)  # the latest end less the first start
+    grouped: dict[str, list[list[float]]] = {}
+    for ev, share in zip(kernels, ends, strict=True):
+        grouped.setdefault(short_kernel_name(ev.name), []).append([ev.device_time, share])
     return {"wall_us": statistics.median(walls), "wall_spread": [min(walls), max(walls)],
             "cold_us": statistics.median(cold),
             "kernels": len(kernels), "kernel_us": sum(ev.device_time for ev in kernels), "span_us": span,
-            "grouped": sorted(((k, len(v), sum(v)) for k, v in grouped.items()), key=lambda r: -r[2]),
-            "order": [(short_kernel_name(ev.name), round(ev.device_time, 2), round(ends, 2))
-                      for ev, ends in zip(kernels, end_to_end(kernels), strict=True)]}
+            # by name: calls, GPU us, end-to-end us (the span's share), the largest share first
+            "grouped": sorted(((k, len(v), sum(t for t, _ in v), sum(e for _, e in v)) for k, v in grouped.items()),
+                              key=lambda r: -r[3]),
+            "order": [(short_kernel_name(ev.name), round(ev.device_time, 2), round(share, 2))
+                      for ev, share in zip(kernels, ends, strict=True)]}
 
 
 def end_to_end(kernels: list) -> list[float]:

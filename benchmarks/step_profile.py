@@ -130,10 +130,13 @@ def section_graphs(args) -> tuple[str, dict]:
         for name, rep in report["runs"].items():
             if not name.startswith(f"{target}/"):
                 continue
-            lines += ["", f"**{name}**: kernels by name (calls, us per replay)", "",
-                      "| kernel | calls | us | share |", "|---|---|---|---|"]
-            for kname, n, us in rep["grouped"][:14]:
-                lines.append(f"| `{kname}` | {n} | {us:.1f} | {100 * us / max(rep['kernel_us'], 1e-9):.0f}% |")
+            lines += ["", f"**{name}**: kernels by name (calls; GPU us per replay, which under programmatic dependent "
+                      "launch count a launch's wait for the one before; end-to-end us, from the latest end before "
+                      "each launch, adding to the span: `kernel_timing.end_to_end`)", "",
+                      "| kernel | calls | GPU us | end-to-end us | share of the span |", "|---|---|---|---|---|"]
+            for kname, n, us, share in rep["grouped"][:14]:
+                lines.append(f"| `{kname}` | {n} | {us:.1f} | {share:.1f} | "
+                             f"{100 * share / max(rep['span_us'], 1e-9):.0f}% |")
         del pair
         gc.collect()
         torch.cuda.empty_cache()
