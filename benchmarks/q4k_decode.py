@@ -52,8 +52,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gluon-fold-from", type=int, choices=[0, 16, 32], default=None,
                     help="--q4k-decode engine or gluon*: the fewest rows a program (up to 32) from which a Q4_K or "
                          "Q4_1 launch takes two of an even split's parts a program, the program adding them "
-                         "(quant_gluon.FOLD_FROM; 32: a verify's 8-warp launches; 0: never, the engine's until its "
-                         "GPU bits test has run)")
+                         "(quant_gluon.FOLD_FROM; 32: a verify's 8-warp launches; 0: never, the engine's: its bits "
+                         "tested on a GPU, no gain measured at 4 programs an SM)")
     ap.add_argument("--gluon-programs-per-sm", type=int, choices=[4, 8, 12, 16], default=None,
                     help="--q4k-decode engine or gluon*: split_for's aim, a weight's 1-row launch spread over about "
                          "this many programs an SM, Q6_K's aside (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: "

@@ -77,7 +77,7 @@ done
 # rows as 16 + 8 too), rN registers at most for a tail's 8-warp launches (MAXNREG, --gluon-maxnreg N: 128 the
 # engine's, r0 ptxas' own), wN a verify's launches on N warps (WIDE_WARPS, --gluon-wide-warps N: 8 the engine's, 16
 # 256-row tiles), fN a launch folds an even split's parts in pairs from N rows a program (FOLD_FROM, --gluon-fold-from
-# N: f32 a verify's launches, f0 never: the engine's until the fold's GPU test has run), kN a weight's split aimed at N programs an SM at 1 row (PROGRAMS_PER_SM,
+# N: f32 a verify's launches, f0 never: the engine's, no gain measured at 4 an SM), kN a weight's split aimed at N programs an SM at 1 row (PROGRAMS_PER_SM,
 # --gluon-programs-per-sm N: 4 the engine's; k8: faster 1-row launches alone, a slower AR step, 2026-12-07); "engine"
 # the step as the engine loads it (large_q4km_engine)
 for v in ${STEPS:-}; do

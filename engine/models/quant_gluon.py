@@ -242,9 +242,9 @@ def _launch(kernel, x: Tensor, planes: tuple[Tensor, ...], n_pad: int, n: int, c
 # RESULTS.md), 33 rows: the 27B's GDN in_proj in 4 parts 33.4 us, folded 28.8 (in 2 unfolded 29.3); its o_proj in 12
 # 20.4, folded 16.3; the gate_up in 2 folded (272 programs: a second wave of 8) 80.8 against 73.9; Q6_K's slower
 # folded (its down in 8 parts 48.5 -> 64.1 us, o_proj in 6 17.6 -> 32.6: 8 bytes spilled, Triton 3.6). One split a
-# weight serves both: the 1-row launches gain from more parts (``split_for``). An option until its GPU bits test runs
-# (the session's device time ran out; at ``PROGRAMS_PER_SM`` 4 it would take the 27B's Q4_K down alone): 32 turns it
-# on (``gpu_bench --gluon-fold-from``)
+# weight serves both: the 1-row launches gain from more parts (``split_for``). Its GPU bits test passed (2026-12-07,
+# twentieth session); at ``PROGRAMS_PER_SM`` 4 it takes the 27B's Q4_K down alone, and the verify at 32 went 16.31 ->
+# 16.28 ms (H100, one run each): within noise, so an option: 32 turns it on (``gpu_bench --gluon-fold-from``)
 FOLD_FROM: int | None = None
 FOLD_FORMATS = ("Q4_K", "Q4_1")
 
