@@ -59,6 +59,11 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                          "this many programs an SM, Q6_K's aside (quant_gluon.PROGRAMS_PER_SM; 4 the engine's; 8: "
                          "the 27B's 1-row launches faster alone, its AR step slower, 2026-12-07); it sets the "
                          "weight's split for every launch, so its bits")
+    ap.add_argument("--gluon-verify-sliver", type=int, choices=[0, 4, 8, 16], default=None,
+                    help="--q4k-decode engine or gluon*: a Q4_K or Q4_1 weight whose verify launch (32 rows a program) "
+                         "would spill at most 1/N of a wave past whole waves takes twice split_for's parts, its other "
+                         "launches folding them in pairs (quant_gluon.VERIFY_SLIVER; 0: never); it sets the weight's "
+                         "split, so its bits")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
@@ -75,6 +80,8 @@ def settings(args: argparse.Namespace) -> dict:
     chosen = {name: value for name, value in asked.items() if value is not None} | tails[args.gluon_tails]
     if args.gluon_fold_from is not None:  # (0: never)
         chosen["FOLD_FROM"] = args.gluon_fold_from or None
+    if args.gluon_verify_sliver is not None:  # (0: never)
+        chosen["VERIFY_SLIVER"] = args.gluon_verify_sliver or None
     if args.gluon_maxnreg is not None:  # (0: as ptxas allots them)
         chosen["MAXNREG"] = args.gluon_maxnreg or None
     return chosen
@@ -86,7 +93,8 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.q4k_decode.startswith("gluon") and args.gluon_warps is not None:
         ap.error(f"--gluon-warps: a setting of the Gluon decode, not of --q4k-decode {args.q4k_decode}")
     for flag in ("gluon_min_rows", "gluon_stages", "gluon_few_rows_stages", "gluon_staged_rows", "gluon_pdl",
-                 "gluon_tails", "gluon_maxnreg", "gluon_wide_warps", "gluon_fold_from", "gluon_programs_per_sm"):
+                 "gluon_tails", "gluon_maxnreg", "gluon_wide_warps", "gluon_fold_from", "gluon_programs_per_sm",
+                 "gluon_verify_sliver"):
         value = getattr(args, flag)
         if args.q4k_decode in ("kernel", "packed") and value is not None:
             ap.error(f"--{flag.replace('_', '-')}: a setting of the Gluon decode (engine or gluon*), not of "

@@ -229,7 +229,7 @@ def bench_launches(rows: tuple[int, ...] = (1, 33), most_split: int = 17) -> lis
         pick = _rotating_planes(planes, blocks.numel())
         n_pad, k_tiles = padded_rows(n), padded_cols(k) // 128
         xs = {m: torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in rows}
-        chosen = split_for(n, k, sms, fmt=fmt_name)
+        chosen, fold_pairs = quant_gluon.split_and_fold(n, k, sms, fmt=fmt_name)
         for split in (s for s in range(1, most_split + 1) if k_tiles % s == 0 and k_tiles // s >= 2):
             cells = []
             for m in rows:
@@ -238,9 +238,11 @@ def bench_launches(rows: tuple[int, ...] = (1, 33), most_split: int = 17) -> lis
                     block_m, 0, n_pad, split, sms))
                 engine_fold = fmt_name in quant_gluon.FOLD_FORMATS and quant_gluon.folds(
                     block_m, 0, n_pad // (16 * engine), split, sms, engine)
+                if fold_pairs and split == chosen:  # (a split doubled for the verify: VERIFY_SLIVER)
+                    engine_fold = not quant_gluon.verify_launch(m)
                 launches = [(w, False) for w in sorted({engine} | {w for w in (4, 8, 16)
                                                                     if block_m >= 16 and n_pad % (16 * w) == 0})]
-                launches += [(engine, True)] if block_m >= 16 and split % 2 == 0 else []
+                launches += [(engine, True)] if (block_m >= 16 or engine_fold) and split % 2 == 0 else []
                 timed = []
                 for w, f in launches:
                     us = time_us(lambda x=xs[m], s=split, w=w, f=f, go=launch, p=pick: go(x, p(), s, w, f))

@@ -33,8 +33,8 @@ source benchmarks/device/common.sh quant
 step_flags() {
   flags=""
   local v=$1
-  if [ "$v" != engine ] && ! [[ $v =~ ^(s[0-9]|m[0-9]+|r[0-9]+|w[0-9]+|f[0-9]+|k[0-9]+|p[0-9]*|t[0-9]*)+$ ]]; then
-    say "STEPS: $v: a step is engine or letters with their numbers (sN mN rN wN fN kN p p0 t t0 t16)"; exit 2
+  if [ "$v" != engine ] && ! [[ $v =~ ^(s[0-9]|m[0-9]+|r[0-9]+|w[0-9]+|f[0-9]+|k[0-9]+|v[0-9]+|p[0-9]*|t[0-9]*)+$ ]]; then
+    say "STEPS: $v: a step is engine or letters with their numbers (sN mN rN wN fN kN vN p p0 t t0 t16)"; exit 2
   fi
   if [[ $v =~ s([0-9]) ]]; then flags+=" --gluon-stages ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ m([0-9]+) ]]; then flags+=" --gluon-min-rows ${BASH_REMATCH[1]}"; fi
@@ -42,6 +42,7 @@ step_flags() {
   if [[ $v =~ w([0-9]+) ]]; then flags+=" --gluon-wide-warps ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ f([0-9]+) ]]; then flags+=" --gluon-fold-from ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ k([0-9]+) ]]; then flags+=" --gluon-programs-per-sm ${BASH_REMATCH[1]}"; fi
+  if [[ $v =~ v([0-9]+) ]]; then flags+=" --gluon-verify-sliver ${BASH_REMATCH[1]}"; fi
   if [[ $v =~ p([0-9]*) ]]; then
     case ${BASH_REMATCH[1]} in
       "") flags+=" --gluon-pdl on" ;; 0) flags+=" --gluon-pdl off" ;;
@@ -78,8 +79,10 @@ done
 # engine's, r0 ptxas' own), wN a verify's launches on N warps (WIDE_WARPS, --gluon-wide-warps N: 8 the engine's, 16
 # 256-row tiles), fN a launch folds an even split's parts in pairs from N rows a program (FOLD_FROM, --gluon-fold-from
 # N: f32 a verify's launches, f0 never: the engine's, no gain measured at 4 an SM), kN a weight's split aimed at N programs an SM at 1 row (PROGRAMS_PER_SM,
-# --gluon-programs-per-sm N: 4 the engine's; k8: faster 1-row launches alone, a slower AR step, 2026-12-07); "engine"
-# the step as the engine loads it (large_q4km_engine)
+# --gluon-programs-per-sm N: 4 the engine's; k8: faster 1-row launches alone, a slower AR step, 2026-12-07), vN a
+# weight whose verify launch spills at most 1/N of a wave past whole waves takes twice the parts, its other launches
+# folding them (VERIFY_SLIVER, --gluon-verify-sliver N: v0 never); "engine" the step as the engine loads it
+# (large_q4km_engine)
 for v in ${STEPS:-}; do
   step_flags "$v"
   section large_q4km_$v ${LARGE_LIMIT:-170} python3 benchmarks/gpu_bench.py large --weights q4_k_m --q4k-decode engine \

@@ -399,13 +399,61 @@ def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None, fmt:
     measured at 1 row on an H100 (2026-12-07, ``quant_gluon.py --bench --q4-1``): qkv 3.3 us in one part against
     3.5 in five, o_proj 3.3 / 3.4, gate_up 5.1 / 4.6; the down 4.2 in 6 or 12 parts; and five parts cost a
     49-row verify five [49, N] fp32 partial sums (gate_up 8.2 us against the dense kernel's 4.5)."""
+    return split_and_fold(n, cols, sms, per_sm, fmt)[0]
+
+
+def split_and_fold(n: int, cols: int, sms: int = 132, per_sm: int | None = None,
+                   fmt: str = "Q4_K") -> tuple[int, bool]:
+    """``split_for``'s split, and whether it is the aim's doubled for a verify's launch (``verify_doubles``), every
+    other launch of the weight then folding its parts in pairs (``OperandWeight.fold_pairs``)."""
     tiles, k_tiles = -(-n // TILE_N), padded_cols(cols) // TILE_K
     if per_sm is None:
         per_sm = Q6_K_PROGRAMS_PER_SM if fmt == "Q6_K" else PROGRAMS_PER_SM
     target = per_sm * sms
     # a part at least two tiles long where K has them (the engine's default_plan's rule: a part's fixed costs)
     splits = [s for s in range(1, max(1, k_tiles // 2) + 1) if k_tiles % s == 0]
-    return min(splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
+    split = min(splits, key=lambda s: (abs(math.log(tiles * s / target)), s))
+    if verify_doubles(n, cols, split, sms, fmt):
+        return 2 * split, True
+    return split, False
+
+
+# A weight whose verify launch (32 rows a program and a tail: 33-48 rows, a verify of budget 32 to 47; 17-32 rows
+# too) would spill past whole waves of its programs by at most 1/VERIFY_SLIVER of a wave takes twice the aim's parts
+# of K (``verify_doubles``), and every other launch of it (an AR step's, a small budget's, a prefill's) takes two
+# parts a program (``FOLD``: the same bits as the verify's unfolded launch, whose last part adds the pairs first,
+# ``PAIRED``), so those launches keep the aim's programs. The 27B's gate_up: 272 128-row tiles on 264 places (two
+# 8-warp programs an SM), 8 programs in a second wave; in 2 parts its verify launch took 76.7 us in the step against
+# 84.7 in 1 (H100, 2026-12-07, twenty-first session: the step's graphs at 8 programs an SM, where every weight took
+# more parts; its 1-row launch, unfolded there, 46.3 against 43.6). None: never
+VERIFY_SLIVER: int | None = None
+
+
+def verify_doubles(n: int, cols: int, split: int, sms: int, fmt: str = "Q4_K") -> bool:
+    """Whether a weight [n, cols] of format ``fmt`` at the aim's ``split`` takes twice the parts
+    (``VERIFY_SLIVER``): a ``FOLD_FORMATS`` weight whose doubled parts are still whole runs of at least two tiles,
+    and whose verify launch (``_verify_warps``) at ``split`` has more programs than a wave of them on ``sms`` SMs
+    with at most 1/``VERIFY_SLIVER`` of a wave past whole waves."""
+    k_tiles = padded_cols(cols) // TILE_K
+    if VERIFY_SLIVER is None or fmt not in FOLD_FORMATS or k_tiles % (2 * split) or k_tiles // (2 * split) < 2:
+        return False
+    n_pad = padded_rows(n)
+    warps = _verify_warps(n_pad, split, sms)
+    programs, wave = n_pad // (16 * warps) * split, 16 // warps * sms
+    past = programs % wave
+    return programs > wave and 0 < past * VERIFY_SLIVER <= wave
+
+
+def _verify_warps(n_pad: int, split: int, sms: int) -> int:
+    """The warps of a launch of 32 rows a program (a verify's) of a weight of ``n_pad`` padded rows in ``split``
+    parts: ``_warps``' choice."""
+    return _warps(32, n_pad, None, wide=wide_warps(32, 0, n_pad, split, sms))
+
+
+def verify_launch(rows: int) -> bool:
+    """Whether a launch of ``rows`` takes 32 rows a program (17-48 rows, with ``TAILS``: a verify of budget 16 to
+    47), the launch ``VERIFY_SLIVER`` doubles a weight's parts for."""
+    return _rows_a_program(rows)[0] == 32
 
 
 # --- the engine's use: a QuantLinear's weight held as planes -------------------------------------------------
@@ -424,6 +472,15 @@ class OperandWeight:
     cols: int
     split: int
     dtypes: tuple[torch.dtype, ...]  # each plane's (a module holds float ones as integers: ``.to(dtype)`` casts)
+    fold_pairs: bool = False  # the split doubled for a verify (``VERIFY_SLIVER``): other launches fold its pairs
+
+    def fold(self, rows: int) -> bool | None:
+        """A launch of ``rows``' ``fold``: with ``fold_pairs`` its pairs of parts folded but in a verify's launch
+        (``verify_launch``), which takes them unfolded; else None (``folds``' rule). Shared-memory stages
+        (``STAGES``, an option) do not fold."""
+        if not self.fold_pairs or (STAGES or 0) > 1:
+            return None
+        return not verify_launch(rows)
 
     def product(self, x: Tensor, planes: tuple[Tensor, ...]) -> Tensor:
         """``x @ W^T`` [..., n] for bf16 rows on the planes' GPU, any count (blocks of 64). Up to ``linear.MAX_ROWS``
@@ -433,13 +490,14 @@ class OperandWeight:
         x2 = x.reshape(-1, self.cols)
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.n)
-        split = self.split if x2.shape[0] <= rows_linear.MAX_ROWS else 1
+        whole = x2.shape[0] > rows_linear.MAX_ROWS
+        split, fold = (1, None) if whole else (self.split, self.fold(x2.shape[0]))
         if self.fmt == "Q6_K":
-            out = linear_q6_k(x2, planes, self.n, self.cols, split)
+            out = linear_q6_k(x2, planes, self.n, self.cols, split, fold=fold)
         elif self.fmt == "Q4_1":
-            out = linear_q4_1(x2, planes, self.n, self.cols, split)
+            out = linear_q4_1(x2, planes, self.n, self.cols, split, fold=fold)
         else:
-            out = linear(x2, *planes, self.n, self.cols, split, pairs=True)
+            out = linear(x2, *planes, self.n, self.cols, split, pairs=True, fold=fold)
         return out.view(*x.shape[:-1], self.n)
 
     def rows(self, planes: tuple[Tensor, ...], lo: int, hi: int) -> tuple[OperandWeight, tuple[Tensor, ...]] | None:
@@ -490,8 +548,8 @@ def operand_planes(held: Tensor, fmt: quant.BlockFormat, cols: int) -> tuple[Ope
     Q4_1's columns to whole 128-column tiles, its d and m as bf16)."""
     repacked = {"Q6_K": repack_q6_k, "Q4_1": repack_q4_1}.get(fmt.name)
     planes = repacked(held, cols) if repacked else repack(held, cols, pairs=True)
-    split = split_for(held.shape[0], cols, _sms(held.device), fmt=fmt.name)
-    operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes))
+    split, fold_pairs = split_and_fold(held.shape[0], cols, _sms(held.device), fmt=fmt.name)
+    operand = OperandWeight(fmt.name, held.shape[0], cols, split, tuple(p.dtype for p in planes), fold_pairs)
     return operand, planes
 
 

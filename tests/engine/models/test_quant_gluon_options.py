@@ -233,6 +233,69 @@ def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the
                                 None, True, STAGES=stages)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
+def test_on_the_gpu_a_weight_split_for_the_verify_keeps_a_rows_bits_folded_and_unfolded():
+    """A weight whose split ``VERIFY_SLIVER`` doubled (``OperandWeight.fold_pairs``): its AR step's and prefill's
+    launches fold the pairs, its verify's do not, and a row's bits are the same in each (a lone row's, the first of
+    a verify's 33, of 40 and of 100); Q4_K's pairs and Q4_1, one-hot rows reading each weight back at 1 row."""
+    from tests.engine.models.test_quant_gluon import _q41_blocks
+
+    cols1 = 1536
+    q4k = quant_gluon.repack(_blocks(seed=21, n=N2).cuda(), K, True)
+    q41 = quant_gluon.repack_q4_1(_q41_blocks(seed=22, n=N2, cols=cols1).cuda(), cols1)
+    weights = [(quant_gluon.OperandWeight("Q4_K", N2, K, 4, (), True), q4k,
+                quant_gluon.reference(*q4k, N2, K, True).to(torch.bfloat16)),
+               (quant_gluon.OperandWeight("Q4_1", N2, cols1, 6, (), True), q41,
+                quant_gluon.reference_q4_1(*q41, N2, cols1))]
+    for operand, planes, weight in weights:
+        assert [operand.fold(m) for m in (1, 8, 33, 40, 100)] == [True, True, False, False, True]
+        x = torch.randn(ROWS, operand.cols, device="cuda", dtype=torch.bfloat16)
+        lone = operand.product(x[:1], planes)
+        for rows in (8, 33, 40, ROWS):
+            assert torch.equal(operand.product(x[:rows], planes)[:1], lone), (operand.fmt, rows)
+        eye = torch.eye(operand.cols, device="cuda", dtype=torch.bfloat16)
+        for c in range(0, operand.cols, 97):  # (1 row a launch: the folded AR launch reads the weight back)
+            assert torch.equal(operand.product(eye[c:c + 1], planes)[0], weight[:, c]), (operand.fmt, c)
+
+
+def test_a_weight_whose_verify_launch_spills_a_sliver_past_its_waves_takes_twice_the_parts(monkeypatch):
+    """``VERIFY_SLIVER`` (None, the engine's: never; 8 here): ``split_and_fold`` doubles the aim's split of a Q4_K or
+    Q4_1 weight whose verify launch (128-row tiles, two programs an SM) is more than a wave with at most an eighth
+    of a wave past whole waves: the 27B's gate_up (272 tiles in 1 part on 264 places: 8 past) takes 2, folded;
+    its GDN in_proj (129 tiles in 2: one wave), the down (40 in 8: 56 past), o_proj (40 in 6) and every Q6_K keep
+    theirs, as does a weight whose doubled parts would be shorter than two tiles. ``OperandWeight.product`` folds
+    the pairs in every launch but a verify's (17-48 rows) and passes the kernel the weight's split; a shared-memory
+    stage (``STAGES``) leaves ``folds``' rule."""
+    shapes = [(34816, 5120), (16480, 5120), (5120, 17408), (5120, 6144), (34816, 256)]
+    assert quant_gluon.VERIFY_SLIVER is None
+    assert [quant_gluon.split_and_fold(*shape) for shape in shapes] == [(1, False), (2, False), (8, False),
+                                                                        (6, False), (1, False)]
+    monkeypatch.setattr(quant_gluon, "VERIFY_SLIVER", 8)
+    assert [quant_gluon.split_and_fold(*shape) for shape in shapes] == [(2, True), (2, False), (8, False),
+                                                                        (6, False), (1, False)]
+    assert quant_gluon.split_for(34816, 5120) == 2 and quant_gluon.split_and_fold(34816, 5120, fmt="Q6_K") == (1, False)
+    assert quant_gluon.split_and_fold(34816, 5120, fmt="Q4_1") == (2, True)
+    assert quant_gluon.verify_doubles(34816, 5120, 1, 132) and not quant_gluon.verify_doubles(34816, 5120, 1, 136)
+    monkeypatch.setattr(quant_gluon, "VERIFY_SLIVER", 64)  # (8 past 264 is more than a 64th)
+    assert quant_gluon.split_and_fold(34816, 5120) == (1, False)
+
+    kernel = _Launches()
+    monkeypatch.setattr(quant_gluon.kernels, "_gluon_kernel", kernel)
+    monkeypatch.setattr(quant_gluon.fused, "quant_decode", lambda: "gluon")
+    n, cols = 34816, 1536  # (K: 12 tiles; 544 64-row tiles, 272 of 128 rows)
+    operand = quant_gluon.OperandWeight("Q4_K", n, cols, 4, (), True)
+    planes = (torch.zeros(1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32))
+    for m in (1, 33, 100):
+        operand.product(torch.zeros(m, cols, dtype=torch.bfloat16), planes)
+    assert [(grid, kw["FOLD"], kw["PAIRED"]) for grid, kw, _ in kernel.seen] == [
+        ((544, 2, 1), True, False), ((272, 4, 1), False, True), ((272, 2, 2), True, False)]
+    # (k_tiles, split): a folded program's 6 tiles, two parts of 3; the verify's 4 parts of 3
+    assert [args[-3:-1] for _, _, args in kernel.seen] == [(6, 2), (3, 4), (6, 2)]
+    assert quant_gluon.OperandWeight("Q4_K", n, cols, 4, ()).fold(1) is None
+    monkeypatch.setattr(quant_gluon, "STAGES", 3)
+    assert operand.fold(1) is None
+
+
 def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_theirs(monkeypatch):
     """``wide_warps``: ``WIDE_WARPS`` (8, the engine's; 16: 256-row tiles) for 32 rows a program (17-48 rows) on the
     register path whose wide tiles, times the split, fill the SMs; ``_warps`` then takes it where the padded rows are
