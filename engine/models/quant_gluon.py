@@ -425,7 +425,11 @@ def split_and_fold(n: int, cols: int, sms: int = 132, per_sm: int | None = None,
 # ``PAIRED``), so those launches keep the aim's programs. The 27B's gate_up: 272 128-row tiles on 264 places (two
 # 8-warp programs an SM), 8 programs in a second wave; in 2 parts its verify launch took 76.7 us in the step against
 # 84.7 in 1 (H100, 2026-12-07, twenty-first session: the step's graphs at 8 programs an SM, where every weight took
-# more parts; its 1-row launch, unfolded there, 46.3 against 43.6). None: never
+# more parts; its 1-row launch, unfolded there, 46.3 against 43.6). At 8 (gate_up alone doubled; its folded 1-row
+# launch 80 registers against 72: 6 programs an SM against 7), the 27B Q4_K_M step on an H100, one process each: the
+# verify at 32 16.29 -> 15.81 ms, the AR step 8.474 -> 8.521 ms (+0.6%, its three runs 8.499-8.543 against
+# 8.472-8.477; RESULTS.md). An option until its GPU test has run and the AR step's cost is known across processes:
+# the AR baseline is the fastest plain decoding (``gpu_bench --gluon-verify-sliver 8``). None: never
 VERIFY_SLIVER: int | None = None
 
 
@@ -474,11 +478,13 @@ class OperandWeight:
     dtypes: tuple[torch.dtype, ...]  # each plane's (a module holds float ones as integers: ``.to(dtype)`` casts)
     fold_pairs: bool = False  # the split doubled for a verify (``VERIFY_SLIVER``): other launches fold its pairs
 
-    def fold(self, rows: int) -> bool | None:
-        """A launch of ``rows``' ``fold``: with ``fold_pairs`` its pairs of parts folded but in a verify's launch
-        (``verify_launch``), which takes them unfolded; else None (``folds``' rule). Shared-memory stages
-        (``STAGES``, an option) do not fold."""
-        if not self.fold_pairs or (STAGES or 0) > 1:
+    def fold(self, rows: int, n_pad: int, sms: int = 132) -> bool | None:
+        """A launch of ``rows``' ``fold`` over ``n_pad`` padded rows: with ``fold_pairs`` its pairs of parts folded
+        but in a verify's launch (``verify_launch``), which takes them unfolded; else None (``folds``' rule). A
+        launch through shared-memory stages (``STAGES``, an option; ``few_rows_stages``' few programs: a small
+        weight's) does not fold."""
+        staged = STAGES > 1 if STAGES is not None else few_rows_stages(rows, n_pad, self.cols, self.split, sms) > 1
+        if not self.fold_pairs or staged:
             return None
         return not verify_launch(rows)
 
@@ -491,7 +497,8 @@ class OperandWeight:
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.n)
         whole = x2.shape[0] > rows_linear.MAX_ROWS
-        split, fold = (1, None) if whole else (self.split, self.fold(x2.shape[0]))
+        n_pad = planes[3 if self.fmt == "Q6_K" else 1].shape[0]
+        split, fold = (1, None) if whole else (self.split, self.fold(x2.shape[0], n_pad, _sms(x2.device)))
         if self.fmt == "Q6_K":
             out = linear_q6_k(x2, planes, self.n, self.cols, split, fold=fold)
         elif self.fmt == "Q4_1":

@@ -108,12 +108,12 @@ def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
 
 def test_the_gluon_flags_set_only_what_they_ask_for():
     """``--gluon-*`` (``q4k_decode.settings``): each flag given sets its ``quant_gluon`` setting (``--gluon-tails
-    off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers); a flag not
-    given leaves the engine's."""
+    off`` the power of two, ``16`` 17-24 rows' tails too, ``--gluon-maxnreg 0`` ptxas' own registers,
+    ``--gluon-verify-sliver 0`` never); a flag not given leaves the engine's."""
     def settings(**flags):
         asked = dict(gluon_min_rows=None, gluon_stages=None, gluon_few_rows_stages=None, gluon_staged_rows=None,
                      gluon_pdl=None, gluon_tails=None, gluon_maxnreg=None, gluon_wide_warps=None, gluon_fold_from=None,
-                     gluon_programs_per_sm=None)
+                     gluon_programs_per_sm=None, gluon_verify_sliver=None)
         return load_benchmark("q4k_decode").settings(argparse.Namespace(**(asked | flags)))
 
     assert settings() == {}
@@ -127,6 +127,8 @@ def test_the_gluon_flags_set_only_what_they_ask_for():
     assert settings(gluon_wide_warps=16) == {"WIDE_WARPS": 16}
     assert settings(gluon_fold_from=0) == {"FOLD_FROM": None} and settings(gluon_fold_from=32) == {"FOLD_FROM": 32}
     assert settings(gluon_programs_per_sm=4) == {"PROGRAMS_PER_SM": 4}
+    assert settings(gluon_verify_sliver=0) == {"VERIFY_SLIVER": None}
+    assert settings(gluon_verify_sliver=8) == {"VERIFY_SLIVER": 8}
 
 
 def test_the_summary_puts_each_adaptive_config_against_the_best_fixed_one():

@@ -234,11 +234,16 @@ def test_a_verifys_launch_folds_an_even_split_where_its_folded_programs_fill_the
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or quant_gluon.gluon is None, reason="needs CUDA and Gluon")
-def test_on_the_gpu_a_weight_split_for_the_verify_keeps_a_rows_bits_folded_and_unfolded():
+@pytest.mark.parametrize("stages", [None, 0])
+def test_on_the_gpu_a_weight_split_for_the_verify_keeps_a_rows_bits_folded_and_unfolded(monkeypatch, stages):
     """A weight whose split ``VERIFY_SLIVER`` doubled (``OperandWeight.fold_pairs``): its AR step's and prefill's
-    launches fold the pairs, its verify's do not, and a row's bits are the same in each (a lone row's, the first of
-    a verify's 33, of 40 and of 100); Q4_K's pairs and Q4_1, one-hot rows reading each weight back at 1 row."""
+    launches fold the pairs, its verify's do not (and a small weight's staged AR launch does not), and a row's bits
+    are the same in each (a lone row's, the first of 8, of a verify's 33, of 40 and of 100); Q4_K's pairs and Q4_1,
+    one-hot rows reading each weight back at 1 row. ``STAGES`` 0: every launch on the register path, the AR step's
+    folded too."""
     from tests.engine.models.test_quant_gluon import _q41_blocks
+
+    monkeypatch.setattr(quant_gluon, "STAGES", stages)
 
     cols1 = 1536
     q4k = quant_gluon.repack(_blocks(seed=21, n=N2).cuda(), K, True)
@@ -248,7 +253,9 @@ def test_on_the_gpu_a_weight_split_for_the_verify_keeps_a_rows_bits_folded_and_u
                (quant_gluon.OperandWeight("Q4_1", N2, cols1, 6, (), True), q41,
                 quant_gluon.reference_q4_1(*q41, N2, cols1))]
     for operand, planes, weight in weights:
-        assert [operand.fold(m) for m in (1, 8, 33, 40, 100)] == [True, True, False, False, True]
+        assert [operand.fold(m, 34816) for m in (1, 8, 33, 40, 100)] == [True, True, False, False, True]
+        # (228 rows, 4 tiles of 64: fewer programs than SMs, so its 1-row launch takes shared-memory stages, unfolded)
+        assert [operand.fold(m, N2) for m in (1, 33, 100)] == [None if stages is None else True, False, True]
         x = torch.randn(ROWS, operand.cols, device="cuda", dtype=torch.bfloat16)
         lone = operand.product(x[:1], planes)
         for rows in (8, 33, 40, ROWS):
@@ -291,9 +298,10 @@ def test_a_weight_whose_verify_launch_spills_a_sliver_past_its_waves_takes_twice
         ((544, 2, 1), True, False), ((272, 4, 1), False, True), ((272, 2, 2), True, False)]
     # (k_tiles, split): a folded program's 6 tiles, two parts of 3; the verify's 4 parts of 3
     assert [args[-3:-1] for _, _, args in kernel.seen] == [(6, 2), (3, 4), (6, 2)]
-    assert quant_gluon.OperandWeight("Q4_K", n, cols, 4, ()).fold(1) is None
+    assert quant_gluon.OperandWeight("Q4_K", n, cols, 4, ()).fold(1, n) is None
+    assert operand.fold(1, 128) is None  # (2 tiles x 4 parts: fewer programs than SMs, staged)
     monkeypatch.setattr(quant_gluon, "STAGES", 3)
-    assert operand.fold(1) is None
+    assert operand.fold(1, n) is None
 
 
 def test_a_verifys_launch_takes_wide_warps_where_its_rows_are_whole_tiles_of_theirs(monkeypatch):
