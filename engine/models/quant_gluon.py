@@ -378,11 +378,13 @@ def compile_for_hopper(block_m: int = 16, decode: str = "float", x_ahead: bool =
 # (2026-12-07, nineteenth session, ``quant_gluon.py --launches``: gate_up 54.2 -> 39.2 us, GDN in_proj 29.7 -> 21.5,
 # o_proj 14.3 -> 11.3, the down 26.6 -> 21.8 on an H200; the H100's alike), yet the 27B Q4_K_M AR step at 8 was
 # slower on an H100 (8.66 -> 9.01 ms, medians of 6 runs, two processes a tree; its verify at 32 16.35 -> 16.02 with
-# the fold). The reading (twentieth session, the step's graphs at 4 and 8 an SM, ``graphs_versus.py``; not yet tested
-# launch by launch): at 4 a 1-row Q4_K launch holds 4 of the 7 programs an SM takes, so the next launch's programs
-# (PDL) are resident at once, asking for their first tiles; at 8 the launches span 1.0-1.5 waves and those programs
-# find no room until they end (the verify's kernels took 20 us less GPU time, its wall 345 us more). The aim leaves
-# room for the next launch.
+# the fold). The reading (twentieth session, the step's graphs at 4 and 8 an SM, ``graphs_versus.py``): at 4 a 1-row
+# Q4_K launch holds 4 of the 7 programs an SM takes, so the next launch's programs (PDL) are resident at once, asking
+# for their first tiles; at 8 the launches span 1.0-1.5 waves and those programs find no room until they end (the
+# verify's kernels took 20 us less GPU time, its wall 345 us more). Launch by launch, end to end (twenty-first
+# session, ``kernel_timing.end_to_end``), every weight's AR launch was slower at 8 (gate_up 43.6 -> 46.3 us, the GDN
+# in_proj 22.2 -> 23.6, the Q4_K down 24.3 -> 25.8), the verify's gate_up alone faster (84.7 -> 76.7:
+# ``VERIFY_SLIVER``). The aim leaves room for the next launch.
 PROGRAMS_PER_SM = 4
 Q6_K_PROGRAMS_PER_SM = 4  # Q6_K's (its verify launches do not fold, ``FOLD_FORMATS``, and slow in more parts)
 
