@@ -60,10 +60,10 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                          "the 27B's 1-row launches faster alone, its AR step slower, 2026-12-07); it sets the "
                          "weight's split for every launch, so its bits")
     ap.add_argument("--gluon-verify-sliver", type=int, choices=[0, 4, 8, 16], default=None,
-                    help="--q4k-decode engine or gluon*: a Q4_K or Q4_1 weight whose verify launch (32 rows a program) "
-                         "would spill at most 1/N of a wave past whole waves takes twice split_for's parts, its other "
-                         "launches folding them in pairs (quant_gluon.VERIFY_SLIVER; 0: never); it sets the weight's "
-                         "split, so its bits")
+                    help="--q4k-decode engine: a Q4_K or Q4_1 weight whose verify launch (32 rows a program) would "
+                         "spill at most 1/N of a wave past whole waves takes twice the aim's parts, its other launches "
+                         "folding them in pairs (quant_gluon.VERIFY_SLIVER; 0: never, the engine's); it sets the "
+                         "weight's split, so its bits")
     ap.add_argument("--gluon-pdl", choices=["on", "off"], default=None,
                     help="--q4k-decode engine or gluon*: its launches with programmatic dependent launch or not "
                          "(quant_gluon.PDL: each asks for its weight's tiles as the kernel before it runs; on: the "
@@ -103,6 +103,16 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--gluon-wide-warps 16: a verify's launches on the register path at the engine's own warps, not "
                  f"with --gluon-stages {args.gluon_stages} or --gluon-warps {args.gluon_warps} (every launch then "
                  "takes those)")
+    if args.gluon_verify_sliver:
+        if args.q4k_decode != "engine":
+            ap.error(f"--gluon-verify-sliver {args.gluon_verify_sliver}: the engine's weights fold the doubled "
+                     f"parts (OperandWeight), not --q4k-decode {args.q4k_decode}'s launches")
+        clash = [f for f, bad in (("--gluon-tails off", args.gluon_tails == "off"),
+                                  (f"--gluon-stages {args.gluon_stages}", (args.gluon_stages or 0) > 1),
+                                  ("--gluon-maxnreg 0", args.gluon_maxnreg == 0)) if bad]
+        if clash:
+            ap.error(f"--gluon-verify-sliver {args.gluon_verify_sliver} with {clash[0]}: its rule counts a verify's "
+                     "launch as 32 rows and a tail at two programs an SM on the register path")
     if args.gluon_maxnreg is not None and args.gluon_tails == "off":
         ap.error(f"--gluon-maxnreg {args.gluon_maxnreg}: it caps a tail's launch, and --gluon-tails off takes none")
     for flag in ("gluon_stages", "gluon_few_rows_stages"):

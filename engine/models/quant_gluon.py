@@ -392,7 +392,8 @@ Q6_K_PROGRAMS_PER_SM = 4  # Q6_K's (its verify launches do not fold, ``FOLD_FORM
 def split_for(n: int, cols: int, sms: int = 132, per_sm: int | None = None, fmt: str = "Q4_K") -> int:
     """Parts of K (whole 128-column tiles: a divisor of K's tiles, at least two tiles a part where K has them) whose
     4-warp, 1-row launch has the programs nearest, by ratio, ``per_sm`` an SM (by default the format ``fmt``'s
-    aim: ``Q6_K_PROGRAMS_PER_SM`` for Q6_K, else ``PROGRAMS_PER_SM``). One split a weight, whatever a launch's
+    aim: ``Q6_K_PROGRAMS_PER_SM`` for Q6_K, else ``PROGRAMS_PER_SM``), doubled where ``VERIFY_SLIVER`` takes the
+    weight (``split_and_fold``: its other launches then fold the pairs). One split a weight, whatever a launch's
     rows or warps (a row's bits depend on it); a verify's launch may take two of an even split's parts a program
     (``folds``). Measured at 1 row on an H100 (2026-12-06, the 27B's Q4_K weights at every split to 8, 16 rows a
     program): the narrow weights gain to ~4-5 programs an SM (down 36.0 -> 27.5 us from 2.4 to 4.9), the wide
@@ -421,14 +422,16 @@ def split_and_fold(n: int, cols: int, sms: int = 132, per_sm: int | None = None,
 
 
 # A weight whose verify launch (32 rows a program and a tail: 33-48 rows, a verify of budget 32 to 47; 17-32 rows
-# too) would spill past whole waves of its programs by at most 1/VERIFY_SLIVER of a wave takes twice the aim's parts
+# too; two 8-warp programs an SM, as ``MAXNREG`` 128 gives a tail's launch, and ``TAILS``) would spill past whole
+# waves of its programs by at most 1/VERIFY_SLIVER of a wave takes twice the aim's parts
 # of K (``verify_doubles``), and every other launch of it (an AR step's, a small budget's, a prefill's) takes two
 # parts a program (``FOLD``: the same bits as the verify's unfolded launch, whose last part adds the pairs first,
 # ``PAIRED``), so those launches keep the aim's programs. The 27B's gate_up: 272 128-row tiles on 264 places (two
 # 8-warp programs an SM), 8 programs in a second wave; in 2 parts its verify launch took 76.7 us in the step against
 # 84.7 in 1 (H100, 2026-12-07, twenty-first session: the step's graphs at 8 programs an SM, where every weight took
 # more parts; its 1-row launch, unfolded there, 46.3 against 43.6). At 8 (gate_up alone doubled; its folded 1-row
-# launch 80 registers against 72: 6 programs an SM against 7), the 27B Q4_K_M step on an H100, one process each: the
+# launch 80 registers against 72 on Triton 3.6, the lent GPU's: 6 programs an SM against 7; 80 both on Triton 3.9),
+# the 27B Q4_K_M step on an H100, one process each: the
 # verify at 32 16.29 -> 15.81 ms, the AR step 8.474 -> 8.521 ms (+0.6%, its three runs 8.499-8.543 against
 # 8.472-8.477; RESULTS.md). An option until its GPU test has run and the AR step's cost is known across processes:
 # the AR baseline is the fastest plain decoding (``gpu_bench --gluon-verify-sliver 8``). None: never
@@ -485,8 +488,9 @@ class OperandWeight:
         but in a verify's launch (``verify_launch``), which takes them unfolded; else None (``folds``' rule). A
         launch through shared-memory stages (``STAGES``, an option; ``few_rows_stages``' few programs: a small
         weight's) does not fold."""
-        staged = STAGES > 1 if STAGES is not None else few_rows_stages(rows, n_pad, self.cols, self.split, sms) > 1
-        if not self.fold_pairs or staged:
+        if not self.fold_pairs:
+            return None
+        if (STAGES > 1) if STAGES is not None else few_rows_stages(rows, n_pad, self.cols, self.split, sms) > 1:
             return None
         return not verify_launch(rows)
 

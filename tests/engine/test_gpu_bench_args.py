@@ -101,6 +101,15 @@ def test_a_mix_interleaves_its_sets_prompts():
      "--gluon-pdl: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode packed"),
     (["large", "--q4k-decode", "packed", "--gluon-warps", "4"],
      "--gluon-warps: a setting of the Gluon decode, not of --q4k-decode packed"),
+    (["large", "--q4k-decode", "kernel", "--gluon-verify-sliver", "8"],
+     "--gluon-verify-sliver: a setting of the Gluon decode (engine or gluon*), not of --q4k-decode kernel"),
+    (["large", "--q4k-decode", "gluon-pairs", "--gluon-verify-sliver", "8"],
+     "--gluon-verify-sliver 8: the engine's weights fold the doubled parts (OperandWeight), not --q4k-decode "
+     "gluon-pairs's launches"),
+    (["large", "--gluon-verify-sliver", "8", "--gluon-tails", "off"],
+     "--gluon-verify-sliver 8 with --gluon-tails off: its rule counts a verify's launch as 32 rows and a tail"),
+    (["large", "--gluon-verify-sliver", "4", "--gluon-stages", "3"], "--gluon-verify-sliver 4 with --gluon-stages 3"),
+    (["large", "--gluon-verify-sliver", "8", "--gluon-maxnreg", "0"], "--gluon-verify-sliver 8 with --gluon-maxnreg 0"),
 ])
 def test_a_bad_mix_or_oracle_set_exits_2_before_loading(capsys, argv, says):
     assert says in usage_error(capsys, "gpu_bench", argv)

@@ -269,8 +269,9 @@ def test_a_weight_whose_verify_launch_spills_a_sliver_past_its_waves_takes_twice
     """``VERIFY_SLIVER`` (None, the engine's: never; 8 here): ``split_and_fold`` doubles the aim's split of a Q4_K or
     Q4_1 weight whose verify launch (128-row tiles, two programs an SM) is more than a wave with at most an eighth
     of a wave past whole waves: the 27B's gate_up (272 tiles in 1 part on 264 places: 8 past) takes 2, folded;
-    its GDN in_proj (129 tiles in 2: one wave), the down (40 in 8: 56 past), o_proj (40 in 6) and every Q6_K keep
-    theirs, as does a weight whose doubled parts would be shorter than two tiles. ``OperandWeight.product`` folds
+    its GDN in_proj (129 tiles in 2: one wave), o_proj (40 in 6: 240 programs) and every Q6_K keep theirs, as do
+    the down (136 K tiles: 16 parts are not whole runs) and a weight whose doubled parts would be shorter than two
+    tiles; at 1/64 of a wave gate_up's 8 past is too many. ``OperandWeight.product`` folds
     the pairs in every launch but a verify's (17-48 rows) and passes the kernel the weight's split; a shared-memory
     stage (``STAGES``) leaves ``folds``' rule."""
     shapes = [(34816, 5120), (16480, 5120), (5120, 17408), (5120, 6144), (34816, 256)]
