@@ -423,18 +423,18 @@ def split_and_fold(n: int, cols: int, sms: int = 132, per_sm: int | None = None,
 
 # A weight whose verify launch (32 rows a program and a tail: 33-48 rows, a verify of budget 32 to 47; 17-32 rows
 # too; two 8-warp programs an SM, as ``MAXNREG`` 128 gives a tail's launch, and ``TAILS``) would spill past whole
-# waves of its programs by at most 1/VERIFY_SLIVER of a wave takes twice the aim's parts
-# of K (``verify_doubles``), and every other launch of it (an AR step's, a small budget's, a prefill's) takes two
-# parts a program (``FOLD``: the same bits as the verify's unfolded launch, whose last part adds the pairs first,
-# ``PAIRED``), so those launches keep the aim's programs. The 27B's gate_up: 272 128-row tiles on 264 places (two
-# 8-warp programs an SM), 8 programs in a second wave; in 2 parts its verify launch took 76.7 us in the step against
-# 84.7 in 1 (H100, 2026-12-07, twenty-first session: the step's graphs at 8 programs an SM, where every weight took
-# more parts; its 1-row launch, unfolded there, 46.3 against 43.6). At 8 (gate_up alone doubled; its folded 1-row
-# launch 80 registers against 72 on Triton 3.6, the lent GPU's: 6 programs an SM against 7; 80 both on Triton 3.9),
-# the 27B Q4_K_M step on an H100, one process each: the
-# verify at 32 16.29 -> 15.81 ms, the AR step 8.474 -> 8.521 ms (+0.6%, its three runs 8.499-8.543 against
-# 8.472-8.477; RESULTS.md). An option until its GPU test has run and the AR step's cost is known across processes:
-# the AR baseline is the fastest plain decoding (``gpu_bench --gluon-verify-sliver 8``). None: never
+# waves of its programs by at most 1/VERIFY_SLIVER of a wave takes twice the aim's parts of K (``verify_doubles``),
+# and every other launch of it (an AR step's, a small budget's, a prefill's) takes two parts a program (``FOLD``:
+# the same bits as the verify's unfolded launch, whose last part adds the pairs first, ``PAIRED``), so those
+# launches keep the aim's programs. The 27B's gate_up: 272 128-row tiles on 264 places (two 8-warp programs an SM),
+# 8 programs in a second wave; in 2 parts its verify launch took 76.7 us in the step against 84.7 in 1 (H100,
+# 2026-12-07, twenty-first session: the step's graphs at 8 programs an SM, where every weight took more parts; its
+# 1-row launch, unfolded there, 46.3 against 43.6). At 8 (gate_up alone doubled; its folded 1-row launch 80
+# registers against 72 on Triton 3.6, the lent GPU's: 6 programs an SM against 7; 80 both on Triton 3.9), the 27B
+# Q4_K_M step on an H100, one process each: the verify at 32 16.29 -> 15.81 ms, the AR step 8.474 -> 8.521 ms
+# (+0.6%, its three runs 8.499-8.543 against 8.472-8.477; RESULTS.md). An option until its GPU test has run and the
+# AR step's cost is known across processes, the AR baseline being the fastest plain decoding (``gpu_bench
+# --gluon-verify-sliver 8``). None: never
 VERIFY_SLIVER: int | None = None
 
 
